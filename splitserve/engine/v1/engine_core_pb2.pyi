@@ -1,0 +1,234 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class EngineCoreEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_CORE_EVENT_TYPE_UNSPECIFIED: _ClassVar[EngineCoreEventType]
+    ENGINE_CORE_EVENT_TYPE_QUEUED: _ClassVar[EngineCoreEventType]
+    ENGINE_CORE_EVENT_TYPE_SCHEDULED: _ClassVar[EngineCoreEventType]
+    ENGINE_CORE_EVENT_TYPE_PREEMPTED: _ClassVar[EngineCoreEventType]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+ENGINE_CORE_EVENT_TYPE_UNSPECIFIED: EngineCoreEventType
+ENGINE_CORE_EVENT_TYPE_QUEUED: EngineCoreEventType
+ENGINE_CORE_EVENT_TYPE_SCHEDULED: EngineCoreEventType
+ENGINE_CORE_EVENT_TYPE_PREEMPTED: EngineCoreEventType
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "eos_token_id")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    max_tokens: int
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    prompt_logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    eos_token_id: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+
+class MultiModalFeatureSpec(_message.Message):
+    __slots__ = ("modality", "identifier", "offset", "length")
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+    def __init__(self, modality: _Optional[str] = ..., identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class LoRARequest(_message.Message):
+    __slots__ = ("lora_name", "lora_int_id", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_INT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class EngineCoreRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling_params", "arrival_time", "lora_request", "cache_salt", "priority", "trace_headers", "client_index")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MM_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    mm_features: _containers.RepeatedCompositeFieldContainer[MultiModalFeatureSpec]
+    sampling_params: SamplingParams
+    arrival_time: float
+    lora_request: LoRARequest
+    cache_salt: str
+    priority: int
+    trace_headers: _containers.ScalarMap[str, str]
+    client_index: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeatureSpec, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., lora_request: _Optional[_Union[LoRARequest, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_index: _Optional[int] = ...) -> None: ...
+
+class AbortRequests(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineCoreClientMessage(_message.Message):
+    __slots__ = ("add", "abort")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    add: EngineCoreRequest
+    abort: AbortRequests
+    def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ...) -> None: ...
+
+class EngineCoreEvent(_message.Message):
+    __slots__ = ("type", "timestamp")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    type: EngineCoreEventType
+    timestamp: float
+    def __init__(self, type: _Optional[_Union[EngineCoreEventType, str]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class PositionLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "rank")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    rank: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EngineCoreOutput(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "events", "num_cached_tokens", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    new_prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    finish_reason: FinishReason
+    stop_token_id: int
+    stop_str: str
+    events: _containers.RepeatedCompositeFieldContainer[EngineCoreEvent]
+    num_cached_tokens: int
+    error: RequestError
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., new_prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., events: _Optional[_Iterable[_Union[EngineCoreEvent, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("requests", "queries", "hits", "reset")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    queries: int
+    hits: int
+    reset: bool
+    def __init__(self, requests: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "prefix_cache_stats", "num_preemptions")
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_stats: PrefixCacheStats
+    num_preemptions: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class EngineCoreOutputs(_message.Message):
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "finished_requests")
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    outputs: _containers.RepeatedCompositeFieldContainer[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    timestamp: float
+    finished_requests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., finished_requests: _Optional[_Iterable[str]] = ...) -> None: ...
