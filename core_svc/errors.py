@@ -1,0 +1,21 @@
+"""Errors the core raises at its boundary. The gRPC service maps each class to one status code."""
+
+
+class EngineError(Exception):
+    """Base class of every error the core raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the core cannot accept as sent (bad field value). Maps to INVALID_ARGUMENT.
+
+    The message names the offending field, e.g. ``prompt_token_ids[3]: 40001 is outside the vocabulary
+    [0, 32000)``.
+    """
+
+
+class RequestTooLargeError(EngineError):
+    """A request that can never fit in the KV cache, however empty. Maps to RESOURCE_EXHAUSTED."""
+
+
+class ModelLoadError(EngineError):
+    """The checkpoint is missing, corrupt, or uses an architecture or option the core does not support."""

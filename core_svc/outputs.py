@@ -1,0 +1,110 @@
+"""Hand-off structures inside the core: scheduler -> model runner -> scheduler -> engine core -> wire.
+
+Plain dataclasses; ``core_svc.wire`` converts the last ones to protobuf. Field names equal the proto's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from core_svc.kv_cache_manager import PrefixCacheStats
+from core_svc.request import EngineCoreEvent, FinishReason
+from core_svc.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen before."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # its whole block table so far
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the model runner already holds."""
+
+    request_id: str
+    new_block_ids: list[int]  # blocks to append; the whole table when resumed_from_preemption
+    num_computed_tokens: int  # tokens in the KV cache before this step
+    resumed_from_preemption: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work for the model runner."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request_id -> tokens to compute this step
+    total_num_scheduled_tokens: int  # sum of num_scheduled_tokens
+    finished_req_ids: set[str]  # requests finished since the last step: the runner drops their state
+    preempted_req_ids: set[str]  # requests preempted this step: the runner forgets their blocks
+
+
+@dataclass
+class LogprobsLists:
+    """Logprobs of consecutive positions; row i: the chosen token first, then the top-k."""
+
+    logprob_token_ids: list[list[int]]  # [num_positions][1 + num_logprobs]
+    logprobs: list[list[float]]  # [num_positions][1 + num_logprobs], natural log of raw model probabilities
+    ranks: list[int]  # [num_positions], 1-based rank of the chosen token in the vocabulary
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(self.logprob_token_ids[start:end], self.logprobs[start:end], self.ranks[start:end])
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced."""
+
+    sampled_token_ids: dict[str, list[int]]  # request_id -> tokens sampled this step ([] mid-prefill)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # request_id -> one row per sampled token
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # request_id -> rows for prompt
+    # tokens 1..num_prompt_tokens-1, given once, in the step that completes the prefill
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # stop token id (or stop string, set by the frontend)
+    events: list[EngineCoreEvent] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: tuple[int, str] | None = None  # (grpc status code value, message) with finish_reason ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_preemptions: int = 0  # since the last stats
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one step produced."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    finished_requests: set[str] = field(default_factory=set)  # ids finished since the last outputs
+    engine_index: int = 0
+    timestamp: float = field(default_factory=time.monotonic)

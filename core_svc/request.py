@@ -1,0 +1,136 @@
+"""A request inside the core: its tokens, progress and status (vLLM ``vllm/v1/request.py``)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from core_svc.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status after PREEMPTED is finished."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; values equal the wire enum ``splitserve.engine.v1.FinishReason``."""
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """Values equal the wire enum ``splitserve.engine.v1.EngineCoreEventType``."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+@dataclass
+class EngineCoreEvent:
+    type: EngineCoreEventType
+    timestamp: float  # time.monotonic() seconds
+
+
+@dataclass(frozen=True)
+class MultiModalFeature:
+    """Where a multimodal item sits in the prompt; only its identity matters to the KV cache."""
+
+    modality: str
+    identifier: str  # content hash of the item
+    offset: int  # index of its first placeholder token in the prompt
+    length: int  # number of placeholder tokens
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence the core generates for. ``num_computed_tokens`` counts tokens whose KV is in the cache
+    (or is being computed this step); ``num_tokens`` counts prompt plus output tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
+    priority: int = 0  # lower is served first under the priority policy
+    client_index: int = 0
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first scheduling; -1 = not yet
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
+    events: list[EngineCoreEvent] = field(default_factory=list)  # drained into each output
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.record_event(EngineCoreEventType.QUEUED)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        # Prompt logprobs need every prompt position computed (vLLM does the same).
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.monotonic()))
+
+    def take_events(self) -> list[EngineCoreEvent]:
+        events, self.events = self.events, []
+        return events

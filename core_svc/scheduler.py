@@ -1,0 +1,282 @@
+"""Continuous-batching scheduler with one token-budget model (vLLM v1 ``Scheduler``).
+
+Every request has ``num_computed_tokens`` and ``num_tokens``; each step hands out
+``{request_id: num_scheduled_tokens}`` under ``max_num_batched_tokens``, so prefill, chunked prefill and
+decode are the same case. Running requests are served first; when the KV cache is full the scheduler
+preempts by recompute (FCFS: the last running request; priority: the lowest priority, latest arrival).
+Waiting requests are admitted only in steps that preempted nothing. No torch, no grpc.
+"""
+
+from __future__ import annotations
+
+from core_svc.config import SchedulerConfig
+from core_svc.kv_cache_manager import KVCacheManager
+from core_svc.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from core_svc.request import EngineCoreEventType, Request, RequestStatus
+from core_svc.request_queue import create_request_queue
+
+
+class Scheduler:
+    """Decides which requests run each step and how many tokens each computes, then folds the sampled tokens
+    back into the requests and decides which finished.
+
+    Contract: ``schedule()`` then ``update_from_output(scheduler_output, model_runner_output)``, strictly
+    alternating. ``finish_requests`` may be called between steps.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request by id
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # finished since the last schedule(), for the model runner
+        self.finished_since_last_output: set[str] = set()  # finished since the last EngineCoreOutputs
+        self.num_preemptions = 0  # since the last stats
+
+    # --- requests in and out -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: str | list[str] | set[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the step (aborts). Idempotent; unknown or finished ids are ignored.
+
+        Returns the requests that were finished by this call.
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status!r} is not a finished status")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        finished = [self.requests[i] for i in ids if i in self.requests]
+        running, waiting = set(), set()
+        for request in finished:
+            (running if request.status == RequestStatus.RUNNING else waiting).add(request)
+        if running:
+            self.running = [r for r in self.running if r not in running]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for request in finished:
+            request.status = status
+            self._free_request(request)
+        return finished
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # --- one step ------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; allocate their KV slots."""
+        token_budget = self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+                victim = self._pick_preemption_victim()
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim in scheduled_running:  # refund what it was given this step
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_block_ids[victim.request_id]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek_request()
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
+                break  # no skipping ahead: FCFS order holds
+            num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop_request()
+            self.running.append(request)
+            (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            request.record_event(EngineCoreEventType.SCHEDULED)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    request_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    sampling_params=r.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in scheduled_new
+            ],
+            scheduled_cached_reqs=[
+                CachedRequestData(r.request_id, new_block_ids[r.request_id], r.num_computed_tokens, False)
+                for r in scheduled_running
+            ]
+            + [
+                CachedRequestData(
+                    r.request_id, self.kv_cache_manager.get_block_ids(r.request_id), r.num_computed_tokens, True
+                )
+                for r in scheduled_resumed
+            ],
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        # Optimistically count this step's tokens as computed, as vLLM's _update_after_schedule.
+        for request_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return scheduler_output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, apply stop checks, free finished requests, and build this step's outputs."""
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[Request] = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            new_token_ids = model_runner_output.sampled_token_ids.get(request_id, [])
+            kept: list[int] = []
+            for token_id in new_token_ids:
+                request.append_output_token_id(token_id)
+                kept.append(token_id)
+                if self._check_stop(request):
+                    stopped.add(request)
+                    break
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
+            if not kept and prompt_logprobs is None:
+                continue  # mid-prefill: nothing to report
+            logprobs = model_runner_output.logprobs.get(request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=kept,
+                    new_logprobs=logprobs.slice(0, len(kept)) if logprobs is not None else None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    events=request.take_events(),
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        if stopped:
+            self.running = [r for r in self.running if r not in stopped]
+            for request in stopped:
+                self._free_request(request)
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), finished_requests=self.take_finished_requests()
+        )
+
+    def take_finished_requests(self) -> set[str]:
+        """Ids finished (any reason, aborts included) since the last call."""
+        finished, self.finished_since_last_output = self.finished_since_last_output, set()
+        return finished
+
+    def make_stats(self) -> SchedulerStats:
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=self.kv_cache_manager.make_prefix_cache_stats(),
+            num_preemptions=self.num_preemptions,
+        )
+        self.num_preemptions = 0
+        return stats
+
+    # --- helpers -------------------------------------------------------------------------------------------
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        """Tokens to compute for ``request`` this step: what it lacks, capped by the long-prefill threshold, the
+        budget, and max_model_len (leaving room for the token this step samples)."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return max(0, min(num_new_tokens, token_budget, self.config.max_model_len - 1 - num_computed_tokens))
+
+    def _pick_preemption_victim(self) -> Request:
+        """FCFS: the last running request; priority: the lowest priority (largest value), latest arrival."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV blocks (cached content stays reusable) and requeue first."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _check_stop(self, request: Request) -> bool:
+        """Stop checks after one appended token, in vLLM's order: EOS (unless ignore_eos), stop token ids (both
+        only once min_tokens outputs exist), then length (max_tokens or max_model_len). Sets the status."""
+        params = request.sampling_params
+        last_token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last_token_id == params.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+        if request.num_tokens >= self.config.max_model_len or request.num_output_tokens >= params.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        self.finished_since_last_output.add(request.request_id)

@@ -1,0 +1,201 @@
+"""Scheduler with fake model output (vLLM test_scheduler cases, re-expressed)."""
+
+import pytest
+
+from core_svc.request import EngineCoreEventType, FinishReason, RequestStatus
+from tests.factories import EOS_TOKEN_ID, fake_model_output, make_request, make_scheduler, run_step
+
+
+def test_all_requests_scheduled_in_one_step_in_order():
+    scheduler = make_scheduler()
+    requests = [make_request(str(i), num_tokens=10 + i) for i in range(10)]
+    for r in requests:
+        scheduler.add_request(r)
+    output = scheduler.schedule()
+    assert [d.request_id for d in output.scheduled_new_reqs] == [str(i) for i in range(10)]
+    assert output.num_scheduled_tokens == {str(i): 10 + i for i in range(10)}
+    assert output.total_num_scheduled_tokens == sum(10 + i for i in range(10))
+    assert scheduler.running == requests and len(scheduler.waiting) == 0
+    assert all(r.status == RequestStatus.RUNNING for r in requests)
+    # The runner gets each request's blocks: ceil(tokens / 16).
+    assert [len(d.block_ids) for d in output.scheduled_new_reqs] == [1] * 7 + [2] * 3
+
+
+def test_long_prefill_threshold_chunks_and_interleaves_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
+    for i in range(3):
+        scheduler.add_request(make_request(str(i), num_tokens=800))
+    steps = []
+    for _ in range(3):
+        output, _ = run_step(scheduler)
+        steps.append([output.num_scheduled_tokens[str(i)] for i in range(3)])
+    assert steps == [[400, 400, 224], [400, 400, 224], [1, 1, 352]]
+
+
+def test_chunked_prefill_off_does_not_skip_ahead():
+    scheduler = make_scheduler(max_num_batched_tokens=1024, max_model_len=1024, enable_chunked_prefill=False)
+    for i, n in enumerate([800, 800, 10, 10]):
+        scheduler.add_request(make_request(str(i), num_tokens=n))
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"0": 800}
+
+
+def test_chunked_prefill_samples_only_after_the_last_chunk():
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    scheduler.add_request(make_request("0", num_tokens=150))
+    chunks = []
+    while True:
+        output, engine_outputs = run_step(scheduler)
+        chunks.append(output.num_scheduled_tokens["0"])
+        if engine_outputs.outputs:
+            break
+    assert chunks == [64, 64, 22]
+    assert engine_outputs.outputs[0].new_token_ids == [100]
+
+
+@pytest.mark.parametrize(
+    ("params", "sampled", "status", "num_outputs", "stop_reason"),
+    [
+        ({}, [5, EOS_TOKEN_ID], RequestStatus.FINISHED_STOPPED, 2, None),
+        ({"stop_token_ids": [42]}, [5, 42], RequestStatus.FINISHED_STOPPED, 2, 42),
+        ({"max_tokens": 2}, [5, 6, 7], RequestStatus.FINISHED_LENGTH_CAPPED, 2, None),
+        (
+            {"ignore_eos": True, "max_tokens": 3},
+            [EOS_TOKEN_ID, EOS_TOKEN_ID, 9],
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            3,
+            None,
+        ),
+        # min_tokens: EOS and stop ids before the fifth output are not honoured
+        (
+            {"min_tokens": 5, "stop_token_ids": [42]},
+            [EOS_TOKEN_ID, 42, 7, 8, EOS_TOKEN_ID],
+            RequestStatus.FINISHED_STOPPED,
+            5,
+            None,
+        ),
+        ({"min_tokens": 3, "stop_token_ids": [42]}, [42, 1, 42], RequestStatus.FINISHED_STOPPED, 3, 42),
+    ],
+)
+def test_stop_checks(params, sampled, status, num_outputs, stop_reason):
+    scheduler = make_scheduler()
+    request = make_request("0", num_tokens=8, **params)
+    scheduler.add_request(request)
+    finish_reason = None
+    for token in sampled:
+        _, outputs = run_step(scheduler, {"0": token})
+        if outputs.outputs and outputs.outputs[0].finished:
+            finish_reason = outputs.outputs[0].finish_reason
+            break
+    assert request.status == status
+    assert request.num_output_tokens == num_outputs
+    assert request.output_token_ids == sampled[:num_outputs]
+    assert request.stop_reason == stop_reason
+    assert finish_reason == status.finish_reason
+    assert "0" not in scheduler.requests and scheduler.kv_cache_manager.num_free_blocks == 9999
+
+
+def test_max_model_len_caps_generation():
+    scheduler = make_scheduler(max_model_len=12)
+    request = make_request("0", num_tokens=10, max_tokens=100)
+    scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert request.num_tokens == 12 and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_preemption_picks_the_last_running_request():
+    # 10 usable blocks; two 80-token prompts take 5 blocks each. The first decode needs a sixth block.
+    scheduler = make_scheduler(num_blocks=11, enable_caching=False)
+    first, second = make_request("0", num_tokens=80), make_request("1", num_tokens=80)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output, _ = run_step(scheduler)
+    assert output.num_scheduled_tokens == {"0": 80, "1": 80}
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+
+    output = scheduler.schedule()
+    assert output.preempted_req_ids == {"1"}
+    assert output.num_scheduled_tokens == {"0": 1}
+    assert second.status == RequestStatus.PREEMPTED and second.num_computed_tokens == 0
+    assert second.output_token_ids == [100]  # kept: recompute covers prompt + outputs
+    assert second.num_preemptions == 1 and second.events[-1].type == EngineCoreEventType.PREEMPTED
+    assert scheduler.waiting.peek_request() is second and scheduler.running == [first]
+    outputs = scheduler.update_from_output(output, fake_model_output(scheduler, output))
+    assert outputs.scheduler_stats.num_preemptions == 1
+
+    # When the first finishes, the second is resumed with its whole block table and all its tokens.
+    scheduler.finish_requests("0", RequestStatus.FINISHED_ABORTED)
+    output = scheduler.schedule()
+    resumed = output.scheduled_cached_reqs
+    assert [(r.request_id, r.resumed_from_preemption) for r in resumed] == [("1", True)]
+    assert output.num_scheduled_tokens == {"1": 81} and len(resumed[0].new_block_ids) == 6
+
+
+def test_priority_order_and_tie_break_by_arrival():
+    scheduler = make_scheduler(max_num_seqs=1, policy="priority")
+    for i, priority in enumerate([3, 2, 0]):
+        scheduler.add_request(make_request(str(i), priority=priority))
+    output = scheduler.schedule()
+    assert list(output.num_scheduled_tokens) == ["2"]
+    assert [r.priority for r in scheduler.waiting] == [2, 3]
+
+    scheduler = make_scheduler(max_num_seqs=1, policy="priority")
+    scheduler.add_request(make_request("late", priority=1, arrival_time=20.0))
+    scheduler.add_request(make_request("early", priority=1, arrival_time=10.0))
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["early"]
+
+
+def test_priority_preemption_evicts_lowest_priority_latest_arrival():
+    # 6 usable blocks; three 32-token requests take 2 blocks each. Decoding needs more blocks.
+    scheduler = make_scheduler(num_blocks=7, policy="priority", enable_caching=False)
+    scheduler.add_request(make_request("urgent", num_tokens=32, priority=0, arrival_time=3.0))
+    scheduler.add_request(make_request("old-low", num_tokens=32, priority=5, arrival_time=1.0))
+    scheduler.add_request(make_request("new-low", num_tokens=32, priority=5, arrival_time=2.0))
+    output, _ = run_step(scheduler)
+    assert set(output.num_scheduled_tokens) == {"urgent", "old-low", "new-low"}
+    output = scheduler.schedule()
+    assert output.preempted_req_ids == {"new-low"}
+    assert output.num_scheduled_tokens == {"urgent": 1, "old-low": 1}
+
+
+def test_no_admission_in_a_step_that_preempted():
+    scheduler = make_scheduler(num_blocks=11, enable_caching=False)
+    scheduler.add_request(make_request("0", num_tokens=80))
+    scheduler.add_request(make_request("1", num_tokens=80))
+    run_step(scheduler)
+    scheduler.add_request(make_request("small", num_tokens=4))
+    output = scheduler.schedule()
+    assert output.preempted_req_ids == {"1"}
+    assert "small" not in output.num_scheduled_tokens
+
+
+def test_finish_requests_is_idempotent_and_frees_blocks():
+    scheduler = make_scheduler(num_blocks=101)
+    running, waiting = make_request("run", num_tokens=40), make_request("wait", num_tokens=40)
+    scheduler.add_request(running)
+    run_step(scheduler)
+    scheduler.add_request(waiting)
+    assert scheduler.kv_cache_manager.num_free_blocks < 100
+    finished = scheduler.finish_requests(["run", "wait", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert {r.request_id for r in finished} == {"run", "wait"}
+    assert running.status.finish_reason == FinishReason.ABORT
+    assert scheduler.finish_requests(["run"], RequestStatus.FINISHED_ABORTED) == []
+    assert scheduler.kv_cache_manager.num_free_blocks == 100
+    assert not scheduler.has_unfinished_requests()
+    output = scheduler.schedule()
+    assert output.finished_req_ids == {"run", "wait"} and output.total_num_scheduled_tokens == 0
+    assert scheduler.take_finished_requests() == {"run", "wait"}
+
+
+def test_prefix_hit_is_reported_as_cached_tokens():
+    scheduler = make_scheduler()
+    shared = list(range(1, 65))
+    scheduler.add_request(make_request("a", prompt_token_ids=shared + [7, 8]))
+    run_step(scheduler)
+    scheduler.add_request(make_request("b", prompt_token_ids=shared + [9]))
+    output, outputs = run_step(scheduler)
+    assert output.num_scheduled_tokens["b"] == 1
+    b_out = next(o for o in outputs.outputs if o.request_id == "b")
+    assert b_out.num_cached_tokens == 64
+    assert outputs.scheduler_stats.prefix_cache_stats.hits == 64
