@@ -1,0 +1,176 @@
+"""The engine core: plain Python, no grpc. Owns the scheduler, the KV cache manager and the model runner.
+
+A step reads: schedule -> execute the model -> update requests from its output -> return outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
+from core_svc.errors import InvalidRequestError, RequestTooLargeError
+from core_svc.kv_cache_manager import KVCacheManager, cdiv
+from core_svc.model_loader import LoadedModel, load_model, resolve_model_path
+from core_svc.model_runner import ModelRunner
+from core_svc.outputs import EngineCoreOutputs
+from core_svc.request import Request, RequestStatus
+from core_svc.scheduler import Scheduler
+from kernels import get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a frontend needs to know about this core (``GetEngineInfo``)."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int  # including the null block
+    kv_cache_tokens: int  # usable blocks x block_size
+    dtype: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    supports_lora: bool
+
+
+class EngineCore:
+    """Loads the model, sizes the KV cache, and runs steps.
+
+    Raises:
+        ModelLoadError: from the constructor, when the checkpoint cannot be served.
+        ValueError: from the constructor, when max_model_len exceeds the model's, or the KV budget holds no block.
+    """
+
+    def __init__(self, config: CoreConfig) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model_path = resolve_model_path(config.model)
+        loaded = load_model(self.model_path, dtype, device, get_attention_backend("torch_ref"))
+        self.max_model_len = _resolve_max_model_len(config, loaded)
+        self.vocab_size = loaded.arch.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        self.dtype = next(loaded.model.parameters()).dtype
+        self.num_kv_blocks = self._num_kv_blocks(loaded)
+        self.model_runner = ModelRunner(loaded, self.num_kv_blocks, config.block_size, config.seed)
+        kv_cache_manager = KVCacheManager(
+            self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(SchedulerConfig.from_core_config(config, self.max_model_len), kv_cache_manager)
+        info = self.get_engine_info()
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %s); max_model_len %d",
+            info.num_kv_blocks - 1,
+            info.block_size,
+            info.kv_cache_tokens,
+            self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size / 2**30,
+            info.dtype,
+            info.max_model_len,
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request.
+
+        Raises:
+            InvalidRequestError: empty prompt, prompt that leaves no room for one output token, token id outside
+                the vocabulary, bad sampling parameter, or a request id already in use.
+            RequestTooLargeError: the request could never fit in the KV cache.
+        """
+        self._validate(request)
+        if request.sampling_params.eos_token_id is None and self.eos_token_ids:
+            request.sampling_params.eos_token_id = self.eos_token_ids[0]
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish requests as aborted and free their blocks. Unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one engine step and return what it produced (empty outputs when idle)."""
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(finished_requests=self.scheduler.take_finished_requests())
+        scheduler_output = self.scheduler.schedule()
+        model_runner_output = self.model_runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all prefix-cache entries. Returns False while any request holds KV blocks."""
+        return self.scheduler.reset_prefix_cache()
+
+    def get_engine_info(self) -> EngineInfo:
+        return EngineInfo(
+            model=self.config.model,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_tokens=(self.num_kv_blocks - 1) * self.config.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            supports_lora=False,
+        )
+
+    def _num_kv_blocks(self, loaded: LoadedModel) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        bytes_per_block = loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
+        budget_gib = config.kv_cache_memory_gib or DEFAULT_KV_CACHE_MEMORY_GIB
+        num_blocks = int(budget_gib * 2**30 // bytes_per_block)
+        if config.kv_cache_memory_gib is None:
+            # The default budget is only a ceiling: never more than max_num_seqs full sequences need.
+            num_blocks = min(num_blocks, config.max_num_seqs * cdiv(self.max_model_len, config.block_size) + 1)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_gib={budget_gib} holds no KV block of {bytes_per_block} bytes")
+        return num_blocks
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids is empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt_token_ids has {len(prompt)} tokens, which leaves no room for an output token within "
+                f"max_model_len={self.max_model_len}"
+            )
+        for i, token_id in enumerate(prompt):
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt_token_ids[{i}]: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        request.sampling_params.validate(self.vocab_size)
+        max_len = min(len(prompt) + request.sampling_params.max_tokens, self.max_model_len)
+        num_usable_blocks = self.num_kv_blocks - 1
+        if cdiv(max_len, self.config.block_size) > num_usable_blocks:
+            raise RequestTooLargeError(
+                f"request needs up to {max_len} tokens of KV cache (prompt {len(prompt)} + max_tokens "
+                f"{request.sampling_params.max_tokens}), more than the whole cache holds "
+                f"({num_usable_blocks * self.config.block_size} tokens)"
+            )
+
+
+def _resolve_max_model_len(config: CoreConfig, loaded: LoadedModel) -> int:
+    model_max = loaded.arch.max_position_embeddings
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings {model_max}"
+        )
+    return config.max_model_len

@@ -1,0 +1,180 @@
+"""Find a checkpoint, read its config with transformers, and load its safetensors weights into our model.
+
+Accepts a local Hugging Face folder (config.json, model.safetensors or sharded model-*.safetensors with
+model.safetensors.index.json, generation_config.json) or a hub id, fetched with huggingface_hub when the
+machine is online.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core_svc.errors import ModelLoadError
+from core_svc.models.arch import ModelArchConfig
+from core_svc.models.layers import RotaryEmbedding
+from core_svc.models.llama import LlamaForCausalLM
+from kernels import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    path: Path
+    eos_token_ids: list[int]  # generation_config's EOS ids first, else config.json's; may be empty
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder as is; otherwise a hub id downloaded (config, weights, tokenizer) with huggingface_hub.
+
+    Raises:
+        ModelLoadError: neither a folder nor a hub id that could be fetched.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelLoadError(f"model {model!r} is a file; expected a Hugging Face checkpoint folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=model, allow_patterns=_CHECKPOINT_PATTERNS))
+    except Exception as e:  # offline, unknown repo, invalid id: all the same to the user
+        raise ModelLoadError(
+            f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub ({e})"
+        ) from e
+
+
+def load_hf_config(path: Path) -> object:
+    """transformers config of the checkpoint. Raises ModelLoadError when config.json is missing or invalid."""
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face checkpoint folder?")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
+def load_model(path: Path, dtype: torch.dtype | None, device: torch.device, backend: AttentionBackend) -> LoadedModel:
+    """Build our model for the checkpoint at ``path`` and load every weight.
+
+    Args:
+        dtype: parameter dtype; None keeps the checkpoint's.
+
+    Raises:
+        ModelLoadError: missing or unreadable files, unsupported architecture or option, a missing, unexpected
+            or wrongly shaped tensor.
+    """
+    hf_config = load_hf_config(path)
+    arch = ModelArchConfig.from_hf_config(hf_config)
+    dtype = dtype or arch.dtype
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, backend, dtype)
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_table()
+    _load_weights(model, _weight_files(path))
+    model.eval()
+    return LoadedModel(model=model, arch=arch, path=path, eos_token_ids=_eos_token_ids(path, hf_config))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists weight files that do not exist: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    filled: dict[str, set[int | None]] = {name: set() for name in params}
+    unexpected: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    target = model.checkpoint_param_name(name)
+                    if target is None:
+                        continue
+                    param_name, shard = target
+                    if param_name not in params:
+                        unexpected.append(name)
+                        continue
+                    _copy_into(model, params[param_name], param_name, shard, f.get_tensor(name), name)
+                    filled[param_name].add(shard)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
+    if unexpected:
+        raise ModelLoadError(
+            f"checkpoint has tensors the model does not use: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    missing = [
+        name
+        for name, shards in filled.items()
+        if not shards or (None not in shards and len(shards) < len(model.shard_sizes(name)))
+    ]
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensors for: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _copy_into(
+    model: LlamaForCausalLM,
+    param: torch.nn.Parameter,
+    param_name: str,
+    shard: int | None,
+    tensor: torch.Tensor,
+    checkpoint_name: str,
+) -> None:
+    if shard is None:
+        target = param.data
+    else:
+        sizes = model.shard_sizes(param_name)
+        start = sum(sizes[:shard])
+        target = param.data.narrow(0, start, sizes[shard])
+    if target.shape != tensor.shape:
+        raise ModelLoadError(
+            f"tensor {checkpoint_name} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+def _eos_token_ids(path: Path, hf_config: object) -> list[int]:
+    eos = None
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        try:
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        except ValueError:
+            logger.warning("ignoring unreadable %s", generation_config)
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

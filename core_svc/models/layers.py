@@ -1,0 +1,128 @@
+"""Building blocks of Llama-family decoders, written to match transformers' arithmetic op for op in float32.
+
+Shapes at boundaries: hidden ``[num_tokens, hidden_size]``, per-head ``[num_tokens, num_heads, head_size]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from core_svc.models.arch import AttentionDims
+from kernels import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers' LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer) with a precomputed cos/sin table.
+
+    ``inv_freq`` and ``attention_scaling`` come from transformers' RoPE initializers, so every rope_type they
+    define with a position-independent frequency table (default, linear, llama3, yarn) matches exactly.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inv_freq = inv_freq.float().cpu()  # [head_size // 2]
+        self.attention_scaling = attention_scaling
+        self.max_position = max_position
+        self.register_buffer("cos", torch.empty(max_position, 2 * len(inv_freq), dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(max_position, 2 * len(inv_freq), dtype=dtype), persistent=False)
+        if self.cos.device.type != "meta":
+            self.build_table()
+
+    def build_table(self) -> None:
+        """Fill the cos/sin tables ``[max_position, head_size]`` (again after ``to_empty``), as transformers
+        computes them: float32 angles, scaled, then cast to the model dtype."""
+        positions = torch.arange(self.max_position, dtype=torch.int64).float()
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.attention_scaling).to(device=self.cos.device, dtype=self.cos.dtype)
+        self.sin = (emb.sin() * self.attention_scaling).to(device=self.sin.device, dtype=self.sin.dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [num_tokens]; q: [num_tokens, num_heads, head_size]; k: [num_tokens, num_kv_heads, head_size]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused q/k/v projection, optional per-head q/k RMSNorm (Qwen3), RoPE, GQA, and a
+    paged KV cache handled by an attention backend."""
+
+    def __init__(
+        self,
+        dims: AttentionDims,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.dims = dims
+        self.q_size = dims.num_heads * dims.head_size
+        self.kv_size = dims.num_kv_heads * dims.head_size
+        self.qkv_proj = nn.Linear(dims.hidden_size, self.q_size + 2 * self.kv_size, bias=dims.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, dims.hidden_size, bias=dims.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(dims.head_size, dims.rms_norm_eps, dtype) if dims.qk_norm else None
+        self.k_norm = RMSNorm(dims.head_size, dims.rms_norm_eps, dtype) if dims.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = dims.head_size**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.dims.num_heads, self.dims.head_size)
+        k = k.view(num_tokens, self.dims.num_kv_heads, self.dims.head_size)
+        v = v.view(num_tokens, self.dims.num_kv_heads, self.dims.head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        out = self.backend.forward(q, kv_cache, metadata, self.scale, self.dims.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused in one projection (SwiGLU when act is SiLU)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)

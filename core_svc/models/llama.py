@@ -1,0 +1,118 @@
+"""LlamaForCausalLM and its relatives (Mistral, Qwen2, Qwen3) over a flattened batch with a paged KV cache.
+
+The differences between the four are data (``arch.SUPPORTED_ARCHITECTURES``): q/k/v bias, o bias, per-head
+q/k norm, sliding windows. Parameter names follow transformers' except that q/k/v and gate/up are fused
+(``qkv_proj``, ``gate_up_proj``); ``STACKED_PARAMS`` says how checkpoint tensors fill them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from core_svc.models.arch import ModelArchConfig
+from core_svc.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kernels import AttentionBackend, AttentionMetadata
+
+# checkpoint name fragment -> (our fused parameter fragment, shard index in the fused output dimension)
+STACKED_PARAMS: dict[str, tuple[str, int]] = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_index: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg.layer_attention[layer_index], rotary, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ACT2FN[cfg.hidden_act], cfg.mlp_bias, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # One RoPE table shared by every layer (a buffer, not a parameter).
+        self.rotary = RotaryEmbedding(cfg.rope_inv_freq, cfg.rope_attention_scaling, cfg.max_position_embeddings, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotary, backend, dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        # input_ids, positions: [num_tokens] -> hidden [num_tokens, hidden_size]
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM checkpoints."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, backend, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def checkpoint_param_name(self, name: str) -> tuple[str, int | None] | None:
+        """Map a checkpoint tensor name to (our parameter name, shard index or None); None for names to skip."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding is the head
+        for fragment, (fused, shard) in STACKED_PARAMS.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
+
+    def shard_sizes(self, fused_name: str) -> list[int]:
+        """Output rows of each shard of a fused parameter, in shard order."""
+        cfg = self.cfg
+        if ".qkv_proj." in fused_name:
+            q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
+            return [q, kv, kv]
+        return [cfg.intermediate_size, cfg.intermediate_size]

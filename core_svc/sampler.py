@@ -1,0 +1,169 @@
+"""Token sampling from logits, batched, with per-request parameters (vLLM v1 ``Sampler``).
+
+Order, as vLLM's: raw logprobs (before any processing) -> allowed_token_ids -> logit_bias -> min_tokens
+masking of EOS and stop ids -> repetition / frequency / presence penalties -> greedy argmax, or temperature
+-> min_p -> top-k / top-p -> a draw by the exponential race ``argmax(p / q), q ~ Exp(1)`` (equivalent to
+sampling from p). Seeded requests draw ``q`` from their own ``torch.Generator``, so their tokens do not depend
+on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core_svc.outputs import LogprobsLists
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of one step; row i is the i-th request that samples this step."""
+
+    temperature: torch.Tensor  # [num_rows] float32; rows with greedy=True hold 1.0
+    greedy: torch.Tensor  # [num_rows] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [num_rows] int64, vocab_size where off; None when no row uses it
+    top_p: torch.Tensor | None  # [num_rows] float32, 1.0 where off
+    min_p: torch.Tensor | None  # [num_rows] float32, 0.0 where off
+    generators: dict[int, torch.Generator]  # row -> its seeded generator
+    max_num_logprobs: int | None  # most top logprobs any row asked for (vocab_size for -1); None: no logprobs
+    num_logprobs: list[int]  # [num_rows] top logprobs per row (0 where not asked)
+    # Logits processors; None when no row uses them.
+    allowed_token_mask: torch.Tensor | None = None  # [num_rows, vocab_size] bool, True = not allowed
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias values)
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to set to -inf
+    presence_penalty: torch.Tensor | None = None  # [num_rows] float32
+    frequency_penalty: torch.Tensor | None = None  # [num_rows] float32
+    repetition_penalty: torch.Tensor | None = None  # [num_rows] float32
+    output_token_counts: torch.Tensor | None = None  # [num_rows, vocab_size] float32 counts of output ids
+    prompt_token_mask: torch.Tensor | None = None  # [num_rows, vocab_size] bool, id occurs in the prompt
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: LogprobsLists | None  # one row per sampled token, when any row asked for logprobs
+
+
+class Sampler:
+    """Samples one token per row. ``generator`` drives unseeded random rows (seed it for reproducible runs)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # logits: [num_rows, vocab_size] float32
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        logits = apply_logits_processors(logits, metadata)
+        sampled = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            random_sampled = self._sample_random(logits, metadata)
+            sampled = torch.where(metadata.greedy, sampled, random_sampled)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs or 0, metadata.num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        logits = logits / metadata.temperature.unsqueeze(1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        q.exponential_(generator=self.generator)
+        for row, generator in metadata.generators.items():
+            q[row].exponential_(generator=generator)
+        return probs.div_(q).argmax(dim=-1)
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, logit_bias, min_tokens, then penalties. Returns new logits [num_rows, vocab_size]."""
+    needs_copy = any(
+        x is not None
+        for x in (
+            metadata.allowed_token_mask,
+            metadata.logit_bias,
+            metadata.min_tokens_mask,
+            metadata.repetition_penalty,
+            metadata.frequency_penalty,
+            metadata.presence_penalty,
+        )
+    )
+    if not needs_copy:
+        return logits
+    logits = logits.clone()
+    if metadata.allowed_token_mask is not None:
+        logits.masked_fill_(metadata.allowed_token_mask, float("-inf"))
+    if metadata.logit_bias is not None:
+        rows, token_ids, values = metadata.logit_bias
+        logits.index_put_((rows, token_ids), values, accumulate=True)
+    if metadata.min_tokens_mask is not None:
+        rows, token_ids = metadata.min_tokens_mask
+        logits[rows, token_ids] = float("-inf")
+    return apply_penalties(logits, metadata)
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty (CTRL, Keskar et al. 2019: positive logits divided, negative multiplied) over prompt
+    and output ids; frequency and presence penalties (OpenAI's definition) over output ids. In place."""
+    counts = metadata.output_token_counts
+    if metadata.repetition_penalty is not None and counts is not None and metadata.prompt_token_mask is not None:
+        seen = metadata.prompt_token_mask | (counts > 0)
+        penalty = torch.where(seen, metadata.repetition_penalty.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if metadata.frequency_penalty is not None and counts is not None:
+        logits -= metadata.frequency_penalty.unsqueeze(1) * counts
+    if metadata.presence_penalty is not None and counts is not None:
+        logits -= metadata.presence_penalty.unsqueeze(1) * (counts > 0).float()
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the most likely token's (Nguyen et al. 2024)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the k most likely tokens (ties at the k-th value kept), then the smallest set whose probability
+    reaches p (nucleus sampling, Holtzman et al. 2020); the most likely token always survives. As vLLM's
+    ``apply_top_k_top_p``: one ascending sort, masks, scatter back."""
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth_index = (logits_sort.shape[1] - top_k).clamp(min=0).unsqueeze(1)  # [num_rows, 1]
+        kth_value = logits_sort.gather(1, kth_index)
+        logits_sort.masked_fill_(logits_sort < kth_value, float("-inf"))
+    if top_p is not None:
+        cumulative = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        top_p_mask = cumulative <= (1 - top_p).unsqueeze(1)
+        top_p_mask[:, -1] = False
+        logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    return logits_sort.scatter(-1, logits_idx, logits_sort)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, max_num_logprobs: int, num_logprobs: list[int]
+) -> LogprobsLists:
+    """Row i: [token_ids[i], top num_logprobs[i] ids] with their logprobs, and token_ids[i]'s 1-based rank.
+
+    Args:
+        logprobs: [num_rows, vocab_size] float32 log-probabilities.
+        token_ids: [num_rows] int64 chosen tokens (sampled, or the actual next prompt token).
+    """
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_values, top_ids = logprobs.topk(max_num_logprobs, dim=1) if max_num_logprobs else (None, None)
+    ids_rows: list[list[int]] = []
+    value_rows: list[list[float]] = []
+    chosen_list = chosen.squeeze(1).tolist()
+    token_list = token_ids.tolist()
+    top_ids_list = top_ids.tolist() if top_ids is not None else None
+    top_values_list = top_values.tolist() if top_values is not None else None
+    for i, k in enumerate(num_logprobs):
+        ids_rows.append([token_list[i]] + (top_ids_list[i][:k] if top_ids_list and k else []))
+        value_rows.append([chosen_list[i]] + (top_values_list[i][:k] if top_values_list and k else []))
+    return LogprobsLists(logprob_token_ids=ids_rows, logprobs=value_rows, ranks=ranks.tolist())

@@ -1,0 +1,108 @@
+"""The core's one converter between protobuf wire messages and its own dataclasses.
+
+Inbound: ``request_from_pb`` (EngineCoreRequest -> Request). Outbound: ``outputs_to_pb`` (EngineCoreOutputs
+dataclass -> protobuf). Nothing else in the core touches protobuf types.
+"""
+
+from __future__ import annotations
+
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
+from core_svc.request import MultiModalFeature, Request
+from core_svc.sampling_params import SamplingParams
+from splitserve.engine.v1 import engine_core_pb2 as pb
+
+
+def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields take vLLM's defaults (the dataclass defaults)."""
+    params = SamplingParams(
+        min_tokens=msg.min_tokens,
+        stop_token_ids=list(dict.fromkeys(msg.stop_token_ids)),
+        ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+    )
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        "repetition_penalty",
+        "eos_token_id",
+    ):
+        if msg.HasField(name):
+            setattr(params, name, getattr(msg, name))
+    return params
+
+
+def request_from_pb(msg: pb.EngineCoreRequest) -> Request:
+    return Request(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        sampling_params=sampling_params_from_pb(msg.sampling_params),
+        arrival_time=msg.arrival_time,
+        priority=msg.priority,
+        client_index=msg.client_index,
+        lora_name=msg.lora_request.lora_name if msg.HasField("lora_request") else None,
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+        mm_features=[MultiModalFeature(f.modality, f.identifier, f.offset, f.length) for f in msg.mm_features],
+        trace_headers=dict(msg.trace_headers),
+    )
+
+
+def outputs_to_pb(outputs: EngineCoreOutputs) -> pb.EngineCoreOutputs:
+    msg = pb.EngineCoreOutputs(
+        engine_index=outputs.engine_index,
+        outputs=[_output_to_pb(o) for o in outputs.outputs],
+        timestamp=outputs.timestamp,
+        finished_requests=sorted(outputs.finished_requests),
+    )
+    if outputs.scheduler_stats is not None:
+        msg.scheduler_stats.CopyFrom(_stats_to_pb(outputs.scheduler_stats))
+    return msg
+
+
+def _output_to_pb(output: EngineCoreOutput) -> pb.EngineCoreOutput:
+    msg = pb.EngineCoreOutput(
+        request_id=output.request_id,
+        new_token_ids=output.new_token_ids,
+        new_logprobs=_logprobs_to_pb(output.new_logprobs),
+        new_prompt_logprobs=_logprobs_to_pb(output.new_prompt_logprobs),
+        finish_reason=int(output.finish_reason) if output.finish_reason is not None else 0,
+        events=[pb.EngineCoreEvent(type=int(e.type), timestamp=e.timestamp) for e in output.events],
+        num_cached_tokens=output.num_cached_tokens,
+    )
+    if isinstance(output.stop_reason, int):
+        msg.stop_token_id = output.stop_reason
+    elif isinstance(output.stop_reason, str):
+        msg.stop_str = output.stop_reason
+    if output.error is not None:
+        msg.error.code, msg.error.message = output.error
+    return msg
+
+
+def _logprobs_to_pb(logprobs: LogprobsLists | None) -> list[pb.PositionLogprobs]:
+    if logprobs is None:
+        return []
+    return [
+        pb.PositionLogprobs(token_ids=ids, logprobs=values, rank=rank)
+        for ids, values, rank in zip(logprobs.logprob_token_ids, logprobs.logprobs, logprobs.ranks, strict=True)
+    ]
+
+
+def _stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
+    prefix = stats.prefix_cache_stats
+    return pb.SchedulerStats(
+        num_running_reqs=stats.num_running_reqs,
+        num_waiting_reqs=stats.num_waiting_reqs,
+        kv_cache_usage=stats.kv_cache_usage,
+        prefix_cache_stats=pb.PrefixCacheStats(
+            requests=prefix.requests, queries=prefix.queries, hits=prefix.hits, reset=prefix.reset
+        ),
+        num_preemptions=stats.num_preemptions,
+    )

@@ -1,0 +1,70 @@
+"""The paged-attention backend interface and the metadata every backend receives.
+
+KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 keys, 1 values).
+Token t of a request lives in slot ``block_table[i, t // block_size] * block_size + t % block_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flattened batch: requests are contiguous runs of query tokens.
+
+    The ``*_cpu`` lists mirror tensors for backends that loop over requests in Python.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, KV slot of each query token
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, query token offsets of each request
+    seq_lens: torch.Tensor  # [num_reqs] int32, tokens in the KV cache after this step, per request
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32, padded with the null block 0
+    query_start_loc_cpu: list[int]  # [num_reqs + 1]
+    seq_lens_cpu: list[int]  # [num_reqs]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """Stores new keys/values in the paged cache and computes causal attention over each request's cache."""
+
+    name: str
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping`` in ``kv_cache``."""
+        ...
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Causal attention of ``query`` ``[num_tokens, num_heads, head_size]`` over each request's cached keys
+        and values (GQA when num_heads is a multiple of num_kv_heads). A query at position p sees keys at
+        positions k with k <= p and, with a sliding window W, k > p - W (transformers' convention).
+
+        Returns ``[num_tokens, num_heads, head_size]`` in the query's dtype.
+        """
+        ...
+
+
+def get_attention_backend(name: str = "torch_ref") -> AttentionBackend:
+    """Backend by name. Raises ValueError naming the known backends for an unknown one."""
+    if name == "torch_ref":
+        from kernels.attention.torch_ref import TorchRefAttentionBackend
+
+        return TorchRefAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: torch_ref")

@@ -1,0 +1,111 @@
+"""Reference paged attention in plain torch: runs on any device, the CPU default.
+
+Decode requests (one query token) are batched into one ``scaled_dot_product_attention`` call over their
+gathered, padded block tables; each prefill chunk gets its own call with a causal mask offset by the tokens
+already in its cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.backend import AttentionMetadata
+
+
+class TorchRefAttentionBackend:
+    name = "torch_ref"
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        # key, value: [num_tokens, num_kv_heads, head_size]; kv_cache: [2, num_blocks, block_size, ...]
+        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+        flat[0].index_copy_(0, slot_mapping, key)
+        flat[1].index_copy_(0, slot_mapping, value)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        # query: [num_tokens, num_heads, head_size] -> same shape
+        output = torch.empty_like(query)
+        starts = metadata.query_start_loc_cpu
+        decode_reqs = [i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] == 1]
+        if decode_reqs:
+            self._decode(query, kv_cache, metadata, decode_reqs, scale, sliding_window, output)
+        for i in range(metadata.num_reqs):
+            if starts[i + 1] - starts[i] > 1:
+                self._prefill(query, kv_cache, metadata, i, scale, sliding_window, output)
+        return output
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        reqs: list[int],
+        scale: float,
+        sliding_window: int | None,
+        output: torch.Tensor,
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        device = query.device
+        req_index = torch.tensor(reqs, device=device)
+        token_index = metadata.query_start_loc[req_index].long()  # [D]
+        seq_lens = metadata.seq_lens[req_index].long()  # [D]
+        num_blocks = -(max(metadata.seq_lens_cpu[i] for i in reqs) // -block_size)
+        block_table = metadata.block_table[req_index, :num_blocks].long()  # [D, nb]
+        keys = _gather(kv_cache[0], block_table)  # [D, num_kv_heads, nb * block_size, head_size]
+        values = _gather(kv_cache[1], block_table)
+        key_pos = torch.arange(keys.shape[2], device=device)
+        mask = key_pos[None, :] < seq_lens[:, None]  # [D, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
+        q = query[token_index].unsqueeze(2)  # [D, num_heads, 1, head_size]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        output[token_index] = out.squeeze(2)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        i: int,
+        scale: float,
+        sliding_window: int | None,
+        output: torch.Tensor,
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+        seq_len = metadata.seq_lens_cpu[i]
+        num_context = seq_len - (end - start)
+        num_blocks = -(seq_len // -block_size)
+        block_table = metadata.block_table[i : i + 1, :num_blocks].long()
+        keys = _gather(kv_cache[0], block_table)[:, :, :seq_len]  # [1, num_kv_heads, seq_len, head_size]
+        values = _gather(kv_cache[1], block_table)[:, :, :seq_len]
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_size]
+        if num_context == 0 and (sliding_window is None or sliding_window >= seq_len):
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            query_pos = torch.arange(num_context, seq_len, device=query.device)
+            key_pos = torch.arange(seq_len, device=query.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        output[start:end] = out[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] cache, [B, nb] table -> [B, H, nb * block_size, D]."""
+    blocks = cache[block_table]  # [B, nb, block_size, H, D]
+    batch, nb, block_size, heads, dim = blocks.shape
+    return blocks.view(batch, nb * block_size, heads, dim).transpose(1, 2)

@@ -1,0 +1,176 @@
+"""Sampler: distributions (chi-square against hand-computed probabilities), processors, logprobs, seeds."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from core_svc.input_batch import CachedRequestState, build_sampling_metadata
+from core_svc.sampler import Sampler
+from core_svc.sampling_params import SamplingParams
+
+LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
+VOCAB = len(LOGITS)
+NUM_DRAWS = 40000
+
+
+def state(params: SamplingParams, request_id: str = "r", prompt=(0,), outputs=(), seed_generator=True):
+    s = CachedRequestState(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        generator=torch.Generator().manual_seed(params.seed) if params.seed is not None and seed_generator else None,
+        block_ids=[],
+        num_computed_tokens=0,
+    )
+    s.token_ids.extend(outputs)
+    return s
+
+
+def draw(params: SamplingParams, logits=LOGITS, num=NUM_DRAWS) -> np.ndarray:
+    """Counts per token over ``num`` rows of the same logits, sampled in one batch."""
+    states = [state(params, str(i)) for i in range(num)]
+    metadata = build_sampling_metadata(states, VOCAB, torch.device("cpu"))
+    batch = torch.tensor([logits] * num, dtype=torch.float32)
+    tokens = Sampler(torch.Generator().manual_seed(1234))(batch, metadata).sampled_token_ids
+    return np.bincount(tokens.numpy(), minlength=VOCAB)
+
+
+def softmax(x):
+    e = np.exp(np.asarray(x, dtype=np.float64) - max(x))
+    return e / e.sum()
+
+
+def expected_probs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The target distribution, by hand: temperature, min-p, top-k, top-p in vLLM's order."""
+    probs = softmax(np.asarray(LOGITS) / temperature)
+    keep = np.ones(VOCAB, dtype=bool)
+    if min_p:
+        keep &= probs >= min_p * probs.max()
+    order = np.argsort(-probs)
+    if top_k:
+        keep[order[top_k:]] = False
+    if top_p < 1.0:
+        p = np.where(keep, probs, 0.0)
+        p = p / p.sum()
+        cumulative = 0.0
+        for i in order:
+            if not keep[i]:
+                continue
+            if cumulative >= top_p:
+                keep[i] = False
+            cumulative += p[i]
+    p = np.where(keep, probs, 0.0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.5},
+        {"temperature": 1.0, "top_k": 3},
+        {"temperature": 1.0, "top_p": 0.8},
+        {"temperature": 0.7, "top_k": 5, "top_p": 0.9},
+        {"temperature": 1.0, "min_p": 0.2},
+    ],
+)
+def test_random_sampling_matches_reference_distribution(kwargs):
+    counts = draw(SamplingParams(**kwargs))
+    probs = expected_probs(**kwargs)
+    assert counts[probs == 0].sum() == 0, "a token outside the allowed set was sampled"
+    support = probs > 0
+    _, p_value = chisquare(counts[support], NUM_DRAWS * probs[support])
+    assert p_value > 1e-4, (counts, NUM_DRAWS * probs)
+
+
+def test_expected_probs_by_hand():
+    # top_p=0.8 keeps four tokens: 0.370 + 0.224 + 0.136 = 0.73 < 0.8, and the fourth (0.083) crosses 0.8
+    p = expected_probs(top_p=0.8)
+    assert (p > 0).tolist() == [True, True, True, True, False, False, False, False]
+    assert expected_probs(top_k=2)[2:].sum() == 0
+
+
+def test_greedy_is_argmax_after_processors():
+    logits = torch.tensor([LOGITS], dtype=torch.float32)
+    sampler = Sampler()
+    cases = [
+        (SamplingParams(temperature=0.0), 0),
+        (SamplingParams(temperature=0.0, logit_bias={6: 10.0}), 6),  # -1 + 10 = 9 > 2
+        (SamplingParams(temperature=0.0, allowed_token_ids=[3, 5]), 3),
+        (SamplingParams(temperature=0.0, logit_bias={1: 1000.0}), 1),  # clamped to +100, still largest
+    ]
+    for params, expected in cases:
+        metadata = build_sampling_metadata([state(params)], VOCAB, torch.device("cpu"))
+        assert sampler(logits, metadata).sampled_token_ids.item() == expected, params
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1], eos_token_id=0)
+    early = build_sampling_metadata([state(params, outputs=[7])], VOCAB, torch.device("cpu"))
+    assert Sampler()(logits, early).sampled_token_ids.item() == 2  # eos 0 and stop 1 masked
+    reached = build_sampling_metadata([state(params, outputs=[7, 7])], VOCAB, torch.device("cpu"))
+    assert Sampler()(logits, reached).sampled_token_ids.item() == 0
+    ignoring = SamplingParams(temperature=0.0, min_tokens=2, eos_token_id=0, ignore_eos=True)
+    metadata = build_sampling_metadata([state(ignoring, outputs=[7])], VOCAB, torch.device("cpu"))
+    assert Sampler()(logits, metadata).sampled_token_ids.item() == 0  # with ignore_eos, EOS is an ordinary token
+
+
+def test_penalties_hand_worked():
+    # prompt has token 0; outputs are [1, 1, 3]
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    s = state(params, prompt=[0], outputs=[1, 1, 3])
+    metadata = build_sampling_metadata([s], VOCAB, torch.device("cpu"))
+    from core_svc.sampler import apply_logits_processors
+
+    out = apply_logits_processors(torch.tensor([LOGITS]), metadata)[0].tolist()
+    expected = list(LOGITS)
+    expected[0] = 2.0 / 2.0  # in prompt: positive logit divided
+    expected[1] = 1.5 / 2.0 - 0.5 * 2 - 0.25  # twice in output
+    expected[3] = 0.5 / 2.0 - 0.5 * 1 - 0.25
+    assert out == pytest.approx(expected, abs=1e-6)
+
+
+def test_logprobs_are_raw_with_rank_and_top_k():
+    params = SamplingParams(temperature=0.0, logprobs=3, logit_bias={5: 10.0})
+    metadata = build_sampling_metadata([state(params)], VOCAB, torch.device("cpu"))
+    result = Sampler()(torch.tensor([LOGITS]), metadata)
+    assert result.sampled_token_ids.item() == 5
+    raw = np.log(softmax(LOGITS))  # before the bias: logprobs describe the model, not the processors
+    lp = result.logprobs
+    assert lp.logprob_token_ids == [[5, 0, 1, 2]]
+    assert lp.logprobs[0] == pytest.approx([raw[5], raw[0], raw[1], raw[2]], abs=1e-6)
+    assert lp.ranks == [6]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    params = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.tensor([LOGITS], dtype=torch.float32)
+
+    def sequence(batch_extra: int, engine_seed: int) -> list[int]:
+        seeded = state(params, "seeded")
+        sampler = Sampler(torch.Generator().manual_seed(engine_seed))
+        tokens = []
+        for _ in range(20):
+            others = [state(SamplingParams(temperature=1.0), f"o{i}") for i in range(batch_extra)]
+            states = others + [seeded]
+            metadata = build_sampling_metadata(states, VOCAB, torch.device("cpu"))
+            out = sampler(logits.expand(len(states), -1).contiguous(), metadata)
+            tokens.append(out.sampled_token_ids[-1].item())
+        return tokens
+
+    alone = sequence(0, engine_seed=0)
+    assert sequence(5, engine_seed=1) == alone
+    assert sequence(2, engine_seed=2) == alone
+    assert len(set(alone)) > 1  # really random, not a constant
+
+
+def test_whole_vocabulary_logprobs():
+    params = SamplingParams(temperature=0.0, logprobs=-1)
+    metadata = build_sampling_metadata([state(params)], VOCAB, torch.device("cpu"))
+    lp = Sampler()(torch.tensor([LOGITS]), metadata).logprobs
+    assert len(lp.logprob_token_ids[0]) == 1 + VOCAB
+    assert math.fsum(math.exp(v) for v in lp.logprobs[0][1:]) == pytest.approx(1.0, abs=1e-5)
