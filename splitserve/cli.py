@@ -1,0 +1,178 @@
+"""``splitserve`` command line. Heavy imports (torch, transformers) happen inside the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from splitserve import envs
+
+logger = logging.getLogger("splitserve")
+
+
+def add_core_args(parser: argparse.ArgumentParser) -> None:
+    """Engine-core flags (``CoreConfig`` fields), shared by every command that runs a core."""
+    parser.add_argument("--model", default=None, help="local Hugging Face folder or hub id (default: the demo model)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    kv = parser.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (null block included)")
+    kv.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV cache budget in GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+
+
+def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
+    from core_svc.config import CoreConfig
+
+    return CoreConfig(
+        model=model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
+    )
+
+
+def resolve_model_arg(model: str | None) -> str:
+    if model is not None:
+        return model
+    from splitserve.demo import demo_model_path
+
+    return str(demo_model_path())
+
+
+def cmd_make_test_model(args: argparse.Namespace) -> int:
+    from splitserve.test_model import make_test_model
+
+    out = make_test_model(
+        args.out, arch=args.arch, preset=args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype
+    )
+    info = json.loads((out / "splitserve_test_model.json").read_text())
+    print(f"wrote {args.arch}/{args.preset} checkpoint ({info['num_parameters']:,} parameters) to {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from core_svc.engine_core import EngineCore
+    from core_svc.wire import request_from_pb
+    from splitserve.engine.v1 import engine_core_pb2 as pb
+
+    model = resolve_model_arg(args.model)
+    engine = EngineCore(core_config_from_args(args, model))
+    tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+    eos_ids = engine.get_engine_info().eos_token_ids
+    prompts = args.prompt or ["Hello, my name is"]
+    results: dict[str, dict[str, Any]] = {}
+    for i, prompt in enumerate(prompts):
+        prompt_ids = tokenizer(prompt).input_ids
+        params = pb.SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos,
+            stop_token_ids=[] if args.ignore_eos else eos_ids[1:],
+        )
+        if args.seed is not None:
+            params.seed = args.seed
+        msg = pb.EngineCoreRequest(
+            request_id=str(i), prompt_token_ids=prompt_ids, sampling_params=params, arrival_time=time.time()
+        )
+        engine.add_request(request_from_pb(msg))
+        results[str(i)] = {"prompt": prompt, "prompt_token_ids": prompt_ids, "token_ids": [], "finish_reason": None}
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            result = results[output.request_id]
+            result["token_ids"].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                result["finish_reason"] = str(output.finish_reason)
+    for result in results.values():
+        text = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": result["prompt"],
+                        "prompt_token_ids": result["prompt_token_ids"],
+                        "outputs": [
+                            {
+                                "index": 0,
+                                "token_ids": result["token_ids"],
+                                "text": text,
+                                "finish_reason": result["finish_reason"],
+                            }
+                        ],
+                    },
+                    ensure_ascii=False,
+                )
+            )
+        else:
+            print(f"{result['prompt']!r} -> {text!r} ({result['finish_reason']})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="LLM inference server: gRPC frontend + core")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-test-model", help="write a seeded random-weight Hugging Face checkpoint")
+    p.add_argument("out", type=Path)
+    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"])
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder to copy (default: builtin)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=cmd_make_test_model)
+
+    p = sub.add_parser("generate", help="run prompts offline through the engine core")
+    add_core_args(p)
+    p.add_argument("--prompt", action="append", help="prompt text; repeat for several")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed of each request")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from core_svc.errors import EngineError
+
+    try:
+        return args.func(args)
+    except (EngineError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Every environment variable splitserve reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """SPLITSERVE_CACHE_DIR, default ~/.cache/splitserve: where the demo model is built."""
+    return Path(os.environ.get("SPLITSERVE_CACHE_DIR", Path.home() / ".cache" / "splitserve")).expanduser()
+
+
+def log_level() -> str:
+    """SPLITSERVE_LOG_LEVEL, default INFO."""
+    return os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,189 @@
+"""Seeded random-weight Hugging Face checkpoints for tests, benchmarks and the demo (``make-test-model``).
+
+Each checkpoint is made by transformers' own config and model classes and saved with ``save_pretrained``
+(config.json, model.safetensors, generation_config.json) beside tokenizer files: the builtin tokenizer, or
+a copy of a tokenizer folder. The vocabulary size is that of the tokenizer transformers' ``AutoTokenizer``
+loads from the finished checkpoint.
+
+Random weights give near-uniform logits, where greedy decoding is a coin toss between near-tied tokens. So
+after transformers' initialization the weights are rescaled (larger embedding and output scale, norms and
+biases away from their trivial 1 and 0) to make the next-token distribution peaked and every parameter matter.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from splitserve.builtin_tokenizer import save_builtin_tokenizer
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+PRESETS = ("tiny", "small", "medium")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    sliding_window: int  # used by mistral only, small enough that long test prompts cross it
+
+
+# tiny: unit tests (~1M parameters with the builtin tokenizer); small: ~60M with a 32000 vocabulary;
+# medium: ~200M with a 32000 vocabulary.
+PRESET_TABLE: dict[str, Preset] = {
+    "tiny": Preset(64, 192, 4, 4, 2, 2048, 128),
+    "small": Preset(512, 1408, 8, 8, 4, 4096, 1024),
+    "medium": Preset(1024, 2816, 12, 16, 8, 4096, 2048),
+}
+
+_ARCH_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def make_test_model(
+    out_dir: Path | str,
+    arch: str = "llama",
+    preset: str = "tiny",
+    tokenizer: Path | str | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a seeded random checkpoint to ``out_dir`` and return its path.
+
+    Args:
+        arch: llama, mistral, qwen2 or qwen3.
+        preset: tiny, small or medium (sizes in ``PRESET_TABLE``).
+        tokenizer: a folder with Hugging Face tokenizer files to copy; None trains the builtin tokenizer.
+        dtype: float32 or bfloat16, the dtype of the saved weights.
+        config_overrides: extra config fields (e.g. ``rope_parameters``), applied last.
+
+    Raises:
+        ValueError: unknown arch, preset or dtype, or a tokenizer folder without tokenizer files.
+    """
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is None:
+        save_builtin_tokenizer(out)
+    else:
+        _copy_tokenizer(Path(tokenizer), out)
+    # transformers picks the tokenizer class by the config's model_type too (Qwen2Tokenizer for qwen2/qwen3 adds
+    # its own special token), so size the vocabulary by the tokenizer as loaded beside the final config.
+    config = build_config(arch, preset, 0, None, None, config_overrides)
+    config.save_pretrained(out)
+    hf_tokenizer = AutoTokenizer.from_pretrained(out)
+    config = build_config(
+        arch, preset, len(hf_tokenizer), hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, config_overrides
+    )
+    model_class_name = _ARCH_CLASSES[arch][1]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class_name)(config)
+    _sharpen(model, seed)
+    model = model.to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
+    model.generation_config.bos_token_id = hf_tokenizer.bos_token_id
+    model.save_pretrained(out)
+    (out / "splitserve_test_model.json").write_text(
+        json.dumps(
+            {
+                "arch": arch,
+                "preset": preset,
+                "seed": seed,
+                "dtype": dtype,
+                "num_parameters": sum(t.numel() for t in model.parameters()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return out
+
+
+def build_config(
+    arch: str,
+    preset: str,
+    vocab_size: int,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+    config_overrides: dict[str, Any] | None = None,
+) -> Any:
+    """The transformers config of a test checkpoint (``PRESET_TABLE`` sizes, the tokenizer's vocabulary)."""
+    import transformers
+
+    p = PRESET_TABLE[preset]
+    config_class_name, model_class_name = _ARCH_CLASSES[arch]
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        head_dim=p.hidden_size // p.num_attention_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        tie_word_embeddings=arch == "qwen3",  # one tied architecture, so both paths are exercised
+    )
+    if arch == "mistral":
+        fields["sliding_window"] = p.sliding_window
+    fields.update(config_overrides or {})
+    config = getattr(transformers, config_class_name)(**fields)
+    config.architectures = [model_class_name]
+    return config
+
+
+def _sharpen(model: Any, seed: int) -> None:
+    """Rescale freshly initialized weights so logits are peaked and norms/biases are not trivial."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+            elif "embed_tokens" in name or name.startswith("lm_head"):
+                param.mul_(25.0)
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    found = [name for name in _TOKENIZER_FILES if (src / name).is_file()]
+    if not found:
+        raise ValueError(f"{src} holds no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
+    for name in found:
+        shutil.copy(src / name, out / name)

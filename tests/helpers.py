@@ -1,0 +1,124 @@
+"""Run the engine core and the transformers reference on the same checkpoint, and compare them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from core_svc.config import CoreConfig
+from core_svc.engine_core import EngineCore
+from core_svc.request import Request
+from core_svc.sampling_params import SamplingParams
+
+TOP_K = 5
+
+
+@cache
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return model
+
+
+@dataclass
+class Greedy:
+    token_ids: list[int]
+    logprobs: list[torch.Tensor]  # per step: [vocab_size] float32 log-softmax of the step's logits
+
+
+def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> Greedy:
+    """transformers ``generate`` (greedy, float32) with the per-step logits turned into logprobs."""
+    model = hf_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    logprobs = [step[0].float().log_softmax(-1) for step in out.logits]
+    return Greedy(out.sequences[0, len(prompt) :].tolist(), logprobs)
+
+
+@dataclass
+class EngineResult:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per step: token id -> logprob (sampled + top-k)
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+def make_engine(path: Path, **overrides: object) -> EngineCore:
+    return EngineCore(CoreConfig(model=str(path), **overrides))  # type: ignore[arg-type]
+
+
+def run_engine(
+    engine: EngineCore,
+    prompts: list[list[int]],
+    max_tokens: int,
+    arrival_steps: list[int] | None = None,
+    **params: object,
+) -> tuple[list[EngineResult], int]:
+    """Greedy-generate ``max_tokens`` for each prompt, adding prompt i at step ``arrival_steps[i]``.
+
+    Returns the per-prompt results and the number of preemptions seen.
+    """
+    arrival_steps = arrival_steps or [0] * len(prompts)
+    results = [EngineResult() for _ in prompts]
+    pending = sorted(range(len(prompts)), key=lambda i: arrival_steps[i])
+    step, num_preemptions = 0, 0
+    prefix = f"{id(results)}-"
+    while pending or engine.has_unfinished_requests():
+        while pending and arrival_steps[pending[0]] <= step:
+            i = pending.pop(0)
+            sampling = SamplingParams(
+                **{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": TOP_K, **params}
+            )  # type: ignore[arg-type]
+            engine.add_request(Request(f"{prefix}{i}", list(prompts[i]), sampling))
+        outputs = engine.step()
+        step += 1
+        if outputs.scheduler_stats is not None:
+            num_preemptions += outputs.scheduler_stats.num_preemptions
+        for output in outputs.outputs:
+            result = results[int(output.request_id.removeprefix(prefix))]
+            result.token_ids.extend(output.new_token_ids)
+            if output.new_logprobs is not None:
+                for ids, values in zip(
+                    output.new_logprobs.logprob_token_ids, output.new_logprobs.logprobs, strict=True
+                ):
+                    result.logprobs.append(dict(zip(ids, values, strict=True)))
+            if output.new_prompt_logprobs is not None:
+                for ids, values in zip(
+                    output.new_prompt_logprobs.logprob_token_ids, output.new_prompt_logprobs.logprobs, strict=True
+                ):
+                    result.prompt_logprobs.append(dict(zip(ids, values, strict=True)))
+            result.num_cached_tokens = output.num_cached_tokens
+            if output.finish_reason is not None:
+                result.finish_reason = str(output.finish_reason)
+    return results, num_preemptions
+
+
+def first_divergence(ours: EngineResult, ref: Greedy, tolerance: float = 1e-3) -> str | None:
+    """None when the ids are equal. Where they diverge, the divergence must be a near-tie: each side's token in
+    the other's top-5 with equal logprobs within ``tolerance``; then a description is returned. Otherwise an
+    AssertionError names the step and the two distributions' views."""
+    if ours.token_ids == ref.token_ids:
+        return None
+    step = next(i for i, (a, b) in enumerate(zip(ours.token_ids, ref.token_ids, strict=True)) if a != b)
+    a, b = ours.token_ids[step], ref.token_ids[step]
+    ref_lp = ref.logprobs[step]
+    ref_top = ref_lp.topk(TOP_K).indices.tolist()
+    our_lp = ours.logprobs[step]
+    assert b in our_lp and a in ref_top, f"step {step}: ours {a}, transformers {b}; not in each other's top-{TOP_K}"
+    assert abs(our_lp[a] - ref_lp[a].item()) < tolerance and abs(our_lp[b] - ref_lp[b].item()) < tolerance, (
+        f"step {step}: logprobs differ beyond {tolerance}"
+    )
+    return f"step {step}: ours {a} ({our_lp[a]:.5f}) vs transformers {b} ({ref_lp[b].item():.5f})"
