@@ -107,11 +107,10 @@ class BlockPool:
     recently used cached content is evicted first (vLLM's eviction order).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (one null block + one usable), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
@@ -143,7 +142,7 @@ class BlockPool:
         """
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
-            self._maybe_evict_cached_block(block)
+            self.evict_cached_block(block)
             block.ref_cnt += 1
         return blocks
 
@@ -182,7 +181,8 @@ class BlockPool:
             block.block_hash = None
         return True
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
+    def evict_cached_block(self, block: KVCacheBlock) -> None:
+        """Remove ``block`` from the prefix cache (no-op when it is not cached)."""
         if block.block_hash is None:
             return
         blocks = self.cached_block_hash_to_block.get(block.block_hash)

@@ -39,6 +39,7 @@ class CoreConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a step's prefill chunk
     scheduling_policy: SchedulingPolicy = "fcfs"
     seed: int = 0  # seeds the engine RNG used by unseeded random sampling
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: no cap (vLLM's default 20)
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -51,6 +52,8 @@ class CoreConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.device not in ("cpu", "cuda"):

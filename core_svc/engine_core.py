@@ -5,6 +5,7 @@ A step reads: schedule -> execute the model -> update requests from its output -
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -86,8 +87,16 @@ class EngineCore:
             RequestTooLargeError: the request could never fit in the KV cache.
         """
         self._validate(request)
-        if request.sampling_params.eos_token_id is None and self.eos_token_ids:
-            request.sampling_params.eos_token_id = self.eos_token_ids[0]
+        params = request.sampling_params
+        if params.eos_token_id is None and self.eos_token_ids:
+            # "The model's EOS", as vLLM's update_from_generation_config: the first id is the EOS, further
+            # generation-config EOS ids become stop ids. A copy, since n>1 children may share one params object.
+            extra_stop_ids = (
+                [] if params.ignore_eos else [i for i in self.eos_token_ids[1:] if i not in params.stop_token_ids]
+            )
+            request.sampling_params = dataclasses.replace(
+                params, eos_token_id=self.eos_token_ids[0], stop_token_ids=params.stop_token_ids + extra_stop_ids
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -95,9 +104,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
-        """Run one engine step and return what it produced (empty outputs when idle)."""
-        if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(finished_requests=self.scheduler.take_finished_requests())
+        """Run one engine step and return what it produced (no outputs when idle; finished ids still flow)."""
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.model_runner.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
@@ -154,12 +161,13 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"prompt_token_ids[{i}]: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
-        request.sampling_params.validate(self.vocab_size)
-        max_len = min(len(prompt) + request.sampling_params.max_tokens, self.max_model_len)
+        request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
+        # The last token is sampled, never computed: it needs no KV slot.
+        max_len = min(len(prompt) + request.sampling_params.max_tokens, self.max_model_len) - 1
         num_usable_blocks = self.num_kv_blocks - 1
         if cdiv(max_len, self.config.block_size) > num_usable_blocks:
             raise RequestTooLargeError(
-                f"request needs up to {max_len} tokens of KV cache (prompt {len(prompt)} + max_tokens "
+                f"request needs up to {max_len} tokens of KV cache (prompt {len(prompt)} + max_tokens - 1 = "
                 f"{request.sampling_params.max_tokens}), more than the whole cache holds "
                 f"({num_usable_blocks * self.config.block_size} tokens)"
             )

@@ -5,25 +5,14 @@ No torch, no grpc: block ids only. Running out of blocks is a normal ``None`` re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from core_svc.block_hash import update_block_hashes
 from core_svc.block_pool import BlockPool, KVCacheBlock
+from core_svc.outputs import PrefixCacheStats
 from core_svc.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups since the stats were last taken."""
-
-    requests: int = 0  # requests looked up
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found in the cache
-    reset: bool = False  # the cache was reset
 
 
 class KVCacheManager:
@@ -40,7 +29,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request_id -> its blocks, in token order
         self.num_cached_blocks: dict[str, int] = {}  # request_id -> leading blocks already in the hash map
         self.prefix_cache_stats = PrefixCacheStats()
@@ -71,11 +60,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed_tokens = len(blocks) * self.block_size
-        self.prefix_cache_stats.requests += 1
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_computed_tokens
-        return blocks, num_computed_tokens
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -107,6 +92,11 @@ class KVCacheManager:
                 del self.req_to_blocks[request.request_id]
             return None
 
+        if not req_blocks and self.enable_caching and not request.skip_reading_prefix_cache:
+            # First allocation = admission: count the lookup once, however long the request waited.
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
         self.block_pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
@@ -116,9 +106,16 @@ class KVCacheManager:
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks, last block first so that a prefix's tail is evicted before its head."""
+        """Return the request's blocks, last block first so that a prefix's tail is evicted before its head.
+
+        Blocks are cached when allocated, for tokens the coming forward computes. A request preempted in the
+        step that scheduled it never gets that forward, so its blocks past ``num_computed_tokens`` leave the
+        cache before they are freed: nobody may hit KV that was never written.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.num_cached_blocks.pop(request.request_id, 0)
+        for block in blocks[request.num_computed_tokens // self.block_size : num_cached]:
+            self.block_pool.evict_cached_block(block)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from core_svc.kv_cache_manager import PrefixCacheStats
 from core_svc.request import EngineCoreEvent, FinishReason
 from core_svc.sampling_params import SamplingParams
 
@@ -43,7 +42,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request_id -> tokens to compute this step
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens
     finished_req_ids: set[str]  # requests finished since the last step: the runner drops their state
-    preempted_req_ids: set[str]  # requests preempted this step: the runner forgets their blocks
+    preempted_req_ids: set[str]  # requests preempted this step (the runner keeps their state; on resume they
+    # come back in scheduled_cached_reqs with resumed_from_preemption and a whole new block table)
 
 
 @dataclass
@@ -88,6 +88,16 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the stats were last taken."""
+
+    requests: int = 0  # requests looked up
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found in the cache
+    reset: bool = False  # the cache was reset
 
 
 @dataclass

@@ -148,14 +148,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, max_num_logprobs: int, num_logprobs: list[int]
 ) -> LogprobsLists:
-    """Row i: [token_ids[i], top num_logprobs[i] ids] with their logprobs, and token_ids[i]'s 1-based rank.
+    """Row i: [token_ids[i], top num_logprobs[i] ids] with their logprobs, and token_ids[i]'s 1-based rank
+    (the number of tokens at least as likely, itself included).
 
     Args:
         logprobs: [num_rows, vocab_size] float32 log-probabilities.
         token_ids: [num_rows] int64 chosen tokens (sampled, or the actual next prompt token).
     """
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
-    ranks = (logprobs > chosen).sum(dim=1) + 1
+    ranks = (logprobs >= chosen).sum(dim=1)  # ties share the worst rank, as vLLM's batched_count_greater_than
     top_values, top_ids = logprobs.topk(max_num_logprobs, dim=1) if max_num_logprobs else (None, None)
     ids_rows: list[list[int]] = []
     value_rows: list[list[float]] = []

@@ -13,8 +13,6 @@ from core_svc.errors import InvalidRequestError
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
-# Most top logprobs a request may ask for (vLLM's default max_logprobs); -1 asks for the whole vocabulary.
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -47,8 +45,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def validate(self, vocab_size: int) -> None:
-        """Check ranges (vLLM ``SamplingParams._verify_args`` and ``verify``).
+    def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
+        """Check ranges (vLLM ``SamplingParams._verify_args`` and ``verify``). ``max_logprobs`` caps
+        logprobs and prompt_logprobs; -1 there lifts the cap and lets a request ask for the whole vocabulary (-1).
 
         Raises:
             InvalidRequestError: naming the field, its value and the allowed range.
@@ -76,15 +75,13 @@ class SamplingParams:
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
             ),
         ]
+        cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+        lowest = -1 if max_logprobs == -1 else 0  # -1 asks for the whole vocabulary
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                checks.append(
-                    (
-                        value == -1 or 0 <= value <= MAX_LOGPROBS,
-                        f"{name} must be -1 (whole vocabulary) or in [0, {MAX_LOGPROBS}], got {value}",
-                    )
-                )
+                allowed = f"-1 (whole vocabulary) or in [0, {cap}]" if lowest == -1 else f"in [0, {cap}]"
+                checks.append((lowest <= value <= cap, f"{name} must be {allowed} (max_logprobs), got {value}"))
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)

@@ -55,7 +55,7 @@ class Scheduler:
         """
         if not status.is_finished:
             raise ValueError(f"{status!r} is not a finished status")
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [request_ids] if isinstance(request_ids, str) else list(dict.fromkeys(request_ids))
         finished = [self.requests[i] for i in ids if i in self.requests]
         running, waiting = set(), set()
         for request in finished:

@@ -31,6 +31,7 @@ def add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs per request; -1: no cap")
 
 
 def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
@@ -50,6 +51,7 @@ def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs,
     )
 
 

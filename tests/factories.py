@@ -12,6 +12,7 @@ from core_svc.sampling_params import SamplingParams
 from core_svc.scheduler import Scheduler
 
 _arrival = itertools.count()
+_prompt_base = itertools.count(1)
 EOS_TOKEN_ID = 2
 
 
@@ -23,9 +24,10 @@ def make_request(
     arrival_time: float | None = None,
     **params: object,
 ) -> Request:
-    """A request whose prompt is unique to its id unless ``prompt_token_ids`` is given."""
+    """A request whose prompt shares no block with any other factory-made prompt, unless ``prompt_token_ids``
+    is given."""
     if prompt_token_ids is None:
-        base = 1000 + 97 * (abs(hash(request_id)) % 200)
+        base = 100_000 * next(_prompt_base)
         prompt_token_ids = [base + i for i in range(num_tokens)]
     sampling = SamplingParams(**{"eos_token_id": EOS_TOKEN_ID, **params})  # type: ignore[arg-type]
     return Request(

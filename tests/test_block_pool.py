@@ -54,7 +54,7 @@ def test_free_queue_operations_keep_links_consistent():
 
 
 def test_pool_reserves_the_null_block_and_orders_freed_blocks():
-    pool = BlockPool(num_blocks=6, enable_caching=True)
+    pool = BlockPool(num_blocks=6)
     assert pool.null_block.block_id == 0 and pool.null_block.is_null
     assert pool.get_num_free_blocks() == 5
     blocks = pool.get_new_blocks(4)
@@ -73,7 +73,7 @@ def test_pool_reserves_the_null_block_and_orders_freed_blocks():
 
 
 def test_touch_takes_cached_blocks_out_of_the_free_queue():
-    pool = BlockPool(num_blocks=4, enable_caching=True)
+    pool = BlockPool(num_blocks=4)
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(blocks, [b"a", b"b"], 0, 2)
     pool.free_blocks(blocks)

@@ -115,7 +115,8 @@ def test_bad_requests_fail_alone(checkpoint):
         (request("temp", [5], temperature=-1.0), InvalidRequestError, "temperature must be in"),
         (request("topp", [5], top_p=0.0), InvalidRequestError, "top_p must be in"),
         (request("stop", [5], stop_token_ids=[vocab + 3]), InvalidRequestError, r"stop_token_ids\[0\]"),
-        (request("lp", [5], logprobs=21), InvalidRequestError, "logprobs must be -1"),
+        (request("lp", [5], logprobs=21), InvalidRequestError, r"logprobs must be in \[0, 20\] \(max_logprobs\)"),
+        (request("lpall", [5], prompt_logprobs=-1), InvalidRequestError, "prompt_logprobs must be in"),
         (request("allowed", [5], allowed_token_ids=[]), InvalidRequestError, "allowed_token_ids must not be empty"),
         (request("good", [5]), InvalidRequestError, "already in use"),
         (request("huge", [5] * 60, max_tokens=3), RequestTooLargeError, "more than the whole cache holds"),
@@ -149,3 +150,23 @@ def test_abort_frees_blocks_and_is_idempotent(checkpoint):
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.kv_cache_manager.num_free_blocks == 32
     assert engine.reset_prefix_cache() is True
+
+
+def test_generation_config_eos_ids_all_stop(checkpoint, tmp_path):
+    """With eos_token_id unset, the first generation-config EOS id is the EOS and the others stop too, with
+    stop_reason = the id (vLLM's update_from_generation_config); the caller's params are not mutated."""
+    src = checkpoint("llama")
+    dst = tmp_path / "eos"
+    shutil.copytree(src, dst)
+    free_run, _ = run_engine(make_engine(src), [[5, 6, 7]], 8)
+    second_token = free_run[0].token_ids[1]
+    generation_config = json.loads((dst / "generation_config.json").read_text())
+    generation_config["eos_token_id"] = [generation_config["eos_token_id"], second_token]
+    (dst / "generation_config.json").write_text(json.dumps(generation_config))
+    engine = make_engine(dst)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    engine.add_request(Request("r", [5, 6, 7], params))
+    outputs = [o for _ in range(8) for o in engine.step().outputs]
+    assert [t for o in outputs for t in o.new_token_ids] == free_run[0].token_ids[:2]
+    assert outputs[-1].stop_reason == second_token and str(outputs[-1].finish_reason) == "stop"
+    assert params.eos_token_id is None and params.stop_token_ids == []

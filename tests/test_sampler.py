@@ -174,3 +174,12 @@ def test_whole_vocabulary_logprobs():
     lp = Sampler()(torch.tensor([LOGITS]), metadata).logprobs
     assert len(lp.logprob_token_ids[0]) == 1 + VOCAB
     assert math.fsum(math.exp(v) for v in lp.logprobs[0][1:]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_rank_counts_ties_like_vllm():
+    from core_svc.sampler import gather_logprobs
+
+    logprobs = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    lists = gather_logprobs(logprobs, torch.tensor([2]), 1, [1])
+    assert lists.ranks == [4]  # tokens at least as likely as token 2: itself, 0, 1 and 3
+    assert lists.logprob_token_ids == [[2, 0]]

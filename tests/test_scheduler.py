@@ -199,3 +199,50 @@ def test_prefix_hit_is_reported_as_cached_tokens():
     b_out = next(o for o in outputs.outputs if o.request_id == "b")
     assert b_out.num_cached_tokens == 64
     assert outputs.scheduler_stats.prefix_cache_stats.hits == 64
+
+
+def test_priority_preemption_of_a_request_scheduled_this_step_leaves_no_uncomputed_block_cached():
+    """Blocks are cached when allocated, before the forward computes them. A victim preempted in the same step
+    that scheduled it never gets that forward, so its newly full blocks must not be found by a later lookup."""
+    scheduler = make_scheduler(
+        policy="priority",
+        block_size=4,
+        num_blocks=6,
+        max_num_batched_tokens=12,
+        long_prefill_token_threshold=5,
+        max_model_len=64,
+    )
+    low = make_request("low", prompt_token_ids=list(range(10, 26)), priority=1, max_tokens=4, ignore_eos=True)
+    scheduler.add_request(low)
+    run_step(scheduler)  # low: positions 0-4 computed
+    high = make_request("high", prompt_token_ids=[3, 4, 5, 6], priority=0, max_tokens=3, ignore_eos=True)
+    scheduler.add_request(high)
+    run_step(scheduler)  # low: 5-9; high: its prompt
+    output = scheduler.schedule()  # low is given 10-14 (filling its third block), then high's decode preempts it
+    assert output.preempted_req_ids == {"low"} and "low" not in output.num_scheduled_tokens
+    assert low.num_computed_tokens == 0
+    computed, num_computed = scheduler.kv_cache_manager.get_computed_blocks(low)
+    assert num_computed == 8  # blocks 0-1 (positions 0-7) really computed; block 2 (8-11) never was
+    scheduler.update_from_output(output, fake_model_output(scheduler, output))
+
+
+def test_abort_with_repeated_ids():
+    scheduler = make_scheduler(num_blocks=11)
+    for request_id in ("a", "b"):
+        scheduler.add_request(make_request(request_id, num_tokens=20))
+    scheduler.schedule()
+    finished = scheduler.finish_requests(["a", "a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in finished] == ["a", "b"]
+    assert not scheduler.requests and scheduler.kv_cache_manager.num_free_blocks == 10
+
+
+def test_prefix_cache_stats_count_each_admission_once():
+    scheduler = make_scheduler(max_num_seqs=1)
+    scheduler.add_request(make_request("first", num_tokens=40, max_tokens=5))
+    scheduler.add_request(make_request("second", prompt_token_ids=list(range(1, 41)), max_tokens=5))
+    totals = [0, 0, 0]
+    while scheduler.has_unfinished_requests():
+        _, outputs = run_step(scheduler)  # "second" waits (max_num_seqs=1) while "first" decodes
+        stats = outputs.scheduler_stats.prefix_cache_stats
+        totals = [totals[0] + stats.requests, totals[1] + stats.queries, totals[2] + stats.hits]
+    assert totals == [2, 80, 0]
