@@ -40,6 +40,7 @@ class EngineInfo:
     eos_token_ids: list[int]
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_logprobs: int  # -1: no cap
     supports_lora: bool
 
 
@@ -128,6 +129,7 @@ class EngineCore:
             eos_token_ids=list(self.eos_token_ids),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_logprobs=self.config.max_logprobs,
             supports_lora=False,
         )
 

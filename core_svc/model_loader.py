@@ -19,10 +19,9 @@ from core_svc.models.arch import ModelArchConfig
 from core_svc.models.layers import RotaryEmbedding
 from core_svc.models.llama import LlamaForCausalLM
 from kernels import AttentionBackend
+from splitserve import model_files
 
 logger = logging.getLogger(__name__)
-
-_CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 
 @dataclass(frozen=True)
@@ -34,24 +33,11 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local folder as is; otherwise a hub id downloaded (config, weights, tokenizer) with huggingface_hub.
-
-    Raises:
-        ModelLoadError: neither a folder nor a hub id that could be fetched.
-    """
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ModelLoadError(f"model {model!r} is a file; expected a Hugging Face checkpoint folder")
+    """A local folder, or a hub id fetched with huggingface_hub. Raises ModelLoadError when neither works."""
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=model, allow_patterns=_CHECKPOINT_PATTERNS))
-    except Exception as e:  # offline, unknown repo, invalid id: all the same to the user
-        raise ModelLoadError(
-            f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub ({e})"
-        ) from e
+        return model_files.resolve_model_path(model)
+    except model_files.ModelNotFoundError as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def load_hf_config(path: Path) -> object:
