@@ -1,0 +1,25 @@
+"""Errors the frontend raises; the gRPC layer maps each class to one status code."""
+
+
+class FrontendError(Exception):
+    """Base class of every error the frontend raises on purpose."""
+
+
+class ValidationError(FrontendError, ValueError):
+    """A request or parameter the server refuses as sent. Maps to INVALID_ARGUMENT.
+
+    ``field`` names the offending field (``sampling_params.top_p``, ``prompt``); the message names it too,
+    with the allowed range.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class RequestTooLargeError(FrontendError):
+    """The request can never fit in the core's KV cache. Maps to RESOURCE_EXHAUSTED."""
+
+
+class EngineDeadError(FrontendError, RuntimeError):
+    """The engine core stopped or is unreachable. Maps to UNAVAILABLE."""

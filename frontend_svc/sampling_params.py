@@ -1,0 +1,245 @@
+"""``SamplingParams``: vLLM's field names, defaults, normalization and validation rules
+(``vllm/sampling_params.py``). Every refused value raises ``ValidationError`` naming the field and its range.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_svc.errors import ValidationError
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (numerical stability), as vLLM
+LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100]
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output holds everything so far
+    DELTA = 1  # every output holds what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to sample and when to stop. Defaults are vLLM's.
+
+    Raises:
+        ValidationError: from ``__post_init__`` for any value vLLM refuses; from ``verify`` for values that are
+            wrong for the model (token ids outside the vocabulary, more logprobs than the engine allows).
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None  # -1 means None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # True means 1; -1: the whole vocabulary
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Filled by the InputProcessor from the model: the EOS id the core stops on (unless ignore_eos).
+    eos_token_id: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify_args()
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the truncation knobs mean nothing, and n > 1 would give n identical completions.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            if self.n > 1:
+                raise ValidationError("n", f"must be 1 when using greedy sampling (temperature 0), got {self.n}")
+
+    # --- derived ---
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters held back while streaming, so no partial stop string is ever sent."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def child(self, index: int) -> SamplingParams:
+        """Parameters of the ``index``-th of n children: n = 1 and, when seeded, seed + index (vLLM)."""
+        child = self.clone()
+        child.n = 1
+        if self.seed is not None:
+            child.seed = self.seed + index
+        return child
+
+    # --- checks ---
+
+    def verify(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the model (vLLM ``SamplingParams.verify``).
+
+        Raises:
+            ValidationError: logprobs above the engine's max_logprobs, token ids outside [0, vocab_size).
+        """
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if max_logprobs != -1 and (value == -1 or value > max_logprobs):
+                asked = "the whole vocabulary (-1)" if value == -1 else value
+                raise ValidationError(
+                    name, f"asked for {asked}; the engine allows at most {max_logprobs} (max_logprobs)"
+                )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for i, token_id in enumerate(getattr(self, name) or []):
+                if not 0 <= token_id < vocab_size:
+                    raise ValidationError(
+                        f"{name}[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                    )
+        for token_id in self.logit_bias or {}:
+            if not 0 <= token_id < vocab_size:
+                raise ValidationError("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+
+    def _normalize(self) -> None:
+        if self.seed == -1:
+            self.seed = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
+        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValidationError(
+                    "output_kind", f"must be 0 (CUMULATIVE), 1 (DELTA) or 2 (FINAL_ONLY), got {self.output_kind}"
+                ) from None
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s; using %s", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+
+    def _verify_args(self) -> None:
+        _require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _require(
+            -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}"
+        )
+        _require(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _require(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be a finite number > 0, got {self.repetition_penalty}",
+        )
+        _require(
+            math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
+            "temperature",
+            f"must be a finite number in [0, 2], got {self.temperature}",
+        )
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            f"must be an integer: -1 or 0 (off) or >= 1, got {self.top_k!r}",
+        )
+        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None:
+            _require(
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens",
+                f"must be an integer >= 1, got {self.max_tokens!r}",
+            )
+        _require(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            f"must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        if self.max_tokens is not None:
+            _require(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(
+                value is None or (_is_int(value) and value >= -1),
+                name,
+                f"must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}",
+            )
+        for i, token_id in enumerate(self.stop_token_ids or []):
+            _require(_is_int(token_id), f"stop_token_ids[{i}]", f"must be an integer token id, got {token_id!r}")
+        for i, stop in enumerate(self.stop or []):
+            _require(isinstance(stop, str), f"stop[{i}]", f"must be a string, got {stop!r}")
+            _require(stop != "", f"stop[{i}]", "must not be an empty string")
+        _require(
+            not (self.stop and not self.detokenize),
+            "stop",
+            "stop strings need detokenize=True (they are matched on the text)",
+        )
+        if self.allowed_token_ids is not None:
+            _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty when given")
+            for i, token_id in enumerate(self.allowed_token_ids):
+                _require(_is_int(token_id), f"allowed_token_ids[{i}]", f"must be an integer, got {token_id!r}")
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValidationError(field_name, message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _normalize_logit_bias(logit_bias: dict[Any, Any]) -> dict[int, float]:
+    """Keys may be ints or numeric strings (JSON); values are clamped to [-100, 100] (vLLM ``from_optional``)."""
+    normalized: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+            bias = float(value)
+        except (TypeError, ValueError):
+            raise ValidationError(
+                "logit_bias", f"needs integer token ids and numeric biases, got {key!r}: {value!r}"
+            ) from None
+        if not math.isfinite(bias):
+            raise ValidationError("logit_bias", f"bias for token {token_id} must be finite, got {value!r}")
+        normalized[token_id] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias))
+    return normalized

@@ -1,0 +1,116 @@
+"""SamplingParams: vLLM's defaults, normalization, and every validation rule (notes §2), each refused with the
+field named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from frontend_svc import RequestOutputKind, SamplingParams, ValidationError
+
+
+def test_defaults_are_vllms():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, 0, 0.0, 16, 0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.stop == [] and p.stop_token_ids == [] and p.seed is None and p.logprobs is None
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
+    assert not p.ignore_eos and not p.include_stop_str_in_output
+    assert p.output_kind == RequestOutputKind.CUMULATIVE
+
+
+def test_normalization():
+    p = SamplingParams(
+        seed=-1,
+        stop="###",
+        stop_token_ids=[5, 7, 5],
+        logprobs=True,
+        prompt_logprobs=True,
+        logit_bias={"12": 250, 3: -1000.0},
+        output_kind=1,
+    )
+    assert p.seed is None and p.stop == ["###"] and p.stop_token_ids == [5, 7]
+    assert p.logprobs == 1 and p.prompt_logprobs == 1
+    assert p.logit_bias == {12: 100.0, 3: -100.0}
+    assert p.output_kind == RequestOutputKind.DELTA
+    assert SamplingParams(temperature=0.001).temperature == 0.01  # raised to the minimum, as vLLM
+    greedy = SamplingParams(temperature=0.0, top_p=0.5, top_k=10, min_p=0.3)
+    assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(stop=["ab", "abcd"]).output_text_buffer_length == 3
+    assert SamplingParams(stop=["ab"], include_stop_str_in_output=True).output_text_buffer_length == 0
+
+
+def test_children_get_n_1_and_offset_seeds():
+    parent = SamplingParams(n=3, seed=10)
+    assert [(c.n, c.seed) for c in (parent.child(i) for i in range(3))] == [(1, 10), (1, 11), (1, 12)]
+    assert SamplingParams(n=2).child(1).seed is None
+    assert parent.n == 3  # untouched
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 16385}, "n"),
+        ({"n": 2.0}, "n"),
+        ({"n": 2, "temperature": 0.0}, "n"),  # greedy with n > 1
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"seed": "7"}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"prompt_logprobs": -5}, "prompt_logprobs"),
+        ({"stop_token_ids": [1, "2"]}, "stop_token_ids[1]"),
+        ({"stop": ["ok", ""]}, "stop[1]"),
+        ({"stop": [3]}, "stop[0]"),
+        ({"stop": ["x"], "detokenize": False}, "stop"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, None]}, "allowed_token_ids[1]"),
+        ({"logit_bias": {"a": 1.0}}, "logit_bias"),
+        ({"logit_bias": {1: math.nan}}, "logit_bias"),
+        ({"output_kind": 7}, "output_kind"),
+    ],
+)
+def test_refused_values_name_the_field(kwargs, field):
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "message"),
+    [
+        ({"logprobs": 21}, "logprobs", "at most 20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs", "the whole vocabulary"),
+        ({"stop_token_ids": [1, 1000]}, "stop_token_ids[1]", r"outside the vocabulary \[0, 1000\)"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids[0]", "outside the vocabulary"),
+        ({"logit_bias": {1000: 1.0}}, "logit_bias", "token id 1000 is outside"),
+    ],
+)
+def test_model_dependent_checks(kwargs, field, message):
+    with pytest.raises(ValidationError, match=message) as info:
+        SamplingParams(**kwargs).verify(vocab_size=1000, max_logprobs=20)
+    assert info.value.field == field
+
+
+def test_whole_vocabulary_logprobs_allowed_when_uncapped():
+    SamplingParams(logprobs=-1, prompt_logprobs=-1).verify(vocab_size=1000, max_logprobs=-1)
