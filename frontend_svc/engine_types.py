@@ -1,0 +1,80 @@
+"""The frontend's own view of the engine-core contract: plain dataclasses that ``frontend_svc.wire`` converts
+to and from the protobuf messages of ``splitserve.engine.v1``."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from frontend_svc.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Values equal the wire enum; ``str()`` gives the API string."""
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str  # internal id, unique per core
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # n = 1; max_tokens resolved; eos folded in
+    arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
+    priority: int = 0
+    cache_salt: str | None = None
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    client_index: int = 0
+
+
+@dataclass
+class PositionLogprobs:
+    token_ids: list[int]  # [1 + k]: the chosen token, then the top-k
+    logprobs: list[float]  # [1 + k]
+    rank: int  # 1-based vocabulary rank of token_ids[0]
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    new_prompt_logprobs: list[PositionLogprobs] | None = None  # set once, when prefill completes
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: tuple[int, str] | None = None  # (grpc status code value, message)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    finished_requests: set[str] = field(default_factory=set)
+    timestamp: float = 0.0  # core's time.monotonic()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the frontend needs to know about a core (``GetEngineInfo``)."""
+
+    model: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_logprobs: int
+    dtype: str

@@ -1,0 +1,258 @@
+"""Turns engine-core outputs into API outputs (vLLM ``vllm/v1/engine/output_processor.py``).
+
+One ``RequestState`` per core request: detokenizer, stop strings, logprobs, output kind. Requests a stop
+string ended are returned in ``reqs_to_abort``: the core does not know they are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_svc.detokenizer import IncrementalDetokenizer, TextDetokenizer
+from frontend_svc.engine_types import EngineCoreOutput, FinishReason
+from frontend_svc.logprobs import LogprobsProcessor
+from frontend_svc.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from frontend_svc.parallel_sampling import ParentRequest
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+
+
+class RequestOutputCollector:
+    """Per-request mailbox between the output handler and an ``AsyncLLM.generate`` consumer. Outputs that pile
+    up while the consumer is busy are merged: DELTA outputs concatenated, others replaced per completion."""
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self.output: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | Exception) -> None:
+        if self.output is None or isinstance(output, Exception) or isinstance(self.output, Exception):
+            if not isinstance(self.output, Exception):
+                self.output = output
+        else:
+            self.output.add(output, aggregate=self.aggregate)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | None:
+        return self._take() if self.output is not None else None
+
+    def _take(self) -> RequestOutput:
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        if output is None:
+            raise RuntimeError("no output to take")
+        return output
+
+
+class RequestState:
+    """Everything the frontend tracks for one core request (a child, when n > 1)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        external_req_id: str,
+        params: SamplingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        tokenizer: Any | None,
+        parent: ParentRequest | None = None,
+        request_index: int = 0,
+        queue: RequestOutputCollector | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.external_req_id = external_req_id
+        self.params = params
+        self.output_kind = params.output_kind
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.parent = parent
+        self.request_index = request_index
+        self.queue = queue
+        self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, params, prompt_token_ids)
+        self.logprobs = LogprobsProcessor(
+            tokenizer if params.detokenize else None, params.logprobs, params.prompt_logprobs, prompt_token_ids
+        )
+        self.num_cached_tokens = 0
+        self._prompt_logprobs_sent = False
+
+    def make_request_output(
+        self,
+        new_token_ids: list[int],
+        new_logprobs: SampleLogprobs,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+    ) -> RequestOutput | None:
+        finished = finish_reason is not None
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        completion = CompletionOutput(
+            index=self.request_index,
+            text=self.detokenizer.get_next_output_text(finished, delta),
+            token_ids=list(new_token_ids) if delta else list(self.detokenizer.token_ids),
+            cumulative_logprob=self.logprobs.cumulative_logprob,
+            logprobs=(new_logprobs if delta else list(self.logprobs.logprobs))
+            if self.logprobs.logprobs is not None
+            else None,
+            finish_reason=str(finish_reason) if finish_reason is not None else None,
+            stop_reason=stop_reason,
+        )
+        if self.parent is not None:
+            completions, finished = self.parent.get_outputs(self.request_id, completion)
+            if not completions:
+                return None
+        else:
+            completions = [completion]
+        prompt_logprobs = self.logprobs.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            # DELTA sends prompt logprobs once; the first output carries them.
+            prompt_logprobs = None if self._prompt_logprobs_sent else prompt_logprobs
+            self._prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=self.external_req_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput] = field(default_factory=list)  # for callers without a queue
+    reqs_to_abort: list[str] = field(default_factory=list)  # internal ids a stop string ended
+
+
+class OutputProcessor:
+    """Owns every in-flight ``RequestState``; maps external ids (and parents) to internal ids for aborts."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.external_req_ids: dict[str, list[str]] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(
+        self,
+        request_id: str,
+        external_req_id: str,
+        params: SamplingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        parent: ParentRequest | None = None,
+        request_index: int = 0,
+        queue: RequestOutputCollector | None = None,
+    ) -> None:
+        if request_id in self.request_states:
+            raise ValueError(f"request id {request_id} is already in flight")
+        self.request_states[request_id] = RequestState(
+            request_id,
+            external_req_id,
+            params,
+            prompt,
+            prompt_token_ids,
+            self.tokenizer,
+            parent,
+            request_index,
+            queue,
+        )
+        self.external_req_ids.setdefault(external_req_id, []).append(request_id)
+
+    def process_outputs(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+        result = OutputProcessorOutput()
+        for output in engine_core_outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:
+                continue  # aborted while the output was on its way
+            request_output, stopped_by_string = self._process_one(state, output)
+            if request_output is not None:
+                if state.queue is not None:
+                    state.queue.put(request_output)
+                else:
+                    result.request_outputs.append(request_output)
+            if output.finished or stopped_by_string:
+                self._remove(state)
+                if stopped_by_string and not output.finished:
+                    result.reqs_to_abort.append(state.request_id)
+        return result
+
+    def abort_requests(self, request_ids: Iterable[str], internal: bool = False) -> list[str]:
+        """Forget requests (by internal id, or by external id covering all its children). Streams waiting on a
+        queue get a final ``abort`` output. Returns the internal ids to abort in the core."""
+        internal_ids: list[str] = []
+        for request_id in request_ids:
+            internal_ids.extend([request_id] if internal else self.external_req_ids.get(request_id, []))
+        for request_id in list(dict.fromkeys(internal_ids)):
+            state = self.request_states.get(request_id)
+            if state is None:
+                continue
+            self._remove(state)
+            last_of_request = True
+            if state.parent is not None:
+                state.parent.child_requests.discard(request_id)
+                last_of_request = not state.parent.child_requests
+            if state.queue is not None and last_of_request:
+                state.queue.put(self._aborted_output(state))
+        return internal_ids
+
+    def _process_one(self, state: RequestState, output: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
+        new_token_ids = output.new_token_ids
+        finish_reason, stop_reason = output.finish_reason, output.stop_reason
+        state.num_cached_tokens = output.num_cached_tokens
+        if output.new_prompt_logprobs is not None:
+            state.logprobs.set_prompt_logprobs(output.new_prompt_logprobs)
+        stop_string, num_surplus = state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
+        if num_surplus:
+            new_token_ids = new_token_ids[: len(new_token_ids) - num_surplus]
+        if stop_string is not None:
+            finish_reason, stop_reason = FinishReason.STOP, stop_string
+        elif finish_reason is not None and isinstance(state.detokenizer, TextDetokenizer):
+            state.detokenizer.finish()
+        new_logprobs = state.logprobs.update_sample_logprobs(output.new_logprobs[: len(new_token_ids)])
+        request_output = state.make_request_output(new_token_ids, new_logprobs, finish_reason, stop_reason)
+        return request_output, stop_string is not None
+
+    def _remove(self, state: RequestState) -> None:
+        self.request_states.pop(state.request_id, None)
+        siblings = self.external_req_ids.get(state.external_req_id)
+        if siblings is not None:
+            if state.request_id in siblings:
+                siblings.remove(state.request_id)
+            if not siblings:
+                del self.external_req_ids[state.external_req_id]
+
+    def _aborted_output(self, state: RequestState) -> RequestOutput:
+        completion = CompletionOutput(
+            index=state.request_index,
+            text=state.detokenizer.get_next_output_text(True, state.output_kind == RequestOutputKind.DELTA),
+            token_ids=[] if state.output_kind == RequestOutputKind.DELTA else list(state.detokenizer.token_ids),
+            cumulative_logprob=state.logprobs.cumulative_logprob,
+            logprobs=[] if state.logprobs.logprobs is not None else None,
+            finish_reason=str(FinishReason.ABORT),
+        )
+        return RequestOutput(
+            request_id=state.external_req_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=state.num_cached_tokens,
+        )

@@ -1,0 +1,144 @@
+"""OutputProcessor, ParentRequest and RequestOutputCollector with fake engine-core outputs (vLLM's cases)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from frontend_svc.engine_types import EngineCoreOutput, FinishReason, PositionLogprobs
+from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
+from frontend_svc.outputs import CompletionOutput, RequestOutput
+from frontend_svc.parallel_sampling import ParentRequest
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from tests.conftest import shared_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(shared_tokenizer("gpt2"))
+
+
+def core_output(request_id, token_id, finish=None, logprob=-0.25):
+    return EngineCoreOutput(
+        request_id, [token_id], new_logprobs=[PositionLogprobs([token_id, 7], [logprob, -0.1], 2)], finish_reason=finish
+    )
+
+
+def test_delta_outputs_one_token_each_and_processor_empties(tokenizer):
+    ids = tokenizer(" one two three four", add_special_tokens=False).input_ids
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r-1", "r", SamplingParams(output_kind=RequestOutputKind.DELTA, logprobs=1), None, [1])
+    outputs = []
+    for i, token_id in enumerate(ids):
+        finish = FinishReason.LENGTH if i == len(ids) - 1 else None
+        outputs += processor.process_outputs([core_output("r-1", token_id, finish)]).request_outputs
+    assert [o.outputs[0].token_ids for o in outputs] == [[i] for i in ids]
+    assert "".join(o.outputs[0].text for o in outputs) == " one two three four"
+    assert [len(o.outputs[0].logprobs) for o in outputs] == [1] * len(ids)
+    assert [o.finished for o in outputs] == [False] * (len(ids) - 1) + [True]
+    assert outputs[-1].outputs[0].cumulative_logprob == pytest.approx(-0.25 * len(ids))
+    assert outputs[0].outputs[0].logprobs[0][7].rank == 1 and outputs[0].outputs[0].logprobs[0][ids[0]].rank == 2
+    assert not processor.has_unfinished_requests() and not processor.external_req_ids
+
+
+def test_logprob_token_text_keeps_leading_space():
+    from transformers import AutoTokenizer
+
+    llama = AutoTokenizer.from_pretrained(shared_tokenizer("llama2"))
+    true_id = llama.convert_tokens_to_ids("▁true")
+    processor = OutputProcessor(llama)
+    prompt = llama("It is").input_ids
+    processor.add_request("r-1", "r", SamplingParams(logprobs=1), None, prompt)
+    out = processor.process_outputs([core_output("r-1", true_id, FinishReason.LENGTH)]).request_outputs[0]
+    assert out.outputs[0].logprobs[0][true_id].decoded_token == " true"
+    assert out.outputs[0].text == " true"
+
+
+def test_abort_by_external_id_reaches_every_child_and_the_queue(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    queue = RequestOutputCollector(RequestOutputKind.DELTA)
+    params = SamplingParams(n=3, seed=1)
+    parent = ParentRequest("p-1", "p", params)
+    for i in range(3):
+        child_id, child_params = parent.get_child_info(i)
+        processor.add_request(child_id, "p", child_params, None, [1], parent, i, queue)
+    processor.add_request("other-1", "other", SamplingParams(), None, [1])
+    assert sorted(processor.abort_requests(["p"])) == ["0_p-1", "1_p-1", "2_p-1"]
+    final = queue.get_nowait()
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert list(processor.request_states) == ["other-1"]
+    assert processor.abort_requests(["other-1"], internal=True) == ["other-1"]
+    assert processor.abort_requests(["unknown"]) == []
+
+
+def test_parent_final_only_releases_all_n_together(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, output_kind=RequestOutputKind.FINAL_ONLY)
+    parent = ParentRequest("p-1", "p", params)
+    for i in range(2):
+        child_id, child_params = parent.get_child_info(i)
+        processor.add_request(child_id, "p", child_params, None, [1], parent, i)
+    first = processor.process_outputs([core_output("0_p-1", 10, FinishReason.LENGTH), core_output("1_p-1", 11)])
+    assert first.request_outputs == []
+    second = processor.process_outputs([core_output("1_p-1", 12, FinishReason.LENGTH)]).request_outputs
+    assert len(second) == 1 and second[0].finished and second[0].request_id == "p"
+    assert sorted((c.index, c.token_ids) for c in second[0].outputs) == [(0, [10]), (1, [11, 12])]
+
+
+def test_parent_streaming_forwards_each_child_and_finishes_last(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    parent = ParentRequest("p-1", "p", SamplingParams(n=2, output_kind=RequestOutputKind.DELTA))
+    for i in range(2):
+        child_id, child_params = parent.get_child_info(i)
+        processor.add_request(child_id, "p", child_params, None, [1], parent, i)
+    out = processor.process_outputs([core_output("0_p-1", 10, FinishReason.LENGTH), core_output("1_p-1", 11)])
+    assert [(o.outputs[0].index, o.finished) for o in out.request_outputs] == [(0, False), (1, False)]
+    out = processor.process_outputs([core_output("1_p-1", 12, FinishReason.LENGTH)])
+    assert [(o.outputs[0].index, o.finished) for o in out.request_outputs] == [(1, True)]
+
+
+def make_output(index, text, ids, finished=False, logprobs=None):
+    completion = CompletionOutput(index, text, ids, None, logprobs, "length" if finished else None)
+    return RequestOutput("r", None, [1], None, [completion], finished)
+
+
+def test_collector_merges_deltas_and_replaces_cumulative():
+    async def scenario():
+        delta = RequestOutputCollector(RequestOutputKind.DELTA)
+        delta.put(make_output(0, "a", [1], logprobs=[{}]))
+        delta.put(make_output(0, "a", [2], finished=True, logprobs=[{}]))
+        merged = await delta.get()
+        assert (merged.outputs[0].text, merged.outputs[0].token_ids, merged.finished) == ("aa", [1, 2], True)
+        assert len(merged.outputs[0].logprobs) == 2
+
+        cumulative = RequestOutputCollector(RequestOutputKind.CUMULATIVE)
+        cumulative.put(make_output(0, "x", [1]))
+        cumulative.put(make_output(1, "y", [2]))
+        cumulative.put(make_output(0, "xz", [1, 3]))
+        merged = await cumulative.get()
+        assert sorted((c.index, c.text) for c in merged.outputs) == [(0, "xz"), (1, "y")]
+        assert cumulative.get_nowait() is None
+
+        failing = RequestOutputCollector(RequestOutputKind.DELTA)
+        failing.put(RuntimeError("engine died"))
+        failing.put(make_output(0, "late", [9]))
+        with pytest.raises(RuntimeError, match="engine died"):
+            await failing.get()
+
+    asyncio.run(scenario())
+
+
+def test_delta_without_new_ids_has_empty_logprobs(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(
+        "r-1", "r", SamplingParams(output_kind=RequestOutputKind.DELTA, logprobs=1, prompt_logprobs=1), None, [1, 2]
+    )
+    first = EngineCoreOutput("r-1", [], new_prompt_logprobs=[PositionLogprobs([2, 5], [-1.0, -0.5], 3)])
+    out = processor.process_outputs([first]).request_outputs[0]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].logprobs == []
+    assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1][2].logprob == -1.0
+    out = processor.process_outputs([core_output("r-1", 10, FinishReason.LENGTH)]).request_outputs[0]
+    assert out.prompt_logprobs is None  # DELTA sends prompt logprobs once
