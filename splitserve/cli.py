@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -74,65 +74,63 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def core_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine-core settings for an in-process core (``CoreConfig`` fields other than the model)."""
+    config = core_config_from_args(args, model="")
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+    from frontend_svc import LLM, SamplingParams
 
-    from core_svc.engine_core import EngineCore
-    from core_svc.wire import request_from_pb
-    from splitserve.engine.v1 import engine_core_pb2 as pb
-
-    model = resolve_model_arg(args.model)
-    engine = EngineCore(core_config_from_args(args, model))
-    tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
-    eos_ids = engine.get_engine_info().eos_token_ids
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop,
+        logprobs=args.logprobs,
+    )
     prompts = args.prompt or ["Hello, my name is"]
-    results: dict[str, dict[str, Any]] = {}
-    for i, prompt in enumerate(prompts):
-        prompt_ids = tokenizer(prompt).input_ids
-        params = pb.SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            ignore_eos=args.ignore_eos,
-            stop_token_ids=[] if args.ignore_eos else eos_ids[1:],
-        )
-        if args.seed is not None:
-            params.seed = args.seed
-        msg = pb.EngineCoreRequest(
-            request_id=str(i), prompt_token_ids=prompt_ids, sampling_params=params, arrival_time=time.time()
-        )
-        engine.add_request(request_from_pb(msg))
-        results[str(i)] = {"prompt": prompt, "prompt_token_ids": prompt_ids, "token_ids": [], "finish_reason": None}
-    while engine.has_unfinished_requests():
-        for output in engine.step().outputs:
-            result = results[output.request_id]
-            result["token_ids"].extend(output.new_token_ids)
-            if output.finish_reason is not None:
-                result["finish_reason"] = str(output.finish_reason)
-    for result in results.values():
-        text = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "prompt": result["prompt"],
-                        "prompt_token_ids": result["prompt_token_ids"],
-                        "outputs": [
-                            {
-                                "index": 0,
-                                "token_ids": result["token_ids"],
-                                "text": text,
-                                "finish_reason": result["finish_reason"],
-                            }
-                        ],
-                    },
-                    ensure_ascii=False,
-                )
-            )
+    with LLM(resolve_model_arg(args.model), **core_kwargs_from_args(args)) as llm:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
         else:
-            print(f"{result['prompt']!r} -> {text!r} ({result['finish_reason']})")
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        if args.json:
+            print(json.dumps(_output_json(prompt, output), ensure_ascii=False))
+            continue
+        for completion in output.outputs:
+            label = f"[{completion.index}] " if args.n > 1 else ""
+            print(f"{prompt!r} -> {label}{completion.text!r} ({completion.finish_reason})")
     return 0
+
+
+def _output_json(prompt: str, output: Any) -> dict[str, Any]:
+    completions = []
+    for c in output.outputs:
+        entry: dict[str, Any] = {
+            "index": c.index,
+            "token_ids": c.token_ids,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if c.logprobs is not None:
+            entry["cumulative_logprob"] = c.cumulative_logprob
+            entry["logprobs"] = [
+                [
+                    {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in position.items()
+                ]
+                for position in c.logprobs
+            ]
+        completions.append(entry)
+    return {"prompt": prompt, "prompt_token_ids": output.prompt_token_ids, "outputs": completions}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.set_defaults(func=cmd_make_test_model)
 
-    p = sub.add_parser("generate", help="run prompts offline through the engine core")
+    p = sub.add_parser("generate", help="run prompts offline (the Python API, core in-process)")
     add_core_args(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -157,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed of each request")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--stop", action="append", default=None, help="stop string; repeat for several")
+    p.add_argument("--logprobs", type=int, default=None, help="top logprobs per generated token")
+    p.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
     return parser
@@ -168,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from core_svc.errors import EngineError
+    from frontend_svc.errors import FrontendError
+    from splitserve.model_files import ModelNotFoundError
 
     try:
         return args.func(args)
-    except (EngineError, ValueError) as e:
+    except (EngineError, FrontendError, ModelNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -54,3 +54,34 @@ def test_generate_reports_errors_cleanly(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "error: model" in capsys.readouterr().err
+
+
+def test_generate_n_stop_logprobs_and_chat(checkpoint, capsys):
+    from transformers import AutoTokenizer
+
+    path = checkpoint("llama")
+    base = ["generate", "--model", str(path), "--prompt", "Once upon a time", "--max-tokens", "16", "--json"]
+    assert main(base + ["--n", "3", "--seed", "1", "--logprobs", "2"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert sorted(o["index"] for o in line["outputs"]) == [0, 1, 2]
+    for output in line["outputs"]:
+        assert len(output["logprobs"]) == len(output["token_ids"])
+        assert all(
+            position[0]["token_id"] == token
+            for position, token in zip(output["logprobs"], output["token_ids"], strict=True)
+        )
+        assert output["cumulative_logprob"] == sum(p[0]["logprob"] for p in output["logprobs"])
+
+    assert main(base + ["--temperature", "0", "--ignore-eos"]) == 0
+    free_text = json.loads(capsys.readouterr().out)["outputs"][0]["text"]
+    stop = free_text[4:6]
+    assert main(base + ["--temperature", "0", "--ignore-eos", "--stop", stop]) == 0
+    stopped = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert stopped["text"] == free_text[: free_text.index(stop)] and stopped["stop_reason"] == stop
+
+    assert main(base + ["--chat", "--temperature", "0"]) == 0
+    chat = json.loads(capsys.readouterr().out)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert chat["prompt_token_ids"] == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Once upon a time"}], tokenize=True, add_generation_prompt=True, return_dict=False
+    )

@@ -1,0 +1,28 @@
+"""splitserve frontend: tokenization, chat templates, validation, n>1 fan-out, incremental detokenization,
+stop strings and logprob text, and the Python API. Imports neither torch nor the core at import time.
+
+    from frontend_svc import LLM, SamplingParams
+"""
+
+from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.errors import EngineDeadError, RequestTooLargeError, ValidationError
+from frontend_svc.llm import LLM
+from frontend_svc.llm_engine import LLMEngine
+from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineCoreClient",
+    "EngineDeadError",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "RequestTooLargeError",
+    "SamplingParams",
+    "ValidationError",
+]

@@ -1,0 +1,68 @@
+"""How the frontend talks to an engine core (vLLM ``EngineCoreClient``): the interface and ``make_client``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+
+
+class EngineCoreClient(ABC):
+    """Adds and aborts requests, and fetches outputs, sync or asyncio.
+
+    Errors: ``add_request`` raises ValidationError or RequestTooLargeError for a request the core refuses;
+    every call raises EngineDeadError once the core is gone.
+    """
+
+    @staticmethod
+    def make_client(
+        model: str, core_address: str | None = None, asyncio_mode: bool = False, **core_config: Any
+    ) -> EngineCoreClient:
+        """The in-process client (``core_address`` None: the core runs in this process, built from ``model`` and
+        ``core_config``, the fields of ``core_svc.config.CoreConfig``), sync or asyncio.
+
+        Raises:
+            ValueError: ``core_address`` given; the gRPC engine-core client is not part of this build yet.
+        """
+        if core_address is not None:
+            raise ValueError(
+                f"core_address={core_address!r}: the gRPC engine-core client is not available in this build; "
+                "omit core_address to run the engine core in-process"
+            )
+        from frontend_svc.inproc_client import AsyncInprocClient, InprocClient
+
+        client_class = AsyncInprocClient if asyncio_mode else InprocClient
+        return client_class(model, **core_config)
+
+    @abstractmethod
+    def get_engine_info(self) -> EngineInfo: ...
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next step's outputs (the in-process client runs that step)."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the core (its memory, for the in-process client). Idempotent."""
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def reset_prefix_cache_async(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")

@@ -1,0 +1,169 @@
+"""Prompts and parameters in, ``EngineCoreRequest`` out (vLLM ``InputProcessor``): tokenization, chat
+templates, checks against the model, and EOS / generation-config stop ids folded in."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypedDict
+
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
+from frontend_svc.errors import ValidationError
+from frontend_svc.sampling_params import SamplingParams
+
+
+class TextPrompt(TypedDict, total=False):
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+    prompt: str  # optional text, echoed in outputs
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+ChatMessage = dict[str, Any]  # {"role": ..., "content": str or [{"type": "text", "text": ...}]}
+
+
+class InputProcessor:
+    """Validates requests against the model the core serves and builds core requests."""
+
+    def __init__(self, tokenizer: Any, engine_info: EngineInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = engine_info
+        eos_ids = list(engine_info.eos_token_ids)
+        if not eos_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos_ids = [tokenizer.eos_token_id]
+        self.eos_token_ids = eos_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids). Text is tokenized with the tokenizer's special tokens (BOS).
+
+        Raises:
+            ValidationError: a prompt of another type, or token ids that are not integers.
+        """
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_int_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValidationError("prompt", "a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        if isinstance(prompt, list | tuple):
+            return None, self._check_int_ids(prompt)
+        raise ValidationError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
+
+    def render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> TokensPrompt:
+        """Render a conversation with the tokenizer's chat template (transformers' ``apply_chat_template``).
+
+        Raises:
+            ValidationError: a malformed message, a non-text content part, or a tokenizer without a chat template.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValidationError("messages", "must be a non-empty list of {'role', 'content'} messages")
+        normalized = [self._check_message(i, m) for i, m in enumerate(messages)]
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValidationError("messages", "the model's tokenizer has no chat template; pass chat_template")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                normalized, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+        except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
+            raise ValidationError("messages", f"the chat template refused the conversation: {e}") from e
+        # The rendered text already holds BOS and other special tokens: do not add them again.
+        return TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Tokenize, check against the model and resolve the parameters. ``params`` is not modified.
+
+        Returns:
+            The core request (its params resolved: max_tokens set, EOS and generation-config stop ids folded in)
+            and the prompt text (None for token-id prompts).
+
+        Raises:
+            ValidationError: empty prompt, no room for one output token within max_model_len, token ids outside
+                the vocabulary, min_tokens above the derived max_tokens, or a parameter wrong for this model.
+        """
+        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        self._check_prompt(prompt_token_ids)
+        resolved = params.clone()
+        if resolved.max_tokens is None:
+            resolved.max_tokens = self.info.max_model_len - len(prompt_token_ids)
+        if resolved.min_tokens > resolved.max_tokens:
+            raise ValidationError(
+                "min_tokens",
+                f"{resolved.min_tokens} is above the derived max_tokens "
+                f"{resolved.max_tokens} (max_model_len - prompt length)",
+            )
+        resolved.verify(self.info.vocab_size, self.info.max_logprobs)
+        if self.eos_token_ids:
+            # vLLM's update_from_generation_config: the first EOS id stops the core (unless ignore_eos); further
+            # generation-config EOS ids become stop ids, reported with stop_reason = the id.
+            resolved.eos_token_id = self.eos_token_ids[0]
+            if not resolved.ignore_eos:
+                extra = [i for i in self.eos_token_ids[1:] if i not in resolved.stop_token_ids]
+                resolved.stop_token_ids = list(resolved.stop_token_ids or []) + extra
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=resolved,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        return request, prompt_text
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValidationError("prompt", "is empty")
+        max_model_len = self.info.max_model_len
+        if len(prompt_token_ids) >= max_model_len:
+            raise ValidationError(
+                "prompt",
+                f"has {len(prompt_token_ids)} tokens, which leaves no room for an output "
+                f"token within max_model_len={max_model_len}",
+            )
+        vocab_size = self.info.vocab_size
+        for i, token_id in enumerate(prompt_token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise ValidationError(
+                    f"prompt_token_ids[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                )
+
+    @staticmethod
+    def _check_int_ids(token_ids: Any) -> list[int]:
+        ids = list(token_ids)
+        for i, token_id in enumerate(ids):
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise ValidationError(f"prompt_token_ids[{i}]", f"must be an integer token id, got {token_id!r}")
+        return ids
+
+    @staticmethod
+    def _check_message(index: int, message: Any) -> ChatMessage:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValidationError(f"messages[{index}]", "must be a dict with 'role' and 'content'")
+        content = message["content"]
+        if isinstance(content, str):
+            return {"role": message["role"], "content": content}
+        if not isinstance(content, list):
+            raise ValidationError(f"messages[{index}].content", "must be text or a list of content parts")
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValidationError(
+                    f"messages[{index}].content[{j}]",
+                    f"only text parts are supported (multimodal input is not yet), got {kind!r}",
+                )
+            texts.append(part["text"])
+        return {"role": message["role"], "content": "".join(texts)}

@@ -1,0 +1,142 @@
+"""``LLM``: offline batch generation and chat (vLLM ``vllm/entrypoints/llm.py``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from frontend_svc.errors import ValidationError
+from frontend_svc.input_processor import ChatMessage, PromptType
+from frontend_svc.llm_engine import LLMEngine
+from frontend_svc.outputs import RequestOutput
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Generate for many prompts at once; the engine batches them continuously.
+
+    ``LLM(model=M)`` runs the core in-process; ``core_address="host:port"`` selects a remote core once the gRPC
+    client exists. Close it (or use it as a context manager) to free the core's memory at once; it is freed
+    anyway when the object is garbage-collected.
+
+    Args:
+        model: local Hugging Face folder or hub id.
+        **kwargs: ``LLMEngine`` arguments (core_address, tokenizer, and engine-core settings).
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(model, **kwargs)
+        self._request_counter = itertools.count()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.llm_engine.close()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order, each with its n completions.
+
+        Args:
+            prompts: one prompt or a list; a prompt is text, a list of token ids, or a {"prompt"} /
+                {"prompt_token_ids"} dict.
+            sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
+
+        Raises:
+            ValidationError: a bad prompt or parameter (nothing is left running).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | Sequence[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or a list of them, rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        processor = self.llm_engine.input_processor
+        prompts: list[PromptType] = [
+            processor.render_chat(conversation, add_generation_prompt, chat_template)  # type: ignore[arg-type]
+            for conversation in conversations
+        ]
+        return self._run(prompts, sampling_params, use_tqdm, None)
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+    ) -> list[RequestOutput]:
+        params_list = _as_params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValidationError("priority", f"has {len(priority)} entries for {len(prompts)} prompts")
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                final_only = params.clone()
+                final_only.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, final_only, priority=priority[i] if priority else 0)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompt_list = list(prompts)
+    if prompt_list and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt_list):
+        return [prompt_list]  # one prompt given as token ids
+    return prompt_list
+
+
+def _as_params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params_list = list(sampling_params)
+    if len(params_list) != num_prompts:
+        raise ValidationError("sampling_params", f"has {len(params_list)} entries for {num_prompts} prompts")
+    return params_list

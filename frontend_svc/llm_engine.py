@@ -1,0 +1,159 @@
+"""``LLMEngine``: the synchronous engine API (vLLM ``vllm/v1/engine/llm_engine.py``).
+
+add_request -> InputProcessor -> (n > 1: ParentRequest fan-out) -> core; step -> core outputs ->
+OutputProcessor -> RequestOutputs, aborting in the core what stop strings ended.
+"""
+
+from __future__ import annotations
+
+import secrets
+import weakref
+from typing import Any
+
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
+from frontend_svc.input_processor import InputProcessor, PromptType
+from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
+from frontend_svc.outputs import RequestOutput
+from frontend_svc.parallel_sampling import ParentRequest
+from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.tokenizer import load_tokenizer
+from splitserve.model_files import resolve_model_path
+
+
+class EngineFrontend:
+    """What LLMEngine and AsyncLLM share: tokenizer, input and output processors, the core client, request
+    fan-out, and release of the core when closed or garbage-collected."""
+
+    def __init__(
+        self,
+        model: str,
+        core_address: str | None,
+        tokenizer: str | None,
+        asyncio_mode: bool,
+        core_config: dict[str, Any],
+    ) -> None:
+        model_path = resolve_model_path(model)
+        self.tokenizer = load_tokenizer(tokenizer or model_path)
+        self.engine_core = EngineCoreClient.make_client(str(model_path), core_address, asyncio_mode, **core_config)
+        # Releases the core's memory when this object is collected; close() runs it early. It must not hold self.
+        self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
+        self.engine_info: EngineInfo = self.engine_core.get_engine_info()
+        self.input_processor = InputProcessor(self.tokenizer, self.engine_info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def close(self) -> None:
+        """Shut the core down and free its memory (idempotent)."""
+        self._finalizer()
+
+    def prepare_requests(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        queue: RequestOutputCollector | None = None,
+    ) -> tuple[str, list[EngineCoreRequest]]:
+        """Validate, register with the output processor, and return the internal id and the core request(s) to
+        send: one, or n children ``"{i}_{internal_id}"``. The internal id is ``"{request_id}-{8 hex chars}"``
+        (vLLM's)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        internal_id = f"{request_id}-{secrets.token_hex(4)}"
+        request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, arrival_time, priority)
+        if params.n == 1:
+            self.output_processor.add_request(
+                internal_id, request_id, request.sampling_params, prompt_text, request.prompt_token_ids, queue=queue
+            )
+            return internal_id, [request]
+        parent = ParentRequest(internal_id, request_id, request.sampling_params)
+        children = []
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            self.output_processor.add_request(
+                child_id, request_id, child_params, prompt_text, request.prompt_token_ids, parent, index, queue
+            )
+            children.append(
+                EngineCoreRequest(
+                    child_id,
+                    request.prompt_token_ids,
+                    child_params,
+                    request.arrival_time,
+                    request.priority,
+                    request.cache_salt,
+                )
+            )
+        return internal_id, children
+
+    def release_failed(self, requests: list[EngineCoreRequest]) -> None:
+        """Forget requests of which some could not be added to the core (the caller aborts those added)."""
+        self.output_processor.abort_requests([r.request_id for r in requests], internal=True)
+
+
+class LLMEngine(EngineFrontend):
+    """Synchronous engine: the caller drives it with ``step()``.
+
+    Args:
+        model: local Hugging Face folder or hub id.
+        core_address: None runs the core in-process.
+        tokenizer: tokenizer folder (default: the model's).
+        **core_config: engine-core settings (``core_svc.config.CoreConfig`` fields: max_num_seqs,
+            num_kv_blocks, dtype, ...), for the in-process core.
+    """
+
+    def __init__(
+        self, model: str, core_address: str | None = None, tokenizer: str | None = None, **core_config: Any
+    ) -> None:
+        super().__init__(model, core_address, tokenizer, asyncio_mode=False, core_config=core_config)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request (n > 1 fans out). Returns the internal request id.
+
+        Raises:
+            TypeError: request_id is not a str.
+            ValidationError: bad prompt or parameters (the field is named).
+            RequestTooLargeError: the request can never fit the KV cache.
+        """
+        internal_id, requests = self.prepare_requests(request_id, prompt, params, arrival_time, priority)
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.engine_core.add_request(request)
+                added.append(request.request_id)
+        except Exception:
+            self.engine_core.abort_requests(added)
+            self.release_failed(requests)
+            raise
+        return internal_id
+
+    def step(self) -> list[RequestOutput]:
+        """Run one core step; return the outputs it produced (per output kind)."""
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: str | list[str], internal: bool = False) -> None:
+        """Abort by the caller's ids (every n child included), or by internal ids."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids, internal))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()

@@ -1,0 +1,207 @@
+"""The Python API on an in-process core: LLM, LLMEngine, AsyncLLM, n > 1, stop strings, cancellation, memory."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import subprocess
+import sys
+import weakref
+
+import pytest
+
+from frontend_svc import LLM, AsyncLLM, LLMEngine, RequestOutputKind, SamplingParams, ValidationError
+from tests.conftest import shared_tokenizer
+from tests.helpers import hf_greedy
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+
+
+@pytest.fixture(scope="module")
+def llama2_model(tmp_path_factory):
+    from splitserve.test_model import make_test_model
+
+    return make_test_model(
+        tmp_path_factory.mktemp("llama2-tiny"), "llama", "tiny", tokenizer=shared_tokenizer("llama2"), seed=0
+    )
+
+
+@pytest.fixture(scope="module")
+def llm(llama2_model):
+    with LLM(str(llama2_model), num_kv_blocks=257) as instance:
+        yield instance
+
+
+def free_blocks(llm_or_engine) -> int:
+    engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+    return engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks
+
+
+def test_generate_greedy_matches_transformers(llm, llama2_model):
+    tokenizer = llm.get_tokenizer()
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        prompt_ids = tokenizer(prompt).input_ids
+        assert output.prompt_token_ids == prompt_ids
+        reference = hf_greedy(llama2_model, prompt_ids, 24).token_ids
+        completion = output.outputs[0]
+        assert completion.token_ids == reference
+        # The text continues the prompt: what transformers' decode of prompt + completion adds to the prompt's.
+        full = tokenizer.decode(prompt_ids + reference, skip_special_tokens=True)
+        assert completion.text == full[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)) :]
+        assert completion.text.strip() == tokenizer.decode(reference, skip_special_tokens=True).strip()
+        assert completion.finish_reason == "length" and output.finished
+
+
+def test_chat_renders_the_chat_template(llm):
+    tokenizer = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "Name three colors."}]
+    expected = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=False)
+    outputs = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert outputs[0].prompt_token_ids == expected
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]}
+    ]
+    assert (
+        llm.chat(parts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].prompt_token_ids == expected
+    )
+    with pytest.raises(ValidationError, match=r"messages\[0\].content\[0\]: only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+
+
+def test_n_completions(llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
+    first = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert sorted(c.index for c in first.outputs) == [0, 1, 2, 3]
+    texts = [c.text for c in sorted(first.outputs, key=lambda c: c.index)]
+    assert len(set(texts)) == 4  # distinct seeds, distinct completions
+    again = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert [c.text for c in sorted(again.outputs, key=lambda c: c.index)] == texts
+    # Child i is seeded seed + i: child 1 of seed 42 is child 0 of seed 43.
+    shifted = llm.generate(
+        PROMPTS[0], SamplingParams(n=1, temperature=1.0, seed=43, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert shifted.outputs[0].text == texts[1]
+
+
+def test_final_only_returns_all_n_together_and_parent_abort_ends_children(llama2_model):
+    engine = LLMEngine(str(llama2_model), num_kv_blocks=257)
+    try:
+        params = SamplingParams(
+            n=3, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        engine.add_request("all", PROMPTS[0], params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert len(outputs) == 1 and outputs[0].finished and len(outputs[0].outputs) == 3
+
+        engine.add_request("cut", PROMPTS[1], SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
+        engine.step()
+        engine.abort_request("cut")
+        assert not engine.has_unfinished_requests()
+        assert not engine.engine_core.engine_core.has_unfinished_requests()
+        engine.step()
+        assert free_blocks(engine) == 256
+    finally:
+        engine.close()
+
+
+def test_stop_string_aborts_in_the_core_and_frees_blocks(llm):
+    tokenizer = llm.get_tokenizer()
+    free_run = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    stop = free_run.text[5:8]
+    stopped = llm.generate(
+        PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == free_run.text[: free_run.text.index(stop)]
+    assert len(stopped.token_ids) < 30 and stopped.token_ids == free_run.token_ids[: len(stopped.token_ids)]
+    assert tokenizer.decode(stopped.token_ids).startswith(stopped.text.strip())
+    core = llm.llm_engine.engine_core.engine_core
+    assert not core.has_unfinished_requests()
+    assert free_blocks(llm) == 256
+
+
+def test_bad_requests_are_refused_and_others_go_on(llm):
+    with pytest.raises(ValidationError, match="prompt: is empty"):
+        llm.generate([[]], use_tqdm=False)  # text "" is not empty: it tokenizes to BOS, as in vLLM
+    with pytest.raises(ValidationError, match=r"prompt_token_ids\[1\]: token id 32000 is outside"):
+        llm.generate([[5, 32000]], use_tqdm=False)
+    with pytest.raises(ValidationError, match="min_tokens: 3000 is above the derived max_tokens"):
+        llm.generate("hi", SamplingParams(min_tokens=3000, max_tokens=None), use_tqdm=False)
+    with pytest.raises(ValidationError, match="logprobs: asked for 50"):
+        llm.generate("hi", SamplingParams(logprobs=50), use_tqdm=False)
+    with pytest.raises(ValidationError, match="prompt: has 2048 tokens"):
+        llm.generate([[5] * 2048], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate(["hi", "there"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+
+
+def test_async_generate_streams_and_cancels(llama2_model, llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0]
+
+    async def scenario():
+        engine = AsyncLLM(str(llama2_model), num_kv_blocks=257)
+        try:
+            delta = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            text, ids, finished_flags = "", [], []
+            async for output in engine.generate(PROMPTS[0], delta, "a"):
+                text += output.outputs[0].text
+                ids += output.outputs[0].token_ids
+                finished_flags.append(output.finished)
+            assert (text, ids) == (expected.text, expected.token_ids)
+            assert finished_flags[-1] and not any(finished_flags[:-1])
+
+            n3 = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, output_kind=RequestOutputKind.DELTA)
+            flags = [o.finished async for o in engine.generate(PROMPTS[1], n3, "b")]
+            assert flags[-1] and not any(flags[:-1])  # only the last output says finished
+
+            async def consume(request_id, long_params):
+                async for _ in engine.generate(PROMPTS[2], long_params, request_id):
+                    pass
+
+            long_params = SamplingParams(n=2, temperature=1.0, max_tokens=500, ignore_eos=True)
+            task = asyncio.create_task(consume("c", long_params))
+            other = asyncio.create_task(consume("d", SamplingParams(max_tokens=20, ignore_eos=True)))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await other  # the other request is unaffected
+            for _ in range(100):  # the abort reaches the core thread
+                if not engine.engine_core.engine_core.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.engine_core.engine_core.has_unfinished_requests()
+            assert not engine.output_processor.has_unfinished_requests()
+        finally:
+            engine.close()
+        assert engine.engine_core.engine_core is None
+
+    asyncio.run(scenario())
+
+
+def test_core_memory_is_released_on_close_and_on_garbage_collection(llama2_model):
+    llm = LLM(str(llama2_model), num_kv_blocks=65)
+    core = weakref.ref(llm.llm_engine.engine_core.engine_core)
+    llm.close()
+    gc.collect()
+    assert core() is None
+
+    llm = LLM(str(llama2_model), num_kv_blocks=65)
+    kv_cache = weakref.ref(llm.llm_engine.engine_core.engine_core.model_runner.kv_caches[0])
+    del llm
+    gc.collect()
+    assert kv_cache() is None
+
+
+def test_importing_the_frontend_imports_no_torch_and_no_core():
+    code = "import sys, frontend_svc; print(sorted(m for m in ('torch', 'core_svc', 'kernels') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
