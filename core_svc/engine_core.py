@@ -169,9 +169,9 @@ class EngineCore:
         num_usable_blocks = self.num_kv_blocks - 1
         if cdiv(max_len, self.config.block_size) > num_usable_blocks:
             raise RequestTooLargeError(
-                f"request needs up to {max_len} tokens of KV cache (prompt {len(prompt)} + max_tokens - 1 = "
-                f"{request.sampling_params.max_tokens}), more than the whole cache holds "
-                f"({num_usable_blocks * self.config.block_size} tokens)"
+                f"request needs up to {max_len} tokens of KV cache (prompt {len(prompt)} + max_tokens "
+                f"{request.sampling_params.max_tokens} - 1, within max_model_len), more than the whole cache "
+                f"holds ({num_usable_blocks * self.config.block_size} tokens)"
             )
 
 

@@ -6,18 +6,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.input_processor import PromptType
 from frontend_svc.llm_engine import EngineFrontend
-from frontend_svc.output_processor import RequestOutputCollector
+from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # Outputs processed between yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE).
 OUTPUT_CHUNK_SIZE = 128
+
+
+@dataclass
+class _HandlerState:
+    """Shared by AsyncLLM and its output-handler task; the task holds no reference to the AsyncLLM, so an
+    unclosed AsyncLLM can still be garbage-collected (and its core freed)."""
+
+    dead_error: BaseException | None = None
 
 
 class AsyncLLM(EngineFrontend):
@@ -31,7 +41,7 @@ class AsyncLLM(EngineFrontend):
     ) -> None:
         super().__init__(model, core_address, tokenizer, asyncio_mode=True, core_config=core_config)
         self._output_handler: asyncio.Task[None] | None = None
-        self._dead_error: BaseException | None = None
+        self._handler_state = _HandlerState()
 
     async def add_request(
         self,
@@ -41,24 +51,25 @@ class AsyncLLM(EngineFrontend):
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> RequestOutputCollector:
-        """Queue a request; its outputs arrive on the returned collector.
+        """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
+        internal id).
 
         Raises:
             ValidationError, RequestTooLargeError: the request is refused (nothing stays queued).
-            EngineDeadError: the core has failed.
+            EngineDeadError: the core has failed or was shut down.
         """
-        if self._dead_error is not None:
-            raise EngineDeadError(f"the engine core has failed: {self._dead_error}")
+        dead = self._handler_state.dead_error
+        if dead is not None:
+            raise EngineDeadError(f"the engine core has failed: {dead}")
         self._ensure_output_handler()
         queue = RequestOutputCollector(params.output_kind)
-        _, requests = self.prepare_requests(request_id, prompt, params, arrival_time, priority, queue)
-        added: list[str] = []
+        internal_id, requests = self.prepare_requests(request_id, prompt, params, arrival_time, priority, queue)
+        queue.request_id = internal_id
         try:
-            for request in requests:
-                await self.engine_core.add_request_async(request)
-                added.append(request.request_id)
+            await self.engine_core.add_requests_async(requests)
         except BaseException:
-            await self.engine_core.abort_requests_async(added)
+            # Refused, or cancelled while the core thread may be adding them: take back whatever got in.
+            self.engine_core.abort_requests_nowait([r.request_id for r in requests])
             self.release_failed(requests)
             raise
         return queue
@@ -68,56 +79,81 @@ class AsyncLLM(EngineFrontend):
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (per ``sampling_params.output_kind``); the last has finished=True.
 
-        Cancelling the consumer (or closing the generator) aborts the request in the core.
+        Cancelling the consumer (or closing the generator early) aborts this request, and only this one, in the
+        core.
         """
         queue: RequestOutputCollector | None = None
+        finished = False
         try:
             queue = await self.add_request(request_id, prompt, sampling_params, priority=priority)
-            finished = False
             while not finished:
                 output = queue.get_nowait() or await queue.get()
                 finished = output.finished
                 yield output
         except (asyncio.CancelledError, GeneratorExit):
-            if queue is not None:
-                await self.abort(request_id)
+            if queue is not None and not finished:
+                self._abort_nowait([queue.request_id])
             raise
 
     async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
-        """Abort by the caller's ids (all n children) or by internal ids; unknown ids are ignored."""
+        """Abort by the caller's ids (all n children) or by internal ids (a parent's covers its children);
+        unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         internal_ids = self.output_processor.abort_requests(ids, internal)
-        if internal_ids and self._dead_error is None:
+        if internal_ids and self._handler_state.dead_error is None:
             await self.engine_core.abort_requests_async(internal_ids)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
-    def _ensure_output_handler(self) -> None:
-        if self._output_handler is None:
-            self._output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
-
-    async def _run_output_handler(self) -> None:
-        try:
-            while True:
-                outputs = await self.engine_core.get_output_async()
-                chunks = outputs.outputs
-                for start in range(0, len(chunks), OUTPUT_CHUNK_SIZE):
-                    processed = self.output_processor.process_outputs(chunks[start : start + OUTPUT_CHUNK_SIZE])
-                    if processed.reqs_to_abort:
-                        await self.engine_core.abort_requests_async(processed.reqs_to_abort)
-                    await asyncio.sleep(0)  # let consumers run between chunks
-        except Exception as e:
-            logger.exception("output handler failed")
-            self._dead_error = e
-            error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine failed: {e!r}")
-            for state in list(self.output_processor.request_states.values()):
-                if state.queue is not None:
-                    state.queue.put(error)
-            self.output_processor.request_states.clear()
-            self.output_processor.external_req_ids.clear()
-
     def close(self) -> None:
+        """Shut the core down; every stream still waiting ends with EngineDeadError."""
+        error = EngineDeadError("the engine was closed")
+        self._handler_state.dead_error = self._handler_state.dead_error or error
+        _fail_streams(self.output_processor, error)
         if self._output_handler is not None:
             self._output_handler.cancel()
         super().close()
+
+    def _abort_nowait(self, internal_ids: list[str]) -> None:
+        ids = self.output_processor.abort_requests(internal_ids, internal=True)
+        if ids and self._handler_state.dead_error is None:
+            self.engine_core.abort_requests_nowait(ids)
+
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        handler = self._output_handler
+        if handler is None or handler.done() or handler.get_loop() is not loop:
+            self._output_handler = loop.create_task(
+                _run_output_handler(self.engine_core, self.output_processor, self._handler_state)
+            )
+
+
+async def _run_output_handler(
+    engine_core: EngineCoreClient, output_processor: OutputProcessor, state: _HandlerState
+) -> None:
+    """Pull core outputs, turn them into request outputs (in chunks, yielding between), abort what stop strings
+    ended. If the core fails, every waiting stream gets the error."""
+    try:
+        while True:
+            outputs = (await engine_core.get_output_async()).outputs
+            for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
+                processed = output_processor.process_outputs(outputs[start : start + OUTPUT_CHUNK_SIZE])
+                if processed.reqs_to_abort:
+                    engine_core.abort_requests_nowait(processed.reqs_to_abort)
+                await asyncio.sleep(0)
+    except Exception as e:
+        if not isinstance(e, EngineDeadError):
+            logger.exception("output handler failed")
+        error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine failed: {e!r}")
+        state.dead_error = error
+        _fail_streams(output_processor, error)
+
+
+def _fail_streams(output_processor: OutputProcessor, error: Exception) -> None:
+    for request_state in list(output_processor.request_states.values()):
+        if request_state.queue is not None:
+            request_state.queue.put(error)
+    output_processor.request_states.clear()
+    output_processor.external_req_ids.clear()
+    output_processor.parent_requests.clear()

@@ -58,7 +58,15 @@ class EngineCoreClient(ABC):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        """Add several requests atomically (n > 1 children): all are added or none."""
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
     async def abort_requests_async(self, request_ids: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        """Abort without waiting, for cancellation paths (asyncio clients)."""
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
     async def get_output_async(self) -> EngineCoreOutputs:

@@ -13,13 +13,15 @@ characters are held back, so a streamed delta never holds the beginning of a sto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.stop_strings import check_stop_strings
 
-# Prompt tokens that prime a detokenizer: enough for SentencePiece's space handling and a 4-byte character.
-NUM_PRIMING_TOKENS = 6
+# Prompt tokens that prime a detokenizer: the shortest suffix of 4 to 23 tokens that decodes cleanly (no
+# U+FFFD: it does not start inside a character), else the whole prompt. As vLLM's FastIncrementalDetokenizer.
+MIN_PRIMING_TOKENS, MAX_PRIMING_TOKENS = 4, 23
 # Tokens the slow algorithm decodes together before the one it emits (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 SLOW_PREFIX_OFFSET = 5
 
@@ -62,14 +64,14 @@ class TextDetokenizer(IncrementalDetokenizer):
         self.stop_buffer_length = params.output_text_buffer_length
         self._last_output_text_offset = 0
         self._pending_ids: list[int] = []  # trailing ids whose text is not out yet (an incomplete character)
-        self._context_ids: list[int] = []  # the last ids whose text is out, as context for a flush
 
     def decode_next(self, token_id: int) -> str | None:
         """Text the token completes; None while it is part of an incomplete character."""
         raise NotImplementedError
 
-    def flush_text(self, pending_ids: list[int], context_ids: list[int]) -> str:
-        """Text of ids that never completed a character, decoded as a full decode would (U+FFFD)."""
+    def flush_text(self, pending_ids: list[int]) -> str:
+        """Text of trailing ids that never completed a character: decoded on their own, so each invalid byte
+        shows as U+FFFD and no text already sent is repeated."""
         raise NotImplementedError
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> tuple[str | None, int]:
@@ -87,34 +89,43 @@ class TextDetokenizer(IncrementalDetokenizer):
             if text is None:
                 self._pending_ids.append(token_id)
                 continue
-            self._context_ids = (self._context_ids + self._pending_ids + [token_id])[-NUM_PRIMING_TOKENS:]
             self._pending_ids = []
-            self.output_text += text
-            if self.stop and len(self.token_ids) > self.min_tokens:
-                match = check_stop_strings(self.output_text, len(text), self.stop, self.include_stop_str_in_output)
-                if match is not None:
-                    stop_str, truncate_to = match
-                    if truncate_to != -1:
-                        self.output_text = self.output_text[:truncate_to]
-                    return stop_str, len(new_token_ids) - i - 1 + (skipped_stop_token_id is not None)
+            stop_str = self._append_text(text)
+            if stop_str is not None:
+                return stop_str, len(new_token_ids) - i - 1 + (skipped_stop_token_id is not None)
         if skipped_stop_token_id is not None:
             self.token_ids.append(skipped_stop_token_id)
         return None, 0
 
-    def finish(self) -> None:
-        """At the end of a request that no stop string ended: decode ids left incomplete (invalid UTF-8 at the
-        end), once, as a full decode would show them."""
-        if self._pending_ids:
-            self.output_text += self.flush_text(self._pending_ids, self._context_ids)
-            self._pending_ids = []
+    def finish(self) -> str | None:
+        """At the end of a request that no stop string ended: add the text of ids left incomplete (invalid UTF-8
+        at the end), once. Returns a stop string that this last text completes, if any."""
+        if not self._pending_ids:
+            return None
+        text = self.flush_text(self._pending_ids)
+        self._pending_ids = []
+        return self._append_text(text)
+
+    def _append_text(self, text: str) -> str | None:
+        """Add text; once past min_tokens, truncate at a stop string it completes and return that string."""
+        self.output_text += text
+        if not self.stop or len(self.token_ids) <= self.min_tokens:
+            return None
+        match = check_stop_strings(self.output_text, len(text), self.stop, self.include_stop_str_in_output)
+        if match is None:
+            return None
+        stop_str, truncate_to = match
+        if truncate_to != -1:
+            self.output_text = self.output_text[:truncate_to]
+        return stop_str
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """All text so far (or, with ``delta``, what is new since the last call), minus the hold-back buffer
         while the request runs."""
         buffer_length = 0 if finished else self.stop_buffer_length
-        length = len(self.output_text) - buffer_length
+        length = max(0, len(self.output_text) - buffer_length)
         if not delta:
-            return self.output_text[:length] if buffer_length else self.output_text
+            return self.output_text[:length]
         last = self._last_output_text_offset
         if last < length:
             self._last_output_text_offset = length
@@ -132,8 +143,11 @@ class FastIncrementalDetokenizer(TextDetokenizer):
         self._decode_stream_class = DecodeStream
         self.backend = tokenizer.backend_tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.prompt_tail = list(prompt_token_ids[-NUM_PRIMING_TOKENS:])
+        self.prompt_tail = clean_suffix(self._decode, list(prompt_token_ids))
         self.stream = self._primed_stream(self.prompt_tail)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _primed_stream(self, context_ids: list[int]) -> Any:
         stream = self._decode_stream_class(skip_special_tokens=self.skip_special_tokens)
@@ -151,18 +165,14 @@ class FastIncrementalDetokenizer(TextDetokenizer):
             if "Invalid prefix" not in str(e):
                 return ""  # an id the tokenizer cannot decode (out of its vocabulary) adds no text
             # The stream's buffered prefix no longer decodes as a prefix (vLLM resets and retries the same way).
-            context = (self.prompt_tail + self.token_ids[:-1])[-NUM_PRIMING_TOKENS:]
-            self.stream = self._primed_stream(context)
+            self.stream = self._primed_stream(clean_suffix(self._decode, self.prompt_tail + self.token_ids[:-1]))
             try:
                 return self.stream.step(self.backend, token_id)
             except Exception:
                 return ""
 
-    def flush_text(self, pending_ids: list[int], context_ids: list[int]) -> str:
-        context = (self.prompt_tail + context_ids)[-NUM_PRIMING_TOKENS:]
-        before = self.backend.decode(context, skip_special_tokens=self.skip_special_tokens)
-        after = self.backend.decode(context + pending_ids, skip_special_tokens=self.skip_special_tokens)
-        return after[_common_prefix_length(before, after) :]
+    def flush_text(self, pending_ids: list[int]) -> str:
+        return self._decode(pending_ids)
 
 
 class SlowIncrementalDetokenizer(TextDetokenizer):
@@ -190,10 +200,8 @@ class SlowIncrementalDetokenizer(TextDetokenizer):
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         return new_text[len(prefix_text) :]
 
-    def flush_text(self, pending_ids: list[int], context_ids: list[int]) -> str:
-        prefix_text = self._tokens_to_string(self.tokens[self.prefix_offset : self.read_offset])
-        new_text = self._tokens_to_string(self.tokens[self.prefix_offset :])
-        return new_text[_common_prefix_length(prefix_text, new_text) :]
+    def flush_text(self, pending_ids: list[int]) -> str:
+        return self._tokens_to_string(self.tokens[self.read_offset :])
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         tokens = self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
@@ -221,9 +229,12 @@ class SlowIncrementalDetokenizer(TextDetokenizer):
         return (" " if self.spaces_between_special_tokens else "").join(sub_texts)
 
 
-def _common_prefix_length(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def clean_suffix(decode: Callable[[list[int]], str], token_ids: list[int]) -> list[int]:
+    """The shortest suffix of ``token_ids`` (4 to 23 ids) whose decode holds no U+FFFD, else all of them."""
+    if len(token_ids) <= MIN_PRIMING_TOKENS:
+        return list(token_ids)
+    for length in range(MIN_PRIMING_TOKENS, min(len(token_ids), MAX_PRIMING_TOKENS) + 1):
+        suffix = token_ids[-length:]
+        if "\ufffd" not in decode(suffix):
+            return list(suffix)
+    return list(token_ids)

@@ -95,11 +95,20 @@ class AsyncInprocClient(InprocClient):
         self._stopping = threading.Event()
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._call("add", request)
+        await self._call("add", [request])
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        """Add several requests (n > 1 children) in one command: all or none, never split by an abort."""
+        await self._call("add", requests)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids:
             await self._call("abort", request_ids)
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        """Queue an abort without waiting (from cancellation paths); it runs after every command queued before."""
+        if request_ids and not self._stopping.is_set():
+            self._commands.put(("abort", request_ids, concurrent.futures.Future()))
 
     async def reset_prefix_cache_async(self) -> bool:
         return await self._call("reset_prefix_cache", None)
@@ -112,9 +121,12 @@ class AsyncInprocClient(InprocClient):
         return output
 
     def shutdown(self) -> None:
+        """Stop the core thread, fail queued commands and wake the output reader, then free the core."""
         self._stopping.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+        self._fail_pending_commands()
+        self._post(EngineDeadError("the engine core has been shut down"))
         super().shutdown()
 
     async def _call(self, command: str, argument: Any) -> Any:
@@ -126,10 +138,13 @@ class AsyncInprocClient(InprocClient):
         return await asyncio.wrap_future(future)
 
     def _ensure_started(self) -> asyncio.Queue[EngineCoreOutputs | BaseException]:
-        """Start the core thread on first use; returns the output queue."""
-        if self._outputs is None:
-            self._loop = asyncio.get_running_loop()
+        """Start the core thread on first use; returns the output queue. A new event loop (a later
+        ``asyncio.run``) gets a new queue: outputs go to the loop in use."""
+        loop = asyncio.get_running_loop()
+        if self._outputs is None or self._loop is not loop:
+            self._loop = loop
             self._outputs = asyncio.Queue()
+        if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="splitserve-engine-core", daemon=True)
             self._thread.start()
         return self._outputs
@@ -156,21 +171,35 @@ class AsyncInprocClient(InprocClient):
             return
         while True:
             command, argument, future = item
-            try:
-                if command == "add":
-                    self.add_request(argument)
-                    result = None
-                elif command == "abort":
-                    result = self.abort_requests(argument)
-                else:
-                    result = self.reset_prefix_cache()
-                future.set_result(result)
-            except Exception as e:
-                future.set_exception(e)
+            # A cancelled caller no longer wants an add or a reset; an abort runs regardless.
+            wanted = future.set_running_or_notify_cancel()
+            if wanted or command == "abort":
+                try:
+                    result = self._execute(command, argument)
+                    if wanted:
+                        future.set_result(result)
+                except Exception as e:
+                    if wanted:
+                        future.set_exception(e)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _execute(self, command: str, argument: Any) -> Any:
+        if command == "add":
+            added: list[str] = []
+            try:
+                for request in argument:
+                    self.add_request(request)
+                    added.append(request.request_id)
+            except Exception:
+                self.abort_requests(added)
+                raise
+            return None
+        if command == "abort":
+            return self.abort_requests(argument)
+        return self.reset_prefix_cache()
 
     def _post(self, item: EngineCoreOutputs | BaseException) -> None:
         if self._loop is not None and self._outputs is not None and not self._loop.is_closed():
@@ -182,4 +211,5 @@ class AsyncInprocClient(InprocClient):
                 _, _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(EngineDeadError("the engine core has stopped"))
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine core has stopped"))

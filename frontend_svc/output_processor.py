@@ -23,7 +23,8 @@ class RequestOutputCollector:
     """Per-request mailbox between the output handler and an ``AsyncLLM.generate`` consumer. Outputs that pile
     up while the consumer is busy are merged: DELTA outputs concatenated, others replaced per completion."""
 
-    def __init__(self, output_kind: RequestOutputKind) -> None:
+    def __init__(self, output_kind: RequestOutputKind, request_id: str = "") -> None:
+        self.request_id = request_id  # the internal id of the request (the parent's, for n > 1)
         self.aggregate = output_kind == RequestOutputKind.DELTA
         self.output: RequestOutput | Exception | None = None
         self.ready = asyncio.Event()
@@ -141,7 +142,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
-        self.external_req_ids: dict[str, list[str]] = {}
+        self.external_req_ids: dict[str, list[str]] = {}  # the caller's id -> internal ids (children for n > 1)
+        self.parent_requests: dict[str, ParentRequest] = {}  # internal parent id -> parent, while children run
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
@@ -174,6 +176,8 @@ class OutputProcessor:
             queue,
         )
         self.external_req_ids.setdefault(external_req_id, []).append(request_id)
+        if parent is not None:
+            self.parent_requests[parent.request_id] = parent
 
     def process_outputs(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
         result = OutputProcessorOutput()
@@ -194,22 +198,26 @@ class OutputProcessor:
         return result
 
     def abort_requests(self, request_ids: Iterable[str], internal: bool = False) -> list[str]:
-        """Forget requests (by internal id, or by external id covering all its children). Streams waiting on a
-        queue get a final ``abort`` output. Returns the internal ids to abort in the core."""
+        """Forget requests: by the caller's id (every child of an n > 1 request) or by internal id (a parent's
+        internal id covers its children). Streams waiting on a queue get ``abort`` outputs, through the parent's
+        aggregation, so every completion ends. Returns the internal ids to abort in the core."""
         internal_ids: list[str] = []
         for request_id in request_ids:
-            internal_ids.extend([request_id] if internal else self.external_req_ids.get(request_id, []))
-        for request_id in list(dict.fromkeys(internal_ids)):
+            if not internal:
+                internal_ids.extend(self.external_req_ids.get(request_id, []))
+            elif request_id in self.parent_requests:
+                internal_ids.extend(sorted(self.parent_requests[request_id].child_requests))
+            else:
+                internal_ids.append(request_id)
+        internal_ids = list(dict.fromkeys(internal_ids))
+        for request_id in internal_ids:
             state = self.request_states.get(request_id)
             if state is None:
                 continue
             self._remove(state)
-            last_of_request = True
-            if state.parent is not None:
-                state.parent.child_requests.discard(request_id)
-                last_of_request = not state.parent.child_requests
-            if state.queue is not None and last_of_request:
-                state.queue.put(self._aborted_output(state))
+            aborted = state.make_request_output([], [], FinishReason.ABORT, None)
+            if aborted is not None and state.queue is not None:
+                state.queue.put(aborted)
         return internal_ids
 
     def _process_one(self, state: RequestState, output: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
@@ -221,38 +229,21 @@ class OutputProcessor:
         stop_string, num_surplus = state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
         if num_surplus:
             new_token_ids = new_token_ids[: len(new_token_ids) - num_surplus]
+        if stop_string is None and finish_reason is not None and isinstance(state.detokenizer, TextDetokenizer):
+            stop_string = state.detokenizer.finish()
         if stop_string is not None:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
-        elif finish_reason is not None and isinstance(state.detokenizer, TextDetokenizer):
-            state.detokenizer.finish()
         new_logprobs = state.logprobs.update_sample_logprobs(output.new_logprobs[: len(new_token_ids)])
         request_output = state.make_request_output(new_token_ids, new_logprobs, finish_reason, stop_reason)
         return request_output, stop_string is not None
 
     def _remove(self, state: RequestState) -> None:
         self.request_states.pop(state.request_id, None)
+        if state.parent is not None and not any(child in self.request_states for child in state.parent.child_requests):
+            self.parent_requests.pop(state.parent.request_id, None)
         siblings = self.external_req_ids.get(state.external_req_id)
         if siblings is not None:
             if state.request_id in siblings:
                 siblings.remove(state.request_id)
             if not siblings:
                 del self.external_req_ids[state.external_req_id]
-
-    def _aborted_output(self, state: RequestState) -> RequestOutput:
-        completion = CompletionOutput(
-            index=state.request_index,
-            text=state.detokenizer.get_next_output_text(True, state.output_kind == RequestOutputKind.DELTA),
-            token_ids=[] if state.output_kind == RequestOutputKind.DELTA else list(state.detokenizer.token_ids),
-            cumulative_logprob=state.logprobs.cumulative_logprob,
-            logprobs=[] if state.logprobs.logprobs is not None else None,
-            finish_reason=str(FinishReason.ABORT),
-        )
-        return RequestOutput(
-            request_id=state.external_req_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=None,
-            outputs=[completion],
-            finished=True,
-            num_cached_tokens=state.num_cached_tokens,
-        )

@@ -19,6 +19,17 @@ MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (numerical stability), as vLLM
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100]
+MIN_TOP_P = 1e-30  # smaller values would be 0 on the wire (float32)
+INT32_MAX = 2**31 - 1  # the wire carries counts and ids as int32, the seed as int64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+BOOL_FIELDS = (
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -63,6 +74,7 @@ class SamplingParams:
     eos_token_id: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._normalize()
         self._verify_args()
         if self.temperature < SAMPLING_EPS:
@@ -101,7 +113,8 @@ class SamplingParams:
         """Checks that need the model (vLLM ``SamplingParams.verify``).
 
         Raises:
-            ValidationError: logprobs above the engine's max_logprobs, token ids outside [0, vocab_size).
+            ValidationError: logprobs above the engine's max_logprobs or the vocabulary, token ids outside
+                [0, vocab_size).
         """
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -111,6 +124,10 @@ class SamplingParams:
                 asked = "the whole vocabulary (-1)" if value == -1 else value
                 raise ValidationError(
                     name, f"asked for {asked}; the engine allows at most {max_logprobs} (max_logprobs)"
+                )
+            if value > vocab_size:
+                raise ValidationError(
+                    name, f"asked for {value}, more than the vocabulary ({vocab_size}); -1 asks for all"
                 )
         for name in ("stop_token_ids", "allowed_token_ids"):
             for i, token_id in enumerate(getattr(self, name) or []):
@@ -122,6 +139,16 @@ class SamplingParams:
             if not 0 <= token_id < vocab_size:
                 raise ValidationError("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
+    def _check_types(self) -> None:
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int | float) and not isinstance(value, bool), name, f"must be a number, got {value!r}"
+            )
+        for name in BOOL_FIELDS:
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, f"must be true or false, got {value!r}")
+
     def _normalize(self) -> None:
         if self.seed == -1:
             self.seed = None
@@ -131,20 +158,12 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        else:
-            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is True:
-                setattr(self, name, 1)
-        if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
-            try:
-                self.output_kind = RequestOutputKind(self.output_kind)
-            except ValueError:
-                raise ValidationError(
-                    "output_kind", f"must be 0 (CUMULATIVE), 1 (DELTA) or 2 (FINAL_ONLY), got {self.output_kind}"
-                ) from None
+            value = getattr(self, name)
+            if isinstance(value, bool):  # True asks for the sampled token and 1 more; False for none
+                setattr(self, name, 1 if value else None)
+        self.output_kind = _output_kind(self.output_kind)
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -152,44 +171,54 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
 
     def _verify_args(self) -> None:
-        _require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
-        _require(
-            -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}"
-        )
-        _require(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            f"must be in [-2, 2], got {self.frequency_penalty}",
-        )
-        _require(
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-            "repetition_penalty",
-            f"must be a finite number > 0, got {self.repetition_penalty}",
-        )
-        _require(
-            math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
-            "temperature",
-            f"must be a finite number in [0, 2], got {self.temperature}",
-        )
-        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(
-            _is_int(self.top_k) and self.top_k >= -1,
-            "top_k",
-            f"must be an integer: -1 or 0 (off) or >= 1, got {self.top_k!r}",
-        )
-        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None:
-            _require(
-                _is_int(self.max_tokens) and self.max_tokens >= 1,
+        checks = [
+            (_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty",
+                f"must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                f"must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+                "repetition_penalty",
+                f"must be a finite number > 0, got {self.repetition_penalty}",
+            ),
+            (
+                math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
+                "temperature",
+                f"must be a finite number in [0, 2], got {self.temperature}",
+            ),
+            (0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}"),
+            (self.top_p >= MIN_TOP_P, "top_p", f"is too small to tell from 0 (below {MIN_TOP_P}), got {self.top_p}"),
+            (
+                _is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
+                "top_k",
+                f"must be an integer: -1 or 0 (off), or in [1, {INT32_MAX}], got {self.top_k!r}",
+            ),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}"),
+            (
+                self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+                "seed",
+                f"must be a 64-bit integer, got {self.seed!r}",
+            ),
+            (
+                self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX),
                 "max_tokens",
-                f"must be an integer >= 1, got {self.max_tokens!r}",
-            )
-        _require(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
-            "min_tokens",
-            f"must be an integer >= 0, got {self.min_tokens!r}",
-        )
+                f"must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}",
+            ),
+            (
+                _is_int(self.min_tokens) and 0 <= self.min_tokens <= INT32_MAX,
+                "min_tokens",
+                f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}",
+            ),
+        ]
+        for ok, field_name, message in checks:
+            _require(ok, field_name, message)
         if self.max_tokens is not None:
             _require(
                 self.min_tokens <= self.max_tokens,
@@ -199,7 +228,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(
-                value is None or (_is_int(value) and value >= -1),
+                value is None or (_is_int(value) and -1 <= value <= INT32_MAX),
                 name,
                 f"must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}",
             )
@@ -228,11 +257,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _normalize_logit_bias(logit_bias: dict[Any, Any]) -> dict[int, float]:
-    """Keys may be ints or numeric strings (JSON); values are clamped to [-100, 100] (vLLM ``from_optional``)."""
+def _output_kind(value: Any) -> RequestOutputKind:
+    """An enum member, its int value, or its name in any case."""
+    try:
+        if isinstance(value, str):
+            return RequestOutputKind[value.upper()]
+        if _is_int(value):
+            return RequestOutputKind(value)
+    except (KeyError, ValueError):
+        pass
+    raise ValidationError("output_kind", f"must be CUMULATIVE (0), DELTA (1) or FINAL_ONLY (2), got {value!r}")
+
+
+def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:
+    """Keys are ints or integer strings (JSON); values are clamped to [-100, 100] (vLLM ``from_optional``)."""
+    if not isinstance(logit_bias, dict):
+        raise ValidationError("logit_bias", f"must map token ids to biases, got {type(logit_bias).__name__}")
     normalized: dict[int, float] = {}
     for key, value in logit_bias.items():
         try:
+            if not (_is_int(key) or isinstance(key, str)) or isinstance(value, bool):
+                raise TypeError(key)
             token_id = int(key)
             bias = float(value)
         except (TypeError, ValueError):

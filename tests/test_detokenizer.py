@@ -112,3 +112,29 @@ def test_slow_algorithm_matches_full_decode(tokenizer):
         detokenizer.update(ids, stop_terminated=False)
         detokenizer.finish()
         assert detokenizer.output_text == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+def test_prompt_ending_in_split_characters_primes_cleanly(tokenizer):
+    """Priming starts at a clean character boundary, so a prompt ending in emoji runs adds no U+FFFD."""
+    for prompt in ("Hi 😀😀", "Thanks 👍👍", "Party 🎉🎉🎉", "表情😂😂", "flag: 🇫🇷"):
+        prompt_ids = tokenizer(prompt).input_ids
+        ids = tokenizer(" and then some text", add_special_tokens=False).input_ids
+        full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
+        prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        texts, deltas = run_kinds(tokenizer, ids, True, prompt_ids)
+        assert texts[RequestOutputKind.DELTA] == full[len(prompt_text) :], prompt
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_flush_does_not_repeat_text_already_sent(tokenizer):
+    """An emoji, then the first bytes of another, then the end: the emoji was sent when complete; the dangling
+    bytes are flushed on their own (U+FFFD each), not as a re-decoded run that would repeat it."""
+    prefix = tokenizer(" ok", add_special_tokens=False).input_ids
+    emoji = tokenizer("😀", add_special_tokens=False).input_ids
+    rocket = [i for i in tokenizer("🚀", add_special_tokens=False).input_ids if tokenizer.decode([i]).strip()]
+    dangling = rocket[:-1]  # its bytes but the last (llama2's leading "▁" piece left out)
+    assert dangling and "\ufffd" in tokenizer.decode(dangling)
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    text = delta_text(stream(tokenizer, prefix + emoji + dangling, params).outputs)
+    assert text == tokenizer.decode(prefix + emoji) + tokenizer.decode(dangling)
+    assert text.count("😀") == 1

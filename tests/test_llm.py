@@ -205,3 +205,77 @@ def test_importing_the_frontend_imports_no_torch_and_no_core():
     code = "import sys, frontend_svc; print(sorted(m for m in ('torch', 'core_svc', 'kernels') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_async_edge_cases(llama2_model):
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def drain(engine, request_id, params, prompt=PROMPTS[0]):
+        return [o async for o in engine.generate(prompt, params, request_id)]
+
+    async def wait_until_core_idle(engine):
+        for _ in range(200):
+            if not engine.engine_core.engine_core.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def scenario(engine):
+        # Cancelled while its add is still queued for the core thread: the engine lives on, nothing leaks.
+        task = asyncio.create_task(drain(engine, "early", long))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await wait_until_core_idle(engine)
+        assert len(await drain(engine, "next", SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA))) >= 1
+
+        # Two requests with the same caller id: cancelling one leaves the other alone.
+        one = asyncio.create_task(drain(engine, "same", long))
+        two = asyncio.create_task(drain(engine, "same", SamplingParams(max_tokens=30, ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        one.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await one
+        survivor = (await two)[-1].outputs[0]
+        assert survivor.finish_reason == "length" and len(survivor.token_ids) == 30
+
+        # Closing the engine ends every waiting stream with EngineDeadError instead of leaving it hanging.
+        streams = [asyncio.create_task(drain(engine, f"s{i}", long)) for i in range(3)]
+        await asyncio.sleep(0.2)
+        engine.close()
+        results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), timeout=10)
+        assert all(type(r).__name__ == "EngineDeadError" for r in results)
+        with pytest.raises(Exception, match="closed|shut down"):
+            await drain(engine, "after", long)
+
+    engine = AsyncLLM(str(llama2_model), num_kv_blocks=257)
+    asyncio.run(scenario(engine))
+
+
+def test_async_llm_serves_a_second_event_loop_and_is_collected_unclosed(llama2_model):
+    engine = AsyncLLM(str(llama2_model), num_kv_blocks=65)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+
+    async def once(llm):
+        return [o async for o in llm.generate(PROMPTS[0], params, "r")][-1].outputs[0].token_ids
+
+    first = asyncio.run(once(engine))
+    assert asyncio.run(asyncio.wait_for(once(engine), timeout=30)) == first
+    core = weakref.ref(engine.engine_core.engine_core)
+    del engine
+    gc.collect()
+    assert core() is None
+
+
+def test_engine_abort_by_internal_parent_id(llama2_model):
+    engine = LLMEngine(str(llama2_model), num_kv_blocks=257)
+    try:
+        internal_id = engine.add_request("a", PROMPTS[0], SamplingParams(n=3, max_tokens=50, ignore_eos=True))
+        engine.step()
+        engine.abort_request(internal_id, internal=True)
+        assert not engine.has_unfinished_requests()
+        assert not engine.engine_core.engine_core.has_unfinished_requests()
+    finally:
+        engine.close()

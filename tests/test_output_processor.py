@@ -142,3 +142,26 @@ def test_delta_without_new_ids_has_empty_logprobs(tokenizer):
     assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1][2].logprob == -1.0
     out = processor.process_outputs([core_output("r-1", 10, FinishReason.LENGTH)]).request_outputs[0]
     assert out.prompt_logprobs is None  # DELTA sends prompt logprobs once
+
+
+def test_abort_ends_every_child_through_the_parent(tokenizer):
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA):
+        processor = OutputProcessor(tokenizer)
+        queue = RequestOutputCollector(kind)
+        parent = ParentRequest("p-1", "p", SamplingParams(n=3, output_kind=kind))
+        for i in range(3):
+            child_id, child_params = parent.get_child_info(i)
+            processor.add_request(child_id, "p", child_params, None, [1], parent, i, queue)
+        processor.process_outputs([core_output("0_p-1", 10, FinishReason.LENGTH)])
+        processor.process_outputs([core_output("1_p-1", 11), core_output("2_p-1", 12)])
+        queue.get_nowait()  # drain what streamed so far
+        # The parent's internal id covers the children still running.
+        assert sorted(processor.abort_requests(["p-1"], internal=True)) == ["1_p-1", "2_p-1"]
+        final = queue.get_nowait()
+        assert final.finished
+        reasons = {c.index: c.finish_reason for c in final.outputs}
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert reasons == {0: "length", 1: "abort", 2: "abort"}
+        else:
+            assert reasons == {1: "abort", 2: "abort"}
+        assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids

@@ -114,3 +114,32 @@ def test_model_dependent_checks(kwargs, field, message):
 
 def test_whole_vocabulary_logprobs_allowed_when_uncapped():
     SamplingParams(logprobs=-1, prompt_logprobs=-1).verify(vocab_size=1000, max_logprobs=-1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"seed": 2**63}, "seed"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"min_tokens": 2**31, "max_tokens": None}, "min_tokens"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"logit_bias": {1.7: 1.0}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"output_kind": "STREAMING"}, "output_kind"),
+        ({"top_p": 1e-40}, "top_p"),
+    ],
+)
+def test_values_the_wire_cannot_carry_are_refused(kwargs, field):
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field
+
+
+def test_lenient_spellings():
+    assert SamplingParams(output_kind="delta").output_kind == RequestOutputKind.DELTA
+    assert SamplingParams(logprobs=False).logprobs is None
+    with pytest.raises(ValidationError, match="more than the vocabulary"):
+        SamplingParams(logprobs=5000).verify(vocab_size=1000, max_logprobs=-1)

@@ -113,3 +113,17 @@ def test_min_tokens_defers_stop_strings(tokenizer):
     late = stream(tokenizer, ids, SamplingParams(stop=["."], min_tokens=4)).outputs[-1].outputs[0]
     assert early.text == "a"
     assert len(late.token_ids) > 4 and late.text.endswith(("b", " b", "c", " c")) and late.finish_reason == "stop"
+
+
+def test_cumulative_outputs_only_grow_while_holding_back(tokenizer):
+    """With a long stop string, the hold-back is longer than the text at first: outputs stay empty, then only
+    grow; none is ever shorter than an earlier one or holds text the final output lacks."""
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    params = SamplingParams(stop=["find homes. Then they"], output_kind=RequestOutputKind.CUMULATIVE)
+    outputs = stream(tokenizer, ids, params).outputs
+    final = outputs[-1].outputs[0].text
+    assert final == "The volunteer organization helped a group of people "
+    texts = [o.outputs[0].text for o in outputs]
+    assert texts[0] == ""
+    assert all(final.startswith(t) for t in texts)
+    assert all(len(a) <= len(b) for a, b in zip(texts, texts[1:], strict=False))
