@@ -41,6 +41,10 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         return ""
 
+    def finish(self) -> str | None:
+        """Called once when the request ends; returns a stop string completed by text released only now."""
+        return None
+
     @classmethod
     def from_request(
         cls, tokenizer: Any | None, params: SamplingParams, prompt_token_ids: list[int]

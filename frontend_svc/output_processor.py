@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend_svc.detokenizer import IncrementalDetokenizer, TextDetokenizer
+from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineCoreOutput, FinishReason
 from frontend_svc.logprobs import LogprobsProcessor
 from frontend_svc.outputs import CompletionOutput, RequestOutput, SampleLogprobs
@@ -229,7 +229,7 @@ class OutputProcessor:
         stop_string, num_surplus = state.detokenizer.update(new_token_ids, finish_reason == FinishReason.STOP)
         if num_surplus:
             new_token_ids = new_token_ids[: len(new_token_ids) - num_surplus]
-        if stop_string is None and finish_reason is not None and isinstance(state.detokenizer, TextDetokenizer):
+        if stop_string is None and finish_reason is not None:
             stop_string = state.detokenizer.finish()
         if stop_string is not None:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
