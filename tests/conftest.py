@@ -3,22 +3,46 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
+# The real tokenizers: ../shared/tokenizers beside the checkout, or SPLITSERVE_TOKENIZERS_DIR.
+SHARED_TOKENIZERS = Path(
+    os.environ.get("SPLITSERVE_TOKENIZERS_DIR", Path(__file__).resolve().parents[2] / "shared" / "tokenizers")
+)
 _DIVERGENCE_REPORT: list[str] = []
 
 
 def shared_tokenizer(name: str) -> Path:
-    """A real tokenizer folder from ../shared/tokenizers, or skip the test with the reason."""
+    """A real tokenizer folder (llama2, gpt2), or skip the test with the reason. "builtin" is the project's own
+    tokenizer, always available, so tests parametrized over tokenizers still run in a bare clone."""
+    if name == "builtin":
+        return builtin_tokenizer_dir()
     path = SHARED_TOKENIZERS / name
     if not (path / "tokenizer.json").is_file():
         pytest.skip(f"real tokenizer {name!r} not found at {path}")
     return path
+
+
+@cache
+def builtin_tokenizer_dir() -> Path:
+    from splitserve.builtin_tokenizer import save_builtin_tokenizer
+
+    path = Path(tempfile.mkdtemp(prefix="splitserve-builtin-tokenizer-"))
+    save_builtin_tokenizer(path)
+    return path
+
+
+def real_or_builtin(name: str) -> Path:
+    """The real tokenizer when present, else the builtin one (for tests that need some real-world tokenizer)."""
+    path = SHARED_TOKENIZERS / name
+    return path if (path / "tokenizer.json").is_file() else builtin_tokenizer_dir()
 
 
 @pytest.fixture(scope="session")

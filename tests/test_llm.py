@@ -11,7 +11,7 @@ import weakref
 import pytest
 
 from frontend_svc import LLM, AsyncLLM, LLMEngine, RequestOutputKind, SamplingParams, ValidationError
-from tests.conftest import shared_tokenizer
+from tests.conftest import real_or_builtin
 from tests.helpers import hf_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
@@ -19,10 +19,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def llama2_model(tmp_path_factory):
+    """A tiny llama checkpoint with the real llama2 tokenizer (the builtin one where it is absent)."""
     from splitserve.test_model import make_test_model
 
     return make_test_model(
-        tmp_path_factory.mktemp("llama2-tiny"), "llama", "tiny", tokenizer=shared_tokenizer("llama2"), seed=0
+        tmp_path_factory.mktemp("llama2-tiny"), "llama", "tiny", tokenizer=real_or_builtin("llama2"), seed=0
     )
 
 
@@ -129,8 +130,9 @@ def test_stop_string_aborts_in_the_core_and_frees_blocks(llm):
 def test_bad_requests_are_refused_and_others_go_on(llm):
     with pytest.raises(ValidationError, match="prompt: is empty"):
         llm.generate([[]], use_tqdm=False)  # text "" is not empty: it tokenizes to BOS, as in vLLM
-    with pytest.raises(ValidationError, match=r"prompt_token_ids\[1\]: token id 32000 is outside"):
-        llm.generate([[5, 32000]], use_tqdm=False)
+    vocab_size = len(llm.get_tokenizer())
+    with pytest.raises(ValidationError, match=rf"prompt_token_ids\[1\]: token id {vocab_size} is outside"):
+        llm.generate([[5, vocab_size]], use_tqdm=False)
     with pytest.raises(ValidationError, match="min_tokens: 3000 is above the derived max_tokens"):
         llm.generate("hi", SamplingParams(min_tokens=3000, max_tokens=None), use_tqdm=False)
     with pytest.raises(ValidationError, match="logprobs: asked for 50"):

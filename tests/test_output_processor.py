@@ -11,14 +11,14 @@ from frontend_svc.output_processor import OutputProcessor, RequestOutputCollecto
 from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
-from tests.conftest import shared_tokenizer
+from tests.conftest import real_or_builtin, shared_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(shared_tokenizer("gpt2"))
+    return AutoTokenizer.from_pretrained(real_or_builtin("gpt2"))
 
 
 def core_output(request_id, token_id, finish=None, logprob=-0.25):

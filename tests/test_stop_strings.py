@@ -32,7 +32,7 @@ def test_check_stop_strings(text, new_chars, stop, include, expected):
     assert check_stop_strings(text, new_chars, stop, include) == expected
 
 
-@pytest.fixture(scope="module", params=["llama2", "gpt2"])
+@pytest.fixture(scope="module", params=["llama2", "gpt2", "builtin"])
 def tokenizer(request):
     from transformers import AutoTokenizer
 
