@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from splitserve.engine.v1 import engine_core_pb2 as splitserve_dot_engine_dot_v1_dot_engine__core__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,299 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class EngineCoreStub:
+    """The engine core: one per accelerator. Frontends connect with one bidirectional stream each.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Connect = channel.stream_stream(
+                '/splitserve.engine.v1.EngineCore/Connect',
+                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.SerializeToString,
+                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.FromString,
+                _registered_method=True)
+        self.GetEngineInfo = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/GetEngineInfo',
+                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.SerializeToString,
+                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.FromString,
+                _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/GetLoad',
+                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/ResetPrefixCache',
+                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/StartProfile',
+                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/StopProfile',
+                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
+
+
+class EngineCoreServicer:
+    """The engine core: one per accelerator. Frontends connect with one bidirectional stream each.
+    """
+
+    def Connect(self, request_iterator, context):
+        """Requests and aborts in, every step's outputs for this connection's requests out. The core assigns the
+        stream its client_index; when the stream ends (or breaks), the core aborts every request that came on it.
+        A request the core refuses comes back as an EngineCoreOutput with finish_reason ERROR and error set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetEngineInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoad(self, request, context):
+        """Current load: for least-outstanding-request routing, and to check that KV blocks are returned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Drops every prefix-cache entry; success is false while requests hold KV blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartProfile(self, request, context):
+        """torch.profiler around the engine steps until StopProfile, which writes a Chrome trace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EngineCoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.FromString,
+                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.SerializeToString,
+            ),
+            'GetEngineInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineInfo,
+                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.FromString,
+                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.FromString,
+                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.FromString,
+                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.FromString,
+                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.engine.v1.EngineCore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.engine.v1.EngineCore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EngineCore:
+    """The engine core: one per accelerator. Frontends connect with one bidirectional stream each.
+    """
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitserve.engine.v1.EngineCore/Connect',
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.SerializeToString,
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEngineInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/GetEngineInfo',
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.SerializeToString,
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/GetLoad',
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/ResetPrefixCache',
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.SerializeToString,
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/StartProfile',
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.SerializeToString,
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/StopProfile',
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
+            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
