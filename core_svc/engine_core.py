@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +28,15 @@ from kernels import get_attention_backend
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_free_kv_blocks: int
+    num_usable_kv_blocks: int
+    kv_cache_usage: float  # fraction of usable blocks in use
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class EngineCore:
             self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(SchedulerConfig.from_core_config(config, self.max_model_len), kv_cache_manager)
+        self._profiler: torch.profiler.profile | None = None
+        self._profile_dir = Path(tempfile.gettempdir())
         info = self.get_engine_info()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %s); max_model_len %d",
@@ -116,6 +131,47 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Drop all prefix-cache entries. Returns False while any request holds KV blocks."""
         return self.scheduler.reset_prefix_cache()
+
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """Record every step with torch.profiler until ``stop_profile``.
+
+        Raises:
+            RuntimeError: a profile is already running.
+        """
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already running")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile_dir = Path(output_dir) if output_dir else Path(tempfile.gettempdir())
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop the profile and write it as a Chrome trace; returns the trace's path.
+
+        Raises:
+            RuntimeError: no profile is running.
+        """
+        if self._profiler is None:
+            raise RuntimeError("no profile is running")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        self._profile_dir.mkdir(parents=True, exist_ok=True)
+        path = self._profile_dir / f"splitserve-core-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+        profiler.export_chrome_trace(str(path))
+        return str(path)
+
+    def get_load(self) -> EngineLoad:
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        return EngineLoad(
+            num_running_reqs=len(scheduler.running),
+            num_waiting_reqs=len(scheduler.waiting),
+            num_free_kv_blocks=kv.num_free_blocks,
+            num_usable_kv_blocks=self.num_kv_blocks - 1,
+            kv_cache_usage=kv.usage,
+        )
 
     def get_engine_info(self) -> EngineInfo:
         return EngineInfo(

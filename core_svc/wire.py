@@ -6,6 +6,7 @@ dataclass -> protobuf). Nothing else in the core touches protobuf types.
 
 from __future__ import annotations
 
+from core_svc.engine_core import EngineInfo, EngineLoad
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
@@ -105,4 +106,31 @@ def _stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
             requests=prefix.requests, queries=prefix.queries, hits=prefix.hits, reset=prefix.reset
         ),
         num_preemptions=stats.num_preemptions,
+    )
+
+
+def engine_info_to_pb(info: EngineInfo) -> pb.EngineInfo:
+    return pb.EngineInfo(
+        model=info.model,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        kv_cache_tokens=info.kv_cache_tokens,
+        dtype=info.dtype,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        max_num_seqs=info.max_num_seqs,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        max_logprobs=info.max_logprobs,
+        supports_lora=info.supports_lora,
+    )
+
+
+def engine_load_to_pb(load: EngineLoad) -> pb.EngineLoad:
+    return pb.EngineLoad(
+        num_running_reqs=load.num_running_reqs,
+        num_waiting_reqs=load.num_waiting_reqs,
+        num_free_kv_blocks=load.num_free_kv_blocks,
+        num_usable_kv_blocks=load.num_usable_kv_blocks,
+        kv_cache_usage=load.kv_cache_usage,
     )

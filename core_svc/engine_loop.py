@@ -1,0 +1,210 @@
+"""The engine core's busy loop on its own thread (vLLM's ``EngineCoreProc.run_busy_loop``).
+
+Commands (add, abort, calls on the core) arrive from any thread; the loop applies them between steps, steps
+while there is work, and hands each step's outputs to the client each request came from. So a long step never
+blocks a transport's event loop, and several clients (gRPC streams) share one core.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from core_svc.engine_core import EngineCore
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
+from core_svc.request import FinishReason, Request
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# Receives one client's share of a step (called on the engine thread; must not block).
+OutputSink = Callable[[EngineCoreOutputs], None]
+
+
+@dataclasses.dataclass
+class _Client:
+    sink: OutputSink
+    request_ids: set[str] = dataclasses.field(default_factory=set)
+
+
+class EngineLoop:
+    """Owns an ``EngineCore`` and the thread that drives it.
+
+    Every method may be called from any thread. Errors of a refused request go to its
+    client's sink as an output with finish_reason ERROR and ``error = (grpc status code value, message)``.
+    """
+
+    def __init__(self, engine_core: EngineCore, error_code: Callable[[Exception], int]) -> None:
+        self.engine_core = engine_core
+        self._error_code = error_code  # maps a refused request's exception to a grpc status code value
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.Queue()
+        self._clients: dict[int, _Client] = {}
+        self._owner: dict[str, int] = {}  # request_id -> client index
+        self._next_client = 0
+        self._lock = threading.Lock()  # guards _clients / _next_client across threads
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="splitserve-engine-loop", daemon=True)
+        self.dead_error: BaseException | None = None
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` (on the engine thread) if the loop dies of an exception."""
+        self._death_callbacks.append(callback)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        self._fail_pending(RuntimeError("the engine loop has stopped"))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def register_client(self, sink: OutputSink) -> int:
+        """A new client (one gRPC stream); returns its client_index."""
+        with self._lock:
+            index = self._next_client
+            self._next_client += 1
+            self._clients[index] = _Client(sink)
+        return index
+
+    def unregister_client(self, client_index: int) -> concurrent.futures.Future[None]:
+        """Forget a client and abort every request it still has in the core."""
+        return self.submit(lambda: self._drop_client(client_index))
+
+    def add_requests(self, client_index: int, requests: list[Request]) -> concurrent.futures.Future[None]:
+        """Queue requests for the core; all are added or none. A refusal is also reported to the client's sink."""
+        return self.submit(lambda: self._add(client_index, requests))
+
+    def abort_requests(self, request_ids: list[str]) -> concurrent.futures.Future[None]:
+        return self.submit(lambda: self._abort(request_ids))
+
+    def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine_core)`` on the engine thread, between steps."""
+        return self.submit(lambda: fn(self.engine_core))
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stopping.is_set():
+            future.set_exception(RuntimeError("the engine loop has stopped"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._owner)
+
+    # --- engine thread ---
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._apply_commands(block=not self.engine_core.has_unfinished_requests())
+                if self.engine_core.has_unfinished_requests():
+                    self._dispatch(self.engine_core.step())
+        except BaseException as e:
+            logger.exception("engine loop died")
+            self.dead_error = e
+            self._stopping.set()
+            self._fail_pending(e)
+            for callback in self._death_callbacks:
+                callback(e)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:
+                    future.set_exception(e)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, client_index: int, requests: list[Request]) -> None:
+        client = self._clients.get(client_index)
+        if client is None:
+            return  # the stream went away before its requests got here
+        added: list[str] = []
+        try:
+            for request in requests:
+                request.client_index = client_index
+                self.engine_core.add_request(request)
+                added.append(request.request_id)
+                self._owner[request.request_id] = client_index
+                client.request_ids.add(request.request_id)
+        except Exception as e:
+            self._abort(added)
+            code = self._error_code(e)
+            errors = [
+                EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR, error=(code, str(e)))
+                for r in requests
+            ]
+            client.sink(EngineCoreOutputs(outputs=errors))
+            raise
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._forget(request_id)
+
+    def _drop_client(self, client_index: int) -> None:
+        with self._lock:
+            client = self._clients.pop(client_index, None)
+        if client is not None and client.request_ids:
+            self._abort(sorted(client.request_ids))
+
+    def _forget(self, request_id: str) -> None:
+        index = self._owner.pop(request_id, None)
+        client = self._clients.get(index) if index is not None else None
+        if client is not None:
+            client.request_ids.discard(request_id)
+
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        """Split a step's outputs by client; every client with something gets its share and the stats."""
+        shares: dict[int, EngineCoreOutputs] = {}
+
+        def share(request_id: str) -> EngineCoreOutputs | None:
+            index = self._owner.get(request_id)
+            if index is None or index not in self._clients:
+                return None
+            if index not in shares:
+                shares[index] = EngineCoreOutputs(scheduler_stats=outputs.scheduler_stats, timestamp=outputs.timestamp)
+            return shares[index]
+
+        for output in outputs.outputs:
+            target = share(output.request_id)
+            if target is not None:
+                target.outputs.append(output)
+        for request_id in outputs.finished_requests:
+            target = share(request_id)
+            if target is not None:
+                target.finished_requests.add(request_id)
+            self._forget(request_id)
+        for index, client_outputs in shares.items():
+            try:
+                self._clients[index].sink(client_outputs)
+            except Exception:
+                logger.exception("output sink of client %d failed", index)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)

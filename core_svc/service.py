@@ -1,0 +1,133 @@
+"""The core's gRPC servicer: thin, typed; the engine runs on ``EngineLoop``'s thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from core_svc.engine_loop import EngineLoop
+from core_svc.grpc_status import status_code
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
+from core_svc.request import FinishReason
+from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, request_from_pb
+from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+
+
+@dataclass
+class CoreServerState:
+    """What the servicer needs from the server: the loop once the model is loaded, and whether it drains."""
+
+    engine_loop: EngineLoop | None = None
+    draining: bool = False
+    active_streams: set[int] = field(default_factory=set)
+
+
+class EngineCoreServicer(pb_grpc.EngineCoreServicer):
+    def __init__(self, state: CoreServerState) -> None:
+        self.state = state
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.EngineCoreClientMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.EngineCoreOutputs]:
+        engine_loop = await self._engine_loop(context)
+        event_loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue[pb.EngineCoreOutputs | None] = asyncio.Queue()
+
+        def sink(outputs: EngineCoreOutputs) -> None:  # on the engine thread
+            event_loop.call_soon_threadsafe(outbox.put_nowait, outputs_to_pb(outputs))
+
+        client_index = engine_loop.register_client(sink)
+        self.state.active_streams.add(client_index)
+        reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, sink, outbox))
+        try:
+            while (message := await outbox.get()) is not None:
+                yield message
+        finally:
+            reader.cancel()
+            self.state.active_streams.discard(client_index)
+            engine_loop.unregister_client(client_index)  # aborts whatever this stream still had running
+
+    async def _read(
+        self,
+        request_iterator: AsyncIterator[pb.EngineCoreClientMessage],
+        engine_loop: EngineLoop,
+        client_index: int,
+        sink: object,
+        outbox: asyncio.Queue[pb.EngineCoreOutputs | None],
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("message")
+                if kind == "add":
+                    request = request_from_pb(message.add)
+                    if self.state.draining:
+                        refusal = EngineCoreOutput(
+                            request.request_id,
+                            [],
+                            finish_reason=FinishReason.ERROR,
+                            error=(grpc.StatusCode.UNAVAILABLE.value[0], "the engine core is shutting down"),
+                        )
+                        outbox.put_nowait(outputs_to_pb(EngineCoreOutputs(outputs=[refusal])))
+                        continue
+                    engine_loop.add_requests(client_index, [request])  # a refusal comes back through the sink
+                elif kind == "abort":
+                    engine_loop.abort_requests(list(message.abort.request_ids))
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            outbox.put_nowait(None)  # the client is gone or done sending: end the stream
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext) -> pb.EngineInfo:
+        engine_loop = await self._engine_loop(context, allow_draining=True)
+        return engine_info_to_pb(engine_loop.engine_core.get_engine_info())
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
+        engine_loop = await self._engine_loop(context, allow_draining=True)
+        return engine_load_to_pb(await asyncio.wrap_future(engine_loop.call(lambda core: core.get_load())))
+
+    async def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        engine_loop = await self._engine_loop(context)
+        success = await asyncio.wrap_future(engine_loop.call(lambda core: core.reset_prefix_cache()))
+        return pb.ResetPrefixCacheResponse(success=success)
+
+    async def StartProfile(
+        self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StartProfileResponse:
+        engine_loop = await self._engine_loop(context)
+        output_dir = request.output_dir or None
+        await self._call(context, engine_loop, lambda core: core.start_profile(output_dir))
+        return pb.StartProfileResponse()
+
+    async def StopProfile(
+        self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StopProfileResponse:
+        engine_loop = await self._engine_loop(context, allow_draining=True)
+        path = await self._call(context, engine_loop, lambda core: core.stop_profile())
+        return pb.StopProfileResponse(trace_path=path)
+
+    async def _engine_loop(self, context: grpc.aio.ServicerContext, allow_draining: bool = False) -> EngineLoop:
+        engine_loop = self.state.engine_loop
+        if engine_loop is None or not engine_loop.is_alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine core is not ready (loading or stopped)")
+        if self.state.draining and not allow_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine core is shutting down")
+        return engine_loop  # type: ignore[return-value]
+
+    @staticmethod
+    async def _call(context: grpc.aio.ServicerContext, engine_loop: EngineLoop, fn: object) -> object:
+        try:
+            return await asyncio.wrap_future(engine_loop.call(fn))  # type: ignore[arg-type]
+        except RuntimeError as e:  # profile already running / not running
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception as e:
+            await context.abort(status_code(e), str(e))
