@@ -11,7 +11,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.errors import EngineDeadError
-from frontend_svc.input_processor import PromptType
+from frontend_svc.input_processor import PromptType, RequestOptions
 from frontend_svc.llm_engine import EngineFrontend
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
@@ -50,6 +50,7 @@ class AsyncLLM(EngineFrontend):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
         internal id).
@@ -63,7 +64,8 @@ class AsyncLLM(EngineFrontend):
             raise EngineDeadError(f"the engine core has failed: {dead}")
         self._ensure_output_handler()
         queue = RequestOutputCollector(params.output_kind)
-        internal_id, requests = self.prepare_requests(request_id, prompt, params, arrival_time, priority, queue)
+        options = RequestOptions(arrival_time, priority, cache_salt)
+        internal_id, requests = self.prepare_requests(request_id, prompt, params, options, queue)
         queue.request_id = internal_id
         try:
             await self.engine_core.add_requests_async(requests)
@@ -75,7 +77,12 @@ class AsyncLLM(EngineFrontend):
         return queue
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (per ``sampling_params.output_kind``); the last has finished=True.
 
@@ -85,7 +92,9 @@ class AsyncLLM(EngineFrontend):
         queue: RequestOutputCollector | None = None
         finished = False
         try:
-            queue = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+            queue = await self.add_request(
+                request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
+            )
             while not finished:
                 output = queue.get_nowait() or await queue.get()
                 finished = output.finished

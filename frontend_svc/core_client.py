@@ -19,17 +19,17 @@ class EngineCoreClient(ABC):
     def make_client(
         model: str, core_address: str | None = None, asyncio_mode: bool = False, **core_config: Any
     ) -> EngineCoreClient:
-        """The in-process client (``core_address`` None: the core runs in this process, built from ``model`` and
-        ``core_config``, the fields of ``core_svc.config.CoreConfig``), sync or asyncio.
+        """The gRPC client of the core(s) at ``core_address`` ("host:port[,host:port...]"), or, when it is None,
+        the in-process client: the core runs in this process, built from ``model`` and ``core_config`` (the
+        fields of ``core_svc.config.CoreConfig``). Sync or asyncio per ``asyncio_mode`` (the gRPC client is both).
 
         Raises:
-            ValueError: ``core_address`` given; the gRPC engine-core client is not part of this build yet.
+            EngineDeadError: no core answered at ``core_address`` within a minute.
         """
         if core_address is not None:
-            raise ValueError(
-                f"core_address={core_address!r}: the gRPC engine-core client is not available in this build; "
-                "omit core_address to run the engine core in-process"
-            )
+            from frontend_svc.grpc_client import GrpcCoreClient
+
+            return GrpcCoreClient([a.strip() for a in core_address.split(",") if a.strip()])
         from frontend_svc.inproc_client import AsyncInprocClient, InprocClient
 
         client_class = AsyncInprocClient if asyncio_mode else InprocClient

@@ -23,3 +23,18 @@ class RequestTooLargeError(FrontendError):
 
 class EngineDeadError(FrontendError, RuntimeError):
     """The engine core stopped or is unreachable. Maps to UNAVAILABLE."""
+
+
+# gRPC status code values the core puts in EngineCoreOutput.error (grpc.StatusCode, without importing grpc).
+_INVALID_ARGUMENT, _RESOURCE_EXHAUSTED, _UNAVAILABLE = 3, 8, 14
+
+
+def error_from_core(code: int, message: str) -> FrontendError:
+    """The frontend error for a request the core refused or lost (``EngineCoreOutput.error``)."""
+    if code == _INVALID_ARGUMENT:
+        return ValidationError("request", message)
+    if code == _RESOURCE_EXHAUSTED:
+        return RequestTooLargeError(message)
+    if code == _UNAVAILABLE:
+        return EngineDeadError(message)
+    return FrontendError(message)

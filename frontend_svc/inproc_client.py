@@ -3,7 +3,8 @@
 
 Requests and outputs cross as the protobuf messages of the wire contract (converted by each side's converter
 module), without serialization. ``InprocClient`` runs a core step per ``get_output`` call (for ``LLMEngine``);
-``AsyncInprocClient`` runs the core's busy loop on its own thread and hands outputs to the asyncio loop.
+``AsyncInprocClient`` runs the core on ``core_svc.engine_loop.EngineLoop``'s thread, as the core server does,
+and hands outputs to the asyncio loop.
 """
 
 from __future__ import annotations
@@ -11,21 +12,28 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
-import logging
-import queue
-import threading
 from typing import Any
 
 from core_svc import errors as core_errors
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
+from core_svc.engine_loop import EngineLoop
+from core_svc.outputs import EngineCoreOutputs as CoreOutputs
 from core_svc.wire import outputs_to_pb, request_from_pb
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import EngineDeadError, RequestTooLargeError, ValidationError
 from frontend_svc.wire import outputs_from_pb, request_to_pb
 
-logger = logging.getLogger(__name__)
+
+def _frontend_error(error: BaseException) -> BaseException:
+    if isinstance(error, core_errors.InvalidRequestError):
+        return ValidationError("request", str(error))
+    if isinstance(error, core_errors.RequestTooLargeError):
+        return RequestTooLargeError(str(error))
+    if isinstance(error, RuntimeError):
+        return EngineDeadError(str(error))
+    return error
 
 
 class InprocClient(EngineCoreClient):
@@ -55,13 +63,10 @@ class InprocClient(EngineCoreClient):
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        core = self._core()
         try:
-            core.add_request(request_from_pb(request_to_pb(request)))
-        except core_errors.InvalidRequestError as e:
-            raise ValidationError("request", str(e)) from e
-        except core_errors.RequestTooLargeError as e:
-            raise RequestTooLargeError(str(e)) from e
+            self._core().add_request(request_from_pb(request_to_pb(request)))
+        except core_errors.EngineError as e:
+            raise _frontend_error(e) from e
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -80,136 +85,71 @@ class InprocClient(EngineCoreClient):
 
 
 class AsyncInprocClient(InprocClient):
-    """The core's busy loop on a thread: take commands, step while there is work, post outputs to asyncio.
-
-    The thread starts with the first async call (it needs the running event loop). torch releases the GIL in
-    its kernels, so the event loop keeps serving while a step runs.
-    """
+    """The core on its own thread; outputs posted to the asyncio loop that uses the client (a later
+    ``asyncio.run`` gets them on its own loop). torch releases the GIL in its kernels, so the event loop keeps
+    serving while a step runs."""
 
     def __init__(self, model: str, **core_config: Any) -> None:
         super().__init__(model, **core_config)
-        self._commands: queue.Queue[tuple[str, Any, concurrent.futures.Future[Any]]] = queue.Queue()
+        self._engine_loop = EngineLoop(self._core(), lambda e: 0)
+        self._client_index = self._engine_loop.register_client(self._sink)
+        self._engine_loop.on_death(lambda e: self._post(EngineDeadError(f"the engine core failed: {e!r}")))
         self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._engine_loop.start()
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._call("add", [request])
+        await self.add_requests_async([request])
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
-        """Add several requests (n > 1 children) in one command: all or none, never split by an abort."""
-        await self._call("add", requests)
+        self._bind_loop()
+        core_requests = [request_from_pb(request_to_pb(r)) for r in requests]
+        await self._wait(self._engine_loop.add_requests(self._client_index, core_requests))
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids:
-            await self._call("abort", request_ids)
+            # Shielded: an abort must reach the core even if its caller is cancelled meanwhile.
+            await asyncio.shield(self._wait(self._engine_loop.abort_requests(request_ids)))
 
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
-        """Queue an abort without waiting (from cancellation paths); it runs after every command queued before."""
-        if request_ids and not self._stopping.is_set():
-            self._commands.put(("abort", request_ids, concurrent.futures.Future()))
+        if request_ids:
+            self._engine_loop.abort_requests(request_ids)
 
     async def reset_prefix_cache_async(self) -> bool:
-        return await self._call("reset_prefix_cache", None)
+        return await self._wait(self._engine_loop.call(lambda core: core.reset_prefix_cache()))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        outputs = self._ensure_started()
-        output = await outputs.get()
+        output = await self._bind_loop().get()
         if isinstance(output, BaseException):
             raise output
         return output
 
     def shutdown(self) -> None:
-        """Stop the core thread, fail queued commands and wake the output reader, then free the core."""
-        self._stopping.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-        self._fail_pending_commands()
+        self._engine_loop.stop()
         self._post(EngineDeadError("the engine core has been shut down"))
         super().shutdown()
 
-    async def _call(self, command: str, argument: Any) -> Any:
-        self._ensure_started()
-        if self._stopping.is_set() or self.engine_core is None:
-            raise EngineDeadError("the engine core has been shut down")
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put((command, argument, future))
-        return await asyncio.wrap_future(future)
-
-    def _ensure_started(self) -> asyncio.Queue[EngineCoreOutputs | BaseException]:
-        """Start the core thread on first use; returns the output queue. A new event loop (a later
-        ``asyncio.run``) gets a new queue: outputs go to the loop in use."""
+    def _bind_loop(self) -> asyncio.Queue[EngineCoreOutputs | BaseException]:
         loop = asyncio.get_running_loop()
         if self._outputs is None or self._loop is not loop:
-            self._loop = loop
-            self._outputs = asyncio.Queue()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="splitserve-engine-core", daemon=True)
-            self._thread.start()
+            self._loop, self._outputs = loop, asyncio.Queue()
         return self._outputs
 
-    def _run(self) -> None:
+    async def _wait(self, future: concurrent.futures.Future[Any]) -> Any:
+        if self._engine_loop.dead_error is not None or self.engine_core is None:
+            future.cancel()
+            raise EngineDeadError("the engine core has stopped")
         try:
-            while not self._stopping.is_set():
-                core = self._core()
-                self._handle_commands(block=not core.has_unfinished_requests())
-                if core.has_unfinished_requests():
-                    outputs = self.get_output()
-                    if outputs.outputs or outputs.finished_requests:
-                        self._post(outputs)
-        except BaseException as e:  # the core failed: every waiting stream must hear of it
-            logger.exception("engine core loop died")
-            self._stopping.set()
-            self._post(EngineDeadError(f"the engine core failed: {e!r}"))
-            self._fail_pending_commands()
+            return await asyncio.wrap_future(future)
+        except core_errors.EngineError as e:
+            raise _frontend_error(e) from e
+        except RuntimeError as e:
+            raise EngineDeadError(str(e)) from e
 
-    def _handle_commands(self, block: bool) -> None:
-        try:
-            item = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            command, argument, future = item
-            # A cancelled caller no longer wants an add or a reset; an abort runs regardless.
-            wanted = future.set_running_or_notify_cancel()
-            if wanted or command == "abort":
-                try:
-                    result = self._execute(command, argument)
-                    if wanted:
-                        future.set_result(result)
-                except Exception as e:
-                    if wanted:
-                        future.set_exception(e)
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _execute(self, command: str, argument: Any) -> Any:
-        if command == "add":
-            added: list[str] = []
-            try:
-                for request in argument:
-                    self.add_request(request)
-                    added.append(request.request_id)
-            except Exception:
-                self.abort_requests(added)
-                raise
-            return None
-        if command == "abort":
-            return self.abort_requests(argument)
-        return self.reset_prefix_cache()
+    def _sink(self, outputs: CoreOutputs) -> None:  # on the engine thread
+        self._post(outputs_from_pb(outputs_to_pb(outputs)))
 
     def _post(self, item: EngineCoreOutputs | BaseException) -> None:
-        if self._loop is not None and self._outputs is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._outputs.put_nowait, item)
-
-    def _fail_pending_commands(self) -> None:
-        while True:
-            try:
-                _, _, future = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineDeadError("the engine core has stopped"))
+        loop, queue = self._loop, self._outputs
+        if loop is not None and queue is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -4,11 +4,21 @@ templates, checks against the model, and EOS / generation-config stop ids folded
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request settings beside the prompt and the sampling parameters."""
+
+    arrival_time: float | None = None  # seconds since the epoch; None: now
+    priority: int = 0  # lower is served first under the priority policy
+    cache_salt: str | None = None  # isolates the request's prefix-cache entries
 
 
 class TextPrompt(TypedDict, total=False):
@@ -80,9 +90,7 @@ class InputProcessor:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        options: RequestOptions | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Tokenize, check against the model and resolve the parameters. ``params`` is not modified.
 
@@ -113,13 +121,14 @@ class InputProcessor:
             if not resolved.ignore_eos:
                 extra = [i for i in self.eos_token_ids[1:] if i not in resolved.stop_token_ids]
                 resolved.stop_token_ids = list(resolved.stop_token_ids or []) + extra
+        options = options or RequestOptions()
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=resolved,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            priority=priority,
-            cache_salt=cache_salt,
+            arrival_time=time.time() if options.arrival_time is None else options.arrival_time,
+            priority=options.priority,
+            cache_salt=options.cache_salt,
         )
         return request, prompt_text
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
-from frontend_svc.input_processor import InputProcessor, PromptType
+from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -35,7 +35,10 @@ class EngineFrontend:
     ) -> None:
         model_path = resolve_model_path(model)
         self.tokenizer = load_tokenizer(tokenizer or model_path)
-        self.engine_core = EngineCoreClient.make_client(str(model_path), core_address, asyncio_mode, **core_config)
+        client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
+        self.engine_core = client or EngineCoreClient.make_client(
+            str(model_path), core_address, asyncio_mode, **core_config
+        )
         # Releases the core's memory when this object is collected; close() runs it early. It must not hold self.
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
         self.engine_info: EngineInfo = self.engine_core.get_engine_info()
@@ -54,8 +57,7 @@ class EngineFrontend:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams,
-        arrival_time: float | None = None,
-        priority: int = 0,
+        options: RequestOptions,
         queue: RequestOutputCollector | None = None,
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate, register with the output processor, and return the internal id and the core request(s) to
@@ -64,7 +66,7 @@ class EngineFrontend:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         internal_id = f"{request_id}-{secrets.token_hex(4)}"
-        request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, arrival_time, priority)
+        request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, options)
         if params.n == 1:
             self.output_processor.add_request(
                 internal_id, request_id, request.sampling_params, prompt_text, request.prompt_token_ids, queue=queue
@@ -117,6 +119,7 @@ class LLMEngine(EngineFrontend):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request (n > 1 fans out). Returns the internal request id.
 
@@ -125,7 +128,9 @@ class LLMEngine(EngineFrontend):
             ValidationError: bad prompt or parameters (the field is named).
             RequestTooLargeError: the request can never fit the KV cache.
         """
-        internal_id, requests = self.prepare_requests(request_id, prompt, params, arrival_time, priority)
+        internal_id, requests = self.prepare_requests(
+            request_id, prompt, params, RequestOptions(arrival_time, priority, cache_salt)
+        )
         added: list[str] = []
         try:
             for request in requests:

@@ -13,6 +13,7 @@ from typing import Any
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineCoreOutput, FinishReason
+from frontend_svc.errors import error_from_core
 from frontend_svc.logprobs import LogprobsProcessor
 from frontend_svc.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from frontend_svc.parallel_sampling import ParentRequest
@@ -185,6 +186,9 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted while the output was on its way
+            if output.error is not None and state.queue is not None:
+                result.reqs_to_abort.extend(self._fail(state, error_from_core(*output.error)))
+                continue
             request_output, stopped_by_string = self._process_one(state, output)
             if request_output is not None:
                 if state.queue is not None:
@@ -219,6 +223,18 @@ class OutputProcessor:
             if aborted is not None and state.queue is not None:
                 state.queue.put(aborted)
         return internal_ids
+
+    def _fail(self, state: RequestState, error: Exception) -> list[str]:
+        """A request the core refused or lost: its stream gets the error; n > 1 siblings are dropped too.
+        Returns the siblings' internal ids, for the core to abort."""
+        siblings = sorted(state.parent.child_requests - {state.request_id}) if state.parent is not None else []
+        for request_id in [state.request_id, *siblings]:
+            sibling = self.request_states.get(request_id)
+            if sibling is not None:
+                self._remove(sibling)
+        if state.queue is not None:
+            state.queue.put(error)
+        return siblings
 
     def _process_one(self, state: RequestState, output: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
         new_token_ids = output.new_token_ids

@@ -1,15 +1,25 @@
-"""The frontend's one converter between its dataclasses and the ``splitserve.engine.v1`` protobuf messages."""
+"""The frontend's one converter module: its dataclasses to and from the core contract
+(``splitserve.engine.v1``), and the public API messages (``splitserve.frontend.v1``) to and from prompts,
+``SamplingParams`` and ``RequestOutput``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from frontend_svc.engine_types import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineInfo,
     FinishReason,
     PositionLogprobs,
 )
+from frontend_svc.errors import ValidationError
+from frontend_svc.input_processor import ChatMessage, TokensPrompt
+from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.frontend.v1 import generation_pb2 as api
 
 
 def request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
@@ -71,3 +81,138 @@ def _output_from_pb(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
 
 def _logprobs_from_pb(positions: object) -> list[PositionLogprobs]:
     return [PositionLogprobs(list(p.token_ids), list(p.logprobs), p.rank) for p in positions]
+
+
+def engine_info_from_pb(msg: pb.EngineInfo) -> EngineInfo:
+    return EngineInfo(
+        model=msg.model,
+        max_model_len=msg.max_model_len,
+        block_size=msg.block_size,
+        num_kv_blocks=msg.num_kv_blocks,
+        vocab_size=msg.vocab_size,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        max_num_seqs=msg.max_num_seqs,
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        max_logprobs=msg.max_logprobs,
+        dtype=msg.dtype,
+    )
+
+
+# --- the public API (splitserve.frontend.v1) ---
+
+_OUTPUT_KINDS = {
+    api.OUTPUT_KIND_UNSPECIFIED: RequestOutputKind.DELTA,  # streaming calls default to deltas
+    api.OUTPUT_KIND_CUMULATIVE: RequestOutputKind.CUMULATIVE,
+    api.OUTPUT_KIND_DELTA: RequestOutputKind.DELTA,
+    api.OUTPUT_KIND_FINAL_ONLY: RequestOutputKind.FINAL_ONLY,
+}
+_OPTIONAL_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "logprobs",
+    "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+)
+
+
+def sampling_params_from_api(msg: api.SamplingParams) -> SamplingParams:
+    """Unset fields take vLLM's defaults. Raises ValidationError naming the field for any refused value."""
+    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    if msg.max_tokens_unlimited:
+        if msg.HasField("max_tokens"):
+            raise ValidationError("max_tokens", "set max_tokens or max_tokens_unlimited, not both")
+        kwargs["max_tokens"] = None
+    if msg.stop:
+        kwargs["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.output_kind not in _OUTPUT_KINDS:
+        raise ValidationError("output_kind", f"unknown value {msg.output_kind}")
+    kwargs["output_kind"] = _OUTPUT_KINDS[msg.output_kind]
+    return SamplingParams(**kwargs)
+
+
+def generate_request_from_api(msg: api.GenerateRequest) -> TokensPrompt | str:
+    """The prompt of a Generate call: text or token ids, exactly one of them."""
+    if msg.prompt and msg.prompt_token_ids:
+        raise ValidationError("prompt", "give prompt or prompt_token_ids, not both")
+    if msg.prompt_token_ids:
+        return TokensPrompt(prompt_token_ids=list(msg.prompt_token_ids))
+    if not msg.prompt:
+        raise ValidationError("prompt", "is empty (set prompt or prompt_token_ids)")
+    return msg.prompt
+
+
+def chat_messages_from_api(messages: Any) -> list[ChatMessage]:
+    """Chat messages as transformers' chat templates take them; image parts are kept for the InputProcessor to
+    refuse with a clear message."""
+    converted: list[ChatMessage] = []
+    for message in messages:
+        parts: list[dict[str, Any]] = []
+        for part in message.content:
+            kind = part.WhichOneof("part")
+            parts.append({"type": "text", "text": part.text} if kind == "text" else {"type": kind or "empty"})
+        converted.append({"role": message.role, "content": parts})
+    return converted
+
+
+def request_output_to_api(output: RequestOutput, first: bool, completion_tokens: int) -> api.GenerateResponse:
+    """One streamed message; the prompt's token ids only in the first."""
+    msg = api.GenerateResponse(
+        request_id=output.request_id,
+        prompt_token_ids=output.prompt_token_ids if first else [],
+        outputs=[_completion_to_api(c) for c in output.outputs],
+        finished=output.finished,
+        num_cached_tokens=output.num_cached_tokens,
+        usage=api.Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=completion_tokens),
+    )
+    if output.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(_position_to_api(p) for p in output.prompt_logprobs)
+    return msg
+
+
+def _completion_to_api(completion: CompletionOutput) -> api.CompletionOutput:
+    msg = api.CompletionOutput(
+        index=completion.index,
+        text=completion.text,
+        token_ids=completion.token_ids,
+        logprobs=[_position_to_api(p) for p in completion.logprobs or []],
+        finish_reason=completion.finish_reason or "",
+    )
+    if completion.cumulative_logprob is not None:
+        msg.cumulative_logprob = completion.cumulative_logprob
+    if isinstance(completion.stop_reason, int):
+        msg.stop_token_id = completion.stop_reason
+    elif isinstance(completion.stop_reason, str):
+        msg.stop_str = completion.stop_reason
+    return msg
+
+
+def _position_to_api(position: dict[int, Logprob] | None) -> api.PositionLogprobs:
+    if position is None:
+        return api.PositionLogprobs()
+    return api.PositionLogprobs(
+        entries=[
+            api.TokenLogprob(
+                token_id=token_id, logprob=lp.logprob, rank=lp.rank or 0, decoded_token=lp.decoded_token or ""
+            )
+            for token_id, lp in position.items()
+        ]
+    )

@@ -1,0 +1,315 @@
+"""The gRPC engine-core client: one ``Connect`` stream per core, reconnecting with backoff, requests spread
+over several cores by least outstanding requests.
+
+The transport runs on its own event-loop thread, so one implementation serves sync callers (``LLMEngine``) and
+asyncio callers (``AsyncLLM``, the frontend server) alike: outputs are handed to the caller's loop the way the
+in-process client does it. While no core is reachable, new requests fail at once with ``EngineDeadError``
+(UNAVAILABLE); requests in flight on a core that goes away end with it within a few seconds (keepalive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+import grpc
+
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
+from frontend_svc.errors import EngineDeadError
+from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
+from splitserve import grpc_runtime
+from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
+
+
+class CoreConnection:
+    """One core: a channel and a ``Connect`` stream, re-established with exponential backoff, and the requests
+    in flight on it. Runs on the client's transport loop."""
+
+    def __init__(
+        self,
+        address: str,
+        deliver: Callable[[EngineCoreOutputs], None],
+        on_change: Callable[[], None],
+        max_message_bytes: int,
+    ) -> None:
+        self.address = address
+        self.available = False
+        self.info: EngineInfo | None = None
+        self.in_flight: set[str] = set()
+        self.stub: pb_grpc.EngineCoreStub | None = None
+        self._deliver = deliver
+        self._on_change = on_change
+        self._options = grpc_runtime.message_options(max_message_bytes) + grpc_runtime.KEEPALIVE_OPTIONS
+        self._outbox: asyncio.Queue[pb.EngineCoreClientMessage | None] = asyncio.Queue()
+
+    async def run(self) -> None:
+        backoff = INITIAL_BACKOFF_S
+        while True:
+            async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
+                try:
+                    await self._serve_stream(pb_grpc.EngineCoreStub(channel))
+                    backoff = INITIAL_BACKOFF_S  # it was up; retry soon
+                except grpc.aio.AioRpcError as e:
+                    if self.available or e.code() != grpc.StatusCode.UNAVAILABLE:
+                        logger.warning("engine core %s: %s %s", self.address, e.code().name, e.details())
+                finally:
+                    self._mark_down()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def send_add(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self._outbox.put_nowait(pb.EngineCoreClientMessage(add=request_to_pb(request)))
+            self.in_flight.add(request.request_id)
+
+    def send_abort(self, request_ids: list[str]) -> None:
+        if self.available:
+            self._outbox.put_nowait(pb.EngineCoreClientMessage(abort=pb.AbortRequests(request_ids=request_ids)))
+        self.in_flight.difference_update(request_ids)
+
+    async def _serve_stream(self, stub: pb_grpc.EngineCoreStub) -> None:
+        self.info = engine_info_from_pb(await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=5.0))
+        self._outbox = asyncio.Queue()
+        call = stub.Connect(self._messages())
+        await call.wait_for_connection()
+        self.stub, self.available = stub, True
+        logger.info("connected to engine core %s (%s)", self.address, self.info.model)
+        self._on_change()
+        async for message in call:
+            outputs = outputs_from_pb(message)
+            for output in outputs.outputs:
+                if output.finished:
+                    self.in_flight.discard(output.request_id)
+            self.in_flight.difference_update(outputs.finished_requests)
+            self._deliver(outputs)
+
+    async def _messages(self) -> AsyncIterator[pb.EngineCoreClientMessage]:
+        outbox = self._outbox
+        while (message := await outbox.get()) is not None:
+            yield message
+
+    def _mark_down(self) -> None:
+        was_available, self.available, self.stub = self.available, False, None
+        self._outbox.put_nowait(None)
+        if self.in_flight:
+            lost = [
+                EngineCoreOutput(
+                    request_id,
+                    [],
+                    finish_reason=FinishReason.ERROR,
+                    error=(UNAVAILABLE, f"lost the engine core at {self.address}"),
+                )
+                for request_id in sorted(self.in_flight)
+            ]
+            self.in_flight.clear()
+            self._deliver(EngineCoreOutputs(outputs=lost))
+        if was_available:
+            logger.warning("engine core %s is unreachable; reconnecting", self.address)
+            self._on_change()
+
+
+class GrpcCoreClient(EngineCoreClient):
+    """Engine-core client over gRPC to one or more cores (``addresses``), sync and asyncio.
+
+    Args:
+        addresses: "host:port" of each core.
+        wait_ready_s: how long the constructor waits for a first core; None waits as long as it takes.
+
+    Raises:
+        EngineDeadError: from the constructor, when no core answered within ``wait_ready_s``.
+    """
+
+    def __init__(
+        self,
+        addresses: list[str],
+        wait_ready_s: float | None = 60.0,
+        max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if not addresses:
+            raise ValueError("at least one engine-core address is needed")
+        self._transport = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._transport.run_forever, name="splitserve-grpc-client", daemon=True)
+        self._thread.start()
+        self._ready = threading.Event()
+        self._availability_listeners: list[Callable[[bool], None]] = []
+        self._owner: dict[str, CoreConnection] = {}
+        self._caller_loop: asyncio.AbstractEventLoop | None = None
+        self._caller_queue: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        self._pending_sync: list[EngineCoreOutputs] = []
+        self._sync_event = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.connections = self._on_transport(self._start(addresses, max_message_bytes)).result()
+        if not self._ready.wait(wait_ready_s):
+            self.shutdown()
+            raise EngineDeadError(f"no engine core answered at {', '.join(addresses)} within {wait_ready_s} s")
+
+    # --- state ---
+
+    def is_available(self) -> bool:
+        return any(c.available for c in self.connections)
+
+    def add_availability_listener(self, listener: Callable[[bool], None]) -> None:
+        """``listener(available)`` on every change (called on the transport thread)."""
+        self._availability_listeners.append(listener)
+
+    def get_engine_info(self) -> EngineInfo:
+        for connection in sorted(self.connections, key=lambda c: not c.available):
+            if connection.info is not None:
+                return connection.info
+        raise EngineDeadError("no engine core has been reached yet")
+
+    # --- requests ---
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._on_transport(self._add([request])).result()
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self.add_requests_async([request])
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        self._bind_caller_loop()
+        await asyncio.wrap_future(self._on_transport(self._add(requests)))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._on_transport(self._abort(request_ids)).result()
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids:
+            await asyncio.shield(asyncio.wrap_future(self._on_transport(self._abort(request_ids))))
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        if request_ids and not self._closed:
+            self._on_transport(self._abort(request_ids))
+
+    def get_output(self) -> EngineCoreOutputs:
+        """Blocks until some core sends outputs (sync callers)."""
+        while True:
+            with self._lock:
+                if self._pending_sync:
+                    return self._pending_sync.pop(0)
+                self._sync_event.clear()
+            if self._closed:
+                raise EngineDeadError("the engine-core client is closed")
+            self._sync_event.wait(0.5)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        output = await self._bind_caller_loop().get()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+    def reset_prefix_cache(self) -> bool:
+        return self._on_transport(self._reset_prefix_cache()).result()
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await asyncio.wrap_future(self._on_transport(self._reset_prefix_cache()))
+
+    async def get_load(self, address: str | None = None) -> pb.EngineLoad:
+        """The load of one core (the first reachable one by default)."""
+        return await asyncio.wrap_future(self._on_transport(self._get_load(address)))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._post(EngineDeadError("the engine-core client is closed"))
+        self._sync_event.set()
+        if self._transport.is_running():
+            self._on_transport(self._stop()).result(timeout=10)
+            self._transport.call_soon_threadsafe(self._transport.stop)
+        self._thread.join(timeout=10)
+
+    # --- transport thread ---
+
+    def _on_transport(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._transport)
+
+    async def _start(self, addresses: list[str], max_message_bytes: int) -> list[CoreConnection]:
+        connections = [
+            CoreConnection(a, self._deliver, self._availability_changed, max_message_bytes) for a in addresses
+        ]
+        self._tasks = [asyncio.get_running_loop().create_task(c.run()) for c in connections]
+        return connections
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _add(self, requests: list[EngineCoreRequest]) -> None:
+        available = [c for c in self.connections if c.available]
+        if not available:
+            raise EngineDeadError("no engine core is reachable")
+        connection = min(available, key=lambda c: len(c.in_flight))  # least outstanding requests
+        connection.send_add(requests)
+        for request in requests:
+            self._owner[request.request_id] = connection
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        by_connection: dict[CoreConnection, list[str]] = {}
+        for request_id in request_ids:
+            connection = self._owner.pop(request_id, None)
+            if connection is not None:
+                by_connection.setdefault(connection, []).append(request_id)
+        for connection, ids in by_connection.items():
+            connection.send_abort(ids)
+
+    async def _reset_prefix_cache(self) -> bool:
+        results = [
+            await c.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10.0)
+            for c in self.connections
+            if c.available and c.stub is not None
+        ]
+        if not results:
+            raise EngineDeadError("no engine core is reachable")
+        return all(r.success for r in results)
+
+    async def _get_load(self, address: str | None) -> pb.EngineLoad:
+        for connection in self.connections:
+            if connection.stub is not None and address in (None, connection.address):
+                return await connection.stub.GetLoad(pb.GetLoadRequest(), timeout=10.0)
+        raise EngineDeadError(f"engine core {address or ''} is not reachable".replace("  ", " "))
+
+    def _deliver(self, outputs: EngineCoreOutputs) -> None:
+        for output in outputs.outputs:
+            if output.finished:
+                self._owner.pop(output.request_id, None)
+        for request_id in outputs.finished_requests:
+            self._owner.pop(request_id, None)
+        self._post(outputs)
+
+    def _availability_changed(self) -> None:
+        available = self.is_available()
+        if available:
+            self._ready.set()
+        for listener in self._availability_listeners:
+            listener(available)
+
+    def _post(self, item: EngineCoreOutputs | BaseException) -> None:
+        loop, queue = self._caller_loop, self._caller_queue
+        if loop is not None and queue is not None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+        elif isinstance(item, EngineCoreOutputs):
+            with self._lock:
+                self._pending_sync.append(item)
+            self._sync_event.set()
+
+    def _bind_caller_loop(self) -> asyncio.Queue[EngineCoreOutputs | BaseException]:
+        loop = asyncio.get_running_loop()
+        if self._caller_queue is None or self._caller_loop is not loop:
+            self._caller_loop, self._caller_queue = loop, asyncio.Queue()
+        return self._caller_queue

@@ -1,0 +1,19 @@
+"""The one place where the frontend's errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from frontend_svc.errors import EngineDeadError, RequestTooLargeError, ValidationError
+
+
+def status_code(error: BaseException) -> grpc.StatusCode:
+    """validation -> INVALID_ARGUMENT, can-never-fit -> RESOURCE_EXHAUSTED, core unreachable -> UNAVAILABLE,
+    anything else -> INTERNAL."""
+    if isinstance(error, ValidationError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, RequestTooLargeError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,136 @@
+"""The public ``Generation`` servicer: thin and typed over ``AsyncLLM``; errors mapped in ``grpc_status``."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
+from frontend_svc.grpc_status import status_code
+from frontend_svc.input_processor import PromptType
+from frontend_svc.sampling_params import RequestOutputKind
+from frontend_svc.wire import (
+    chat_messages_from_api,
+    generate_request_from_api,
+    request_output_to_api,
+    sampling_params_from_api,
+)
+from splitserve.frontend.v1 import generation_pb2 as api
+from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+
+SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass
+class FrontendServerState:
+    model: str
+    engine: AsyncLLM | None = None  # set once the core is reachable (or loaded, in-process)
+    draining: bool = False
+    active_calls: int = 0
+
+
+class GenerationServicer(api_grpc.GenerationServicer):
+    def __init__(self, state: FrontendServerState) -> None:
+        self.state = state
+
+    async def Generate(
+        self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.GenerateResponse]:
+        engine = await self._engine(context)
+        try:
+            prompt: PromptType = generate_request_from_api(request)
+            params = sampling_params_from_api(request.sampling_params)
+        except FrontendError as e:
+            await context.abort(status_code(e), str(e))
+        async for message in self._stream(context, engine, prompt, params, request):
+            yield message
+
+    async def Chat(
+        self, request: api.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.GenerateResponse]:
+        engine = await self._engine(context)
+        try:
+            params = sampling_params_from_api(request.sampling_params)
+            add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+            chat_template = request.chat_template if request.HasField("chat_template") else None
+            prompt = engine.input_processor.render_chat(
+                chat_messages_from_api(request.messages), add_generation_prompt, chat_template
+            )
+        except FrontendError as e:
+            await context.abort(status_code(e), str(e))
+        async for message in self._stream(context, engine, prompt, params, request):
+            yield message
+
+    async def Tokenize(self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext) -> api.TokenizeResponse:
+        engine = await self._engine(context, allow_draining=True)
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        token_ids = engine.tokenizer(request.text, add_special_tokens=add_special).input_ids
+        return api.TokenizeResponse(token_ids=token_ids, tokens=engine.tokenizer.convert_ids_to_tokens(token_ids))
+
+    async def Detokenize(
+        self, request: api.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> api.DetokenizeResponse:
+        engine = await self._engine(context, allow_draining=True)
+        vocab_size = len(engine.tokenizer)
+        for i, token_id in enumerate(request.token_ids):
+            if not 0 <= token_id < vocab_size:
+                error = ValidationError(
+                    f"token_ids[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                )
+                await context.abort(status_code(error), str(error))
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return api.DetokenizeResponse(text=engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+
+    async def GetModelInfo(self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> api.ModelInfo:
+        engine = await self._engine(context, allow_draining=True)
+        info = engine.engine_info
+        msg = api.ModelInfo(
+            model=self.state.model,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=engine.input_processor.eos_token_ids,
+            max_logprobs=info.max_logprobs,
+            has_chat_template=bool(getattr(engine.tokenizer, "chat_template", None)),
+        )
+        if engine.tokenizer.bos_token_id is not None:
+            msg.bos_token_id = engine.tokenizer.bos_token_id
+        return msg
+
+    async def _stream(
+        self, context: grpc.aio.ServicerContext, engine: AsyncLLM, prompt: PromptType, params: Any, request: Any
+    ) -> AsyncIterator[api.GenerateResponse]:
+        """Stream one request's outputs; cancellation of the call aborts it (the generator is closed)."""
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        delta = params.output_kind == RequestOutputKind.DELTA
+        completion_tokens: dict[int, int] = {}
+        first = True
+        self.state.active_calls += 1
+        try:
+            async for output in engine.generate(prompt, params, request_id, request.priority, cache_salt):
+                for completion in output.outputs:
+                    previous = completion_tokens.get(completion.index, 0) if delta else 0
+                    completion_tokens[completion.index] = previous + len(completion.token_ids)
+                yield request_output_to_api(output, first, sum(completion_tokens.values()))
+                first = False
+        except FrontendError as e:
+            await context.abort(status_code(e), str(e))
+        finally:
+            self.state.active_calls -= 1
+
+    async def _engine(self, context: grpc.aio.ServicerContext, allow_draining: bool = False) -> AsyncLLM:
+        engine = self.state.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is not ready: no engine core yet")
+        if self.state.draining and not allow_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
+        client = engine.engine_core  # type: ignore[union-attr]
+        if not getattr(client, "is_available", lambda: True)():
+            error = EngineDeadError("no engine core is reachable")
+            await context.abort(status_code(error), str(error))
+        return engine  # type: ignore[return-value]
