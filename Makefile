@@ -7,9 +7,9 @@ BIN := $(VENV)/bin
 # "--index-url https://download.pytorch.org/whl/cpu". On a CUDA host set TORCH_SPEC=torch (the CUDA build).
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
-PROMPTS ?= --prompt "The future of AI is" --prompt "def fibonacci(n):" --prompt "Once upon a time"
+PORT ?= 50051
 
-.PHONY: setup test lint format protos run clean
+.PHONY: setup test lint format protos run stack serve clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +33,18 @@ format: setup
 protos: setup
 	$(BIN)/python scripts/generate_protos.py
 
-# The main job today: prompts through the engine core on the demo model (built on first use).
+# The main job: core and frontend as two processes, demo prompts streamed through the public gRPC API, both
+# stopped cleanly. The demo model is built on first use.
 run: setup
-	$(BIN)/splitserve generate $(PROMPTS) --max-tokens 32 --seed 0
+	$(BIN)/splitserve demo
+
+# Keep the split stack running on localhost:$(PORT) until Ctrl-C.
+stack: setup
+	$(BIN)/splitserve stack --port $(PORT)
+
+# The same public API with the core in-process (one process).
+serve: setup
+	$(BIN)/splitserve serve --port $(PORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

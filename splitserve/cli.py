@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs,
+        seed=getattr(args, "engine_seed", 0),
     )
 
 
@@ -133,6 +135,100 @@ def _output_json(prompt: str, output: Any) -> dict[str, Any]:
     return {"prompt": prompt, "prompt_token_ids": output.prompt_token_ids, "outputs": completions}
 
 
+def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--max-message-size-mib", type=int, default=256, help="gRPC message limit, both directions")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
+    )
+
+
+def cmd_core(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from core_svc.server import serve_core
+
+    config = core_config_from_args(args, resolve_model_arg(args.model))
+    return asyncio.run(
+        serve_core(config, args.host, args.port, args.max_message_size_mib * 2**20, args.shutdown_timeout)
+    )
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from frontend_svc.server import serve_frontend
+
+    cores = [address.strip() for address in args.core.split(",") if address.strip()]
+    return asyncio.run(
+        serve_frontend(
+            resolve_model_arg(args.model),
+            cores,
+            args.host,
+            args.port,
+            args.max_message_size_mib * 2**20,
+            args.shutdown_timeout,
+        )
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from frontend_svc.server import serve_frontend
+
+    return asyncio.run(
+        serve_frontend(
+            resolve_model_arg(args.model),
+            None,
+            args.host,
+            args.port,
+            args.max_message_size_mib * 2**20,
+            args.shutdown_timeout,
+            **core_kwargs_from_args(args),
+        )
+    )
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    """Core and frontend as two processes; with ``demo``, run the demo prompts through them, then stop both."""
+    import asyncio
+    import signal
+    import tempfile
+
+    from splitserve import stack
+
+    model = resolve_model_arg(args.model)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitserve-logs-"))
+    print(f"starting the split stack for {model} (logs in {log_dir})", flush=True)
+    core = stack.start_core(model, log_dir, port=args.core_port or None)
+    frontend = None
+    try:
+        core.wait_serving()
+        frontend = stack.start_frontend(model, [core.address], log_dir, port=args.port or None)
+        frontend.wait_serving()
+        print(f"core {core.address} and frontend {frontend.address} are SERVING", flush=True)
+        if args.command == "demo":
+            return asyncio.run(_demo(frontend.address))
+        print("Ctrl-C stops both.", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while core.process.poll() is None and frontend.process.poll() is None:
+            time.sleep(0.5)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        codes = [(p.name, p.stop()) for p in (frontend, core) if p is not None]
+        print("stopped: " + ", ".join(f"{name} exited {code}" for name, code in codes), flush=True)
+
+
+async def _demo(address: str) -> int:
+    from splitserve.demo_client import run_demo
+
+    return await run_demo(address)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="LLM inference server: gRPC frontend + core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +257,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("core", help="the engine core as a gRPC server")
+    add_core_args(p)
+    add_server_args(p, 50061)
+    p.add_argument(
+        "--seed", dest="engine_seed", type=int, default=0, help="seed of the engine RNG (unseeded random sampling)"
+    )
+    p.set_defaults(func=cmd_core)
+
+    p = sub.add_parser("frontend", help="the public gRPC API, over one or more engine cores")
+    p.add_argument("--model", default=None, help="the model the cores serve (for its tokenizer)")
+    p.add_argument("--core", required=True, help="HOST:PORT[,HOST:PORT...] of the engine cores")
+    add_server_args(p, 50051)
+    p.set_defaults(func=cmd_frontend)
+
+    p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
+    add_core_args(p)
+    add_server_args(p, 50051)
+    p.set_defaults(func=cmd_serve)
+
+    for name, text in (
+        ("stack", "run core and frontend as two processes until Ctrl-C"),
+        ("demo", "start the split stack, stream demo prompts through it, stop it"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--model", default=None, help="local folder or hub id (default: the demo model)")
+        p.add_argument("--port", type=int, default=0, help="frontend port (default: a free one)")
+        p.add_argument("--core-port", type=int, default=0, help="core port (default: a free one)")
+        p.add_argument("--log-dir", default=None, help="where the two processes log (default: a temporary folder)")
+        p.set_defaults(func=cmd_stack)
     return parser
 
 

@@ -1,0 +1,90 @@
+"""What both gRPC servers share: options, health, reflection, and SIGTERM handling. Imports grpc only."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20  # both directions; gRPC's own default is 4 MiB
+# Detect a peer that vanished (no TCP reset) within a few seconds.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+]
+
+
+def message_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def make_server(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    return grpc.aio.server(options=message_options(max_message_bytes) + SERVER_KEEPALIVE_OPTIONS)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Register grpc.health.v1 (every name NOT_SERVING until ``set_serving``) and server reflection."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+    """Set "" (the whole server) and each service name to SERVING or NOT_SERVING."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await servicer.set(name, status)
+
+
+def on_termination(callback: Callable[[], None]) -> None:
+    """Call ``callback`` (on the running event loop) on SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, callback)
+
+
+def run_in_daemon_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """Run a slow blocking call (model load, waiting for a core) off the event loop, on a daemon thread, so a
+    SIGTERM meanwhile can still end the process at once."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as e:  # handed to the awaiting coroutine
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_set_exception, future, e)
+        else:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+    threading.Thread(target=target, name="splitserve-startup", daemon=True).start()
+    return future
+
+
+def _set_result(future: asyncio.Future[T], result: T) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[T], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -1,0 +1,234 @@
+"""Failures and lifecycles of the split stack as processes: a core killed and restarted, drains on SIGTERM,
+several cores behind one frontend, the embedded server, and a Node.js client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from splitserve import stack
+from splitserve.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
+from splitserve.frontend.v1 import generation_pb2 as api
+from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from tests.test_grpc_split import CORE_ARGS, generate, greedy, joined
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from splitserve.test_model import make_test_model
+
+    return str(make_test_model(tmp_path_factory.mktemp("fault-model"), "llama", "tiny"))
+
+
+@pytest.fixture()
+def logs(tmp_path):
+    return tmp_path / "logs"
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_core_killed_mid_stream_then_restarted(model, logs):
+    core = stack.start_core(model, logs, CORE_ARGS)
+    core.wait_serving()
+    frontend = stack.start_frontend(model, [core.address], logs)
+    try:
+        frontend.wait_serving()
+
+        async def stream_until_killed():
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                stub = api_grpc.GenerationStub(channel)
+                call = stub.Generate(api.GenerateRequest(prompt="hello", sampling_params=greedy(max_tokens=100000)))
+                received = 0
+                async for _ in call:
+                    received += 1
+                    if received == 3:
+                        core.kill()
+                        killed_at = time.monotonic()
+                return killed_at
+
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            asyncio.run(stream_until_killed())
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 30
+        assert frontend.process.poll() is None  # the frontend stays up ...
+        assert wait_for(lambda: frontend.health() == NOT_SERVING, 5)  # ... and says it cannot serve
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            asyncio.run(generate(frontend.address, "hi", greedy(max_tokens=2)))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - began < 5  # fails fast
+
+        port = int(core.address.rsplit(":", 1)[1])
+        core = stack.start_core(model, logs, CORE_ARGS, port=port)  # the same address
+        core.wait_serving()
+        assert wait_for(lambda: frontend.health() == SERVING, 30)
+        responses = asyncio.run(generate(frontend.address, "hi", greedy(max_tokens=4)))
+        assert len(joined(responses)[1]) == 4 and responses[-1].finished
+    finally:
+        assert frontend.stop() == 0
+        core.stop()
+
+
+def test_in_flight_streams_end_within_5_s_when_the_core_dies(model, logs):
+    """Measured from the kill: the frontend notices the broken stream and ends the call with UNAVAILABLE."""
+    core = stack.start_core(model, logs, CORE_ARGS)
+    core.wait_serving()
+    frontend = stack.start_frontend(model, [core.address], logs)
+    try:
+        frontend.wait_serving()
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                stub = api_grpc.GenerationStub(channel)
+                call = stub.Generate(api.GenerateRequest(prompt="hello", sampling_params=greedy(max_tokens=100000)))
+                iterator = call.__aiter__()
+                await iterator.__anext__()
+                core.kill()
+                killed = time.monotonic()
+                try:
+                    while True:
+                        await iterator.__anext__()
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), time.monotonic() - killed
+
+        code, seconds = asyncio.run(scenario())
+        assert code == grpc.StatusCode.UNAVAILABLE and seconds < 5
+    finally:
+        frontend.stop()
+
+
+def test_sigterm_drains_core_and_frontend(model, logs):
+    core = stack.start_core(model, logs, CORE_ARGS)
+    core.wait_serving()
+    frontend = stack.start_frontend(model, [core.address], logs)
+    frontend.wait_serving()
+
+    async def scenario():
+        task = asyncio.create_task(generate(frontend.address, "hello", greedy(max_tokens=60)))
+        await asyncio.sleep(0.3)
+        core.process.send_signal(15)  # SIGTERM: stop admitting, finish what is running
+        responses = await task
+        return responses
+
+    responses = asyncio.run(scenario())
+    assert responses[-1].finished and responses[-1].outputs[0].finish_reason == "length"
+    assert len(joined(responses)[1]) == 60  # finished, not aborted
+    assert core.process.wait(30) == 0
+    assert frontend.stop() == 0
+
+
+def test_frontend_spreads_requests_over_several_cores(model, logs):
+    cores = [stack.start_core(model, logs, CORE_ARGS) for _ in range(2)]
+    for core in cores:
+        core.wait_serving()
+    frontend = stack.start_frontend(model, [c.address for c in cores], logs)
+    try:
+        frontend.wait_serving()
+        seen_running = [0, 0]
+
+        async def scenario():
+            calls = [
+                asyncio.create_task(generate(frontend.address, f"prompt {i}", greedy(max_tokens=60))) for i in range(6)
+            ]
+            while not all(c.done() for c in calls):
+                for i, core in enumerate(cores):
+                    async with grpc.aio.insecure_channel(core.address) as channel:
+                        load = await core_grpc.EngineCoreStub(channel).GetLoad(core_pb.GetLoadRequest())
+                    seen_running[i] = max(seen_running[i], load.num_running_reqs)
+                await asyncio.sleep(0.05)
+            return [await c for c in calls]
+
+        results = asyncio.run(scenario())
+        assert all(r[-1].finished and len(joined(r)[1]) == 60 for r in results)
+        assert seen_running[0] >= 2 and seen_running[1] >= 2  # least outstanding requests: 3 and 3
+    finally:
+        frontend.stop()
+        for core in cores:
+            core.stop()
+
+
+def test_embedded_serve_answers_like_the_split_stack(model, logs):
+    server = stack.start_service("serve", ["serve", "--model", model, *CORE_ARGS], stack.free_port(), logs)
+    core = stack.start_core(model, logs, CORE_ARGS)
+    frontend = None
+    try:
+        server.wait_serving()
+        core.wait_serving()
+        frontend = stack.start_frontend(model, [core.address], logs)
+        frontend.wait_serving()
+        for prompt in ("The capital of France is", "def fibonacci(n):"):
+            embedded = asyncio.run(generate(server.address, prompt, greedy()))
+            split = asyncio.run(generate(frontend.address, prompt, greedy()))
+            assert joined(embedded) == joined(split) and len(joined(split)[1]) == 20
+    finally:
+        for process in (frontend, core, server):
+            if process is not None:
+                assert process.stop() == 0
+
+
+def _node_modules() -> Path:
+    """@grpc/grpc-js and @grpc/proto-loader from npm, once, into an ignored folder of the checkout."""
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        pytest.skip("Node.js and npm are not installed")
+    folder = ROOT / ".cache" / "node-client"
+    if not (folder / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "package.json").write_text(json.dumps({"name": "splitserve-node-client", "private": True}))
+        result = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "@grpc/grpc-js@1", "@grpc/proto-loader@0"],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            pytest.skip(f"npm could not install the gRPC packages: {result.stderr[-300:]}")
+    return folder / "node_modules"
+
+
+def test_node_client_streams_generate_from_the_proto_files(model, logs):
+    node_modules = _node_modules()
+    core = stack.start_core(model, logs, CORE_ARGS)
+    frontend = None
+    try:
+        core.wait_serving()
+        frontend = stack.start_frontend(model, [core.address], logs)
+        frontend.wait_serving()
+        script = ROOT / "examples" / "node" / "generate.js"
+        result = subprocess.run(
+            ["node", str(script), frontend.address, "The capital of France is", "12"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"NODE_PATH": str(node_modules), "PATH": "/usr/bin:/bin:/usr/local/bin"},
+        )
+        assert result.returncode == 0, result.stderr
+        messages = [json.loads(line) for line in result.stdout.splitlines()]
+        node_text = "".join(m["text"] for m in messages)
+        node_ids = [t for m in messages for t in m["tokenIds"]]
+        python = asyncio.run(generate(frontend.address, "The capital of France is", greedy(max_tokens=12)))
+        assert (node_text, node_ids) == joined(python)
+        assert messages[-1]["finished"] is True
+    finally:
+        for process in (frontend, core):
+            if process is not None:
+                process.stop()

@@ -1,0 +1,293 @@
+"""The split stack as real processes on loopback: a core, frontends over it, and the public gRPC API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from frontend_svc import LLM, SamplingParams
+from splitserve import stack
+from splitserve.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
+from splitserve.frontend.v1 import generation_pb2 as api
+from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from tests.conftest import real_or_builtin
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "Hello"]
+NUM_KV_BLOCKS = 129
+CORE_ARGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "1024"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from splitserve.test_model import make_test_model
+
+    return str(
+        make_test_model(tmp_path_factory.mktemp("split-model"), "llama", "tiny", tokenizer=real_or_builtin("llama2"))
+    )
+
+
+@pytest.fixture(scope="module")
+def services(model, tmp_path_factory):
+    """One core and two frontends on it."""
+    logs = tmp_path_factory.mktemp("split-logs")
+    core = stack.start_core(model, logs, CORE_ARGS)
+    frontends = []
+    try:
+        core.wait_serving()
+        frontends = [stack.start_frontend(model, [core.address], logs) for _ in range(2)]
+        for frontend in frontends:
+            frontend.wait_serving()
+        yield core, frontends
+    finally:
+        for process in [*frontends, core]:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """What the in-process LLM returns for the greedy prompts."""
+    with LLM(model, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=1024) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        return {o.prompt: o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)}
+
+
+def greedy(output_kind: int = api.OUTPUT_KIND_DELTA, max_tokens: int = 20) -> api.SamplingParams:
+    return api.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind)
+
+
+async def generate(address: str, prompt: str, params: api.SamplingParams) -> list[api.GenerateResponse]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(prompt=prompt, sampling_params=params))
+        return [response async for response in call]
+
+
+def joined(responses: list[api.GenerateResponse]) -> tuple[str, list[int]]:
+    return "".join(r.outputs[0].text for r in responses), [t for r in responses for t in r.outputs[0].token_ids]
+
+
+def free_blocks(core_address: str) -> int:
+    with grpc.insecure_channel(core_address) as channel:
+        return core_grpc.EngineCoreStub(channel).GetLoad(core_pb.GetLoadRequest(), timeout=10).num_free_kv_blocks
+
+
+def test_split_stack_returns_what_the_in_process_llm_returns(services, reference):
+    _, (frontend, _) = services
+    for prompt in PROMPTS:
+        streamed = asyncio.run(generate(frontend.address, prompt, greedy()))
+        assert joined(streamed) == (reference[prompt].text, reference[prompt].token_ids)
+        assert streamed[-1].finished and streamed[-1].outputs[0].finish_reason == "length"
+        assert streamed[0].prompt_token_ids and not streamed[-1].prompt_token_ids
+        assert streamed[-1].usage.completion_tokens == 20
+        final = asyncio.run(generate(frontend.address, prompt, greedy(api.OUTPUT_KIND_FINAL_ONLY)))
+        assert len(final) == 1 and joined(final) == (reference[prompt].text, reference[prompt].token_ids)
+
+
+def test_two_frontends_on_one_core_serve_concurrent_streams(services, reference):
+    _, frontends = services
+
+    async def all_at_once():
+        calls = [generate(f.address, p, greedy()) for f in frontends for p in PROMPTS for _ in range(2)]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(all_at_once())
+    expected = [p for _ in frontends for p in PROMPTS for _ in range(2)]
+    for prompt, responses in zip(expected, results, strict=True):
+        assert joined(responses) == (reference[prompt].text, reference[prompt].token_ids)
+
+
+def test_cancel_mid_stream_frees_the_blocks_and_others_go_on(services, reference):
+    core, (frontend, other) = services
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(frontend.address) as channel:
+            stub = api_grpc.GenerationStub(channel)
+            long = stub.Generate(api.GenerateRequest(prompt=PROMPTS[0], sampling_params=greedy(max_tokens=500)))
+            survivor = asyncio.create_task(generate(other.address, PROMPTS[1], greedy()))
+            received = 0
+            async for _ in long:
+                received += 1
+                if received == 3:
+                    break
+            long.cancel()
+            return await survivor
+
+    survivor = asyncio.run(scenario())
+    assert joined(survivor) == (reference[PROMPTS[1]].text, reference[PROMPTS[1]].token_ids)
+    for _ in range(100):
+        if free_blocks(core.address) == NUM_KV_BLOCKS - 1:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert free_blocks(core.address) == NUM_KV_BLOCKS - 1
+
+
+WIRE_ERRORS = [
+    (dict(prompt="hi", sampling_params=api.SamplingParams(temperature=-1.0)), "temperature"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(top_p=0.0)), "top_p"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(top_k=-2)), "top_k"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(min_p=1.5)), "min_p"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(n=0)), "n"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(n=2, temperature=0.0)), "n"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(max_tokens=0)), "max_tokens"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(min_tokens=5, max_tokens=2)), "min_tokens"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(presence_penalty=3.0)), "presence_penalty"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(frequency_penalty=-3.0)), "frequency_penalty"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(repetition_penalty=0.0)), "repetition_penalty"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(logprobs=50)), "logprobs"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(prompt_logprobs=-2)), "prompt_logprobs"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(stop=["ok", ""])), "stop[1]"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(stop=["x"], detokenize=False)), "stop"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(stop_token_ids=[10**7])), "stop_token_ids[0]"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(allowed_token_ids=[-4])), "allowed_token_ids[0]"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(logit_bias={10**7: 1.0})), "logit_bias"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(output_kind=9)), "output_kind"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(max_tokens=3, max_tokens_unlimited=True)), "max_tokens"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
+    (dict(prompt_token_ids=[5] * 1024), "prompt"),
+    (dict(prompt_token_ids=[5, 10**6]), "prompt_token_ids[1]"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field"), WIRE_ERRORS)
+def test_bad_input_is_invalid_argument_naming_the_field(services, fields, field):
+    _, (frontend, _) = services
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(api.GenerateRequest(**fields), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{field}: ")
+        # And the server goes on serving.
+        ok = list(stub.Generate(api.GenerateRequest(prompt="hi", sampling_params=greedy(max_tokens=2)), timeout=30))
+        assert ok[-1].finished
+
+
+def test_bad_chat_input(services):
+    _, (frontend, _) = services
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        image = api.ChatMessage(role="user", content=[api.ContentPart(image=api.Image(url="http://x/y.png"))])
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(api.ChatRequest(messages=[image]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "messages[0].content[0]" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(api.ChatRequest(messages=[]), timeout=30))
+        assert info.value.details().startswith("messages: ")
+
+
+def test_chat_tokenize_detokenize_and_model_info(services, model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    _, (frontend, _) = services
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        message = api.ChatMessage(role="user", content=[api.ContentPart(text="Name a color.")])
+        responses = list(stub.Chat(api.ChatRequest(messages=[message], sampling_params=greedy(max_tokens=5))))
+        expected = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Name a color."}], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        assert list(responses[0].prompt_token_ids) == expected
+        tokens = stub.Tokenize(api.TokenizeRequest(text="Hello world"))
+        assert list(tokens.token_ids) == tokenizer("Hello world").input_ids
+        assert list(tokens.tokens) == tokenizer.convert_ids_to_tokens(tokenizer("Hello world").input_ids)
+        text = stub.Detokenize(api.DetokenizeRequest(token_ids=tokens.token_ids)).text
+        assert text == "Hello world"
+        info = stub.GetModelInfo(api.GetModelInfoRequest())
+        assert info.vocab_size == len(tokenizer) and info.max_model_len == 1024 and info.has_chat_template
+
+
+def test_messages_over_grpcs_default_4_mib_pass_both_servers(services, model):
+    """Both servers take messages past gRPC's 4 MiB default (256 MiB here): a ~4.3 MiB list of token ids to the
+    frontend and, on the core's own stream, a ~4.3 MiB prompt that the core receives and refuses by length."""
+    from transformers import AutoTokenizer
+
+    core, (frontend, _) = services
+    token_id = len(AutoTokenizer.from_pretrained(model)) - 1  # a large id: 2 or 3 bytes on the wire
+    ids = [token_id] * (9 * 2**20 // (2 * (3 if token_id >= 2**14 else 2)))  # about 4.5 MiB
+    with grpc.insecure_channel(
+        frontend.address, options=[("grpc.max_send_message_length", 2**28), ("grpc.max_receive_message_length", 2**28)]
+    ) as channel:
+        request = api.DetokenizeRequest(token_ids=ids)
+        assert request.ByteSize() > 4 * 2**20
+        text = api_grpc.GenerationStub(channel).Detokenize(request, timeout=60).text
+        assert len(text) > 1_000_000
+
+    async def core_stream():
+        options = [("grpc.max_send_message_length", 2**28), ("grpc.max_receive_message_length", 2**28)]
+        async with grpc.aio.insecure_channel(core.address, options=options) as channel:
+            add = core_pb.EngineCoreRequest(
+                request_id="huge", prompt_token_ids=ids, sampling_params=core_pb.SamplingParams(max_tokens=1)
+            )
+            assert add.ByteSize() > 4 * 2**20
+
+            async def messages():
+                yield core_pb.EngineCoreClientMessage(add=add)
+                await asyncio.sleep(30)
+
+            call = core_grpc.EngineCoreStub(channel).Connect(messages())
+            async for outputs in call:
+                call.cancel()
+                return outputs.outputs[0]
+
+    output = asyncio.run(core_stream())
+    assert output.request_id == "huge" and output.finish_reason == core_pb.FINISH_REASON_ERROR
+    assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert f"{len(ids)} tokens" in output.error.message
+
+
+@pytest.mark.parametrize("which", ["core", "frontend"])
+def test_health_and_reflection_answer(services, which):
+    core, (frontend, _) = services
+    process, service = (
+        (core, "splitserve.engine.v1.EngineCore")
+        if which == "core"
+        else (frontend, "splitserve.frontend.v1.Generation")
+    )
+    with grpc.insecure_channel(process.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", service):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        response = next(iter(reflection.ServerReflectionInfo(iter([request]), timeout=10)))
+        names = {s.name for s in response.list_services_response.service}
+        assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+        file_request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)
+        described = next(iter(reflection.ServerReflectionInfo(iter([file_request]), timeout=10)))
+        assert described.file_descriptor_response.file_descriptor_proto
+
+
+def test_profile_rpcs_write_a_chrome_trace(services, tmp_path):
+    core, (frontend, _) = services
+    with grpc.insecure_channel(core.address) as channel:
+        stub = core_grpc.EngineCoreStub(channel)
+        stub.StartProfile(core_pb.StartProfileRequest(output_dir=str(tmp_path)), timeout=30)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.StartProfile(core_pb.StartProfileRequest(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        asyncio.run(generate(frontend.address, PROMPTS[0], greedy(max_tokens=4)))
+        path = stub.StopProfile(core_pb.StopProfileRequest(), timeout=60).trace_path
+    trace = json.loads(open(path).read())
+    assert trace["traceEvents"] and path.startswith(str(tmp_path))
+    assert stub is not None
+
+
+def test_llm_with_a_remote_core(services, model, reference):
+    core, _ = services
+    with LLM(model, core_address=core.address) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert (output.outputs[0].text, output.outputs[0].token_ids) == (
+            reference[prompt].text,
+            reference[prompt].token_ids,
+        )
