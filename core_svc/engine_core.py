@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
-from core_svc.errors import InvalidRequestError, RequestTooLargeError
+from core_svc.errors import InvalidRequestError, LoRANotFoundError, RequestTooLargeError
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
@@ -76,6 +76,15 @@ class EngineCore:
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = next(loaded.model.parameters()).dtype
         self.num_kv_blocks = self._num_kv_blocks(loaded)
+        kv_cache_tokens = (self.num_kv_blocks - 1) * config.block_size
+        if kv_cache_tokens < self.max_model_len:
+            # vLLM refuses to start here; a small cache is useful on CPUs and in tests, so warn and let requests
+            # that could never fit fail with RESOURCE_EXHAUSTED (ModelInfo.kv_cache_tokens tells clients).
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: requests needing more are refused",
+                kv_cache_tokens,
+                self.max_model_len,
+            )
         self.model_runner = ModelRunner(loaded, self.num_kv_blocks, config.block_size, config.seed)
         kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
@@ -205,13 +214,19 @@ class EngineCore:
 
     def _validate(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
+        if request.lora_name is not None:
+            raise LoRANotFoundError(f"lora_request: adapter {request.lora_name!r} is not loaded (no LoRA adapters are)")
+        if request.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority: {request.priority} needs the priority scheduling policy (--scheduling-policy priority)"
+            )
         prompt = request.prompt_token_ids
         if not prompt:
-            raise InvalidRequestError("prompt_token_ids is empty")
+            raise InvalidRequestError("prompt_token_ids: is empty")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt_token_ids has {len(prompt)} tokens, which leaves no room for an output token within "
+                f"prompt_token_ids: has {len(prompt)} tokens, which leaves no room for an output token within "
                 f"max_model_len={self.max_model_len}"
             )
         for i, token_id in enumerate(prompt):

@@ -81,11 +81,26 @@ class EngineLoop:
         return self.submit(lambda: self._drop_client(client_index))
 
     def add_requests(self, client_index: int, requests: list[Request]) -> concurrent.futures.Future[None]:
-        """Queue requests for the core; all are added or none. A refusal is also reported to the client's sink."""
-        return self.submit(lambda: self._add(client_index, requests))
+        """Queue requests for the core; all are added or none. A refusal is also reported to the client's sink,
+        a stopped loop included."""
+        future = self.submit(lambda: self._add(client_index, requests))
+        error = future.exception() if future.done() else None
+        client = self._clients.get(client_index)
+        if error is not None and client is not None:  # the loop is gone: tell the client now
+            client.sink(_refusals(requests, self._error_code(error), str(error)))
+        return future
 
-    def abort_requests(self, request_ids: list[str]) -> concurrent.futures.Future[None]:
-        return self.submit(lambda: self._abort(request_ids))
+    def abort_requests(
+        self, request_ids: list[str], client_index: int | None = None
+    ) -> concurrent.futures.Future[None]:
+        """Abort requests; with ``client_index``, only those that client added (one stream cannot abort
+        another's). Each owner hears of its aborted ids in ``finished_requests`` at once."""
+        return self.submit(lambda: self._abort(request_ids, client_index))
+
+    def num_client_requests(self, client_index: int) -> int:
+        """Requests of one client still in the core."""
+        client = self._clients.get(client_index)
+        return len(client.request_ids) if client is not None else 0
 
     def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         """Run ``fn(engine_core)`` on the engine thread, between steps."""
@@ -147,25 +162,30 @@ class EngineLoop:
                 self._owner[request.request_id] = client_index
                 client.request_ids.add(request.request_id)
         except Exception as e:
-            self._abort(added)
-            code = self._error_code(e)
-            errors = [
-                EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR, error=(code, str(e)))
-                for r in requests
-            ]
-            client.sink(EngineCoreOutputs(outputs=errors))
+            self._abort(added, notify=False)
+            client.sink(_refusals(requests, self._error_code(e), str(e)))
             raise
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str], client_index: int | None = None, notify: bool = True) -> None:
+        if client_index is not None:
+            request_ids = [i for i in request_ids if self._owner.get(i) == client_index]
         self.engine_core.abort_requests(request_ids)
+        by_owner: dict[int, set[str]] = {}
         for request_id in request_ids:
+            owner = self._owner.get(request_id)
+            if owner is not None:
+                by_owner.setdefault(owner, set()).add(request_id)
             self._forget(request_id)
+        for owner, ids in by_owner.items():
+            client = self._clients.get(owner)
+            if notify and client is not None:
+                client.sink(EngineCoreOutputs(finished_requests=ids))
 
     def _drop_client(self, client_index: int) -> None:
         with self._lock:
             client = self._clients.pop(client_index, None)
         if client is not None and client.request_ids:
-            self._abort(sorted(client.request_ids))
+            self._abort(sorted(client.request_ids), notify=False)
 
     def _forget(self, request_id: str) -> None:
         index = self._owner.pop(request_id, None)
@@ -208,3 +228,13 @@ class EngineLoop:
                 return
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
+
+
+def _refusals(requests: list[Request], code: int, message: str) -> EngineCoreOutputs:
+    """Outputs that end refused requests with finish_reason ERROR and ``error = (code, message)``."""
+    return EngineCoreOutputs(
+        outputs=[
+            EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR, error=(code, message))
+            for r in requests
+        ]
+    )

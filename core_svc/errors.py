@@ -13,6 +13,10 @@ class InvalidRequestError(EngineError, ValueError):
     """
 
 
+class LoRANotFoundError(EngineError):
+    """A request names a LoRA adapter the core has not loaded. Maps to NOT_FOUND."""
+
+
 class RequestTooLargeError(EngineError):
     """A request that can never fit in the KV cache, however empty. Maps to RESOURCE_EXHAUSTED."""
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import grpc
 
-from core_svc.errors import InvalidRequestError, ModelLoadError, RequestTooLargeError
+from core_svc.errors import InvalidRequestError, LoRANotFoundError, ModelLoadError, RequestTooLargeError
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
-    """validation -> INVALID_ARGUMENT, can-never-fit -> RESOURCE_EXHAUSTED, engine not serving -> UNAVAILABLE,
-    anything else -> INTERNAL."""
+    """validation -> INVALID_ARGUMENT, unknown LoRA -> NOT_FOUND, can-never-fit -> RESOURCE_EXHAUSTED, engine
+    not serving -> UNAVAILABLE, anything else -> INTERNAL."""
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, LoRANotFoundError):
+        return grpc.StatusCode.NOT_FOUND
     if isinstance(error, RequestTooLargeError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, ModelLoadError | RuntimeError):

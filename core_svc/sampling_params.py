@@ -55,24 +55,27 @@ class SamplingParams:
         checks: list[tuple[bool, str]] = [
             (
                 math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
-                f"temperature must be in [0, 2], got {self.temperature}",
+                f"temperature: must be in [0, 2], got {self.temperature}",
             ),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (0.0 < self.top_p <= 1.0, f"top_p: must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k: must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p: must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens >= 1, f"max_tokens: must be at least 1, got {self.max_tokens}"),
             (
                 0 <= self.min_tokens <= self.max_tokens,
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
             ),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty: must be in [-2, 2], got {self.presence_penalty}",
+            ),
             (
                 -2.0 <= self.frequency_penalty <= 2.0,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+                f"frequency_penalty: must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+                f"repetition_penalty: must be a finite number > 0, got {self.repetition_penalty}",
             ),
         ]
         cap = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
@@ -81,7 +84,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 allowed = f"-1 (whole vocabulary) or in [0, {cap}]" if lowest == -1 else f"in [0, {cap}]"
-                checks.append((lowest <= value <= cap, f"{name} must be {allowed} (max_logprobs), got {value}"))
+                checks.append((lowest <= value <= cap, f"{name}: must be {allowed} (max_logprobs), got {value}"))
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
@@ -90,7 +93,7 @@ class SamplingParams:
             _check_ids("logit_bias", list(self.logit_bias), vocab_size)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise InvalidRequestError("allowed_token_ids must not be empty when given")
+                raise InvalidRequestError("allowed_token_ids: must not be empty when given")
             _check_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
         if self.eos_token_id is not None:
             _check_ids("eos_token_id", [self.eos_token_id], vocab_size)

@@ -75,7 +75,7 @@ async def serve_core(
     state.draining = True
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
     deadline = time.monotonic() + shutdown_timeout_s
-    while engine_loop.num_unfinished_requests() and time.monotonic() < deadline:
+    while engine_loop.num_unfinished_requests() and time.monotonic() < deadline and engine_loop.dead_error is None:
         await asyncio.sleep(0.05)
     left = engine_loop.num_unfinished_requests()
     if left:

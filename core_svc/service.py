@@ -21,6 +21,13 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
 
 
+@dataclass(frozen=True)
+class _ReaderDone:
+    """The client stopped sending (half-close), or sent something that did not parse (``error``)."""
+
+    error: str | None = None
+
+
 @dataclass
 class CoreServerState:
     """What the servicer needs from the server: the loop once the model is loaded, and whether it drains."""
@@ -37,19 +44,34 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     async def Connect(
         self, request_iterator: AsyncIterator[pb.EngineCoreClientMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EngineCoreOutputs]:
+        """Serve one frontend stream. When the client half-closes, its requests still run to the end, then the
+        stream ends; when it goes away, they are aborted. A message that does not parse ends the stream with
+        INVALID_ARGUMENT."""
         engine_loop = await self._engine_loop(context)
         event_loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[pb.EngineCoreOutputs | None] = asyncio.Queue()
+        outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone] = asyncio.Queue()
 
         def sink(outputs: EngineCoreOutputs) -> None:  # on the engine thread
             event_loop.call_soon_threadsafe(outbox.put_nowait, outputs_to_pb(outputs))
 
         client_index = engine_loop.register_client(sink)
         self.state.active_streams.add(client_index)
-        reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, sink, outbox))
+        reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, outbox))
+        reader_done: _ReaderDone | None = None
         try:
-            while (message := await outbox.get()) is not None:
-                yield message
+            while True:
+                if reader_done is not None and not engine_loop.num_client_requests(client_index):
+                    break
+                item = await outbox.get()
+                if isinstance(item, _ReaderDone):
+                    reader_done = item
+                    if item.error is not None:
+                        logger.warning("stream %d sent a bad message: %s", client_index, item.error)
+                        await context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"bad message on the stream: {item.error}"
+                        )
+                    continue
+                yield item
         finally:
             reader.cancel()
             self.state.active_streams.discard(client_index)
@@ -60,9 +82,9 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         request_iterator: AsyncIterator[pb.EngineCoreClientMessage],
         engine_loop: EngineLoop,
         client_index: int,
-        sink: object,
-        outbox: asyncio.Queue[pb.EngineCoreOutputs | None],
+        outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone],
     ) -> None:
+        error: str | None = None
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("message")
@@ -79,11 +101,15 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                         continue
                     engine_loop.add_requests(client_index, [request])  # a refusal comes back through the sink
                 elif kind == "abort":
-                    engine_loop.abort_requests(list(message.abort.request_ids))
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
-            pass
-        finally:
-            outbox.put_nowait(None)  # the client is gone or done sending: end the stream
+                    engine_loop.abort_requests(list(message.abort.request_ids), client_index)
+        except asyncio.CancelledError:
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                error = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # a message that does not deserialize, a bad field
+            error = repr(e)
+        outbox.put_nowait(_ReaderDone(error))
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext) -> pb.EngineInfo:
         engine_loop = await self._engine_loop(context, allow_draining=True)

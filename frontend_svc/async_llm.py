@@ -11,7 +11,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.errors import EngineDeadError
-from frontend_svc.input_processor import PromptType, RequestOptions
+from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import EngineFrontend
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
@@ -36,9 +36,7 @@ class AsyncLLM(EngineFrontend):
     Args: as ``LLMEngine``.
     """
 
-    def __init__(
-        self, model: str, core_address: str | None = None, tokenizer: str | None = None, **core_config: Any
-    ) -> None:
+    def __init__(self, model: str, core_address: str | None = None, tokenizer: Any = None, **core_config: Any) -> None:
         super().__init__(model, core_address, tokenizer, asyncio_mode=True, core_config=core_config)
         self._output_handler: asyncio.Task[None] | None = None
         self._handler_state = _HandlerState()
@@ -63,6 +61,14 @@ class AsyncLLM(EngineFrontend):
         if dead is not None:
             raise EngineDeadError(f"the engine core has failed: {dead}")
         self._ensure_output_handler()
+        if not isinstance(prompt, list | tuple) and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            # Tokenizing a long text takes CPU time: not on the event loop.
+            text, token_ids = await asyncio.to_thread(self.input_processor.tokenize, prompt)
+            prompt = (
+                TokensPrompt(prompt_token_ids=token_ids)
+                if text is None
+                else TokensPrompt(prompt=text, prompt_token_ids=token_ids)
+            )
         queue = RequestOutputCollector(params.output_kind)
         options = RequestOptions(arrival_time, priority, cache_salt)
         internal_id, requests = self.prepare_requests(request_id, prompt, params, options, queue)

@@ -72,6 +72,7 @@ class EngineInfo:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    kv_cache_tokens: int  # usable blocks x block_size: no request can hold more
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_num_seqs: int

@@ -21,18 +21,28 @@ class RequestTooLargeError(FrontendError):
     """The request can never fit in the core's KV cache. Maps to RESOURCE_EXHAUSTED."""
 
 
+class NotFoundError(FrontendError, LookupError):
+    """A named resource (a LoRA adapter) does not exist. Maps to NOT_FOUND."""
+
+
 class EngineDeadError(FrontendError, RuntimeError):
     """The engine core stopped or is unreachable. Maps to UNAVAILABLE."""
 
 
 # gRPC status code values the core puts in EngineCoreOutput.error (grpc.StatusCode, without importing grpc).
-_INVALID_ARGUMENT, _RESOURCE_EXHAUSTED, _UNAVAILABLE = 3, 8, 14
+_INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNAVAILABLE = 3, 5, 8, 14
 
 
 def error_from_core(code: int, message: str) -> FrontendError:
     """The frontend error for a request the core refused or lost (``EngineCoreOutput.error``)."""
     if code == _INVALID_ARGUMENT:
+        # The core's messages start with the field ("prompt_token_ids[3]: ..."): keep it as the field.
+        field, sep, rest = message.partition(": ")
+        if sep and field and " " not in field:
+            return ValidationError(field, rest)
         return ValidationError("request", message)
+    if code == _NOT_FOUND:
+        return NotFoundError(message)
     if code == _RESOURCE_EXHAUSTED:
         return RequestTooLargeError(message)
     if code == _UNAVAILABLE:

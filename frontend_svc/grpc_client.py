@@ -13,10 +13,12 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
@@ -30,39 +32,58 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
+LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
 
 
 class CoreConnection:
-    """One core: a channel and a ``Connect`` stream, re-established with exponential backoff, and the requests
-    in flight on it. Runs on the client's transport loop."""
+    """One core: a channel, a ``Connect`` stream and a health watch, re-established with exponential backoff,
+    and the requests in flight on it. Runs on the client's transport loop.
+
+    A core takes new requests (``accepting``) while its stream is up and its health says SERVING; a draining
+    core refuses adds it got before the frontend saw NOT_SERVING, and those go back to ``reroute``.
+    """
 
     def __init__(
         self,
         address: str,
         deliver: Callable[[EngineCoreOutputs], None],
         on_change: Callable[[], None],
+        reroute: Callable[[CoreConnection, EngineCoreRequest, EngineCoreOutput], None],
         max_message_bytes: int,
     ) -> None:
         self.address = address
-        self.available = False
+        self.available = False  # the Connect stream is up
+        self.serving = False  # the core's health says SERVING
         self.info: EngineInfo | None = None
-        self.in_flight: set[str] = set()
+        # request_id -> the request until its first output (so a refused add can go elsewhere), then None
+        self.in_flight: dict[str, EngineCoreRequest | None] = {}
         self.stub: pb_grpc.EngineCoreStub | None = None
         self._deliver = deliver
         self._on_change = on_change
+        self._reroute = reroute
         self._options = grpc_runtime.message_options(max_message_bytes) + grpc_runtime.KEEPALIVE_OPTIONS
         self._outbox: asyncio.Queue[pb.EngineCoreClientMessage | None] = asyncio.Queue()
 
+    @property
+    def accepting(self) -> bool:
+        return self.available and self.serving
+
     async def run(self) -> None:
         backoff = INITIAL_BACKOFF_S
+        last_logged = 0.0
         while True:
             async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
                 try:
-                    await self._serve_stream(pb_grpc.EngineCoreStub(channel))
+                    await self._serve_stream(channel)
                     backoff = INITIAL_BACKOFF_S  # it was up; retry soon
-                except grpc.aio.AioRpcError as e:
-                    if self.available or e.code() != grpc.StatusCode.UNAVAILABLE:
-                        logger.warning("engine core %s: %s %s", self.address, e.code().name, e.details())
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # never let one bad event end the reconnect loop
+                    now = time.monotonic()
+                    if self.available or now - last_logged > LOG_INTERVAL_S:
+                        last_logged = now
+                        detail = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+                        logger.warning("engine core %s: %s; retrying", self.address, detail)
                 finally:
                     self._mark_down()
             await asyncio.sleep(backoff)
@@ -71,28 +92,62 @@ class CoreConnection:
     def send_add(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
             self._outbox.put_nowait(pb.EngineCoreClientMessage(add=request_to_pb(request)))
-            self.in_flight.add(request.request_id)
+            self.in_flight[request.request_id] = request
 
     def send_abort(self, request_ids: list[str]) -> None:
         if self.available:
             self._outbox.put_nowait(pb.EngineCoreClientMessage(abort=pb.AbortRequests(request_ids=request_ids)))
-        self.in_flight.difference_update(request_ids)
+        for request_id in request_ids:
+            self.in_flight.pop(request_id, None)
 
-    async def _serve_stream(self, stub: pb_grpc.EngineCoreStub) -> None:
+    async def _serve_stream(self, channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.EngineCoreStub(channel)
         self.info = engine_info_from_pb(await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=5.0))
         self._outbox = asyncio.Queue()
         call = stub.Connect(self._messages())
         await call.wait_for_connection()
-        self.stub, self.available = stub, True
+        self.stub, self.available, self.serving = stub, True, True
         logger.info("connected to engine core %s (%s)", self.address, self.info.model)
         self._on_change()
-        async for message in call:
-            outputs = outputs_from_pb(message)
-            for output in outputs.outputs:
-                if output.finished:
-                    self.in_flight.discard(output.request_id)
-            self.in_flight.difference_update(outputs.finished_requests)
-            self._deliver(outputs)
+        watch = asyncio.get_running_loop().create_task(self._watch_health(channel))
+        try:
+            async for message in call:
+                self._receive(outputs_from_pb(message))
+        finally:
+            watch.cancel()
+
+    async def _watch_health(self, channel: grpc.aio.Channel) -> None:
+        """Follow the core's grpc.health.v1 status: NOT_SERVING (draining) takes it out of routing."""
+        try:
+            async for response in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()):
+                serving = response.status == health_pb2.HealthCheckResponse.SERVING
+                if serving != self.serving:
+                    self.serving = serving
+                    self._on_change()
+        except grpc.aio.AioRpcError:
+            pass  # the stream's own failure handling takes over
+
+    def _receive(self, outputs: EngineCoreOutputs) -> None:
+        delivered = []
+        for output in outputs.outputs:
+            request = self.in_flight.get(output.request_id)
+            if output.error is not None and output.error[0] == UNAVAILABLE and request is not None:
+                # Refused before it ran (the core is draining): nothing happened, so another core can take it.
+                self.in_flight.pop(output.request_id, None)
+                if self.serving:
+                    self.serving = False
+                    self._on_change()
+                self._reroute(self, request, output)
+                continue
+            if output.finished:
+                self.in_flight.pop(output.request_id, None)
+            elif request is not None:
+                self.in_flight[output.request_id] = None  # started: no longer movable
+            delivered.append(output)
+        for request_id in outputs.finished_requests:
+            self.in_flight.pop(request_id, None)
+        outputs.outputs = delivered
+        self._deliver(outputs)
 
     async def _messages(self) -> AsyncIterator[pb.EngineCoreClientMessage]:
         outbox = self._outbox
@@ -100,7 +155,7 @@ class CoreConnection:
             yield message
 
     def _mark_down(self) -> None:
-        was_available, self.available, self.stub = self.available, False, None
+        was_available, self.available, self.serving, self.stub = self.available, False, False, None
         self._outbox.put_nowait(None)
         if self.in_flight:
             lost = [
@@ -144,6 +199,7 @@ class GrpcCoreClient(EngineCoreClient):
         self._ready = threading.Event()
         self._availability_listeners: list[Callable[[bool], None]] = []
         self._owner: dict[str, CoreConnection] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self._caller_loop: asyncio.AbstractEventLoop | None = None
         self._caller_queue: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._pending_sync: list[EngineCoreOutputs] = []
@@ -158,7 +214,8 @@ class GrpcCoreClient(EngineCoreClient):
     # --- state ---
 
     def is_available(self) -> bool:
-        return any(c.available for c in self.connections)
+        """Some core takes new requests."""
+        return any(c.accepting for c in self.connections)
 
     def add_availability_listener(self, listener: Callable[[bool], None]) -> None:
         """``listener(available)`` on every change (called on the transport thread)."""
@@ -239,7 +296,8 @@ class GrpcCoreClient(EngineCoreClient):
 
     async def _start(self, addresses: list[str], max_message_bytes: int) -> list[CoreConnection]:
         connections = [
-            CoreConnection(a, self._deliver, self._availability_changed, max_message_bytes) for a in addresses
+            CoreConnection(a, self._deliver, self._availability_changed, self._reroute, max_message_bytes)
+            for a in addresses
         ]
         self._tasks = [asyncio.get_running_loop().create_task(c.run()) for c in connections]
         return connections
@@ -249,14 +307,28 @@ class GrpcCoreClient(EngineCoreClient):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _add(self, requests: list[EngineCoreRequest]) -> None:
-        available = [c for c in self.connections if c.available]
-        if not available:
+    async def _add(self, requests: list[EngineCoreRequest], exclude: CoreConnection | None = None) -> None:
+        accepting = [c for c in self.connections if c.accepting and c is not exclude]
+        if not accepting:
             raise EngineDeadError("no engine core is reachable")
-        connection = min(available, key=lambda c: len(c.in_flight))  # least outstanding requests
+        connection = min(accepting, key=lambda c: len(c.in_flight))  # least outstanding requests
         connection.send_add(requests)
         for request in requests:
             self._owner[request.request_id] = connection
+
+    def _reroute(self, refused_by: CoreConnection, request: EngineCoreRequest, refusal: EngineCoreOutput) -> None:
+        """A draining core refused an add: send it to another core, or pass the refusal on."""
+        self._owner.pop(request.request_id, None)
+
+        async def readd() -> None:
+            try:
+                await self._add([request], exclude=refused_by)
+            except EngineDeadError:
+                self._deliver(EngineCoreOutputs(outputs=[refusal]))
+
+        task = asyncio.get_running_loop().create_task(readd())
+        self._background.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._background.discard)
 
     async def _abort(self, request_ids: list[str]) -> None:
         by_connection: dict[CoreConnection, list[str]] = {}

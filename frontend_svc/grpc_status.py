@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from frontend_svc.errors import EngineDeadError, RequestTooLargeError, ValidationError
+from frontend_svc.errors import EngineDeadError, NotFoundError, RequestTooLargeError, ValidationError
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
@@ -12,6 +12,8 @@ def status_code(error: BaseException) -> grpc.StatusCode:
     anything else -> INTERNAL."""
     if isinstance(error, ValidationError):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND
     if isinstance(error, RequestTooLargeError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, EngineDeadError):

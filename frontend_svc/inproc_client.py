@@ -54,6 +54,7 @@ class InprocClient(EngineCoreClient):
             max_model_len=info.max_model_len,
             block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks,
+            kv_cache_tokens=info.kv_cache_tokens,
             vocab_size=info.vocab_size,
             eos_token_ids=tuple(info.eos_token_ids),
             max_num_seqs=info.max_num_seqs,

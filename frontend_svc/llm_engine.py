@@ -29,12 +29,14 @@ class EngineFrontend:
         self,
         model: str,
         core_address: str | None,
-        tokenizer: str | None,
+        tokenizer: Any,
         asyncio_mode: bool,
         core_config: dict[str, Any],
     ) -> None:
         model_path = resolve_model_path(model)
-        self.tokenizer = load_tokenizer(tokenizer or model_path)
+        # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
+        loaded = tokenizer is not None and not isinstance(tokenizer, str)
+        self.tokenizer = tokenizer if loaded else load_tokenizer(tokenizer or model_path)
         client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
         self.engine_core = client or EngineCoreClient.make_client(
             str(model_path), core_address, asyncio_mode, **core_config
@@ -47,6 +49,11 @@ class EngineFrontend:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def refresh_engine_info(self) -> None:
+        """Take the core's settings again (after a reconnect, the core may have restarted with others)."""
+        self.engine_info = self.engine_core.get_engine_info()
+        self.input_processor.info = self.engine_info
 
     def close(self) -> None:
         """Shut the core down and free its memory (idempotent)."""
@@ -102,14 +109,12 @@ class LLMEngine(EngineFrontend):
     Args:
         model: local Hugging Face folder or hub id.
         core_address: None runs the core in-process.
-        tokenizer: tokenizer folder (default: the model's).
+        tokenizer: a tokenizer folder, or a loaded transformers tokenizer (default: the model's).
         **core_config: engine-core settings (``core_svc.config.CoreConfig`` fields: max_num_seqs,
             num_kv_blocks, dtype, ...), for the in-process core.
     """
 
-    def __init__(
-        self, model: str, core_address: str | None = None, tokenizer: str | None = None, **core_config: Any
-    ) -> None:
+    def __init__(self, model: str, core_address: str | None = None, tokenizer: Any = None, **core_config: Any) -> None:
         super().__init__(model, core_address, tokenizer, asyncio_mode=False, core_config=core_config)
 
     def add_request(

@@ -15,6 +15,7 @@ from typing import Any
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
+from frontend_svc.tokenizer import load_tokenizer
 from splitserve import grpc_runtime
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
 from splitserve.model_files import resolve_model_path
@@ -29,11 +30,12 @@ async def serve_frontend(
     port: int = 50051,
     max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
     shutdown_timeout_s: float = 30.0,
+    trust_request_chat_template: bool = False,
     **core_config: Any,
 ) -> int:
     """Run until SIGTERM / SIGINT; returns the exit code. ``core_addresses`` None runs the core in this process
     with ``core_config``."""
-    state = FrontendServerState(model=model)
+    state = FrontendServerState(model=model, trust_request_chat_template=trust_request_chat_template)
     server = grpc_runtime.make_server(max_message_bytes)
     api_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     health = grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
@@ -49,11 +51,14 @@ async def serve_frontend(
 
     def set_serving(available: bool) -> None:  # from the client's transport thread
         if state.engine is not None and not state.draining:
+            if available:
+                state.engine.refresh_engine_info()  # the core may have come back with other settings
             loop.call_soon_threadsafe(
                 lambda: loop.create_task(grpc_runtime.set_serving(health, [SERVICE_NAME], available))
             )
 
     def build() -> AsyncLLM:
+        state.tokenizer = load_tokenizer(resolve_model_path(model))
         if core_addresses:
             from frontend_svc.grpc_client import GrpcCoreClient
 
@@ -63,7 +68,7 @@ async def serve_frontend(
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:
             client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)
-        return AsyncLLM(model, engine_core_client=client)
+        return AsyncLLM(model, tokenizer=state.tokenizer, engine_core_client=client)
 
     starting = grpc_runtime.run_in_daemon_thread(build)
     done, _ = await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
 @dataclass
 class FrontendServerState:
     model: str
+    trust_request_chat_template: bool = False  # whether a Chat call may bring its own template (as vLLM's flag)
+    tokenizer: Any = None  # loaded first: Tokenize / Detokenize work before any core is reachable
     engine: AsyncLLM | None = None  # set once the core is reachable (or loaded, in-process)
     draining: bool = False
     active_calls: int = 0
@@ -58,8 +61,18 @@ class GenerationServicer(api_grpc.GenerationServicer):
             params = sampling_params_from_api(request.sampling_params)
             add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
             chat_template = request.chat_template if request.HasField("chat_template") else None
-            prompt = engine.input_processor.render_chat(
-                chat_messages_from_api(request.messages), add_generation_prompt, chat_template
+            if chat_template is not None and not self.state.trust_request_chat_template:
+                raise ValidationError(
+                    "chat_template",
+                    "per-request chat templates are off; start the frontend with "
+                    "--trust-request-chat-template to allow them",
+                )
+            # Rendering runs the template and tokenizes: CPU work, kept off the event loop.
+            prompt = await asyncio.to_thread(
+                engine.input_processor.render_chat,
+                chat_messages_from_api(request.messages),
+                add_generation_prompt,
+                chat_template,
             )
         except FrontendError as e:
             await context.abort(status_code(e), str(e))
@@ -67,16 +80,20 @@ class GenerationServicer(api_grpc.GenerationServicer):
             yield message
 
     async def Tokenize(self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext) -> api.TokenizeResponse:
-        engine = await self._engine(context, allow_draining=True)
+        tokenizer = await self._tokenizer(context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        token_ids = engine.tokenizer(request.text, add_special_tokens=add_special).input_ids
-        return api.TokenizeResponse(token_ids=token_ids, tokens=engine.tokenizer.convert_ids_to_tokens(token_ids))
+
+        def tokenize() -> api.TokenizeResponse:
+            token_ids = tokenizer(request.text, add_special_tokens=add_special).input_ids
+            return api.TokenizeResponse(token_ids=token_ids, tokens=tokenizer.convert_ids_to_tokens(token_ids))
+
+        return await asyncio.to_thread(tokenize)
 
     async def Detokenize(
         self, request: api.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.DetokenizeResponse:
-        engine = await self._engine(context, allow_draining=True)
-        vocab_size = len(engine.tokenizer)
+        tokenizer = await self._tokenizer(context)
+        vocab_size = len(tokenizer)
         for i, token_id in enumerate(request.token_ids):
             if not 0 <= token_id < vocab_size:
                 error = ValidationError(
@@ -84,7 +101,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 )
                 await context.abort(status_code(error), str(error))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return api.DetokenizeResponse(text=engine.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip))
+        text = await asyncio.to_thread(tokenizer.decode, list(request.token_ids), skip_special_tokens=skip)
+        return api.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> api.ModelInfo:
         engine = await self._engine(context, allow_draining=True)
@@ -96,6 +114,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
             eos_token_ids=engine.input_processor.eos_token_ids,
             max_logprobs=info.max_logprobs,
             has_chat_template=bool(getattr(engine.tokenizer, "chat_template", None)),
+            kv_cache_tokens=info.kv_cache_tokens,
         )
         if engine.tokenizer.bos_token_id is not None:
             msg.bos_token_id = engine.tokenizer.bos_token_id
@@ -122,6 +141,11 @@ class GenerationServicer(api_grpc.GenerationServicer):
             await context.abort(status_code(e), str(e))
         finally:
             self.state.active_calls -= 1
+
+    async def _tokenizer(self, context: grpc.aio.ServicerContext) -> Any:
+        if self.state.tokenizer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still loading its tokenizer")
+        return self.state.tokenizer
 
     async def _engine(self, context: grpc.aio.ServicerContext, allow_draining: bool = False) -> AsyncLLM:
         engine = self.state.engine

@@ -72,11 +72,21 @@ def _output_from_pb(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
         new_token_ids=list(msg.new_token_ids),
         new_logprobs=_logprobs_from_pb(msg.new_logprobs),
         new_prompt_logprobs=_logprobs_from_pb(msg.new_prompt_logprobs) if msg.new_prompt_logprobs else None,
-        finish_reason=FinishReason(msg.finish_reason) if msg.finish_reason else None,
+        finish_reason=_finish_reason(msg.finish_reason),
         stop_reason=getattr(msg, stop_kind) if stop_kind else None,
         num_cached_tokens=msg.num_cached_tokens,
         error=(msg.error.code, msg.error.message) if msg.HasField("error") else None,
     )
+
+
+def _finish_reason(value: int) -> FinishReason | None:
+    """0: still running. A value this frontend does not know (a newer core) still ends the request, as ERROR."""
+    if not value:
+        return None
+    try:
+        return FinishReason(value)
+    except ValueError:
+        return FinishReason.ERROR
 
 
 def _logprobs_from_pb(positions: object) -> list[PositionLogprobs]:
@@ -89,6 +99,7 @@ def engine_info_from_pb(msg: pb.EngineInfo) -> EngineInfo:
         max_model_len=msg.max_model_len,
         block_size=msg.block_size,
         num_kv_blocks=msg.num_kv_blocks,
+        kv_cache_tokens=msg.kv_cache_tokens,
         vocab_size=msg.vocab_size,
         eos_token_ids=tuple(msg.eos_token_ids),
         max_num_seqs=msg.max_num_seqs,

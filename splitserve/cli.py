@@ -144,6 +144,14 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     )
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let Chat calls bring their own chat_template (it runs on the frontend's CPU)",
+    )
+
+
 def cmd_core(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -169,6 +177,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
             args.port,
             args.max_message_size_mib * 2**20,
             args.shutdown_timeout,
+            args.trust_request_chat_template,
         )
     )
 
@@ -186,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.port,
             args.max_message_size_mib * 2**20,
             args.shutdown_timeout,
+            args.trust_request_chat_template,
             **core_kwargs_from_args(args),
         )
     )
@@ -270,11 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="the model the cores serve (for its tokenizer)")
     p.add_argument("--core", required=True, help="HOST:PORT[,HOST:PORT...] of the engine cores")
     add_server_args(p, 50051)
+    add_chat_template_arg(p)
     p.set_defaults(func=cmd_frontend)
 
     p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
     add_core_args(p)
     add_server_args(p, 50051)
+    add_chat_template_arg(p)
     p.set_defaults(func=cmd_serve)
 
     for name, text in (

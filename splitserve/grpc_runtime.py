@@ -17,14 +17,21 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20  # both directions; gRPC's own default is 4 MiB
-# Detect a peer that vanished (no TCP reset) within a few seconds.
+# Both sides ping every 2 s and drop a peer that does not answer within 2 s, so a core or frontend that hangs
+# or loses its network (no TCP reset) is noticed within seconds. ``ping_timeout_ms`` is what grpcio honours
+# for that; ``keepalive_timeout_ms`` alone leaves its 60 s default. Our servers accept pings this often; a
+# proxy in between must too (or it answers GOAWAY "too_many_pings").
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
 SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core_svc.errors import InvalidRequestError, ModelLoadError, RequestTooLargeError
+from core_svc.errors import InvalidRequestError, LoRANotFoundError, ModelLoadError, RequestTooLargeError
 from core_svc.request import Request
 from core_svc.sampling_params import SamplingParams
 from tests.helpers import make_engine, run_engine
@@ -108,17 +108,27 @@ def test_bad_requests_fail_alone(checkpoint):
     engine.add_request(request("good", [5, 6, 7], max_tokens=20, ignore_eos=True))
     engine.step()
     cases = [
-        (request("empty", []), InvalidRequestError, "prompt_token_ids is empty"),
+        (request("empty", []), InvalidRequestError, "prompt_token_ids: is empty"),
         (request("long", [5] * 64), InvalidRequestError, "64 tokens, which leaves no room .* max_model_len=64"),
         (request("oov", [5, vocab, 6]), InvalidRequestError, rf"prompt_token_ids\[1\]: token id {vocab} is outside"),
         (request("neg", [-1]), InvalidRequestError, r"prompt_token_ids\[0\]: token id -1 is outside"),
-        (request("temp", [5], temperature=-1.0), InvalidRequestError, "temperature must be in"),
-        (request("topp", [5], top_p=0.0), InvalidRequestError, "top_p must be in"),
+        (request("temp", [5], temperature=-1.0), InvalidRequestError, "temperature: must be in"),
+        (request("topp", [5], top_p=0.0), InvalidRequestError, "top_p: must be in"),
         (request("stop", [5], stop_token_ids=[vocab + 3]), InvalidRequestError, r"stop_token_ids\[0\]"),
-        (request("lp", [5], logprobs=21), InvalidRequestError, r"logprobs must be in \[0, 20\] \(max_logprobs\)"),
-        (request("lpall", [5], prompt_logprobs=-1), InvalidRequestError, "prompt_logprobs must be in"),
-        (request("allowed", [5], allowed_token_ids=[]), InvalidRequestError, "allowed_token_ids must not be empty"),
+        (request("lp", [5], logprobs=21), InvalidRequestError, r"logprobs: must be in \[0, 20\] \(max_logprobs\)"),
+        (request("lpall", [5], prompt_logprobs=-1), InvalidRequestError, "prompt_logprobs: must be in"),
+        (request("allowed", [5], allowed_token_ids=[]), InvalidRequestError, "allowed_token_ids: must not be empty"),
         (request("good", [5]), InvalidRequestError, "already in use"),
+        (
+            Request("prio", [5], SamplingParams(max_tokens=2), priority=3),
+            InvalidRequestError,
+            "priority: 3 needs the priority scheduling policy",
+        ),
+        (
+            Request("lora", [5], SamplingParams(max_tokens=2), lora_name="adapter"),
+            LoRANotFoundError,
+            "lora_request: adapter 'adapter' is not loaded",
+        ),
         (request("huge", [5] * 60, max_tokens=3), RequestTooLargeError, "more than the whole cache holds"),
     ]
     for bad, error, message in cases:

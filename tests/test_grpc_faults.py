@@ -232,3 +232,91 @@ def test_node_client_streams_generate_from_the_proto_files(model, logs):
         for process in (frontend, core):
             if process is not None:
                 process.stop()
+
+
+def test_one_draining_core_of_two_takes_no_new_requests(model, logs):
+    """SIGTERM to one core: its streams finish there, new requests go to the other core, none is refused."""
+    cores = [stack.start_core(model, logs, [*CORE_ARGS, "--shutdown-timeout", "60"]) for _ in range(2)]
+    for core in cores:
+        core.wait_serving()
+    frontend = stack.start_frontend(model, [c.address for c in cores], logs)
+    try:
+        frontend.wait_serving()
+
+        async def scenario():
+            long = [
+                asyncio.create_task(generate(frontend.address, f"long {i}", greedy(max_tokens=150))) for i in range(4)
+            ]
+            await asyncio.sleep(0.5)
+            cores[0].process.send_signal(15)
+            await asyncio.sleep(0.3)
+            short = await asyncio.gather(
+                *(generate(frontend.address, f"short {i}", greedy(max_tokens=3)) for i in range(10))
+            )
+            return [await t for t in long], short
+
+        long, short = asyncio.run(scenario())
+        assert all(len(joined(r)[1]) == 150 for r in long)  # the draining core finished its share
+        assert all(len(joined(r)[1]) == 3 for r in short)  # nothing was refused
+        assert cores[0].process.wait(60) == 0
+        assert frontend.health() == SERVING  # one core still serves
+    finally:
+        frontend.stop()
+        for core in cores:
+            core.stop()
+
+
+def test_a_hung_core_is_noticed_within_seconds(model, logs):
+    """SIGSTOP: no TCP reset, only silence. Keepalive pings end the stream within a few seconds."""
+    core = stack.start_core(model, logs, CORE_ARGS)
+    core.wait_serving()
+    frontend = stack.start_frontend(model, [core.address], logs)
+    try:
+        frontend.wait_serving()
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                stub = api_grpc.GenerationStub(channel)
+                call = stub.Generate(api.GenerateRequest(prompt="hello", sampling_params=greedy(max_tokens=100000)))
+                iterator = call.__aiter__()
+                await iterator.__anext__()
+                core.process.send_signal(19)  # SIGSTOP
+                stopped = time.monotonic()
+                try:
+                    while True:
+                        await iterator.__anext__()
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), time.monotonic() - stopped
+
+        code, seconds = asyncio.run(scenario())
+        assert code == grpc.StatusCode.UNAVAILABLE and seconds < 10
+        assert wait_for(lambda: frontend.health() == NOT_SERVING, 5)
+    finally:
+        core.kill()
+        frontend.stop()
+
+
+def test_frontend_started_before_its_core(model, logs):
+    """It waits NOT_SERVING (tokenizing already works), then serves once the core is up."""
+    port = stack.free_port()
+    frontend = stack.start_frontend(model, [f"127.0.0.1:{port}"], logs)
+    core = None
+    try:
+        with grpc.insecure_channel(frontend.address) as channel:
+            stub = api_grpc.GenerationStub(channel)
+
+            def tokenizes() -> bool:
+                try:
+                    return len(stub.Tokenize(api.TokenizeRequest(text="hello"), timeout=2).token_ids) > 0
+                except grpc.RpcError:
+                    return False
+
+            assert wait_for(tokenizes, 120)
+            assert frontend.health() == NOT_SERVING
+            core = stack.start_core(model, logs, CORE_ARGS, port=port)
+            frontend.wait_serving()
+            assert asyncio.run(generate(frontend.address, "hi", greedy(max_tokens=3)))[-1].finished
+    finally:
+        frontend.stop()
+        if core is not None:
+            core.stop()

@@ -291,3 +291,86 @@ def test_llm_with_a_remote_core(services, model, reference):
             reference[prompt].text,
             reference[prompt].token_ids,
         )
+
+
+def core_request(request_id: str, max_tokens: int) -> core_pb.EngineCoreClientMessage:
+    return core_pb.EngineCoreClientMessage(
+        add=core_pb.EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=[5, 6, 7],
+            sampling_params=core_pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        )
+    )
+
+
+def test_half_closed_core_stream_still_gets_its_outputs(services):
+    core, _ = services
+    with grpc.insecure_channel(core.address) as channel:
+        messages = list(core_grpc.EngineCoreStub(channel).Connect(iter([core_request("half", 5)]), timeout=30))
+    outputs = [o for m in messages for o in m.outputs]
+    assert [t for o in outputs for t in o.new_token_ids] and len([t for o in outputs for t in o.new_token_ids]) == 5
+    assert outputs[-1].finish_reason == core_pb.FINISH_REASON_LENGTH
+
+
+def test_a_stream_cannot_abort_another_streams_request(services):
+    core, _ = services
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(core.address) as channel:
+            stub = core_grpc.EngineCoreStub(channel)
+            outbox_a: asyncio.Queue = asyncio.Queue()
+
+            async def messages_a():
+                while (message := await outbox_a.get()) is not None:
+                    yield message
+
+            stream_a = stub.Connect(messages_a())
+            await outbox_a.put(core_request("owned", 400))
+            iterator = stream_a.__aiter__()
+            await iterator.__anext__()
+            # Another stream tries to abort it: ignored.
+            abort = core_pb.EngineCoreClientMessage(abort=core_pb.AbortRequests(request_ids=["owned"]))
+            async for _ in stub.Connect(iter([abort])):
+                pass
+            tokens_after = 0
+            for _ in range(5):
+                tokens_after += len((await iterator.__anext__()).outputs)
+            # The owner's own abort works and is reported in finished_requests.
+            await outbox_a.put(abort)
+            while True:
+                message = await iterator.__anext__()
+                if "owned" in message.finished_requests:
+                    break
+            await outbox_a.put(None)
+            return tokens_after
+
+    assert asyncio.run(scenario()) == 5
+    assert free_blocks(core.address) == NUM_KV_BLOCKS - 1
+
+
+def test_a_message_that_does_not_parse_ends_the_stream_with_invalid_argument(services):
+    core, _ = services
+    with grpc.insecure_channel(core.address) as channel:
+        raw = channel.stream_stream(
+            "/splitserve.engine.v1.EngineCore/Connect",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(iter([b"\xff\xff\xff\xff not protobuf"]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_core_side_refusals_keep_their_field(services):
+    _, (frontend, _) = services
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(api.GenerateRequest(prompt="hi", priority=3, sampling_params=greedy(2)), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("priority: 3 needs the priority scheduling policy")
+        message = api.ChatMessage(role="user", content=[api.ContentPart(text="hi")])
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(api.ChatRequest(messages=[message], chat_template="{{ 'x' }}"), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("chat_template: per-request chat templates are off")
