@@ -52,6 +52,7 @@ class CoreConnection:
         max_message_bytes: int,
     ) -> None:
         self.address = address
+        self.closing = False  # the client is shutting down: losing the stream is expected
         self.available = False  # the Connect stream is up
         self.serving = False  # the core's health says SERVING
         self.info: EngineInfo | None = None
@@ -169,8 +170,9 @@ class CoreConnection:
             ]
             self.in_flight.clear()
             self._deliver(EngineCoreOutputs(outputs=lost))
-        if was_available:
+        if was_available and not self.closing:
             logger.warning("engine core %s is unreachable; reconnecting", self.address)
+        if was_available:
             self._on_change()
 
 
@@ -303,6 +305,8 @@ class GrpcCoreClient(EngineCoreClient):
         return connections
 
     async def _stop(self) -> None:
+        for connection in self.connections:
+            connection.closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -92,7 +92,11 @@ async def serve_frontend(
     deadline = time.monotonic() + shutdown_timeout_s
     while state.active_calls and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    state.engine.close()  # calls still running end now, with UNAVAILABLE, rather than being cancelled
+    for _ in range(40):
+        if not state.active_calls:
+            break
+        await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
-    state.engine.close()
     logger.info("splitserve frontend stopped")
     return 0
