@@ -320,3 +320,33 @@ def test_frontend_started_before_its_core(model, logs):
         frontend.stop()
         if core is not None:
             core.stop()
+
+
+def test_a_frontend_killed_mid_stream_has_its_requests_aborted_in_the_core(model, logs):
+    core = stack.start_core(model, logs, CORE_ARGS)
+    core.wait_serving()
+    frontend = stack.start_frontend(model, [core.address], logs)
+    try:
+        frontend.wait_serving()
+
+        async def start_streams():
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                stub = api_grpc.GenerationStub(channel)
+                calls = [
+                    stub.Generate(api.GenerateRequest(prompt=f"p{i}", sampling_params=greedy(max_tokens=100000)))
+                    for i in range(3)
+                ]
+                for call in calls:
+                    await call.__aiter__().__anext__()
+                frontend.kill()  # its Connect stream breaks: the core must abort all three
+
+        asyncio.run(start_streams())
+
+        def load() -> core_pb.EngineLoad:
+            with grpc.insecure_channel(core.address) as channel:
+                return core_grpc.EngineCoreStub(channel).GetLoad(core_pb.GetLoadRequest(), timeout=10)
+
+        assert wait_for(lambda: load().num_running_reqs == 0, 10)
+        assert load().num_free_kv_blocks == load().num_usable_kv_blocks
+    finally:
+        core.stop()
