@@ -19,11 +19,11 @@ from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.outputs import EngineCoreOutputs as CoreOutputs
-from core_svc.wire import outputs_to_pb, request_from_pb
+from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_from_pb
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import EngineDeadError, RequestTooLargeError, ValidationError
-from frontend_svc.wire import outputs_from_pb, request_to_pb
+from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
 
 
 def _frontend_error(error: BaseException) -> BaseException:
@@ -48,20 +48,7 @@ class InprocClient(EngineCoreClient):
         return self.engine_core
 
     def get_engine_info(self) -> EngineInfo:
-        info = self._core().get_engine_info()
-        return EngineInfo(
-            model=info.model,
-            max_model_len=info.max_model_len,
-            block_size=info.block_size,
-            num_kv_blocks=info.num_kv_blocks,
-            kv_cache_tokens=info.kv_cache_tokens,
-            vocab_size=info.vocab_size,
-            eos_token_ids=tuple(info.eos_token_ids),
-            max_num_seqs=info.max_num_seqs,
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            max_logprobs=info.max_logprobs,
-            dtype=info.dtype,
-        )
+        return engine_info_from_pb(engine_info_to_pb(self._core().get_engine_info()))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         try:

@@ -1,13 +1,15 @@
-"""Failures and lifecycles of the split stack as processes: a core killed and restarted, drains on SIGTERM,
-several cores behind one frontend, the embedded server, and a Node.js client."""
+"""Failures and lifecycles of the split stack as processes: cores killed, hung, restarted and drained; frontends
+killed and started first; several cores behind one frontend; the embedded server; and a Node.js client."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -23,6 +25,7 @@ from tests.test_grpc_split import CORE_ARGS, generate, greedy, joined
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+UNBOUNDED = greedy(max_tokens=100000)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,50 @@ def logs(tmp_path):
     return tmp_path / "logs"
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> bool:
+@contextlib.contextmanager
+def split_stack(
+    model: str, logs: Path, num_cores: int = 1, core_args: list[str] = CORE_ARGS
+) -> Iterator[tuple[list[stack.ServiceProcess], stack.ServiceProcess]]:
+    """``num_cores`` cores and one frontend over all of them, SERVING; stopped (SIGTERM) afterwards."""
+    cores = [stack.start_core(model, logs, core_args) for _ in range(num_cores)]
+    frontend = None
+    try:
+        for core in cores:
+            core.wait_serving()
+        frontend = stack.start_frontend(model, [c.address for c in cores], logs)
+        frontend.wait_serving()
+        yield cores, frontend
+    finally:
+        for process in [frontend, *cores]:
+            if process is not None:
+                process.stop()
+
+
+def stream_then(address: str, action: Callable[[], None]) -> tuple[grpc.StatusCode, float]:
+    """Start an unbounded Generate, take its first message, run ``action``; returns how the stream ended and how
+    many seconds after ``action`` it did."""
+
+    async def run() -> tuple[grpc.StatusCode, float]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = api_grpc.GenerationStub(channel).Generate(
+                api.GenerateRequest(prompt="hello", sampling_params=UNBOUNDED)
+            )
+            iterator = call.__aiter__()
+            await iterator.__anext__()
+            action()
+            acted = time.monotonic()
+            try:
+                while True:
+                    await iterator.__anext__()
+            except grpc.aio.AioRpcError as e:
+                return e.code(), time.monotonic() - acted
+            except StopAsyncIteration:
+                return grpc.StatusCode.OK, time.monotonic() - acted
+
+    return asyncio.run(run())
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -46,30 +92,15 @@ def wait_for(predicate, timeout_s: float = 30.0) -> bool:
     return False
 
 
+def core_load(core: stack.ServiceProcess) -> core_pb.EngineLoad:
+    with grpc.insecure_channel(core.address) as channel:
+        return core_grpc.EngineCoreStub(channel).GetLoad(core_pb.GetLoadRequest(), timeout=10)
+
+
 def test_core_killed_mid_stream_then_restarted(model, logs):
-    core = stack.start_core(model, logs, CORE_ARGS)
-    core.wait_serving()
-    frontend = stack.start_frontend(model, [core.address], logs)
-    try:
-        frontend.wait_serving()
-
-        async def stream_until_killed():
-            async with grpc.aio.insecure_channel(frontend.address) as channel:
-                stub = api_grpc.GenerationStub(channel)
-                call = stub.Generate(api.GenerateRequest(prompt="hello", sampling_params=greedy(max_tokens=100000)))
-                received = 0
-                async for _ in call:
-                    received += 1
-                    if received == 3:
-                        core.kill()
-                        killed_at = time.monotonic()
-                return killed_at
-
-        started = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            asyncio.run(stream_until_killed())
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - started < 30
+    with split_stack(model, logs) as ([core], frontend):
+        code, seconds = stream_then(frontend.address, core.kill)
+        assert code == grpc.StatusCode.UNAVAILABLE and seconds < 5  # in-flight streams end with it
         assert frontend.process.poll() is None  # the frontend stays up ...
         assert wait_for(lambda: frontend.health() == NOT_SERVING, 5)  # ... and says it cannot serve
         began = time.monotonic()
@@ -78,71 +109,64 @@ def test_core_killed_mid_stream_then_restarted(model, logs):
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - began < 5  # fails fast
 
         port = int(core.address.rsplit(":", 1)[1])
-        core = stack.start_core(model, logs, CORE_ARGS, port=port)  # the same address
-        core.wait_serving()
-        assert wait_for(lambda: frontend.health() == SERVING, 30)
-        responses = asyncio.run(generate(frontend.address, "hi", greedy(max_tokens=4)))
-        assert len(joined(responses)[1]) == 4 and responses[-1].finished
-    finally:
-        assert frontend.stop() == 0
-        core.stop()
+        restarted = stack.start_core(model, logs, CORE_ARGS, port=port)  # the same address
+        try:
+            restarted.wait_serving()
+            assert wait_for(lambda: frontend.health() == SERVING, 30)
+            responses = asyncio.run(generate(frontend.address, "hi", greedy(max_tokens=4)))
+            assert len(joined(responses)[1]) == 4 and responses[-1].finished
+        finally:
+            restarted.stop()
 
 
-def test_in_flight_streams_end_within_5_s_when_the_core_dies(model, logs):
-    """Measured from the kill: the frontend notices the broken stream and ends the call with UNAVAILABLE."""
-    core = stack.start_core(model, logs, CORE_ARGS)
-    core.wait_serving()
-    frontend = stack.start_frontend(model, [core.address], logs)
-    try:
-        frontend.wait_serving()
+def test_a_hung_core_is_noticed_within_seconds(model, logs):
+    """SIGSTOP: no TCP reset, only silence. Keepalive pings end the stream within a few seconds."""
+    with split_stack(model, logs) as ([core], frontend):
+        try:
+            code, seconds = stream_then(frontend.address, lambda: core.process.send_signal(19))  # SIGSTOP
+            assert code == grpc.StatusCode.UNAVAILABLE and seconds < 10
+            assert wait_for(lambda: frontend.health() == NOT_SERVING, 5)
+        finally:
+            core.kill()
 
-        async def scenario():
+
+def test_a_frontend_killed_mid_stream_has_its_requests_aborted_in_the_core(model, logs):
+    with split_stack(model, logs) as ([core], frontend):
+
+        async def start_streams():
             async with grpc.aio.insecure_channel(frontend.address) as channel:
                 stub = api_grpc.GenerationStub(channel)
-                call = stub.Generate(api.GenerateRequest(prompt="hello", sampling_params=greedy(max_tokens=100000)))
-                iterator = call.__aiter__()
-                await iterator.__anext__()
-                core.kill()
-                killed = time.monotonic()
-                try:
-                    while True:
-                        await iterator.__anext__()
-                except grpc.aio.AioRpcError as e:
-                    return e.code(), time.monotonic() - killed
+                calls = [
+                    stub.Generate(api.GenerateRequest(prompt=f"p{i}", sampling_params=UNBOUNDED)) for i in range(3)
+                ]
+                for call in calls:
+                    await call.__aiter__().__anext__()
+                frontend.kill()  # its Connect stream breaks: the core must abort all three
 
-        code, seconds = asyncio.run(scenario())
-        assert code == grpc.StatusCode.UNAVAILABLE and seconds < 5
-    finally:
-        frontend.stop()
+        asyncio.run(start_streams())
+        assert wait_for(lambda: core_load(core).num_running_reqs == 0, 10)
+        load = core_load(core)
+        assert load.num_free_kv_blocks == load.num_usable_kv_blocks
 
 
 def test_sigterm_drains_core_and_frontend(model, logs):
-    core = stack.start_core(model, logs, CORE_ARGS)
-    core.wait_serving()
-    frontend = stack.start_frontend(model, [core.address], logs)
-    frontend.wait_serving()
+    with split_stack(model, logs) as ([core], frontend):
 
-    async def scenario():
-        task = asyncio.create_task(generate(frontend.address, "hello", greedy(max_tokens=60)))
-        await asyncio.sleep(0.3)
-        core.process.send_signal(15)  # SIGTERM: stop admitting, finish what is running
-        responses = await task
-        return responses
+        async def scenario():
+            task = asyncio.create_task(generate(frontend.address, "hello", greedy(max_tokens=60)))
+            await asyncio.sleep(0.3)
+            core.process.send_signal(15)  # SIGTERM: stop admitting, finish what is running
+            return await task
 
-    responses = asyncio.run(scenario())
-    assert responses[-1].finished and responses[-1].outputs[0].finish_reason == "length"
-    assert len(joined(responses)[1]) == 60  # finished, not aborted
-    assert core.process.wait(30) == 0
-    assert frontend.stop() == 0
+        responses = asyncio.run(scenario())
+        assert responses[-1].finished and responses[-1].outputs[0].finish_reason == "length"
+        assert len(joined(responses)[1]) == 60  # finished, not aborted
+        assert core.process.wait(30) == 0
+        assert frontend.stop() == 0
 
 
 def test_frontend_spreads_requests_over_several_cores(model, logs):
-    cores = [stack.start_core(model, logs, CORE_ARGS) for _ in range(2)]
-    for core in cores:
-        core.wait_serving()
-    frontend = stack.start_frontend(model, [c.address for c in cores], logs)
-    try:
-        frontend.wait_serving()
+    with split_stack(model, logs, num_cores=2) as (cores, frontend):
         seen_running = [0, 0]
 
         async def scenario():
@@ -160,88 +184,14 @@ def test_frontend_spreads_requests_over_several_cores(model, logs):
         results = asyncio.run(scenario())
         assert all(r[-1].finished and len(joined(r)[1]) == 60 for r in results)
         assert seen_running[0] >= 2 and seen_running[1] >= 2  # least outstanding requests: 3 and 3
-    finally:
-        frontend.stop()
-        for core in cores:
-            core.stop()
-
-
-def test_embedded_serve_answers_like_the_split_stack(model, logs):
-    server = stack.start_service("serve", ["serve", "--model", model, *CORE_ARGS], stack.free_port(), logs)
-    core = stack.start_core(model, logs, CORE_ARGS)
-    frontend = None
-    try:
-        server.wait_serving()
-        core.wait_serving()
-        frontend = stack.start_frontend(model, [core.address], logs)
-        frontend.wait_serving()
-        for prompt in ("The capital of France is", "def fibonacci(n):"):
-            embedded = asyncio.run(generate(server.address, prompt, greedy()))
-            split = asyncio.run(generate(frontend.address, prompt, greedy()))
-            assert joined(embedded) == joined(split) and len(joined(split)[1]) == 20
-    finally:
-        for process in (frontend, core, server):
-            if process is not None:
-                assert process.stop() == 0
-
-
-def _node_modules() -> Path:
-    """@grpc/grpc-js and @grpc/proto-loader from npm, once, into an ignored folder of the checkout."""
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        pytest.skip("Node.js and npm are not installed")
-    folder = ROOT / ".cache" / "node-client"
-    if not (folder / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "package.json").write_text(json.dumps({"name": "splitserve-node-client", "private": True}))
-        result = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "@grpc/grpc-js@1", "@grpc/proto-loader@0"],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"npm could not install the gRPC packages: {result.stderr[-300:]}")
-    return folder / "node_modules"
-
-
-def test_node_client_streams_generate_from_the_proto_files(model, logs):
-    node_modules = _node_modules()
-    core = stack.start_core(model, logs, CORE_ARGS)
-    frontend = None
-    try:
-        core.wait_serving()
-        frontend = stack.start_frontend(model, [core.address], logs)
-        frontend.wait_serving()
-        script = ROOT / "examples" / "node" / "generate.js"
-        result = subprocess.run(
-            ["node", str(script), frontend.address, "The capital of France is", "12"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={"NODE_PATH": str(node_modules), "PATH": "/usr/bin:/bin:/usr/local/bin"},
-        )
-        assert result.returncode == 0, result.stderr
-        messages = [json.loads(line) for line in result.stdout.splitlines()]
-        node_text = "".join(m["text"] for m in messages)
-        node_ids = [t for m in messages for t in m["tokenIds"]]
-        python = asyncio.run(generate(frontend.address, "The capital of France is", greedy(max_tokens=12)))
-        assert (node_text, node_ids) == joined(python)
-        assert messages[-1]["finished"] is True
-    finally:
-        for process in (frontend, core):
-            if process is not None:
-                process.stop()
 
 
 def test_one_draining_core_of_two_takes_no_new_requests(model, logs):
     """SIGTERM to one core: its streams finish there, new requests go to the other core, none is refused."""
-    cores = [stack.start_core(model, logs, [*CORE_ARGS, "--shutdown-timeout", "60"]) for _ in range(2)]
-    for core in cores:
-        core.wait_serving()
-    frontend = stack.start_frontend(model, [c.address for c in cores], logs)
-    try:
-        frontend.wait_serving()
+    with split_stack(model, logs, num_cores=2, core_args=[*CORE_ARGS, "--shutdown-timeout", "60"]) as (
+        cores,
+        frontend,
+    ):
 
         async def scenario():
             long = [
@@ -260,40 +210,6 @@ def test_one_draining_core_of_two_takes_no_new_requests(model, logs):
         assert all(len(joined(r)[1]) == 3 for r in short)  # nothing was refused
         assert cores[0].process.wait(60) == 0
         assert frontend.health() == SERVING  # one core still serves
-    finally:
-        frontend.stop()
-        for core in cores:
-            core.stop()
-
-
-def test_a_hung_core_is_noticed_within_seconds(model, logs):
-    """SIGSTOP: no TCP reset, only silence. Keepalive pings end the stream within a few seconds."""
-    core = stack.start_core(model, logs, CORE_ARGS)
-    core.wait_serving()
-    frontend = stack.start_frontend(model, [core.address], logs)
-    try:
-        frontend.wait_serving()
-
-        async def scenario():
-            async with grpc.aio.insecure_channel(frontend.address) as channel:
-                stub = api_grpc.GenerationStub(channel)
-                call = stub.Generate(api.GenerateRequest(prompt="hello", sampling_params=greedy(max_tokens=100000)))
-                iterator = call.__aiter__()
-                await iterator.__anext__()
-                core.process.send_signal(19)  # SIGSTOP
-                stopped = time.monotonic()
-                try:
-                    while True:
-                        await iterator.__anext__()
-                except grpc.aio.AioRpcError as e:
-                    return e.code(), time.monotonic() - stopped
-
-        code, seconds = asyncio.run(scenario())
-        assert code == grpc.StatusCode.UNAVAILABLE and seconds < 10
-        assert wait_for(lambda: frontend.health() == NOT_SERVING, 5)
-    finally:
-        core.kill()
-        frontend.stop()
 
 
 def test_frontend_started_before_its_core(model, logs):
@@ -322,31 +238,54 @@ def test_frontend_started_before_its_core(model, logs):
             core.stop()
 
 
-def test_a_frontend_killed_mid_stream_has_its_requests_aborted_in_the_core(model, logs):
-    core = stack.start_core(model, logs, CORE_ARGS)
-    core.wait_serving()
-    frontend = stack.start_frontend(model, [core.address], logs)
+def test_embedded_serve_answers_like_the_split_stack(model, logs):
+    server = stack.start_service("serve", ["serve", "--model", model, *CORE_ARGS], stack.free_port(), logs)
     try:
-        frontend.wait_serving()
-
-        async def start_streams():
-            async with grpc.aio.insecure_channel(frontend.address) as channel:
-                stub = api_grpc.GenerationStub(channel)
-                calls = [
-                    stub.Generate(api.GenerateRequest(prompt=f"p{i}", sampling_params=greedy(max_tokens=100000)))
-                    for i in range(3)
-                ]
-                for call in calls:
-                    await call.__aiter__().__anext__()
-                frontend.kill()  # its Connect stream breaks: the core must abort all three
-
-        asyncio.run(start_streams())
-
-        def load() -> core_pb.EngineLoad:
-            with grpc.insecure_channel(core.address) as channel:
-                return core_grpc.EngineCoreStub(channel).GetLoad(core_pb.GetLoadRequest(), timeout=10)
-
-        assert wait_for(lambda: load().num_running_reqs == 0, 10)
-        assert load().num_free_kv_blocks == load().num_usable_kv_blocks
+        with split_stack(model, logs) as (_, frontend):
+            server.wait_serving()
+            for prompt in ("The capital of France is", "def fibonacci(n):"):
+                embedded = asyncio.run(generate(server.address, prompt, greedy()))
+                split = asyncio.run(generate(frontend.address, prompt, greedy()))
+                assert joined(embedded) == joined(split) and len(joined(split)[1]) == 20
     finally:
-        core.stop()
+        assert server.stop() == 0
+
+
+def _node_modules() -> Path:
+    """@grpc/grpc-js and @grpc/proto-loader from npm, once, into an ignored folder of the checkout."""
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        pytest.skip("Node.js and npm are not installed")
+    folder = ROOT / ".cache" / "node-client"
+    if not (folder / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "package.json").write_text(json.dumps({"name": "splitserve-node-client", "private": True}))
+        result = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "@grpc/grpc-js@1", "@grpc/proto-loader@0"],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            pytest.skip(f"npm could not install the gRPC packages: {result.stderr[-300:]}")
+    return folder / "node_modules"
+
+
+def test_node_client_streams_generate_from_the_proto_files(model, logs):
+    node_modules = _node_modules()
+    with split_stack(model, logs) as (_, frontend):
+        script = ROOT / "examples" / "node" / "generate.js"
+        result = subprocess.run(
+            ["node", str(script), frontend.address, "The capital of France is", "12"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"NODE_PATH": str(node_modules), "PATH": "/usr/bin:/bin:/usr/local/bin"},
+        )
+        assert result.returncode == 0, result.stderr
+        messages = [json.loads(line) for line in result.stdout.splitlines()]
+        node_text = "".join(m["text"] for m in messages)
+        node_ids = [t for m in messages for t in m["tokenIds"]]
+        python = asyncio.run(generate(frontend.address, "The capital of France is", greedy(max_tokens=12)))
+        assert (node_text, node_ids) == joined(python)
+        assert messages[-1]["finished"] is True
