@@ -1,10 +1,10 @@
-"""The in-process engine-core client: the one frontend module that imports ``core_svc`` (only when chosen, by
-``EngineCoreClient.make_client``).
+"""The in-process engine-core client: the one frontend module that imports ``core_svc``, lazily, when
+``EngineCoreClient.make_client`` chooses it (the import is inside the constructor).
 
-Requests and outputs cross as the protobuf messages of the wire contract (converted by each side's converter
-module), without serialization. ``InprocClient`` runs a core step per ``get_output`` call (for ``LLMEngine``);
-``AsyncInprocClient`` runs the core on ``core_svc.engine_loop.EngineLoop``'s thread, as the core server does,
-and hands outputs to the asyncio loop.
+It talks to the core's in-process edge, ``core_svc.inproc.InprocCore``, in the same protobuf messages and
+status codes as the gRPC client, so a refusal reads the same either way. ``InprocClient`` runs a core step per
+``get_output`` call (for ``LLMEngine``); ``AsyncInprocClient`` runs the core on its engine-loop thread, as the
+core server does, and hands outputs to the asyncio loop.
 """
 
 from __future__ import annotations
@@ -14,60 +14,50 @@ import concurrent.futures
 import gc
 from typing import Any
 
-from core_svc import errors as core_errors
-from core_svc.config import CoreConfig
-from core_svc.engine_core import EngineCore
-from core_svc.engine_loop import EngineLoop
-from core_svc.outputs import EngineCoreOutputs as CoreOutputs
-from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_from_pb
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
-from frontend_svc.errors import EngineDeadError, RequestTooLargeError, ValidationError
+from frontend_svc.errors import EngineDeadError, error_from_core
 from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
-
-
-def _frontend_error(error: BaseException) -> BaseException:
-    if isinstance(error, core_errors.InvalidRequestError):
-        return ValidationError("request", str(error))
-    if isinstance(error, core_errors.RequestTooLargeError):
-        return RequestTooLargeError(str(error))
-    if isinstance(error, RuntimeError):
-        return EngineDeadError(str(error))
-    return error
+from splitserve.engine.v1 import engine_core_pb2 as pb
 
 
 class InprocClient(EngineCoreClient):
-    """Owns an ``EngineCore`` in this process."""
+    """Owns an engine core in this process."""
 
     def __init__(self, model: str, **core_config: Any) -> None:
-        self.engine_core: EngineCore | None = EngineCore(CoreConfig(model=model, **core_config))
+        from core_svc.inproc import InprocCore, RefusedError
 
-    def _core(self) -> EngineCore:
-        if self.engine_core is None:
+        self._refused_error = RefusedError
+        self._core_edge: InprocCore | None = InprocCore(model, **core_config)
+        self.engine_core = self._core_edge.engine_core  # the EngineCore itself, for introspection and tests
+
+    def _edge(self) -> Any:
+        if self._core_edge is None:
             raise EngineDeadError("the engine core has been shut down")
-        return self.engine_core
+        return self._core_edge
 
     def get_engine_info(self) -> EngineInfo:
-        return engine_info_from_pb(engine_info_to_pb(self._core().get_engine_info()))
+        return engine_info_from_pb(self._edge().get_engine_info())
 
     def add_request(self, request: EngineCoreRequest) -> None:
         try:
-            self._core().add_request(request_from_pb(request_to_pb(request)))
-        except core_errors.EngineError as e:
-            raise _frontend_error(e) from e
+            self._edge().add_request(request_to_pb(request))
+        except self._refused_error as e:
+            raise error_from_core(e.code, e.message) from e
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._core().abort_requests(request_ids)
+            self._edge().abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return outputs_from_pb(outputs_to_pb(self._core().step()))
+        return outputs_from_pb(self._edge().step())
 
     def reset_prefix_cache(self) -> bool:
-        return self._core().reset_prefix_cache()
+        return self._edge().reset_prefix_cache()
 
     def shutdown(self) -> None:
-        if self.engine_core is not None:
+        if self._core_edge is not None:
+            self._core_edge = None
             self.engine_core = None
             gc.collect()  # the model and KV cache go now, not at some later collection
 
@@ -79,32 +69,28 @@ class AsyncInprocClient(InprocClient):
 
     def __init__(self, model: str, **core_config: Any) -> None:
         super().__init__(model, **core_config)
-        self._engine_loop = EngineLoop(self._core(), lambda e: 0)
-        self._client_index = self._engine_loop.register_client(self._sink)
-        self._engine_loop.on_death(lambda e: self._post(EngineDeadError(f"the engine core failed: {e!r}")))
         self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine_loop.start()
+        self._edge().start_loop(self._sink, lambda e: self._post(EngineDeadError(f"the engine core failed: {e!r}")))
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self.add_requests_async([request])
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         self._bind_loop()
-        core_requests = [request_from_pb(request_to_pb(r)) for r in requests]
-        await self._wait(self._engine_loop.add_requests(self._client_index, core_requests))
+        await self._wait(lambda edge: edge.submit_add([request_to_pb(r) for r in requests]))
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids:
             # Shielded: an abort must reach the core even if its caller is cancelled meanwhile.
-            await asyncio.shield(self._wait(self._engine_loop.abort_requests(request_ids)))
+            await asyncio.shield(self._wait(lambda edge: edge.submit_abort(request_ids)))
 
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self._engine_loop.abort_requests(request_ids)
+        if request_ids and self._core_edge is not None:
+            self._core_edge.submit_abort(request_ids)
 
     async def reset_prefix_cache_async(self) -> bool:
-        return await self._wait(self._engine_loop.call(lambda core: core.reset_prefix_cache()))
+        return await self._wait(lambda edge: edge.submit_reset_prefix_cache())
 
     async def get_output_async(self) -> EngineCoreOutputs:
         output = await self._bind_loop().get()
@@ -113,7 +99,8 @@ class AsyncInprocClient(InprocClient):
         return output
 
     def shutdown(self) -> None:
-        self._engine_loop.stop()
+        if self._core_edge is not None:
+            self._core_edge.stop_loop()
         self._post(EngineDeadError("the engine core has been shut down"))
         super().shutdown()
 
@@ -123,19 +110,19 @@ class AsyncInprocClient(InprocClient):
             self._loop, self._outputs = loop, asyncio.Queue()
         return self._outputs
 
-    async def _wait(self, future: concurrent.futures.Future[Any]) -> Any:
-        if self._engine_loop.dead_error is not None or self.engine_core is None:
-            future.cancel()
+    async def _wait(self, submit: Any) -> Any:
+        """Submit a command to the core's thread and await it; refusals become the frontend's errors."""
+        edge = self._edge()
+        if edge.loop_failed:
             raise EngineDeadError("the engine core has stopped")
+        future: concurrent.futures.Future[Any] = submit(edge)
         try:
             return await asyncio.wrap_future(future)
-        except core_errors.EngineError as e:
-            raise _frontend_error(e) from e
-        except RuntimeError as e:
-            raise EngineDeadError(str(e)) from e
+        except self._refused_error as e:
+            raise error_from_core(e.code, e.message) from e
 
-    def _sink(self, outputs: CoreOutputs) -> None:  # on the engine thread
-        self._post(outputs_from_pb(outputs_to_pb(outputs)))
+    def _sink(self, outputs: pb.EngineCoreOutputs) -> None:  # on the engine thread
+        self._post(outputs_from_pb(outputs))
 
     def _post(self, item: EngineCoreOutputs | BaseException) -> None:
         loop, queue = self._loop, self._outputs

@@ -1,0 +1,126 @@
+"""The core's edge for a frontend in the same process: the same protobuf messages as over gRPC (not
+serialized), and refusals as gRPC status codes, mapped by the same ``grpc_status`` as the server's. A frontend
+needs nothing else of the core.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from core_svc.config import CoreConfig
+from core_svc.engine_core import EngineCore
+from core_svc.engine_loop import EngineLoop
+from core_svc.grpc_status import status_code_value
+from core_svc.outputs import EngineCoreOutputs
+from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_from_pb
+from splitserve.engine.v1 import engine_core_pb2 as pb
+
+T = TypeVar("T")
+
+
+class RefusedError(Exception):
+    """The core refused a call: ``code`` is the grpc status code value the gRPC server would have sent."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _refused(error: BaseException) -> RefusedError:
+    return error if isinstance(error, RefusedError) else RefusedError(status_code_value(error), str(error))
+
+
+class InprocCore:
+    """An ``EngineCore`` driven either step by step (``step``) or by an ``EngineLoop`` thread (``start_loop``).
+
+    Raises:
+        ModelLoadError, ValueError: from the constructor, as ``EngineCore``.
+    """
+
+    def __init__(self, model: str, **core_config: Any) -> None:
+        self.engine_core = EngineCore(CoreConfig(model=model, **core_config))
+        self._loop: EngineLoop | None = None
+        self._client_index = 0
+
+    # --- step by step (the caller's thread) ---
+
+    def get_engine_info(self) -> pb.EngineInfo:
+        return engine_info_to_pb(self.engine_core.get_engine_info())
+
+    def add_request(self, request: pb.EngineCoreRequest) -> None:
+        """Raises RefusedError for a request the core refuses."""
+        try:
+            self.engine_core.add_request(request_from_pb(request))
+        except Exception as e:
+            raise _refused(e) from e
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def step(self) -> pb.EngineCoreOutputs:
+        return outputs_to_pb(self.engine_core.step())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    # --- on the engine loop's thread ---
+
+    def start_loop(
+        self, sink: Callable[[pb.EngineCoreOutputs], None], on_death: Callable[[BaseException], None]
+    ) -> None:
+        """Run the core on its own thread; ``sink`` gets every step's outputs (on that thread)."""
+
+        def deliver(outputs: EngineCoreOutputs) -> None:
+            sink(outputs_to_pb(outputs))
+
+        self._loop = EngineLoop(self.engine_core, status_code_value)
+        self._client_index = self._loop.register_client(deliver)
+        self._loop.on_death(on_death)
+        self._loop.start()
+
+    def stop_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
+
+    @property
+    def loop_failed(self) -> bool:
+        return self._loop is not None and self._loop.dead_error is not None
+
+    def submit_add(self, requests: list[pb.EngineCoreRequest]) -> concurrent.futures.Future[None]:
+        """All or none; the future fails with RefusedError. Cancelling it before it runs skips the add."""
+        core_requests = [request_from_pb(r) for r in requests]
+        return _translated(self._engine_loop().add_requests(self._client_index, core_requests))
+
+    def submit_abort(self, request_ids: list[str]) -> concurrent.futures.Future[None]:
+        return _translated(self._engine_loop().abort_requests(request_ids))
+
+    def submit_reset_prefix_cache(self) -> concurrent.futures.Future[bool]:
+        return _translated(self._engine_loop().call(lambda core: core.reset_prefix_cache()))
+
+    def _engine_loop(self) -> EngineLoop:
+        if self._loop is None:
+            raise RuntimeError("the engine loop is not running")
+        return self._loop
+
+
+def _translated(future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+    """``future`` with its exception turned into RefusedError; cancelling the result cancels ``future``."""
+    result: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def forward(done: concurrent.futures.Future[T]) -> None:
+        if done.cancelled():
+            result.cancel()
+        elif not result.cancelled():
+            error = done.exception()
+            if result.set_running_or_notify_cancel():
+                if error is not None:
+                    result.set_exception(_refused(error))
+                else:
+                    result.set_result(done.result())
+
+    result.add_done_callback(lambda r: future.cancel() if r.cancelled() else None)
+    future.add_done_callback(forward)
+    return result
