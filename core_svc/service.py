@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -34,7 +34,6 @@ class CoreServerState:
 
     engine_loop: EngineLoop | None = None
     draining: bool = False
-    active_streams: set[int] = field(default_factory=set)
 
 
 class EngineCoreServicer(pb_grpc.EngineCoreServicer):
@@ -55,7 +54,6 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
             event_loop.call_soon_threadsafe(outbox.put_nowait, outputs_to_pb(outputs))
 
         client_index = engine_loop.register_client(sink)
-        self.state.active_streams.add(client_index)
         reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, outbox))
         reader_done: _ReaderDone | None = None
         try:
@@ -74,7 +72,6 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                 yield item
         finally:
             reader.cancel()
-            self.state.active_streams.discard(client_index)
             engine_loop.unregister_client(client_index)  # aborts whatever this stream still had running
 
     async def _read(

@@ -276,10 +276,6 @@ class GrpcCoreClient(EngineCoreClient):
     async def reset_prefix_cache_async(self) -> bool:
         return await asyncio.wrap_future(self._on_transport(self._reset_prefix_cache()))
 
-    async def get_load(self, address: str | None = None) -> pb.EngineLoad:
-        """The load of one core (the first reachable one by default)."""
-        return await asyncio.wrap_future(self._on_transport(self._get_load(address)))
-
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -352,12 +348,6 @@ class GrpcCoreClient(EngineCoreClient):
         if not results:
             raise EngineDeadError("no engine core is reachable")
         return all(r.success for r in results)
-
-    async def _get_load(self, address: str | None) -> pb.EngineLoad:
-        for connection in self.connections:
-            if connection.stub is not None and address in (None, connection.address):
-                return await connection.stub.GetLoad(pb.GetLoadRequest(), timeout=10.0)
-        raise EngineDeadError(f"engine core {address or ''} is not reachable".replace("  ", " "))
 
     def _deliver(self, outputs: EngineCoreOutputs) -> None:
         for output in outputs.outputs:
