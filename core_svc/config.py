@@ -39,6 +39,7 @@ class CoreConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a step's prefill chunk
     scheduling_policy: SchedulingPolicy = "fcfs"
     seed: int = 0  # seeds the engine RNG used by unseeded random sampling
+    attention_backend: str = "auto"  # auto, cpu or torch_ref (kernels.get_attention_backend)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: no cap (vLLM's default 20)
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class CoreConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch_ref"):
+            raise ValueError(f"attention_backend must be auto, cpu or torch_ref, got {self.attention_backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
 

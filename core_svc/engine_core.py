@@ -70,7 +70,7 @@ class EngineCore:
         device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model_path = resolve_model_path(config.model)
-        loaded = load_model(self.model_path, dtype, device, get_attention_backend("torch_ref"))
+        loaded = load_model(self.model_path, dtype, device, get_attention_backend(config.attention_backend, device))
         self.max_model_len = _resolve_max_model_len(config, loaded)
         self.vocab_size = loaded.arch.vocab_size
         self.eos_token_ids = loaded.eos_token_ids

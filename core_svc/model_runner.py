@@ -109,8 +109,11 @@ class ModelRunner:
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         block_size = self.block_size
-        num_reqs = len(scheduler_output.num_scheduled_tokens)
-        max_blocks = max(len(self.requests[rid].block_ids) for rid in scheduler_output.num_scheduled_tokens)
+        # Requests with one query token first: attention backends batch them as decodes (vLLM's reorder_batch).
+        scheduled = sorted(scheduler_output.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        num_decodes = sum(1 for _, num_tokens in scheduled if num_tokens == 1)
+        num_reqs = len(scheduled)
+        max_blocks = max(len(self.requests[rid].block_ids) for rid, _ in scheduled)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
         input_ids: list[int] = []
         positions_parts: list[np.ndarray] = []
@@ -120,7 +123,7 @@ class ModelRunner:
         sample_states: list[CachedRequestState] = []
         sample_rows: list[int] = []
         prompt_logprob_rows: dict[str, tuple[int, int, int]] = {}
-        for i, (request_id, num_tokens) in enumerate(scheduler_output.num_scheduled_tokens.items()):
+        for i, (request_id, num_tokens) in enumerate(scheduled):
             state = self.requests[request_id]
             start = state.num_computed_tokens
             end = start + num_tokens
@@ -149,6 +152,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)),
             max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -55,16 +55,20 @@ class RotaryEmbedding(nn.Module):
         self.cos = (emb.cos() * self.attention_scaling).to(device=self.cos.device, dtype=self.cos.dtype)
         self.sin = (emb.sin() * self.attention_scaling).to(device=self.sin.device, dtype=self.sin.dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [num_tokens]; q: [num_tokens, num_heads, head_size]; k: [num_tokens, num_kv_heads, head_size]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` rows of ``positions`` ``[num_tokens]`` as ``[num_tokens, 1, head_size]``, gathered once per
+        forward for every layer, with the first half of ``sin`` negated for ``apply_rotary``."""
+        half = self.sin.shape[-1] // 2
+        cos, sin = self.cos[positions], self.sin[positions].clone()
+        sin[:, :half].neg_()
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[num_tokens, heads, head_size]`` with ``RotaryEmbedding.tables``: transformers'
+    ``x * cos + rotate_half(x) * sin`` where ``rotate_half(x) = cat(-x2, x1)``, computed as
+    ``x * cos + roll(x, half) * signed_sin``, the same products bit for bit (negation is exact) in fewer ops."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -91,18 +95,23 @@ class Attention(nn.Module):
         self.scale = dims.head_size**-0.5
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.dims.num_heads, self.dims.head_size)
-        k = k.view(num_tokens, self.dims.num_kv_heads, self.dims.head_size)
-        v = v.view(num_tokens, self.dims.num_kv_heads, self.dims.head_size)
+        # rope: RotaryEmbedding.tables of this step's positions; hidden: [num_tokens, hidden_size]
+        num_tokens, dims = hidden.shape[0], self.dims
+        qkv = self.qkv_proj(hidden)
+        # q and k as one [num_tokens, num_heads + num_kv_heads, head_size] view, so RoPE is one pass
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, dims.num_heads + dims.num_kv_heads, dims.head_size)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, dims.num_kv_heads, dims.head_size)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        self.backend.write_kv(k, v, kv_cache, metadata.slot_mapping)
-        out = self.backend.forward(q, kv_cache, metadata, self.scale, self.dims.sliding_window)
+            qk = torch.cat((self.q_norm(qk[:, : dims.num_heads]), self.k_norm(qk[:, dims.num_heads :])), dim=1)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, : dims.num_heads], qk[:, dims.num_heads :]
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, dims.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -125,4 +134,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate).mul_(up))

@@ -41,9 +41,13 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ACT2FN[cfg.hidden_act], cfg.mlp_bias, dtype)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -67,8 +71,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata)
+            hidden = layer(rope, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
 

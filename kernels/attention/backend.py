@@ -6,15 +6,21 @@ Token t of a request lives in slot ``block_table[i, t // block_size] * block_siz
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "cpu", "torch_ref")
+
 
 @dataclass
 class AttentionMetadata:
-    """One step's flattened batch: requests are contiguous runs of query tokens.
+    """One step's flattened batch: requests are contiguous runs of query tokens, the ``num_decodes`` requests with
+    one query token first (vLLM v1 reorders its batch the same way), so decode rows are ``query[:num_decodes]``.
 
     The ``*_cpu`` lists mirror tensors for backends that loop over requests in Python.
     """
@@ -27,6 +33,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]  # [num_reqs]
     max_query_len: int
     max_seq_len: int
+    num_decodes: int = 0  # leading requests with exactly one query token
 
     @property
     def num_reqs(self) -> int:
@@ -38,33 +45,52 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping`` in ``kv_cache``."""
-        ...
-
     def forward(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        """Causal attention of ``query`` ``[num_tokens, num_heads, head_size]`` over each request's cached keys
-        and values (GQA when num_heads is a multiple of num_kv_heads). A query at position p sees keys at
-        positions k with k <= p and, with a sliding window W, k > p - W (transformers' convention).
+        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``metadata.slot_mapping`` in
+        ``kv_cache``, then compute causal attention of ``query`` ``[num_tokens, num_heads, head_size]`` over each
+        request's cached keys and values (GQA when num_heads is a multiple of num_kv_heads). A query at position p
+        sees keys at positions k with k <= p and, with a sliding window W, k > p - W (transformers' convention).
 
         Returns ``[num_tokens, num_heads, head_size]`` in the query's dtype.
         """
         ...
 
 
-def get_attention_backend(name: str = "torch_ref") -> AttentionBackend:
-    """Backend by name. Raises ValueError naming the known backends for an unknown one."""
-    if name == "torch_ref":
-        from kernels.attention.torch_ref import TorchRefAttentionBackend
+def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """Backend by name: ``cpu`` (compiled decode kernel, built on first use), ``torch_ref`` (plain torch, runs
+    anywhere), or ``auto``: ``cpu`` on CPU when its kernel builds, else ``torch_ref`` with a warning saying why.
 
-        return TorchRefAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; known: torch_ref")
+    Raises:
+        ValueError: an unknown name.
+        RuntimeError: ``cpu`` asked for explicitly and its kernel cannot be built or loaded.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+    if name == "auto":
+        if torch.device(device).type != "cpu":
+            name = "torch_ref"
+        else:
+            from kernels.attention import cpu_ops
+
+            try:
+                cpu_ops.load()
+                name = "cpu"
+            except Exception as e:  # a missing compiler, a failed build: the reference still serves correctly
+                logger.warning("attention backend 'cpu' unavailable (%s); using 'torch_ref', which is slower", e)
+                name = "torch_ref"
+    if name == "cpu":
+        from kernels.attention.cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend()
+    from kernels.attention.torch_ref import TorchRefAttentionBackend
+
+    return TorchRefAttentionBackend()

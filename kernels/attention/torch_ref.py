@@ -1,8 +1,9 @@
-"""Reference paged attention in plain torch: runs on any device, the CPU default.
+"""Reference paged attention in plain torch: runs on any device, and is the oracle the other backends are tested
+against.
 
-Decode requests (one query token) are batched into one ``scaled_dot_product_attention`` call over their
-gathered, padded block tables; each prefill chunk gets its own call with a causal mask offset by the tokens
-already in its cache.
+Decode requests (one query token) are batched into one ``scaled_dot_product_attention`` call over their gathered,
+padded block tables. Each prefill chunk gets its own call: over the keys and values it brings when nothing of its
+request is cached yet, else over its request's gathered blocks with a causal mask offset by the cached tokens.
 """
 
 from __future__ import annotations
@@ -13,85 +14,41 @@ import torch.nn.functional as F
 from kernels.attention.backend import AttentionMetadata
 
 
-class TorchRefAttentionBackend:
-    name = "torch_ref"
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping`` (int64 slots)."""
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        # key, value: [num_tokens, num_kv_heads, head_size]; kv_cache: [2, num_blocks, block_size, ...]
-        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-        flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
-        flat[0].index_copy_(0, slot_mapping, key)
-        flat[1].index_copy_(0, slot_mapping, value)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        # query: [num_tokens, num_heads, head_size] -> same shape
-        output = torch.empty_like(query)
-        starts = metadata.query_start_loc_cpu
-        decode_reqs = [i for i in range(metadata.num_reqs) if starts[i + 1] - starts[i] == 1]
-        if decode_reqs:
-            self._decode(query, kv_cache, metadata, decode_reqs, scale, sliding_window, output)
-        for i in range(metadata.num_reqs):
-            if starts[i + 1] - starts[i] > 1:
-                self._prefill(query, kv_cache, metadata, i, scale, sliding_window, output)
-        return output
-
-    def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        reqs: list[int],
-        scale: float,
-        sliding_window: int | None,
-        output: torch.Tensor,
-    ) -> None:
-        block_size = kv_cache.shape[2]
-        device = query.device
-        req_index = torch.tensor(reqs, device=device)
-        token_index = metadata.query_start_loc[req_index].long()  # [D]
-        seq_lens = metadata.seq_lens[req_index].long()  # [D]
-        num_blocks = -(max(metadata.seq_lens_cpu[i] for i in reqs) // -block_size)
-        block_table = metadata.block_table[req_index, :num_blocks].long()  # [D, nb]
-        keys = _gather(kv_cache[0], block_table)  # [D, num_kv_heads, nb * block_size, head_size]
-        values = _gather(kv_cache[1], block_table)
-        key_pos = torch.arange(keys.shape[2], device=device)
-        mask = key_pos[None, :] < seq_lens[:, None]  # [D, L]
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
-        q = query[token_index].unsqueeze(2)  # [D, num_heads, 1, head_size]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        output[token_index] = out.squeeze(2)
-
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        i: int,
-        scale: float,
-        sliding_window: int | None,
-        output: torch.Tensor,
-    ) -> None:
-        block_size = kv_cache.shape[2]
-        start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
-        seq_len = metadata.seq_lens_cpu[i]
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    output: torch.Tensor,
+) -> None:
+    """Attention of every request from ``metadata.num_decodes`` on (the prefill chunks) into ``output``, one
+    ``scaled_dot_product_attention`` call per request. The KV of this step must already be written."""
+    block_size = kv_cache.shape[2]
+    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    for i in range(metadata.num_decodes, metadata.num_reqs):
+        start, end = starts[i], starts[i + 1]
+        seq_len = seq_lens[i]
         num_context = seq_len - (end - start)
-        num_blocks = -(seq_len // -block_size)
-        block_table = metadata.block_table[i : i + 1, :num_blocks].long()
-        keys = _gather(kv_cache[0], block_table)[:, :, :seq_len]  # [1, num_kv_heads, seq_len, head_size]
-        values = _gather(kv_cache[1], block_table)[:, :, :seq_len]
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_size]
+        if num_context == 0:
+            keys = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, seq_len, head_size]
+            values = value[start:end].transpose(0, 1).unsqueeze(0)
+        else:
+            num_blocks = -(seq_len // -block_size)
+            block_table = metadata.block_table[i : i + 1, :num_blocks].long()
+            keys = _gather(kv_cache[0], block_table)[:, :, :seq_len]
+            values = _gather(kv_cache[1], block_table)[:, :, :seq_len]
         if num_context == 0 and (sliding_window is None or sliding_window >= seq_len):
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -102,6 +59,54 @@ class TorchRefAttentionBackend:
                 mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         output[start:end] = out[0].transpose(0, 1)
+
+
+class TorchRefAttentionBackend:
+    name = "torch_ref"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        # query: [num_tokens, num_heads, head_size] -> same shape
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.num_decodes:
+            self._decode(query, kv_cache, metadata, scale, sliding_window, output)
+        prefill_attention(query, key, value, kv_cache, metadata, scale, sliding_window, output)
+        return output
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        output: torch.Tensor,
+    ) -> None:
+        num_decodes = metadata.num_decodes
+        block_size = kv_cache.shape[2]
+        seq_lens = metadata.seq_lens[:num_decodes].long()  # [D]
+        num_blocks = -(max(metadata.seq_lens_cpu[:num_decodes]) // -block_size)
+        block_table = metadata.block_table[:num_decodes, :num_blocks].long()  # [D, nb]
+        keys = _gather(kv_cache[0], block_table)  # [D, num_kv_heads, nb * block_size, head_size]
+        values = _gather(kv_cache[1], block_table)
+        key_pos = torch.arange(keys.shape[2], device=query.device)
+        mask = key_pos[None, :] < seq_lens[:, None]  # [D, L]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
+        q = query[:num_decodes].unsqueeze(2)  # [D, num_heads, 1, head_size]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        output[:num_decodes] = out.squeeze(2)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

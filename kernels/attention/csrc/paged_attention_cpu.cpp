@@ -1,0 +1,117 @@
+// Paged decode attention on CPU: one query token per request attends over its KV blocks, read in place.
+//
+// The algorithm is vLLM's paged_attention_v1 (Kwon et al. 2023, "Efficient Memory Management for Large Language
+// Model Serving with PagedAttention") laid out for CPU threads: one work item per request, whose keys and values are
+// read in place, slot by slot, once for all query heads (GQA maps query head i to KV head i / (num_heads / num_kv_heads)).
+// Scores and accumulators are float32 whatever the cache dtype.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t head_size) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < head_size; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+template <typename scalar_t>
+void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                   double scale, int64_t sliding_window) {
+  const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int64_t row_stride = num_kv_heads * head_size;  // between consecutive slots of the cache
+
+  // One work item per request: its cache rows ([num_kv_heads, head_size] per slot) are read front to back once.
+  // Dynamic scheduling: sequence lengths are long-tailed, so equal static shares of requests are not equal work.
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> q(num_heads * head_size), acc(num_heads * head_size), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < num_reqs; ++r) {
+      const int64_t len = lens[r];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      scores.resize(num_heads * n);
+      const scalar_t* q_row = q_ptr + r * num_heads * head_size;
+      for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
+      const int32_t* blocks = table + r * max_blocks;
+      for (int64_t t = first; t < len; ++t) {
+        const scalar_t* k = k_ptr + (static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size) * row_stride;
+        for (int64_t head = 0; head < num_heads; ++head) {
+          scores[head * n + (t - first)] = dot(q.data() + head * head_size, k + (head / group) * head_size, head_size);
+        }
+      }
+      for (int64_t head = 0; head < num_heads; ++head) {
+        float* s = scores.data() + head * n;
+        float m = std::numeric_limits<float>::lowest();
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < n; ++t) {
+          s[t] = std::exp(s[t] - m);
+          total += s[t];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = first; t < len; ++t) {
+        const scalar_t* v = v_ptr + (static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size) * row_stride;
+        for (int64_t head = 0; head < num_heads; ++head) {
+          const float p = scores[head * n + (t - first)];
+          const scalar_t* v_head = v + (head / group) * head_size;
+          float* a = acc.data() + head * head_size;
+#pragma omp simd
+          for (int64_t d = 0; d < head_size; ++d) a[d] += p * static_cast<float>(v_head[d]);
+        }
+      }
+      scalar_t* o_row = o_ptr + r * num_heads * head_size;
+      for (int64_t i = 0; i < num_heads * head_size; ++i) o_row[i] = static_cast<scalar_t>(acc[i]);
+    }
+  }
+}
+
+// out, query: [num_reqs, num_heads, head_size]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
+// head_size]; block_table: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (>= 1); sliding_window <= 0: none.
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kInt, "block_table: contiguous int32");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt, "seq_lens: contiguous int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, cache and out must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale, int sliding_window) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,109 @@
+"""Attention backends against a dense causal attention computed independently, per request, from the tokens'
+keys and values in position order (no paging)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import AttentionMetadata, get_attention_backend
+from kernels.attention import cpu_ops
+
+
+def _cpu_backend_available() -> bool:
+    try:
+        cpu_ops.load()
+    except RuntimeError:
+        return False
+    return True
+
+
+BACKENDS = [
+    "torch_ref",
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not _cpu_backend_available(), reason="the CPU kernel cannot be built here")
+    ),
+]
+
+
+def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, window: int | None):
+    """q: [q_len, H, D] at positions first_pos.., k/v: [seq_len, Hkv, D] at positions 0.. -> [q_len, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[-1])
+    q_pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_dense(backend_name, dtype, window):
+    """Three decodes (one of them with a single cached token), a fresh prefill and a prefill chunk over cached
+    tokens, with GQA, scattered blocks, and a block size that does not divide the lengths."""
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_size, block_size, num_blocks = 8, 2, 32, 4, 64
+    # (tokens already cached, tokens this step); decodes first, as the model runner orders them
+    requests = [(9, 1), (0, 1), (22, 1), (0, 7), (6, 5)]
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    free_blocks = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # block 0 is the null block
+    all_keys, all_values, tables, slots = [], [], [], []
+    for cached, new in requests:
+        seq_len = cached + new
+        keys = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype)
+        table = [free_blocks.pop() for _ in range(-(seq_len // -block_size))]
+        for pos in range(cached):  # what earlier steps wrote
+            kv_cache[0, table[pos // block_size], pos % block_size] = keys[pos]
+            kv_cache[1, table[pos // block_size], pos % block_size] = values[pos]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, seq_len)]
+        all_keys.append(keys)
+        all_values.append(values)
+        tables.append(table)
+    max_blocks = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    query_lens = [new for _, new in requests]
+    query_start_loc = [0]
+    for n in query_lens:
+        query_start_loc.append(query_start_loc[-1] + n)
+    seq_lens = [cached + new for cached, new in requests]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=3,
+    )
+    query = torch.randn(query_start_loc[-1], num_heads, head_size, generator=gen).to(dtype)
+    key = torch.cat([k[cached:] for k, (cached, _) in zip(all_keys, requests, strict=True)])
+    value = torch.cat([v[cached:] for v, (cached, _) in zip(all_values, requests, strict=True)])
+
+    backend = get_attention_backend(backend_name)
+    assert backend.name == backend_name
+    out = backend.forward(query, key, value, kv_cache, metadata, head_size**-0.5, window)
+
+    assert out.shape == query.shape and out.dtype == dtype
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (cached, _) in enumerate(requests):
+        rows = slice(query_start_loc[i], query_start_loc[i + 1])
+        expected = _dense_attention(query[rows], all_keys[i], all_values[i], cached, window)
+        torch.testing.assert_close(out[rows].float(), expected, atol=atol, rtol=0, msg=f"request {i}")
+    # The step's keys and values landed in their slots.
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    assert torch.equal(flat[0, metadata.slot_mapping], key) and torch.equal(flat[1, metadata.slot_mapping], value)
+
+
+def test_unknown_backend_names_the_known_ones():
+    with pytest.raises(ValueError, match="torch_ref"):
+        get_attention_backend("flash")
