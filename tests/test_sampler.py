@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
-from core_svc.sampler import Sampler
+from core_svc.sampler import Sampler, argmax
 from core_svc.sampling_params import SamplingParams
 
 LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
@@ -183,3 +183,14 @@ def test_rank_counts_ties_like_vllm():
     lists = gather_logprobs(logprobs, torch.tensor([2]), 1, [1])
     assert lists.ranks == [4]  # tokens at least as likely as token 2: itself, 0, 1 and 3
     assert lists.logprob_token_ids == [[2, 0]]
+
+
+@pytest.mark.parametrize("vocab_size", [100, 256, 8192, 32000, 50257])
+def test_two_stage_argmax_equals_torch_argmax_with_ties(vocab_size):
+    gen = torch.Generator().manual_seed(vocab_size)
+    x = torch.randn(6, vocab_size, generator=gen)
+    x[1] = 1.0  # all tied: the first index
+    x[2, 7] = x[2, vocab_size - 1] = 9.0  # tie between the first chunk and the (short) last one
+    x[3, vocab_size - 1] = 9.0  # maximum in the last column
+    x[4, 200 % vocab_size] = x[4, 130 % vocab_size] = 9.0  # two maxima, possibly in one chunk
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
