@@ -175,11 +175,12 @@ class EngineLoop:
             owner = self._owner.get(request_id)
             if owner is not None:
                 by_owner.setdefault(owner, set()).add(request_id)
-            self._forget(request_id)
         for owner, ids in by_owner.items():
             client = self._clients.get(owner)
             if notify and client is not None:
                 client.sink(EngineCoreOutputs(finished_requests=ids))
+        for request_id in request_ids:
+            self._forget(request_id)
 
     def _drop_client(self, client_index: int) -> None:
         with self._lock:
@@ -213,12 +214,14 @@ class EngineLoop:
             target = share(request_id)
             if target is not None:
                 target.finished_requests.add(request_id)
-            self._forget(request_id)
         for index, client_outputs in shares.items():
             try:
                 self._clients[index].sink(client_outputs)
             except Exception:
                 logger.exception("output sink of client %d failed", index)
+        # Forgotten after the sinks have their outputs: a stream that sees no requests left has everything.
+        for request_id in outputs.finished_requests:
+            self._forget(request_id)
 
     def _fail_pending(self, error: BaseException) -> None:
         while True:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -59,6 +61,13 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         try:
             while True:
                 if reader_done is not None and not engine_loop.num_client_requests(client_index):
+                    # The engine thread hands outputs over before it forgets their requests; one turn of the event
+                    # loop lands them in the outbox.
+                    await asyncio.sleep(0)
+                    while not outbox.empty():
+                        item = outbox.get_nowait()
+                        if not isinstance(item, _ReaderDone):
+                            yield item
                     break
                 item = await outbox.get()
                 if isinstance(item, _ReaderDone):
@@ -82,6 +91,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone],
     ) -> None:
         error: str | None = None
+        last_add: concurrent.futures.Future[None] | None = None
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("message")
@@ -96,7 +106,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                         )
                         outbox.put_nowait(outputs_to_pb(EngineCoreOutputs(outputs=[refusal])))
                         continue
-                    engine_loop.add_requests(client_index, [request])  # a refusal comes back through the sink
+                    # a refusal comes back through the sink
+                    last_add = engine_loop.add_requests(client_index, [request])
                 elif kind == "abort":
                     engine_loop.abort_requests(list(message.abort.request_ids), client_index)
         except asyncio.CancelledError:
@@ -106,6 +117,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                 error = f"{e.code().name}: {e.details()}"
         except Exception as e:  # a message that does not deserialize, a bad field
             error = repr(e)
+        if last_add is not None:
+            # Adds run on the engine thread in order: once the last has, the stream's requests are all counted,
+            # so the writer does not take a half-close right after an add for "nothing left to wait for".
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(last_add)
         outbox.put_nowait(_ReaderDone(error))
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext) -> pb.EngineInfo:
