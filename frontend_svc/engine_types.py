@@ -57,11 +57,24 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The core's state after a step (``EngineCoreOutputs.scheduler_stats``); counts are since the last stats."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+
+
 @dataclass
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: set[str] = field(default_factory=set)
     timestamp: float = 0.0  # core's time.monotonic()
+    scheduler_stats: SchedulerStats | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import weakref
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
@@ -116,6 +116,8 @@ class LLMEngine(EngineFrontend):
 
     def __init__(self, model: str, core_address: str | None = None, tokenizer: Any = None, **core_config: Any) -> None:
         super().__init__(model, core_address, tokenizer, asyncio_mode=False, core_config=core_config)
+        self.num_preemptions = 0  # preemptions the core reported since this engine started
+        self.scheduler_stats: SchedulerStats | None = None  # the latest the core reported
 
     def add_request(
         self,
@@ -150,6 +152,9 @@ class LLMEngine(EngineFrontend):
     def step(self) -> list[RequestOutput]:
         """Run one core step; return the outputs it produced (per output kind)."""
         outputs = self.engine_core.get_output()
+        if outputs.scheduler_stats is not None:
+            self.scheduler_stats = outputs.scheduler_stats
+            self.num_preemptions += outputs.scheduler_stats.num_preemptions
         processed = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

@@ -13,6 +13,7 @@ from frontend_svc.engine_types import (
     EngineInfo,
     FinishReason,
     PositionLogprobs,
+    SchedulerStats,
 )
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, TokensPrompt
@@ -62,6 +63,18 @@ def outputs_from_pb(msg: pb.EngineCoreOutputs) -> EngineCoreOutputs:
         outputs=[_output_from_pb(o) for o in msg.outputs],
         finished_requests=set(msg.finished_requests),
         timestamp=msg.timestamp,
+        scheduler_stats=_stats_from_pb(msg.scheduler_stats) if msg.HasField("scheduler_stats") else None,
+    )
+
+
+def _stats_from_pb(msg: pb.SchedulerStats) -> SchedulerStats:
+    return SchedulerStats(
+        num_running_reqs=msg.num_running_reqs,
+        num_waiting_reqs=msg.num_waiting_reqs,
+        kv_cache_usage=msg.kv_cache_usage,
+        prefix_cache_queries=msg.prefix_cache_stats.queries,
+        prefix_cache_hits=msg.prefix_cache_stats.hits,
+        num_preemptions=msg.num_preemptions,
     )
 
 
