@@ -32,6 +32,12 @@ def add_core_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument(
+        "--attention-backend",
+        choices=["auto", "cpu", "torch_ref"],
+        default="auto",
+        help="auto: the compiled CPU kernel when it builds, else the torch reference",
+    )
     parser.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs per request; -1: no cap")
 
 
@@ -53,6 +59,7 @@ def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
         max_logprobs=args.max_logprobs,
+        attention_backend=args.attention_backend,
         seed=getattr(args, "engine_seed", 0),
     )
 
@@ -299,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--core-port", type=int, default=0, help="core port (default: a free one)")
         p.add_argument("--log-dir", default=None, help="where the two processes log (default: a temporary folder)")
         p.set_defaults(func=cmd_stack)
+
+    from benchmarks.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,96 @@
+"""``splitserve bench throughput|serve``: argument parsing and the printed summary."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import tempfile
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+logger = logging.getLogger(__name__)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+
+    for name, text in (
+        ("throughput", "offline throughput against transformers generate and generate_batch, with MFU"),
+        ("serve", "latency under a Poisson request rate: split stack against the in-process core"),
+    ):
+        p = kinds.add_parser(name, help=text)
+        p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
+        p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+        p.add_argument("--preset", default="small", choices=["tiny", "small", "medium"])
+        p.add_argument(
+            "--tokenizer",
+            type=Path,
+            default=None,
+            help="tokenizer folder for the built checkpoint (default: the llama2 tokenizer when present, else builtin)",
+        )
+        p.add_argument("--num-prompts", type=int, default=64 if name == "throughput" else 32)
+        p.add_argument("--output-len", type=int, default=128 if name == "throughput" else 64)
+        p.add_argument("--seed", type=int, default=0, help="seed of the request set")
+        p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
+        p.add_argument("--name", default=None, help="file name stem (default: <benchmark>-<preset>)")
+        if name == "throughput":
+            p.add_argument(
+                "--backends",
+                default="splitserve,hf-generate,hf-generate-batch",
+                help="comma-separated: splitserve, hf-generate, hf-generate-batch",
+            )
+            p.add_argument("--dtypes", default="float32,bfloat16", help="splitserve dtypes, comma-separated")
+            p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of transformers generate")
+            p.add_argument(
+                "--preemption-kv-fraction",
+                type=float,
+                default=0.25,
+                help="also run splitserve with a KV cache this fraction of the set's need (0: skip)",
+            )
+        else:
+            p.add_argument(
+                "--rates", default="1,inf", help="request rates per second, comma-separated; inf: all at once"
+            )
+            p.add_argument("--core-args", default="", help="extra flags for the core, e.g. '--max-num-seqs 64'")
+            p.add_argument("--log-dir", type=Path, default=None)
+        p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from benchmarks import workload
+
+    if args.model:
+        model = Path(args.model)
+    else:
+        tokenizer_dir = args.tokenizer or workload.default_tokenizer_dir()
+        if tokenizer_dir is None:
+            logger.warning("no llama2 tokenizer found (SPLITSERVE_TOKENIZERS_DIR): using the builtin tokenizer")
+        model = workload.bench_model_path(args.arch, args.preset, tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    requests = workload.make_request_set(args.num_prompts, args.output_len, tokenizer, args.seed)
+    name = args.name or f"{args.bench}-{args.preset if not args.model else model.name}"
+    if args.bench == "throughput":
+        from benchmarks import throughput as bench
+
+        report = bench.run(
+            model,
+            requests,
+            backends=[b.strip() for b in args.backends.split(",") if b.strip()],
+            dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()],
+            hf_batch_size=args.hf_batch_size,
+            preemption_kv_fraction=args.preemption_kv_fraction or None,
+        )
+    else:
+        from benchmarks import serve as bench
+
+        rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",") if r.strip()]
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
+        report = bench.run(model, requests, rates, args.core_args.split(), log_dir)
+    json_path, png_path = bench.write_report(report, args.out, name)
+    print(bench.format_report(report))
+    print(f"wrote {json_path} and {png_path}")
+    return 0

@@ -1,0 +1,255 @@
+"""``splitserve bench serve``: online latency and throughput through the public gRPC API under a request rate.
+
+An asyncio client sends the request set to a frontend with Poisson arrivals (exponential gaps at ``rate``
+requests/s; ``inf`` sends everything at once), streams each response, and records per request the time to first
+token (TTFT), the gaps between streamed tokens (ITL; a message carrying k tokens counts as k gaps of 1/k of its
+interval), the time per output token after the first (TPOT) and the end-to-end latency. The wrapper runs the same
+rates against the split stack (core and frontend as separate processes) and against ``splitserve serve`` (core
+in-process) and reports the split's cost as ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from benchmarks.workload import Machine, RequestSet
+from splitserve.frontend.v1 import generation_pb2 as api
+from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+
+logger = logging.getLogger(__name__)
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestTiming:
+    ttft: float = math.nan
+    e2e: float = math.nan
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
+
+
+async def _one(stub: api_grpc.GenerationStub, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
+    request = api.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling_params=api.SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0),
+    )
+    start = last = time.perf_counter()
+    try:
+        async for response in stub.Generate(request):
+            now = time.perf_counter()
+            new = sum(len(o.token_ids) for o in response.outputs)
+            if new:
+                if timing.output_tokens == 0:
+                    timing.ttft = now - start
+                else:
+                    timing.itl += [(now - last) / new] * new
+                timing.output_tokens += new
+                last = now
+        timing.e2e = time.perf_counter() - start
+    except grpc.aio.AioRpcError as e:
+        timing.error = f"{e.code().name}: {e.details()}"
+
+
+async def run_rate(address: str, requests: RequestSet, rate: float, seed: int = 0) -> dict[str, Any]:
+    """Send every request at Poisson arrivals of ``rate`` per second (math.inf: all at once); return the
+    summary (percentiles in milliseconds, throughput, errors)."""
+    rng = np.random.default_rng(seed)
+    gaps = np.zeros(len(requests.prompts)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(requests.prompts))
+    timings = [RequestTiming() for _ in requests.prompts]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        await channel.channel_ready()
+        start = time.perf_counter()
+        tasks = []
+        for prompt, gap, timing in zip(requests.prompts, gaps, timings, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(_one(stub, prompt, requests.output_len, timing)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [t for t in timings if t.error is None]
+    summary: dict[str, Any] = {
+        "rate": "inf" if math.isinf(rate) else rate,
+        "duration_s": duration,
+        "completed": len(ok),
+        "errors": [t.error for t in timings if t.error is not None],
+        "output_tokens": sum(t.output_tokens for t in ok),
+        "output_tok_s": sum(t.output_tokens for t in ok) / duration,
+        "request_s": len(ok) / duration,
+    }
+    series = {
+        "ttft": [t.ttft for t in ok],
+        "tpot": [t.tpot for t in ok if not math.isnan(t.tpot)],
+        "itl": [x for t in ok for x in t.itl],
+        "e2e": [t.e2e for t in ok],
+    }
+    for name, values in series.items():
+        for p in PERCENTILES:
+            summary[f"{name}_p{p}_ms"] = float(np.percentile(values, p) * 1000) if values else math.nan
+        summary[f"{name}_mean_ms"] = float(np.mean(values) * 1000) if values else math.nan
+    summary["samples_ms"] = {"ttft": [x * 1000 for x in series["ttft"]], "e2e": [x * 1000 for x in series["e2e"]]}
+    return summary
+
+
+def run_against(address: str, requests: RequestSet, rates: list[float]) -> list[dict[str, Any]]:
+    """Each rate in turn, after a warm-up request."""
+    warmup = RequestSet(prompts=requests.prompts[:1], output_len=4, seed=requests.seed)
+    asyncio.run(run_rate(address, warmup, math.inf))
+    results = []
+    for rate in rates:
+        logger.info("rate %s on %s", rate, address)
+        results.append(asyncio.run(run_rate(address, requests, rate)))
+        logger.info(
+            "  %.1f output tok/s, TTFT p50 %.1f ms, errors %d",
+            results[-1]["output_tok_s"],
+            results[-1]["ttft_p50_ms"],
+            len(results[-1]["errors"]),
+        )
+    return results
+
+
+def run(model: Path, requests: RequestSet, rates: list[float], core_args: list[str], log_dir: Path) -> dict[str, Any]:
+    """The split stack, then ``splitserve serve``, each started fresh with ``core_args``, at every rate."""
+    from splitserve import stack
+
+    deployments: dict[str, list[dict[str, Any]]] = {}
+    core = stack.start_core(str(model), log_dir, core_args)
+    frontend = None
+    try:
+        core.wait_serving()
+        frontend = stack.start_frontend(str(model), [core.address], log_dir)
+        frontend.wait_serving()
+        deployments["split"] = run_against(frontend.address, requests, rates)
+    finally:
+        for process in (frontend, core):
+            if process is not None:
+                process.stop()
+    serve = stack.start_service("serve", ["serve", "--model", str(model), *core_args], stack.free_port(), log_dir)
+    try:
+        serve.wait_serving()
+        deployments["inproc"] = run_against(serve.address, requests, rates)
+    finally:
+        serve.stop()
+    return {
+        "benchmark": "serve",
+        "model": str(model),
+        "machine": Machine.current().to_dict(),
+        "request_set": requests.summary(),
+        "core_args": core_args,
+        "deployments": deployments,
+        "comparison": compare(deployments),
+    }
+
+
+def compare(deployments: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per rate: split throughput over in-process, and the split's added median TTFT, TPOT and e2e (ms)."""
+    rows = []
+    for split, inproc in zip(deployments["split"], deployments["inproc"], strict=True):
+        rows.append(
+            {
+                "rate": split["rate"],
+                "throughput_ratio": split["output_tok_s"] / inproc["output_tok_s"],
+                "ttft_p50_overhead_ms": split["ttft_p50_ms"] - inproc["ttft_p50_ms"],
+                "tpot_p50_overhead_ms": split["tpot_p50_ms"] - inproc["tpot_p50_ms"],
+                "e2e_p50_overhead_ms": split["e2e_p50_ms"] - inproc["e2e_p50_ms"],
+            }
+        )
+    return rows
+
+
+def check_targets(report: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
+    """Split throughput at saturation >= 90% of in-process; median TTFT overhead at the lowest rate <= 5 ms."""
+    rows = []
+    comparison = report["comparison"]
+    saturated = [c for c in comparison if c["rate"] == "inf"]
+    if saturated:
+        ratio = saturated[0]["throughput_ratio"]
+        rows.append(("split/in-process throughput at rate inf", ratio, 0.90, ratio >= 0.90))
+    finite = [c for c in comparison if c["rate"] != "inf"]
+    if finite:
+        lowest = min(finite, key=lambda c: c["rate"])
+        overhead = lowest["ttft_p50_overhead_ms"]
+        rows.append((f"split median TTFT overhead at {lowest['rate']} req/s (ms)", overhead, 5.0, overhead <= 5.0))
+    return rows
+
+
+def format_report(report: dict[str, Any]) -> str:
+    rs = report["request_set"]
+    lines = [
+        f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
+        f"{rs['output_len']} output tokens each",
+        f"{'deployment':10} {'rate':>6} {'out tok/s':>10} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50 ms':>12} "
+        f"{'ITL p50/p99 ms':>16} {'e2e p50/p99 ms':>18} {'errors':>6}",
+    ]
+    for name, results in report["deployments"].items():
+        for r in results:
+            lines.append(
+                f"{name:10} {r['rate']!s:>6} {r['output_tok_s']:10.1f} "
+                f"{r['ttft_p50_ms']:8.1f}/{r['ttft_p90_ms']:6.1f}/{r['ttft_p99_ms']:6.1f} {r['tpot_p50_ms']:12.1f} "
+                f"{r['itl_p50_ms']:8.1f}/{r['itl_p99_ms']:7.1f} {r['e2e_p50_ms']:9.0f}/{r['e2e_p99_ms']:8.0f} "
+                f"{len(r['errors']):6d}"
+            )
+    for c in report["comparison"]:
+        lines.append(
+            f"split vs in-process at {c['rate']}: throughput {c['throughput_ratio']:.3f}x, median TTFT "
+            f"{c['ttft_p50_overhead_ms']:+.1f} ms, TPOT {c['tpot_p50_overhead_ms']:+.2f} ms, e2e "
+            f"{c['e2e_p50_overhead_ms']:+.0f} ms"
+        )
+    for name, measured, wanted, met in check_targets(report):
+        op = ">=" if "throughput" in name else "<="
+        lines.append(f"target {name}: {measured:.3f} (want {op} {wanted:.2f}) {'MET' if met else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
+    """``<name>.json`` and ``<name>.png``: CDFs of TTFT and e2e latency per deployment and rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"split": "-", "inproc": "--"}
+    for deployment, results in report["deployments"].items():
+        for i, r in enumerate(results):
+            for ax, metric in zip(axes, ("ttft", "e2e"), strict=True):
+                values = np.sort(r["samples_ms"][metric])
+                if len(values):
+                    ax.plot(
+                        values,
+                        np.arange(1, len(values) + 1) / len(values),
+                        styles.get(deployment, "-"),
+                        color=f"C{i}",
+                        label=f"{deployment}, rate {r['rate']}",
+                    )
+    for ax, title in zip(axes, ("time to first token", "end-to-end latency"), strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=8)
+    rs = report["request_set"]
+    fig.suptitle(f"{Path(report['model']).name}: {rs['num_requests']} requests, {rs['output_len']} output tokens")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return json_path, png_path

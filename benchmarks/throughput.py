@@ -1,0 +1,345 @@
+"""``splitserve bench throughput``: offline throughput of splitserve against transformers on one request set.
+
+Backends run one after another in this process, on the same checkpoint, requests and torch thread count:
+- ``splitserve``: ``LLM.generate`` with the core in-process (frontend work included: detokenization, outputs);
+- ``hf-generate``: transformers ``generate`` in static, left-padded batches of ``--hf-batch-size`` requests in
+  request order;
+- ``hf-generate-batch``: transformers ``generate_batch`` (continuous batching over a paged KV cache).
+All decode greedily and generate exactly ``output_len`` tokens per request (EOS ignored). Model FLOP utilization
+(MFU) is model FLOPs (``workload.ModelFlops``) per second over the fp32 (or bf16) ``torch.mm`` peak measured in
+the same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workload import Machine, ModelFlops, RequestSet, matmul_peak_flops
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("splitserve", "hf-generate", "hf-generate-batch")
+
+
+@dataclass
+class BackendResult:
+    backend: str
+    dtype: str
+    label: str  # backend and setting, for tables and charts
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    total_tok_s: float
+    model_tflop: float
+    mfu: float  # model FLOP/s over the matmul peak of the same dtype
+    ratios: dict[str, float] = field(default_factory=dict)  # output tok/s over each transformers backend's
+    exact_match: float | None = None  # fraction of requests whose tokens equal splitserve float32's
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _result(
+    backend: str,
+    dtype: str,
+    label: str,
+    requests: RequestSet,
+    outputs: list[list[int]],
+    wall_s: float,
+    flops: ModelFlops,
+    peak: float,
+    **extra: Any,
+) -> BackendResult:
+    num_out = sum(len(o) for o in outputs)
+    if num_out != len(requests.prompts) * requests.output_len:
+        raise RuntimeError(
+            f"{label} generated {num_out} tokens, expected {len(requests.prompts)} x {requests.output_len}"
+        )
+    input_tokens = sum(requests.prompt_lens)
+    model_flops = flops.total(requests)
+    return BackendResult(
+        backend=backend,
+        dtype=dtype,
+        label=label,
+        requests=len(requests.prompts),
+        input_tokens=input_tokens,
+        output_tokens=num_out,
+        wall_s=wall_s,
+        output_tok_s=num_out / wall_s,
+        total_tok_s=(num_out + input_tokens) / wall_s,
+        model_tflop=model_flops / 1e12,
+        mfu=model_flops / wall_s / peak,
+        extra={"outputs": outputs, **extra},
+    )
+
+
+def run_splitserve(
+    model: Path, requests: RequestSet, dtype: str, **core_config: Any
+) -> tuple[float, list[list[int]], dict]:
+    """Wall seconds, token ids per request, and engine facts, after a two-request warm-up."""
+    from frontend_svc import LLM, SamplingParams
+
+    llm = LLM(str(model), dtype=dtype, **core_config)
+    try:
+        params = SamplingParams(max_tokens=requests.output_len, ignore_eos=True, temperature=0.0)
+        prompts = [{"prompt_token_ids": p} for p in requests.prompts]
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
+        engine = llm.llm_engine
+        preemptions_before = engine.num_preemptions
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        info = engine.engine_info
+        core = engine.engine_core.engine_core  # the in-process EngineCore
+        kv_bytes = sum(t.numel() * t.element_size() for t in core.model_runner.kv_caches)
+        facts = {
+            "num_kv_blocks": info.num_kv_blocks,
+            "block_size": info.block_size,
+            "kv_cache_tokens": info.kv_cache_tokens,
+            "kv_cache_bytes": kv_bytes,
+            "kv_bytes_per_token": kv_bytes // (info.num_kv_blocks * info.block_size),
+            "num_preemptions": engine.num_preemptions - preemptions_before,
+            "attention_backend": core.model_runner.model.model.layers[0].self_attn.backend.name,
+        }
+        return wall, [list(o.outputs[0].token_ids) for o in outputs], facts
+    finally:
+        llm.close()
+
+
+def _load_hf(model: Path, dtype: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as ignore_eos
+    return hf.eval()
+
+
+def _hf_config(output_len: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def run_hf_generate(model: Path, requests: RequestSet, dtype: str, batch_size: int) -> tuple[float, list[list[int]]]:
+    """transformers ``generate`` over static batches, left-padded with id 0 and masked."""
+    import torch
+
+    hf = _load_hf(model, dtype)
+
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=_hf_config(max_new_tokens))
+        return out[:, width:].tolist()
+
+    generate(requests.prompts[:2], 4)
+    start = time.perf_counter()
+    outputs: list[list[int]] = []
+    for i in range(0, len(requests.prompts), batch_size):
+        outputs += generate(requests.prompts[i : i + batch_size], requests.output_len)
+    return time.perf_counter() - start, outputs
+
+
+def run_hf_generate_batch(model: Path, requests: RequestSet, dtype: str) -> tuple[float, list[list[int]]]:
+    """transformers ``generate_batch``: its continuous batching with paged attention."""
+    import torch
+
+    hf = _load_hf(model, dtype)
+    with torch.inference_mode():
+        hf.generate_batch(requests.prompts[:2], generation_config=_hf_config(4), progress_bar=False)
+        start = time.perf_counter()
+        # warmup=False: the call above already ran transformers' warm-up, which is not part of the work
+        results = hf.generate_batch(
+            requests.prompts, generation_config=_hf_config(requests.output_len), progress_bar=False, warmup=False
+        )
+        wall = time.perf_counter() - start
+    # generate_batch names requests req_<i> in input order
+    outputs = [list(results[f"req_{i}"].generated_tokens) for i in range(len(requests.prompts))]
+    return wall, outputs
+
+
+def run(
+    model: Path,
+    requests: RequestSet,
+    backends: list[str],
+    dtypes: list[str],
+    hf_batch_size: int = 16,
+    preemption_kv_fraction: float | None = 0.25,
+) -> dict[str, Any]:
+    """Every backend in ``backends`` (splitserve in each of ``dtypes``, transformers in float32), then
+    splitserve float32 under a KV budget of ``preemption_kv_fraction`` of what the whole set needs at once.
+    Returns the report ``write_report`` saves."""
+    import torch
+
+    flops = ModelFlops.from_checkpoint(model)
+    peaks = {dt: matmul_peak_flops(dt) for dt in sorted({"float32", *dtypes})}
+    logger.info("matmul peak: %s", ", ".join(f"{dt} {p / 1e9:.0f} GFLOP/s" for dt, p in peaks.items()))
+    results: list[BackendResult] = []
+    for backend in backends:
+        for dtype in dtypes if backend == "splitserve" else ["float32"]:
+            logger.info("running %s (%s) on %d requests", backend, dtype, len(requests.prompts))
+            if backend == "splitserve":
+                wall, outputs, facts = run_splitserve(model, requests, dtype)
+                results.append(
+                    _result(
+                        backend, dtype, f"splitserve {dtype}", requests, outputs, wall, flops, peaks[dtype], **facts
+                    )
+                )
+            elif backend == "hf-generate":
+                wall, outputs = run_hf_generate(model, requests, dtype, hf_batch_size)
+                label = f"transformers generate (batch {hf_batch_size})"
+                results.append(
+                    _result(
+                        backend, dtype, label, requests, outputs, wall, flops, peaks[dtype], batch_size=hf_batch_size
+                    )
+                )
+            elif backend == "hf-generate-batch":
+                wall, outputs = run_hf_generate_batch(model, requests, dtype)
+                results.append(
+                    _result(backend, dtype, "transformers generate_batch", requests, outputs, wall, flops, peaks[dtype])
+                )
+            else:
+                raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+            gc.collect()
+            logger.info("  %.1f output tok/s, MFU %.1f%%", results[-1].output_tok_s, 100 * results[-1].mfu)
+    if preemption_kv_fraction and "splitserve" in backends:
+        block_size = 16
+        need = sum(-(-(n + requests.output_len) // block_size) for n in requests.prompt_lens)
+        biggest = max(-(-(n + requests.output_len) // block_size) for n in requests.prompt_lens)
+        num_blocks = max(biggest + 1, int(need * preemption_kv_fraction)) + 1
+        logger.info(
+            "running splitserve float32 with %d KV blocks (%.0f%% of the set's need)",
+            num_blocks,
+            100 * preemption_kv_fraction,
+        )
+        wall, outputs, facts = run_splitserve(model, requests, "float32", num_kv_blocks=num_blocks)
+        label = f"splitserve float32, KV {100 * preemption_kv_fraction:.0f}%"
+        results.append(
+            _result(
+                "splitserve",
+                "float32",
+                label,
+                requests,
+                outputs,
+                wall,
+                flops,
+                peaks["float32"],
+                kv_fraction=preemption_kv_fraction,
+                **facts,
+            )
+        )
+    peaks_after = {dt: matmul_peak_flops(dt) for dt in peaks}
+    _compare(results)
+    return {
+        "benchmark": "throughput",
+        "model": str(model),
+        "machine": Machine.current().to_dict(),
+        "torch_threads": torch.get_num_threads(),
+        "request_set": requests.summary(),
+        "model_flops": asdict(flops),
+        "matmul_peak_gflops": {dt: max(peaks[dt], peaks_after[dt]) / 1e9 for dt in peaks},
+        "matmul_peak_gflops_before_after": {dt: [peaks[dt] / 1e9, peaks_after[dt] / 1e9] for dt in peaks},
+        "results": [_public(r) for r in results],
+    }
+
+
+def _compare(results: list[BackendResult]) -> None:
+    """Ratios to each transformers backend and token agreement with splitserve float32."""
+    reference = next((r for r in results if r.backend == "splitserve" and r.dtype == "float32"), None)
+    hf = [r for r in results if r.backend != "splitserve"]
+    for r in results:
+        r.ratios = {h.label: r.output_tok_s / h.output_tok_s for h in hf if h is not r}
+        if reference is not None and r is not reference:
+            pairs = zip(r.extra["outputs"], reference.extra["outputs"], strict=True)
+            r.exact_match = sum(a == b for a, b in pairs) / r.requests
+
+
+def _public(r: BackendResult) -> dict[str, Any]:
+    data = asdict(r)
+    data["extra"] = {k: v for k, v in r.extra.items() if k != "outputs"}
+    return data
+
+
+TARGETS = {
+    "mfu": 0.40,
+    "vs transformers generate_batch": 2.5,
+    "vs transformers generate": 3.0,
+    "bfloat16 over float32": 1.5,
+}
+
+
+def check_targets(report: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
+    """(target, measured, wanted, met) for each target the report can speak to."""
+    rows = []
+    by_label = {r["label"]: r for r in report["results"]}
+    fp32 = by_label.get("splitserve float32")
+    bf16 = by_label.get("splitserve bfloat16")
+    if fp32:
+        rows.append(("splitserve float32 MFU", fp32["mfu"], TARGETS["mfu"], fp32["mfu"] >= TARGETS["mfu"]))
+        for label, ratio in fp32["ratios"].items():
+            key = "vs transformers generate_batch" if "generate_batch" in label else "vs transformers generate"
+            rows.append((f"splitserve float32 {key}", ratio, TARGETS[key], ratio >= TARGETS[key]))
+    if fp32 and bf16:
+        ratio = bf16["output_tok_s"] / fp32["output_tok_s"]
+        rows.append(("splitserve bfloat16 over float32", ratio, TARGETS["bfloat16 over float32"], ratio >= 1.5))
+    return rows
+
+
+def format_report(report: dict[str, Any]) -> str:
+    peak, rs = report["matmul_peak_gflops"], report["request_set"]
+    lines = [
+        f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
+        f"{rs['output_len']} output tokens each",
+        "matmul peak: " + ", ".join(f"{dt} {g:.0f} GFLOP/s" for dt, g in peak.items()),
+        f"{'backend':42} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'MFU':>6} {'match':>6}  ratios",
+    ]
+    for r in report["results"]:
+        ratios = ", ".join(f"{v:.2f}x {k}" for k, v in r["ratios"].items())
+        match = "" if r["exact_match"] is None else f"{100 * r['exact_match']:.0f}%"
+        lines.append(
+            f"{r['label']:42} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
+            f"{100 * r['mfu']:5.1f}% {match:>6}  {ratios}"
+        )
+    for name, measured, wanted, met in check_targets(report):
+        lines.append(f"target {name}: {measured:.2f} (want >= {wanted:.2f}) {'MET' if met else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
+    """``<name>.json`` and ``<name>.png`` (output tok/s and MFU per backend) in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    results = report["results"]
+    labels = [r["label"] for r in results]
+    fig, (ax_tok, ax_mfu) = plt.subplots(1, 2, figsize=(12, 0.6 * len(labels) + 2), sharey=True)
+    ax_tok.barh(labels, [r["output_tok_s"] for r in results], color="tab:blue")
+    ax_tok.set_xlabel("output tokens / s")
+    ax_tok.invert_yaxis()
+    ax_mfu.barh(labels, [100 * r["mfu"] for r in results], color="tab:orange")
+    ax_mfu.axvline(100 * TARGETS["mfu"], color="gray", linestyle="--", label="40% target")
+    ax_mfu.set_xlabel("MFU, % of measured matmul peak")
+    ax_mfu.legend(loc="lower right")
+    rs = report["request_set"]
+    fig.suptitle(
+        f"{Path(report['model']).name}: {rs['num_requests']} requests, mean prompt {rs['prompt_len_mean']:.0f}, "
+        f"{rs['output_len']} output tokens; {report['torch_threads']} threads"
+    )
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return json_path, png_path

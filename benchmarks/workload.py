@@ -1,0 +1,186 @@
+"""What both benchmarks share: the seeded checkpoint, the seeded request set, model FLOPs, the machine's matmul
+peak, and a description of the machine and library versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from splitserve import envs
+
+# ShareGPT's prompt lengths are long-tailed: most prompts are short, a few are long. A log-normal with median 100
+# and sigma 0.8 has mean ~140 and a 99th percentile ~640, clipped to 16..1024 tokens.
+PROMPT_LEN_MEDIAN = 100
+PROMPT_LEN_SIGMA = 0.8
+PROMPT_LEN_RANGE = (16, 1024)
+
+
+def default_tokenizer_dir() -> Path | None:
+    """The llama2 tokenizer the request set draws ids from: ``$SPLITSERVE_TOKENIZERS_DIR/llama2``, else the
+    project's ``../shared/tokenizers/llama2``; None when neither exists (the builtin tokenizer is used)."""
+    candidates = []
+    if os.environ.get("SPLITSERVE_TOKENIZERS_DIR"):
+        candidates.append(Path(os.environ["SPLITSERVE_TOKENIZERS_DIR"]) / "llama2")
+    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "llama2")
+    return next((c for c in candidates if (c / "tokenizer_config.json").is_file()), None)
+
+
+def bench_model_path(arch: str, preset: str, tokenizer: Path | None, seed: int = 0) -> Path:
+    """A seeded ``make-test-model`` checkpoint in the cache folder, built on first use (a few seconds)."""
+    from splitserve.test_model import make_test_model
+
+    name = f"bench-{arch}-{preset}-{tokenizer.name if tokenizer else 'builtin'}-seed{seed}"
+    path = envs.cache_dir() / name
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
+    try:
+        make_test_model(tmp, arch=arch, preset=preset, tokenizer=tokenizer, seed=seed)
+        tmp.rename(path)
+    except OSError:
+        if not (path / "config.json").is_file():  # not a concurrent builder winning the rename
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+@dataclass(frozen=True)
+class RequestSet:
+    """Seeded prompts of random token ids, each generating exactly ``output_len`` tokens (EOS ignored)."""
+
+    prompts: list[list[int]]
+    output_len: int
+    seed: int
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    def summary(self) -> dict[str, Any]:
+        lens = np.asarray(self.prompt_lens)
+        return {
+            "num_requests": len(self.prompts),
+            "output_len": self.output_len,
+            "seed": self.seed,
+            "prompt_len_mean": float(lens.mean()),
+            "prompt_len_p50": float(np.percentile(lens, 50)),
+            "prompt_len_p99": float(np.percentile(lens, 99)),
+            "prompt_len_max": int(lens.max()),
+            "input_tokens": int(lens.sum()),
+            "output_tokens": len(self.prompts) * self.output_len,
+        }
+
+
+def make_request_set(num_requests: int, output_len: int, tokenizer: Any, seed: int = 0) -> RequestSet:
+    """Prompt lengths log-normal (``PROMPT_LEN_*``), token ids uniform over the tokenizer's ordinary (non-special)
+    tokens, all from ``numpy.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    lo, hi = PROMPT_LEN_RANGE
+    lens = np.clip(rng.lognormal(np.log(PROMPT_LEN_MEDIAN), PROMPT_LEN_SIGMA, num_requests).astype(int), lo, hi)
+    special = set(tokenizer.all_special_ids)
+    vocab = np.asarray([i for i in range(len(tokenizer)) if i not in special])
+    prompts = [rng.choice(vocab, size=int(n)).tolist() for n in lens]
+    return RequestSet(prompts=prompts, output_len=output_len, seed=seed)
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Model FLOPs (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", C_forward ~ 2N + attention):
+    each token through the decoder costs 2 x the non-embedding matmul parameters plus attention's
+    2 x 2 x context x num_heads x head_size per layer; the LM head (2 x hidden x vocab) is counted only for the
+    rows whose logits the work needs, the sampled tokens, since prompt positions need none."""
+
+    non_embedding_matmul_params: int
+    lm_head_params: int
+    num_layers: int
+    attention_width: int  # num_heads x head_size
+
+    @classmethod
+    def from_checkpoint(cls, path: Path) -> ModelFlops:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(path)
+        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        q, kv = cfg.num_attention_heads * head_size, cfg.num_key_value_heads * head_size
+        per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+        return cls(
+            non_embedding_matmul_params=per_layer * cfg.num_hidden_layers,
+            lm_head_params=cfg.hidden_size * cfg.vocab_size,
+            num_layers=cfg.num_hidden_layers,
+            attention_width=q,
+        )
+
+    def request_flops(self, prompt_len: int, output_len: int) -> float:
+        """FLOPs to generate ``output_len`` tokens after ``prompt_len``: every token but the last generated one
+        goes through the decoder (at positions 0 .. n-1); each generated token is sampled from LM head logits."""
+        num_forward = prompt_len + output_len - 1
+        attention = 4 * self.num_layers * self.attention_width * num_forward * (num_forward + 1) / 2
+        return 2 * self.non_embedding_matmul_params * num_forward + attention + 2 * self.lm_head_params * output_len
+
+    def total(self, requests: RequestSet) -> float:
+        return sum(self.request_flops(n, requests.output_len) for n in requests.prompt_lens)
+
+
+def matmul_peak_flops(dtype: str = "float32", sizes: tuple[int, ...] = (2048, 4096), trials: int = 5) -> float:
+    """The machine's matmul peak in FLOP/s: the best of ``trials`` timed ``torch.mm`` of two ``n x n`` matrices
+    (2 n^3 FLOPs) over each n in ``sizes``, on torch's current thread count. Large square products are where
+    MKL / oneDNN come closest to the hardware's limit; the best trial filters out a shared machine's noise."""
+    import torch
+
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size).to(getattr(torch, dtype))
+        b = torch.randn(size, size).to(getattr(torch, dtype))
+        torch.mm(a, b)  # warm up: thread pool, allocator, the library's kernel selection
+        for _ in range(trials):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu: str
+    cores: int
+    torch_threads: int
+    platform: str
+    python: str
+    torch: str
+    transformers: str
+
+    @classmethod
+    def current(cls) -> Machine:
+        import torch
+        import transformers
+
+        cpu = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        return cls(
+            cpu=cpu,
+            cores=os.cpu_count() or 0,
+            torch_threads=torch.get_num_threads(),
+            platform=platform.platform(),
+            python=platform.python_version(),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
