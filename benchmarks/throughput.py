@@ -40,6 +40,7 @@ class BackendResult:
     total_tok_s: float
     model_tflop: float
     mfu: float  # model FLOP/s over the matmul peak of the same dtype
+    mfu_lm_head_every_token: float  # the same with the LM head counted for prompt tokens too
     ratios: dict[str, float] = field(default_factory=dict)  # output tok/s over each transformers backend's
     exact_match: float | None = None  # fraction of requests whose tokens equal splitserve float32's
     extra: dict[str, Any] = field(default_factory=dict)
@@ -75,6 +76,7 @@ def _result(
         total_tok_s=(num_out + input_tokens) / wall_s,
         model_tflop=model_flops / 1e12,
         mfu=model_flops / wall_s / peak,
+        mfu_lm_head_every_token=flops.total(requests, lm_head_on_every_token=True) / wall_s / peak,
         extra={"outputs": outputs, **extra},
     )
 
@@ -167,6 +169,36 @@ def run_hf_generate_batch(model: Path, requests: RequestSet, dtype: str) -> tupl
     return wall, outputs
 
 
+def bfloat16_logprob_drift(model: Path, requests: RequestSet, num_requests: int = 8) -> dict[str, float]:
+    """How far bfloat16 logprobs are from float32's: prompt logprobs (each prompt token given its prefix, the
+    same tokens for both dtypes, so no divergence compounds) of the first ``num_requests`` prompts, as the max,
+    mean and 99th percentile of the absolute difference in nats."""
+    import numpy as np
+
+    from frontend_svc import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in requests.prompts[:num_requests]]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    per_dtype = []
+    for dtype in ("float32", "bfloat16"):
+        with LLM(str(model), dtype=dtype) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        per_dtype.append(
+            [
+                position[token].logprob
+                for output in outputs
+                for token, position in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True)
+            ]
+        )
+    diff = np.abs(np.asarray(per_dtype[0]) - np.asarray(per_dtype[1]))
+    return {
+        "positions": len(diff),
+        "max_abs_nats": float(diff.max()),
+        "mean_abs_nats": float(diff.mean()),
+        "p99_abs_nats": float(np.percentile(diff, 99)),
+    }
+
+
 def run(
     model: Path,
     requests: RequestSet,
@@ -237,8 +269,17 @@ def run(
                 **facts,
             )
         )
+    # The peak again, after the runs: a shared machine's speed drifts; MFU is over the higher of the two.
     peaks_after = {dt: matmul_peak_flops(dt) for dt in peaks}
+    peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
+    for r in results:
+        r.mfu_lm_head_every_token *= peaks[r.dtype] / peak[r.dtype]
+        r.mfu *= peaks[r.dtype] / peak[r.dtype]
     _compare(results)
+    drift = None
+    if "splitserve" in backends and "bfloat16" in dtypes:
+        drift = bfloat16_logprob_drift(model, requests)
+        logger.info("bfloat16 prompt logprobs against float32: %s", drift)
     return {
         "benchmark": "throughput",
         "model": str(model),
@@ -246,9 +287,10 @@ def run(
         "torch_threads": torch.get_num_threads(),
         "request_set": requests.summary(),
         "model_flops": asdict(flops),
-        "matmul_peak_gflops": {dt: max(peaks[dt], peaks_after[dt]) / 1e9 for dt in peaks},
+        "matmul_peak_gflops": {dt: p / 1e9 for dt, p in peak.items()},
         "matmul_peak_gflops_before_after": {dt: [peaks[dt] / 1e9, peaks_after[dt] / 1e9] for dt in peaks},
         "results": [_public(r) for r in results],
+        "bfloat16_logprob_drift": drift,
     }
 
 
@@ -300,14 +342,22 @@ def format_report(report: dict[str, Any]) -> str:
         f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
         f"{rs['output_len']} output tokens each",
         "matmul peak: " + ", ".join(f"{dt} {g:.0f} GFLOP/s" for dt, g in peak.items()),
-        f"{'backend':42} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'MFU':>6} {'match':>6}  ratios",
+        f"{'backend':42} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'MFU':>6} {'MFU*':>6} {'match':>6}  "
+        "ratios",
     ]
     for r in report["results"]:
         ratios = ", ".join(f"{v:.2f}x {k}" for k, v in r["ratios"].items())
         match = "" if r["exact_match"] is None else f"{100 * r['exact_match']:.0f}%"
         lines.append(
             f"{r['label']:42} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
-            f"{100 * r['mfu']:5.1f}% {match:>6}  {ratios}"
+            f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
+        )
+    lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
+    drift = report.get("bfloat16_logprob_drift")
+    if drift:
+        lines.append(
+            f"bfloat16 prompt logprobs vs float32 over {drift['positions']} positions: max |diff| "
+            f"{drift['max_abs_nats']:.3f}, p99 {drift['p99_abs_nats']:.3f}, mean {drift['mean_abs_nats']:.4f} nats"
         )
     for name, measured, wanted, met in check_targets(report):
         lines.append(f"target {name}: {measured:.2f} (want >= {wanted:.2f}) {'MET' if met else 'NOT MET'}")

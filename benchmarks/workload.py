@@ -120,15 +120,18 @@ class ModelFlops:
             attention_width=q,
         )
 
-    def request_flops(self, prompt_len: int, output_len: int) -> float:
+    def request_flops(self, prompt_len: int, output_len: int, lm_head_on_every_token: bool = False) -> float:
         """FLOPs to generate ``output_len`` tokens after ``prompt_len``: every token but the last generated one
-        goes through the decoder (at positions 0 .. n-1); each generated token is sampled from LM head logits."""
+        goes through the decoder (at positions 0 .. n-1); each generated token is sampled from LM head logits.
+        ``lm_head_on_every_token`` counts the LM head for prompt tokens too (the looser convention of
+        "2 x (non-embedding params + LM head) per token"), work an engine that skips prompt logits never does."""
         num_forward = prompt_len + output_len - 1
         attention = 4 * self.num_layers * self.attention_width * num_forward * (num_forward + 1) / 2
-        return 2 * self.non_embedding_matmul_params * num_forward + attention + 2 * self.lm_head_params * output_len
+        head_rows = prompt_len + output_len if lm_head_on_every_token else output_len
+        return 2 * self.non_embedding_matmul_params * num_forward + attention + 2 * self.lm_head_params * head_rows
 
-    def total(self, requests: RequestSet) -> float:
-        return sum(self.request_flops(n, requests.output_len) for n in requests.prompt_lens)
+    def total(self, requests: RequestSet, lm_head_on_every_token: bool = False) -> float:
+        return sum(self.request_flops(n, requests.output_len, lm_head_on_every_token) for n in requests.prompt_lens)
 
 
 def matmul_peak_flops(dtype: str = "float32", sizes: tuple[int, ...] = (2048, 4096), trials: int = 5) -> float:
