@@ -16,7 +16,7 @@ import torch
 
 from core_svc.errors import ModelLoadError
 from core_svc.models.arch import ModelArchConfig
-from core_svc.models.layers import RotaryEmbedding
+from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
 from kernels import AttentionBackend
 from splitserve import model_files
@@ -73,6 +73,8 @@ def load_model(path: Path, dtype: torch.dtype | None, device: torch.device, back
             module.build_table()
     _load_weights(model, _weight_files(path))
     model.eval()
+    if prepack_linear_weights(model):
+        logger.info("linear weights prepacked for oneDNN")
     return LoadedModel(model=model, arch=arch, path=path, eos_token_ids=_eos_token_ids(path, hf_config))
 
 

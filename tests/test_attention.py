@@ -107,3 +107,16 @@ def test_paged_attention_matches_dense(backend_name, dtype, window):
 def test_unknown_backend_names_the_known_ones():
     with pytest.raises(ValueError, match="torch_ref"):
         get_attention_backend("flash")
+
+
+def test_auto_falls_back_to_the_reference_when_the_kernel_cannot_build(monkeypatch, caplog):
+    def fail() -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_ops, "load", fail)
+    with caplog.at_level("WARNING"):
+        backend = get_attention_backend("auto")
+    assert backend.name == "torch_ref"
+    assert "no C++ compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        get_attention_backend("cpu")

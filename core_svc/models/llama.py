@@ -12,7 +12,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
-from core_svc.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from core_svc.models.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from kernels import AttentionBackend, AttentionMetadata
 
 # checkpoint name fragment -> (our fused parameter fragment, shard index in the fused output dimension)
@@ -87,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
 
     def forward(
         self,
@@ -100,8 +100,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding, not prepacked (it also serves lookups)
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def checkpoint_param_name(self, name: str) -> tuple[str, int | None] | None:
         """Map a checkpoint tensor name to (our parameter name, shard index or None); None for names to skip."""

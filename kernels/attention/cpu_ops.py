@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -33,6 +35,13 @@ def load() -> None:
     """
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:  # the ninja wheel (a dependency) when the system has none on PATH
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
     name = "splitserve_cpu_" + re.sub(r"[^0-9a-zA-Z]", "_", torch.__version__)
     logger.info("loading the CPU attention kernel (compiled on first use)")
     try:

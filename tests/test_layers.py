@@ -1,0 +1,49 @@
+"""Model building blocks against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core_svc.models.layers import Linear, RotaryEmbedding, apply_rotary, prepack_linear_weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_matches_f_linear(dtype, bias):
+    gen = torch.Generator().manual_seed(0)
+    layer = Linear(96, 160, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(160, 96, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(160, generator=gen))
+    weight, layer_bias = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    model = nn.Sequential(layer)
+    if not prepack_linear_weights(model):
+        pytest.skip("torch has no oneDNN here")
+    assert layer.weight is None and layer.packed_weight is not None
+    tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.5, "rtol": 2e-2}
+    for shape in [(1, 96), (37, 96), (4, 5, 96)]:
+        x = torch.randn(*shape, generator=gen).to(dtype)
+        expected = F.linear(x.float(), weight.float(), None if layer_bias is None else layer_bias.float())
+        torch.testing.assert_close(layer(x).float(), expected, **tolerance)
+
+
+def test_prepack_skips_other_dtypes():
+    model = nn.Sequential(Linear(8, 8, dtype=torch.float16))
+    assert not prepack_linear_weights(model)
+    assert model[0].weight is not None
+
+
+def test_rotary_equals_transformers_rotate_half_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    head_size, positions = 16, torch.tensor([0, 3, 7, 100])
+    rotary = RotaryEmbedding(
+        1.0 / 10000 ** (torch.arange(0, head_size, 2).float() / head_size), 1.0, 128, torch.float32
+    )
+    x = torch.randn(4, 3, head_size, generator=gen)
+    cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+    rotate_half = torch.cat((-x[..., head_size // 2 :], x[..., : head_size // 2]), dim=-1)
+    assert torch.equal(apply_rotary(x, *rotary.tables(positions)), x * cos + rotate_half * sin)
