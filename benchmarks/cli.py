@@ -54,6 +54,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                 "--rates", default="1,inf", help="request rates per second, comma-separated; inf: all at once"
             )
             p.add_argument("--core-args", default="", help="extra flags for the core, e.g. '--max-num-seqs 64'")
+            p.add_argument("--repeats", type=int, default=3, help="runs per deployment and rate, interleaved")
             p.add_argument("--log-dir", type=Path, default=None)
         p.set_defaults(func=cmd_bench)
 
@@ -89,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",") if r.strip()]
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
-        report = bench.run(model, requests, rates, args.core_args.split(), log_dir)
+        report = bench.run(model, requests, rates, args.core_args.split(), log_dir, args.repeats)
     json_path, png_path = bench.write_report(report, args.out, name)
     print(bench.format_report(report))
     print(f"wrote {json_path} and {png_path}")

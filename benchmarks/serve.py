@@ -5,7 +5,7 @@ requests/s; ``inf`` sends everything at once), streams each response, and record
 token (TTFT), the gaps between streamed tokens (ITL; a message carrying k tokens counts as k gaps of 1/k of its
 interval), the time per output token after the first (TPOT) and the end-to-end latency. The wrapper runs the same
 rates against the split stack (core and frontend as separate processes) and against ``splitserve serve`` (core
-in-process) and reports the split's cost as ratios.
+in-process), alternating between them run by run, and reports the split's cost as ratios.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ async def _one(stub: api_grpc.GenerationStub, prompt: list[int], output_len: int
         timing.error = f"{e.code().name}: {e.details()}"
 
 
-async def run_rate(address: str, requests: RequestSet, rate: float, seed: int = 0) -> dict[str, Any]:
-    """Send every request at Poisson arrivals of ``rate`` per second (math.inf: all at once); return the
-    summary (percentiles in milliseconds, throughput, errors)."""
+async def send_all(address: str, requests: RequestSet, rate: float, seed: int = 0) -> tuple[list[RequestTiming], float]:
+    """Send every request at Poisson arrivals of ``rate`` per second (math.inf: all at once); return each
+    request's timing and the wall seconds from the first send to the last response."""
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(requests.prompts)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(requests.prompts))
     timings = [RequestTiming() for _ in requests.prompts]
@@ -81,16 +81,24 @@ async def run_rate(address: str, requests: RequestSet, rate: float, seed: int = 
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(_one(stub, prompt, requests.output_len, timing)))
         await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        return timings, time.perf_counter() - start
+
+
+def summarize(rate: float, runs: list[tuple[list[RequestTiming], float]]) -> dict[str, Any]:
+    """One deployment at one rate over its repeated runs: latency percentiles (ms) over every request of every
+    run, throughput as the median over runs, errors."""
+    timings = [t for run_timings, _ in runs for t in run_timings]
     ok = [t for t in timings if t.error is None]
+    per_run = [sum(t.output_tokens for t in ts if t.error is None) / wall for ts, wall in runs]
     summary: dict[str, Any] = {
         "rate": "inf" if math.isinf(rate) else rate,
-        "duration_s": duration,
+        "runs": len(runs),
+        "duration_s": [wall for _, wall in runs],
         "completed": len(ok),
         "errors": [t.error for t in timings if t.error is not None],
         "output_tokens": sum(t.output_tokens for t in ok),
-        "output_tok_s": sum(t.output_tokens for t in ok) / duration,
-        "request_s": len(ok) / duration,
+        "output_tok_s": float(np.median(per_run)),
+        "output_tok_s_runs": per_run,
     }
     series = {
         "ttft": [t.ttft for t in ok],
@@ -106,51 +114,63 @@ async def run_rate(address: str, requests: RequestSet, rate: float, seed: int = 
     return summary
 
 
-def run_against(address: str, requests: RequestSet, rates: list[float]) -> list[dict[str, Any]]:
-    """Each rate in turn, after a warm-up request."""
-    warmup = RequestSet(prompts=requests.prompts[:1], output_len=4, seed=requests.seed)
-    asyncio.run(run_rate(address, warmup, math.inf))
-    results = []
+def run_interleaved(
+    addresses: dict[str, str], requests: RequestSet, rates: list[float], repeats: int
+) -> dict[str, list[dict[str, Any]]]:
+    """For each rate, ``repeats`` rounds in which every deployment runs the request set once, in turn, so a
+    shared machine's drifting speed falls on all deployments alike."""
+    warmup = RequestSet(prompts=requests.prompts[:2], output_len=4, seed=requests.seed)
+    for address in addresses.values():
+        asyncio.run(send_all(address, warmup, math.inf))
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in addresses}
     for rate in rates:
-        logger.info("rate %s on %s", rate, address)
-        results.append(asyncio.run(run_rate(address, requests, rate)))
-        logger.info(
-            "  %.1f output tok/s, TTFT p50 %.1f ms, errors %d",
-            results[-1]["output_tok_s"],
-            results[-1]["ttft_p50_ms"],
-            len(results[-1]["errors"]),
-        )
+        runs: dict[str, list[tuple[list[RequestTiming], float]]] = {name: [] for name in addresses}
+        for round_index in range(repeats):
+            for name, address in addresses.items():
+                runs[name].append(asyncio.run(send_all(address, requests, rate, seed=round_index)))
+        for name in addresses:
+            results[name].append(summarize(rate, runs[name]))
+            r = results[name][-1]
+            logger.info(
+                "%s at rate %s: %.1f output tok/s, TTFT p50 %.1f ms, %d errors",
+                name,
+                r["rate"],
+                r["output_tok_s"],
+                r["ttft_p50_ms"],
+                len(r["errors"]),
+            )
     return results
 
 
-def run(model: Path, requests: RequestSet, rates: list[float], core_args: list[str], log_dir: Path) -> dict[str, Any]:
-    """The split stack, then ``splitserve serve``, each started fresh with ``core_args``, at every rate."""
+def run(
+    model: Path, requests: RequestSet, rates: list[float], core_args: list[str], log_dir: Path, repeats: int = 3
+) -> dict[str, Any]:
+    """Start the split stack (core and frontend processes) and ``splitserve serve`` (core in-process) with
+    ``core_args``, both at once (an idle stack costs memory only), and run ``run_interleaved`` on them."""
     from splitserve import stack
 
-    deployments: dict[str, list[dict[str, Any]]] = {}
-    core = stack.start_core(str(model), log_dir, core_args)
-    frontend = None
+    processes: list[stack.ServiceProcess] = []
     try:
+        core = stack.start_core(str(model), log_dir, core_args)
+        processes.append(core)
+        serve = stack.start_service("serve", ["serve", "--model", str(model), *core_args], stack.free_port(), log_dir)
+        processes.append(serve)
         core.wait_serving()
         frontend = stack.start_frontend(str(model), [core.address], log_dir)
+        processes.append(frontend)
         frontend.wait_serving()
-        deployments["split"] = run_against(frontend.address, requests, rates)
-    finally:
-        for process in (frontend, core):
-            if process is not None:
-                process.stop()
-    serve = stack.start_service("serve", ["serve", "--model", str(model), *core_args], stack.free_port(), log_dir)
-    try:
         serve.wait_serving()
-        deployments["inproc"] = run_against(serve.address, requests, rates)
+        deployments = run_interleaved({"split": frontend.address, "inproc": serve.address}, requests, rates, repeats)
     finally:
-        serve.stop()
+        for process in reversed(processes):
+            process.stop()
     return {
         "benchmark": "serve",
         "model": str(model),
         "machine": Machine.current().to_dict(),
         "request_set": requests.summary(),
         "core_args": core_args,
+        "repeats": repeats,
         "deployments": deployments,
         "comparison": compare(deployments),
     }

@@ -86,7 +86,7 @@ def test_bench_serve_runs_both_deployments(checkpoint, tmp_path, capsys):
     code = main(
         [
             "bench", "serve", "--model", str(model), "--num-prompts", "4", "--output-len", "5", "--rates", "50,inf",
-            "--out", str(tmp_path), "--name", "s", "--log-dir", str(tmp_path / "logs"),
+            "--repeats", "2", "--out", str(tmp_path), "--name", "s", "--log-dir", str(tmp_path / "logs"),
         ]
     )  # fmt: skip
     assert code == 0
@@ -95,9 +95,9 @@ def test_bench_serve_runs_both_deployments(checkpoint, tmp_path, capsys):
     assert set(report["deployments"]) == {"split", "inproc"}
     for results in report["deployments"].values():
         assert [r["rate"] for r in results] == [50.0, "inf"]
-        for r in results:
-            assert (r["completed"], r["errors"], r["output_tokens"]) == (4, [], 20)
-            assert len(r["samples_ms"]["ttft"]) == 4
+        for r in results:  # two runs of 4 requests x 5 tokens each
+            assert (r["runs"], r["completed"], r["errors"], r["output_tokens"]) == (2, 8, [], 40)
+            assert len(r["samples_ms"]["ttft"]) == 8 and len(r["output_tok_s_runs"]) == 2
             assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["ttft_p50_ms"] <= r["e2e_p50_ms"]
     assert [c["rate"] for c in report["comparison"]] == [50.0, "inf"]
     out = capsys.readouterr().out
