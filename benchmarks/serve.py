@@ -62,6 +62,8 @@ async def _one(stub: api_grpc.GenerationStub, prompt: list[int], output_len: int
                 timing.output_tokens += new
                 last = now
         timing.e2e = time.perf_counter() - start
+        if timing.output_tokens != output_len:
+            timing.error = f"ended after {timing.output_tokens} of {output_len} tokens"
     except grpc.aio.AioRpcError as e:
         timing.error = f"{e.code().name}: {e.details()}"
 

@@ -127,7 +127,7 @@ class ModelFlops:
         "2 x (non-embedding params + LM head) per token"), work an engine that skips prompt logits never does."""
         num_forward = prompt_len + output_len - 1
         attention = 4 * self.num_layers * self.attention_width * num_forward * (num_forward + 1) / 2
-        head_rows = prompt_len + output_len if lm_head_on_every_token else output_len
+        head_rows = num_forward if lm_head_on_every_token else output_len
         return 2 * self.non_embedding_matmul_params * num_forward + attention + 2 * self.lm_head_params * head_rows
 
     def total(self, requests: RequestSet, lm_head_on_every_token: bool = False) -> float:

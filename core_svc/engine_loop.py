@@ -97,11 +97,6 @@ class EngineLoop:
         another's). Each owner hears of its aborted ids in ``finished_requests`` at once."""
         return self.submit(lambda: self._abort(request_ids, client_index))
 
-    def num_client_requests(self, client_index: int) -> int:
-        """Requests of one client still in the core."""
-        client = self._clients.get(client_index)
-        return len(client.request_ids) if client is not None else 0
-
     def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         """Run ``fn(engine_core)`` on the engine thread, between steps."""
         return self.submit(lambda: fn(self.engine_core))
@@ -175,12 +170,11 @@ class EngineLoop:
             owner = self._owner.get(request_id)
             if owner is not None:
                 by_owner.setdefault(owner, set()).add(request_id)
+            self._forget(request_id)
         for owner, ids in by_owner.items():
             client = self._clients.get(owner)
             if notify and client is not None:
                 client.sink(EngineCoreOutputs(finished_requests=ids))
-        for request_id in request_ids:
-            self._forget(request_id)
 
     def _drop_client(self, client_index: int) -> None:
         with self._lock:
@@ -214,14 +208,12 @@ class EngineLoop:
             target = share(request_id)
             if target is not None:
                 target.finished_requests.add(request_id)
+            self._forget(request_id)
         for index, client_outputs in shares.items():
             try:
                 self._clients[index].sink(client_outputs)
             except Exception:
                 logger.exception("output sink of client %d failed", index)
-        # Forgotten after the sinks have their outputs: a stream that sees no requests left has everything.
-        for request_id in outputs.finished_requests:
-            self._forget(request_id)
 
     def _fail_pending(self, error: BaseException) -> None:
         while True:

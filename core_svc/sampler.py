@@ -94,7 +94,8 @@ def argmax(x: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     if num_chunks * chunk < vocab_size:  # a short last chunk wins only with a strictly larger value
         tail_max, tail_index = x[:, num_chunks * chunk :].max(dim=-1)
         best = x.gather(1, index[:, None]).squeeze(1)
-        index = torch.where(tail_max > best, tail_index + num_chunks * chunk, index)
+        tail_wins = (tail_max > best) | (tail_max.isnan() & ~best.isnan())  # NaN counts as the maximum, as in torch
+        index = torch.where(tail_wins, tail_index + num_chunks * chunk, index)
     return index
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -56,19 +54,13 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
             event_loop.call_soon_threadsafe(outbox.put_nowait, outputs_to_pb(outputs))
 
         client_index = engine_loop.register_client(sink)
-        reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, outbox))
+        # Requests of this stream not yet finished, kept on this event loop in the order the outbox delivers:
+        # added before each add is submitted, removed when an output or a finished_requests entry ends them.
+        open_ids: set[str] = set()
+        reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, outbox, open_ids))
         reader_done: _ReaderDone | None = None
         try:
-            while True:
-                if reader_done is not None and not engine_loop.num_client_requests(client_index):
-                    # The engine thread hands outputs over before it forgets their requests; one turn of the event
-                    # loop lands them in the outbox.
-                    await asyncio.sleep(0)
-                    while not outbox.empty():
-                        item = outbox.get_nowait()
-                        if not isinstance(item, _ReaderDone):
-                            yield item
-                    break
+            while reader_done is None or open_ids:
                 item = await outbox.get()
                 if isinstance(item, _ReaderDone):
                     reader_done = item
@@ -78,6 +70,10 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                             grpc.StatusCode.INVALID_ARGUMENT, f"bad message on the stream: {item.error}"
                         )
                     continue
+                open_ids.difference_update(item.finished_requests)
+                open_ids.difference_update(
+                    o.request_id for o in item.outputs if o.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                )
                 yield item
         finally:
             reader.cancel()
@@ -89,14 +85,15 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         engine_loop: EngineLoop,
         client_index: int,
         outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone],
+        open_ids: set[str],
     ) -> None:
         error: str | None = None
-        last_add: concurrent.futures.Future[None] | None = None
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("message")
                 if kind == "add":
                     request = request_from_pb(message.add)
+                    open_ids.add(request.request_id)
                     if self.state.draining:
                         refusal = EngineCoreOutput(
                             request.request_id,
@@ -106,8 +103,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                         )
                         outbox.put_nowait(outputs_to_pb(EngineCoreOutputs(outputs=[refusal])))
                         continue
-                    # a refusal comes back through the sink
-                    last_add = engine_loop.add_requests(client_index, [request])
+                    engine_loop.add_requests(client_index, [request])  # a refusal comes back through the sink
                 elif kind == "abort":
                     engine_loop.abort_requests(list(message.abort.request_ids), client_index)
         except asyncio.CancelledError:
@@ -117,11 +113,6 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                 error = f"{e.code().name}: {e.details()}"
         except Exception as e:  # a message that does not deserialize, a bad field
             error = repr(e)
-        if last_add is not None:
-            # Adds run on the engine thread in order: once the last has, the stream's requests are all counted,
-            # so the writer does not take a half-close right after an add for "nothing left to wait for".
-            with contextlib.suppress(Exception):
-                await asyncio.wrap_future(last_add)
         outbox.put_nowait(_ReaderDone(error))
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext) -> pb.EngineInfo:

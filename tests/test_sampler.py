@@ -193,4 +193,5 @@ def test_two_stage_argmax_equals_torch_argmax_with_ties(vocab_size):
     x[2, 7] = x[2, vocab_size - 1] = 9.0  # tie between the first chunk and the (short) last one
     x[3, vocab_size - 1] = 9.0  # maximum in the last column
     x[4, 200 % vocab_size] = x[4, 130 % vocab_size] = 9.0  # two maxima, possibly in one chunk
+    x[5, vocab_size - 1] = float("nan")  # NaN counts as the maximum, in the tail chunk too
     assert torch.equal(argmax(x), x.argmax(dim=-1))

@@ -48,6 +48,8 @@ def prepack_linear_weights(model: nn.Module) -> bool:
     weight = linears[0].weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False  # oneDNN's bfloat16 needs AVX-512 (or AVX-NE-CONVERT); F.linear serves it then
     for module in linears:
         module.prepack()
     return True

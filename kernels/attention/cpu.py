@@ -32,7 +32,7 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_size] -> same shape
         write_kv(key, value, kv_cache, metadata.slot_mapping)
-        output = torch.empty_like(query)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
         num_decodes = metadata.num_decodes
         if num_decodes:
             cpu_ops.paged_decode_attention(

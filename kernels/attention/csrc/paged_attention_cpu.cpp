@@ -100,6 +100,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kInt, "block_table: contiguous int32");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt, "seq_lens: contiguous int32");
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "query [num_reqs, num_heads, head_size], caches [num_blocks, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");
+  TORCH_CHECK(query.size(2) == key_cache.size(3), "query and cache head sizes differ");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= query.size(0) && seq_lens.size(0) >= query.size(0),
+              "block_table and seq_lens need a row per request");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, cache and out must share a dtype");

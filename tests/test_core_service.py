@@ -1,0 +1,82 @@
+"""The core's Connect stream against a scripted engine: a half-closed stream gets every output of its requests
+and then ends, whatever the timing between the engine thread and the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from core_svc.engine_loop import EngineLoop
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
+from core_svc.request import FinishReason
+from core_svc.service import CoreServerState, EngineCoreServicer
+from splitserve.engine.v1 import engine_core_pb2 as core_pb
+
+NUM_TOKENS = 3
+
+
+class ScriptedCore:
+    """Each request produces NUM_TOKENS tokens, one per step, then finishes with LENGTH."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+
+    def add_request(self, request: object) -> None:
+        self.left[request.request_id] = NUM_TOKENS
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.left.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> EngineCoreOutputs:
+        outputs, finished = [], set()
+        for request_id in list(self.left):
+            self.left[request_id] -= 1
+            done = self.left[request_id] == 0
+            outputs.append(EngineCoreOutput(request_id, [7], finish_reason=FinishReason.LENGTH if done else None))
+            if done:
+                finished.add(request_id)
+                del self.left[request_id]
+        return EngineCoreOutputs(outputs=outputs, finished_requests=finished)
+
+
+async def _half_closed_stream(servicer: EngineCoreServicer, request_ids: list[str]) -> list[int]:
+    async def messages():
+        for request_id in request_ids:
+            yield core_pb.EngineCoreClientMessage(
+                add=core_pb.EngineCoreRequest(
+                    request_id=request_id, prompt_token_ids=[1, 2], sampling_params=core_pb.SamplingParams()
+                )
+            )
+
+    tokens = []
+    async for message in servicer.Connect(messages(), None):
+        tokens += [t for o in message.outputs for t in o.new_token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("slow", [None, "_add", "_forget", "_dispatch"])
+def test_half_closed_stream_gets_everything_then_ends(slow, monkeypatch):
+    if slow is not None:  # widen one window between the engine thread and the event loop
+        original = getattr(EngineLoop, slow)
+
+        def delayed(self, *args, **kwargs):
+            time.sleep(0.002)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(EngineLoop, slow, delayed)
+    engine_loop = EngineLoop(ScriptedCore(), lambda e: 13)
+    engine_loop.start()
+    servicer = EngineCoreServicer(CoreServerState(engine_loop=engine_loop))
+    try:
+        for i in range(30):
+            ids = [f"r{i}-{j}" for j in range(1 + i % 3)]
+            tokens = asyncio.run(asyncio.wait_for(_half_closed_stream(servicer, ids), timeout=5))
+            assert tokens == [7] * NUM_TOKENS * len(ids), f"round {i}"
+    finally:
+        engine_loop.stop()
