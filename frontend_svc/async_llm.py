@@ -16,6 +16,8 @@ from frontend_svc.llm_engine import EngineFrontend
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.stat_logger import LoggingStatLogger
+from splitserve import envs
 
 logger = logging.getLogger(__name__)
 # Outputs processed between yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE).
@@ -28,6 +30,7 @@ class _HandlerState:
     unclosed AsyncLLM can still be garbage-collected (and its core freed)."""
 
     dead_error: BaseException | None = None
+    stat_logger: LoggingStatLogger | None = None  # None: SPLITSERVE_LOG_STATS_INTERVAL <= 0
 
 
 class AsyncLLM(EngineFrontend):
@@ -39,7 +42,8 @@ class AsyncLLM(EngineFrontend):
     def __init__(self, model: str, core_address: str | None = None, tokenizer: Any = None, **core_config: Any) -> None:
         super().__init__(model, core_address, tokenizer, asyncio_mode=True, core_config=core_config)
         self._output_handler: asyncio.Task[None] | None = None
-        self._handler_state = _HandlerState()
+        interval = envs.log_stats_interval()
+        self._handler_state = _HandlerState(stat_logger=LoggingStatLogger(interval) if interval > 0 else None)
 
     async def add_request(
         self,
@@ -151,12 +155,19 @@ async def _run_output_handler(
     ended. If the core fails, every waiting stream gets the error."""
     try:
         while True:
-            outputs = (await engine_core.get_output_async()).outputs
+            core_outputs = await engine_core.get_output_async()
+            outputs = core_outputs.outputs
+            num_prompt_tokens = num_generation_tokens = 0
             for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
                 processed = output_processor.process_outputs(outputs[start : start + OUTPUT_CHUNK_SIZE])
+                num_prompt_tokens += processed.num_prompt_tokens
+                num_generation_tokens += processed.num_generation_tokens
                 if processed.reqs_to_abort:
                     engine_core.abort_requests_nowait(processed.reqs_to_abort)
                 await asyncio.sleep(0)
+            if state.stat_logger is not None:
+                state.stat_logger.record(core_outputs.scheduler_stats, num_prompt_tokens, num_generation_tokens)
+                state.stat_logger.maybe_log()
     except Exception as e:
         if not isinstance(e, EngineDeadError):
             logger.exception("output handler failed")

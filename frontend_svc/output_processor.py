@@ -135,6 +135,8 @@ class RequestState:
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput] = field(default_factory=list)  # for callers without a queue
     reqs_to_abort: list[str] = field(default_factory=list)  # internal ids a stop string ended
+    num_prompt_tokens: int = 0  # prompts of the requests whose first token came in these outputs
+    num_generation_tokens: int = 0  # tokens these outputs generated
 
 
 class OutputProcessor:
@@ -189,6 +191,10 @@ class OutputProcessor:
             if output.error is not None and state.queue is not None:
                 result.reqs_to_abort.extend(self._fail(state, error_from_core(*output.error)))
                 continue
+            if output.new_token_ids:
+                if not state.detokenizer.token_ids:
+                    result.num_prompt_tokens += len(state.prompt_token_ids)
+                result.num_generation_tokens += len(output.new_token_ids)
             request_output, stopped_by_string = self._process_one(state, output)
             if request_output is not None:
                 if state.queue is not None:

@@ -14,3 +14,9 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """SPLITSERVE_LOG_LEVEL, default INFO."""
     return os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO").upper()
+
+
+def log_stats_interval() -> float:
+    """SPLITSERVE_LOG_STATS_INTERVAL, default 10: seconds between the frontend's stats log lines (vLLM's
+    VLLM_LOG_STATS_INTERVAL); 0 or less turns them off."""
+    return float(os.environ.get("SPLITSERVE_LOG_STATS_INTERVAL", "10"))

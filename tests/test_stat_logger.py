@@ -1,0 +1,76 @@
+"""The periodic stats line: its numbers by hand with a fake clock, and its token counts after a known workload."""
+
+from __future__ import annotations
+
+import asyncio
+
+from frontend_svc import AsyncLLM, SamplingParams
+from frontend_svc.engine_types import SchedulerStats
+from frontend_svc.stat_logger import LoggingStatLogger
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_line_by_hand():
+    clock = FakeClock()
+    stats_logger = LoggingStatLogger(interval_s=2.0, clock=clock)
+    first = SchedulerStats(num_running_reqs=3, prefix_cache_queries=160, prefix_cache_hits=16)
+    stats_logger.record(first, num_prompt_tokens=100, num_generation_tokens=10)
+    clock.now += 1.0
+    assert stats_logger.maybe_log() is None  # the interval has not passed
+    latest = SchedulerStats(num_running_reqs=4, num_waiting_reqs=2, kv_cache_usage=0.25, prefix_cache_queries=40)
+    stats_logger.record(latest, num_prompt_tokens=0, num_generation_tokens=30)
+    clock.now += 1.5
+    line = stats_logger.maybe_log()
+    # 100 prompt and 40 generated tokens over 2.5 s; 16 of 200 queried prefix tokens hit
+    assert line == (
+        "Engine 000: Avg prompt throughput: 40.0 tokens/s, Avg generation throughput: 16.0 tokens/s, "
+        "Running: 4 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 8.0%"
+    )
+    clock.now += 2.0  # nothing since the last line
+    assert stats_logger.maybe_log() == (
+        "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+        "Running: 4 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 0.0%"
+    )
+    assert (stats_logger.total_prompt_tokens, stats_logger.total_generation_tokens) == (100, 40)
+
+
+def test_counts_equal_the_workload(checkpoint, monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSERVE_LOG_STATS_INTERVAL", "0.000001")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 20]
+    max_tokens = [4, 7, 1]
+
+    async def scenario() -> LoggingStatLogger:
+        engine = AsyncLLM(str(checkpoint("llama", "tiny")), num_kv_blocks=64)
+        try:
+
+            async def one(i: int) -> None:
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True, n=1)
+                async for _ in engine.generate({"prompt_token_ids": prompts[i]}, params, f"r{i}"):
+                    pass
+
+            await asyncio.gather(*(one(i) for i in range(3)))
+            return engine._handler_state.stat_logger
+        finally:
+            engine.close()
+
+    with caplog.at_level("INFO", logger="frontend_svc.stat_logger"):
+        stats_logger = asyncio.run(scenario())
+    assert stats_logger.total_prompt_tokens == 3 + 5 + 20
+    assert stats_logger.total_generation_tokens == 4 + 7 + 1
+    assert "Avg generation throughput" in caplog.text and "Running:" in caplog.text
+
+
+def test_off_when_the_interval_is_zero(checkpoint, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_LOG_STATS_INTERVAL", "0")
+    engine = AsyncLLM(str(checkpoint("llama", "tiny")), num_kv_blocks=64)
+    try:
+        assert engine._handler_state.stat_logger is None
+    finally:
+        engine.close()
