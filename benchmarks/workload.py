@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from splitserve import envs
+from splitserve.demo import cached_test_model
 
 # ShareGPT's prompt lengths are long-tailed: most prompts are short, a few are long. A log-normal with median 100
 # and sigma 0.8 has mean ~140 and a 99th percentile ~640, clipped to 16..1024 tokens.
@@ -35,23 +33,8 @@ def default_tokenizer_dir() -> Path | None:
 
 def bench_model_path(arch: str, preset: str, tokenizer: Path | None, seed: int = 0) -> Path:
     """A seeded ``make-test-model`` checkpoint in the cache folder, built on first use (a few seconds)."""
-    from splitserve.test_model import make_test_model
-
     name = f"bench-{arch}-{preset}-{tokenizer.name if tokenizer else 'builtin'}-seed{seed}"
-    path = envs.cache_dir() / name
-    if (path / "config.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
-    try:
-        make_test_model(tmp, arch=arch, preset=preset, tokenizer=tokenizer, seed=seed)
-        tmp.rename(path)
-    except OSError:
-        if not (path / "config.json").is_file():  # not a concurrent builder winning the rename
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return cached_test_model(name, arch=arch, preset=preset, tokenizer=tokenizer, seed=seed)
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,6 @@ class Attention(nn.Module):
     def __init__(
         self,
         dims: AttentionDims,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
     ) -> None:
@@ -131,7 +130,6 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, dims.hidden_size, bias=dims.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(dims.head_size, dims.rms_norm_eps, dtype) if dims.qk_norm else None
         self.k_norm = RMSNorm(dims.head_size, dims.rms_norm_eps, dtype) if dims.qk_norm else None
-        self.rotary = rotary
         self.backend = backend
         self.scale = dims.head_size**-0.5
 

@@ -30,13 +30,12 @@ class DecoderLayer(nn.Module):
         self,
         cfg: ModelArchConfig,
         layer_index: int,
-        rotary: RotaryEmbedding,
         backend: AttentionBackend,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg.layer_attention[layer_index], rotary, backend, dtype)
+        self.self_attn = Attention(cfg.layer_attention[layer_index], backend, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ACT2FN[cfg.hidden_act], cfg.mlp_bias, dtype)
 
@@ -57,9 +56,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         # One RoPE table shared by every layer (a buffer, not a parameter).
         self.rotary = RotaryEmbedding(cfg.rope_inv_freq, cfg.rope_attention_scaling, cfg.max_position_embeddings, dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.rotary, backend, dtype) for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(

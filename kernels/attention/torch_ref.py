@@ -76,7 +76,7 @@ class TorchRefAttentionBackend:
     ) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_size] -> same shape
         write_kv(key, value, kv_cache, metadata.slot_mapping)
-        output = torch.empty_like(query)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
         if metadata.num_decodes:
             self._decode(query, kv_cache, metadata, scale, sliding_window, output)
         prefill_attention(query, key, value, kv_cache, metadata, scale, sliding_window, output)
