@@ -49,6 +49,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                 default=0.25,
                 help="also run splitserve with a KV cache this fraction of the set's need (0: skip)",
             )
+            p.add_argument(
+                "--observability-repeats",
+                type=int,
+                default=3,
+                help="runs of splitserve with tracing and metrics off and on, alternating, to measure their cost "
+                "(0: skip)",
+            )
         else:
             p.add_argument(
                 "--rates", default="1,inf", help="request rates per second, comma-separated; inf: all at once"
@@ -84,6 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()],
             hf_batch_size=args.hf_batch_size,
             preemption_kv_fraction=args.preemption_kv_fraction or None,
+            observability_repeats=args.observability_repeats,
         )
     else:
         from benchmarks import serve as bench

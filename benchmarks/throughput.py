@@ -82,13 +82,17 @@ def _result(
 
 
 def run_splitserve(
-    model: Path, requests: RequestSet, dtype: str, **core_config: Any
+    model: Path, requests: RequestSet, dtype: str, observed: bool = False, **core_config: Any
 ) -> tuple[float, list[list[int]], dict]:
-    """Wall seconds, token ids per request, and engine facts, after a two-request warm-up."""
+    """Wall seconds, token ids per request, and engine facts, after a two-request warm-up. ``observed``: with
+    the core's Prometheus metrics and a span per request (exported in memory), as a traced server runs."""
     from frontend_svc import LLM, SamplingParams
 
     llm = LLM(str(model), dtype=dtype, **core_config)
+    provider = None
     try:
+        if observed:
+            provider = _observe(llm, str(model))
         params = SamplingParams(max_tokens=requests.output_len, ignore_eos=True, temperature=0.0)
         prompts = [{"prompt_token_ids": p} for p in requests.prompts]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
@@ -112,6 +116,35 @@ def run_splitserve(
         return wall, [list(o.outputs[0].token_ids) for o in outputs], facts
     finally:
         llm.close()
+        if provider is not None:
+            provider.shutdown()
+
+
+def _observe(llm: Any, model: str) -> Any:
+    """Turn on the in-process core's metrics and request spans (to an in-memory exporter); returns the tracer
+    provider."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from core_svc.observability import observe_engine
+    from splitserve import metrics, tracing
+
+    provider = tracing.init_tracer_provider("splitserve-bench", exporter=InMemorySpanExporter())
+    observe_engine(llm.llm_engine.engine_core.engine_core, model, metrics.make_registry(), provider)
+    return provider
+
+
+def observability_cost(model: Path, requests: RequestSet, repeats: int) -> dict[str, Any]:
+    """splitserve float32 with observability off (the default: no tracing, no metrics) and on, ``repeats`` runs
+    each, alternating. The ratio of medians is what turning it on costs; off, the engine makes no call into it."""
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(repeats):
+        for observed, tok_s in ((False, off), (True, on)):
+            wall, outputs, _ = run_splitserve(model, requests, "float32", observed=observed)
+            tok_s.append(sum(len(o) for o in outputs) / wall)
+            gc.collect()
+    median_off, median_on = sorted(off)[len(off) // 2], sorted(on)[len(on) // 2]
+    return {"off_tok_s": off, "on_tok_s": on, "on_over_off": median_on / median_off}
 
 
 def _load_hf(model: Path, dtype: str) -> Any:
@@ -206,10 +239,11 @@ def run(
     dtypes: list[str],
     hf_batch_size: int = 16,
     preemption_kv_fraction: float | None = 0.25,
+    observability_repeats: int = 3,
 ) -> dict[str, Any]:
     """Every backend in ``backends`` (splitserve in each of ``dtypes``, transformers in float32), then
-    splitserve float32 under a KV budget of ``preemption_kv_fraction`` of what the whole set needs at once.
-    Returns the report ``write_report`` saves."""
+    splitserve float32 under a KV budget of ``preemption_kv_fraction`` of what the whole set needs at once,
+    then ``observability_cost`` (0 repeats: skipped). Returns the report ``write_report`` saves."""
     import torch
 
     flops = ModelFlops.from_checkpoint(model)
@@ -269,6 +303,11 @@ def run(
                 **facts,
             )
         )
+    observability = None
+    if observability_repeats and "splitserve" in backends:
+        logger.info("running splitserve float32 with observability off and on, %d times each", observability_repeats)
+        observability = observability_cost(model, requests, observability_repeats)
+        logger.info("  observability on / off: %.3f", observability["on_over_off"])
     # The peak again, after the runs: a shared machine's speed drifts; MFU is over the higher of the two.
     peaks_after = {dt: matmul_peak_flops(dt) for dt in peaks}
     peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
@@ -291,6 +330,7 @@ def run(
         "matmul_peak_gflops_before_after": {dt: [peaks[dt] / 1e9, peaks_after[dt] / 1e9] for dt in peaks},
         "results": [_public(r) for r in results],
         "bfloat16_logprob_drift": drift,
+        "observability_cost": observability,
     }
 
 
@@ -358,6 +398,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"bfloat16 prompt logprobs vs float32 over {drift['positions']} positions: max |diff| "
             f"{drift['max_abs_nats']:.3f}, p99 {drift['p99_abs_nats']:.3f}, mean {drift['mean_abs_nats']:.4f} nats"
+        )
+    cost = report.get("observability_cost")
+    if cost:
+        lines.append(
+            "observability (core metrics + a span per request) on / off: "
+            f"{cost['on_over_off']:.3f} (median of {len(cost['on_tok_s'])} alternating runs each; off: "
+            + ", ".join(f"{x:.0f}" for x in cost["off_tok_s"])
+            + " tok/s; on: "
+            + ", ".join(f"{x:.0f}" for x in cost["on_tok_s"])
+            + " tok/s)"
         )
     for name, measured, wanted, met in check_targets(report):
         lines.append(f"target {name}: {measured:.2f} (want >= {wanted:.2f}) {'MET' if met else 'NOT MET'}")

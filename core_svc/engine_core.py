@@ -23,6 +23,7 @@ from core_svc.model_runner import ModelRunner
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
+from core_svc.stats import RequestStatsTracker, StatsSink
 from kernels import get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig.from_core_config(config, self.max_model_len), kv_cache_manager)
         self._profiler: torch.profiler.profile | None = None
         self._profile_dir = Path(tempfile.gettempdir())
+        self._stats: RequestStatsTracker | None = None  # set by the first add_stats_sink: metrics, tracing
         info = self.get_engine_info()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %s); max_model_len %d",
@@ -123,16 +125,31 @@ class EngineCore:
                 params, eos_token_id=self.eos_token_ids[0], stop_token_ids=params.stop_token_ids + extra_stop_ids
             )
         self.scheduler.add_request(request)
+        if self._stats is not None:
+            self._stats.on_add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests as aborted and free their blocks. Unknown or finished ids are ignored."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self._stats is not None:
+            self._stats.on_abort(request_ids)
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step and return what it produced (no outputs when idle; finished ids still flow)."""
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        if self._stats is not None:
+            self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
+        return outputs
+
+    def add_stats_sink(self, sink: StatsSink) -> None:
+        """Report every request's timing and every step's stats to ``sink`` (``CoreMetrics``,
+        ``RequestTracer``), for requests added from now on. Call it on the engine's thread, or before the
+        engine runs."""
+        if self._stats is None:
+            self._stats = RequestStatsTracker()
+        self._stats.sinks.append(sink)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

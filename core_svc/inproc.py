@@ -9,10 +9,14 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.grpc_status import status_code_value
+from core_svc.observability import observe_engine
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_from_pb
 from splitserve.engine.v1 import engine_core_pb2 as pb
@@ -96,6 +100,14 @@ class InprocCore:
 
     def submit_abort(self, request_ids: list[str]) -> concurrent.futures.Future[None]:
         return _translated(self._engine_loop().abort_requests(request_ids))
+
+    def submit_observe(
+        self, model_name: str, registry: CollectorRegistry | None, tracer_provider: TracerProvider | None
+    ) -> concurrent.futures.Future[None]:
+        """Add the core's Prometheus metrics (``registry``) and request spans (``tracer_provider``), on the
+        engine's thread; None leaves either off."""
+
+        return self._engine_loop().call(lambda core: observe_engine(core, model_name, registry, tracer_provider))
 
     def submit_reset_prefix_cache(self) -> concurrent.futures.Future[bool]:
         return _translated(self._engine_loop().call(lambda core: core.reset_prefix_cache()))

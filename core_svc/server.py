@@ -10,12 +10,16 @@ import asyncio
 import logging
 import time
 
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
+
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.grpc_status import status_code_value
+from core_svc.observability import observe_engine
 from core_svc.service import SERVICE_NAME, CoreServerState, EngineCoreServicer
-from splitserve import grpc_runtime
+from splitserve import grpc_runtime, metrics, tracing
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -27,10 +31,41 @@ async def serve_core(
     port: int = 50061,
     max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
     shutdown_timeout_s: float = 30.0,
+    metrics_port: int | None = None,
 ) -> int:
-    """Run until SIGTERM / SIGINT; returns the process exit code (0 after a clean drain, 1 if loading failed)."""
+    """Run until SIGTERM / SIGINT; returns the process exit code (0 after a clean drain, 1 if loading failed).
+    ``metrics_port``: serve Prometheus metrics there (None: no metrics). Tracing follows the ``OTEL_*``
+    environment (``splitserve.tracing``)."""
     state = CoreServerState()
-    server = grpc_runtime.make_server(max_message_bytes)
+    tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
+    registry = metrics.make_registry() if metrics_port is not None else None
+    interceptors = tracing.grpc_server_interceptors(tracer_provider)
+    if registry is not None:
+        interceptors.append(metrics.GrpcMetricsInterceptor(registry))
+    metrics_server = metrics.MetricsServer(registry, metrics_port, host) if registry is not None else None
+    try:
+        return await _serve(
+            config, state, host, port, max_message_bytes, shutdown_timeout_s, interceptors, registry, tracer_provider
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # exports what is left
+
+
+async def _serve(
+    config: CoreConfig,
+    state: CoreServerState,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    shutdown_timeout_s: float,
+    interceptors: list[object],
+    registry: CollectorRegistry | None,
+    tracer_provider: TracerProvider | None,
+) -> int:
+    server = grpc_runtime.make_server(max_message_bytes, interceptors)
     pb_grpc.add_EngineCoreServicer_to_server(EngineCoreServicer(state), server)
     health = grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
@@ -51,6 +86,7 @@ async def serve_core(
         logger.exception("could not load %s", config.model)
         await server.stop(None)
         return 1
+    observe_engine(engine_core, config.model, registry, tracer_provider)
     engine_loop = EngineLoop(engine_core, status_code_value)
     failed = False
 

@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_types import SchedulerStats
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import EngineFrontend
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import SamplingParams
-from frontend_svc.stat_logger import LoggingStatLogger
+from frontend_svc.stat_logger import LoggingStatLogger, StatLogger
+from frontend_svc.stats import IterationStats
 from splitserve import envs
 
 logger = logging.getLogger(__name__)
@@ -30,20 +32,35 @@ class _HandlerState:
     unclosed AsyncLLM can still be garbage-collected (and its core freed)."""
 
     dead_error: BaseException | None = None
-    stat_logger: LoggingStatLogger | None = None  # None: SPLITSERVE_LOG_STATS_INTERVAL <= 0
+    stat_loggers: list[StatLogger] = field(default_factory=list)
+
+    def record(self, iteration_stats: IterationStats, scheduler_stats: SchedulerStats | None = None) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(scheduler_stats, iteration_stats)
+            stat_logger.log()
 
 
 class AsyncLLM(EngineFrontend):
     """Asyncio engine: a background task turns core outputs into per-request outputs.
 
-    Args: as ``LLMEngine``.
+    Args: as ``LLMEngine``, and
+        stat_loggers: fed after every batch of core outputs (the server passes its ``PrometheusStatLogger``),
+            beside the periodic log line (every ``SPLITSERVE_LOG_STATS_INTERVAL`` seconds; <= 0 turns it off).
     """
 
-    def __init__(self, model: str, core_address: str | None = None, tokenizer: Any = None, **core_config: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        core_address: str | None = None,
+        tokenizer: Any = None,
+        stat_loggers: list[StatLogger] | None = None,
+        **core_config: Any,
+    ) -> None:
         super().__init__(model, core_address, tokenizer, asyncio_mode=True, core_config=core_config)
         self._output_handler: asyncio.Task[None] | None = None
         interval = envs.log_stats_interval()
-        self._handler_state = _HandlerState(stat_logger=LoggingStatLogger(interval) if interval > 0 else None)
+        loggers: list[StatLogger] = [LoggingStatLogger(interval)] if interval > 0 else []
+        self._handler_state = _HandlerState(stat_loggers=loggers + list(stat_loggers or []))
 
     async def add_request(
         self,
@@ -53,6 +70,7 @@ class AsyncLLM(EngineFrontend):
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
         internal id).
@@ -74,7 +92,7 @@ class AsyncLLM(EngineFrontend):
                 else TokensPrompt(prompt=text, prompt_token_ids=token_ids)
             )
         queue = RequestOutputCollector(params.output_kind)
-        options = RequestOptions(arrival_time, priority, cache_salt)
+        options = RequestOptions(arrival_time, priority, cache_salt, trace_headers)
         internal_id, requests = self.prepare_requests(request_id, prompt, params, options, queue)
         queue.request_id = internal_id
         try:
@@ -93,17 +111,19 @@ class AsyncLLM(EngineFrontend):
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (per ``sampling_params.output_kind``); the last has finished=True.
 
         Cancelling the consumer (or closing the generator early) aborts this request, and only this one, in the
-        core.
+        core. ``trace_headers`` (W3C ``traceparent`` / ``tracestate``) go to the core with the request, which
+        traces it as their child.
         """
         queue: RequestOutputCollector | None = None
         finished = False
         try:
             queue = await self.add_request(
-                request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
+                request_id, prompt, sampling_params, None, priority, cache_salt, trace_headers
             )
             while not finished:
                 output = queue.get_nowait() or await queue.get()
@@ -118,7 +138,9 @@ class AsyncLLM(EngineFrontend):
         """Abort by the caller's ids (all n children) or by internal ids (a parent's covers its children);
         unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        internal_ids = self.output_processor.abort_requests(ids, internal)
+        iteration_stats = IterationStats()
+        internal_ids = self.output_processor.abort_requests(ids, internal, iteration_stats)
+        self._handler_state.record(iteration_stats)
         if internal_ids and self._handler_state.dead_error is None:
             await self.engine_core.abort_requests_async(internal_ids)
 
@@ -135,7 +157,9 @@ class AsyncLLM(EngineFrontend):
         super().close()
 
     def _abort_nowait(self, internal_ids: list[str]) -> None:
-        ids = self.output_processor.abort_requests(internal_ids, internal=True)
+        iteration_stats = IterationStats()
+        ids = self.output_processor.abort_requests(internal_ids, True, iteration_stats)
+        self._handler_state.record(iteration_stats)
         if ids and self._handler_state.dead_error is None:
             self.engine_core.abort_requests_nowait(ids)
 
@@ -157,17 +181,15 @@ async def _run_output_handler(
         while True:
             core_outputs = await engine_core.get_output_async()
             outputs = core_outputs.outputs
-            num_prompt_tokens = num_generation_tokens = 0
+            iteration_stats = IterationStats()  # always: RequestOutput.metrics and the request's span use it
             for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
-                processed = output_processor.process_outputs(outputs[start : start + OUTPUT_CHUNK_SIZE])
-                num_prompt_tokens += processed.num_prompt_tokens
-                num_generation_tokens += processed.num_generation_tokens
+                processed = output_processor.process_outputs(
+                    outputs[start : start + OUTPUT_CHUNK_SIZE], core_outputs.timestamp, iteration_stats
+                )
                 if processed.reqs_to_abort:
                     engine_core.abort_requests_nowait(processed.reqs_to_abort)
                 await asyncio.sleep(0)
-            if state.stat_logger is not None:
-                state.stat_logger.record(core_outputs.scheduler_stats, num_prompt_tokens, num_generation_tokens)
-                state.stat_logger.maybe_log()
+            state.record(iteration_stats, core_outputs.scheduler_stats)
     except Exception as e:
         if not isinstance(e, EngineDeadError):
             logger.exception("output handler failed")

@@ -34,6 +34,20 @@ class EngineCoreRequest:
     client_index: int = 0
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """Values equal the wire enum ``splitserve.engine.v1.EngineCoreEventType``."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+@dataclass(frozen=True)
+class EngineCoreEvent:
+    type: EngineCoreEventType
+    timestamp: float  # seconds, the core's time.monotonic()
+
+
 @dataclass
 class PositionLogprobs:
     token_ids: list[int]  # [1 + k]: the chosen token, then the top-k
@@ -51,6 +65,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: tuple[int, str] | None = None  # (grpc status code value, message)
+    events: list[EngineCoreEvent] = field(default_factory=list)  # since the request's previous output
 
     @property
     def finished(self) -> bool:

@@ -19,12 +19,13 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
-from splitserve import grpc_runtime
+from splitserve import grpc_runtime, tracing
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
@@ -50,6 +51,7 @@ class CoreConnection:
         on_change: Callable[[], None],
         reroute: Callable[[CoreConnection, EngineCoreRequest, EngineCoreOutput], None],
         max_message_bytes: int,
+        interceptors: list[object] | None = None,
     ) -> None:
         self.address = address
         self.closing = False  # the client is shutting down: losing the stream is expected
@@ -63,6 +65,7 @@ class CoreConnection:
         self._on_change = on_change
         self._reroute = reroute
         self._options = grpc_runtime.message_options(max_message_bytes) + grpc_runtime.KEEPALIVE_OPTIONS
+        self._interceptors = interceptors or None  # tracing: the stream's context goes in its metadata
         self._outbox: asyncio.Queue[pb.EngineCoreClientMessage | None] = asyncio.Queue()
 
     @property
@@ -73,7 +76,12 @@ class CoreConnection:
         backoff = INITIAL_BACKOFF_S
         last_logged = 0.0
         while True:
-            async with grpc.aio.insecure_channel(self.address, options=self._options) as channel:
+            channel = grpc.aio.insecure_channel(
+                self.address,
+                options=self._options,
+                interceptors=self._interceptors,  # type: ignore[arg-type]
+            )
+            async with channel:
                 try:
                     await self._serve_stream(channel)
                     backoff = INITIAL_BACKOFF_S  # it was up; retry soon
@@ -182,6 +190,8 @@ class GrpcCoreClient(EngineCoreClient):
     Args:
         addresses: "host:port" of each core.
         wait_ready_s: how long the constructor waits for a first core; None waits as long as it takes.
+        tracer_provider: trace the calls to the cores (OpenTelemetry's gRPC client instrumentation puts each
+            call's context, the ``Connect`` stream's included, in its metadata); None: no tracing.
 
     Raises:
         EngineDeadError: from the constructor, when no core answered within ``wait_ready_s``.
@@ -192,6 +202,7 @@ class GrpcCoreClient(EngineCoreClient):
         addresses: list[str],
         wait_ready_s: float | None = 60.0,
         max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one engine-core address is needed")
@@ -208,7 +219,8 @@ class GrpcCoreClient(EngineCoreClient):
         self._sync_event = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
-        self.connections = self._on_transport(self._start(addresses, max_message_bytes)).result()
+        interceptors = tracing.grpc_client_interceptors(tracer_provider)
+        self.connections = self._on_transport(self._start(addresses, max_message_bytes, interceptors)).result()
         if not self._ready.wait(wait_ready_s):
             self.shutdown()
             raise EngineDeadError(f"no engine core answered at {', '.join(addresses)} within {wait_ready_s} s")
@@ -292,9 +304,11 @@ class GrpcCoreClient(EngineCoreClient):
     def _on_transport(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self._transport)
 
-    async def _start(self, addresses: list[str], max_message_bytes: int) -> list[CoreConnection]:
+    async def _start(
+        self, addresses: list[str], max_message_bytes: int, interceptors: list[object]
+    ) -> list[CoreConnection]:
         connections = [
-            CoreConnection(a, self._deliver, self._availability_changed, self._reroute, max_message_bytes)
+            CoreConnection(a, self._deliver, self._availability_changed, self._reroute, max_message_bytes, interceptors)
             for a in addresses
         ]
         self._tasks = [asyncio.get_running_loop().create_task(c.run()) for c in connections]

@@ -73,6 +73,11 @@ class AsyncInprocClient(InprocClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._edge().start_loop(self._sink, lambda e: self._post(EngineDeadError(f"the engine core failed: {e!r}")))
 
+    def observe_core(self, model_name: str, registry: Any | None, tracer_provider: Any | None) -> None:
+        """Give the core its Prometheus metrics (in ``registry``) and request spans (from ``tracer_provider``);
+        None leaves either off."""
+        self._wait_sync(lambda edge: edge.submit_observe(model_name, registry, tracer_provider))
+
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self.add_requests_async([request])
 
@@ -109,6 +114,9 @@ class AsyncInprocClient(InprocClient):
         if self._outputs is None or self._loop is not loop:
             self._loop, self._outputs = loop, asyncio.Queue()
         return self._outputs
+
+    def _wait_sync(self, submit: Any) -> Any:
+        return submit(self._edge()).result()
 
     async def _wait(self, submit: Any) -> Any:
         """Submit a command to the core's thread and await it; refusals become the frontend's errors."""

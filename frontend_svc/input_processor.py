@@ -19,6 +19,7 @@ class RequestOptions:
     arrival_time: float | None = None  # seconds since the epoch; None: now
     priority: int = 0  # lower is served first under the priority policy
     cache_salt: str | None = None  # isolates the request's prefix-cache entries
+    trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate for the core's spans
 
 
 class TextPrompt(TypedDict, total=False):
@@ -129,6 +130,7 @@ class InputProcessor:
             arrival_time=time.time() if options.arrival_time is None else options.arrival_time,
             priority=options.priority,
             cache_salt=options.cache_salt,
+            trace_headers=dict(options.trace_headers or {}),
         )
         return request, prompt_text
 

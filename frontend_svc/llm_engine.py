@@ -17,6 +17,7 @@ from frontend_svc.output_processor import OutputProcessor, RequestOutputCollecto
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve.model_files import resolve_model_path
 
@@ -76,7 +77,13 @@ class EngineFrontend:
         request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, options)
         if params.n == 1:
             self.output_processor.add_request(
-                internal_id, request_id, request.sampling_params, prompt_text, request.prompt_token_ids, queue=queue
+                internal_id,
+                request_id,
+                request.sampling_params,
+                prompt_text,
+                request.prompt_token_ids,
+                queue=queue,
+                arrival_time=request.arrival_time,
             )
             return internal_id, [request]
         parent = ParentRequest(internal_id, request_id, request.sampling_params)
@@ -84,7 +91,15 @@ class EngineFrontend:
         for index in range(params.n):
             child_id, child_params = parent.get_child_info(index)
             self.output_processor.add_request(
-                child_id, request_id, child_params, prompt_text, request.prompt_token_ids, parent, index, queue
+                child_id,
+                request_id,
+                child_params,
+                prompt_text,
+                request.prompt_token_ids,
+                parent,
+                index,
+                queue,
+                request.arrival_time,
             )
             children.append(
                 EngineCoreRequest(
@@ -94,6 +109,7 @@ class EngineFrontend:
                     request.arrival_time,
                     request.priority,
                     request.cache_salt,
+                    request.trace_headers,
                 )
             )
         return internal_id, children
@@ -155,7 +171,7 @@ class LLMEngine(EngineFrontend):
         if outputs.scheduler_stats is not None:
             self.scheduler_stats = outputs.scheduler_stats
             self.num_preemptions += outputs.scheduler_stats.num_preemptions
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp, IterationStats())
         self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 

@@ -7,6 +7,7 @@ string ended are returned in ``reqs_to_abort``: the core does not know they are 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from frontend_svc.logprobs import LogprobsProcessor
 from frontend_svc.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from frontend_svc.stats import IterationStats, RequestStateStats
 
 
 class RequestOutputCollector:
@@ -70,6 +72,7 @@ class RequestState:
         parent: ParentRequest | None = None,
         request_index: int = 0,
         queue: RequestOutputCollector | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.external_req_id = external_req_id
@@ -86,6 +89,13 @@ class RequestState:
         )
         self.num_cached_tokens = 0
         self._prompt_logprobs_sent = False
+        self.stats = RequestStateStats(arrival_time=time.time() if arrival_time is None else arrival_time)
+
+    def finish_stats(self, finish_reason: FinishReason, iteration_stats: IterationStats | None) -> None:
+        if iteration_stats is not None:
+            iteration_stats.update_from_finished_request(
+                str(finish_reason), len(self.prompt_token_ids), self.params.max_tokens, self.stats
+            )
 
     def make_request_output(
         self,
@@ -128,6 +138,7 @@ class RequestState:
             outputs=completions,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self.stats,
         )
 
 
@@ -135,8 +146,6 @@ class RequestState:
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput] = field(default_factory=list)  # for callers without a queue
     reqs_to_abort: list[str] = field(default_factory=list)  # internal ids a stop string ended
-    num_prompt_tokens: int = 0  # prompts of the requests whose first token came in these outputs
-    num_generation_tokens: int = 0  # tokens these outputs generated
 
 
 class OutputProcessor:
@@ -164,6 +173,7 @@ class OutputProcessor:
         parent: ParentRequest | None = None,
         request_index: int = 0,
         queue: RequestOutputCollector | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id} is already in flight")
@@ -177,40 +187,57 @@ class OutputProcessor:
             parent,
             request_index,
             queue,
+            arrival_time,
         )
         self.external_req_ids.setdefault(external_req_id, []).append(request_id)
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
 
-    def process_outputs(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(
+        self,
+        engine_core_outputs: Iterable[EngineCoreOutput],
+        engine_core_timestamp: float = 0.0,
+        iteration_stats: IterationStats | None = None,
+    ) -> OutputProcessorOutput:
+        """Detokenize, match stop strings and build outputs. With ``iteration_stats``, also record each
+        request's timing (``engine_core_timestamp``: the core's ``EngineCoreOutputs.timestamp``) and what
+        finished."""
         result = OutputProcessorOutput()
         for output in engine_core_outputs:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue  # aborted while the output was on its way
+            if iteration_stats is not None:
+                iteration_stats.update_from_output(
+                    len(output.new_token_ids),
+                    output.events,
+                    engine_core_timestamp,
+                    len(state.prompt_token_ids),
+                    state.stats,
+                )
             if output.error is not None and state.queue is not None:
-                result.reqs_to_abort.extend(self._fail(state, error_from_core(*output.error)))
+                result.reqs_to_abort.extend(self._fail(state, error_from_core(*output.error), iteration_stats))
                 continue
-            if output.new_token_ids:
-                if not state.detokenizer.token_ids:
-                    result.num_prompt_tokens += len(state.prompt_token_ids)
-                result.num_generation_tokens += len(output.new_token_ids)
-            request_output, stopped_by_string = self._process_one(state, output)
+            request_output, finish_reason = self._process_one(state, output)
             if request_output is not None:
                 if state.queue is not None:
                     state.queue.put(request_output)
                 else:
                     result.request_outputs.append(request_output)
-            if output.finished or stopped_by_string:
+            if finish_reason is not None:
                 self._remove(state)
-                if stopped_by_string and not output.finished:
+                state.finish_stats(finish_reason, iteration_stats)
+                if not output.finished:  # a stop string ended it: the core does not know yet
                     result.reqs_to_abort.append(state.request_id)
         return result
 
-    def abort_requests(self, request_ids: Iterable[str], internal: bool = False) -> list[str]:
+    def abort_requests(
+        self, request_ids: Iterable[str], internal: bool = False, iteration_stats: IterationStats | None = None
+    ) -> list[str]:
         """Forget requests: by the caller's id (every child of an n > 1 request) or by internal id (a parent's
         internal id covers its children). Streams waiting on a queue get ``abort`` outputs, through the parent's
-        aggregation, so every completion ends. Returns the internal ids to abort in the core."""
+        aggregation, so every completion ends; ``iteration_stats`` records them as finished (abort). Returns
+        the internal ids to abort in the core."""
         internal_ids: list[str] = []
         for request_id in request_ids:
             if not internal:
@@ -225,12 +252,13 @@ class OutputProcessor:
             if state is None:
                 continue
             self._remove(state)
+            state.finish_stats(FinishReason.ABORT, iteration_stats)
             aborted = state.make_request_output([], [], FinishReason.ABORT, None)
             if aborted is not None and state.queue is not None:
                 state.queue.put(aborted)
         return internal_ids
 
-    def _fail(self, state: RequestState, error: Exception) -> list[str]:
+    def _fail(self, state: RequestState, error: Exception, iteration_stats: IterationStats | None) -> list[str]:
         """A request the core refused or lost: its stream gets the error; n > 1 siblings are dropped too.
         Returns the siblings' internal ids, for the core to abort."""
         siblings = sorted(state.parent.child_requests - {state.request_id}) if state.parent is not None else []
@@ -238,11 +266,16 @@ class OutputProcessor:
             sibling = self.request_states.get(request_id)
             if sibling is not None:
                 self._remove(sibling)
+                sibling.finish_stats(FinishReason.ERROR, iteration_stats)
         if state.queue is not None:
             state.queue.put(error)
         return siblings
 
-    def _process_one(self, state: RequestState, output: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
+    def _process_one(
+        self, state: RequestState, output: EngineCoreOutput
+    ) -> tuple[RequestOutput | None, FinishReason | None]:
+        """The request's next output (None when its output kind holds it back) and, when it finished here,
+        why (a stop string makes it STOP)."""
         new_token_ids = output.new_token_ids
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         state.num_cached_tokens = output.num_cached_tokens
@@ -257,7 +290,7 @@ class OutputProcessor:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
         new_logprobs = state.logprobs.update_sample_logprobs(output.new_logprobs[: len(new_token_ids)])
         request_output = state.make_request_output(new_token_ids, new_logprobs, finish_reason, stop_reason)
-        return request_output, stop_string is not None
+        return request_output, finish_reason
 
     def _remove(self, state: RequestState) -> None:
         self.request_states.pop(state.request_id, None)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from frontend_svc.stats import RequestStateStats
 
 
 @dataclass
@@ -41,12 +43,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestStateStats | None = None  # timing of the (last finishing) core request behind this output
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output for the same request: per completion index, append (DELTA) or replace."""
         self.finished |= next_output.finished
         self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics
         for completion in next_output.outputs:
             for i, existing in enumerate(self.outputs):
                 if existing.index != completion.index:

@@ -10,13 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
+from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
-from splitserve import grpc_runtime
+from splitserve import grpc_runtime, metrics, tracing
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
 from splitserve.model_files import resolve_model_path
 
@@ -31,12 +36,65 @@ async def serve_frontend(
     max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
     shutdown_timeout_s: float = 30.0,
     trust_request_chat_template: bool = False,
+    metrics_port: int | None = None,
     **core_config: Any,
 ) -> int:
     """Run until SIGTERM / SIGINT; returns the exit code. ``core_addresses`` None runs the core in this process
-    with ``core_config``."""
+    with ``core_config``. ``metrics_port``: serve Prometheus metrics there (None: no metrics; in-process, the
+    core's metrics too). Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``)."""
+    tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_SERVICE_NAME)
+    registry = metrics.make_registry() if metrics_port is not None else None
+    metrics_server = metrics.MetricsServer(registry, metrics_port, host) if registry is not None else None
+    observability = _Observability(tracer_provider, registry)
+    try:
+        return await _serve(
+            model,
+            core_addresses,
+            host,
+            port,
+            max_message_bytes,
+            shutdown_timeout_s,
+            trust_request_chat_template,
+            observability,
+            core_config,
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        observability.shutdown()
+
+
+@dataclass
+class _Observability:
+    tracer_provider: TracerProvider | None  # None: tracing is off
+    registry: CollectorRegistry | None  # None: no metrics
+    core_tracer_provider: TracerProvider | None = None  # the in-process core's, as service splitserve-core
+
+    def shutdown(self) -> None:
+        for provider in (self.tracer_provider, self.core_tracer_provider):
+            if provider is not None:
+                provider.shutdown()  # exports what is left
+
+
+async def _serve(
+    model: str,
+    core_addresses: list[str] | None,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    shutdown_timeout_s: float,
+    trust_request_chat_template: bool,
+    observability: _Observability,
+    core_config: dict[str, Any],
+) -> int:
     state = FrontendServerState(model=model, trust_request_chat_template=trust_request_chat_template)
-    server = grpc_runtime.make_server(max_message_bytes)
+    provider, registry = observability.tracer_provider, observability.registry
+    if provider is not None:
+        state.tracer = provider.get_tracer("splitserve.frontend")
+    interceptors = tracing.grpc_server_interceptors(provider)
+    if registry is not None:
+        interceptors.append(metrics.GrpcMetricsInterceptor(registry))
+    server = grpc_runtime.make_server(max_message_bytes, interceptors)
     api_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     health = grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
@@ -63,12 +121,17 @@ async def serve_frontend(
             from frontend_svc.grpc_client import GrpcCoreClient
 
             client: EngineCoreClient = GrpcCoreClient(
-                core_addresses, wait_ready_s=None, max_message_bytes=max_message_bytes
+                core_addresses, wait_ready_s=None, max_message_bytes=max_message_bytes, tracer_provider=provider
             )
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:
             client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)
-        return AsyncLLM(model, tokenizer=state.tokenizer, engine_core_client=client)
+            observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
+            client.observe_core(model, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]
+        stat_loggers: list[StatLogger] = []
+        if registry is not None:
+            stat_loggers.append(PrometheusStatLogger(registry, model, client.get_engine_info().max_model_len))
+        return AsyncLLM(model, tokenizer=state.tokenizer, engine_core_client=client, stat_loggers=stat_loggers)
 
     starting = grpc_runtime.run_in_daemon_thread(build)
     done, _ = await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)

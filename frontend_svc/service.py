@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
 from frontend_svc.grpc_status import status_code
 from frontend_svc.input_processor import PromptType
-from frontend_svc.sampling_params import RequestOutputKind
+from frontend_svc.outputs import RequestOutput
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from frontend_svc.wire import (
     chat_messages_from_api,
     generate_request_from_api,
@@ -23,6 +27,7 @@ from frontend_svc.wire import (
 )
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.tracing import SpanAttributes, inject_headers
 
 SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -35,6 +40,7 @@ class FrontendServerState:
     engine: AsyncLLM | None = None  # set once the core is reachable (or loaded, in-process)
     draining: bool = False
     active_calls: int = 0
+    tracer: Tracer | None = None  # None: tracing is off
 
 
 class GenerationServicer(api_grpc.GenerationServicer):
@@ -123,24 +129,36 @@ class GenerationServicer(api_grpc.GenerationServicer):
     async def _stream(
         self, context: grpc.aio.ServicerContext, engine: AsyncLLM, prompt: PromptType, params: Any, request: Any
     ) -> AsyncIterator[api.GenerateResponse]:
-        """Stream one request's outputs; cancellation of the call aborts it (the generator is closed)."""
+        """Stream one request's outputs; cancellation of the call aborts it (the generator is closed). With
+        tracing on, the request gets an ``llm_request`` span (a child of the call's server span) whose context
+        goes to the core in ``trace_headers``."""
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         delta = params.output_kind == RequestOutputKind.DELTA
         completion_tokens: dict[int, int] = {}
         first = True
+        span = trace_headers = None
+        if self.state.tracer is not None:
+            span = self.state.tracer.start_span("llm_request", kind=SpanKind.INTERNAL)
+            trace_headers = inject_headers(trace.set_span_in_context(span))
+        request_span = _RequestSpan(span, request_id, params, self.state.model)
         self.state.active_calls += 1
         try:
-            async for output in engine.generate(prompt, params, request_id, request.priority, cache_salt):
+            async for output in engine.generate(
+                prompt, params, request_id, request.priority, cache_salt, trace_headers
+            ):
                 for completion in output.outputs:
                     previous = completion_tokens.get(completion.index, 0) if delta else 0
                     completion_tokens[completion.index] = previous + len(completion.token_ids)
+                request_span.update(output, sum(completion_tokens.values()))
                 yield request_output_to_api(output, first, sum(completion_tokens.values()))
                 first = False
         except FrontendError as e:
+            request_span.fail(e)
             await context.abort(status_code(e), str(e))
         finally:
             self.state.active_calls -= 1
+            request_span.end()
 
     async def _tokenizer(self, context: grpc.aio.ServicerContext) -> Any:
         if self.state.tokenizer is None:
@@ -158,3 +176,67 @@ class GenerationServicer(api_grpc.GenerationServicer):
             error = EngineDeadError("no engine core is reachable")
             await context.abort(status_code(error), str(error))
         return engine  # type: ignore[return-value]
+
+
+class _RequestSpan:
+    """The ``llm_request`` span of one public call and its ``gen_ai.*`` attributes (vLLM's): the request's
+    parameters at the start; usage and latencies (seconds) at the end. The queue, prefill and decode times come
+    from the core's timestamps (``RequestOutput.metrics``; for n > 1, of the completion that finished last).
+    Does nothing when tracing is off."""
+
+    def __init__(self, span: Span | None, request_id: str, params: SamplingParams, model: str) -> None:
+        self.span = span
+        self.start = time.time()
+        self.first_token_time: float | None = None
+        self.last_output: RequestOutput | None = None
+        self.completion_tokens = 0
+        if span is None:
+            return
+        attributes: dict[str, str | int | float] = {
+            SpanAttributes.GEN_AI_REQUEST_ID: request_id,
+            SpanAttributes.GEN_AI_RESPONSE_MODEL: model,
+            SpanAttributes.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+            SpanAttributes.GEN_AI_REQUEST_TOP_P: params.top_p,
+            SpanAttributes.GEN_AI_REQUEST_N: params.n,
+        }
+        if params.max_tokens is not None:
+            attributes[SpanAttributes.GEN_AI_REQUEST_MAX_TOKENS] = params.max_tokens
+        span.set_attributes(attributes)
+
+    def update(self, output: RequestOutput, completion_tokens: int) -> None:
+        if self.span is None:
+            return
+        if self.first_token_time is None and completion_tokens:
+            self.first_token_time = time.time()
+        self.last_output = output
+        self.completion_tokens = completion_tokens
+
+    def fail(self, error: Exception) -> None:
+        if self.span is not None:
+            self.span.set_status(Status(StatusCode.ERROR, str(error)))
+
+    def end(self) -> None:
+        if self.span is None:
+            return
+        span, self.span = self.span, None
+        output = self.last_output
+        attributes: dict[str, str | int | float | list[str]] = {
+            SpanAttributes.GEN_AI_USAGE_COMPLETION_TOKENS: self.completion_tokens,
+            SpanAttributes.GEN_AI_LATENCY_E2E: time.time() - self.start,
+        }
+        if self.first_token_time is not None:
+            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = self.first_token_time - self.start
+        if output is not None:
+            attributes[SpanAttributes.GEN_AI_USAGE_PROMPT_TOKENS] = len(output.prompt_token_ids)
+            attributes[SpanAttributes.GEN_AI_USAGE_NUM_SEQUENCES] = len(output.outputs)
+            attributes[SpanAttributes.GEN_AI_RESPONSE_FINISH_REASONS] = [
+                c.finish_reason or "" for c in sorted(output.outputs, key=lambda c: c.index)
+            ]
+            stats = output.metrics
+            if stats is not None:
+                attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_QUEUE] = stats.queued_time
+                attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = stats.prefill_time
+                attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = stats.decode_time
+                attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE] = stats.inference_time
+        span.set_attributes(attributes)
+        span.end()

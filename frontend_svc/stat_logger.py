@@ -1,15 +1,35 @@
-"""The periodic stats log line (vLLM v1's ``LoggingStatLogger``): throughput since the last line and the core's
-state, at most once per ``SPLITSERVE_LOG_STATS_INTERVAL`` seconds."""
+"""The frontend's stat loggers (vLLM v1's ``vllm/v1/metrics/loggers.py``): the periodic log line, and the
+Prometheus metrics of the requests this frontend serves. Both are fed by ``AsyncLLM``'s output handler, one
+``record`` per batch of core outputs (and per abort).
+
+The core exports what belongs to the engine (running / waiting, KV usage, preemptions, prefix cache, queue /
+prefill / decode time, iteration tokens: ``core_svc/metrics.py``); this side exports what the client saw (TTFT,
+inter-token latency, e2e latency, tokens and requests by finished reason). Each request passes through one
+frontend and each step runs on one core, so summing a metric over the pods of one service counts nothing twice.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from frontend_svc.engine_types import SchedulerStats
+from frontend_svc.stats import IterationStats
+from splitserve import metrics
 
 logger = logging.getLogger(__name__)
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+        """One batch of core outputs (``scheduler_stats`` None for an abort outside one)."""
+
+    def log(self) -> None:
+        """Called after each ``record``; loggers that report periodically decide here."""
 
 
 class LoggingStatLogger:
@@ -22,7 +42,7 @@ class LoggingStatLogger:
     then (hit tokens / queried tokens); running, waiting and KV usage are the core's latest.
 
     Args:
-        interval_s: seconds between lines, > 0.
+        interval_s: seconds between lines, > 0 (``SPLITSERVE_LOG_STATS_INTERVAL``).
         clock: seconds, monotonic (a parameter for tests).
     """
 
@@ -39,17 +59,18 @@ class LoggingStatLogger:
         self._prompt_tokens = self._generation_tokens = 0  # since the last line
         self._prefix_queries = self._prefix_hits = 0
 
-    def record(self, stats: SchedulerStats | None, num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        """One batch of core outputs: the scheduler stats it carried, prompt tokens of requests whose first token
-        it brought, and the tokens it generated."""
-        self._prompt_tokens += num_prompt_tokens
-        self._generation_tokens += num_generation_tokens
-        self.total_prompt_tokens += num_prompt_tokens
-        self.total_generation_tokens += num_generation_tokens
-        if stats is not None:
-            self.latest = stats
-            self._prefix_queries += stats.prefix_cache_queries
-            self._prefix_hits += stats.prefix_cache_hits
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+        self._prompt_tokens += iteration_stats.num_prompt_tokens
+        self._generation_tokens += iteration_stats.num_generation_tokens
+        self.total_prompt_tokens += iteration_stats.num_prompt_tokens
+        self.total_generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self.latest = scheduler_stats
+            self._prefix_queries += scheduler_stats.prefix_cache_queries
+            self._prefix_hits += scheduler_stats.prefix_cache_hits
+
+    def log(self) -> None:
+        self.maybe_log()
 
     def maybe_log(self) -> str | None:
         """Log and return the line when the interval has passed, else None."""
@@ -70,3 +91,87 @@ class LoggingStatLogger:
         self._prompt_tokens = self._generation_tokens = 0
         self._prefix_queries = self._prefix_hits = 0
         return line
+
+
+class PrometheusStatLogger:
+    """The frontend's Prometheus metrics, vLLM's names with the ``splitserve:`` prefix and labels
+    ``model_name``, ``engine`` (plus ``finished_reason`` on ``request_success``). Units: seconds, tokens.
+
+    Args:
+        registry: where the metrics are registered (one registry per frontend).
+        model_name: the served model, as ``GetModelInfo`` names it.
+        max_model_len: the upper end of the token-count buckets.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, engine_index: int = 0) -> None:
+        labels = {"model_name": model_name, "engine": str(engine_index)}
+        names = list(labels)
+        p = metrics.PREFIX
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(p + name, doc, names, registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+            return Histogram(p + name, doc, names, buckets=buckets, registry=registry).labels(**labels)
+
+        token_buckets = metrics.build_1_2_5_buckets(max_model_len)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that got a first token.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        request_success = Counter(
+            p + "request_success",
+            "Requests finished, by finished reason.",
+            [*names, "finished_reason"],
+            registry=registry,
+        )
+        self.request_success = {
+            reason: request_success.labels(**labels, finished_reason=reason)
+            for reason in ("stop", "length", "abort", "error")
+        }
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
+            "Time to first token: arrival to the first token's output.",
+            metrics.TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Time between two outputs of a request, by the core's clock.",
+            metrics.ITL_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time / (generation tokens - 1), per finished request.",
+            metrics.ITL_BUCKETS,
+        )
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds",
+            "Arrival to the final output, per finished request.",
+            metrics.REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", token_buckets
+        )
+        self.request_max_tokens = histogram(
+            "request_params_max_tokens", "max_tokens per finished request.", token_buckets
+        )
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens_iter:
+            self.time_to_first_token.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies_iter:
+            self.inter_token_latency.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            self.request_success[finished.finish_reason].inc()
+            self.e2e_latency.observe(finished.e2e_latency)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+            self.time_per_output_token.observe(finished.mean_time_per_output_token)  # 0 below two tokens, as vLLM
+            if finished.max_tokens_param is not None:
+                self.request_max_tokens.observe(finished.max_tokens_param)
+
+    def log(self) -> None:
+        pass  # Prometheus scrapes; nothing to do per batch

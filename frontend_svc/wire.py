@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from frontend_svc.engine_types import (
+    EngineCoreEvent,
+    EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -89,7 +91,16 @@ def _output_from_pb(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
         stop_reason=getattr(msg, stop_kind) if stop_kind else None,
         num_cached_tokens=msg.num_cached_tokens,
         error=(msg.error.code, msg.error.message) if msg.HasField("error") else None,
+        events=[event for event in map(_event_from_pb, msg.events) if event is not None],
     )
+
+
+def _event_from_pb(msg: pb.EngineCoreEvent) -> EngineCoreEvent | None:
+    """None for an event type this frontend does not know (a newer core): skipped."""
+    try:
+        return EngineCoreEvent(EngineCoreEventType(msg.type), msg.timestamp)
+    except ValueError:
+        return None
 
 
 def _finish_reason(value: int) -> FinishReason | None:

@@ -149,6 +149,12 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics endpoint)",
+    )
 
 
 def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
@@ -166,7 +172,9 @@ def cmd_core(args: argparse.Namespace) -> int:
 
     config = core_config_from_args(args, resolve_model_arg(args.model))
     return asyncio.run(
-        serve_core(config, args.host, args.port, args.max_message_size_mib * 2**20, args.shutdown_timeout)
+        serve_core(
+            config, args.host, args.port, args.max_message_size_mib * 2**20, args.shutdown_timeout, args.metrics_port
+        )
     )
 
 
@@ -185,6 +193,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
             args.max_message_size_mib * 2**20,
             args.shutdown_timeout,
             args.trust_request_chat_template,
+            args.metrics_port,
         )
     )
 
@@ -203,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.max_message_size_mib * 2**20,
             args.shutdown_timeout,
             args.trust_request_chat_template,
+            args.metrics_port,
             **core_kwargs_from_args(args),
         )
     )

@@ -54,7 +54,7 @@ def test_bench_throughput_reports_every_backend(checkpoint, tmp_path, capsys):
         [
             "bench", "throughput", "--model", str(model), "--num-prompts", "4", "--output-len", "6",
             "--backends", "splitserve,hf-generate", "--dtypes", "float32", "--preemption-kv-fraction", "0.3",
-            "--out", str(tmp_path), "--name", "t",
+            "--observability-repeats", "1", "--out", str(tmp_path), "--name", "t",
         ]
     )  # fmt: skip
     assert code == 0
@@ -77,7 +77,11 @@ def test_bench_throughput_reports_every_backend(checkpoint, tmp_path, capsys):
     assert ratio == pytest.approx(
         by_label["splitserve float32"]["output_tok_s"] / by_label["transformers generate (batch 16)"]["output_tok_s"]
     )
-    assert "target splitserve float32 MFU" in capsys.readouterr().out
+    cost = report["observability_cost"]
+    assert len(cost["off_tok_s"]) == len(cost["on_tok_s"]) == 1
+    assert cost["on_over_off"] == pytest.approx(cost["on_tok_s"][0] / cost["off_tok_s"][0])
+    out = capsys.readouterr().out
+    assert "target splitserve float32 MFU" in out and "observability (core metrics + a span per request)" in out
 
 
 @pytest.mark.slow

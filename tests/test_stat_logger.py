@@ -7,6 +7,7 @@ import asyncio
 from frontend_svc import AsyncLLM, SamplingParams
 from frontend_svc.engine_types import SchedulerStats
 from frontend_svc.stat_logger import LoggingStatLogger
+from frontend_svc.stats import IterationStats
 
 
 class FakeClock:
@@ -21,11 +22,11 @@ def test_line_by_hand():
     clock = FakeClock()
     stats_logger = LoggingStatLogger(interval_s=2.0, clock=clock)
     first = SchedulerStats(num_running_reqs=3, prefix_cache_queries=160, prefix_cache_hits=16)
-    stats_logger.record(first, num_prompt_tokens=100, num_generation_tokens=10)
+    stats_logger.record(first, IterationStats(num_prompt_tokens=100, num_generation_tokens=10))
     clock.now += 1.0
     assert stats_logger.maybe_log() is None  # the interval has not passed
     latest = SchedulerStats(num_running_reqs=4, num_waiting_reqs=2, kv_cache_usage=0.25, prefix_cache_queries=40)
-    stats_logger.record(latest, num_prompt_tokens=0, num_generation_tokens=30)
+    stats_logger.record(latest, IterationStats(num_prompt_tokens=0, num_generation_tokens=30))
     clock.now += 1.5
     line = stats_logger.maybe_log()
     # 100 prompt and 40 generated tokens over 2.5 s; 16 of 200 queried prefix tokens hit
@@ -56,7 +57,9 @@ def test_counts_equal_the_workload(checkpoint, monkeypatch, caplog):
                     pass
 
             await asyncio.gather(*(one(i) for i in range(3)))
-            return engine._handler_state.stat_logger
+            (stat_logger,) = engine._handler_state.stat_loggers
+            assert isinstance(stat_logger, LoggingStatLogger)
+            return stat_logger
         finally:
             engine.close()
 
@@ -71,6 +74,6 @@ def test_off_when_the_interval_is_zero(checkpoint, monkeypatch):
     monkeypatch.setenv("SPLITSERVE_LOG_STATS_INTERVAL", "0")
     engine = AsyncLLM(str(checkpoint("llama", "tiny")), num_kv_blocks=64)
     try:
-        assert engine._handler_state.stat_logger is None
+        assert engine._handler_state.stat_loggers == []
     finally:
         engine.close()

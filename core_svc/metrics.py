@@ -1,0 +1,118 @@
+"""The core's Prometheus metrics: the engine's state and each request's time in it (vLLM v1's names from
+``vllm/v1/metrics/loggers.py``, prefixed ``splitserve:``, labels ``model_name`` and ``engine``).
+
+The frontend exports what the client saw (``frontend_svc/stat_logger.py``); ``docs/observability.md`` has
+both lists. Two counters have no vLLM name, because the frontend holds vLLM's ``generation_tokens`` and
+``request_success``: ``core_generation_tokens`` and ``core_request_finished`` count the same things as the core
+sees them (a request a stop string ended is an abort here).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from core_svc.outputs import SchedulerStats
+from core_svc.stats import CoreRequestStats
+from splitserve import metrics
+
+
+class CoreMetrics:
+    """A ``StatsSink`` that updates Prometheus metrics. Units: seconds, tokens; KV usage as a fraction in [0, 1]
+    (vLLM's ``kv_cache_usage_perc`` is a fraction too, despite its name).
+
+    Args:
+        registry: where the metrics are registered (one per core).
+        model_name: the model the core serves, as given to ``--model``.
+        max_model_len, max_num_batched_tokens: upper ends of the token-count buckets.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        engine_index: int = 0,
+    ) -> None:
+        labels = {"model_name": model_name, "engine": str(engine_index)}
+        names = list(labels)
+        p = metrics.PREFIX
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(p + name, doc, names, registry=registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(p + name, doc, names, registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+            return Histogram(p + name, doc, names, buckets=buckets, registry=registry).labels(**labels)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use, [0, 1].")
+        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        by_source = Counter(
+            p + "prompt_tokens_by_source",
+            "Prompt tokens of requests that got a first token: computed, or served from the prefix cache.",
+            [*names, "source"],
+            registry=registry,
+        )
+        self.prompt_tokens_computed = by_source.labels(**labels, source="local_compute")
+        self.prompt_tokens_cached = by_source.labels(**labels, source="local_cache_hit")
+        self.generation_tokens = counter("core_generation_tokens", "Tokens the core generated.")
+        finished = Counter(
+            p + "core_request_finished",
+            "Requests that left the core, by the core's finish reason.",
+            [*names, "finished_reason"],
+            registry=registry,
+        )
+        self.request_finished = {
+            reason: finished.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort", "error")
+        }
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Tokens scheduled per engine step.",
+            metrics.iteration_tokens_buckets(max_num_batched_tokens),
+        )
+        latency = metrics.REQUEST_LATENCY_BUCKETS
+        self.queue_time = histogram("request_queue_time_seconds", "Queued to first scheduled.", latency)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", latency)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", latency)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.", latency)
+        self.prefill_kv_computed = histogram(
+            "request_prefill_kv_computed_tokens",
+            "Prompt tokens computed (not served from the prefix cache), per request that got a first token.",
+            metrics.build_1_2_5_buckets(max_model_len),
+        )
+
+    def record_step(
+        self,
+        num_scheduled_tokens: int,
+        scheduler_stats: SchedulerStats | None,
+        num_generation_tokens: int,
+        prefilled: list[CoreRequestStats],
+        finished: list[CoreRequestStats],
+    ) -> None:
+        if scheduler_stats is not None:
+            self.num_requests_running.set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            self.num_preemptions.inc(scheduler_stats.num_preemptions)
+            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
+            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
+        if num_scheduled_tokens:
+            self.iteration_tokens.observe(num_scheduled_tokens)
+        self.generation_tokens.inc(num_generation_tokens)
+        for stats in prefilled:
+            computed = stats.num_prompt_tokens - stats.num_cached_tokens
+            self.prompt_tokens_computed.inc(computed)
+            self.prompt_tokens_cached.inc(stats.num_cached_tokens)
+            self.prefill_kv_computed.observe(computed)
+        for stats in finished:
+            self.request_finished[str(stats.finish_reason)].inc()
+            self.queue_time.observe(stats.queued_time)
+            self.prefill_time.observe(stats.prefill_time)
+            self.decode_time.observe(stats.decode_time)
+            self.inference_time.observe(stats.inference_time)
