@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from frontend_svc import AsyncLLM, SamplingParams
 from frontend_svc.engine_types import SchedulerStats
 from frontend_svc.stat_logger import LoggingStatLogger
@@ -77,3 +79,48 @@ def test_off_when_the_interval_is_zero(checkpoint, monkeypatch):
         assert engine._handler_state.stat_loggers == []
     finally:
         engine.close()
+
+
+def test_request_timing_by_hand():
+    """One request's life as the core reports it: queued at 10.0, scheduled at 10.5, preempted at 11.0,
+    scheduled again at 11.2 (the first scheduling counts), tokens in outputs stamped 12.0, 12.25 and 13.0."""
+    from frontend_svc.engine_types import EngineCoreEvent, EngineCoreEventType
+    from frontend_svc.stats import RequestStateStats
+
+    req = RequestStateStats(arrival_time=1000.0)
+    first = IterationStats(iteration_timestamp=1000.8)
+    events = [
+        EngineCoreEvent(EngineCoreEventType.QUEUED, 10.0),
+        EngineCoreEvent(EngineCoreEventType.SCHEDULED, 10.5),
+        EngineCoreEvent(EngineCoreEventType.PREEMPTED, 11.0),
+        EngineCoreEvent(EngineCoreEventType.SCHEDULED, 11.2),
+    ]
+    first.update_from_output(1, events, 12.0, num_prompt_tokens=7, req_stats=req)
+    assert (first.num_prompt_tokens, first.num_generation_tokens, first.num_preempted_reqs) == (7, 1, 1)
+    assert first.time_to_first_tokens_iter == [pytest.approx(0.8)] and first.inter_token_latencies_iter == []
+    second = IterationStats(iteration_timestamp=1001.0)
+    second.update_from_output(2, [], 12.25, num_prompt_tokens=7, req_stats=req)  # two tokens in one output
+    assert (second.num_prompt_tokens, second.num_generation_tokens) == (0, 2)
+    assert second.inter_token_latencies_iter == [0.25]
+    last = IterationStats(iteration_timestamp=1002.0)
+    last.update_from_output(1, [], 13.0, num_prompt_tokens=7, req_stats=req)
+    finished = last.update_from_finished_request("length", 7, 4, req)
+    assert last.finished_requests == [finished]
+    assert finished.finish_reason == "length" and finished.num_generation_tokens == 4
+    assert finished.e2e_latency == pytest.approx(2.0)
+    assert finished.queued_time == 0.5  # 10.5 - 10.0
+    assert finished.prefill_time == 1.5  # 12.0 - 10.5
+    assert finished.decode_time == 1.0  # 13.0 - 12.0
+    assert finished.inference_time == 2.5  # 13.0 - 10.5
+    assert finished.mean_time_per_output_token == pytest.approx(1.0 / 3)
+    assert finished.num_preemptions == 1 and finished.first_token_latency == pytest.approx(0.8)
+
+
+def test_request_aborted_while_queued_has_zero_phases():
+    from frontend_svc.stats import RequestStateStats
+
+    req = RequestStateStats(arrival_time=50.0)
+    stats = IterationStats(iteration_timestamp=53.0)
+    finished = stats.update_from_finished_request("abort", 3, None, req)
+    assert (finished.e2e_latency, finished.queued_time, finished.prefill_time, finished.decode_time) == (3, 0, 0, 0)
+    assert finished.mean_time_per_output_token == 0 and finished.first_token_latency is None
