@@ -20,7 +20,7 @@ from core_svc.errors import InvalidRequestError, LoRANotFoundError, RequestTooLa
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
-from core_svc.outputs import EngineCoreOutputs
+from core_svc.outputs import EngineCoreOutputs, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.stats import RequestStatsTracker, StatsSink
@@ -130,9 +130,11 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests as aborted and free their blocks. Unknown or finished ids are ignored."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         if self._stats is not None:
-            self._stats.on_abort(request_ids)
+            scheduler = self.scheduler
+            load = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.kv_cache_manager.usage)
+            self._stats.on_abort(aborted, load)
 
     def step(self) -> EngineCoreOutputs:
         """Run one engine step and return what it produced (no outputs when idle; finished ids still flow)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from core_svc.outputs import EngineCoreOutputs, SchedulerStats
-from core_svc.request import EngineCoreEventType, FinishReason, Request
+from core_svc.request import EngineCoreEvent, EngineCoreEventType, FinishReason, Request
 
 
 @dataclass
@@ -92,16 +92,7 @@ class RequestStatsTracker:
             stats = self.requests.get(output.request_id)
             if stats is None:
                 continue
-            for event in output.events:
-                if event.type == EngineCoreEventType.QUEUED:
-                    stats.queued_ts = event.timestamp
-                    stats.events[0] = ("queued", event.timestamp)
-                    continue
-                if event.type == EngineCoreEventType.SCHEDULED:
-                    stats.scheduled_ts = stats.scheduled_ts or event.timestamp
-                else:
-                    stats.num_preemptions += 1
-                stats.events.append((event.type.name.lower(), event.timestamp))
+            _apply_events(stats, output.events)
             if output.new_token_ids:
                 if stats.first_token_ts is None:
                     stats.first_token_ts = outputs.timestamp
@@ -116,16 +107,18 @@ class RequestStatsTracker:
         for sink in self.sinks:
             sink.record_step(num_scheduled_tokens, outputs.scheduler_stats, num_generation_tokens, prefilled, finished)
 
-    def on_abort(self, request_ids: list[str]) -> None:
+    def on_abort(self, requests: list[Request], scheduler_stats: SchedulerStats) -> None:
+        """``requests`` were aborted between steps (their events not yet reported are read here);
+        ``scheduler_stats``: the load after it, with no prefix-cache or preemption counts."""
         now = time.monotonic()
-        finished = [
-            self._finish(stats, FinishReason.ABORT, now)
-            for stats in (self.requests.get(request_id) for request_id in request_ids)
-            if stats is not None
-        ]
-        if finished:
-            for sink in self.sinks:
-                sink.record_step(0, None, 0, [], finished)
+        finished = []
+        for request in requests:
+            stats = self.requests.get(request.request_id)
+            if stats is not None:
+                _apply_events(stats, request.take_events())
+                finished.append(self._finish(stats, FinishReason.ABORT, now))
+        for sink in self.sinks:
+            sink.record_step(0, scheduler_stats, 0, [], finished)
 
     def _finish(self, stats: CoreRequestStats, reason: FinishReason, timestamp: float) -> CoreRequestStats:
         del self.requests[stats.request_id]
@@ -133,6 +126,19 @@ class RequestStatsTracker:
         stats.finished_ts = timestamp
         stats.events.append(("finished", timestamp))
         return stats
+
+
+def _apply_events(stats: CoreRequestStats, events: list[EngineCoreEvent]) -> None:
+    for event in events:
+        if event.type == EngineCoreEventType.QUEUED:
+            stats.queued_ts = event.timestamp
+            stats.events[0] = ("queued", event.timestamp)
+            continue
+        if event.type == EngineCoreEventType.SCHEDULED:
+            stats.scheduled_ts = stats.scheduled_ts or event.timestamp
+        else:
+            stats.num_preemptions += 1
+        stats.events.append((event.type.name.lower(), event.timestamp))
 
 
 def _interval(start: float | None, end: float | None) -> float:

@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from core_svc.outputs import SchedulerStats
 from core_svc.request import FinishReason
 from core_svc.stats import CoreRequestStats
-from splitserve.tracing import MonotonicClock, SpanAttributes, extract_context
+from splitserve.tracing import SpanAttributes, extract_context, monotonic_to_epoch_ns
 
 
 class RequestTracer:
@@ -25,7 +25,6 @@ class RequestTracer:
 
     def __init__(self, provider: TracerProvider) -> None:
         self.tracer = provider.get_tracer("splitserve.core")
-        self.clock = MonotonicClock()
 
     def record_step(
         self,
@@ -39,10 +38,16 @@ class RequestTracer:
             self._emit(stats)
 
     def _emit(self, stats: CoreRequestStats) -> None:
-        ns = self.clock.to_epoch_ns
-        parent = extract_context(stats.trace_headers)
+        end = stats.finished_ts if stats.finished_ts is not None else stats.queued_ts
+        moments = [stats.queued_ts, stats.scheduled_ts, stats.first_token_ts, stats.last_token_ts, end]
+        moments += [timestamp for _, timestamp in stats.events]
+        known = [t for t in moments if t is not None]
+        epoch_ns = dict(zip(known, monotonic_to_epoch_ns(known), strict=True))
         span = self.tracer.start_span(
-            "core_request", context=parent, kind=SpanKind.INTERNAL, start_time=ns(stats.queued_ts)
+            "core_request",
+            context=extract_context(stats.trace_headers),
+            kind=SpanKind.INTERNAL,
+            start_time=epoch_ns[stats.queued_ts],
         )
         if not span.is_recording():  # not sampled
             return
@@ -62,11 +67,10 @@ class RequestTracer:
             }
         )
         for name, timestamp in stats.events:
-            span.add_event(name, timestamp=ns(timestamp))
+            span.add_event(name, timestamp=epoch_ns[timestamp])
         if stats.finish_reason == FinishReason.ERROR:
             span.set_status(Status(StatusCode.ERROR))
         context = trace.set_span_in_context(span)
-        end = stats.finished_ts if stats.finished_ts is not None else stats.queued_ts
         phases = [
             ("core_queue", stats.queued_ts, stats.scheduled_ts or end),
             ("core_prefill", stats.scheduled_ts, stats.first_token_ts),
@@ -74,5 +78,6 @@ class RequestTracer:
         ]
         for name, start, stop in phases:
             if start is not None and stop is not None:
-                self.tracer.start_span(name, context=context, start_time=ns(start)).end(end_time=ns(stop))
-        span.end(end_time=ns(end))
+                phase = self.tracer.start_span(name, context=context, start_time=epoch_ns[start])
+                phase.end(end_time=epoch_ns[stop])
+        span.end(end_time=epoch_ns[end])

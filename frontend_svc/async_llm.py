@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,7 @@ class AsyncLLM(EngineFrontend):
             ValidationError, RequestTooLargeError: the request is refused (nothing stays queued).
             EngineDeadError: the core has failed or was shut down.
         """
+        arrival_time = time.time() if arrival_time is None else arrival_time  # before tokenizing: TTFT counts it
         dead = self._handler_state.dead_error
         if dead is not None:
             raise EngineDeadError(f"the engine core has failed: {dead}")

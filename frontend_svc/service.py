@@ -156,6 +156,12 @@ class GenerationServicer(api_grpc.GenerationServicer):
         except FrontendError as e:
             request_span.fail(e)
             await context.abort(status_code(e), str(e))
+        except (asyncio.CancelledError, GeneratorExit):
+            request_span.cancelled()
+            raise
+        except Exception as e:
+            request_span.fail(e)
+            raise
         finally:
             self.state.active_calls -= 1
             request_span.end()
@@ -213,7 +219,13 @@ class _RequestSpan:
 
     def fail(self, error: Exception) -> None:
         if self.span is not None:
+            self.span.record_exception(error)
             self.span.set_status(Status(StatusCode.ERROR, str(error)))
+
+    def cancelled(self) -> None:
+        """The client went away (the request was aborted)."""
+        if self.span is not None:
+            self.span.add_event("cancelled")
 
     def end(self) -> None:
         if self.span is None:
@@ -224,7 +236,10 @@ class _RequestSpan:
             SpanAttributes.GEN_AI_USAGE_COMPLETION_TOKENS: self.completion_tokens,
             SpanAttributes.GEN_AI_LATENCY_E2E: time.time() - self.start,
         }
-        if self.first_token_time is not None:
+        stats = output.metrics if output is not None else None
+        if stats is not None and stats.first_token_latency is not None:  # also right when outputs were held back
+            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = stats.first_token_latency
+        elif self.first_token_time is not None:
             attributes[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = self.first_token_time - self.start
         if output is not None:
             attributes[SpanAttributes.GEN_AI_USAGE_PROMPT_TOKENS] = len(output.prompt_token_ids)
@@ -232,7 +247,6 @@ class _RequestSpan:
             attributes[SpanAttributes.GEN_AI_RESPONSE_FINISH_REASONS] = [
                 c.finish_reason or "" for c in sorted(output.outputs, key=lambda c: c.index)
             ]
-            stats = output.metrics
             if stats is not None:
                 attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_QUEUE] = stats.queued_time
                 attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = stats.prefill_time

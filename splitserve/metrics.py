@@ -8,6 +8,7 @@ labels (``model_name``, ``engine``); ``docs/observability.md`` lists which servi
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -156,7 +157,12 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], record: _Record) -> Any
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], record: _Record) -> Any:
+def _wrap_stream(behavior: Callable[..., Any], record: _Record) -> Any:
+    """A streaming handler is an async generator (yields responses) or a coroutine that writes them with
+    ``context.write`` (grpcio-health-checking's ``Watch``); the wrapper keeps its kind."""
+    if not inspect.isasyncgenfunction(behavior):
+        return _wrap_unary(behavior, record)
+
     async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             async for response in behavior(request, context):

@@ -151,14 +151,8 @@ def _traced_call() -> object:
     return filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection")))
 
 
-class MonotonicClock:
-    """Converts ``time.monotonic()`` seconds of this process into the Unix-epoch nanoseconds spans take.
-
-    The offset is taken once, so intervals between converted times are exact.
-    """
-
-    def __init__(self) -> None:
-        self.offset_s = time.time() - time.monotonic()
-
-    def to_epoch_ns(self, monotonic_s: float) -> int:
-        return int((monotonic_s + self.offset_s) * 1e9)
+def monotonic_to_epoch_ns(timestamps: list[float]) -> list[int]:
+    """``time.monotonic()`` seconds of this process as the Unix-epoch nanoseconds spans take. One offset, taken
+    now, for all of them: intervals between them stay exact, and the wall clock's later steps (NTP) apply."""
+    offset_s = time.time() - time.monotonic()
+    return [int((t + offset_s) * 1e9) for t in timestamps]

@@ -52,11 +52,15 @@ def test_tracker_and_metrics_by_hand():
         ),
     )
     assert set(tracker.requests) == {"b"}
-    tracker.on_abort(["b", "unknown"])  # the client went away
-    assert tracker.requests == {}
-
     assert value(registry, "splitserve:num_requests_running") == 1
     assert value(registry, "splitserve:kv_cache_usage_perc") == 0.125
+    # The client went away: b is aborted between steps, and the gauges follow at once. (Its events went out
+    # with its output, as the scheduler takes them.)
+    b.take_events()
+    tracker.on_abort([b, make_request("unknown")], SchedulerStats())
+    assert tracker.requests == {}
+    assert value(registry, "splitserve:num_requests_running") == 0
+    assert value(registry, "splitserve:kv_cache_usage_perc") == 0
     assert value(registry, "splitserve:prefix_cache_queries_total") == 20
     assert value(registry, "splitserve:prefix_cache_hits_total") == 16
     assert value(registry, "splitserve:prompt_tokens_by_source_total", source="local_compute") == 4 + 5
@@ -72,3 +76,20 @@ def test_tracker_and_metrics_by_hand():
     assert value(registry, "splitserve:request_decode_time_seconds_sum") == 0.5 + 0.0
     assert value(registry, "splitserve:request_inference_time_seconds_sum") == 1.0 + 0.75
     assert value(registry, "splitserve:request_queue_time_seconds_count") == 2
+
+
+def test_a_request_aborted_while_queued_is_timed_from_its_own_events():
+    """Aborted before it produced anything: its events never rode on an output; the abort reads them."""
+    registry = CollectorRegistry()
+    tracker = RequestStatsTracker()
+    tracker.sinks.append(CoreMetrics(registry, "m", max_model_len=256, max_num_batched_tokens=64))
+    request = make_request("q", num_tokens=40)
+    tracker.on_add(request)
+    request.events = [
+        EngineCoreEvent(EngineCoreEventType.QUEUED, 5.0),
+        EngineCoreEvent(EngineCoreEventType.SCHEDULED, 5.25),  # scheduled, then aborted mid-prefill
+    ]
+    tracker.on_abort([request], SchedulerStats(num_waiting_reqs=3))
+    assert value(registry, "splitserve:request_queue_time_seconds_sum") == 0.25
+    assert value(registry, "splitserve:num_requests_waiting") == 3
+    assert value(registry, "splitserve:core_request_finished_total", finished_reason="abort") == 1

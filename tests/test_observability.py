@@ -395,3 +395,46 @@ def test_metrics_port_in_use_fails_clearly():
     finally:
         first.stop()
     time.sleep(0)
+
+
+def test_the_calls_counter_keeps_health_watch_working():
+    """Health Watch is a coroutine that writes its responses (not a generator); counted calls must still work."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve import grpc_runtime, metrics
+
+    async def scenario() -> tuple[list[int], float, float]:
+        registry = metrics.make_registry()
+        server = grpc_runtime.make_server(interceptors=[metrics.GrpcMetricsInterceptor(registry)])
+        health = await grpc_runtime.add_health_and_reflection(server, ["svc"])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        statuses = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            live = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="svc"))
+            async for response in watch:
+                statuses.append(response.status)
+                if len(statuses) == 1:
+                    await grpc_runtime.set_serving(health, ["svc"], True)
+                elif len(statuses) == 2:
+                    await grpc_runtime.set_serving(health, ["svc"], False)
+                else:
+                    watch.cancel()
+                    break
+        await server.stop(None)
+        labels = {"grpc_service": "grpc.health.v1.Health", "grpc_method": "Check", "grpc_code": "OK"}
+        checks = registry.get_sample_value("splitserve:grpc_server_handled_total", labels)
+        return (
+            [live.status, *statuses],
+            checks,
+            registry.get_sample_value(
+                "splitserve:grpc_server_handled_total", {**labels, "grpc_method": "Watch", "grpc_code": "UNKNOWN"}
+            ),
+        )
+
+    statuses, checks, failed_watches = asyncio.run(scenario())
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert statuses == [serving, not_serving, serving, not_serving]  # "" is live; "svc" follows set_serving
+    assert checks == 1 and not failed_watches
