@@ -14,7 +14,7 @@ PORT ?= 50051
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -e ".[core,dev]"
 	touch $@
 
 setup: $(BIN)/.installed

@@ -1,6 +1,7 @@
 """``splitserve core``: the engine core as a gRPC server.
 
-Health is NOT_SERVING until the model is loaded and from SIGTERM on. On SIGTERM the core stops admitting,
+Health: "" (liveness) is SERVING while the process runs; ``splitserve.engine.v1.EngineCore`` (readiness) is
+NOT_SERVING until the model is loaded and from SIGTERM on. On SIGTERM the core stops admitting,
 lets in-flight requests finish for up to ``shutdown_timeout_s``, aborts what is left, and exits 0.
 """
 
@@ -67,8 +68,7 @@ async def _serve(
 ) -> int:
     server = grpc_runtime.make_server(max_message_bytes, interceptors)
     pb_grpc.add_EngineCoreServicer_to_server(EngineCoreServicer(state), server)
-    health = grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
-    await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
+    health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     logger.info("splitserve core listening on %s:%d (loading %s)", host, bound, config.model)

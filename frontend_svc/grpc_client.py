@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.core_discovery import CoreTarget, resolve
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
@@ -34,6 +35,7 @@ T = TypeVar("T")
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
+CORE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
 
 
 class CoreConnection:
@@ -55,6 +57,7 @@ class CoreConnection:
     ) -> None:
         self.address = address
         self.closing = False  # the client is shutting down: losing the stream is expected
+        self.retired = False  # its name no longer resolves to it: no new requests; dropped once idle
         self.available = False  # the Connect stream is up
         self.serving = False  # the core's health says SERVING
         self.info: EngineInfo | None = None
@@ -70,7 +73,7 @@ class CoreConnection:
 
     @property
     def accepting(self) -> bool:
-        return self.available and self.serving
+        return self.available and self.serving and not self.retired
 
     async def run(self) -> None:
         backoff = INITIAL_BACKOFF_S
@@ -128,13 +131,16 @@ class CoreConnection:
     async def _watch_health(self, channel: grpc.aio.Channel) -> None:
         """Follow the core's grpc.health.v1 status: NOT_SERVING (draining) takes it out of routing."""
         try:
-            async for response in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()):
+            request = health_pb2.HealthCheckRequest(service=CORE_SERVICE_NAME)  # readiness: loaded, not draining
+            async for response in health_pb2_grpc.HealthStub(channel).Watch(request):
                 serving = response.status == health_pb2.HealthCheckResponse.SERVING
                 if serving != self.serving:
                     self.serving = serving
                     self._on_change()
-        except grpc.aio.AioRpcError:
-            pass  # the stream's own failure handling takes over
+        except grpc.aio.AioRpcError as e:
+            if self.available and e.code() != grpc.StatusCode.CANCELLED:
+                logger.warning("engine core %s: health watch failed (%s %s)", self.address, e.code().name, e.details())
+            # otherwise the stream's own failure handling takes over
 
     def _receive(self, outputs: EngineCoreOutputs) -> None:
         delivered = []
@@ -188,7 +194,9 @@ class GrpcCoreClient(EngineCoreClient):
     """Engine-core client over gRPC to one or more cores (``addresses``), sync and asyncio.
 
     Args:
-        addresses: "host:port" of each core.
+        addresses: each core's "host:port", or "dns:///name:port" for every address the name resolves to,
+            resolved again every ``refresh_s`` seconds (``core_discovery``): a core that appears gets requests,
+            one that disappears gets no new ones and is dropped once its requests are done.
         wait_ready_s: how long the constructor waits for a first core; None waits as long as it takes.
         tracer_provider: trace the calls to the cores (OpenTelemetry's gRPC client instrumentation puts each
             call's context, the ``Connect`` stream's included, in its metadata); None: no tracing.
@@ -203,9 +211,11 @@ class GrpcCoreClient(EngineCoreClient):
         wait_ready_s: float | None = 60.0,
         max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
         tracer_provider: TracerProvider | None = None,
+        refresh_s: float = 5.0,
     ) -> None:
         if not addresses:
             raise ValueError("at least one engine-core address is needed")
+        targets = [CoreTarget.parse(a) for a in addresses]  # ValueError names a bad one
         self._transport = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._transport.run_forever, name="splitserve-grpc-client", daemon=True)
         self._thread.start()
@@ -219,8 +229,14 @@ class GrpcCoreClient(EngineCoreClient):
         self._sync_event = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
-        interceptors = tracing.grpc_client_interceptors(tracer_provider)
-        self.connections = self._on_transport(self._start(addresses, max_message_bytes, interceptors)).result()
+        self._max_message_bytes = max_message_bytes
+        self._interceptors = tracing.grpc_client_interceptors(tracer_provider)
+        self._refresh_s = refresh_s
+        self._tasks: dict[CoreConnection, asyncio.Task[None]] = {}
+        self._discovery: list[asyncio.Task[None]] = []
+        # Replaced, never changed in place (other threads read it); changed on the transport thread only.
+        self.connections: list[CoreConnection] = []
+        self._on_transport(self._start(targets)).result()
         if not self._ready.wait(wait_ready_s):
             self.shutdown()
             raise EngineDeadError(f"no engine core answered at {', '.join(addresses)} within {wait_ready_s} s")
@@ -304,22 +320,71 @@ class GrpcCoreClient(EngineCoreClient):
     def _on_transport(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self._transport)
 
-    async def _start(
-        self, addresses: list[str], max_message_bytes: int, interceptors: list[object]
-    ) -> list[CoreConnection]:
-        connections = [
-            CoreConnection(a, self._deliver, self._availability_changed, self._reroute, max_message_bytes, interceptors)
-            for a in addresses
-        ]
-        self._tasks = [asyncio.get_running_loop().create_task(c.run()) for c in connections]
-        return connections
+    async def _start(self, targets: list[CoreTarget]) -> None:
+        for target in targets:
+            if target.dns:
+                self._discovery.append(asyncio.get_running_loop().create_task(self._discover(target)))
+            else:
+                self._connect(target.address)
+
+    def _connect(self, address: str) -> CoreConnection:
+        connection = CoreConnection(
+            address,
+            self._deliver,
+            self._availability_changed,
+            self._reroute,
+            self._max_message_bytes,
+            self._interceptors,
+        )
+        self.connections = [*self.connections, connection]
+        self._tasks[connection] = asyncio.get_running_loop().create_task(connection.run())
+        return connection
+
+    async def _discover(self, target: CoreTarget) -> None:
+        """Resolve ``target`` every ``refresh_s``: connect to new addresses, retire vanished ones, drop retired
+        ones once they have nothing in flight."""
+        known: dict[str, CoreConnection] = {}
+        last_logged = 0.0
+        while True:
+            try:
+                addresses = set(await resolve(target))
+            except Exception as e:  # NXDOMAIN, a name getaddrinfo cannot encode, ...: try again later
+                addresses = None
+                if time.monotonic() - last_logged > LOG_INTERVAL_S:
+                    last_logged = time.monotonic()
+                    logger.warning("engine cores %s: %s; retrying", target.host, e)
+            if addresses is not None:
+                for address in sorted(addresses - known.keys()):
+                    logger.info("engine core %s found at %s", target.host, address)
+                    known[address] = self._connect(address)
+                for address, connection in known.items():
+                    retired = address not in addresses
+                    if retired != connection.retired:
+                        logger.info("engine core %s %s %s", address, "left" if retired else "is back in", target.host)
+                        connection.retired = retired
+                        self._availability_changed()
+            for address, connection in list(known.items()):
+                if connection.retired and not connection.in_flight:
+                    del known[address]
+                    await self._drop(connection)
+            await asyncio.sleep(self._refresh_s)
+
+    async def _drop(self, connection: CoreConnection) -> None:
+        connection.closing = True
+        self.connections = [c for c in self.connections if c is not connection]
+        task = self._tasks.pop(connection)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     async def _stop(self) -> None:
+        for task in self._discovery:
+            task.cancel()
         for connection in self.connections:
             connection.closing = True
-        for task in self._tasks:
+        tasks = [*self._discovery, *self._tasks.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _add(self, requests: list[EngineCoreRequest], exclude: CoreConnection | None = None) -> None:
         accepting = [c for c in self.connections if c.accepting and c is not exclude]

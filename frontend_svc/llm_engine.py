@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import weakref
+from pathlib import Path
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
@@ -34,11 +35,12 @@ class EngineFrontend:
         asyncio_mode: bool,
         core_config: dict[str, Any],
     ) -> None:
-        model_path = resolve_model_path(model)
+        client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
         loaded = tokenizer is not None and not isinstance(tokenizer, str)
+        in_process = client is None and core_address is None  # only then does this process need the weights
+        model_path = resolve_model_path(model, weights=in_process) if in_process or not loaded else Path(model)
         self.tokenizer = tokenizer if loaded else load_tokenizer(tokenizer or model_path)
-        client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
         self.engine_core = client or EngineCoreClient.make_client(
             str(model_path), core_address, asyncio_mode, **core_config
         )

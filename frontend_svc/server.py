@@ -1,8 +1,9 @@
 """``splitserve frontend`` (cores over gRPC) and ``splitserve serve`` (the core in-process): the public API.
 
-Health is NOT_SERVING until a core is reachable (or loaded), while every core is unreachable, and from
-SIGTERM on. On SIGTERM the frontend stops taking calls, lets streams in flight finish for up to
-``shutdown_timeout_s``, then closes them and exits 0.
+Health: "" (liveness) is SERVING while the process runs; ``splitserve.frontend.v1.Generation`` (readiness) is
+NOT_SERVING until a core is reachable (or loaded), while every core is unreachable, and from SIGTERM on. On
+SIGTERM the frontend stops taking calls, lets streams in flight finish for up to ``shutdown_timeout_s``, then
+closes them and exits 0.
 """
 
 from __future__ import annotations
@@ -96,8 +97,7 @@ async def _serve(
         interceptors.append(metrics.GrpcMetricsInterceptor(registry))
     server = grpc_runtime.make_server(max_message_bytes, interceptors)
     api_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
-    health = grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
-    await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
+    health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     where = ", ".join(core_addresses) if core_addresses else "in-process"
@@ -116,7 +116,7 @@ async def _serve(
             )
 
     def build() -> AsyncLLM:
-        state.tokenizer = load_tokenizer(resolve_model_path(model))
+        state.tokenizer = load_tokenizer(resolve_model_path(model, weights=not core_addresses))
         if core_addresses:
             from frontend_svc.grpc_client import GrpcCoreClient
 

@@ -18,7 +18,11 @@ logger = logging.getLogger("splitserve")
 
 def add_core_args(parser: argparse.ArgumentParser) -> None:
     """Engine-core flags (``CoreConfig`` fields), shared by every command that runs a core."""
-    parser.add_argument("--model", default=None, help="local Hugging Face folder or hub id (default: the demo model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face folder or hub id (default: $SPLITSERVE_MODEL, else the demo model)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -64,12 +68,18 @@ def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
     )
 
 
-def resolve_model_arg(model: str | None) -> str:
+def resolve_model_arg(model: str | None, build_demo: bool = True) -> str:
+    """``--model``, else ``SPLITSERVE_MODEL``, else the demo model (built on first use when ``build_demo``).
+
+    Raises:
+        ValueError: no model given, the demo model is not built, and ``build_demo`` is False.
+    """
+    model = model or envs.model()
     if model is not None:
         return model
     from splitserve.demo import demo_model_path
 
-    return str(demo_model_path())
+    return str(demo_model_path(build=build_demo))
 
 
 def cmd_make_test_model(args: argparse.Namespace) -> int:
@@ -165,6 +175,24 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the server at ``--address`` says SERVING for ``--service``, else 1 (container health checks;
+    Kubernetes probes speak grpc.health.v1 themselves)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            request = health_pb2.HealthCheckRequest(service=args.service)
+            status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
+    except grpc.RpcError as e:
+        print(f"{args.address}: {e.code().name} {e.details()}", file=sys.stderr)
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.address} {args.service or '(server)'}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def cmd_core(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -181,12 +209,15 @@ def cmd_core(args: argparse.Namespace) -> int:
 def cmd_frontend(args: argparse.Namespace) -> int:
     import asyncio
 
+    from frontend_svc.core_discovery import CoreTarget
     from frontend_svc.server import serve_frontend
 
     cores = [address.strip() for address in args.core.split(",") if address.strip()]
+    for address in cores:
+        CoreTarget.parse(address)  # a bad one fails here, with its name, before anything starts
     return asyncio.run(
         serve_frontend(
-            resolve_model_arg(args.model),
+            resolve_model_arg(args.model, build_demo=False),  # building it needs torch: the core's job
             cores,
             args.host,
             args.port,
@@ -295,7 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("frontend", help="the public gRPC API, over one or more engine cores")
     p.add_argument("--model", default=None, help="the model the cores serve (for its tokenizer)")
-    p.add_argument("--core", required=True, help="HOST:PORT[,HOST:PORT...] of the engine cores")
+    p.add_argument(
+        "--core",
+        required=True,
+        help="the engine cores: HOST:PORT[,HOST:PORT...], or dns:///NAME:PORT for every address NAME resolves to "
+        "(a headless Service), resolved again every 5 s",
+    )
     add_server_args(p, 50051)
     add_chat_template_arg(p)
     p.set_defaults(func=cmd_frontend)
@@ -305,6 +341,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(p, 50051)
     add_chat_template_arg(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("health", help="a server's grpc.health.v1 status; exit 0 when SERVING (container checks)")
+    p.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT of the server")
+    p.add_argument(
+        "--service",
+        default="",
+        help="'' (default): liveness; splitserve.frontend.v1.Generation or splitserve.engine.v1.EngineCore: readiness",
+    )
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.set_defaults(func=cmd_health)
 
     for name, text in (
         ("stack", "run core and frontend as two processes until Ctrl-C"),

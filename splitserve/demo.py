@@ -38,8 +38,16 @@ def cached_test_model(name: str, **make_test_model_args: Any) -> Path:
     return path
 
 
-def demo_model_path() -> Path:
-    """Path of the demo checkpoint, building it when the cache lacks it."""
-    return cached_test_model(
-        f"demo-{DEMO_ARCH}-{DEMO_PRESET}-seed{DEMO_SEED}", arch=DEMO_ARCH, preset=DEMO_PRESET, seed=DEMO_SEED
-    )
+def demo_model_path(build: bool = True) -> Path:
+    """Path of the demo checkpoint, building it (with torch) when the cache lacks it.
+
+    Raises:
+        ValueError: ``build`` is False and the cache lacks it (a frontend, which has no torch, never builds it).
+    """
+    name = f"demo-{DEMO_ARCH}-{DEMO_PRESET}-seed{DEMO_SEED}"
+    if not build and not (envs.cache_dir() / name / "config.json").is_file():
+        raise ValueError(
+            f"no model given (--model or SPLITSERVE_MODEL) and no demo model in {envs.cache_dir()}: a core or "
+            "`splitserve serve` builds it on first use; a frontend only reads it"
+        )
+    return cached_test_model(name, arch=DEMO_ARCH, preset=DEMO_PRESET, seed=DEMO_SEED)

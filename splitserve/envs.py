@@ -20,3 +20,15 @@ def log_stats_interval() -> float:
     """SPLITSERVE_LOG_STATS_INTERVAL, default 10: seconds between the frontend's stats log lines (vLLM's
     VLLM_LOG_STATS_INTERVAL); 0 or less turns them off."""
     return float(os.environ.get("SPLITSERVE_LOG_STATS_INTERVAL", "10"))
+
+
+def model() -> str | None:
+    """SPLITSERVE_MODEL: the default of ``--model`` (a local folder or hub id); unset: the demo model."""
+    return os.environ.get("SPLITSERVE_MODEL") or None
+
+
+def hosts_file() -> Path | None:
+    """SPLITSERVE_HOSTS_FILE: a hosts(5) file the frontend reads before DNS when it resolves ``dns:///`` core
+    addresses, read again at every refresh (what compose's ``extra_hosts`` does, for a process)."""
+    value = os.environ.get("SPLITSERVE_HOSTS_FILE")
+    return Path(value) if value else None

@@ -52,18 +52,23 @@ def make_server(
     )
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
-    """Register grpc.health.v1 (every name NOT_SERVING until ``set_serving``) and server reflection."""
+async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+    """Register grpc.health.v1 and server reflection. The whole server ("") is SERVING while the process runs:
+    liveness. Each service name is NOT_SERVING until ``set_serving``: readiness (loaded, not draining; for a
+    frontend, some core reachable)."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    for name in service_names:
+        await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return servicer
 
 
 async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
-    """Set "" (the whole server) and each service name to SERVING or NOT_SERVING."""
+    """Set each service name (readiness) to SERVING or NOT_SERVING; "" (liveness) stays SERVING."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ["", *service_names]:
+    for name in service_names:
         await servicer.set(name, status)
 
 

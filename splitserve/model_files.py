@@ -10,14 +10,16 @@ from pathlib import Path
 
 # What a checkpoint folder needs for serving: config, weights, tokenizer, chat template, generation config.
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+WEIGHT_PATTERNS = ["*.safetensors"]
 
 
 class ModelNotFoundError(FileNotFoundError):
     """Neither a local folder nor a hub id that could be fetched."""
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local Hugging Face folder as is; otherwise a hub id, downloaded with huggingface_hub.
+def resolve_model_path(model: str, weights: bool = True) -> Path:
+    """A local Hugging Face folder as is; otherwise a hub id, downloaded with huggingface_hub (without the
+    weights when ``weights`` is False: what a frontend needs, config and tokenizer files).
 
     Raises:
         ModelNotFoundError: the message names the model and why it could not be found.
@@ -30,7 +32,8 @@ def resolve_model_path(model: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id=model, allow_patterns=CHECKPOINT_PATTERNS))
+        patterns = [p for p in CHECKPOINT_PATTERNS if weights or p not in WEIGHT_PATTERNS]
+        return Path(snapshot_download(repo_id=model, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo, invalid id: all the same to the user
         raise ModelNotFoundError(
             f"model {model!r} is not a local folder and could not be fetched from the Hugging Face hub ({e})"

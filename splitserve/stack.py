@@ -19,6 +19,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+CORE_SERVICE = "splitserve.engine.v1.EngineCore"
+FRONTEND_SERVICE = "splitserve.frontend.v1.Generation"
+
 
 def free_port() -> int:
     """A TCP port free on loopback right now."""
@@ -36,14 +39,15 @@ class ServiceProcess:
     process: subprocess.Popen[bytes]
     log_path: Path | None = None
     argv: list[str] = field(default_factory=list)
+    service: str = FRONTEND_SERVICE  # the gRPC service whose health is this process's readiness
 
     def health(self, timeout_s: float = 1.0) -> int:
-        """The grpc.health.v1 status of the whole server (health_pb2.HealthCheckResponse.ServingStatus); 0
-        (UNKNOWN) when it does not answer."""
+        """The grpc.health.v1 readiness status (health_pb2.HealthCheckResponse.ServingStatus) of the process's
+        service; 0 (UNKNOWN) when it does not answer."""
         try:
             with grpc.insecure_channel(self.address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
-                return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
+                return stub.Check(health_pb2.HealthCheckRequest(service=self.service), timeout=timeout_s).status
         except grpc.RpcError:
             return health_pb2.HealthCheckResponse.UNKNOWN
 
@@ -84,25 +88,36 @@ class ServiceProcess:
         return "\n  " + "\n  ".join(lines)
 
 
-def start_service(name: str, args: list[str], port: int, log_dir: Path | None) -> ServiceProcess:
-    """``splitserve <args...> --host 127.0.0.1 --port <port>`` as a child process, logging to ``log_dir``."""
-    argv = [sys.executable, "-m", "splitserve.cli", *args, "--host", "127.0.0.1", "--port", str(port)]
+def start_service(
+    name: str,
+    args: list[str],
+    port: int,
+    log_dir: Path | None,
+    service: str = FRONTEND_SERVICE,
+    host: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
+    launcher: Sequence[str] = (),
+) -> ServiceProcess:
+    """``splitserve <args...> --host <host> --port <port>`` as a child process, logging to ``log_dir``;
+    ``service``: the gRPC service whose health tells its readiness; ``env``: added to this environment;
+    ``launcher``: the command that runs ``splitserve`` (default: this Python's ``-m splitserve.cli``)."""
+    argv = [*(launcher or [sys.executable, "-m", "splitserve.cli"]), *args, "--host", host, "--port", str(port)]
     log_path = None
     stdout: int | object = subprocess.DEVNULL
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"
         stdout = log_path.open("wb")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT, env=env)  # type: ignore[arg-type]
-    return ServiceProcess(name, f"127.0.0.1:{port}", process, log_path, argv)
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    process = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT, env=child_env)  # type: ignore[arg-type]
+    return ServiceProcess(name, f"{host}:{port}", process, log_path, argv, service)
 
 
 def start_core(
     model: str, log_dir: Path | None, extra_args: Sequence[str] = (), port: int | None = None
 ) -> ServiceProcess:
     port = port or free_port()
-    return start_service(f"core-{port}", ["core", "--model", model, *extra_args], port, log_dir)
+    return start_service(f"core-{port}", ["core", "--model", model, *extra_args], port, log_dir, CORE_SERVICE)
 
 
 def start_frontend(

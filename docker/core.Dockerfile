@@ -1,0 +1,47 @@
+# splitserve engine core. CPU by default; for GPUs, build on a CUDA image that already has torch:
+#   docker build -f docker/core.Dockerfile \
+#     --build-arg BASE_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime --build-arg TORCH_SPEC= .
+# (docker-compose.gpu.yml does this.) The CPU variant installs torch's CPU wheel and g++ for the CPU
+# attention kernel, which is compiled on first use.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+# torch to install first; empty when the base image has it. TORCH_INDEX_URL picks the build.
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    SPLITSERVE_CACHE_DIR=/models \
+    HF_HOME=/models/huggingface \
+    TORCH_EXTENSIONS_DIR=/models/torch_extensions
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+RUN if [ -n "$TORCH_SPEC" ]; then pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; fi
+
+WORKDIR /opt/splitserve
+COPY pyproject.toml README.md ./
+COPY splitserve ./splitserve
+COPY core_svc ./core_svc
+COPY frontend_svc ./frontend_svc
+COPY kernels ./kernels
+COPY benchmarks ./benchmarks
+RUN pip install ".[core]"
+
+RUN useradd --create-home --uid 10001 splitserve \
+    && mkdir -p /models && chown splitserve /models
+USER splitserve
+VOLUME ["/models"]
+
+# gRPC (engine core) and Prometheus metrics.
+EXPOSE 50061 9401
+# Readiness: the model is loaded and the core is not draining. A cold start builds the demo model and the CPU
+# kernel; the start period covers that.
+HEALTHCHECK --interval=5s --timeout=4s --start-period=900s --retries=3 \
+    CMD ["splitserve", "health", "--address", "127.0.0.1:50061", "--service", "splitserve.engine.v1.EngineCore"]
+# The model: SPLITSERVE_MODEL (a folder under /models or a hub id), or --model; unset, the demo model.
+ENTRYPOINT ["splitserve"]
+CMD ["core", "--host", "0.0.0.0", "--port", "50061", "--metrics-port", "9401", "--shutdown-timeout", "30"]
