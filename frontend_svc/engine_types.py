@@ -82,6 +82,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    engine_id: str = ""  # which core sent them: its address (the gRPC client sets it); "" in-process
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -162,6 +163,8 @@ class CoreConnection:
         for request_id in outputs.finished_requests:
             self.in_flight.pop(request_id, None)
         outputs.outputs = delivered
+        if outputs.scheduler_stats is not None:
+            outputs.scheduler_stats = dataclasses.replace(outputs.scheduler_stats, engine_id=self.address)
         self._deliver(outputs)
 
     async def _messages(self) -> AsyncIterator[pb.EngineCoreClientMessage]:

@@ -22,6 +22,7 @@ from frontend_svc.stats import IterationStats
 from splitserve import metrics
 
 logger = logging.getLogger(__name__)
+STALE_S = 60.0  # a core silent this long (idle, or gone) leaves the log line's sums
 
 
 class StatLogger(Protocol):
@@ -39,7 +40,9 @@ class LoggingStatLogger:
     reqs, Waiting: 0 reqs, KV cache usage: 4.1%, Prefix cache hit rate: 12.5%``
 
     Throughputs are over the time since the previous line; the prefix-cache hit rate is over the lookups since
-    then (hit tokens / queried tokens); running, waiting and KV usage are the core's latest.
+    then (hit tokens / queried tokens); running and waiting are the sums of each core's latest, KV usage their
+    mean, over the cores that reported within ``STALE_S`` (the line then ends with the number of cores, when
+    there are several).
 
     Args:
         interval_s: seconds between lines, > 0 (``SPLITSERVE_LOG_STATS_INTERVAL``).
@@ -53,7 +56,7 @@ class LoggingStatLogger:
         self.engine_index = engine_index
         self.clock = clock
         self.last_log_time = clock()
-        self.latest: SchedulerStats | None = None
+        self.latest: dict[str, tuple[SchedulerStats, float]] = {}  # engine_id -> (its latest stats, when)
         self.total_prompt_tokens = 0  # since construction
         self.total_generation_tokens = 0
         self._prompt_tokens = self._generation_tokens = 0  # since the last line
@@ -65,7 +68,7 @@ class LoggingStatLogger:
         self.total_prompt_tokens += iteration_stats.num_prompt_tokens
         self.total_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
-            self.latest = scheduler_stats
+            self.latest[scheduler_stats.engine_id] = (scheduler_stats, self.clock())
             self._prefix_queries += scheduler_stats.prefix_cache_queries
             self._prefix_hits += scheduler_stats.prefix_cache_hits
 
@@ -78,13 +81,18 @@ class LoggingStatLogger:
         elapsed = now - self.last_log_time
         if elapsed < self.interval_s:
             return None
-        latest = self.latest or SchedulerStats()
+        self.latest = {k: v for k, v in self.latest.items() if now - v[1] <= max(STALE_S, self.interval_s)}
+        cores = [stats for stats, _ in self.latest.values()] or [SchedulerStats()]
+        running = sum(c.num_running_reqs for c in cores)
+        waiting = sum(c.num_waiting_reqs for c in cores)
+        kv_usage = sum(c.kv_cache_usage for c in cores) / len(cores)
         hit_rate = self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0
         line = (
             f"Engine {self.engine_index:03d}: Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
-            f"Running: {latest.num_running_reqs} reqs, Waiting: {latest.num_waiting_reqs} reqs, "
-            f"KV cache usage: {100 * latest.kv_cache_usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%"
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {100 * kv_usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%"
+            + (f", {len(cores)} cores" if len(cores) > 1 else "")
         )
         logger.info("%s", line)
         self.last_log_time = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -124,3 +125,23 @@ def test_request_aborted_while_queued_has_zero_phases():
     finished = stats.update_from_finished_request("abort", 3, None, req)
     assert (finished.e2e_latency, finished.queued_time, finished.prefill_time, finished.decode_time) == (3, 0, 0, 0)
     assert finished.mean_time_per_output_token == 0 and finished.first_token_latency is None
+
+
+def test_several_cores_add_up():
+    clock = FakeClock()
+    stats_logger = LoggingStatLogger(interval_s=5.0, clock=clock)
+    a = SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.5, engine_id="10.0.0.1:50061")
+    b = SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25, engine_id="10.0.0.2:50061")
+    stats_logger.record(a, IterationStats())
+    stats_logger.record(b, IterationStats())
+    stats_logger.record(dataclasses.replace(a, num_running_reqs=4), IterationStats())  # a's latest counts
+    clock.now += 5.0
+    assert stats_logger.maybe_log().endswith(
+        "Running: 6 reqs, Waiting: 1 reqs, KV cache usage: 37.5%, Prefix cache hit rate: 0.0%, 2 cores"
+    )
+    clock.now += 58.0
+    stats_logger.record(dataclasses.replace(b, num_running_reqs=1), IterationStats())  # b reports again
+    clock.now += 5.0  # a has been silent for 68 s (more than STALE_S): idle or gone, it leaves the sums
+    assert stats_logger.maybe_log().endswith(
+        "Running: 1 reqs, Waiting: 0 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 0.0%"
+    )
