@@ -11,7 +11,6 @@ in-process), alternating between them run by run, and reports the split's cost a
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from benchmarks.workload import Machine, RequestSet
+from benchmarks.workload import Machine, RequestSet, pyplot, write_json
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
 
@@ -240,14 +239,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
     """``<name>.json`` and ``<name>.png``: CDFs of TTFT and e2e latency per deployment and rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plt = pyplot()
+    json_path, png_path = write_json(report, out_dir, name)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"split": "-", "inproc": "--"}
     for deployment, results in report["deployments"].items():

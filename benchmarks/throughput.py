@@ -13,14 +13,13 @@ the same run.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import Machine, ModelFlops, RequestSet, matmul_peak_flops
+from benchmarks.workload import Machine, ModelFlops, RequestSet, matmul_peak_flops, pyplot, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -416,14 +415,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
     """``<name>.json`` and ``<name>.png`` (output tok/s and MFU per backend) in ``out_dir``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plt = pyplot()
+    json_path, png_path = write_json(report, out_dir, name)
     results = report["results"]
     labels = [r["label"] for r in results]
     fig, (ax_tok, ax_mfu) = plt.subplots(1, 2, figsize=(12, 0.6 * len(labels) + 2), sharey=True)

@@ -3,6 +3,7 @@ peak, and a description of the machine and library versions."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -170,3 +171,22 @@ class Machine:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def write_json(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
+    """Write ``<name>.json`` into ``out_dir`` (made if missing); returns its path and the ``<name>.png`` path
+    the report's plot goes to."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return json_path, png_path
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -9,7 +9,7 @@ sees them (a request a stop string ended is an abort here).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from core_svc.outputs import SchedulerStats
 from core_svc.stats import CoreRequestStats
@@ -34,54 +34,39 @@ class CoreMetrics:
         max_num_batched_tokens: int,
         engine_index: int = 0,
     ) -> None:
-        labels = {"model_name": model_name, "engine": str(engine_index)}
-        names = list(labels)
-        p = metrics.PREFIX
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(p + name, doc, names, registry=registry).labels(**labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(p + name, doc, names, registry=registry).labels(**labels)
-
-        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-            return Histogram(p + name, doc, names, buckets=buckets, registry=registry).labels(**labels)
-
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use, [0, 1].")
-        self.num_preemptions = counter("num_preemptions", "Preemptions (recompute).")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        by_source = Counter(
-            p + "prompt_tokens_by_source",
+        m = metrics.LabelledMetrics(registry, model_name, engine_index)
+        self.num_requests_running = m.gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = m.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = m.gauge("kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use, [0, 1].")
+        self.num_preemptions = m.counter("num_preemptions", "Preemptions (recompute).")
+        self.prefix_cache_queries = m.counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = m.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        by_source = m.counters_by(
+            "prompt_tokens_by_source",
             "Prompt tokens of requests that got a first token: computed, or served from the prefix cache.",
-            [*names, "source"],
-            registry=registry,
+            "source",
+            ["local_compute", "local_cache_hit"],
         )
-        self.prompt_tokens_computed = by_source.labels(**labels, source="local_compute")
-        self.prompt_tokens_cached = by_source.labels(**labels, source="local_cache_hit")
-        self.generation_tokens = counter("core_generation_tokens", "Tokens the core generated.")
-        finished = Counter(
-            p + "core_request_finished",
+        self.prompt_tokens_computed = by_source["local_compute"]
+        self.prompt_tokens_cached = by_source["local_cache_hit"]
+        self.generation_tokens = m.counter("core_generation_tokens", "Tokens the core generated.")
+        self.request_finished = m.counters_by(
+            "core_request_finished",
             "Requests that left the core, by the core's finish reason.",
-            [*names, "finished_reason"],
-            registry=registry,
+            "finished_reason",
+            metrics.FINISHED_REASONS,
         )
-        self.request_finished = {
-            reason: finished.labels(**labels, finished_reason=reason) for reason in ("stop", "length", "abort", "error")
-        }
-        self.iteration_tokens = histogram(
+        self.iteration_tokens = m.histogram(
             "iteration_tokens_total",
             "Tokens scheduled per engine step.",
             metrics.iteration_tokens_buckets(max_num_batched_tokens),
         )
         latency = metrics.REQUEST_LATENCY_BUCKETS
-        self.queue_time = histogram("request_queue_time_seconds", "Queued to first scheduled.", latency)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.", latency)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", latency)
-        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last token.", latency)
-        self.prefill_kv_computed = histogram(
+        self.queue_time = m.histogram("request_queue_time_seconds", "Queued to first scheduled.", latency)
+        self.prefill_time = m.histogram("request_prefill_time_seconds", "First scheduled to first token.", latency)
+        self.decode_time = m.histogram("request_decode_time_seconds", "First token to last token.", latency)
+        self.inference_time = m.histogram("request_inference_time_seconds", "First scheduled to last token.", latency)
+        self.prefill_kv_computed = m.histogram(
             "request_prefill_kv_computed_tokens",
             "Prompt tokens computed (not served from the prefix cache), per request that got a first token.",
             metrics.build_1_2_5_buckets(max_model_len),

@@ -14,10 +14,11 @@ from typing import Protocol
 
 from core_svc.outputs import EngineCoreOutputs, SchedulerStats
 from core_svc.request import EngineCoreEvent, EngineCoreEventType, FinishReason, Request
+from splitserve.request_phases import RequestPhases, interval
 
 
 @dataclass
-class CoreRequestStats:
+class CoreRequestStats(RequestPhases):
     """One request's life in the core. Seconds (monotonic); None: not yet."""
 
     request_id: str
@@ -37,20 +38,8 @@ class CoreRequestStats:
 
     @property
     def queued_time(self) -> float:
-        """Queued to first scheduled (to the finish when never scheduled)."""
-        return _interval(self.queued_ts, self.scheduled_ts or self.finished_ts)
-
-    @property
-    def prefill_time(self) -> float:
-        return _interval(self.scheduled_ts, self.first_token_ts)
-
-    @property
-    def decode_time(self) -> float:
-        return _interval(self.first_token_ts, self.last_token_ts)
-
-    @property
-    def inference_time(self) -> float:
-        return _interval(self.scheduled_ts, self.last_token_ts)
+        """Queued to first scheduled (to the finish when never scheduled: it waited all its life)."""
+        return interval(self.queued_ts, self.scheduled_ts or self.finished_ts)
 
 
 class StatsSink(Protocol):
@@ -139,7 +128,3 @@ def _apply_events(stats: CoreRequestStats, events: list[EngineCoreEvent]) -> Non
         else:
             stats.num_preemptions += 1
         stats.events.append((event.type.name.lower(), event.timestamp))
-
-
-def _interval(start: float | None, end: float | None) -> float:
-    return end - start if start is not None and end is not None else 0.0

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from frontend_svc.engine_types import SchedulerStats
 from frontend_svc.stats import IterationStats
@@ -112,56 +112,40 @@ class PrometheusStatLogger:
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, engine_index: int = 0) -> None:
-        labels = {"model_name": model_name, "engine": str(engine_index)}
-        names = list(labels)
-        p = metrics.PREFIX
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(p + name, doc, names, registry=registry).labels(**labels)
-
-        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-            return Histogram(p + name, doc, names, buckets=buckets, registry=registry).labels(**labels)
-
+        m = metrics.LabelledMetrics(registry, model_name, engine_index)
         token_buckets = metrics.build_1_2_5_buckets(max_model_len)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests that got a first token.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        request_success = Counter(
-            p + "request_success",
-            "Requests finished, by finished reason.",
-            [*names, "finished_reason"],
-            registry=registry,
+        self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens of the requests that got a first token.")
+        self.generation_tokens = m.counter("generation_tokens", "Tokens generated.")
+        self.request_success = m.counters_by(
+            "request_success", "Requests finished, by finished reason.", "finished_reason", metrics.FINISHED_REASONS
         )
-        self.request_success = {
-            reason: request_success.labels(**labels, finished_reason=reason)
-            for reason in ("stop", "length", "abort", "error")
-        }
-        self.time_to_first_token = histogram(
+        self.time_to_first_token = m.histogram(
             "time_to_first_token_seconds",
             "Time to first token: arrival to the first token's output.",
             metrics.TTFT_BUCKETS,
         )
-        self.inter_token_latency = histogram(
+        self.inter_token_latency = m.histogram(
             "inter_token_latency_seconds",
             "Time between two outputs of a request, by the core's clock.",
             metrics.ITL_BUCKETS,
         )
-        self.time_per_output_token = histogram(
+        self.time_per_output_token = m.histogram(
             "request_time_per_output_token_seconds",
             "Decode time / (generation tokens - 1), per finished request.",
             metrics.ITL_BUCKETS,
         )
-        self.e2e_latency = histogram(
+        self.e2e_latency = m.histogram(
             "e2e_request_latency_seconds",
             "Arrival to the final output, per finished request.",
             metrics.REQUEST_LATENCY_BUCKETS,
         )
-        self.request_prompt_tokens = histogram(
+        self.request_prompt_tokens = m.histogram(
             "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets
         )
-        self.request_generation_tokens = histogram(
+        self.request_generation_tokens = m.histogram(
             "request_generation_tokens", "Generated tokens per finished request.", token_buckets
         )
-        self.request_max_tokens = histogram(
+        self.request_max_tokens = m.histogram(
             "request_params_max_tokens", "max_tokens per finished request.", token_buckets
         )
 

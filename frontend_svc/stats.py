@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass, field
 
 from frontend_svc.engine_types import EngineCoreEvent, EngineCoreEventType
+from splitserve.request_phases import RequestPhases
 
 
 @dataclass
-class RequestStateStats:
+class RequestStateStats(RequestPhases):
     """One core request's timing, updated as its outputs arrive. Seconds; None: not yet."""
 
     arrival_time: float  # time.time() when the frontend took the request
@@ -26,22 +27,6 @@ class RequestStateStats:
     last_token_ts: float | None = None  # core monotonic: the step that produced the latest token
     first_token_latency: float | None = None  # time.time() difference: first token handled - arrival
     num_preemptions: int = 0
-
-    @property
-    def queued_time(self) -> float:
-        return _interval(self.queued_ts, self.scheduled_ts)
-
-    @property
-    def prefill_time(self) -> float:
-        return _interval(self.scheduled_ts, self.first_token_ts)
-
-    @property
-    def decode_time(self) -> float:
-        return _interval(self.first_token_ts, self.last_token_ts)
-
-    @property
-    def inference_time(self) -> float:
-        return _interval(self.scheduled_ts, self.last_token_ts)
 
 
 @dataclass(frozen=True)
@@ -134,7 +119,3 @@ class IterationStats:
         )
         self.finished_requests.append(finished)
         return finished
-
-
-def _interval(start: float | None, end: float | None) -> float:
-    return end - start if start is not None and end is not None else 0.0

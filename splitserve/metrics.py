@@ -11,12 +11,20 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client import start_http_server as _start_http_server
 
 logger = logging.getLogger(__name__)
@@ -61,6 +69,33 @@ def make_registry() -> CollectorRegistry:
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     return registry
+
+
+class LabelledMetrics:
+    """Makes metrics named ``splitserve:<name>`` in one registry, with vLLM's labels ``model_name`` and
+    ``engine`` set to one value each; returns the labelled children, ready to update."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine_index: int = 0) -> None:
+        self.registry = registry
+        self.labels = {"model_name": model_name, "engine": str(engine_index)}
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, list(self.labels), registry=self.registry).labels(**self.labels)
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        metric = Histogram(PREFIX + name, doc, list(self.labels), buckets=buckets, registry=self.registry)
+        return metric.labels(**self.labels)
+
+    def counters_by(self, name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, Counter]:
+        """One counter per value of one more label (``finished_reason``, ``source``), all exported at 0."""
+        metric = Counter(PREFIX + name, doc, [*self.labels, label], registry=self.registry)
+        return {value: metric.labels(**self.labels, **{label: value}) for value in values}
+
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class MetricsServer:
