@@ -47,6 +47,9 @@ class EngineLoop:
         self._next_client = 0
         self._lock = threading.Lock()  # guards _clients / _next_client across threads
         self._stopping = threading.Event()
+        # Held while a command is queued and while the loop is marked stopping: a command is either queued
+        # before the stop (and then run, or failed by the final drain) or refused; none is left waiting.
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="splitserve-engine-loop", daemon=True)
         self.dead_error: BaseException | None = None
         self._death_callbacks: list[Callable[[BaseException], None]] = []
@@ -59,7 +62,8 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self._stopping.set()
+        with self._submit_lock:
+            self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._fail_pending(RuntimeError("the engine loop has stopped"))
@@ -103,10 +107,11 @@ class EngineLoop:
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._stopping.is_set():
-            future.set_exception(RuntimeError("the engine loop has stopped"))
-        else:
-            self._commands.put((fn, future))
+        with self._submit_lock:
+            if not self._stopping.is_set():
+                self._commands.put((fn, future))
+                return future
+        future.set_exception(RuntimeError("the engine loop has stopped"))
         return future
 
     def num_unfinished_requests(self) -> int:
@@ -123,7 +128,8 @@ class EngineLoop:
         except BaseException as e:
             logger.exception("engine loop died")
             self.dead_error = e
-            self._stopping.set()
+            with self._submit_lock:
+                self._stopping.set()
             self._fail_pending(e)
             for callback in self._death_callbacks:
                 callback(e)

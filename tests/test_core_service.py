@@ -80,3 +80,28 @@ def test_half_closed_stream_gets_everything_then_ends(slow, monkeypatch):
             assert tokens == [7] * NUM_TOKENS * len(ids), f"round {i}"
     finally:
         engine_loop.stop()
+
+
+def test_a_command_racing_stop_is_run_or_refused(monkeypatch):
+    """A command submitted while the loop stops either runs or fails; it is never left waiting forever (its
+    caller would hang). The queueing is slowed so that stop() lands inside it."""
+    import threading
+
+    engine_loop = EngineLoop(ScriptedCore(), lambda e: 13)
+    engine_loop.start()
+    put = engine_loop._commands.put
+
+    def slow_put(item):
+        time.sleep(0.1)
+        put(item)
+
+    monkeypatch.setattr(engine_loop._commands, "put", slow_put)
+    futures = []
+    submitter = threading.Thread(target=lambda: futures.append(engine_loop.submit(lambda: "ran")))
+    submitter.start()
+    time.sleep(0.02)  # the submitter is inside put now
+    engine_loop.stop()
+    submitter.join()
+    (future,) = futures
+    assert future.done()
+    assert future.exception() is not None or future.result() == "ran"
