@@ -89,17 +89,20 @@ def run_splitserve(
 
     llm = LLM(str(model), dtype=dtype, **core_config)
     provider = None
+    hook_s = [0.0]  # engine-thread seconds inside the observability hooks
     try:
         if observed:
-            provider = _observe(llm, str(model))
+            provider = _observe(llm, str(model), hook_s)
         params = SamplingParams(max_tokens=requests.output_len, ignore_eos=True, temperature=0.0)
         prompts = [{"prompt_token_ids": p} for p in requests.prompts]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
         engine = llm.llm_engine
         preemptions_before = engine.num_preemptions
+        hook_s[0] = 0.0
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
+        hooks = hook_s[0]
         info = engine.engine_info
         core = engine.engine_core.engine_core  # the in-process EngineCore
         kv_bytes = sum(t.numel() * t.element_size() for t in core.model_runner.kv_caches)
@@ -112,6 +115,8 @@ def run_splitserve(
             "num_preemptions": engine.num_preemptions - preemptions_before,
             "attention_backend": core.model_runner.model.model.layers[0].self_attn.backend.name,
         }
+        if observed:
+            facts["observability_hook_s"] = hooks
         return wall, [list(o.outputs[0].token_ids) for o in outputs], facts
     finally:
         llm.close()
@@ -119,16 +124,29 @@ def run_splitserve(
             provider.shutdown()
 
 
-def _observe(llm: Any, model: str) -> Any:
+def _observe(llm: Any, model: str, hook_s: list[float]) -> Any:
     """Turn on the in-process core's metrics and request spans (to an in-memory exporter); returns the tracer
-    provider."""
+    provider. The time the engine spends in the hooks (add, step, abort) is added to ``hook_s[0]``."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from core_svc.observability import observe_engine
     from splitserve import metrics, tracing
 
     provider = tracing.init_tracer_provider("splitserve-bench", exporter=InMemorySpanExporter())
-    observe_engine(llm.llm_engine.engine_core.engine_core, model, metrics.make_registry(), provider)
+    core = llm.llm_engine.engine_core.engine_core
+    observe_engine(core, model, metrics.make_registry(), provider)
+    tracker = core.stats_tracker
+    for name in ("on_add", "on_step", "on_abort"):
+        method = getattr(tracker, name)
+
+        def timed(*args: Any, _method: Any = method) -> Any:
+            start = time.perf_counter()
+            try:
+                return _method(*args)
+            finally:
+                hook_s[0] += time.perf_counter() - start
+
+        setattr(tracker, name, timed)
     return provider
 
 
@@ -137,13 +155,16 @@ def observability_cost(model: Path, requests: RequestSet, repeats: int) -> dict[
     each, alternating. The ratio of medians is what turning it on costs; off, the engine makes no call into it."""
     off: list[float] = []
     on: list[float] = []
+    hook_fraction: list[float] = []  # of each "on" run's wall time, spent in the engine's observability hooks
     for _ in range(repeats):
         for observed, tok_s in ((False, off), (True, on)):
-            wall, outputs, _ = run_splitserve(model, requests, "float32", observed=observed)
+            wall, outputs, facts = run_splitserve(model, requests, "float32", observed=observed)
             tok_s.append(sum(len(o) for o in outputs) / wall)
+            if observed:
+                hook_fraction.append(facts["observability_hook_s"] / wall)
             gc.collect()
     median_off, median_on = sorted(off)[len(off) // 2], sorted(on)[len(on) // 2]
-    return {"off_tok_s": off, "on_tok_s": on, "on_over_off": median_on / median_off}
+    return {"off_tok_s": off, "on_tok_s": on, "on_over_off": median_on / median_off, "hook_fraction": hook_fraction}
 
 
 def _load_hf(model: Path, dtype: str) -> Any:
@@ -407,6 +428,10 @@ def format_report(report: dict[str, Any]) -> str:
             + " tok/s; on: "
             + ", ".join(f"{x:.0f}" for x in cost["on_tok_s"])
             + " tok/s)"
+        )
+        lines.append(
+            "engine time inside the observability hooks, per observed run: "
+            + ", ".join(f"{100 * x:.2f}%" for x in cost["hook_fraction"])
         )
     for name, measured, wanted, met in check_targets(report):
         lines.append(f"target {name}: {measured:.2f} (want >= {wanted:.2f}) {'MET' if met else 'NOT MET'}")

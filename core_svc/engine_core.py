@@ -145,6 +145,11 @@ class EngineCore:
             self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
 
+    @property
+    def stats_tracker(self) -> RequestStatsTracker | None:
+        """The per-request tracker, once a stats sink was added (None: metrics and tracing off)."""
+        return self._stats
+
     def add_stats_sink(self, sink: StatsSink) -> None:
         """Report every request's timing and every step's stats to ``sink`` (``CoreMetrics``,
         ``RequestTracer``), for requests added from now on. Call it on the engine's thread, or before the

@@ -80,6 +80,7 @@ def test_bench_throughput_reports_every_backend(checkpoint, tmp_path, capsys):
     cost = report["observability_cost"]
     assert len(cost["off_tok_s"]) == len(cost["on_tok_s"]) == 1
     assert cost["on_over_off"] == pytest.approx(cost["on_tok_s"][0] / cost["off_tok_s"][0])
+    assert len(cost["hook_fraction"]) == 1 and 0 < cost["hook_fraction"][0] < 1
     out = capsys.readouterr().out
     assert "target splitserve float32 MFU" in out and "observability (core metrics + a span per request)" in out
 
