@@ -36,9 +36,14 @@ class _HandlerState:
     stat_loggers: list[StatLogger] = field(default_factory=list)
 
     def record(self, iteration_stats: IterationStats, scheduler_stats: SchedulerStats | None = None) -> None:
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(scheduler_stats, iteration_stats)
-            stat_logger.log()
+        """Feed every stat logger. A logger that fails is logged and dropped: statistics never stop serving."""
+        for stat_logger in list(self.stat_loggers):
+            try:
+                stat_logger.record(scheduler_stats, iteration_stats)
+                stat_logger.log()
+            except Exception:
+                logger.exception("stat logger %s failed; it is turned off", type(stat_logger).__name__)
+                self.stat_loggers.remove(stat_logger)
 
 
 class AsyncLLM(EngineFrontend):

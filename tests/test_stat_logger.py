@@ -145,3 +145,34 @@ def test_several_cores_add_up():
     assert stats_logger.maybe_log().endswith(
         "Running: 1 reqs, Waiting: 0 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 0.0%"
     )
+
+
+def test_a_failing_stat_logger_is_dropped_and_serving_goes_on(checkpoint, monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSERVE_LOG_STATS_INTERVAL", "0")
+
+    class Broken:
+        calls = 0
+
+        def record(self, scheduler_stats, iteration_stats):
+            Broken.calls += 1
+            raise RuntimeError("broken logger")
+
+        def log(self):
+            pass
+
+    async def scenario() -> list[int]:
+        engine = AsyncLLM(str(checkpoint("llama", "tiny")), num_kv_blocks=64, stat_loggers=[Broken()])
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+            tokens = []
+            for i in range(2):
+                async for output in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, f"r{i}"):
+                    tokens = list(output.outputs[0].token_ids)
+            assert engine._handler_state.stat_loggers == []
+            return tokens
+        finally:
+            engine.close()
+
+    with caplog.at_level("ERROR"):
+        assert len(asyncio.run(scenario())) == 5
+    assert Broken.calls == 1 and "stat logger Broken failed" in caplog.text
