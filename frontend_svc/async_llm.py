@@ -34,6 +34,7 @@ class _HandlerState:
 
     dead_error: BaseException | None = None
     stat_loggers: list[StatLogger] = field(default_factory=list)
+    log_interval_s: float = 0.0  # > 0: also call every logger's log() this often, traffic or not
 
     def record(self, iteration_stats: IterationStats, scheduler_stats: SchedulerStats | None = None) -> None:
         """Feed every stat logger. A logger that fails is logged and dropped: statistics never stop serving."""
@@ -42,8 +43,18 @@ class _HandlerState:
                 stat_logger.record(scheduler_stats, iteration_stats)
                 stat_logger.log()
             except Exception:
-                logger.exception("stat logger %s failed; it is turned off", type(stat_logger).__name__)
-                self.stat_loggers.remove(stat_logger)
+                self._drop(stat_logger)
+
+    def log(self) -> None:
+        for stat_logger in list(self.stat_loggers):
+            try:
+                stat_logger.log()
+            except Exception:
+                self._drop(stat_logger)
+
+    def _drop(self, stat_logger: StatLogger) -> None:
+        logger.exception("stat logger %s failed; it is turned off", type(stat_logger).__name__)
+        self.stat_loggers.remove(stat_logger)
 
 
 class AsyncLLM(EngineFrontend):
@@ -66,7 +77,7 @@ class AsyncLLM(EngineFrontend):
         self._output_handler: asyncio.Task[None] | None = None
         interval = envs.log_stats_interval()
         loggers: list[StatLogger] = [LoggingStatLogger(interval)] if interval > 0 else []
-        self._handler_state = _HandlerState(stat_loggers=loggers + list(stat_loggers or []))
+        self._handler_state = _HandlerState(stat_loggers=loggers + list(stat_loggers or []), log_interval_s=interval)
 
     async def add_request(
         self,
@@ -183,7 +194,9 @@ async def _run_output_handler(
     engine_core: EngineCoreClient, output_processor: OutputProcessor, state: _HandlerState
 ) -> None:
     """Pull core outputs, turn them into request outputs (in chunks, yielding between), abort what stop strings
-    ended. If the core fails, every waiting stream gets the error."""
+    ended. If the core fails, every waiting stream gets the error. Beside it, a timer lets the stat loggers log
+    while no outputs come (the last window of a burst, idle lines), as vLLM's periodic log task does."""
+    timer = asyncio.get_running_loop().create_task(_log_periodically(state)) if state.log_interval_s > 0 else None
     try:
         while True:
             core_outputs = await engine_core.get_output_async()
@@ -203,6 +216,15 @@ async def _run_output_handler(
         error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine failed: {e!r}")
         state.dead_error = error
         _fail_streams(output_processor, error)
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+async def _log_periodically(state: _HandlerState) -> None:
+    while True:
+        await asyncio.sleep(state.log_interval_s)
+        state.log()
 
 
 def _fail_streams(output_processor: OutputProcessor, error: Exception) -> None:

@@ -34,7 +34,8 @@ class StatLogger(Protocol):
 
 
 class LoggingStatLogger:
-    """Accumulates what each batch of core outputs brought and logs one line per interval:
+    """Accumulates what each batch of core outputs brought and logs at most one line per interval (at DEBUG
+    level when nothing ran since the previous one):
 
     ``Engine 000: Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 640.1 tokens/s, Running: 32
     reqs, Waiting: 0 reqs, KV cache usage: 4.1%, Prefix cache hit rate: 12.5%``
@@ -94,7 +95,8 @@ class LoggingStatLogger:
             f"KV cache usage: {100 * kv_usage:.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%"
             + (f", {len(cores)} cores" if len(cores) > 1 else "")
         )
-        logger.info("%s", line)
+        idle = not (self._prompt_tokens or self._generation_tokens or running or waiting)
+        (logger.debug if idle else logger.info)("%s", line)  # an idle engine does not fill the log (as vLLM)
         self.last_log_time = now
         self._prompt_tokens = self._generation_tokens = 0
         self._prefix_queries = self._prefix_hits = 0

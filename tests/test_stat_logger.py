@@ -176,3 +176,29 @@ def test_a_failing_stat_logger_is_dropped_and_serving_goes_on(checkpoint, monkey
     with caplog.at_level("ERROR"):
         assert len(asyncio.run(scenario())) == 5
     assert Broken.calls == 1 and "stat logger Broken failed" in caplog.text
+
+
+def test_lines_come_on_a_timer_and_idle_ones_at_debug(checkpoint, monkeypatch, caplog):
+    """The last window of a burst is logged although no output follows it; lines while idle go to DEBUG."""
+    monkeypatch.setenv("SPLITSERVE_LOG_STATS_INTERVAL", "0.2")
+
+    async def scenario() -> None:
+        engine = AsyncLLM(str(checkpoint("llama", "tiny")), num_kv_blocks=64)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "r"):
+                pass
+            await asyncio.sleep(0.7)  # three intervals and more with nothing running
+        finally:
+            engine.close()
+
+    with caplog.at_level("DEBUG", logger="frontend_svc.stat_logger"):
+        asyncio.run(scenario())
+    lines = [r for r in caplog.records if r.name == "frontend_svc.stat_logger"]
+    busy = [r for r in lines if r.levelname == "INFO"]
+    idle = [r for r in lines if r.levelname == "DEBUG"]
+    # The burst shows in an INFO line: the request took less than the interval, so it was the timer that logged
+    # its window, after the last output. Then the idle lines.
+    generated = [float(r.getMessage().split("generation throughput: ")[1].split(" ")[0]) for r in busy]
+    assert busy and sum(generated) > 0
+    assert len(idle) >= 2 and all("Avg generation throughput: 0.0 tokens/s" in r.getMessage() for r in idle)
