@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from splitserve import envs
 from splitserve.demo import cached_test_model
 
 # ShareGPT's prompt lengths are long-tailed: most prompts are short, a few are long. A log-normal with median 100
@@ -26,8 +27,8 @@ def default_tokenizer_dir() -> Path | None:
     """The llama2 tokenizer the request set draws ids from: ``$SPLITSERVE_TOKENIZERS_DIR/llama2``, else the
     project's ``../shared/tokenizers/llama2``; None when neither exists (the builtin tokenizer is used)."""
     candidates = []
-    if os.environ.get("SPLITSERVE_TOKENIZERS_DIR"):
-        candidates.append(Path(os.environ["SPLITSERVE_TOKENIZERS_DIR"]) / "llama2")
+    if envs.tokenizers_dir() is not None:
+        candidates.append(envs.tokenizers_dir() / "llama2")
     candidates.append(Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "llama2")
     return next((c for c in candidates if (c / "tokenizer_config.json").is_file()), None)
 

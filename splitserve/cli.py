@@ -357,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("demo", "start the split stack, stream demo prompts through it, stop it"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--model", default=None, help="local folder or hub id (default: the demo model)")
+        p.add_argument(
+            "--model", default=None, help="local folder or hub id (default: $SPLITSERVE_MODEL, else the demo model)"
+        )
         p.add_argument("--port", type=int, default=0, help="frontend port (default: a free one)")
         p.add_argument("--core-port", type=int, default=0, help="core port (default: a free one)")
         p.add_argument("--log-dir", default=None, help="where the two processes log (default: a temporary folder)")

@@ -1,4 +1,5 @@
-"""Every environment variable splitserve reads, in one place."""
+"""Every ``SPLITSERVE_*`` environment variable splitserve reads, in one place (the standard ``OTEL_*`` ones:
+``splitserve/tracing.py``)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,10 @@ def hosts_file() -> Path | None:
     """SPLITSERVE_HOSTS_FILE: a hosts(5) file the frontend reads before DNS when it resolves ``dns:///`` core
     addresses, read again at every refresh (what compose's ``extra_hosts`` does, for a process)."""
     value = os.environ.get("SPLITSERVE_HOSTS_FILE")
+    return Path(value) if value else None
+
+
+def tokenizers_dir() -> Path | None:
+    """SPLITSERVE_TOKENIZERS_DIR: a folder of real tokenizers (llama2, gpt2) for the benchmarks and tests."""
+    value = os.environ.get("SPLITSERVE_TOKENIZERS_DIR")
     return Path(value) if value else None
