@@ -20,18 +20,17 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import envs, stack
 from splitserve.cli import build_parser
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from tests.metrics_helpers import sample, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -287,10 +286,8 @@ def server_args(args: list[str], replace: dict[str, str]) -> list[str]:
     return out
 
 
-def scrape(address: str, name: str) -> float:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+def scrape_one(address: str, name: str) -> float:
+    return sample(scrape(address), name)
 
 
 FINISHED = "splitserve:core_request_finished_total"
@@ -383,17 +380,17 @@ def test_three_frontends_two_cores_as_the_manifests_start_them(model, reference,
         answers = asyncio.run(spread())
         for i, token_ids in enumerate(answers):
             assert token_ids == greedy[PROMPTS[i % len(PROMPTS)]], i
-        finished = [scrape(address, FINISHED) for address in core_metrics]
+        finished = [scrape_one(address, FINISHED) for address in core_metrics]
         assert sum(finished) == 12 and min(finished) > 0, finished  # both cores took load
 
         async def drain() -> int:
             first_token = asyncio.Event()
             long_call = asyncio.create_task(generate(frontends[0].address, "Long story:", 400, first_token))
             await first_token.wait()
-            running = [scrape(address, "splitserve:num_requests_running") for address in core_metrics]
+            running = [scrape_one(address, "splitserve:num_requests_running") for address in core_metrics]
             draining = running.index(1)
             other = 1 - draining
-            before = scrape(core_metrics[other], FINISHED)
+            before = scrape_one(core_metrics[other], FINISHED)
             cores[draining].process.send_signal(15)  # SIGTERM, as the kubelet sends it
             assert not long_call.done()
             await asyncio.sleep(0.5)  # the frontends see NOT_SERVING (health watch)
@@ -401,7 +398,7 @@ def test_three_frontends_two_cores_as_the_manifests_start_them(model, reference,
             new_answers = await asyncio.gather(*new_calls)
             assert [a == greedy[PROMPTS[i]] for i, a in enumerate(new_answers)] == [True] * 3
             assert await long_call == long_reference  # the request in flight finished on the draining core
-            assert scrape(core_metrics[other], FINISHED) == before + 3  # new calls: the other core
+            assert scrape_one(core_metrics[other], FINISHED) == before + 3  # new calls: the other core
             return draining
 
         draining = asyncio.run(drain())

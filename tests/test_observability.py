@@ -13,7 +13,6 @@ import contextlib
 import os
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -21,12 +20,12 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import stack
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
 from splitserve.tracing import SpanAttributes
+from tests.metrics_helpers import sample, scrape
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
@@ -118,8 +117,8 @@ def run(model, tmp_path_factory) -> Run:
         core.wait_serving()
         frontend.wait_serving()
         asyncio.run(_workload(frontend.address, result))
-        result.frontend_metrics = _scrape(frontend_metrics_port)
-        result.core_metrics = _scrape(core_metrics_port)
+        result.frontend_metrics = scrape(f"127.0.0.1:{frontend_metrics_port}")
+        result.core_metrics = scrape(f"127.0.0.1:{core_metrics_port}")
     finally:
         for process in (frontend, core):
             if process is not None:
@@ -171,23 +170,6 @@ async def _workload(address: str, result: Run) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call([], greedy(1))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return response.read().decode()
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples called ``name`` whose labels include ``labels``."""
-    values = [
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and labels.items() <= s.labels.items()
-    ]
-    assert values, f"no sample {name} {labels}"
-    return sum(values)
 
 
 def expected_counts(run: Run) -> dict[str, float]:
@@ -346,7 +328,7 @@ def test_no_tracing_without_the_environment(checkpoint, monkeypatch):
             request = api.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling_params=greedy(3))
             responses = [r async for r in stub.Generate(request, metadata=(("traceparent", TRACEPARENT),))]
         threads = [t.name for t in threading.enumerate()]
-        text = await asyncio.to_thread(_scrape, metrics_port)
+        text = await asyncio.to_thread(scrape, f"127.0.0.1:{metrics_port}")
         os.kill(os.getpid(), 15)  # SIGTERM: the server drains and returns
         assert await asyncio.wait_for(server, 60) == 0
         return [t for r in responses for t in r.outputs[0].token_ids], threads, text

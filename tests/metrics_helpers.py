@@ -1,0 +1,25 @@
+"""Reading a Prometheus endpoint in tests."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(address: str) -> str:
+    """The text of ``http://<address>/metrics``."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` whose labels include ``labels`` (at least one must exist)."""
+    values = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
+    assert values, f"no sample {name} {labels}"
+    return sum(values)
