@@ -93,10 +93,11 @@ class KVCacheManager:
             return None
 
         if not req_blocks and self.enable_caching and not request.skip_reading_prefix_cache:
-            # First allocation = admission: count the lookup once, however long the request waited.
-            self.prefix_cache_stats.requests += 1
-            self.prefix_cache_stats.queries += request.num_tokens
-            self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
+            # First allocation = admission: count the lookup once, however long the request waited; a
+            # re-admission after a preemption apart (vLLM), so that refinding its own blocks is no hit.
+            self.prefix_cache_stats.record(
+                request.num_tokens, len(new_computed_blocks) * self.block_size, preempted=request.num_preemptions > 0
+            )
         self.block_pool.touch(new_computed_blocks)
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)

@@ -4,7 +4,9 @@
 The frontend exports what the client saw (``frontend_svc/stat_logger.py``); ``docs/observability.md`` has
 both lists. Two counters have no vLLM name, because the frontend holds vLLM's ``generation_tokens`` and
 ``request_success``: ``core_generation_tokens`` and ``core_request_finished`` count the same things as the core
-sees them (a request a stop string ended is an abort here).
+sees them (a request a stop string ended is an abort here). Two more export what vLLM keeps in its
+``PrefixCacheStats`` without exporting: ``prefix_cache_preempted_queries`` / ``_hits``, the lookups of requests
+admitted again after a preemption, which ``prefix_cache_queries`` / ``_hits`` leave out as vLLM's do.
 """
 
 from __future__ import annotations
@@ -39,8 +41,20 @@ class CoreMetrics:
         self.num_requests_waiting = m.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = m.gauge("kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use, [0, 1].")
         self.num_preemptions = m.counter("num_preemptions", "Preemptions (recompute).")
-        self.prefix_cache_queries = m.counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = m.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_queries = m.counter(
+            "prefix_cache_queries", "Tokens looked up in the prefix cache by requests admitted for the first time."
+        )
+        self.prefix_cache_hits = m.counter(
+            "prefix_cache_hits", "Tokens found in the prefix cache by requests admitted for the first time."
+        )
+        self.prefix_cache_preempted_queries = m.counter(
+            "prefix_cache_preempted_queries",
+            "Tokens looked up in the prefix cache by requests admitted again after a preemption.",
+        )
+        self.prefix_cache_preempted_hits = m.counter(
+            "prefix_cache_preempted_hits",
+            "Tokens found in the prefix cache by requests admitted again after a preemption.",
+        )
         by_source = m.counters_by(
             "prompt_tokens_by_source",
             "Prompt tokens of requests that got a first token: computed, or served from the prefix cache.",
@@ -85,8 +99,11 @@ class CoreMetrics:
             self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
             self.num_preemptions.inc(scheduler_stats.num_preemptions)
-            self.prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
-            self.prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
+            prefix = scheduler_stats.prefix_cache_stats
+            self.prefix_cache_queries.inc(prefix.queries)
+            self.prefix_cache_hits.inc(prefix.hits)
+            self.prefix_cache_preempted_queries.inc(prefix.preempted_queries)
+            self.prefix_cache_preempted_hits.inc(prefix.preempted_hits)
         if num_scheduled_tokens:
             self.iteration_tokens.observe(num_scheduled_tokens)
         self.generation_tokens.inc(num_generation_tokens)

@@ -92,12 +92,33 @@ class EngineCoreOutput:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups since the stats were last taken."""
+    """Prefix-cache lookups since the stats were last taken, one per admission (vLLM's ``PrefixCacheStats``).
 
-    requests: int = 0  # requests looked up
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found in the cache
+    A request admitted again after a preemption is counted apart, in ``preempted_*``: what it finds is mostly
+    its own blocks, left from before it was preempted, so counting it with first admissions would make the hit
+    rate (hits / queries) and the ``prefix_cache_queries`` / ``prefix_cache_hits`` counters report its recompute
+    as sharing. Units: requests, and tokens for queries and hits.
+    """
+
+    requests: int = 0  # requests admitted for the first time
+    queries: int = 0  # their tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
     reset: bool = False  # the cache was reset
+    preempted_requests: int = 0  # requests admitted again after a preemption
+    preempted_queries: int = 0  # their tokens looked up (prompt and outputs so far)
+    preempted_hits: int = 0  # of those, tokens found in the cache
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """One admission's lookup: ``num_tokens`` looked up, ``num_hits`` found; ``preempted``: the request
+        was preempted before (as vLLM's ``PrefixCacheStats.record``)."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
 
 
 @dataclass

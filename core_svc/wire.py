@@ -103,7 +103,13 @@ def _stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
         num_waiting_reqs=stats.num_waiting_reqs,
         kv_cache_usage=stats.kv_cache_usage,
         prefix_cache_stats=pb.PrefixCacheStats(
-            requests=prefix.requests, queries=prefix.queries, hits=prefix.hits, reset=prefix.reset
+            requests=prefix.requests,
+            queries=prefix.queries,
+            hits=prefix.hits,
+            reset=prefix.reset,
+            preempted_requests=prefix.preempted_requests,
+            preempted_queries=prefix.preempted_queries,
+            preempted_hits=prefix.preempted_hits,
         ),
         num_preemptions=stats.num_preemptions,
     )

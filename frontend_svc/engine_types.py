@@ -79,8 +79,10 @@ class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use
-    prefix_cache_queries: int = 0  # tokens looked up
-    prefix_cache_hits: int = 0  # tokens found
+    prefix_cache_queries: int = 0  # tokens looked up by requests admitted for the first time
+    prefix_cache_hits: int = 0  # of those, tokens found
+    prefix_cache_preempted_queries: int = 0  # tokens looked up by requests admitted again after a preemption
+    prefix_cache_preempted_hits: int = 0  # of those, tokens found (not in the hit rate, as vLLM)
     num_preemptions: int = 0
     engine_id: str = ""  # which core sent them: its address (the gRPC client sets it); "" in-process
 

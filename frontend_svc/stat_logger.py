@@ -41,9 +41,10 @@ class LoggingStatLogger:
     reqs, Waiting: 0 reqs, KV cache usage: 4.1%, Prefix cache hit rate: 12.5%``
 
     Throughputs are over the time since the previous line; the prefix-cache hit rate is over the lookups since
-    then (hit tokens / queried tokens); running and waiting are the sums of each core's latest, KV usage their
-    mean, over the cores that reported within ``STALE_S`` (the line then ends with the number of cores, when
-    there are several).
+    then (hit tokens / queried tokens) of requests admitted for the first time: as in vLLM, a request admitted
+    again after a preemption, which mostly finds its own blocks, is left out; running and waiting are the sums
+    of each core's latest, KV usage their mean, over the cores that reported within ``STALE_S`` (the line then
+    ends with the number of cores, when there are several).
 
     Args:
         interval_s: seconds between lines, > 0 (``SPLITSERVE_LOG_STATS_INTERVAL``).

@@ -76,6 +76,8 @@ def _stats_from_pb(msg: pb.SchedulerStats) -> SchedulerStats:
         kv_cache_usage=msg.kv_cache_usage,
         prefix_cache_queries=msg.prefix_cache_stats.queries,
         prefix_cache_hits=msg.prefix_cache_stats.hits,
+        prefix_cache_preempted_queries=msg.prefix_cache_stats.preempted_queries,
+        prefix_cache_preempted_hits=msg.prefix_cache_stats.preempted_hits,
         num_preemptions=msg.num_preemptions,
     )
 

@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry
 
 from core_svc.metrics import CoreMetrics
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, PrefixCacheStats, SchedulerStats
-from core_svc.request import EngineCoreEvent, EngineCoreEventType, FinishReason
+from core_svc.request import EngineCoreEvent, EngineCoreEventType, FinishReason, Request
+from core_svc.sampling_params import SamplingParams
 from core_svc.stats import RequestStatsTracker
 from tests.factories import make_request
 
@@ -93,3 +94,49 @@ def test_a_request_aborted_while_queued_is_timed_from_its_own_events():
     assert value(registry, "splitserve:request_queue_time_seconds_sum") == 0.25
     assert value(registry, "splitserve:num_requests_waiting") == 3
     assert value(registry, "splitserve:core_request_finished_total", finished_reason="abort") == 1
+
+
+def test_readmissions_after_preemption_leave_the_hit_rate_and_counters_alone(checkpoint):
+    """The case of tests/test_scheduler.py::test_prefix_cache_stats_count_readmissions_after_preemption_apart on
+    the real engine: 4 unrelated 40-token prompts, greedy, max_tokens 40, block_size 16, 13 KV blocks. Two
+    preemptions (D at its 10th step, C at its 26th); C comes back with 65 tokens and finds its own first two
+    blocks (32 tokens), D with 49 and finds nothing. First admissions: 160 tokens looked up, 0 found; the
+    re-admissions, 114 and 32, go only to their own counters. Through every consumer: the core's Prometheus
+    counters, the wire (core -> frontend converters) and the frontend's stats line (hit rate 0%, not
+    32 / 274 = 11.7%)."""
+    from core_svc.wire import outputs_to_pb
+    from frontend_svc.stat_logger import LoggingStatLogger
+    from frontend_svc.stats import IterationStats
+    from frontend_svc.wire import outputs_from_pb
+    from tests.helpers import make_engine
+
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=13)
+    assert engine.get_engine_info().block_size == 16
+    registry = CollectorRegistry()
+    engine.add_stats_sink(CoreMetrics(registry, "m", max_model_len=engine.max_model_len, max_num_batched_tokens=64))
+    for i in range(4):
+        prompt = list(range(10 + 40 * i, 50 + 40 * i))
+        engine.add_request(Request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)))
+    clock = [0.0]
+    stat_logger = LoggingStatLogger(interval_s=1.0, clock=lambda: clock[0])
+    frontend_totals = [0, 0, 0, 0]  # queries, hits, preempted queries, preempted hits, as the frontend got them
+    num_preemptions = 0
+    while engine.has_unfinished_requests():
+        stats = outputs_from_pb(outputs_to_pb(engine.step())).scheduler_stats
+        num_preemptions += stats.num_preemptions
+        frontend_totals = [
+            frontend_totals[0] + stats.prefix_cache_queries,
+            frontend_totals[1] + stats.prefix_cache_hits,
+            frontend_totals[2] + stats.prefix_cache_preempted_queries,
+            frontend_totals[3] + stats.prefix_cache_preempted_hits,
+        ]
+        stat_logger.record(stats, IterationStats())
+    assert num_preemptions == 2
+    assert frontend_totals == [160, 0, 114, 32]
+    assert value(registry, "splitserve:num_preemptions_total") == 2
+    assert value(registry, "splitserve:prefix_cache_queries_total") == 160
+    assert value(registry, "splitserve:prefix_cache_hits_total") == 0
+    assert value(registry, "splitserve:prefix_cache_preempted_queries_total") == 114
+    assert value(registry, "splitserve:prefix_cache_preempted_hits_total") == 32
+    clock[0] += 1.0
+    assert stat_logger.maybe_log().endswith("Prefix cache hit rate: 0.0%")

@@ -159,3 +159,20 @@ def test_caching_disabled_never_hits():
     computed, num_computed, _ = admit(manager, make_request("1", prompt_token_ids=tokens))
     assert (computed, num_computed) == ([], 0)
     assert not manager.block_pool.cached_block_hash_to_block
+
+
+def test_readmission_after_preemption_is_counted_apart():
+    """vLLM's PrefixCacheStats.record: a request with num_preemptions > 0 goes to preempted_*, so finding its own
+    blocks again is no hit of the hit rate."""
+    manager = make_manager()
+    tokens = list(range(40))
+    request = make_request("0", prompt_token_ids=tokens)
+    admit(manager, request)  # 40 looked up, 0 found; blocks 0-1 cached
+    manager.free(request)  # preempted: the blocks stay cached
+    request.num_computed_tokens, request.num_preemptions = 0, 1
+    request.append_output_token_id(7)  # one output before the preemption: 41 tokens to look up
+    _, num_computed, _ = admit(manager, request)
+    assert num_computed == 32
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, 40, 0)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 41, 32)

@@ -246,3 +246,43 @@ def test_prefix_cache_stats_count_each_admission_once():
         stats = outputs.scheduler_stats.prefix_cache_stats
         totals = [totals[0] + stats.requests, totals[1] + stats.queries, totals[2] + stats.hits]
     assert totals == [2, 80, 0]
+
+
+def test_prefix_cache_stats_count_readmissions_after_preemption_apart():
+    """4 unrelated 40-token prompts, max_tokens 40, block_size 16, 13 blocks (12 usable), worked by hand.
+
+    Step 1 admits all four: 40 tokens = 3 blocks each, 12 in all; blocks 0-1 (tokens 0-31) of each are full and
+    cached. Step k >= 2 decodes position 38 + k, which needs a fourth block at k = 10 (position 48): A's
+    allocation finds no free block, so D (last running) is preempted with 48 computed tokens and 9 outputs;
+    its three cached blocks go to the free queue's tail, and A, B, C take one each, evicting all three. At
+    k = 26 (position 64) A needs a fifth block: C is preempted with 64 computed tokens and 25 outputs; A and B
+    take C's blocks 3 and 2, and C's blocks 0-1 stay cached. C, first in the queue, cannot come back (5
+    blocks needed, 2 free) until A and B finish after step 40 (40 outputs need 79 slots: 5 blocks, no more).
+    Then C is admitted with 40 + 25 = 65 tokens, finding its own blocks 0-1 (32 tokens), and D with
+    40 + 9 = 49 tokens, finding nothing. vLLM counts the first admissions only in queries / hits: 4 x 40 = 160
+    and 0; the re-admissions apart: 2 requests, 65 + 49 = 114 tokens, 32 hits.
+    """
+    scheduler = make_scheduler(num_blocks=13, block_size=16, max_model_len=1024)
+    for request_id in "ABCD":
+        scheduler.add_request(make_request(request_id, num_tokens=40, max_tokens=40, ignore_eos=True))
+    totals = dict.fromkeys(
+        ["requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits"], 0
+    )
+    preempted_at: list[tuple[int, str, int]] = []  # (step, request, its outputs)
+    step = 0
+    while scheduler.has_unfinished_requests():
+        step += 1
+        output, outputs = run_step(scheduler)
+        for request_id in sorted(output.preempted_req_ids):
+            preempted_at.append((step, request_id, scheduler.requests[request_id].num_output_tokens))
+        for name in totals:
+            totals[name] += getattr(outputs.scheduler_stats.prefix_cache_stats, name)
+    assert preempted_at == [(10, "D", 9), (26, "C", 25)]
+    assert totals == {
+        "requests": 4,
+        "queries": 160,
+        "hits": 0,
+        "preempted_requests": 2,
+        "preempted_queries": 65 + 49,
+        "preempted_hits": 32,
+    }

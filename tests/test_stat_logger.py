@@ -45,6 +45,22 @@ def test_line_by_hand():
     assert (stats_logger.total_prompt_tokens, stats_logger.total_generation_tokens) == (100, 40)
 
 
+def test_hit_rate_leaves_out_readmissions_after_preemption():
+    """As vLLM's: a request admitted again after a preemption mostly finds its own blocks; its lookups do not
+    count. 16 of 160 first-admission tokens hit: 10.0%, whatever the 114 re-looked-up tokens found."""
+    clock = FakeClock()
+    stats_logger = LoggingStatLogger(interval_s=1.0, clock=clock)
+    stats = SchedulerStats(
+        prefix_cache_queries=160,
+        prefix_cache_hits=16,
+        prefix_cache_preempted_queries=114,
+        prefix_cache_preempted_hits=32,
+    )
+    stats_logger.record(stats, IterationStats(num_generation_tokens=1))
+    clock.now += 1.0
+    assert stats_logger.maybe_log().endswith("Prefix cache hit rate: 10.0%")
+
+
 def test_counts_equal_the_workload(checkpoint, monkeypatch, caplog):
     monkeypatch.setenv("SPLITSERVE_LOG_STATS_INTERVAL", "0.000001")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 20]

@@ -274,16 +274,22 @@ class EngineCoreOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., new_prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., events: _Optional[_Iterable[_Union[EngineCoreEvent, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
-    __slots__ = ("requests", "queries", "hits", "reset")
+    __slots__ = ("requests", "queries", "hits", "reset", "preempted_requests", "preempted_queries", "preempted_hits")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_HITS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     queries: int
     hits: int
     reset: bool
-    def __init__(self, requests: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., reset: _Optional[bool] = ...) -> None: ...
+    preempted_requests: int
+    preempted_queries: int
+    preempted_hits: int
+    def __init__(self, requests: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., reset: _Optional[bool] = ..., preempted_requests: _Optional[int] = ..., preempted_queries: _Optional[int] = ..., preempted_hits: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "prefix_cache_stats", "num_preemptions")
