@@ -39,6 +39,9 @@ class CoreConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap on a step's prefill chunk
     scheduling_policy: SchedulingPolicy = "fcfs"
     seed: int = 0  # seeds the engine RNG used by unseeded random sampling
+    # A step whose model runner raises fails its own requests (INTERNAL) and the core goes on; this many failed
+    # steps in a row, with no successful one between, declare the core dead (UNAVAILABLE, NOT_SERVING, exit).
+    max_consecutive_failed_steps: int = 3
     attention_backend: str = "auto"  # auto, cpu or torch_ref (kernels.get_attention_backend)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: no cap (vLLM's default 20)
 
@@ -53,6 +56,10 @@ class CoreConfig:
             raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_consecutive_failed_steps < 1:
+            raise ValueError(
+                f"max_consecutive_failed_steps must be at least 1, got {self.max_consecutive_failed_steps}"
+            )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         if self.long_prefill_token_threshold < 0:

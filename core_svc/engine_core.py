@@ -1,6 +1,15 @@
 """The engine core: plain Python, no grpc. Owns the scheduler, the KV cache manager and the model runner.
 
 A step reads: schedule -> execute the model -> update requests from its output -> return outputs.
+
+When the model runner raises (forward or sampling), the step's requests end with ``EngineStepError`` (INTERNAL)
+and the core goes on: their blocks are freed, the blocks cached for tokens that forward was to compute leave the
+prefix cache, and the runner forgets them. Requests of the step are not retried one by one to find the culprit:
+one batched forward cannot say which row failed, a retry would re-run seeded sampling and prompt logprobs that
+may already have advanced, and the usual faults (device errors, out of memory) either poison every later step
+or depend on the batch, not on one request. ``CoreConfig.max_consecutive_failed_steps`` failed steps in a row
+mean the engine itself is broken: the core is declared dead, every other request ends with
+``EngineUnavailableError`` (UNAVAILABLE), and ``step`` / ``add_request`` raise it from then on.
 """
 
 from __future__ import annotations
@@ -16,11 +25,17 @@ from pathlib import Path
 import torch
 
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
-from core_svc.errors import InvalidRequestError, LoRANotFoundError, RequestTooLargeError
+from core_svc.errors import (
+    EngineStepError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    LoRANotFoundError,
+    RequestTooLargeError,
+)
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
-from core_svc.outputs import EngineCoreOutputs, SchedulerStats
+from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.stats import RequestStatsTracker, StatsSink
@@ -94,6 +109,8 @@ class EngineCore:
         self._profiler: torch.profiler.profile | None = None
         self._profile_dir = Path(tempfile.gettempdir())
         self._stats: RequestStatsTracker | None = None  # set by the first add_stats_sink: metrics, tracing
+        self.num_consecutive_failed_steps = 0  # steps whose model runner raised, since the last one that did not
+        self.dead_error: EngineUnavailableError | None = None  # set once the core is declared dead
         info = self.get_engine_info()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %s); max_model_len %d",
@@ -112,7 +129,10 @@ class EngineCore:
             InvalidRequestError: empty prompt, prompt that leaves no room for one output token, token id outside
                 the vocabulary, bad sampling parameter, or a request id already in use.
             RequestTooLargeError: the request could never fit in the KV cache.
+            EngineUnavailableError: the core was declared dead.
         """
+        if self.dead_error is not None:
+            raise self.dead_error
         self._validate(request)
         params = request.sampling_params
         if params.eos_token_id is None and self.eos_token_ids:
@@ -137,13 +157,55 @@ class EngineCore:
             self._stats.on_abort(aborted, load)
 
     def step(self) -> EngineCoreOutputs:
-        """Run one engine step and return what it produced (no outputs when idle; finished ids still flow)."""
+        """Run one engine step and return what it produced (no outputs when idle; finished ids still flow). If
+        the model runner raises, the step's requests end with ``EngineStepError`` and the rest go on (see the
+        module docstring); check ``dead_error`` after each step.
+
+        Raises:
+            EngineUnavailableError: the core was declared dead by an earlier step.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
         scheduler_output = self.scheduler.schedule()
-        model_runner_output = self.model_runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        try:
+            model_runner_output = self.model_runner.execute_model(scheduler_output)
+        except Exception as e:
+            outputs = self._fail_step(scheduler_output, e)
+        else:
+            self.num_consecutive_failed_steps = 0
+            outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         if self._stats is not None:
             self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, cause: Exception) -> EngineCoreOutputs:
+        """The model runner raised ``cause`` running ``scheduler_output``: fail the step's requests, forget them
+        in the runner; declare the core dead after too many failed steps in a row."""
+        self.num_consecutive_failed_steps += 1
+        failed_ids = list(scheduler_output.num_scheduled_tokens)
+        limit = self.config.max_consecutive_failed_steps
+        logger.error(
+            "the model runner failed a step of %d request(s), which end with INTERNAL (%d of %d failed steps in a "
+            "row before the core is declared dead): %s",
+            len(failed_ids),
+            self.num_consecutive_failed_steps,
+            limit,
+            ", ".join(failed_ids),
+            exc_info=cause,
+        )
+        error = EngineStepError(f"the engine core failed while running this request: {type(cause).__name__}: {cause}")
+        # The runner may have taken new requests in before it raised, and not yet dropped those finished before.
+        self.model_runner.remove_requests([*failed_ids, *scheduler_output.finished_req_ids])
+        outputs = self.scheduler.fail_step(scheduler_output, error)
+        if self.num_consecutive_failed_steps >= limit:
+            self.dead_error = EngineUnavailableError(
+                f"the engine core is dead: {limit} steps in a row failed, the last with {type(cause).__name__}: {cause}"
+            )
+            others = list(self.scheduler.requests)
+            logger.critical("%s; ending the %d other request(s) with UNAVAILABLE", self.dead_error, len(others))
+            outputs += self.scheduler.fail_requests(others, self.dead_error)
+            self.model_runner.remove_requests(others)
+        return self.scheduler.make_outputs(outputs)
 
     @property
     def stats_tracker(self) -> RequestStatsTracker | None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from core_svc.engine_core import EngineCore
+from core_svc.errors import EngineUnavailableError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason, Request
 
@@ -34,13 +35,14 @@ class _Client:
 class EngineLoop:
     """Owns an ``EngineCore`` and the thread that drives it.
 
-    Every method may be called from any thread. Errors of a refused request go to its
-    client's sink as an output with finish_reason ERROR and ``error = (grpc status code value, message)``.
+    Every method may be called from any thread. A refused request (also one queued when the loop stopped or
+    died) is reported to its client's sink as an output with finish_reason ERROR and ``error``, the exception.
+    When the core is declared dead (``EngineCore.dead_error``) or a step raises, the loop dies: every request
+    still in the core ends with ``EngineUnavailableError``, and the death callbacks run.
     """
 
-    def __init__(self, engine_core: EngineCore, error_code: Callable[[Exception], int]) -> None:
+    def __init__(self, engine_core: EngineCore) -> None:
         self.engine_core = engine_core
-        self._error_code = error_code  # maps a refused request's exception to a grpc status code value
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.Queue()
         self._clients: dict[int, _Client] = {}
         self._owner: dict[str, int] = {}  # request_id -> client index
@@ -66,7 +68,7 @@ class EngineLoop:
             self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
-        self._fail_pending(RuntimeError("the engine loop has stopped"))
+        self._fail_pending(EngineUnavailableError("the engine loop has stopped"))
 
     @property
     def is_alive(self) -> bool:
@@ -86,12 +88,23 @@ class EngineLoop:
 
     def add_requests(self, client_index: int, requests: list[Request]) -> concurrent.futures.Future[None]:
         """Queue requests for the core; all are added or none. A refusal is also reported to the client's sink,
-        a stopped loop included."""
-        future = self.submit(lambda: self._add(client_index, requests))
-        error = future.exception() if future.done() else None
-        client = self._clients.get(client_index)
-        if error is not None and client is not None:  # the loop is gone: tell the client now
-            client.sink(_refusals(requests, self._error_code(error), str(error)))
+        a loop that stopped or died before the add ran included."""
+        ran = threading.Event()
+
+        def add() -> None:
+            ran.set()
+            self._add(client_index, requests)  # reports its own refusal
+
+        def refuse_if_never_run(done: concurrent.futures.Future[None]) -> None:
+            client = self._clients.get(client_index)
+            if ran.is_set() or done.cancelled() or client is None:
+                return
+            error = done.exception()
+            if error is not None:  # the loop stopped or died first: tell the client now
+                client.sink(_error_outputs([r.request_id for r in requests], error))
+
+        future = self.submit(add)
+        future.add_done_callback(refuse_if_never_run)
         return future
 
     def abort_requests(
@@ -111,7 +124,7 @@ class EngineLoop:
             if not self._stopping.is_set():
                 self._commands.put((fn, future))
                 return future
-        future.set_exception(RuntimeError("the engine loop has stopped"))
+        future.set_exception(EngineUnavailableError("the engine loop has stopped"))
         return future
 
     def num_unfinished_requests(self) -> int:
@@ -124,13 +137,21 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self._apply_commands(block=not self.engine_core.has_unfinished_requests())
                 if self.engine_core.has_unfinished_requests():
-                    self._dispatch(self.engine_core.step())
+                    self._dispatch(self.engine_core.step())  # a failed step's requests end in its outputs
+                    if self.engine_core.dead_error is not None:
+                        raise self.engine_core.dead_error
         except BaseException as e:
-            logger.exception("engine loop died")
+            if isinstance(e, EngineUnavailableError):
+                logger.error("engine loop stopped: %s", e)  # the core logged the steps that failed
+                unavailable = e
+            else:
+                logger.exception("engine loop died")
+                unavailable = EngineUnavailableError(f"the engine core died: {type(e).__name__}: {e}")
             self.dead_error = e
             with self._submit_lock:
                 self._stopping.set()
-            self._fail_pending(e)
+            self._fail_owned(unavailable)
+            self._fail_pending(unavailable)
             for callback in self._death_callbacks:
                 callback(e)
 
@@ -164,7 +185,7 @@ class EngineLoop:
                 client.request_ids.add(request.request_id)
         except Exception as e:
             self._abort(added, notify=False)
-            client.sink(_refusals(requests, self._error_code(e), str(e)))
+            client.sink(_error_outputs([r.request_id for r in requests], e))
             raise
 
     def _abort(self, request_ids: list[str], client_index: int | None = None, notify: bool = True) -> None:
@@ -221,6 +242,21 @@ class EngineLoop:
             except Exception:
                 logger.exception("output sink of client %d failed", index)
 
+    def _fail_owned(self, error: Exception) -> None:
+        """End every request still in the core with ``error``, an output to its client (the loop is dying)."""
+        by_owner: dict[int, list[str]] = {}
+        for request_id, owner in self._owner.items():
+            by_owner.setdefault(owner, []).append(request_id)
+        for owner, request_ids in by_owner.items():
+            for request_id in request_ids:
+                self._forget(request_id)
+            client = self._clients.get(owner)
+            if client is not None:
+                try:
+                    client.sink(_error_outputs(request_ids, error))
+                except Exception:
+                    logger.exception("output sink of client %d failed", owner)
+
     def _fail_pending(self, error: BaseException) -> None:
         while True:
             try:
@@ -231,11 +267,10 @@ class EngineLoop:
                 future.set_exception(error)
 
 
-def _refusals(requests: list[Request], code: int, message: str) -> EngineCoreOutputs:
-    """Outputs that end refused requests with finish_reason ERROR and ``error = (code, message)``."""
+def _error_outputs(request_ids: list[str], error: BaseException) -> EngineCoreOutputs:
+    """Outputs that end requests with finish_reason ERROR and ``error``."""
+    if not isinstance(error, Exception):  # KeyboardInterrupt and the like: the loop is gone
+        error = EngineUnavailableError(f"the engine loop stopped: {type(error).__name__}")
     return EngineCoreOutputs(
-        outputs=[
-            EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR, error=(code, message))
-            for r in requests
-        ]
+        outputs=[EngineCoreOutput(i, [], finish_reason=FinishReason.ERROR, error=error) for i in request_ids]
     )

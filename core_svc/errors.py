@@ -23,3 +23,15 @@ class RequestTooLargeError(EngineError):
 
 class ModelLoadError(EngineError):
     """The checkpoint is missing, corrupt, or uses an architecture or option the core does not support."""
+
+
+class EngineStepError(EngineError):
+    """The model runner raised while running a step (forward or sampling). Every request of that step ends with
+    it, and the core goes on serving the others. Maps to INTERNAL: a fault of the server, which a router must not
+    replay on another core as if the request had never run (it could take that core down too)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The core cannot take or finish requests: it is shutting down, has stopped, or was declared dead after
+    ``CoreConfig.max_consecutive_failed_steps`` failed steps in a row. Maps to UNAVAILABLE: a request refused
+    or ended with it may go to another core."""

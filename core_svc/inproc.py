@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
+from core_svc.errors import EngineUnavailableError
 from core_svc.grpc_status import status_code_value
 from core_svc.observability import observe_engine
 from core_svc.outputs import EngineCoreOutputs
@@ -65,7 +66,11 @@ class InprocCore:
         self.engine_core.abort_requests(request_ids)
 
     def step(self) -> pb.EngineCoreOutputs:
-        return outputs_to_pb(self.engine_core.step())
+        """Raises RefusedError (UNAVAILABLE) once the core was declared dead."""
+        try:
+            return outputs_to_pb(self.engine_core.step())
+        except EngineUnavailableError as e:
+            raise _refused(e) from e
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
@@ -80,7 +85,7 @@ class InprocCore:
         def deliver(outputs: EngineCoreOutputs) -> None:
             sink(outputs_to_pb(outputs))
 
-        self._loop = EngineLoop(self.engine_core, status_code_value)
+        self._loop = EngineLoop(self.engine_core)
         self._client_index = self._loop.register_client(deliver)
         self._loop.on_death(on_death)
         self._loop.start()
@@ -114,7 +119,7 @@ class InprocCore:
 
     def _engine_loop(self) -> EngineLoop:
         if self._loop is None:
-            raise RuntimeError("the engine loop is not running")
+            raise EngineUnavailableError("the engine loop is not running")
         return self._loop
 
 

@@ -8,6 +8,7 @@ only for rows that sample (and for prompt positions of requests that asked for p
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,9 +83,13 @@ class ModelRunner:
                     output.logprobs[state.request_id] = sampler_output.logprobs.slice(i, i + 1)
         return output
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for request_id in scheduler_output.finished_req_ids:
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop the per-request state of ``request_ids``; unknown ids are ignored."""
+        for request_id in request_ids:
             self.requests.pop(request_id, None)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        self.remove_requests(scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             seed = new.sampling_params.seed
             generator = None

@@ -83,7 +83,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # stop token id (or stop string, set by the frontend)
     events: list[EngineCoreEvent] = field(default_factory=list)
     num_cached_tokens: int = 0
-    error: tuple[int, str] | None = None  # (grpc status code value, message) with finish_reason ERROR
+    error: Exception | None = None  # with finish_reason ERROR: why; the wire carries its message and the gRPC
+    # code core_svc/grpc_status.py maps it to
 
     @property
     def finished(self) -> bool:

@@ -28,8 +28,9 @@ class Scheduler:
     """Decides which requests run each step and how many tokens each computes, then folds the sampled tokens
     back into the requests and decides which finished.
 
-    Contract: ``schedule()`` then ``update_from_output(scheduler_output, model_runner_output)``, strictly
-    alternating. ``finish_requests`` may be called between steps.
+    Contract: ``schedule()`` then ``update_from_output(scheduler_output, model_runner_output)`` (or
+    ``fail_step(scheduler_output, error)`` when the model runner raised), strictly alternating.
+    ``finish_requests`` and ``fail_requests`` may be called between steps.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -210,6 +211,39 @@ class Scheduler:
             self.running = [r for r in self.running if r not in stopped]
             for request in stopped:
                 self._free_request(request)
+        return self.make_outputs(outputs)
+
+    def fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+        """Instead of ``update_from_output`` when the model runner raised ``error`` running ``scheduler_output``:
+        every request of the step ends with FINISHED_ERROR and ``error``; requests not in it are untouched.
+
+        The optimistic ``num_computed_tokens`` of ``schedule()`` is taken back first, so that ``free`` evicts the
+        blocks cached at allocation for tokens this forward was to compute: nobody may hit KV never written.
+        Returns the failed requests' final outputs.
+        """
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_computed_tokens -= num_tokens
+        return self.fail_requests(list(scheduler_output.num_scheduled_tokens), error)
+
+    def fail_requests(self, request_ids: list[str], error: Exception) -> list[EngineCoreOutput]:
+        """End requests (waiting or running) with FINISHED_ERROR and ``error``, freeing their blocks; unknown ids
+        are ignored. Returns their final outputs: no new token, finish reason ERROR, the error."""
+        return [
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.status.finish_reason,
+                events=request.take_events(),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                error=error,
+            )
+            for request in self.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
+        ]
+
+    def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """A step's ``EngineCoreOutputs``: ``outputs``, the stats since the last ones, the ids finished since."""
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), finished_requests=self.take_finished_requests()
         )

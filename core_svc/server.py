@@ -3,6 +3,11 @@
 Health: "" (liveness) is SERVING while the process runs; ``splitserve.engine.v1.EngineCore`` (readiness) is
 NOT_SERVING until the model is loaded and from SIGTERM on. On SIGTERM the core stops admitting,
 lets in-flight requests finish for up to ``shutdown_timeout_s``, aborts what is left, and exits 0.
+
+A step whose model runner raises fails only its own requests (INTERNAL); the core keeps serving. If the engine
+dies (declared dead after ``max_consecutive_failed_steps`` failed steps in a row, or any fault outside the
+model runner), its requests end with UNAVAILABLE, readiness goes NOT_SERVING, and the process exits 1 without a
+drain, for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from prometheus_client import CollectorRegistry
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
-from core_svc.grpc_status import status_code_value
 from core_svc.observability import observe_engine
 from core_svc.service import SERVICE_NAME, CoreServerState, EngineCoreServicer
 from splitserve import grpc_runtime, metrics, tracing
@@ -87,7 +91,7 @@ async def _serve(
         await server.stop(None)
         return 1
     observe_engine(engine_core, config.model, registry, tracer_provider)
-    engine_loop = EngineLoop(engine_core, status_code_value)
+    engine_loop = EngineLoop(engine_core)
     failed = False
 
     def on_death(error: BaseException) -> None:  # the engine thread died: stop serving, exit non-zero
@@ -103,19 +107,25 @@ async def _serve(
     logger.info("splitserve core ready on %s:%d", host, bound)
 
     await stop.wait()
-    logger.info(
-        "shutting down: draining %d request(s) for up to %.0f s",
-        engine_loop.num_unfinished_requests(),
-        shutdown_timeout_s,
-    )
     state.draining = True
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
-    deadline = time.monotonic() + shutdown_timeout_s
-    while engine_loop.num_unfinished_requests() and time.monotonic() < deadline and engine_loop.dead_error is None:
-        await asyncio.sleep(0.05)
-    left = engine_loop.num_unfinished_requests()
-    if left:
-        logger.warning("aborting %d request(s) still running after %.0f s", left, shutdown_timeout_s)
+    if failed:  # nothing to drain: the loop already ended every request with UNAVAILABLE
+        logger.error(
+            "the engine core is down (%s): NOT_SERVING; its requests ended with UNAVAILABLE, exiting without a drain",
+            engine_loop.dead_error,
+        )
+    else:
+        logger.info(
+            "shutting down: draining %d request(s) for up to %.0f s",
+            engine_loop.num_unfinished_requests(),
+            shutdown_timeout_s,
+        )
+        deadline = time.monotonic() + shutdown_timeout_s
+        while engine_loop.num_unfinished_requests() and time.monotonic() < deadline and engine_loop.is_alive:
+            await asyncio.sleep(0.05)
+        left = engine_loop.num_unfinished_requests()
+        if left:
+            logger.warning("aborting %d request(s) still running after %.0f s", left, shutdown_timeout_s)
     await server.stop(grace=1.0)  # ends the streams; their requests are aborted as the streams close
     engine_loop.stop()
     logger.info("splitserve core stopped")

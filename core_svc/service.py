@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from core_svc.engine_loop import EngineLoop
+from core_svc.errors import EngineUnavailableError
 from core_svc.grpc_status import status_code
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
@@ -99,7 +100,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                             request.request_id,
                             [],
                             finish_reason=FinishReason.ERROR,
-                            error=(grpc.StatusCode.UNAVAILABLE.value[0], "the engine core is shutting down"),
+                            error=EngineUnavailableError("the engine core is shutting down"),
                         )
                         outbox.put_nowait(outputs_to_pb(EngineCoreOutputs(outputs=[refusal])))
                         continue

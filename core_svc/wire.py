@@ -7,6 +7,7 @@ dataclass -> protobuf). Nothing else in the core touches protobuf types.
 from __future__ import annotations
 
 from core_svc.engine_core import EngineInfo, EngineLoad
+from core_svc.grpc_status import status_code_value
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
@@ -83,7 +84,7 @@ def _output_to_pb(output: EngineCoreOutput) -> pb.EngineCoreOutput:
     elif isinstance(output.stop_reason, str):
         msg.stop_str = output.stop_reason
     if output.error is not None:
-        msg.error.code, msg.error.message = output.error
+        msg.error.code, msg.error.message = status_code_value(output.error), str(output.error)
     return msg
 
 

@@ -6,7 +6,7 @@ stop strings and logprob text, and the Python API. Imports neither torch nor the
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.errors import EngineDeadError, RequestTooLargeError, ValidationError
+from frontend_svc.errors import EngineDeadError, InternalError, RequestTooLargeError, ValidationError
 from frontend_svc.llm import LLM
 from frontend_svc.llm_engine import LLMEngine
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
@@ -18,6 +18,7 @@ __all__ = [
     "CompletionOutput",
     "EngineCoreClient",
     "EngineDeadError",
+    "InternalError",
     "LLMEngine",
     "Logprob",
     "RequestOutput",

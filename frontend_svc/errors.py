@@ -29,8 +29,13 @@ class EngineDeadError(FrontendError, RuntimeError):
     """The engine core stopped or is unreachable. Maps to UNAVAILABLE."""
 
 
+class InternalError(FrontendError):
+    """The engine core failed while running the request (a fault of the server, not of the request as sent;
+    the core goes on serving others). Maps to INTERNAL, which routers do not replay on another core."""
+
+
 # gRPC status code values the core puts in EngineCoreOutput.error (grpc.StatusCode, without importing grpc).
-_INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNAVAILABLE = 3, 5, 8, 14
+_INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _INTERNAL, _UNAVAILABLE = 3, 5, 8, 13, 14
 
 
 def error_from_core(code: int, message: str) -> FrontendError:
@@ -47,4 +52,6 @@ def error_from_core(code: int, message: str) -> FrontendError:
         return RequestTooLargeError(message)
     if code == _UNAVAILABLE:
         return EngineDeadError(message)
+    if code == _INTERNAL:
+        return InternalError(message)
     return FrontendError(message)

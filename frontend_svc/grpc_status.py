@@ -9,7 +9,7 @@ from frontend_svc.errors import EngineDeadError, NotFoundError, RequestTooLargeE
 
 def status_code(error: BaseException) -> grpc.StatusCode:
     """validation -> INVALID_ARGUMENT, can-never-fit -> RESOURCE_EXHAUSTED, core unreachable -> UNAVAILABLE,
-    anything else -> INTERNAL."""
+    anything else (``InternalError``: the core failed running the request) -> INTERNAL."""
     if isinstance(error, ValidationError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, NotFoundError):

@@ -50,7 +50,10 @@ class InprocClient(EngineCoreClient):
             self._edge().abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return outputs_from_pb(self._edge().step())
+        try:
+            return outputs_from_pb(self._edge().step())
+        except self._refused_error as e:  # the core was declared dead
+            raise error_from_core(e.code, e.message) from e
 
     def reset_prefix_cache(self) -> bool:
         return self._edge().reset_prefix_cache()

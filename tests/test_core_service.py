@@ -20,6 +20,8 @@ NUM_TOKENS = 3
 class ScriptedCore:
     """Each request produces NUM_TOKENS tokens, one per step, then finishes with LENGTH."""
 
+    dead_error = None
+
     def __init__(self) -> None:
         self.left: dict[str, int] = {}
 
@@ -70,7 +72,7 @@ def test_half_closed_stream_gets_everything_then_ends(slow, monkeypatch):
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(EngineLoop, slow, delayed)
-    engine_loop = EngineLoop(ScriptedCore(), lambda e: 13)
+    engine_loop = EngineLoop(ScriptedCore())
     engine_loop.start()
     servicer = EngineCoreServicer(CoreServerState(engine_loop=engine_loop))
     try:
@@ -87,7 +89,7 @@ def test_a_command_racing_stop_is_run_or_refused(monkeypatch):
     caller would hang). The queueing is slowed so that stop() lands inside it."""
     import threading
 
-    engine_loop = EngineLoop(ScriptedCore(), lambda e: 13)
+    engine_loop = EngineLoop(ScriptedCore())
     engine_loop.start()
     put = engine_loop._commands.put
 

@@ -180,3 +180,143 @@ def test_generation_config_eos_ids_all_stop(checkpoint, tmp_path):
     assert [t for o in outputs for t in o.new_token_ids] == free_run[0].token_ids[:2]
     assert outputs[-1].stop_reason == second_token and str(outputs[-1].finish_reason) == "stop"
     assert params.eos_token_id is None and params.stop_token_ids == []
+
+
+# --- a step whose model runner raises -------------------------------------------------------------------------
+
+GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
+
+
+def inject_fault(monkeypatch, engine, where: str, mode: str = "poison") -> None:
+    """Make the forward (``where="forward"``) or the sampler (``"sampler"``) raise for batches with a poison
+    request (a prompt starting with POISON_TOKEN_ID), or for every batch (``mode="broken"``)."""
+    from core_svc.models.llama import LlamaForCausalLM
+    from core_svc.sampler import Sampler
+    from tests.faulty_core import FAULT_MESSAGE, POISON_TOKEN_ID, faulty_forward
+
+    if where == "forward":
+        monkeypatch.setattr(LlamaForCausalLM, "forward", faulty_forward(mode, LlamaForCausalLM.forward))
+        return
+    sample = Sampler.__call__
+
+    def faulty_sample(self, *args, **kwargs):
+        states = engine.model_runner.requests.values()
+        if mode == "broken" or any(s.prompt_token_ids[0] == POISON_TOKEN_ID and not s.output_token_ids for s in states):
+            raise RuntimeError(FAULT_MESSAGE)
+        return sample(self, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "__call__", faulty_sample)
+
+
+def generate_alone(engine, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens of one request run alone to its end, and its num_cached_tokens."""
+    engine.add_request(request(request_id, prompt, **GREEDY))
+    tokens, num_cached = [], -1
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            tokens += output.new_token_ids
+            num_cached = output.num_cached_tokens
+    return tokens, num_cached
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+def test_a_failed_step_fails_its_requests_alone_and_the_core_goes_on(checkpoint, monkeypatch, where):
+    from core_svc.errors import EngineStepError
+    from core_svc.grpc_status import status_code
+    from tests.faulty_core import POISON_TOKEN_ID
+
+    a_prompt = list(range(20, 51))  # 31 tokens: block 0 full after its prefill, block 1 full with its first output
+    p_prompt = [POISON_TOKEN_ID, *range(60, 99)]  # 40 tokens: blocks 0-1 full (cached at allocation)
+    c_prompt = list(range(100, 120))
+    reference = make_engine(checkpoint("llama"), num_kv_blocks=33)
+    generate_alone(reference, "a0", a_prompt)
+    a_again, a_cached = generate_alone(reference, "a1", a_prompt)  # as it runs later here: block 0 is a hit
+    c_alone, _ = generate_alone(reference, "c", c_prompt)
+    assert a_cached == 16
+
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=33, max_num_seqs=2)
+    kv = engine.scheduler.kv_cache_manager
+    inject_fault(monkeypatch, engine, where)
+    engine.add_request(request("a", a_prompt, **GREEDY))
+    (first,) = engine.step().outputs  # a's prefill: fine
+    engine.add_request(request("p", p_prompt, **GREEDY))
+    engine.add_request(request("c", c_prompt, **GREEDY))  # waits: max_num_seqs=2
+    failed = engine.step()  # a's decode (filling its block 1) and p's prefill, in one batch that raises
+    assert {o.request_id for o in failed.outputs} == {"a", "p"} == failed.finished_requests
+    for output in failed.outputs:
+        assert str(output.finish_reason) == "error" and output.new_token_ids == []
+        assert isinstance(output.error, EngineStepError) and status_code(output.error).name == "INTERNAL"
+        assert str(output.error) == "the engine core failed while running this request: RuntimeError: injected fault"
+    assert engine.dead_error is None and engine.num_consecutive_failed_steps == 1
+    # Every block back; the runner forgot both; the cache keeps only what a finished forward wrote: a's block 0.
+    assert kv.num_free_blocks == 32
+    assert set(engine.model_runner.requests) == set()
+    assert len(kv.block_pool.cached_block_hash_to_block) == 1
+    a_tokens = a_prompt + first.new_token_ids + [0]  # positions 0-31 (block 1 holds a's first output) and one more
+    assert kv.get_computed_blocks(request("probe-a", a_tokens))[1] == 16  # not 32: block 1 was never written
+    assert kv.get_computed_blocks(request("probe-p", [*p_prompt, 0]))[1] == 0  # not 32
+
+    # c, which waited, runs as if nothing had happened; a later request is served, with a's block 0 as a hit.
+    c_tokens = []
+    while engine.has_unfinished_requests():
+        c_tokens += [t for o in engine.step().outputs for t in o.new_token_ids]
+    assert c_tokens == c_alone and engine.num_consecutive_failed_steps == 0
+    assert generate_alone(engine, "later", a_prompt) == (a_again, 16)
+    assert kv.num_free_blocks == 32
+
+
+def test_failed_steps_in_a_row_declare_the_core_dead(checkpoint, monkeypatch):
+    """A success between failures starts the count again; max_consecutive_failed_steps in a row end it: the
+    step's own requests get INTERNAL, every other one UNAVAILABLE, and the core refuses from then on."""
+    from core_svc.errors import EngineUnavailableError
+    from core_svc.grpc_status import status_code
+    from tests.faulty_core import POISON_TOKEN_ID
+
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=33, max_num_seqs=1, max_consecutive_failed_steps=2)
+    inject_fault(monkeypatch, engine, "forward")
+    engine.add_request(request("p1", [POISON_TOKEN_ID, 5, 6], **GREEDY))
+    engine.add_request(request("ok", [5, 6, 7], **{**GREEDY, "max_tokens": 2}))
+    engine.add_request(request("p2", [POISON_TOKEN_ID, 8, 9], **GREEDY))
+    engine.add_request(request("ok2", [5, 6, 7], **{**GREEDY, "max_tokens": 1}))
+    codes = []
+    while engine.has_unfinished_requests():  # one request per step (max_num_seqs=1): p1, ok, ok, p2, ok2
+        outputs = engine.step()
+        codes += [(o.request_id, status_code(o.error).name) for o in outputs.outputs if o.error is not None]
+    assert codes == [("p1", "INTERNAL"), ("p2", "INTERNAL")] and engine.dead_error is None
+    assert engine.num_consecutive_failed_steps == 0
+
+    inject_fault(monkeypatch, engine, "forward", mode="broken")
+    for request_id in ("r1", "r2", "r3"):
+        engine.add_request(request(request_id, [5, 6, 7], **GREEDY))
+    first, second = engine.step(), engine.step()
+    assert [(o.request_id, status_code(o.error).name) for o in first.outputs] == [("r1", "INTERNAL")]
+    assert [(o.request_id, status_code(o.error).name) for o in second.outputs] == [
+        ("r2", "INTERNAL"),
+        ("r3", "UNAVAILABLE"),
+    ]
+    assert str(engine.dead_error) == (
+        "the engine core is dead: 2 steps in a row failed, the last with RuntimeError: injected fault"
+    )
+    assert not engine.has_unfinished_requests() and not engine.model_runner.requests
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == 32
+    with pytest.raises(EngineUnavailableError, match="the engine core is dead"):
+        engine.add_request(request("late", [5, 6, 7]))
+    with pytest.raises(EngineUnavailableError):
+        engine.step()
+
+
+def test_server_faults_map_to_internal_and_only_a_stopped_core_to_unavailable():
+    """A router replays UNAVAILABLE on another core: only a core that cannot serve may answer it."""
+    from core_svc.errors import EngineStepError, EngineUnavailableError
+    from core_svc.grpc_status import status_code
+    from frontend_svc.errors import EngineDeadError, InternalError, error_from_core
+    from frontend_svc.grpc_status import status_code as frontend_status_code
+
+    assert status_code(RuntimeError("CUDA error: an illegal memory access was encountered")).name == "INTERNAL"
+    assert status_code(EngineStepError("x")).name == "INTERNAL"
+    assert status_code(EngineUnavailableError("the engine loop has stopped")).name == "UNAVAILABLE"
+    internal = error_from_core(13, "the engine core failed while running this request: RuntimeError: boom")
+    assert isinstance(internal, InternalError) and frontend_status_code(internal).name == "INTERNAL"
+    assert str(internal) == "the engine core failed while running this request: RuntimeError: boom"
+    unavailable = error_from_core(14, "the engine core is dead")
+    assert isinstance(unavailable, EngineDeadError) and frontend_status_code(unavailable).name == "UNAVAILABLE"

@@ -8,6 +8,7 @@ import contextlib
 import json
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from splitserve.engine.v1 import engine_core_pb2 as core_pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from tests.faulty_core import FAULT_MESSAGE, POISON_TOKEN_ID
 from tests.test_grpc_split import CORE_ARGS, generate, greedy, joined
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +97,103 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
 def core_load(core: stack.ServiceProcess) -> core_pb.EngineLoad:
     with grpc.insecure_channel(core.address) as channel:
         return core_grpc.EngineCoreStub(channel).GetLoad(core_pb.GetLoadRequest(), timeout=10)
+
+
+@contextlib.contextmanager
+def faulty_split_stack(
+    model: str, logs: Path, mode: str, core_args: list[str]
+) -> Iterator[tuple[stack.ServiceProcess, stack.ServiceProcess]]:
+    """A core whose forward fails as ``tests/faulty_core.py`` ``mode`` says, and a frontend over it."""
+    port = stack.free_port()
+    launcher = [sys.executable, str(ROOT / "tests" / "faulty_core.py"), mode]
+    core = stack.start_service(
+        f"core-{port}", ["core", "--model", model, *core_args], port, logs, stack.CORE_SERVICE, launcher=launcher
+    )
+    frontend = None
+    try:
+        core.wait_serving()
+        frontend = stack.start_frontend(model, [core.address], logs)
+        frontend.wait_serving()
+        yield core, frontend
+    finally:
+        for process in [frontend, core]:
+            if process is not None:
+                process.stop()
+
+
+async def generate_ids(
+    address: str, prompt_token_ids: list[int], max_tokens: int, started: asyncio.Event | None = None
+) -> tuple[grpc.StatusCode, str, list[int], int]:
+    """Greedy ``Generate`` of token ids: (status code, details, generated ids, num_cached_tokens); ``started`` is
+    set at the first response."""
+    params = greedy(max_tokens=max_tokens)
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = api_grpc.GenerationStub(channel).Generate(
+            api.GenerateRequest(prompt_token_ids=prompt_token_ids, sampling_params=params)
+        )
+        token_ids, num_cached = [], 0
+        try:
+            async for response in call:
+                if started is not None:
+                    started.set()
+                token_ids += response.outputs[0].token_ids
+                num_cached = max(num_cached, response.num_cached_tokens)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or "", token_ids, num_cached
+        return grpc.StatusCode.OK, "", token_ids, num_cached
+
+
+def test_a_failed_step_ends_its_requests_with_internal_and_the_core_serves_on(model, logs):
+    """The forward of the poison request's step raises (once). It gets INTERNAL with the core's message; a request
+    in flight on other steps (max-num-seqs 1) gets the tokens it gets without a fault; the core stays up and
+    SERVING with every KV block free; the poison prompt sent again finds nothing cached from the failed forward."""
+    survivor_prompt = list(range(20, 51))
+    poison_prompt = [POISON_TOKEN_ID, *range(60, 99)]  # 40 tokens: 2 full blocks, cached when allocated
+    with faulty_split_stack(model, logs, "poison_once", [*CORE_ARGS, "--max-num-seqs", "1"]) as (core, frontend):
+        reference = asyncio.run(generate_ids(frontend.address, survivor_prompt, 30))
+        assert reference[0] == grpc.StatusCode.OK and len(reference[2]) == 30
+
+        async def scenario():
+            started = asyncio.Event()
+            survivor = asyncio.create_task(generate_ids(frontend.address, survivor_prompt, 30, started))
+            await started.wait()  # running: the poison request waits behind it (max-num-seqs 1)
+            poisoned = await generate_ids(frontend.address, poison_prompt, 5)
+            return await survivor, poisoned
+
+        survivor, poisoned = asyncio.run(scenario())
+        assert poisoned[:3] == (
+            grpc.StatusCode.INTERNAL,
+            f"the engine core failed while running this request: RuntimeError: {FAULT_MESSAGE}",
+            [],
+        )
+        assert survivor[0] == grpc.StatusCode.OK and survivor[2] == reference[2]
+        assert core.process.poll() is None and core.health() == SERVING and frontend.health() == SERVING
+        load = core_load(core)
+        assert load.num_running_reqs == 0 and load.num_free_kv_blocks == load.num_usable_kv_blocks
+        again = asyncio.run(generate_ids(frontend.address, poison_prompt, 5))
+        assert again[0] == grpc.StatusCode.OK and len(again[2]) == 5 and again[3] == 0  # not 32
+        log = core.log_path.read_text()
+        assert "which end with INTERNAL (1 of 3 failed steps in a row" in log and "engine loop died" not in log
+
+
+def test_a_core_whose_every_step_fails_is_declared_dead(model, logs):
+    """Every forward raises. With max-num-seqs 1, three requests fail one step each with INTERNAL; the third
+    failed step in a row declares the core dead: the fourth request gets UNAVAILABLE, readiness goes NOT_SERVING,
+    and the core exits 1 without claiming a drain."""
+    with faulty_split_stack(model, logs, "broken", [*CORE_ARGS, "--max-num-seqs", "1"]) as (core, frontend):
+
+        async def four():
+            return await asyncio.gather(*(generate_ids(frontend.address, [5 + i, 6, 7], 5) for i in range(4)))
+
+        results = asyncio.run(four())
+        assert sorted(code.name for code, *_ in results) == ["INTERNAL", "INTERNAL", "INTERNAL", "UNAVAILABLE"]
+        assert core.process.wait(30) == 1
+        assert wait_for(lambda: frontend.health() == NOT_SERVING, 10)
+        code, *_ = asyncio.run(generate_ids(frontend.address, [5, 6, 7], 2))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        log = core.log_path.read_text()
+        assert "the engine core is dead: 3 steps in a row failed, the last with RuntimeError: injected fault" in log
+        assert "exiting without a drain" in log and "draining" not in log
 
 
 def test_core_killed_mid_stream_then_restarted(model, logs):

@@ -165,3 +165,26 @@ def test_abort_ends_every_child_through_the_parent(tokenizer):
         else:
             assert reasons == {1: "abort", 2: "abort"}
         assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids
+
+
+def test_a_child_failed_by_the_core_fails_the_parent_with_internal(tokenizer):
+    """n = 3: the core ends one child with INTERNAL (a failed step). The stream gets InternalError with the
+    core's message, which the public API sends as INTERNAL; the two siblings are handed back for the core to
+    abort, and nothing of the parent stays."""
+    from frontend_svc.errors import InternalError
+    from frontend_svc.grpc_status import status_code
+
+    processor = OutputProcessor(tokenizer)
+    queue = RequestOutputCollector(RequestOutputKind.DELTA)
+    parent = ParentRequest("p-1", "p", SamplingParams(n=3, output_kind=RequestOutputKind.DELTA))
+    for i in range(3):
+        child_id, child_params = parent.get_child_info(i)
+        processor.add_request(child_id, "p", child_params, None, [1], parent, i, queue)
+    message = "the engine core failed while running this request: RuntimeError: boom"
+    failed = EngineCoreOutput("1_p-1", [], finish_reason=FinishReason.ERROR, error=(13, message))
+    result = processor.process_outputs([failed])
+    assert sorted(result.reqs_to_abort) == ["0_p-1", "2_p-1"]
+    with pytest.raises(InternalError) as info:
+        queue.get_nowait()
+    assert str(info.value) == message and status_code(info.value).name == "INTERNAL"
+    assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids

@@ -286,3 +286,42 @@ def test_prefix_cache_stats_count_readmissions_after_preemption_apart():
         "preempted_queries": 65 + 49,
         "preempted_hits": 32,
     }
+
+
+def test_fail_step_ends_only_its_requests_and_uncaches_what_its_forward_was_to_write():
+    """Blocks are cached at allocation, for tokens the coming forward computes. When that forward raises, the
+    step's requests fail, every block comes back, and only blocks an earlier, finished forward wrote stay cached.
+    By hand, block_size 16: "dec" (31-token prompt) is prefilled in step 1, which caches its block 0 (tokens
+    0-15). Step 2 schedules its decode of position 31, which fills block 1 (cached at allocation), and admits
+    "new" (40 tokens: blocks 0-1 cached at allocation); "wait" stays queued (max_num_seqs=2). Step 2 fails."""
+    scheduler = make_scheduler(max_num_seqs=2, num_blocks=11)
+    kv = scheduler.kv_cache_manager
+    dec = make_request("dec", num_tokens=31, max_tokens=5, ignore_eos=True)
+    scheduler.add_request(dec)
+    run_step(scheduler)
+    new = make_request("new", num_tokens=40, max_tokens=5, ignore_eos=True)
+    waiting = make_request("wait", num_tokens=20, max_tokens=2, ignore_eos=True)
+    scheduler.add_request(new)
+    scheduler.add_request(waiting)
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"dec": 1, "new": 40}
+    assert len(kv.block_pool.cached_block_hash_to_block) == 1 + 1 + 2  # dec's 0 and 1, new's 0 and 1
+    error = RuntimeError("boom")
+    failed = scheduler.fail_step(output, error)
+    assert [(o.request_id, o.finish_reason, o.new_token_ids, o.error) for o in failed] == [
+        ("dec", FinishReason.ERROR, [], error),
+        ("new", FinishReason.ERROR, [], error),
+    ]
+    assert dec.status == new.status == RequestStatus.FINISHED_ERROR
+    assert kv.num_free_blocks == 10 and list(scheduler.waiting) == [waiting] and scheduler.running == []
+    cached = {b.block_id for blocks in kv.block_pool.cached_block_hash_to_block.values() for b in blocks.values()}
+    assert cached == {1}  # dec's block 0: block id 1, the first handed out (0 is the null block)
+    probe_dec = make_request("probe-dec", prompt_token_ids=[*dec.all_token_ids, 0])  # 33 tokens: 2 full blocks
+    assert kv.get_computed_blocks(probe_dec)[1] == 16
+    assert kv.get_computed_blocks(make_request("probe-new", prompt_token_ids=[*new.prompt_token_ids, 0]))[1] == 0
+    outputs = scheduler.make_outputs(failed)
+    assert outputs.finished_requests == {"dec", "new"} and outputs.scheduler_stats.num_running_reqs == 0
+    # The next step tells the runner to drop them, and the waiting request runs.
+    output, outputs = run_step(scheduler)
+    assert output.finished_req_ids == {"dec", "new"} and output.num_scheduled_tokens == {"wait": 20}
+    assert [o.new_token_ids for o in outputs.outputs] == [[100]]
