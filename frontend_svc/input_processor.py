@@ -69,6 +69,8 @@ class InputProcessor:
     ) -> TokensPrompt:
         """Render a conversation with the tokenizer's chat template (transformers' ``apply_chat_template``).
 
+        A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
+
         Raises:
             ValidationError: a malformed message, a non-text content part, or a tokenizer without a chat template.
         """
@@ -177,4 +179,5 @@ class InputProcessor:
                     f"only text parts are supported (multimodal input is not yet), got {kind!r}",
                 )
             texts.append(part["text"])
-        return {"role": message["role"], "content": "".join(texts)}
+        # Newline-joined, as vLLM's chat utils, llama.cpp and TensorRT-LLM join a message's text parts.
+        return {"role": message["role"], "content": "\n".join(texts)}

@@ -61,12 +61,15 @@ def test_chat_renders_the_chat_template(llm):
     expected = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=False)
     outputs = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert outputs[0].prompt_token_ids == expected
-    parts = [
-        {"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]}
-    ]
-    assert (
-        llm.chat(parts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].prompt_token_ids == expected
+    # A message's text parts are joined with "\n", as vLLM, llama.cpp and TensorRT-LLM join them.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]}]
+    joined = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Translate:\nbonjour"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
     )
+    assert llm.chat(parts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].prompt_token_ids == joined
     with pytest.raises(ValidationError, match=r"messages\[0\].content\[0\]: only text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
 
