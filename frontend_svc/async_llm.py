@@ -85,12 +85,13 @@ class AsyncLLM(EngineFrontend):
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        trace_headers: dict[str, str] | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
-        internal id).
+        internal id). Arguments after ``arrival_time`` are keywords, as in vLLM's ``add_request``.
 
         Raises:
             ValidationError, RequestTooLargeError: the request is refused (nothing stays queued).
@@ -127,11 +128,13 @@ class AsyncLLM(EngineFrontend):
         prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
+        *,
+        trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        trace_headers: dict[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (per ``sampling_params.output_kind``); the last has finished=True.
+        Arguments after ``request_id`` are keywords, as in vLLM's ``AsyncLLM.generate``.
 
         Cancelling the consumer (or closing the generator early) aborts this request, and only this one, in the
         core. ``trace_headers`` (W3C ``traceparent`` / ``tracestate``) go to the core with the request, which
@@ -141,7 +144,12 @@ class AsyncLLM(EngineFrontend):
         finished = False
         try:
             queue = await self.add_request(
-                request_id, prompt, sampling_params, None, priority, cache_salt, trace_headers
+                request_id,
+                prompt,
+                sampling_params,
+                trace_headers=trace_headers,
+                priority=priority,
+                cache_salt=cache_salt,
             )
             while not finished:
                 output = queue.get_nowait() or await queue.get()

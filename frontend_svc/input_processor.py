@@ -9,7 +9,7 @@ from typing import Any, TypedDict
 
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
-from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.sampling_params import INT32_MAX, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,14 @@ class InputProcessor:
 
         Raises:
             ValidationError: empty prompt, no room for one output token within max_model_len, token ids outside
-                the vocabulary, min_tokens above the derived max_tokens, or a parameter wrong for this model.
+                the vocabulary, min_tokens above the derived max_tokens, a priority the wire cannot carry, or a
+                parameter wrong for this model.
         """
+        options = options or RequestOptions()
+        if not (isinstance(options.priority, int) and not isinstance(options.priority, bool)) or not (
+            -INT32_MAX - 1 <= options.priority <= INT32_MAX
+        ):
+            raise ValidationError("priority", f"must be a 32-bit integer, got {options.priority!r}")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         self._check_prompt(prompt_token_ids)
         resolved = params.clone()
@@ -124,7 +130,6 @@ class InputProcessor:
             if not resolved.ignore_eos:
                 extra = [i for i in self.eos_token_ids[1:] if i not in resolved.stop_token_ids]
                 resolved.stop_token_ids = list(resolved.stop_token_ids or []) + extra
-        options = options or RequestOptions()
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

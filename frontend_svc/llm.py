@@ -50,7 +50,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
 
@@ -71,28 +71,29 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation or a list of them, rendered with the tokenizer's chat template."""
+        """Answer one conversation or a list of them, rendered with the tokenizer's chat template; sampling
+        parameters and priority as ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
             processor.render_chat(conversation, add_generation_prompt, chat_template)  # type: ignore[arg-type]
             for conversation in conversations
         ]
-        return self._run(prompts, sampling_params, use_tqdm, None)
+        return self._run(prompts, sampling_params, use_tqdm, priority)
 
     def _run(
         self,
         prompts: list[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
-        priority: Sequence[int] | None,
+        priority: int | Sequence[int] | None,
     ) -> list[RequestOutput]:
         params_list = _as_params_list(sampling_params, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise ValidationError("priority", f"has {len(priority)} entries for {len(prompts)} prompts")
+        priorities = _as_priority_list(priority, len(prompts))
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
@@ -100,7 +101,7 @@ class LLM:
                 final_only = params.clone()
                 final_only.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, final_only, priority=priority[i] if priority else 0)
+                engine.add_request(request_id, prompt, final_only, priority=priorities[i])
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)
@@ -127,6 +128,16 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if prompt_list and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt_list):
         return [prompt_list]  # one prompt given as token ids
     return prompt_list
+
+
+def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
+    """One priority per prompt; a single int (or None: 0) applies to every prompt, as vLLM's ``LLM``."""
+    if priority is None or isinstance(priority, int):
+        return [priority or 0] * num_prompts
+    priorities = list(priority)
+    if len(priorities) != num_prompts:
+        raise ValidationError("priority", f"has {len(priorities)} entries for {num_prompts} prompts")
+    return priorities
 
 
 def _as_params_list(

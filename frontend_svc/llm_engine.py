@@ -143,10 +143,13 @@ class LLMEngine(EngineFrontend):
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> str:
-        """Queue a request (n > 1 fans out). Returns the internal request id.
+        """Queue a request (n > 1 fans out). Returns the internal request id. Arguments after ``arrival_time``
+        are keywords, as in vLLM's ``LLMEngine.add_request``.
 
         Raises:
             TypeError: request_id is not a str.
@@ -154,7 +157,7 @@ class LLMEngine(EngineFrontend):
             RequestTooLargeError: the request can never fit the KV cache.
         """
         internal_id, requests = self.prepare_requests(
-            request_id, prompt, params, RequestOptions(arrival_time, priority, cache_salt)
+            request_id, prompt, params, RequestOptions(arrival_time, priority, cache_salt, trace_headers)
         )
         added: list[str] = []
         try:

@@ -145,7 +145,12 @@ class GenerationServicer(api_grpc.GenerationServicer):
         self.state.active_calls += 1
         try:
             async for output in engine.generate(
-                prompt, params, request_id, request.priority, cache_salt, trace_headers
+                prompt,
+                params,
+                request_id,
+                trace_headers=trace_headers,
+                priority=request.priority,
+                cache_salt=cache_salt,
             ):
                 for completion in output.outputs:
                     previous = completion_tokens.get(completion.index, 0) if delta else 0

@@ -1,4 +1,4 @@
-"""The InputProcessor without an engine: chat text parts joined."""
+"""The InputProcessor without an engine: chat text parts joined, priorities the wire can carry."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from frontend_svc import SamplingParams, ValidationError
 from frontend_svc.engine_types import EngineInfo
-from frontend_svc.input_processor import InputProcessor
+from frontend_svc.input_processor import InputProcessor, RequestOptions
 from tests.conftest import real_or_builtin
 
 
@@ -50,3 +51,16 @@ def test_text_parts_of_a_message_are_joined_with_newlines(llama2_tokenizer):
     )
     assert rendered["prompt"] == expected
     assert rendered["prompt_token_ids"] == llama2_tokenizer(expected, add_special_tokens=False).input_ids
+
+
+# --- priority ---
+
+
+@pytest.mark.parametrize("priority", [True, 1.5, "1", 2**31, -(2**31) - 1])
+def test_a_priority_the_wire_cannot_carry_is_refused(llama2_tokenizer, priority):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    with pytest.raises(ValidationError) as info:
+        processor.process_inputs("r", [5, 6], SamplingParams(), RequestOptions(priority=priority))
+    assert info.value.field == "priority"
+    request, _ = processor.process_inputs("r", [5, 6], SamplingParams(), RequestOptions(priority=-(2**31)))
+    assert request.priority == -(2**31)

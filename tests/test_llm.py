@@ -147,6 +147,27 @@ def test_bad_requests_are_refused_and_others_go_on(llm):
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
 
 
+def test_priority_one_int_for_every_prompt_and_on_chat(llm):
+    """As vLLM's LLM, one int applies to every prompt (it raised TypeError); chat takes it too. This core runs
+    FCFS, so a non-zero priority reaches the core and is refused there, naming the field."""
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    with pytest.raises(ValidationError, match="priority: 1 needs the priority scheduling policy"):
+        llm.generate(PROMPTS[:2], params, priority=1, use_tqdm=False)
+    with pytest.raises(ValidationError, match="priority: 1 needs the priority scheduling policy"):
+        llm.chat([{"role": "user", "content": "Hi"}], params, priority=1, use_tqdm=False)
+    with pytest.raises(ValidationError, match="priority: has 1 entries for 2 prompts"):
+        llm.generate(PROMPTS[:2], params, priority=[0], use_tqdm=False)
+    with pytest.raises(ValidationError, match="priority: must be a 32-bit integer"):
+        llm.generate(PROMPTS[:2], params, priority=True, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    for priority in (0, [0, 0]):
+        outputs = llm.generate(PROMPTS[:2], params, priority=priority, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    chat = llm.chat([{"role": "user", "content": "Hi"}], params, priority=0, use_tqdm=False)
+    assert len(chat[0].outputs[0].token_ids) == 3
+
+
 def test_async_generate_streams_and_cancels(llama2_model, llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0]
