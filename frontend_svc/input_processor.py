@@ -102,9 +102,9 @@ class InputProcessor:
             and the prompt text (None for token-id prompts).
 
         Raises:
-            ValidationError: empty prompt, no room for one output token within max_model_len, token ids outside
-                the vocabulary, min_tokens above the derived max_tokens, a priority the wire cannot carry, or a
-                parameter wrong for this model.
+            ValidationError: empty prompt, no room for one output token within max_model_len, prompt plus
+                max_tokens over max_model_len, token ids outside the vocabulary, min_tokens above the derived
+                max_tokens, a priority the wire cannot carry, or a parameter wrong for this model.
         """
         options = options or RequestOptions()
         if not (isinstance(options.priority, int) and not isinstance(options.priority, bool)) or not (
@@ -114,8 +114,7 @@ class InputProcessor:
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         self._check_prompt(prompt_token_ids)
         resolved = params.clone()
-        if resolved.max_tokens is None:
-            resolved.max_tokens = self.info.max_model_len - len(prompt_token_ids)
+        resolved.max_tokens = self._resolve_max_tokens(len(prompt_token_ids), params)
         if resolved.min_tokens > resolved.max_tokens:
             raise ValidationError(
                 "min_tokens",
@@ -140,6 +139,22 @@ class InputProcessor:
             trace_headers=dict(options.trace_headers or {}),
         )
         return request, prompt_text
+
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """max_tokens within max_model_len: None is all the room left; a value that does not fit is refused, as
+        vLLM's servers refuse it (HTTP 400), rather than cut short with finish reason "length"."""
+        room = self.info.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValidationError(
+                "max_tokens",
+                f"{params.max_tokens} is too large: this model's maximum context length is "
+                f"{self.info.max_model_len} tokens, and {num_prompt_tokens + params.max_tokens} were requested "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} in the completion); at most {room} "
+                "fit after this prompt (max_tokens unset or None: up to max_model_len)",
+            )
+        return params.max_tokens
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -16,9 +16,14 @@ from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """Generate for many prompts at once; the engine batches them continuously.
 
-    ``LLM(model=M)`` runs the core in-process; ``core_address="host:port"`` selects a remote core once the gRPC
-    client exists. Close it (or use it as a context manager) to free the core's memory at once; it is freed
-    anyway when the object is garbage-collected.
+    ``LLM(model=M)`` runs the core in-process; ``core_address="host:port"`` uses a remote core. Close it (or use
+    it as a context manager) to free the core's memory at once; it is freed anyway when the object is
+    garbage-collected.
+
+    A prompt whose tokens plus max_tokens exceed max_model_len is refused with ``ValidationError`` naming
+    max_tokens, as the servers refuse it, rather than cut short as vLLM's ``LLM`` does: the same request then
+    gets the same answer here, over gRPC and from a remote core, and a completion that says "length" always
+    means max_tokens was reached. ``max_tokens=None`` asks for all the room left.
 
     Args:
         model: local Hugging Face folder or hub id.

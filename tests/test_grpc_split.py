@@ -151,6 +151,8 @@ WIRE_ERRORS = [
     (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
     (dict(prompt_token_ids=[5] * 1024), "prompt"),
     (dict(prompt_token_ids=[5, 10**6]), "prompt_token_ids[1]"),
+    # 8 + 1017 > max_model_len 1024: refused, not cut short to 1016 tokens.
+    (dict(prompt_token_ids=[5] * 8, sampling_params=api.SamplingParams(max_tokens=1017)), "max_tokens"),
 ]
 
 
@@ -180,6 +182,23 @@ def test_bad_chat_input(services):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Chat(api.ChatRequest(messages=[]), timeout=30))
         assert info.value.details().startswith("messages: ")
+
+
+def test_core_refuses_prompt_plus_max_tokens_over_max_model_len(services):
+    """A client that talks to the core directly gets the same refusal as through a frontend."""
+    core, _ = services
+    add = core_pb.EngineCoreRequest(
+        request_id="over", prompt_token_ids=[5] * 8, sampling_params=core_pb.SamplingParams(max_tokens=1017)
+    )
+    with grpc.insecure_channel(core.address) as channel:
+        messages = list(
+            core_grpc.EngineCoreStub(channel).Connect(iter([core_pb.EngineCoreClientMessage(add=add)]), timeout=30)
+        )
+    output = next(o for m in messages for o in m.outputs)
+    assert output.request_id == "over" and output.finish_reason == core_pb.FINISH_REASON_ERROR
+    assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert output.error.message.startswith("max_tokens: 1017 is too large")
+    assert "1025 were requested (8 in the prompt, 1017 in the completion)" in output.error.message
 
 
 def test_chat_tokenize_detokenize_and_model_info(services, model):

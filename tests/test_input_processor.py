@@ -1,4 +1,5 @@
-"""The InputProcessor without an engine: chat text parts joined, priorities the wire can carry."""
+"""The InputProcessor without an engine: max_tokens against max_model_len, chat text parts joined, priorities
+the wire can carry."""
 
 from __future__ import annotations
 
@@ -37,6 +38,31 @@ def load(path) -> Any:
 @pytest.fixture(scope="module")
 def llama2_tokenizer():
     return load(real_or_builtin("llama2"))
+
+
+# --- max_tokens within max_model_len (issue 12, item 5) ---
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_refused_naming_max_tokens(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    prompt = list(range(10, 18))  # 8 ids
+    with pytest.raises(ValidationError) as info:
+        processor.process_inputs("r", prompt, SamplingParams(max_tokens=61))
+    assert info.value.field == "max_tokens"
+    message = str(info.value)
+    assert message.startswith("max_tokens: 61 is too large")
+    assert "maximum context length is 64 tokens" in message
+    assert "69 were requested (8 in the prompt, 61 in the completion)" in message
+    assert "at most 56 fit" in message
+    # Right at the limit: 8 + 56 = 64.
+    request, _ = processor.process_inputs("r", prompt, SamplingParams(max_tokens=56))
+    assert request.sampling_params.max_tokens == 56
+
+
+def test_unset_max_tokens_takes_the_room_left(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    request, _ = processor.process_inputs("r", list(range(10, 18)), SamplingParams(max_tokens=None))
+    assert request.sampling_params.max_tokens == 56
 
 
 # --- chat text parts (issue 12, item 7) ---

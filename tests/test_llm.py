@@ -142,6 +142,11 @@ def test_bad_requests_are_refused_and_others_go_on(llm):
         llm.generate("hi", SamplingParams(logprobs=50), use_tqdm=False)
     with pytest.raises(ValidationError, match="prompt: has 2048 tokens"):
         llm.generate([[5] * 2048], use_tqdm=False)
+    # Prompt + max_tokens over max_model_len (2048) is refused as the servers refuse it, not cut short.
+    with pytest.raises(
+        ValidationError, match=r"max_tokens: 2041 is too large: .* 2049 were requested \(8 in the prompt, 2041 in"
+    ):
+        llm.generate([[5] * 8, [6] * 8], SamplingParams(max_tokens=2041), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate(["hi", "there"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
