@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from frontend_svc.chars_per_token import max_chars_per_token
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
@@ -41,6 +42,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, engine_info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = engine_info
+        # Characters one token covers at most (None: no sound bound for this tokenizer), computed once.
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
         eos_ids = list(engine_info.eos_token_ids)
         if not eos_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids = [tokenizer.eos_token_id]
@@ -50,9 +53,11 @@ class InputProcessor:
         """(prompt text or None, prompt token ids). Text is tokenized with the tokenizer's special tokens (BOS).
 
         Raises:
-            ValidationError: a prompt of another type, or token ids that are not integers.
+            ValidationError: a prompt of another type, token ids that are not integers, or a text too long to
+                fit within max_model_len whatever its tokens (refused before tokenizing).
         """
         if isinstance(prompt, str):
+            self._check_text_length(prompt, "the prompt")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -72,7 +77,8 @@ class InputProcessor:
         A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
 
         Raises:
-            ValidationError: a malformed message, a non-text content part, or a tokenizer without a chat template.
+            ValidationError: a malformed message, a non-text content part, a tokenizer without a chat template,
+                or a rendered conversation too long to fit within max_model_len (refused before tokenizing).
         """
         if not isinstance(messages, list) or not messages:
             raise ValidationError("messages", "must be a non-empty list of {'role', 'content'} messages")
@@ -85,6 +91,7 @@ class InputProcessor:
             )
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
             raise ValidationError("messages", f"the chat template refused the conversation: {e}") from e
+        self._check_text_length(text, "the rendered conversation")
         # The rendered text already holds BOS and other special tokens: do not add them again.
         return TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -139,6 +146,25 @@ class InputProcessor:
             trace_headers=dict(options.trace_headers or {}),
         )
         return request, prompt_text
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The longest text (in characters) that can tokenize to fewer than max_model_len tokens: longer texts
+        are refused before tokenizing. None: no sound bound for this tokenizer (``chars_per_token``)."""
+        if self.max_chars_per_token is None:
+            return None
+        return (self.info.max_model_len - 1) * self.max_chars_per_token
+
+    def _check_text_length(self, text: str, what: str) -> None:
+        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise ValidationError(
+                "prompt",
+                f"{what} has {len(text)} characters, more than any prompt that fits within "
+                f"max_model_len={self.info.max_model_len} can have ({limit}: {self.info.max_model_len - 1} "
+                f"tokens of at most {self.max_chars_per_token} characters each)",
+            )
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """max_tokens within max_model_len: None is all the room left; a value that does not fit is refused, as

@@ -153,6 +153,8 @@ WIRE_ERRORS = [
     (dict(prompt_token_ids=[5, 10**6]), "prompt_token_ids[1]"),
     # 8 + 1017 > max_model_len 1024: refused, not cut short to 1016 tokens.
     (dict(prompt_token_ids=[5] * 8, sampling_params=api.SamplingParams(max_tokens=1017)), "max_tokens"),
+    # 6 MB of text: refused by its length, before tokenizing (it took 25 s and ~950 MiB to refuse).
+    (dict(prompt="x" * 6_000_000), "prompt"),
 ]
 
 
@@ -182,6 +184,30 @@ def test_bad_chat_input(services):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Chat(api.ChatRequest(messages=[]), timeout=30))
         assert info.value.details().startswith("messages: ")
+
+
+def test_chat_joins_text_parts_with_newlines_and_refuses_a_huge_conversation_by_length(services, model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    _, (frontend, _) = services
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        parts = [api.ContentPart(text="Translate:"), api.ContentPart(text="bonjour")]
+        message = api.ChatMessage(role="user", content=parts)
+        responses = list(stub.Chat(api.ChatRequest(messages=[message], sampling_params=greedy(max_tokens=2))))
+        expected = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Translate:\nbonjour"}],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        assert list(responses[0].prompt_token_ids) == expected
+        huge = api.ChatMessage(role="user", content=[api.ContentPart(text="y" * 6_000_000)])
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(api.ChatRequest(messages=[huge]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("prompt: the rendered conversation has")
 
 
 def test_core_refuses_prompt_plus_max_tokens_over_max_model_len(services):

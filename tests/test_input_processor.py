@@ -1,5 +1,5 @@
-"""The InputProcessor without an engine: max_tokens against max_model_len, chat text parts joined, priorities
-the wire can carry."""
+"""The InputProcessor without an engine: max_tokens against max_model_len, text prompts refused by their length
+before tokenizing, chat text parts joined, priorities the wire can carry."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from frontend_svc import SamplingParams, ValidationError
+from frontend_svc.chars_per_token import MAX_CANONICAL_DECOMPOSITION, max_chars_per_token
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor, RequestOptions
-from tests.conftest import real_or_builtin
+from tests.conftest import real_or_builtin, shared_tokenizer
 
 
 def engine_info(max_model_len: int, vocab_size: int = 32000) -> EngineInfo:
@@ -27,6 +28,26 @@ def engine_info(max_model_len: int, vocab_size: int = 32000) -> EngineInfo:
         max_logprobs=20,
         dtype="float32",
     )
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the calls that tokenize (``__call__``, ``encode``); everything else is the
+    wrapped tokenizer's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def load(path) -> Any:
@@ -63,6 +84,101 @@ def test_unset_max_tokens_takes_the_room_left(llama2_tokenizer):
     processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
     request, _ = processor.process_inputs("r", list(range(10, 18)), SamplingParams(max_tokens=None))
     assert request.sampling_params.max_tokens == 56
+
+
+# --- text prompts refused by length before tokenizing (issue 12, item 12(b)) ---
+
+
+@pytest.mark.parametrize(("name", "longest"), [("llama2", 16), ("gpt2", 128)])
+def test_max_chars_per_token_is_the_longest_vocabulary_string(name, longest):
+    # llama2: "▁Einzelnachweise" and sixteen "▁"; gpt2: a 128-byte run of mis-encoded "Ã‚" pairs.
+    assert max_chars_per_token(load(shared_tokenizer(name))) == longest
+
+
+@pytest.mark.parametrize("name", ["llama2", "gpt2", "builtin"])
+def test_no_text_has_more_characters_than_its_tokens_can_cover(name):
+    tokenizer = load(shared_tokenizer(name))
+    bound = max_chars_per_token(tokenizer)
+    assert bound is not None
+    longest = max(tokenizer.get_vocab(), key=len)
+    texts = [
+        " " * 5000,
+        "-" * 5000,
+        "\n" * 3000,
+        longest * 200,
+        "e\u0301" * 1000,  # combining marks
+        "\u1100\u1161\u11a8" * 500,  # Hangul jamo
+        "日本語のテキスト" * 300,
+        "🙂👍🏽" * 500,
+        "the " * 2000,
+        "<s></s><unk>" * 200,
+    ]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert len(text) <= bound * len(ids), (text[:20], len(text), len(ids))
+
+
+def test_a_text_longer_than_any_prompt_that_fits_is_refused_without_tokenizing(llama2_tokenizer):
+    tokenizer = CountingTokenizer(llama2_tokenizer)
+    processor = InputProcessor(tokenizer, engine_info(max_model_len=64))
+    per_token = max(len(token) for token in llama2_tokenizer.get_vocab())
+    assert processor.max_prompt_chars == 63 * per_token  # 63 prompt tokens leave one for the output
+    with pytest.raises(ValidationError) as info:
+        processor.process_inputs("r", "x" * (63 * per_token + 1), SamplingParams())
+    assert info.value.field == "prompt"
+    assert f"has {63 * per_token + 1} characters" in str(info.value)
+    assert tokenizer.calls == 0
+    # The 6 MB prompt of the issue: refused the same way.
+    with pytest.raises(ValidationError, match="prompt: the prompt has 6000000 characters"):
+        processor.process_inputs("r", "x" * 6_000_000, SamplingParams())
+    assert tokenizer.calls == 0
+    # Right at the bound the text goes the normal way: tokenized, then refused by its token count.
+    with pytest.raises(ValidationError, match="prompt: has .* tokens, which leaves no room"):
+        processor.process_inputs("r", "x" * (63 * per_token), SamplingParams())
+    assert tokenizer.calls == 1
+    request, text = processor.process_inputs("r", "Hello world", SamplingParams())
+    assert tokenizer.calls == 2 and request.prompt_token_ids == llama2_tokenizer("Hello world").input_ids
+
+
+def test_a_rendered_conversation_too_long_is_refused_without_tokenizing(llama2_tokenizer):
+    tokenizer = CountingTokenizer(llama2_tokenizer)
+    processor = InputProcessor(tokenizer, engine_info(max_model_len=64))
+    limit = processor.max_prompt_chars
+    with pytest.raises(ValidationError, match="prompt: the rendered conversation has"):
+        processor.render_chat([{"role": "user", "content": "y" * limit}])
+    assert tokenizer.calls == 0
+    processor.render_chat([{"role": "user", "content": "y" * 10}])
+    assert tokenizer.calls == 1
+
+
+def test_pipelines_that_can_drop_text_get_no_bound():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3}
+
+    def wrapped(backend: Tokenizer) -> Any:
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    assert max_chars_per_token(wrapped(wordpiece)) is None  # one [UNK] for a whole unknown word
+    fused = Tokenizer(models.BPE(vocab, [("a", "b")], unk_token="[UNK]", fuse_unk=True))
+    assert max_chars_per_token(wrapped(fused)) is None  # a run of unknown characters is one token
+    per_char = Tokenizer(models.BPE(vocab, [("a", "b")], unk_token="[UNK]", fuse_unk=False))
+    assert max_chars_per_token(wrapped(per_char)) == 5  # "[UNK]"
+    per_char.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # drops whitespace
+    assert max_chars_per_token(wrapped(per_char)) is None
+    per_char.pre_tokenizer = None
+    per_char.normalizer = normalizers.NFKC()
+    assert max_chars_per_token(wrapped(per_char)) == 5 * MAX_CANONICAL_DECOMPOSITION
+    per_char.normalizer = normalizers.Strip()
+    assert max_chars_per_token(wrapped(per_char)) is None
+
+
+def test_max_canonical_decomposition_is_unicodes():
+    import unicodedata
+
+    assert max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000)) == MAX_CANONICAL_DECOMPOSITION
 
 
 # --- chat text parts (issue 12, item 7) ---
