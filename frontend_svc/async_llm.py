@@ -13,6 +13,7 @@ from typing import Any
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import SchedulerStats
 from frontend_svc.errors import EngineDeadError
+from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import EngineFrontend
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
@@ -60,7 +61,7 @@ class _HandlerState:
 class AsyncLLM(EngineFrontend):
     """Asyncio engine: a background task turns core outputs into per-request outputs.
 
-    Args: as ``LLMEngine``, and
+    Args: as ``LLMEngine`` (``generation_config`` too), and
         stat_loggers: fed after every batch of core outputs (the server passes its ``PrometheusStatLogger``),
             beside the periodic log line (every ``SPLITSERVE_LOG_STATS_INTERVAL`` seconds; <= 0 turns it off).
     """
@@ -71,9 +72,10 @@ class AsyncLLM(EngineFrontend):
         core_address: str | None = None,
         tokenizer: Any = None,
         stat_loggers: list[StatLogger] | None = None,
+        generation_config: str = AUTO,
         **core_config: Any,
     ) -> None:
-        super().__init__(model, core_address, tokenizer, asyncio_mode=True, core_config=core_config)
+        super().__init__(model, core_address, tokenizer, True, core_config, generation_config)
         self._output_handler: asyncio.Task[None] | None = None
         interval = envs.log_stats_interval()
         loggers: list[StatLogger] = [LoggingStatLogger(interval)] if interval > 0 else []

@@ -167,11 +167,12 @@ class InputProcessor:
             )
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """max_tokens within max_model_len: None is all the room left; a value that does not fit is refused, as
-        vLLM's servers refuse it (HTTP 400), rather than cut short with finish reason "length"."""
+        """max_tokens within max_model_len: None is all the room left, or the model's default_max_tokens capped
+        to it (vLLM's servers' get_max_tokens); a value that does not fit is refused, as vLLM's servers refuse
+        it (HTTP 400), rather than cut short with finish reason "length"."""
         room = self.info.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
-            return room
+            return room if params.default_max_tokens is None else min(params.default_max_tokens, room)
         if params.max_tokens > room:
             raise ValidationError(
                 "max_tokens",

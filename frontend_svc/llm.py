@@ -27,7 +27,8 @@ class LLM:
 
     Args:
         model: local Hugging Face folder or hub id.
-        **kwargs: ``LLMEngine`` arguments (core_address, tokenizer, and engine-core settings).
+        **kwargs: ``LLMEngine`` arguments (core_address, tokenizer, generation_config, and engine-core
+            settings).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -46,6 +47,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` uses: the model's generation-config defaults over vLLM's (vLLM's
+        ``LLM.get_default_sampling_params``; ``generation_config="vllm"`` gives plain ``SamplingParams()``)."""
+        return self.llm_engine.get_default_sampling_params()
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -62,7 +68,9 @@ class LLM:
         Args:
             prompts: one prompt or a list; a prompt is text, a list of token ids, or a {"prompt"} /
                 {"prompt_token_ids"} dict.
-            sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
+            sampling_params: one for all prompts or one per prompt (default: ``get_default_sampling_params()``,
+                the model's generation-config defaults).
+            priority: one for all prompts or one per prompt (lower is served first under the priority policy).
 
         Raises:
             ValidationError: a bad prompt or parameter (nothing is left running).
@@ -97,6 +105,8 @@ class LLM:
         use_tqdm: bool,
         priority: int | Sequence[int] | None,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
         engine = self.llm_engine
@@ -146,10 +156,8 @@ def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) ->
 
 
 def _as_params_list(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     params_list = list(sampling_params)

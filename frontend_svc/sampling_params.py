@@ -8,6 +8,7 @@ import copy
 import enum
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,10 @@ BOOL_FIELDS = (
     "include_stop_str_in_output",
 )
 
+
+# Fields a model's generation config may give defaults for, in vLLM's names (vLLM
+# ``ModelConfig.get_diff_sampling_param``; its ``max_new_tokens`` is our ``max_tokens``).
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_tokens")
 
 # vLLM SamplingParams fields that splitserve accepts by name but does not implement: any value but the neutral
 # one (None, False, empty) is refused naming the field, as vLLM V1 refuses best_of and per-request logits
@@ -69,6 +74,11 @@ class SamplingParams:
     not implement (``UNSUPPORTED_FIELDS``, ``best_of`` > 1) are accepted at their neutral value and refused at
     any other, as vLLM V1 does for ``best_of`` and ``logits_processors``.
 
+    ``max_tokens`` is checked against the room left within max_model_len once the prompt is known
+    (``InputProcessor``): a value that does not fit is refused. ``max_tokens=None`` means "up to max_model_len",
+    or up to ``default_max_tokens`` when that is set (a model's ``max_new_tokens``, which is a cap, never
+    refused: vLLM's servers' ``get_max_tokens``).
+
     Raises:
         ValidationError: from ``__post_init__`` for any value vLLM refuses or splitserve does not support; from
             ``verify`` for values that are wrong for the model (token ids outside the vocabulary, more logprobs
@@ -98,6 +108,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # The model's default max_tokens (generation config max_new_tokens), used when max_tokens is None and
+    # capped to the room left within max_model_len.
+    default_max_tokens: int | None = None
     # vLLM's fields splitserve accepts only at their neutral value (best_of also at n; see UNSUPPORTED_FIELDS).
     best_of: int | None = field(default=None, repr=False)
     logits_processors: Any = field(default=None, repr=False)
@@ -271,6 +284,12 @@ class SamplingParams:
                 f"must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}",
             ),
             (
+                self.default_max_tokens is None
+                or (_is_int(self.default_max_tokens) and 1 <= self.default_max_tokens <= INT32_MAX),
+                "default_max_tokens",
+                f"must be an integer in [1, {INT32_MAX}], got {self.default_max_tokens!r}",
+            ),
+            (
                 _is_int(self.min_tokens) and 0 <= self.min_tokens <= INT32_MAX,
                 "min_tokens",
                 f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}",
@@ -318,6 +337,23 @@ class SamplingParams:
             _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty when given")
             for i, token_id in enumerate(self.allowed_token_ids):
                 _require(_is_int(token_id), f"allowed_token_ids[{i}]", f"must be an integer, got {token_id!r}")
+
+
+def sampling_params_with_defaults(explicit: Mapping[str, Any], defaults: Mapping[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from the fields a caller set (``explicit``), the model's defaults (``defaults``, from
+    its generation config: keys of ``GENERATION_CONFIG_FIELDS``) filling the fields the caller left unset, and
+    vLLM's defaults the rest (vLLM's servers' ``to_sampling_params(default_sampling_params)``). A default
+    max_tokens becomes ``default_max_tokens``: a cap, so a long prompt shortens it rather than being refused.
+
+    Raises:
+        ValidationError: a refused value, naming its field.
+    """
+    kwargs = {name: value for name, value in defaults.items() if name not in explicit and name != "max_tokens"}
+    if "max_tokens" not in explicit and defaults.get("max_tokens") is not None:
+        kwargs["max_tokens"] = None
+        kwargs["default_max_tokens"] = defaults["max_tokens"]
+    kwargs.update(explicit)
+    return SamplingParams(**kwargs)
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:

@@ -11,6 +11,7 @@ from frontend_svc import SamplingParams, ValidationError
 from frontend_svc.chars_per_token import MAX_CANONICAL_DECOMPOSITION, max_chars_per_token
 from frontend_svc.engine_types import EngineInfo
 from frontend_svc.input_processor import InputProcessor, RequestOptions
+from frontend_svc.sampling_params import sampling_params_with_defaults
 from tests.conftest import real_or_builtin, shared_tokenizer
 
 
@@ -80,10 +81,22 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_refused_naming_max_tokens(
     assert request.sampling_params.max_tokens == 56
 
 
-def test_unset_max_tokens_takes_the_room_left(llama2_tokenizer):
+def test_unset_max_tokens_takes_the_room_left_and_a_model_default_is_capped_to_it(llama2_tokenizer):
     processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
-    request, _ = processor.process_inputs("r", list(range(10, 18)), SamplingParams(max_tokens=None))
-    assert request.sampling_params.max_tokens == 56
+    prompt = list(range(10, 18))
+
+    def resolved(params: SamplingParams) -> int:
+        return processor.process_inputs("r", prompt, params)[0].sampling_params.max_tokens
+
+    assert resolved(SamplingParams(max_tokens=None)) == 56
+    # The model's default (generation config max_new_tokens) is a cap, never a refusal (vLLM's get_max_tokens).
+    assert resolved(sampling_params_with_defaults({}, {"max_tokens": 100})) == 56
+    assert resolved(sampling_params_with_defaults({}, {"max_tokens": 10})) == 10
+    # A value the caller chose is checked, whatever the model's default.
+    with pytest.raises(ValidationError, match="max_tokens: 57 is too large"):
+        processor.process_inputs("r", prompt, sampling_params_with_defaults({"max_tokens": 57}, {"max_tokens": 10}))
+    with pytest.raises(ValidationError, match="min_tokens: 20 is above the derived max_tokens 10"):
+        processor.process_inputs("r", prompt, sampling_params_with_defaults({"min_tokens": 20}, {"max_tokens": 10}))
 
 
 # --- text prompts refused by length before tokenizing (issue 12, item 12(b)) ---

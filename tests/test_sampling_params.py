@@ -237,3 +237,18 @@ def test_unsupported_vllm_fields_are_refused_as_value_errors_naming_the_field(kw
         SamplingParams(**kwargs)
     assert isinstance(info.value, ValidationError) and info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
+
+
+def test_model_defaults_fill_unset_fields_and_explicit_ones_win():
+    from frontend_svc.sampling_params import sampling_params_with_defaults
+
+    defaults = {"temperature": 0.7, "top_p": 0.9, "top_k": 1, "max_tokens": 64}
+    p = sampling_params_with_defaults({}, defaults)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.7, 0.9, 1, 0.0, 1.0)
+    # The model's max_tokens is a cap applied once the prompt is known, not a requested length.
+    assert (p.max_tokens, p.default_max_tokens) == (None, 64)
+    q = sampling_params_with_defaults({"top_k": 0, "seed": 3, "max_tokens": 5}, defaults)
+    assert (q.temperature, q.top_p, q.top_k, q.seed, q.max_tokens, q.default_max_tokens) == (0.7, 0.9, 0, 3, 5, None)
+    unlimited = sampling_params_with_defaults({"max_tokens": None}, defaults)
+    assert (unlimited.max_tokens, unlimited.default_max_tokens) == (None, None)
+    assert sampling_params_with_defaults({}, {}) == SamplingParams()
