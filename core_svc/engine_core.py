@@ -126,8 +126,9 @@ class EngineCore:
         """Validate and queue a request.
 
         Raises:
-            InvalidRequestError: empty prompt, prompt that leaves no room for one output token, token id outside
-                the vocabulary, bad sampling parameter, or a request id already in use.
+            InvalidRequestError: empty prompt, prompt that leaves no room for one output token, prompt plus
+                max_tokens over max_model_len, token id outside the vocabulary, bad sampling parameter, or a
+                request id already in use.
             RequestTooLargeError: the request could never fit in the KV cache.
             EngineUnavailableError: the core was declared dead.
         """
@@ -321,6 +322,15 @@ class EngineCore:
                     f"prompt_token_ids[{i}]: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
         request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
+        max_tokens = request.sampling_params.max_tokens
+        if len(prompt) + max_tokens > self.max_model_len:
+            # Refused, as vLLM's servers refuse it, rather than cut short with finish reason "length".
+            raise InvalidRequestError(
+                f"max_tokens: {max_tokens} is too large: this model's maximum context length is "
+                f"{self.max_model_len} tokens, and {len(prompt) + max_tokens} were requested ({len(prompt)} in the "
+                f"prompt, {max_tokens} in the completion); at most {self.max_model_len - len(prompt)} fit after "
+                "this prompt"
+            )
         # The last token is sampled, never computed: it needs no KV slot.
         max_len = min(len(prompt) + request.sampling_params.max_tokens, self.max_model_len) - 1
         num_usable_blocks = self.num_kv_blocks - 1

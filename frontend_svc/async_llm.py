@@ -13,6 +13,7 @@ from typing import Any
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import SchedulerStats
 from frontend_svc.errors import EngineDeadError
+from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import EngineFrontend
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
@@ -60,7 +61,7 @@ class _HandlerState:
 class AsyncLLM(EngineFrontend):
     """Asyncio engine: a background task turns core outputs into per-request outputs.
 
-    Args: as ``LLMEngine``, and
+    Args: as ``LLMEngine`` (``generation_config`` too), and
         stat_loggers: fed after every batch of core outputs (the server passes its ``PrometheusStatLogger``),
             beside the periodic log line (every ``SPLITSERVE_LOG_STATS_INTERVAL`` seconds; <= 0 turns it off).
     """
@@ -71,9 +72,10 @@ class AsyncLLM(EngineFrontend):
         core_address: str | None = None,
         tokenizer: Any = None,
         stat_loggers: list[StatLogger] | None = None,
+        generation_config: str = AUTO,
         **core_config: Any,
     ) -> None:
-        super().__init__(model, core_address, tokenizer, asyncio_mode=True, core_config=core_config)
+        super().__init__(model, core_address, tokenizer, True, core_config, generation_config)
         self._output_handler: asyncio.Task[None] | None = None
         interval = envs.log_stats_interval()
         loggers: list[StatLogger] = [LoggingStatLogger(interval)] if interval > 0 else []
@@ -85,12 +87,13 @@ class AsyncLLM(EngineFrontend):
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        trace_headers: dict[str, str] | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
-        internal id).
+        internal id). Arguments after ``arrival_time`` are keywords, as in vLLM's ``add_request``.
 
         Raises:
             ValidationError, RequestTooLargeError: the request is refused (nothing stays queued).
@@ -127,11 +130,13 @@ class AsyncLLM(EngineFrontend):
         prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
+        *,
+        trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        trace_headers: dict[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (per ``sampling_params.output_kind``); the last has finished=True.
+        Arguments after ``request_id`` are keywords, as in vLLM's ``AsyncLLM.generate``.
 
         Cancelling the consumer (or closing the generator early) aborts this request, and only this one, in the
         core. ``trace_headers`` (W3C ``traceparent`` / ``tracestate``) go to the core with the request, which
@@ -141,7 +146,12 @@ class AsyncLLM(EngineFrontend):
         finished = False
         try:
             queue = await self.add_request(
-                request_id, prompt, sampling_params, None, priority, cache_salt, trace_headers
+                request_id,
+                prompt,
+                sampling_params,
+                trace_headers=trace_headers,
+                priority=priority,
+                cache_salt=cache_salt,
             )
             while not finished:
                 output = queue.get_nowait() or await queue.get()

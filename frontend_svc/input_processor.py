@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from frontend_svc.chars_per_token import max_chars_per_token
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
-from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.sampling_params import INT32_MAX, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, engine_info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = engine_info
+        # Characters one token covers at most (None: no sound bound for this tokenizer), computed once.
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
         eos_ids = list(engine_info.eos_token_ids)
         if not eos_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids = [tokenizer.eos_token_id]
@@ -50,9 +53,11 @@ class InputProcessor:
         """(prompt text or None, prompt token ids). Text is tokenized with the tokenizer's special tokens (BOS).
 
         Raises:
-            ValidationError: a prompt of another type, or token ids that are not integers.
+            ValidationError: a prompt of another type, token ids that are not integers, or a text too long to
+                fit within max_model_len whatever its tokens (refused before tokenizing).
         """
         if isinstance(prompt, str):
+            self._check_text_length(prompt, "the prompt")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -69,8 +74,11 @@ class InputProcessor:
     ) -> TokensPrompt:
         """Render a conversation with the tokenizer's chat template (transformers' ``apply_chat_template``).
 
+        A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
+
         Raises:
-            ValidationError: a malformed message, a non-text content part, or a tokenizer without a chat template.
+            ValidationError: a malformed message, a non-text content part, a tokenizer without a chat template,
+                or a rendered conversation too long to fit within max_model_len (refused before tokenizing).
         """
         if not isinstance(messages, list) or not messages:
             raise ValidationError("messages", "must be a non-empty list of {'role', 'content'} messages")
@@ -83,6 +91,7 @@ class InputProcessor:
             )
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
             raise ValidationError("messages", f"the chat template refused the conversation: {e}") from e
+        self._check_text_length(text, "the rendered conversation")
         # The rendered text already holds BOS and other special tokens: do not add them again.
         return TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -100,14 +109,19 @@ class InputProcessor:
             and the prompt text (None for token-id prompts).
 
         Raises:
-            ValidationError: empty prompt, no room for one output token within max_model_len, token ids outside
-                the vocabulary, min_tokens above the derived max_tokens, or a parameter wrong for this model.
+            ValidationError: empty prompt, no room for one output token within max_model_len, prompt plus
+                max_tokens over max_model_len, token ids outside the vocabulary, min_tokens above the derived
+                max_tokens, a priority the wire cannot carry, or a parameter wrong for this model.
         """
+        options = options or RequestOptions()
+        if not (isinstance(options.priority, int) and not isinstance(options.priority, bool)) or not (
+            -INT32_MAX - 1 <= options.priority <= INT32_MAX
+        ):
+            raise ValidationError("priority", f"must be a 32-bit integer, got {options.priority!r}")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         self._check_prompt(prompt_token_ids)
         resolved = params.clone()
-        if resolved.max_tokens is None:
-            resolved.max_tokens = self.info.max_model_len - len(prompt_token_ids)
+        resolved.max_tokens = self._resolve_max_tokens(len(prompt_token_ids), params)
         if resolved.min_tokens > resolved.max_tokens:
             raise ValidationError(
                 "min_tokens",
@@ -122,7 +136,6 @@ class InputProcessor:
             if not resolved.ignore_eos:
                 extra = [i for i in self.eos_token_ids[1:] if i not in resolved.stop_token_ids]
                 resolved.stop_token_ids = list(resolved.stop_token_ids or []) + extra
-        options = options or RequestOptions()
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -133,6 +146,42 @@ class InputProcessor:
             trace_headers=dict(options.trace_headers or {}),
         )
         return request, prompt_text
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The longest text (in characters) that can tokenize to fewer than max_model_len tokens: longer texts
+        are refused before tokenizing. None: no sound bound for this tokenizer (``chars_per_token``)."""
+        if self.max_chars_per_token is None:
+            return None
+        return (self.info.max_model_len - 1) * self.max_chars_per_token
+
+    def _check_text_length(self, text: str, what: str) -> None:
+        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise ValidationError(
+                "prompt",
+                f"{what} has {len(text)} characters, more than any prompt that fits within "
+                f"max_model_len={self.info.max_model_len} can have ({limit}: {self.info.max_model_len - 1} "
+                f"tokens of at most {self.max_chars_per_token} characters each)",
+            )
+
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """max_tokens within max_model_len: None is all the room left, or the model's default_max_tokens capped
+        to it (vLLM's servers' get_max_tokens); a value that does not fit is refused, as vLLM's servers refuse
+        it (HTTP 400), rather than cut short with finish reason "length"."""
+        room = self.info.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            return room if params.default_max_tokens is None else min(params.default_max_tokens, room)
+        if params.max_tokens > room:
+            raise ValidationError(
+                "max_tokens",
+                f"{params.max_tokens} is too large: this model's maximum context length is "
+                f"{self.info.max_model_len} tokens, and {num_prompt_tokens + params.max_tokens} were requested "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} in the completion); at most {room} "
+                "fit after this prompt (max_tokens unset or None: up to max_model_len)",
+            )
+        return params.max_tokens
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -177,4 +226,5 @@ class InputProcessor:
                     f"only text parts are supported (multimodal input is not yet), got {kind!r}",
                 )
             texts.append(part["text"])
-        return {"role": message["role"], "content": "".join(texts)}
+        # Newline-joined, as vLLM's chat utils, llama.cpp and TensorRT-LLM join a message's text parts.
+        return {"role": message["role"], "content": "\n".join(texts)}

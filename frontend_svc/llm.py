@@ -16,13 +16,19 @@ from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """Generate for many prompts at once; the engine batches them continuously.
 
-    ``LLM(model=M)`` runs the core in-process; ``core_address="host:port"`` selects a remote core once the gRPC
-    client exists. Close it (or use it as a context manager) to free the core's memory at once; it is freed
-    anyway when the object is garbage-collected.
+    ``LLM(model=M)`` runs the core in-process; ``core_address="host:port"`` uses a remote core. Close it (or use
+    it as a context manager) to free the core's memory at once; it is freed anyway when the object is
+    garbage-collected.
+
+    A prompt whose tokens plus max_tokens exceed max_model_len is refused with ``ValidationError`` naming
+    max_tokens, as the servers refuse it, rather than cut short as vLLM's ``LLM`` does: the same request then
+    gets the same answer here, over gRPC and from a remote core, and a completion that says "length" always
+    means max_tokens was reached. ``max_tokens=None`` asks for all the room left.
 
     Args:
         model: local Hugging Face folder or hub id.
-        **kwargs: ``LLMEngine`` arguments (core_address, tokenizer, and engine-core settings).
+        **kwargs: ``LLMEngine`` arguments (core_address, tokenizer, generation_config, and engine-core
+            settings).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -41,6 +47,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` uses: the model's generation-config defaults over vLLM's (vLLM's
+        ``LLM.get_default_sampling_params``; ``generation_config="vllm"`` gives plain ``SamplingParams()``)."""
+        return self.llm_engine.get_default_sampling_params()
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -50,14 +61,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
 
         Args:
             prompts: one prompt or a list; a prompt is text, a list of token ids, or a {"prompt"} /
                 {"prompt_token_ids"} dict.
-            sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
+            sampling_params: one for all prompts or one per prompt (default: ``get_default_sampling_params()``,
+                the model's generation-config defaults).
+            priority: one for all prompts or one per prompt (lower is served first under the priority policy).
 
         Raises:
             ValidationError: a bad prompt or parameter (nothing is left running).
@@ -71,28 +84,31 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation or a list of them, rendered with the tokenizer's chat template."""
+        """Answer one conversation or a list of them, rendered with the tokenizer's chat template; sampling
+        parameters and priority as ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
             processor.render_chat(conversation, add_generation_prompt, chat_template)  # type: ignore[arg-type]
             for conversation in conversations
         ]
-        return self._run(prompts, sampling_params, use_tqdm, None)
+        return self._run(prompts, sampling_params, use_tqdm, priority)
 
     def _run(
         self,
         prompts: list[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
-        priority: Sequence[int] | None,
+        priority: int | Sequence[int] | None,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise ValidationError("priority", f"has {len(priority)} entries for {len(prompts)} prompts")
+        priorities = _as_priority_list(priority, len(prompts))
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
@@ -100,7 +116,7 @@ class LLM:
                 final_only = params.clone()
                 final_only.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, final_only, priority=priority[i] if priority else 0)
+                engine.add_request(request_id, prompt, final_only, priority=priorities[i])
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)
@@ -129,11 +145,19 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompt_list
 
 
+def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
+    """One priority per prompt; a single int (or None: 0) applies to every prompt, as vLLM's ``LLM``."""
+    if priority is None or isinstance(priority, int):
+        return [priority or 0] * num_prompts
+    priorities = list(priority)
+    if len(priorities) != num_prompts:
+        raise ValidationError("priority", f"has {len(priorities)} entries for {num_prompts} prompts")
+    return priorities
+
+
 def _as_params_list(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     params_list = list(sampling_params)

@@ -13,19 +13,20 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
+from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
-from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.sampling_params import SamplingParams, sampling_params_with_defaults
 from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve.model_files import resolve_model_path
 
 
 class EngineFrontend:
-    """What LLMEngine and AsyncLLM share: tokenizer, input and output processors, the core client, request
-    fan-out, and release of the core when closed or garbage-collected."""
+    """What LLMEngine and AsyncLLM share: tokenizer, input and output processors, the model's default sampling
+    parameters, the core client, request fan-out, and release of the core when closed or garbage-collected."""
 
     def __init__(
         self,
@@ -34,6 +35,7 @@ class EngineFrontend:
         tokenizer: Any,
         asyncio_mode: bool,
         core_config: dict[str, Any],
+        generation_config: str = AUTO,
     ) -> None:
         client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
@@ -41,6 +43,10 @@ class EngineFrontend:
         in_process = client is None and core_address is None  # only then does this process need the weights
         model_path = resolve_model_path(model, weights=in_process) if in_process or not loaded else Path(model)
         self.tokenizer = tokenizer if loaded else load_tokenizer(tokenizer or model_path)
+        # {field: value} from the model's generation config: unset request fields take them (vLLM's
+        # --generation-config; "vllm" ignores them).
+        self.default_sampling_params = load_default_sampling_params(model_path, generation_config)
+        self.generation_config = generation_config
         self.engine_core = client or EngineCoreClient.make_client(
             str(model_path), core_address, asyncio_mode, **core_config
         )
@@ -52,6 +58,11 @@ class EngineFrontend:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's default sampling parameters (its generation config) over vLLM's (vLLM
+        ``LLM.get_default_sampling_params``); a default max_tokens is a cap (``default_max_tokens``)."""
+        return sampling_params_with_defaults({}, self.default_sampling_params)
 
     def refresh_engine_info(self) -> None:
         """Take the core's settings again (after a reconnect, the core may have restarted with others)."""
@@ -128,12 +139,21 @@ class LLMEngine(EngineFrontend):
         model: local Hugging Face folder or hub id.
         core_address: None runs the core in-process.
         tokenizer: a tokenizer folder, or a loaded transformers tokenizer (default: the model's).
+        generation_config: where default sampling parameters come from: "auto" (the model's
+            generation_config.json, as vLLM's default), "vllm" (none) or a folder.
         **core_config: engine-core settings (``core_svc.config.CoreConfig`` fields: max_num_seqs,
             num_kv_blocks, dtype, ...), for the in-process core.
     """
 
-    def __init__(self, model: str, core_address: str | None = None, tokenizer: Any = None, **core_config: Any) -> None:
-        super().__init__(model, core_address, tokenizer, asyncio_mode=False, core_config=core_config)
+    def __init__(
+        self,
+        model: str,
+        core_address: str | None = None,
+        tokenizer: Any = None,
+        generation_config: str = AUTO,
+        **core_config: Any,
+    ) -> None:
+        super().__init__(model, core_address, tokenizer, False, core_config, generation_config)
         self.num_preemptions = 0  # preemptions the core reported since this engine started
         self.scheduler_stats: SchedulerStats | None = None  # the latest the core reported
 
@@ -143,10 +163,13 @@ class LLMEngine(EngineFrontend):
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        *,
+        trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> str:
-        """Queue a request (n > 1 fans out). Returns the internal request id.
+        """Queue a request (n > 1 fans out). Returns the internal request id. Arguments after ``arrival_time``
+        are keywords, as in vLLM's ``LLMEngine.add_request``.
 
         Raises:
             TypeError: request_id is not a str.
@@ -154,7 +177,7 @@ class LLMEngine(EngineFrontend):
             RequestTooLargeError: the request can never fit the KV cache.
         """
         internal_id, requests = self.prepare_requests(
-            request_id, prompt, params, RequestOptions(arrival_time, priority, cache_salt)
+            request_id, prompt, params, RequestOptions(arrival_time, priority, cache_salt, trace_headers)
         )
         added: list[str] = []
         try:

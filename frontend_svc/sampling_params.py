@@ -8,6 +8,7 @@ import copy
 import enum
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,35 @@ BOOL_FIELDS = (
 )
 
 
+# Fields a model's generation config may give defaults for, in vLLM's names (vLLM
+# ``ModelConfig.get_diff_sampling_param``; its ``max_new_tokens`` is our ``max_tokens``).
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_tokens")
+
+# vLLM SamplingParams fields that splitserve accepts by name but does not implement: any value but the neutral
+# one (None, False, empty) is refused naming the field, as vLLM V1 refuses best_of and per-request logits
+# processors. field -> why.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "logits_processors": "per-request logits processors are not supported (as vLLM V1): a Python callable "
+    "cannot be sent to the engine core; use logit_bias, allowed_token_ids or min_tokens",
+    "bad_words": "is not supported yet; logit_bias can ban single tokens",
+    "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it (vLLM moved this "
+    "option out of SamplingParams, to tokenization_kwargs)",
+    "structured_outputs": "structured outputs (guided decoding) are not supported yet",
+    "guided_decoding": "structured outputs (guided decoding, now structured_outputs in vLLM) are not supported yet",
+    "extra_args": "would have no effect: it carries arguments for custom logits processors, and splitserve runs none",
+    "flat_logprobs": "is not supported: logprobs come as one dict per position",
+    "logprob_token_ids": "is not supported yet: logprobs gives the top-k of each position",
+    "prompt_logprob_token_ids": "is not supported yet: prompt_logprobs gives the top-k of each position",
+    "prompt_logprob_start": "is not supported yet: prompt_logprobs covers the whole prompt",
+    "thinking_token_budget": "needs a reasoning parser, and splitserve has none",
+    "repetition_detection": "is not supported yet",
+    "watermarking": "is not supported",
+    "skip_reading_prefix_cache": "is not supported: the engine core decides when the prefix cache is read",
+    "routed_experts_prompt_start": "is not supported: splitserve serves no mixture-of-experts model",
+    "trace_decode_token_ids": "is not supported",
+}
+
+
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output holds everything so far
     DELTA = 1  # every output holds what is new since the last one
@@ -40,11 +70,19 @@ class RequestOutputKind(enum.IntEnum):
 
 @dataclass
 class SamplingParams:
-    """How to sample and when to stop. Defaults are vLLM's.
+    """How to sample and when to stop. Defaults are vLLM's, and so is every field name: fields splitserve does
+    not implement (``UNSUPPORTED_FIELDS``, ``best_of`` > 1) are accepted at their neutral value and refused at
+    any other, as vLLM V1 does for ``best_of`` and ``logits_processors``.
+
+    ``max_tokens`` is checked against the room left within max_model_len once the prompt is known
+    (``InputProcessor``): a value that does not fit is refused. ``max_tokens=None`` means "up to max_model_len",
+    or up to ``default_max_tokens`` when that is set (a model's ``max_new_tokens``, which is a cap, never
+    refused: vLLM's servers' ``get_max_tokens``).
 
     Raises:
-        ValidationError: from ``__post_init__`` for any value vLLM refuses; from ``verify`` for values that are
-            wrong for the model (token ids outside the vocabulary, more logprobs than the engine allows).
+        ValidationError: from ``__post_init__`` for any value vLLM refuses or splitserve does not support; from
+            ``verify`` for values that are wrong for the model (token ids outside the vocabulary, more logprobs
+            than the engine allows).
     """
 
     n: int = 1
@@ -70,10 +108,34 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # The model's default max_tokens (generation config max_new_tokens), used when max_tokens is None and
+    # capped to the room left within max_model_len.
+    default_max_tokens: int | None = None
+    # vLLM's fields splitserve accepts only at their neutral value (best_of also at n; see UNSUPPORTED_FIELDS).
+    best_of: int | None = field(default=None, repr=False)
+    logits_processors: Any = field(default=None, repr=False)
+    bad_words: list[str] | None = field(default=None, repr=False)
+    truncate_prompt_tokens: int | None = field(default=None, repr=False)
+    structured_outputs: Any = field(default=None, repr=False)
+    guided_decoding: Any = field(default=None, repr=False)
+    extra_args: dict[str, Any] | None = field(default=None, repr=False)
+    flat_logprobs: bool = field(default=False, repr=False)
+    logprob_token_ids: list[int] | None = field(default=None, repr=False)
+    prompt_logprob_token_ids: list[int] | None = field(default=None, repr=False)
+    prompt_logprob_start: int | None = field(default=None, repr=False)
+    stream_interval: int | None = field(default=None, repr=False)  # 1 (an output every step) is what we do
+    thinking_token_budget: int | None = field(default=None, repr=False)
+    repetition_detection: Any = field(default=None, repr=False)
+    watermarking: Any = field(default=None, repr=False)
+    skip_clone: bool = field(default=False, repr=False)  # a copying hint only: accepted, nothing to do
+    skip_reading_prefix_cache: bool | None = field(default=None, repr=False)
+    routed_experts_prompt_start: int | None = field(default=None, repr=False)
+    trace_decode_token_ids: Any = field(default=None, repr=False)
     # Filled by the InputProcessor from the model: the EOS id the core stops on (unless ignore_eos).
     eos_token_id: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_unsupported()
         self._check_types()
         self._normalize()
         self._verify_args()
@@ -138,6 +200,16 @@ class SamplingParams:
         for token_id in self.logit_bias or {}:
             if not 0 <= token_id < vocab_size:
                 raise ValidationError("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+
+    def _check_unsupported(self) -> None:
+        for name, why in UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and value is not False and value != [] and value != {}:
+                raise ValidationError(name, why)
+        if self.stream_interval is not None and self.stream_interval != 1:
+            raise ValidationError(
+                "stream_interval", f"only 1 (an output every engine step) is supported, got {self.stream_interval!r}"
+            )
 
     def _check_types(self) -> None:
         for name in FLOAT_FIELDS:
@@ -212,6 +284,12 @@ class SamplingParams:
                 f"must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}",
             ),
             (
+                self.default_max_tokens is None
+                or (_is_int(self.default_max_tokens) and 1 <= self.default_max_tokens <= INT32_MAX),
+                "default_max_tokens",
+                f"must be an integer in [1, {INT32_MAX}], got {self.default_max_tokens!r}",
+            ),
+            (
                 _is_int(self.min_tokens) and 0 <= self.min_tokens <= INT32_MAX,
                 "min_tokens",
                 f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}",
@@ -219,6 +297,19 @@ class SamplingParams:
         ]
         for ok, field_name, message in checks:
             _require(ok, field_name, message)
+        if self.best_of is not None:
+            # best_of below n was always an error; vLLM V1 refuses best_of > 1 outright.
+            _require(
+                _is_int(self.best_of) and self.best_of >= self.n,
+                "best_of",
+                f"must be an integer >= n={self.n}, got {self.best_of!r}",
+            )
+            _require(
+                self.best_of == 1,
+                "best_of",
+                f"best_of > 1 is not supported (as vLLM V1), got {self.best_of}; ask for n completions and pick "
+                "by cumulative_logprob",
+            )
         if self.max_tokens is not None:
             _require(
                 self.min_tokens <= self.max_tokens,
@@ -246,6 +337,23 @@ class SamplingParams:
             _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty when given")
             for i, token_id in enumerate(self.allowed_token_ids):
                 _require(_is_int(token_id), f"allowed_token_ids[{i}]", f"must be an integer, got {token_id!r}")
+
+
+def sampling_params_with_defaults(explicit: Mapping[str, Any], defaults: Mapping[str, Any]) -> SamplingParams:
+    """``SamplingParams`` from the fields a caller set (``explicit``), the model's defaults (``defaults``, from
+    its generation config: keys of ``GENERATION_CONFIG_FIELDS``) filling the fields the caller left unset, and
+    vLLM's defaults the rest (vLLM's servers' ``to_sampling_params(default_sampling_params)``). A default
+    max_tokens becomes ``default_max_tokens``: a cap, so a long prompt shortens it rather than being refused.
+
+    Raises:
+        ValidationError: a refused value, naming its field.
+    """
+    kwargs = {name: value for name, value in defaults.items() if name not in explicit and name != "max_tokens"}
+    if "max_tokens" not in explicit and defaults.get("max_tokens") is not None:
+        kwargs["max_tokens"] = None
+        kwargs["default_max_tokens"] = defaults["max_tokens"]
+    kwargs.update(explicit)
+    return SamplingParams(**kwargs)
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:

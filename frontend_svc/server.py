@@ -38,11 +38,14 @@ async def serve_frontend(
     shutdown_timeout_s: float = 30.0,
     trust_request_chat_template: bool = False,
     metrics_port: int | None = None,
+    generation_config: str = "auto",
     **core_config: Any,
 ) -> int:
     """Run until SIGTERM / SIGINT; returns the exit code. ``core_addresses`` None runs the core in this process
     with ``core_config``. ``metrics_port``: serve Prometheus metrics there (None: no metrics; in-process, the
-    core's metrics too). Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``)."""
+    core's metrics too). ``generation_config``: where unset sampling fields take defaults from ("auto": the
+    model's generation_config.json, "vllm": none, or a folder), as vLLM's ``--generation-config``. Tracing
+    follows the ``OTEL_*`` environment (``splitserve.tracing``)."""
     tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_SERVICE_NAME)
     registry = metrics.make_registry() if metrics_port is not None else None
     metrics_server = metrics.MetricsServer(registry, metrics_port, host) if registry is not None else None
@@ -58,6 +61,7 @@ async def serve_frontend(
             trust_request_chat_template,
             observability,
             core_config,
+            generation_config,
         )
     finally:
         if metrics_server is not None:
@@ -87,6 +91,7 @@ async def _serve(
     trust_request_chat_template: bool,
     observability: _Observability,
     core_config: dict[str, Any],
+    generation_config: str,
 ) -> int:
     state = FrontendServerState(model=model, trust_request_chat_template=trust_request_chat_template)
     provider, registry = observability.tracer_provider, observability.registry
@@ -116,7 +121,8 @@ async def _serve(
             )
 
     def build() -> AsyncLLM:
-        state.tokenizer = load_tokenizer(resolve_model_path(model, weights=not core_addresses))
+        model_path = resolve_model_path(model, weights=not core_addresses)
+        state.tokenizer = load_tokenizer(model_path)
         if core_addresses:
             from frontend_svc.grpc_client import GrpcCoreClient
 
@@ -131,7 +137,13 @@ async def _serve(
         stat_loggers: list[StatLogger] = []
         if registry is not None:
             stat_loggers.append(PrometheusStatLogger(registry, model, client.get_engine_info().max_model_len))
-        return AsyncLLM(model, tokenizer=state.tokenizer, engine_core_client=client, stat_loggers=stat_loggers)
+        return AsyncLLM(
+            str(model_path),
+            tokenizer=state.tokenizer,
+            stat_loggers=stat_loggers,
+            generation_config=generation_config,
+            engine_core_client=client,
+        )
 
     starting = grpc_runtime.run_in_daemon_thread(build)
     done, _ = await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)

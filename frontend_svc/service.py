@@ -21,6 +21,7 @@ from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from frontend_svc.wire import (
     chat_messages_from_api,
+    default_sampling_params_to_api,
     generate_request_from_api,
     request_output_to_api,
     sampling_params_from_api,
@@ -53,7 +54,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         engine = await self._engine(context)
         try:
             prompt: PromptType = generate_request_from_api(request)
-            params = sampling_params_from_api(request.sampling_params)
+            params = sampling_params_from_api(request.sampling_params, engine.default_sampling_params)
         except FrontendError as e:
             await context.abort(status_code(e), str(e))
         async for message in self._stream(context, engine, prompt, params, request):
@@ -64,7 +65,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
     ) -> AsyncIterator[api.GenerateResponse]:
         engine = await self._engine(context)
         try:
-            params = sampling_params_from_api(request.sampling_params)
+            params = sampling_params_from_api(request.sampling_params, engine.default_sampling_params)
             add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
             chat_template = request.chat_template if request.HasField("chat_template") else None
             if chat_template is not None and not self.state.trust_request_chat_template:
@@ -121,6 +122,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
             max_logprobs=info.max_logprobs,
             has_chat_template=bool(getattr(engine.tokenizer, "chat_template", None)),
             kv_cache_tokens=info.kv_cache_tokens,
+            default_sampling_params=default_sampling_params_to_api(engine.default_sampling_params),
+            generation_config=engine.generation_config,
         )
         if engine.tokenizer.bos_token_id is not None:
             msg.bos_token_id = engine.tokenizer.bos_token_id
@@ -145,7 +148,12 @@ class GenerationServicer(api_grpc.GenerationServicer):
         self.state.active_calls += 1
         try:
             async for output in engine.generate(
-                prompt, params, request_id, request.priority, cache_salt, trace_headers
+                prompt,
+                params,
+                request_id,
+                trace_headers=trace_headers,
+                priority=request.priority,
+                cache_salt=cache_salt,
             ):
                 for completion in output.outputs:
                     previous = completion_tokens.get(completion.index, 0) if delta else 0

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from frontend_svc.engine_types import (
@@ -20,7 +21,7 @@ from frontend_svc.engine_types import (
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, TokensPrompt
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
-from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.frontend.v1 import generation_pb2 as api
 
@@ -165,8 +166,9 @@ _OPTIONAL_SAMPLING_FIELDS = (
 )
 
 
-def sampling_params_from_api(msg: api.SamplingParams) -> SamplingParams:
-    """Unset fields take vLLM's defaults. Raises ValidationError naming the field for any refused value."""
+def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """Unset fields take the model's defaults (``defaults``, from its generation config), then vLLM's. Raises
+    ValidationError naming the field for any refused value."""
     kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
     if msg.max_tokens_unlimited:
         if msg.HasField("max_tokens"):
@@ -183,7 +185,12 @@ def sampling_params_from_api(msg: api.SamplingParams) -> SamplingParams:
     if msg.output_kind not in _OUTPUT_KINDS:
         raise ValidationError("output_kind", f"unknown value {msg.output_kind}")
     kwargs["output_kind"] = _OUTPUT_KINDS[msg.output_kind]
-    return SamplingParams(**kwargs)
+    return sampling_params_with_defaults(kwargs, defaults or {})
+
+
+def default_sampling_params_to_api(defaults: Mapping[str, Any]) -> api.SamplingParams:
+    """The model's default sampling parameters (``GetModelInfo``): only the fields it sets are set."""
+    return api.SamplingParams(**defaults)
 
 
 def generate_request_from_api(msg: api.GenerateRequest) -> TokensPrompt | str:

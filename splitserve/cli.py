@@ -99,22 +99,29 @@ def core_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"}
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from frontend_svc import LLM, SamplingParams
+# ``generate``'s sampling flags that default to the model's generation config when not given.
+DEFAULTABLE_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
-    params = SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos,
-        stop=args.stop,
-        logprobs=args.logprobs,
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from frontend_svc import LLM
+    from frontend_svc.sampling_params import sampling_params_with_defaults
+
+    explicit: dict[str, Any] = {
+        "n": args.n,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "stop": args.stop,
+        "logprobs": args.logprobs,
+    }
+    explicit.update(
+        {name: getattr(args, name) for name in DEFAULTABLE_SAMPLING_FLAGS if getattr(args, name) is not None}
     )
     prompts = args.prompt or ["Hello, my name is"]
-    with LLM(resolve_model_arg(args.model), **core_kwargs_from_args(args)) as llm:
+    model = resolve_model_arg(args.model)
+    with LLM(model, generation_config=args.generation_config, **core_kwargs_from_args(args)) as llm:
+        # Flags not given take the model's defaults (its generation config), then vLLM's, as a server's requests.
+        params = sampling_params_with_defaults(explicit, llm.llm_engine.default_sampling_params)
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
         else:
@@ -164,6 +171,16 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         type=int,
         default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics endpoint)",
+    )
+
+
+def add_generation_config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where sampling fields a request leaves unset take defaults from (as vLLM's flag): 'auto' (the "
+        "model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+        "'vllm' (ignore it: vLLM's defaults), or a folder holding a generation_config.json",
     )
 
 
@@ -225,6 +242,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
             args.shutdown_timeout,
             args.trust_request_chat_template,
             args.metrics_port,
+            args.generation_config,
         )
     )
 
@@ -244,6 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.shutdown_timeout,
             args.trust_request_chat_template,
             args.metrics_port,
+            args.generation_config,
             **core_kwargs_from_args(args),
         )
     )
@@ -303,10 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="run prompts offline (the Python API, core in-process)")
     add_core_args(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # Unset by default: the model's generation config fills them, else vLLM's defaults (in brackets).
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate [16]")
+    p.add_argument("--temperature", type=float, default=None, help="0 is greedy [1.0]")
+    p.add_argument("--top-p", type=float, default=None, help="[1.0]")
+    p.add_argument("--top-k", type=int, default=None, help="0 or -1 is off [0]")
+    p.add_argument("--min-p", type=float, default=None, help="[0.0]")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="[1.0]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed of each request")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
@@ -314,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs per generated token")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_generation_config_arg(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("core", help="the engine core as a gRPC server")
@@ -334,12 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_args(p, 50051)
     add_chat_template_arg(p)
+    add_generation_config_arg(p)
     p.set_defaults(func=cmd_frontend)
 
     p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
     add_core_args(p)
     add_server_args(p, 50051)
     add_chat_template_arg(p)
+    add_generation_config_arg(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("health", help="a server's grpc.health.v1 status; exit 0 when SERVING (container checks)")

@@ -72,3 +72,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("greedy near-tie divergences vs transformers")
         for line in _DIVERGENCE_REPORT:
             terminalreporter.write_line(line)
+
+
+# A generation config as a checkpoint's author would ship it: top_k=1 makes unset sampling fields greedy.
+GENERATION_CONFIG_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 1}
+
+
+@pytest.fixture(scope="session")
+def generation_config_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama checkpoint whose generation_config.json also sets ``GENERATION_CONFIG_DEFAULTS``."""
+    from splitserve.test_model import make_test_model
+
+    path = make_test_model(tmp_path_factory.mktemp("generation-config-model"), "llama", "tiny", seed=0)
+    config_file = path / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **GENERATION_CONFIG_DEFAULTS}))
+    return path

@@ -85,3 +85,23 @@ def test_generate_n_stop_logprobs_and_chat(checkpoint, capsys):
     assert chat["prompt_token_ids"] == tokenizer.apply_chat_template(
         [{"role": "user", "content": "Once upon a time"}], tokenize=True, add_generation_prompt=True, return_dict=False
     )
+
+
+def test_generate_sampling_flags_default_to_the_models_generation_config(generation_config_model, capsys):
+    """Flags not given take the model's defaults (top_k 1: greedy), flags given override them, and
+    --generation-config vllm leaves vLLM's defaults."""
+    base = ["generate", "--model", str(generation_config_model), "--prompt", "Once upon a time", "--json"]
+    base += ["--ignore-eos", "--max-tokens", "10"]
+
+    def run(*flags: str) -> list[int]:
+        assert main(base + list(flags)) == 0
+        return json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+
+    greedy = run("--temperature", "0")
+    assert run() == greedy
+    overridden = run("--top-k", "0", "--seed", "3")
+    assert overridden == run("--generation-config", "vllm", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3")
+    assert overridden != greedy
+    assert run("--generation-config", "vllm", "--seed", "3") == run(
+        "--temperature", "1", "--top-p", "1", "--top-k", "0", "--seed", "3"
+    )

@@ -320,3 +320,21 @@ def test_server_faults_map_to_internal_and_only_a_stopped_core_to_unavailable():
     assert str(internal) == "the engine core failed while running this request: RuntimeError: boom"
     unavailable = error_from_core(14, "the engine core is dead")
     assert isinstance(unavailable, EngineDeadError) and frontend_status_code(unavailable).name == "UNAVAILABLE"
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_refused_not_cut(checkpoint):
+    """A client of the core (not only our frontend) asking for more than max_model_len holds gets
+    INVALID_ARGUMENT naming max_tokens, as vLLM's servers answer 400; before, 8 prompt ids with max_tokens 61
+    in max_model_len 64 returned 56 tokens with finish reason "length"."""
+    engine = make_engine(checkpoint("llama"), max_model_len=64, num_kv_blocks=9)
+    prompt = list(range(10, 18))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(request("over", prompt, max_tokens=61, ignore_eos=True))
+    message = str(info.value)
+    assert message.startswith("max_tokens: 61 is too large")
+    assert "maximum context length is 64 tokens, and 69 were requested (8 in the prompt, 61 in the completion)" in (
+        message
+    )
+    assert not engine.has_unfinished_requests()
+    results, _ = run_engine(engine, [prompt], 56)  # 8 + 56 = 64: fits exactly
+    assert len(results[0].token_ids) == 56 and results[0].finish_reason == "length"

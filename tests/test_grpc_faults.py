@@ -27,7 +27,10 @@ from tests.test_grpc_split import CORE_ARGS, generate, greedy, joined
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-UNBOUNDED = greedy(max_tokens=100000)
+# Runs until max_model_len: a max_tokens past it is refused (it used to be cut short silently).
+UNBOUNDED = api.SamplingParams(
+    temperature=0.0, ignore_eos=True, max_tokens_unlimited=True, output_kind=api.OUTPUT_KIND_DELTA
+)
 
 
 @pytest.fixture(scope="module")

@@ -151,6 +151,10 @@ WIRE_ERRORS = [
     (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
     (dict(prompt_token_ids=[5] * 1024), "prompt"),
     (dict(prompt_token_ids=[5, 10**6]), "prompt_token_ids[1]"),
+    # 8 + 1017 > max_model_len 1024: refused, not cut short to 1016 tokens.
+    (dict(prompt_token_ids=[5] * 8, sampling_params=api.SamplingParams(max_tokens=1017)), "max_tokens"),
+    # 6 MB of text: refused by its length, before tokenizing (it took 25 s and ~950 MiB to refuse).
+    (dict(prompt="x" * 6_000_000), "prompt"),
 ]
 
 
@@ -180,6 +184,47 @@ def test_bad_chat_input(services):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Chat(api.ChatRequest(messages=[]), timeout=30))
         assert info.value.details().startswith("messages: ")
+
+
+def test_chat_joins_text_parts_with_newlines_and_refuses_a_huge_conversation_by_length(services, model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    _, (frontend, _) = services
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        parts = [api.ContentPart(text="Translate:"), api.ContentPart(text="bonjour")]
+        message = api.ChatMessage(role="user", content=parts)
+        responses = list(stub.Chat(api.ChatRequest(messages=[message], sampling_params=greedy(max_tokens=2))))
+        expected = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Translate:\nbonjour"}],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        assert list(responses[0].prompt_token_ids) == expected
+        huge = api.ChatMessage(role="user", content=[api.ContentPart(text="y" * 6_000_000)])
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(api.ChatRequest(messages=[huge]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("prompt: the rendered conversation has")
+
+
+def test_core_refuses_prompt_plus_max_tokens_over_max_model_len(services):
+    """A client that talks to the core directly gets the same refusal as through a frontend."""
+    core, _ = services
+    add = core_pb.EngineCoreRequest(
+        request_id="over", prompt_token_ids=[5] * 8, sampling_params=core_pb.SamplingParams(max_tokens=1017)
+    )
+    with grpc.insecure_channel(core.address) as channel:
+        messages = list(
+            core_grpc.EngineCoreStub(channel).Connect(iter([core_pb.EngineCoreClientMessage(add=add)]), timeout=30)
+        )
+    output = next(o for m in messages for o in m.outputs)
+    assert output.request_id == "over" and output.finish_reason == core_pb.FINISH_REASON_ERROR
+    assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert output.error.message.startswith("max_tokens: 1017 is too large")
+    assert "1025 were requested (8 in the prompt, 1017 in the completion)" in output.error.message
 
 
 def test_chat_tokenize_detokenize_and_model_info(services, model):

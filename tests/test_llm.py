@@ -61,12 +61,15 @@ def test_chat_renders_the_chat_template(llm):
     expected = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=False)
     outputs = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert outputs[0].prompt_token_ids == expected
-    parts = [
-        {"role": "user", "content": [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]}
-    ]
-    assert (
-        llm.chat(parts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].prompt_token_ids == expected
+    # A message's text parts are joined with "\n", as vLLM, llama.cpp and TensorRT-LLM join them.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]}]
+    joined = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Translate:\nbonjour"}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
     )
+    assert llm.chat(parts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].prompt_token_ids == joined
     with pytest.raises(ValidationError, match=r"messages\[0\].content\[0\]: only text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
 
@@ -139,9 +142,35 @@ def test_bad_requests_are_refused_and_others_go_on(llm):
         llm.generate("hi", SamplingParams(logprobs=50), use_tqdm=False)
     with pytest.raises(ValidationError, match="prompt: has 2048 tokens"):
         llm.generate([[5] * 2048], use_tqdm=False)
+    # Prompt + max_tokens over max_model_len (2048) is refused as the servers refuse it, not cut short.
+    with pytest.raises(
+        ValidationError, match=r"max_tokens: 2041 is too large: .* 2049 were requested \(8 in the prompt, 2041 in"
+    ):
+        llm.generate([[5] * 8, [6] * 8], SamplingParams(max_tokens=2041), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate(["hi", "there"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+
+
+def test_priority_one_int_for_every_prompt_and_on_chat(llm):
+    """As vLLM's LLM, one int applies to every prompt (it raised TypeError); chat takes it too. This core runs
+    FCFS, so a non-zero priority reaches the core and is refused there, naming the field."""
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    with pytest.raises(ValidationError, match="priority: 1 needs the priority scheduling policy"):
+        llm.generate(PROMPTS[:2], params, priority=1, use_tqdm=False)
+    with pytest.raises(ValidationError, match="priority: 1 needs the priority scheduling policy"):
+        llm.chat([{"role": "user", "content": "Hi"}], params, priority=1, use_tqdm=False)
+    with pytest.raises(ValidationError, match="priority: has 1 entries for 2 prompts"):
+        llm.generate(PROMPTS[:2], params, priority=[0], use_tqdm=False)
+    with pytest.raises(ValidationError, match="priority: must be a 32-bit integer"):
+        llm.generate(PROMPTS[:2], params, priority=True, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    for priority in (0, [0, 0]):
+        outputs = llm.generate(PROMPTS[:2], params, priority=priority, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    chat = llm.chat([{"role": "user", "content": "Hi"}], params, priority=0, use_tqdm=False)
+    assert len(chat[0].outputs[0].token_ids) == 3
 
 
 def test_async_generate_streams_and_cancels(llama2_model, llm):

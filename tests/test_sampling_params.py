@@ -143,3 +143,112 @@ def test_lenient_spellings():
     assert SamplingParams(logprobs=False).logprobs is None
     with pytest.raises(ValidationError, match="more than the vocabulary"):
         SamplingParams(logprobs=5000).verify(vocab_size=1000, max_logprobs=-1)
+
+
+# Every field of vLLM's SamplingParams (0.33, plus the names older releases had), notes §2.
+VLLM_FIELD_NAMES = [
+    "n",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "logprob_token_ids",
+    "flat_logprobs",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logits_processors",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+    "output_kind",
+    "stream_interval",
+    "structured_outputs",
+    "guided_decoding",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "extra_args",
+    "thinking_token_budget",
+    "repetition_detection",
+    "watermarking",
+    "skip_clone",
+    "skip_reading_prefix_cache",
+    "prompt_logprob_token_ids",
+    "prompt_logprob_start",
+    "routed_experts_prompt_start",
+    "trace_decode_token_ids",
+]
+
+
+def test_every_vllm_field_name_is_accepted_at_its_neutral_value():
+    import dataclasses
+
+    assert set(VLLM_FIELD_NAMES) <= {f.name for f in dataclasses.fields(SamplingParams)}
+    p = SamplingParams(
+        best_of=1,
+        logits_processors=[],
+        bad_words=[],
+        truncate_prompt_tokens=None,
+        structured_outputs=None,
+        guided_decoding=None,
+        extra_args={},
+        flat_logprobs=False,
+        stream_interval=1,
+        skip_clone=True,
+        skip_reading_prefix_cache=False,
+    )
+    assert (p.n, p.temperature, p.max_tokens, p.stop) == (1, 1.0, 16, [])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "reason"),
+    [
+        ({"n": 2, "best_of": 3}, "best_of", "best_of > 1 is not supported"),
+        ({"best_of": 2}, "best_of", "best_of > 1 is not supported"),
+        ({"n": 3, "best_of": 2}, "best_of", "must be an integer >= n=3"),
+        ({"best_of": 1.0}, "best_of", "must be an integer"),
+        ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors", "per-request logits processors"),
+        ({"bad_words": ["spam"]}, "bad_words", "not supported"),
+        ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens", "truncate the prompt before"),
+        ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs", "structured outputs"),
+        ({"guided_decoding": {"regex": "a+"}}, "guided_decoding", "structured outputs"),
+        ({"extra_args": {"my_processor": 1}}, "extra_args", "no effect"),
+        ({"flat_logprobs": True}, "flat_logprobs", "not supported"),
+        ({"logprob_token_ids": [5]}, "logprob_token_ids", "not supported"),
+        ({"stream_interval": 4}, "stream_interval", "only 1"),
+        ({"thinking_token_budget": 100}, "thinking_token_budget", "reasoning parser"),
+        ({"skip_reading_prefix_cache": True}, "skip_reading_prefix_cache", "not supported"),
+    ],
+)
+def test_unsupported_vllm_fields_are_refused_as_value_errors_naming_the_field(kwargs, field, reason):
+    with pytest.raises(ValueError, match=reason) as info:  # ValidationError is a ValueError, as vLLM's
+        SamplingParams(**kwargs)
+    assert isinstance(info.value, ValidationError) and info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_model_defaults_fill_unset_fields_and_explicit_ones_win():
+    from frontend_svc.sampling_params import sampling_params_with_defaults
+
+    defaults = {"temperature": 0.7, "top_p": 0.9, "top_k": 1, "max_tokens": 64}
+    p = sampling_params_with_defaults({}, defaults)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.7, 0.9, 1, 0.0, 1.0)
+    # The model's max_tokens is a cap applied once the prompt is known, not a requested length.
+    assert (p.max_tokens, p.default_max_tokens) == (None, 64)
+    q = sampling_params_with_defaults({"top_k": 0, "seed": 3, "max_tokens": 5}, defaults)
+    assert (q.temperature, q.top_p, q.top_k, q.seed, q.max_tokens, q.default_max_tokens) == (0.7, 0.9, 0, 3, 5, None)
+    unlimited = sampling_params_with_defaults({"max_tokens": None}, defaults)
+    assert (unlimited.max_tokens, unlimited.default_max_tokens) == (None, None)
+    assert sampling_params_with_defaults({}, {}) == SamplingParams()

@@ -236,7 +236,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "max_logprobs", "has_chat_template", "kv_cache_tokens")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "bos_token_id", "max_logprobs", "has_chat_template", "kv_cache_tokens", "default_sampling_params", "generation_config")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,8 @@ class ModelInfo(_message.Message):
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_CONFIG_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -253,4 +255,6 @@ class ModelInfo(_message.Message):
     max_logprobs: int
     has_chat_template: bool
     kv_cache_tokens: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
+    default_sampling_params: SamplingParams
+    generation_config: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., kv_cache_tokens: _Optional[int] = ..., default_sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., generation_config: _Optional[str] = ...) -> None: ...

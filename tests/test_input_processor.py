@@ -1,0 +1,221 @@
+"""The InputProcessor without an engine: max_tokens against max_model_len, text prompts refused by their length
+before tokenizing, chat text parts joined, priorities the wire can carry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from frontend_svc import SamplingParams, ValidationError
+from frontend_svc.chars_per_token import MAX_CANONICAL_DECOMPOSITION, max_chars_per_token
+from frontend_svc.engine_types import EngineInfo
+from frontend_svc.input_processor import InputProcessor, RequestOptions
+from frontend_svc.sampling_params import sampling_params_with_defaults
+from tests.conftest import real_or_builtin, shared_tokenizer
+
+
+def engine_info(max_model_len: int, vocab_size: int = 32000) -> EngineInfo:
+    return EngineInfo(
+        model="m",
+        max_model_len=max_model_len,
+        block_size=16,
+        num_kv_blocks=1000,
+        kv_cache_tokens=16000,
+        vocab_size=vocab_size,
+        eos_token_ids=(2,),
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        max_logprobs=20,
+        dtype="float32",
+    )
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the calls that tokenize (``__call__``, ``encode``); everything else is the
+    wrapped tokenizer's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def load(path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def llama2_tokenizer():
+    return load(real_or_builtin("llama2"))
+
+
+# --- max_tokens within max_model_len (issue 12, item 5) ---
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_refused_naming_max_tokens(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    prompt = list(range(10, 18))  # 8 ids
+    with pytest.raises(ValidationError) as info:
+        processor.process_inputs("r", prompt, SamplingParams(max_tokens=61))
+    assert info.value.field == "max_tokens"
+    message = str(info.value)
+    assert message.startswith("max_tokens: 61 is too large")
+    assert "maximum context length is 64 tokens" in message
+    assert "69 were requested (8 in the prompt, 61 in the completion)" in message
+    assert "at most 56 fit" in message
+    # Right at the limit: 8 + 56 = 64.
+    request, _ = processor.process_inputs("r", prompt, SamplingParams(max_tokens=56))
+    assert request.sampling_params.max_tokens == 56
+
+
+def test_unset_max_tokens_takes_the_room_left_and_a_model_default_is_capped_to_it(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    prompt = list(range(10, 18))
+
+    def resolved(params: SamplingParams) -> int:
+        return processor.process_inputs("r", prompt, params)[0].sampling_params.max_tokens
+
+    assert resolved(SamplingParams(max_tokens=None)) == 56
+    # The model's default (generation config max_new_tokens) is a cap, never a refusal (vLLM's get_max_tokens).
+    assert resolved(sampling_params_with_defaults({}, {"max_tokens": 100})) == 56
+    assert resolved(sampling_params_with_defaults({}, {"max_tokens": 10})) == 10
+    # A value the caller chose is checked, whatever the model's default.
+    with pytest.raises(ValidationError, match="max_tokens: 57 is too large"):
+        processor.process_inputs("r", prompt, sampling_params_with_defaults({"max_tokens": 57}, {"max_tokens": 10}))
+    with pytest.raises(ValidationError, match="min_tokens: 20 is above the derived max_tokens 10"):
+        processor.process_inputs("r", prompt, sampling_params_with_defaults({"min_tokens": 20}, {"max_tokens": 10}))
+
+
+# --- text prompts refused by length before tokenizing (issue 12, item 12(b)) ---
+
+
+@pytest.mark.parametrize(("name", "longest"), [("llama2", 16), ("gpt2", 128)])
+def test_max_chars_per_token_is_the_longest_vocabulary_string(name, longest):
+    # llama2: "▁Einzelnachweise" and sixteen "▁"; gpt2: a 128-byte run of mis-encoded "Ã‚" pairs.
+    assert max_chars_per_token(load(shared_tokenizer(name))) == longest
+
+
+@pytest.mark.parametrize("name", ["llama2", "gpt2", "builtin"])
+def test_no_text_has_more_characters_than_its_tokens_can_cover(name):
+    tokenizer = load(shared_tokenizer(name))
+    bound = max_chars_per_token(tokenizer)
+    assert bound is not None
+    longest = max(tokenizer.get_vocab(), key=len)
+    texts = [
+        " " * 5000,
+        "-" * 5000,
+        "\n" * 3000,
+        longest * 200,
+        "e\u0301" * 1000,  # combining marks
+        "\u1100\u1161\u11a8" * 500,  # Hangul jamo
+        "日本語のテキスト" * 300,
+        "🙂👍🏽" * 500,
+        "the " * 2000,
+        "<s></s><unk>" * 200,
+    ]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert len(text) <= bound * len(ids), (text[:20], len(text), len(ids))
+
+
+def test_a_text_longer_than_any_prompt_that_fits_is_refused_without_tokenizing(llama2_tokenizer):
+    tokenizer = CountingTokenizer(llama2_tokenizer)
+    processor = InputProcessor(tokenizer, engine_info(max_model_len=64))
+    per_token = max(len(token) for token in llama2_tokenizer.get_vocab())
+    assert processor.max_prompt_chars == 63 * per_token  # 63 prompt tokens leave one for the output
+    with pytest.raises(ValidationError) as info:
+        processor.process_inputs("r", "x" * (63 * per_token + 1), SamplingParams())
+    assert info.value.field == "prompt"
+    assert f"has {63 * per_token + 1} characters" in str(info.value)
+    assert tokenizer.calls == 0
+    # The 6 MB prompt of the issue: refused the same way.
+    with pytest.raises(ValidationError, match="prompt: the prompt has 6000000 characters"):
+        processor.process_inputs("r", "x" * 6_000_000, SamplingParams())
+    assert tokenizer.calls == 0
+    # Right at the bound the text goes the normal way: tokenized, then refused by its token count.
+    with pytest.raises(ValidationError, match="prompt: has .* tokens, which leaves no room"):
+        processor.process_inputs("r", "x" * (63 * per_token), SamplingParams())
+    assert tokenizer.calls == 1
+    request, text = processor.process_inputs("r", "Hello world", SamplingParams())
+    assert tokenizer.calls == 2 and request.prompt_token_ids == llama2_tokenizer("Hello world").input_ids
+
+
+def test_a_rendered_conversation_too_long_is_refused_without_tokenizing(llama2_tokenizer):
+    tokenizer = CountingTokenizer(llama2_tokenizer)
+    processor = InputProcessor(tokenizer, engine_info(max_model_len=64))
+    limit = processor.max_prompt_chars
+    with pytest.raises(ValidationError, match="prompt: the rendered conversation has"):
+        processor.render_chat([{"role": "user", "content": "y" * limit}])
+    assert tokenizer.calls == 0
+    processor.render_chat([{"role": "user", "content": "y" * 10}])
+    assert tokenizer.calls == 1
+
+
+def test_pipelines_that_can_drop_text_get_no_bound():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3}
+
+    def wrapped(backend: Tokenizer) -> Any:
+        return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    assert max_chars_per_token(wrapped(wordpiece)) is None  # one [UNK] for a whole unknown word
+    fused = Tokenizer(models.BPE(vocab, [("a", "b")], unk_token="[UNK]", fuse_unk=True))
+    assert max_chars_per_token(wrapped(fused)) is None  # a run of unknown characters is one token
+    per_char = Tokenizer(models.BPE(vocab, [("a", "b")], unk_token="[UNK]", fuse_unk=False))
+    assert max_chars_per_token(wrapped(per_char)) == 5  # "[UNK]"
+    per_char.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # drops whitespace
+    assert max_chars_per_token(wrapped(per_char)) is None
+    per_char.pre_tokenizer = None
+    per_char.normalizer = normalizers.NFKC()
+    assert max_chars_per_token(wrapped(per_char)) == 5 * MAX_CANONICAL_DECOMPOSITION
+    per_char.normalizer = normalizers.Strip()
+    assert max_chars_per_token(wrapped(per_char)) is None
+
+
+def test_max_canonical_decomposition_is_unicodes():
+    import unicodedata
+
+    assert max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000)) == MAX_CANONICAL_DECOMPOSITION
+
+
+# --- chat text parts (issue 12, item 7) ---
+
+
+def test_text_parts_of_a_message_are_joined_with_newlines(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
+    rendered = processor.render_chat([{"role": "user", "content": parts}])
+    expected = llama2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Translate:\nbonjour"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered["prompt"] == expected
+    assert rendered["prompt_token_ids"] == llama2_tokenizer(expected, add_special_tokens=False).input_ids
+
+
+# --- priority ---
+
+
+@pytest.mark.parametrize("priority", [True, 1.5, "1", 2**31, -(2**31) - 1])
+def test_a_priority_the_wire_cannot_carry_is_refused(llama2_tokenizer, priority):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    with pytest.raises(ValidationError) as info:
+        processor.process_inputs("r", [5, 6], SamplingParams(), RequestOptions(priority=priority))
+    assert info.value.field == "priority"
+    request, _ = processor.process_inputs("r", [5, 6], SamplingParams(), RequestOptions(priority=-(2**31)))
+    assert request.priority == -(2**31)
