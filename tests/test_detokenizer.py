@@ -1,4 +1,5 @@
-"""Incremental detokenization with the real tokenizers: streamed text equals the tokenizer's own full decode."""
+"""Incremental detokenization with the real tokenizers: streamed text equals an independent full decode, and
+per-token texts add up to the text."""
 
 from __future__ import annotations
 
@@ -6,10 +7,19 @@ import random
 
 import pytest
 
-from frontend_svc.detokenizer import SlowIncrementalDetokenizer
+from frontend_svc.detokenizer import FastIncrementalDetokenizer, SlowIncrementalDetokenizer
+from frontend_svc.engine_types import FinishReason
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import shared_tokenizer
-from tests.frontend_helpers import delta_text, stream
+from tests.frontend_helpers import (
+    PythonOnlyTokenizer,
+    byte_token_ids,
+    bytes_are_valid,
+    delta_text,
+    reference_output_text,
+    reference_text,
+    stream,
+)
 
 TOKENIZERS = ["llama2", "gpt2", "builtin"]
 HAND_PICKED = [
@@ -20,6 +30,7 @@ HAND_PICKED = [
     "Mixed 你好 and 😀 then text",
     "  leading spaces and\ttabs\nnewlines  ",
 ]
+DETOKENIZERS = {"fast": FastIncrementalDetokenizer, "slow": SlowIncrementalDetokenizer}
 
 
 @pytest.fixture(scope="module", params=TOKENIZERS)
@@ -27,6 +38,12 @@ def tokenizer(request):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(shared_tokenizer(request.param))
+
+
+def load(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(shared_tokenizer(name))
 
 
 def random_sequences(tokenizer, count: int = 25, length: int = 40, seed: int = 0) -> list[list[int]]:
@@ -47,41 +64,46 @@ def hand_picked_sequences(tokenizer) -> list[list[int]]:
     return sequences
 
 
-def run_kinds(tokenizer, ids, skip_special_tokens, prompt_ids=None):
+def check_stream(tokenizer, ids, prompt_ids, skip_special_tokens=True, slow=False) -> str:
+    """Stream ``ids`` in every output kind and check what must hold whatever the ids: DELTA, CUMULATIVE and
+    FINAL_ONLY agree, and every id goes out once. Returns the text."""
+    detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer
     texts = {}
     for kind in RequestOutputKind:
         params = SamplingParams(output_kind=kind, skip_special_tokens=skip_special_tokens)
-        outputs = stream(tokenizer, ids, params, prompt_ids).outputs
-        texts[kind] = delta_text(outputs) if kind == RequestOutputKind.DELTA else outputs[-1].outputs[0].text
+        outputs = stream(detokenizing, ids, params, prompt_ids).outputs
+        completion = outputs[-1].outputs[0]
         if kind == RequestOutputKind.DELTA:
-            deltas = [o.outputs[0].text for o in outputs]
-            assert [o.outputs[0].token_ids for o in outputs] == [[i] for i in ids]
+            texts[kind] = delta_text(outputs)
+            assert [i for o in outputs for i in o.outputs[0].token_ids] == ids
+        else:
+            texts[kind] = completion.text
+            assert completion.token_ids == ids
         if kind == RequestOutputKind.FINAL_ONLY:
             assert len(outputs) == 1
-    return texts, deltas
+    assert texts[RequestOutputKind.DELTA] == texts[RequestOutputKind.CUMULATIVE] == texts[RequestOutputKind.FINAL_ONLY]
+    return texts[RequestOutputKind.DELTA]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_stream_equals_full_decode(tokenizer, skip_special_tokens):
-    for ids in random_sequences(tokenizer) + hand_picked_sequences(tokenizer):
-        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        texts, deltas = run_kinds(tokenizer, ids, skip_special_tokens)
-        assert texts[RequestOutputKind.DELTA] == expected, ids
-        assert texts[RequestOutputKind.CUMULATIVE] == expected
-        assert texts[RequestOutputKind.FINAL_ONLY] == expected
-        if "\ufffd" not in expected:
-            assert not any("\ufffd" in d for d in deltas), deltas
+    for ids in random_sequences(tokenizer, count=12) + hand_picked_sequences(tokenizer):
+        text = check_stream(tokenizer, ids, [], skip_special_tokens)
+        assert text == reference_text(tokenizer, ids, skip_special_tokens)
+        if bytes_are_valid(tokenizer, ids, skip_special_tokens):
+            assert text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
 
 
 def test_stream_after_a_prompt_continues_its_text(tokenizer):
     """With a prompt, the first output token gets its context: the text is what the prompt's decode grows by."""
     prompt_ids = tokenizer("The answer is").input_ids
     prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-    for ids in hand_picked_sequences(tokenizer) + random_sequences(tokenizer, count=10, seed=1):
+    for ids in hand_picked_sequences(tokenizer) + random_sequences(tokenizer, count=6, seed=1):
         full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
         assert full.startswith(prompt_text)
-        texts, _ = run_kinds(tokenizer, ids, True, prompt_ids)
-        assert texts[RequestOutputKind.DELTA] == full[len(prompt_text) :]
+        text = check_stream(tokenizer, ids, prompt_ids)
+        if bytes_are_valid(tokenizer, prompt_ids + ids):
+            assert text == full[len(prompt_text) :]
 
 
 def test_no_replacement_character_mid_stream_for_split_characters(tokenizer):
@@ -97,21 +119,24 @@ def test_no_replacement_character_mid_stream_for_split_characters(tokenizer):
 def test_invalid_bytes_at_the_end_are_flushed_once(tokenizer):
     ids = tokenizer("ok 🦜", add_special_tokens=False).input_ids  # a rare emoji: split over byte tokens
     truncated = ids[:-1]  # its last byte is missing
-    expected = tokenizer.decode(truncated)
-    assert expected.endswith("\ufffd")
+    # The parrot's first bytes but not all four: one maximal subpart, so one U+FFFD (llama2's own decode,
+    # ByteFallback, gives one per byte token).
+    expected = "ok \ufffd"
+    assert reference_text(tokenizer, truncated) == expected
     params = SamplingParams(output_kind=RequestOutputKind.DELTA)
     outputs = stream(tokenizer, truncated, params).outputs
     assert delta_text(outputs) == expected
     assert "\ufffd" not in delta_text(outputs[:-1])  # held back until the end, then flushed in the last delta
 
 
-def test_slow_algorithm_matches_full_decode(tokenizer):
-    params = SamplingParams()
-    for ids in hand_picked_sequences(tokenizer)[:-1] + random_sequences(tokenizer, count=10, seed=2):
-        detokenizer = SlowIncrementalDetokenizer(tokenizer, params, [])
+@pytest.mark.parametrize("cls", DETOKENIZERS.values(), ids=DETOKENIZERS)
+def test_per_token_texts_add_up_to_the_text(tokenizer, cls):
+    for ids in hand_picked_sequences(tokenizer)[:-1] + random_sequences(tokenizer, count=6, seed=2):
+        detokenizer = cls(tokenizer, SamplingParams(), [])
         detokenizer.update(ids, stop_terminated=False)
         detokenizer.finish()
-        assert detokenizer.output_text == tokenizer.decode(ids, skip_special_tokens=True), ids
+        assert detokenizer.output_text == reference_text(tokenizer, ids), ids
+        assert "".join(detokenizer.token_texts) == detokenizer.output_text
 
 
 def test_prompt_ending_in_split_characters_primes_cleanly(tokenizer):
@@ -121,14 +146,15 @@ def test_prompt_ending_in_split_characters_primes_cleanly(tokenizer):
         ids = tokenizer(" and then some text", add_special_tokens=False).input_ids
         full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
         prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-        texts, deltas = run_kinds(tokenizer, ids, True, prompt_ids)
-        assert texts[RequestOutputKind.DELTA] == full[len(prompt_text) :], prompt
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+        deltas = [o.outputs[0].text for o in stream(tokenizer, ids, params, prompt_ids).outputs]
+        assert "".join(deltas) == full[len(prompt_text) :], prompt
         assert not any("\ufffd" in d for d in deltas)
 
 
 def test_flush_does_not_repeat_text_already_sent(tokenizer):
     """An emoji, then the first bytes of another, then the end: the emoji was sent when complete; the dangling
-    bytes are flushed on their own (U+FFFD each), not as a re-decoded run that would repeat it."""
+    bytes are flushed on their own, not as a re-decoded run that would repeat it."""
     prefix = tokenizer(" ok", add_special_tokens=False).input_ids
     emoji = tokenizer("😀", add_special_tokens=False).input_ids
     rocket = [i for i in tokenizer("🚀", add_special_tokens=False).input_ids if tokenizer.decode([i]).strip()]
@@ -136,5 +162,109 @@ def test_flush_does_not_repeat_text_already_sent(tokenizer):
     assert dangling and "\ufffd" in tokenizer.decode(dangling)
     params = SamplingParams(output_kind=RequestOutputKind.DELTA)
     text = delta_text(stream(tokenizer, prefix + emoji + dangling, params).outputs)
-    assert text == tokenizer.decode(prefix + emoji) + tokenizer.decode(dangling)
+    # The missing last byte leaves one maximal subpart: one U+FFFD.
+    assert text == tokenizer.decode(prefix + emoji) + "\ufffd"
     assert text.count("😀") == 1
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_text_goes_on_after_an_invalid_byte(slow):
+    """Llama 2, prompt "Hi": a newline byte, a lead byte that nothing continues (invalid), "a", EOS. The bad byte
+    shows once as U+FFFD and the text after it is kept; the next word keeps its leading space (the decoder
+    restarts after the settled text, not from nothing)."""
+    llama = load("llama2")
+    assert llama.convert_ids_to_tokens([13, 243, 29874, 2]) == ["<0x0A>", "<0xF0>", "a", "</s>"]
+    there = llama.convert_tokens_to_ids("▁there")
+    detokenizing = PythonOnlyTokenizer(llama) if slow else llama
+    for ids, expected in (([13, 243, 29874, 2], "\n\ufffda"), ([13, 243, 29874, there, 2], "\n\ufffda there")):
+        for kind in RequestOutputKind:
+            outputs = stream(
+                detokenizing, ids, SamplingParams(output_kind=kind), [1, 6324], final_reason=FinishReason.STOP
+            ).outputs
+            text = delta_text(outputs) if kind == RequestOutputKind.DELTA else outputs[-1].outputs[0].text
+            assert text == expected, kind
+
+
+def test_prompt_ending_inside_a_character_keeps_it():
+    """gpt2, the ids of "Hello world 🌶 is spicy" cut inside the pepper's bytes: the prompt began the character,
+    so it is the prompt's; the output is the text after it (vLLM)."""
+    gpt2 = load("gpt2")
+    ids = gpt2("Hello world 🌶 is spicy").input_ids
+    cuts = [k for k in range(1, len(ids)) if gpt2.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts  # the pepper is split over tokens
+    for cut in cuts:
+        for slow in (False, True):
+            detokenizing = PythonOnlyTokenizer(gpt2) if slow else gpt2
+            for kind in RequestOutputKind:
+                outputs = stream(detokenizing, ids[cut:], SamplingParams(output_kind=kind), ids[:cut]).outputs
+                text = delta_text(outputs) if kind == RequestOutputKind.DELTA else outputs[-1].outputs[0].text
+                assert text == " is spicy", (cut, slow, kind)
+
+
+def test_prompt_ending_inside_a_byte_fallback_character_keeps_it():
+    """The same with Llama 2's byte fallback: "很" is three byte tokens; the prompt ends after the first two."""
+    llama = load("llama2")
+    ids = llama("Say 很 there").input_ids
+    first = ids.index(llama.convert_tokens_to_ids("<0xE5>"))
+    for slow in (False, True):
+        detokenizing = PythonOnlyTokenizer(llama) if slow else llama
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+        assert delta_text(stream(detokenizing, ids[first + 2 :], params, ids[: first + 2]).outputs) == " there"
+        # Cut before the character: the output has all of it.
+        assert delta_text(stream(detokenizing, ids[first:], params, ids[:first]).outputs) == "很 there"
+
+
+CHARACTERS = ["é", "很", "🌶", "€", "\n", "a", " ", "👍🏽"]
+
+
+def fuzz_sequence(rng: random.Random, tokenizer, words: list[int]) -> list[int]:
+    """Ordinary tokens mixed with valid characters spelled in byte tokens, characters cut short, stray bytes
+    (invalid UTF-8), any token at all (with byte-level BPE, often part of a character) and EOS."""
+    ids: list[int] = []
+    for _ in range(rng.randint(2, 9)):
+        roll = rng.random()
+        if roll < 0.3:
+            ids.append(rng.choice(words))
+        elif roll < 0.55:
+            ids += byte_token_ids(tokenizer, rng.choice(CHARACTERS).encode())
+        elif roll < 0.8:
+            data = rng.choice(CHARACTERS[:4]).encode()
+            invalid = data[: rng.randrange(1, len(data))] if rng.random() < 0.6 else bytes([rng.randrange(0x80, 256)])
+            ids += byte_token_ids(tokenizer, invalid)
+        elif roll < 0.95:
+            ids.append(rng.randrange(len(tokenizer)))
+        else:
+            ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_fuzz_byte_tokens_against_the_reference(tokenizer, slow):
+    """Random byte-fallback / byte-level sequences, valid and invalid UTF-8, after clean prompts (none, and a
+    short text). The reference is ``reference_text``: all bytes decoded with U+FFFD per maximal subpart, the one
+    behaviour a stream can have (it never takes back a character it sent) and the one byte-level decoders have.
+    Where the bytes are valid UTF-8 it is also the tokenizer's own decode."""
+    rng = random.Random(12)
+    words = tokenizer(" hello world, there: new text", add_special_tokens=False).input_ids
+    prompts = [[], tokenizer("The answer is").input_ids]
+    for n in range(30):
+        ids = fuzz_sequence(rng, tokenizer, words)
+        prompt_ids = prompts[n % 2]
+        skip = slow or n % 3 != 0  # the slow path spaces special tokens apart (spaces_between_special_tokens)
+        text = check_stream(tokenizer, ids, prompt_ids, skip, slow)
+        assert text == reference_output_text(tokenizer, prompt_ids, ids, skip)
+        if bytes_are_valid(tokenizer, prompt_ids + ids, skip):
+            full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=skip)
+            assert text == full[len(tokenizer.decode(prompt_ids, skip_special_tokens=skip)) :]
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_out_of_vocabulary_id_adds_no_text(tokenizer, slow):
+    """An id past the tokenizer's vocabulary (a model's padded vocabulary) adds no text but stays in the ids
+    (vLLM)."""
+    a, b = tokenizer(" a b", add_special_tokens=False).input_ids
+    ids = [a, len(tokenizer) + 7, b]
+    detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    outputs = stream(detokenizing, ids, params, tokenizer("Hi").input_ids).outputs
+    assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs] == [(" a", [a]), ("", [ids[1]]), (" b", [b])]
