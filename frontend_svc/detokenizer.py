@@ -21,8 +21,11 @@ prefix"). Then the detokenizer emits the pending bytes' own text and restarts it
 before them, so the next token keeps its context (vLLM restarts its ``DecodeStream`` from nothing and drops the
 pending bytes).
 
-Stop strings are matched on the text as it grows; while a request runs, the last ``max(len(stop)) - 1``
-characters are held back, so a streamed delta never holds the beginning of a stop string that completes later.
+Release: stop strings are matched on the text as it grows; while a request runs, the last ``max(len(stop)) - 1``
+characters are held back, so a streamed delta never holds the beginning of a stop string that completes later. Ids
+go out with their text: only ids whose text is complete (no unfinished character) and wholly outside the hold-back,
+with the text up to the end of the last of them, so the ids sent always decode to the text sent. At the end
+everything goes out.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class IncrementalDetokenizer:
     def __init__(self) -> None:
         self.token_ids: list[int] = []  # output ids, the stop token included
         self.output_text = ""
+        self._num_sent_ids = 0  # ids already in DELTA outputs
+        self._num_sent_chars = 0  # characters of output_text already in DELTA outputs
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> tuple[str | None, int]:
         """Take a step's new ids. Returns (matched stop string or None, number of surplus new ids dropped)."""
@@ -61,8 +66,20 @@ class IncrementalDetokenizer:
         """Called once when the request ends; returns a stop string completed by text released only now."""
         return None
 
-    def get_next_output_text(self, finished: bool, delta: bool) -> str:
-        return ""
+    def get_next_output(self, finished: bool, delta: bool) -> tuple[str, int, int]:
+        """What an output carries now: ``(text, start, end)``, its ids being ``token_ids[start:end]``. With ``delta``
+        what is new since the last call, else everything released so far (``start`` 0)."""
+        num_ids, num_chars = self._released(finished)
+        if not delta:
+            return self.output_text[:num_chars], 0, num_ids
+        text, start = self.output_text[self._num_sent_chars : num_chars], self._num_sent_ids
+        self._num_sent_chars = max(self._num_sent_chars, num_chars)
+        self._num_sent_ids = max(self._num_sent_ids, num_ids)
+        return text, start, num_ids
+
+    def _released(self, finished: bool) -> tuple[int, int]:
+        """(ids, characters of output_text) that may go out now."""
+        return len(self.token_ids), len(self.output_text)
 
     @classmethod
     def from_request(
@@ -77,8 +94,7 @@ class IncrementalDetokenizer:
 
 
 class TextDetokenizer(IncrementalDetokenizer):
-    """Text, per-token texts, invalid bytes, stop strings and the hold-back buffer over an incremental
-    ``TokenDecoder``."""
+    """Text, per-token texts, invalid bytes, stop strings and release over an incremental ``TokenDecoder``."""
 
     def __init__(
         self, tokenizer: Any, params: SamplingParams, decoder: TokenDecoder, prompt_token_ids: list[int]
@@ -92,12 +108,13 @@ class TextDetokenizer(IncrementalDetokenizer):
         self.min_tokens = params.min_tokens
         self.stop_buffer_length = params.output_text_buffer_length
         self.token_texts: list[str | None] = []  # per output id: the text it added; None: not decoded (stop token)
+        self._text_ends: list[int] = []  # per output id: len(output_text) after it
         # Positions count the context ids, then the output ids.
         self._context_ids: list[int] = []  # the prompt's last ids the decoder was primed with
         self._pending_ids: list[int] = []  # ids the decoder holds without text yet (an unfinished character)
         self._pending_start = 0  # position of the first pending id; past the last id when none
         self._num_prompt_chars = 0  # characters of the decoder's next text that the prompt began
-        self._last_output_text_offset = 0
+        self._num_released_ids = 0
         self._special_ids_cache: frozenset[int] | None = None
         self._prime(prompt_token_ids)
 
@@ -195,7 +212,7 @@ class TextDetokenizer(IncrementalDetokenizer):
             return self.token_ids[start - num_context : end - num_context]
         return self._context_ids[start:] + self.token_ids[: end - num_context]
 
-    # Text and stop strings.
+    # Text, stop strings, release.
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> tuple[str | None, int]:
         """Append new ids and their text; when the core stopped on EOS or a stop id, the last id's text is left
         out unless ``include_stop_str_in_output``. Checks stop strings after each token (once past min_tokens)
@@ -210,11 +227,13 @@ class TextDetokenizer(IncrementalDetokenizer):
             text = self._next_text(token_id, len(self._context_ids) + len(self.token_ids) - 1)
             self.token_texts.append(text)
             stop_str = self._append_text(text)
+            self._text_ends.append(len(self.output_text))
             if stop_str is not None:
                 return stop_str, len(new_token_ids) - i - 1 + (skipped_stop_token_id is not None)
         if skipped_stop_token_id is not None:
             self.token_ids.append(skipped_stop_token_id)
             self.token_texts.append(None)
+            self._text_ends.append(len(self.output_text))
         return None, 0
 
     def finish(self) -> str | None:
@@ -245,18 +264,19 @@ class TextDetokenizer(IncrementalDetokenizer):
             self.output_text = self.output_text[:truncate_to]
         return stop_str
 
-    def get_next_output_text(self, finished: bool, delta: bool) -> str:
-        """All text so far (or, with ``delta``, what is new since the last call), minus the hold-back buffer
-        while the request runs."""
-        buffer_length = 0 if finished else self.stop_buffer_length
-        length = max(0, len(self.output_text) - buffer_length)
-        if not delta:
-            return self.output_text[:length]
-        last = self._last_output_text_offset
-        if last < length:
-            self._last_output_text_offset = length
-            return self.output_text[last:length]
-        return ""
+    def _released(self, finished: bool) -> tuple[int, int]:
+        """Finished: everything. Else the ids whose text is complete and ends before the hold-back buffer, and the
+        text up to the end of the last of them. O(1) amortized: the count only grows."""
+        if finished:
+            self._num_released_ids = len(self.token_ids)
+            return len(self.token_ids), len(self.output_text)
+        limit = len(self.output_text) - self.stop_buffer_length
+        num_settled = min(len(self.token_ids), max(0, self._pending_start - len(self._context_ids)))
+        num_ids = self._num_released_ids
+        while num_ids < num_settled and self._text_ends[num_ids] <= limit:
+            num_ids += 1
+        self._num_released_ids = num_ids
+        return num_ids, self._text_ends[num_ids - 1] if num_ids else 0
 
 
 class FastIncrementalDetokenizer(TextDetokenizer):

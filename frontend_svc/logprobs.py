@@ -41,21 +41,28 @@ class LogprobsProcessor:
         self.prompt_token_ids = prompt_token_ids
         self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
         self.prompt_logprobs: PromptLogprobs | None = [None] if num_prompt_logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if num_logprobs is not None else None
+        self._cumulative_logprobs: list[float] = [0.0]  # the sum of the first i sampled logprobs
         self._sampled_ids: list[int] = []
 
-    def update_sample_logprobs(self, positions: list[PositionLogprobs]) -> SampleLogprobs:
-        """Add one dict per new token; returns the new dicts."""
-        new: SampleLogprobs = []
+    def update_sample_logprobs(self, positions: list[PositionLogprobs]) -> None:
+        """Add one dict per new token."""
         if self.logprobs is None:
-            return new
+            return
         for position in positions:
             context = (self.prompt_token_ids + self._sampled_ids)[-NUM_CONTEXT_TOKENS:]
-            new.append(self._to_dict(position, context))
-            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + position.logprobs[0]
+            self.logprobs.append(self._to_dict(position, context))
+            self._cumulative_logprobs.append(self._cumulative_logprobs[-1] + position.logprobs[0])
             self._sampled_ids.append(position.token_ids[0])
-        self.logprobs.extend(new)
-        return new
+
+    def get_logprobs(self, start: int, end: int) -> SampleLogprobs | None:
+        """The dicts of output ids [start, end) (those an output carries); None without logprobs."""
+        return self.logprobs[start:end] if self.logprobs is not None else None
+
+    def get_cumulative_logprob(self, num_ids: int) -> float | None:
+        """The sum of the first ``num_ids`` sampled logprobs (those sent so far); None without logprobs."""
+        if self.logprobs is None:
+            return None
+        return self._cumulative_logprobs[min(num_ids, len(self._cumulative_logprobs) - 1)]
 
     def set_prompt_logprobs(self, positions: list[PositionLogprobs]) -> None:
         if self.prompt_logprobs is None:

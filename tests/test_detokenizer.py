@@ -1,5 +1,5 @@
-"""Incremental detokenization with the real tokenizers: streamed text equals an independent full decode, and
-per-token texts add up to the text."""
+"""Incremental detokenization with the real tokenizers: streamed text equals an independent full decode, the ids
+sent always decode to the text sent, and per-token texts add up to the text."""
 
 from __future__ import annotations
 
@@ -66,21 +66,28 @@ def hand_picked_sequences(tokenizer) -> list[list[int]]:
 
 def check_stream(tokenizer, ids, prompt_ids, skip_special_tokens=True, slow=False) -> str:
     """Stream ``ids`` in every output kind and check what must hold whatever the ids: DELTA, CUMULATIVE and
-    FINAL_ONLY agree, and every id goes out once. Returns the text."""
+    FINAL_ONLY agree; at every streamed step the ids sent so far have, by the independent reference, exactly the
+    text sent so far; every id goes out once, with its logprob. Returns the text."""
     detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer
     texts = {}
     for kind in RequestOutputKind:
-        params = SamplingParams(output_kind=kind, skip_special_tokens=skip_special_tokens)
-        outputs = stream(detokenizing, ids, params, prompt_ids).outputs
-        completion = outputs[-1].outputs[0]
-        if kind == RequestOutputKind.DELTA:
-            texts[kind] = delta_text(outputs)
-            assert [i for o in outputs for i in o.outputs[0].token_ids] == ids
-        else:
-            texts[kind] = completion.text
-            assert completion.token_ids == ids
+        params = SamplingParams(output_kind=kind, skip_special_tokens=skip_special_tokens, logprobs=0)
+        outputs = stream(detokenizing, ids, params, prompt_ids, with_logprobs=True).outputs
+        sent_text, sent_ids, num_logprobs = "", [], 0
+        for output in outputs:
+            completion = output.outputs[0]
+            if kind == RequestOutputKind.DELTA:
+                sent_text, sent_ids = sent_text + completion.text, sent_ids + completion.token_ids
+                num_logprobs += len(completion.logprobs)
+            else:
+                sent_text, sent_ids, num_logprobs = completion.text, completion.token_ids, len(completion.logprobs)
+            assert num_logprobs == len(sent_ids)
+            expected = reference_output_text(tokenizer, prompt_ids, sent_ids, skip_special_tokens)
+            assert sent_text == expected, (kind, ids, sent_ids)
         if kind == RequestOutputKind.FINAL_ONLY:
             assert len(outputs) == 1
+        assert sent_ids == ids and outputs[-1].finished
+        texts[kind] = sent_text
     assert texts[RequestOutputKind.DELTA] == texts[RequestOutputKind.CUMULATIVE] == texts[RequestOutputKind.FINAL_ONLY]
     return texts[RequestOutputKind.DELTA]
 
@@ -110,10 +117,13 @@ def test_no_replacement_character_mid_stream_for_split_characters(tokenizer):
     ids = tokenizer("😀🚀 東京", add_special_tokens=False).input_ids
     assert len(ids) > 3  # the characters really are split over several tokens
     params = SamplingParams(output_kind=RequestOutputKind.DELTA)
-    deltas = [o.outputs[0].text for o in stream(tokenizer, ids, params).outputs]
+    outputs = stream(tokenizer, ids, params).outputs
+    deltas = [o.outputs[0].text for o in outputs]
     assert "".join(deltas) == "😀🚀 東京"
     assert all("\ufffd" not in d for d in deltas)
-    assert "" in deltas  # some tokens completed no character and so added no text
+    # Tokens that complete no character add no text, and their ids wait for the one that does.
+    assert ("", []) in [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs]
+    assert [i for o in outputs for i in o.outputs[0].token_ids] == ids
 
 
 def test_invalid_bytes_at_the_end_are_flushed_once(tokenizer):
@@ -261,7 +271,7 @@ def test_fuzz_byte_tokens_against_the_reference(tokenizer, slow):
 @pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
 def test_out_of_vocabulary_id_adds_no_text(tokenizer, slow):
     """An id past the tokenizer's vocabulary (a model's padded vocabulary) adds no text but stays in the ids
-    (vLLM)."""
+    (vLLM), and does not hold back the ids after it."""
     a, b = tokenizer(" a b", add_special_tokens=False).input_ids
     ids = [a, len(tokenizer) + 7, b]
     detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer

@@ -12,6 +12,7 @@ from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import real_or_builtin, shared_tokenizer
+from tests.frontend_helpers import reference_output_text, stream
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +166,105 @@ def test_abort_ends_every_child_through_the_parent(tokenizer):
         else:
             assert reasons == {1: "abort", 2: "abort"}
         assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids
+
+
+def load(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(shared_tokenizer(name))
+
+
+def assert_ids_match_text(tokenizer, prompt_ids, outputs, delta):
+    """At every output, the ids sent so far have exactly the text sent so far, and a logprob each."""
+    sent_text, sent_ids, num_logprobs = "", [], 0
+    for output in outputs:
+        completion = output.outputs[0]
+        if delta:
+            sent_text, sent_ids = sent_text + completion.text, sent_ids + completion.token_ids
+            num_logprobs += len(completion.logprobs)
+        else:
+            sent_text, sent_ids, num_logprobs = completion.text, completion.token_ids, len(completion.logprobs)
+        if not output.finished:
+            assert sent_text == reference_output_text(tokenizer, prompt_ids, sent_ids)
+        assert num_logprobs == len(sent_ids)
+    return sent_text, sent_ids
+
+
+def test_ids_are_held_back_with_their_text():
+    """gpt2, stop ["stop"]: " Hello" alone is held back (3 characters of it could begin "stop"), and its id with
+    it, so the first delta is empty; later each output's ids decode to its text. The same for ids of an
+    unfinished character. At the end everything goes out."""
+    gpt2 = load("gpt2")
+    hello = gpt2(" Hello", add_special_tokens=False).input_ids
+    assert hello == [18435]
+    ids = hello + gpt2(" world 🌶 stays", add_special_tokens=False).input_ids
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        params = SamplingParams(output_kind=kind, stop=["stop"], logprobs=0)
+        outputs = stream(gpt2, ids, params, [], with_logprobs=True).outputs
+        assert (outputs[0].outputs[0].text, outputs[0].outputs[0].token_ids) == ("", [])
+        text, sent_ids = assert_ids_match_text(gpt2, [], outputs, kind == RequestOutputKind.DELTA)
+        assert (text, sent_ids) == (" Hello world 🌶 stays", ids)
+    # Stopped by a stop string: the held ids and text go out at the end, text cut before "stop".
+    ids = gpt2(" Hello, stop here", add_special_tokens=False).input_ids
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, stop=["stop"], logprobs=0)
+    result = stream(gpt2, ids, params, [], with_logprobs=True)
+    text, sent_ids = assert_ids_match_text(gpt2, [], result.outputs, delta=True)
+    assert text == " Hello, " and sent_ids == ids[: result.steps] and result.outputs[-1].finished
+
+
+def test_held_ids_through_n_children_and_the_collector():
+    """n = 2 with a stop-string hold-back: each child's deltas, merged in the collector as a slow consumer sees
+    them, still pair ids with their text; every id is counted once (what usage.completion_tokens sums)."""
+    gpt2 = load("gpt2")
+    ids = [gpt2(text, add_special_tokens=False).input_ids for text in (" one two three", " four 🌶 five")]
+
+    async def scenario():
+        processor = OutputProcessor(gpt2)
+        queue = RequestOutputCollector(RequestOutputKind.DELTA)
+        params = SamplingParams(n=2, output_kind=RequestOutputKind.DELTA, stop=["xyz"], logprobs=0)
+        parent = ParentRequest("p-1", "p", params)
+        for i in range(2):
+            child_id, child_params = parent.get_child_info(i)
+            processor.add_request(child_id, "p", child_params, None, [], parent, i, queue)
+        merged: dict[int, CompletionOutput] = {}
+        for step in range(max(map(len, ids))):
+            outputs = []
+            for i, child_ids in enumerate(ids):
+                if step < len(child_ids):
+                    finish = FinishReason.LENGTH if step == len(child_ids) - 1 else None
+                    outputs.append(core_output(f"{i}_p-1", child_ids[step], finish))
+            processor.process_outputs(outputs)
+            if step % 2:  # the consumer takes every other step: outputs in between are merged
+                for completion in (await queue.get()).outputs:
+                    if completion.index in merged:
+                        merged[completion.index].text += completion.text
+                        merged[completion.index].token_ids += completion.token_ids
+                    else:
+                        merged[completion.index] = completion
+        final = queue.get_nowait()
+        assert final is not None and final.finished
+        for completion in final.outputs:
+            merged[completion.index].text += completion.text
+            merged[completion.index].token_ids += completion.token_ids
+        for i, child_ids in enumerate(ids):
+            assert merged[i].token_ids == child_ids
+            assert merged[i].text == gpt2.decode(child_ids)
+
+    asyncio.run(scenario())
+
+
+def test_abort_releases_held_ids_and_their_text():
+    llama = load("llama2")
+    e5, be = llama.convert_tokens_to_ids(["<0xE5>", "<0xBE>"])
+    processor = OutputProcessor(llama)
+    queue = RequestOutputCollector(RequestOutputKind.DELTA)
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, logprobs=0)
+    processor.add_request("r-1", "r", params, None, llama("Say").input_ids, queue=queue)
+    processor.process_outputs([core_output("r-1", e5), core_output("r-1", be)])
+    held = queue.get_nowait()
+    assert (held.outputs[0].text, held.outputs[0].token_ids) == ("", [])  # an unfinished character
+    processor.abort_requests(["r"])
+    final = queue.get_nowait()
+    # The character never finished: its bytes are one maximal subpart, one U+FFFD.
+    assert final.finished and (final.outputs[0].text, final.outputs[0].token_ids) == ("\ufffd", [e5, be])
+    assert len(final.outputs[0].logprobs) == 2
