@@ -10,7 +10,7 @@ One detokenizer per request turns output token ids into text as they arrive, ove
 
 Text per token: each output token keeps the text it added (``token_texts``): "" while it leaves a character
 incomplete, the whole character on the token that completes it. They concatenate to the output text (before a stop
-string truncates it). A character the prompt began belongs to the prompt: the output
+string truncates it), and logprobs reuse them. A character the prompt began belongs to the prompt: the output
 tokens that complete it add nothing (as vLLM).
 
 Invalid UTF-8 shows as U+FFFD, one per maximal subpart: Unicode's recommended substitution, which Python's
@@ -30,6 +30,7 @@ everything goes out.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,9 @@ from frontend_svc.token_decoders import (
 # Prompt tokens that prime a detokenizer: the shortest suffix of 4 to 23 tokens that starts at a character
 # boundary, as vLLM's FastIncrementalDetokenizer; the same bounds for the context a decoder restarts from.
 MIN_PRIMING_TOKENS, MAX_PRIMING_TOKENS = 4, 23
+# Settled tokens a logprob candidate is decoded after (SentencePiece's leading space; vLLM's U+FFFD correction looks
+# back at most 4 sampled tokens).
+NUM_CANDIDATE_CONTEXT_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -81,6 +85,14 @@ class IncrementalDetokenizer:
         """(ids, characters of output_text) that may go out now."""
         return len(self.token_ids), len(self.output_text)
 
+    def token_text(self, index: int) -> str | None:
+        """Text for output token ``index``'s logprob; None without detokenization."""
+        return None
+
+    def candidate_texts(self, index: int, token_ids: list[int]) -> list[str | None]:
+        """Texts for logprob candidates in place of output token ``index``; None without detokenization."""
+        return [None] * len(token_ids)
+
     @classmethod
     def from_request(
         cls, tokenizer: Any | None, params: SamplingParams, prompt_token_ids: list[int]
@@ -91,6 +103,19 @@ class IncrementalDetokenizer:
         if getattr(tokenizer, "backend_tokenizer", None) is not None:
             return FastIncrementalDetokenizer(tokenizer, params, prompt_token_ids)
         return SlowIncrementalDetokenizer(tokenizer, params, prompt_token_ids)
+
+    @classmethod
+    def for_prompt(
+        cls, tokenizer: Any | None, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> IncrementalDetokenizer:
+        """A detokenizer that has read the prompt as if it were output (no stop strings): its per-token and
+        candidate texts are those of the prompt positions, for prompt logprobs."""
+        detokenizer = cls.from_request(tokenizer, params, [])
+        if isinstance(detokenizer, TextDetokenizer):
+            detokenizer.stop, detokenizer.stop_buffer_length = [], 0
+        detokenizer.update(list(prompt_token_ids), stop_terminated=False)
+        detokenizer.finish()
+        return detokenizer
 
 
 class TextDetokenizer(IncrementalDetokenizer):
@@ -113,7 +138,9 @@ class TextDetokenizer(IncrementalDetokenizer):
         self._context_ids: list[int] = []  # the prompt's last ids the decoder was primed with
         self._pending_ids: list[int] = []  # ids the decoder holds without text yet (an unfinished character)
         self._pending_start = 0  # position of the first pending id; past the last id when none
+        self._pending_starts: list[int] = []  # per output id: _pending_start when it arrived (its candidates' context)
         self._num_prompt_chars = 0  # characters of the decoder's next text that the prompt began
+        self._num_dangling_chars = 0  # the same, as it was after priming
         self._num_released_ids = 0
         self._special_ids_cache: frozenset[int] | None = None
         self._prime(prompt_token_ids)
@@ -126,7 +153,7 @@ class TextDetokenizer(IncrementalDetokenizer):
         held = self._restart(self._context_ids)
         self._pending_ids = held
         self._pending_start = len(self._context_ids) - len(held)
-        self._num_prompt_chars = len(self.decoder.lossy_text(held)) if held else 0
+        self._num_prompt_chars = self._num_dangling_chars = len(self.decoder.lossy_text(held)) if held else 0
 
     def _restart(self, context_ids: list[int]) -> list[int]:
         """A fresh decoder that has read ``context_ids``; returns the trailing ones it holds without text."""
@@ -223,6 +250,7 @@ class TextDetokenizer(IncrementalDetokenizer):
             skipped_stop_token_id = new_token_ids[-1]
             new_token_ids = new_token_ids[:-1]
         for i, token_id in enumerate(new_token_ids):
+            self._pending_starts.append(self._pending_start)
             self.token_ids.append(token_id)
             text = self._next_text(token_id, len(self._context_ids) + len(self.token_ids) - 1)
             self.token_texts.append(text)
@@ -231,6 +259,7 @@ class TextDetokenizer(IncrementalDetokenizer):
             if stop_str is not None:
                 return stop_str, len(new_token_ids) - i - 1 + (skipped_stop_token_id is not None)
         if skipped_stop_token_id is not None:
+            self._pending_starts.append(self._pending_start)
             self.token_ids.append(skipped_stop_token_id)
             self.token_texts.append(None)
             self._text_ends.append(len(self.output_text))
@@ -278,6 +307,46 @@ class TextDetokenizer(IncrementalDetokenizer):
         self._num_released_ids = num_ids
         return num_ids, self._text_ends[num_ids - 1] if num_ids else 0
 
+    # Logprob texts.
+    def token_text(self, index: int) -> str:
+        """Output token ``index``'s text for its logprob: the text it added to the output, so the sampled tokens'
+        texts concatenate to the output text. A token whose text the output leaves out (the stop token, a special
+        token under skip_special_tokens) gets its text as a candidate."""
+        text, token_id = self.token_texts[index], self.token_ids[index]
+        if text is None or (self.skip_special_tokens and token_id in self._special_ids()):
+            return self.candidate_texts(index, [token_id])[0]
+        return text
+
+    def candidate_texts(self, index: int, token_ids: list[int]) -> list[str]:
+        """The text each of ``token_ids`` would add in place of output token ``index`` (logprob top-k): decoded
+        after the settled tokens before it and the pending bytes of an unfinished character (so a candidate that
+        completes it gets the whole character); "" where it would leave a character unfinished. A special token's
+        text is its content. Characters the prompt began stay the prompt's."""
+        start = self._pending_starts[index]
+        context = self._ids(max(0, start - NUM_CANDIDATE_CONTEXT_TOKENS), start)
+        pending = self._ids(start, len(self._context_ids) + index)
+        num_prompt_chars = self._num_dangling_chars if start < len(self._context_ids) else 0
+        base = self.decoder.decode(context)
+        texts = []
+        for token_id in token_ids:
+            if token_id in self._special_ids():
+                texts.append(self.decoder.token_string(token_id))
+            elif not self.decoder.in_vocab(token_id):
+                texts.append("")
+            else:
+                texts.append(self._candidate_text(context, base, pending, token_id)[num_prompt_chars:])
+        return texts
+
+    def _candidate_text(self, context: list[int], base: str, pending: list[int], token_id: int) -> str:
+        full = self.decoder.decode(context + pending + [token_id])
+        if full.endswith(REPLACEMENT_CHAR):
+            return ""  # the character is still unfinished
+        text = _text_after(base, full)
+        if pending and REPLACEMENT_CHAR in text and self.decoder.byte_values():
+            # As _recover: ByteFallback replaced the whole run; the pending bytes' own text, then the candidate.
+            text = self.decoder.lossy_text(pending) + _text_after(base, self.decoder.decode(context + [token_id]))
+        return text
+
 
 class FastIncrementalDetokenizer(TextDetokenizer):
     """Over tokenizers' ``DecodeStream`` (the tokenizer's Rust backend)."""
@@ -318,3 +387,10 @@ def clean_context(decode: Callable[[list[int]], str], token_ids: list[int]) -> l
         if REPLACEMENT_CHAR not in decode(suffix):
             return list(suffix)
     return []
+
+
+def _text_after(base: str, full: str) -> str:
+    """What ``full`` adds to ``base``: its tail past ``base``, or past their common prefix if it changed it."""
+    if full.startswith(base):
+        return full[len(base) :]
+    return full[len(os.path.commonprefix([base, full])) :]

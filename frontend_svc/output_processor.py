@@ -84,9 +84,7 @@ class RequestState:
         self.request_index = request_index
         self.queue = queue
         self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, params, prompt_token_ids)
-        self.logprobs = LogprobsProcessor(
-            tokenizer if params.detokenize else None, params.logprobs, params.prompt_logprobs, prompt_token_ids
-        )
+        self.logprobs = LogprobsProcessor(self.detokenizer, tokenizer, params, prompt_token_ids)
         self.num_cached_tokens = 0
         self._prompt_logprobs_sent = False
         self.stats = RequestStateStats(arrival_time=time.time() if arrival_time is None else arrival_time)
@@ -108,12 +106,13 @@ class RequestState:
             return None
         delta = self.output_kind == RequestOutputKind.DELTA
         text, start, end = self.detokenizer.get_next_output(finished, delta)
+        logprobs = self.logprobs.get_logprobs(start, end)  # builds the dicts of the ids released now
         completion = CompletionOutput(
             index=self.request_index,
             text=text,
             token_ids=self.detokenizer.token_ids[start:end],
-            logprobs=self.logprobs.get_logprobs(start, end),
-            cumulative_logprob=self.logprobs.get_cumulative_logprob(end),
+            logprobs=logprobs,
+            cumulative_logprob=self.logprobs.cumulative_logprob,
             finish_reason=str(finish_reason) if finish_reason is not None else None,
             stop_reason=stop_reason,
         )

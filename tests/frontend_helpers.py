@@ -28,14 +28,17 @@ def stream(
     prompt_ids: list[int] | None = None,
     final_reason: FinishReason = FinishReason.LENGTH,
     with_logprobs: bool = False,
+    candidates: tuple[int, ...] = (),
 ) -> Stream:
-    """Feed ``output_ids`` as a core would (the core finishes on the last one with ``final_reason``)."""
+    """Feed ``output_ids`` as a core would (the core finishes on the last one with ``final_reason``). With
+    logprobs, each position carries the sampled id then ``candidates`` as its top-k."""
     processor = OutputProcessor(tokenizer)
     processor.add_request("req-internal", "req", params, None, list(prompt_ids or []))
     result = Stream()
     for i, token_id in enumerate(output_ids):
         last = i == len(output_ids) - 1
-        logprobs = [PositionLogprobs([token_id], [-0.5], 1)] if with_logprobs else []
+        ids = [token_id, *candidates]
+        logprobs = [PositionLogprobs(ids, [-0.5 - k for k in range(len(ids))], 1)] if with_logprobs else []
         core_output = EngineCoreOutput(
             "req-internal", [token_id], new_logprobs=logprobs, finish_reason=final_reason if last else None
         )

@@ -64,30 +64,36 @@ def hand_picked_sequences(tokenizer) -> list[list[int]]:
     return sequences
 
 
-def check_stream(tokenizer, ids, prompt_ids, skip_special_tokens=True, slow=False) -> str:
+def check_stream(tokenizer, ids, prompt_ids, skip_special_tokens=True, slow=False, candidates=()) -> str:
     """Stream ``ids`` in every output kind and check what must hold whatever the ids: DELTA, CUMULATIVE and
     FINAL_ONLY agree; at every streamed step the ids sent so far have, by the independent reference, exactly the
-    text sent so far; every id goes out once, with its logprob. Returns the text."""
+    text sent so far; every id goes out once, with its logprobs; the sampled tokens' logprob texts concatenate to
+    the text (less skipped special tokens); no candidate's text ends in an unfinished character. Returns the text."""
     detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer
+    special_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()
     texts = {}
     for kind in RequestOutputKind:
-        params = SamplingParams(output_kind=kind, skip_special_tokens=skip_special_tokens, logprobs=0)
-        outputs = stream(detokenizing, ids, params, prompt_ids, with_logprobs=True).outputs
-        sent_text, sent_ids, num_logprobs = "", [], 0
+        params = SamplingParams(output_kind=kind, skip_special_tokens=skip_special_tokens, logprobs=len(candidates))
+        outputs = stream(detokenizing, ids, params, prompt_ids, with_logprobs=True, candidates=candidates).outputs
+        sent_text, sent_ids, sent_logprobs = "", [], []
         for output in outputs:
             completion = output.outputs[0]
             if kind == RequestOutputKind.DELTA:
                 sent_text, sent_ids = sent_text + completion.text, sent_ids + completion.token_ids
-                num_logprobs += len(completion.logprobs)
+                sent_logprobs += completion.logprobs
             else:
-                sent_text, sent_ids, num_logprobs = completion.text, completion.token_ids, len(completion.logprobs)
-            assert num_logprobs == len(sent_ids)
+                sent_text, sent_ids, sent_logprobs = completion.text, completion.token_ids, completion.logprobs
+            assert len(sent_logprobs) == len(sent_ids)
             expected = reference_output_text(tokenizer, prompt_ids, sent_ids, skip_special_tokens)
             assert sent_text == expected, (kind, ids, sent_ids)
         if kind == RequestOutputKind.FINAL_ONLY:
             assert len(outputs) == 1
         assert sent_ids == ids and outputs[-1].finished
         texts[kind] = sent_text
+        sampled = [lp[i].decoded_token for lp, i in zip(sent_logprobs, ids, strict=True) if i not in special_ids]
+        assert "".join(sampled) == sent_text, (ids, sampled)
+        for lp, token_id in zip(sent_logprobs, ids, strict=True):
+            assert all(not v.decoded_token.endswith("\ufffd") for k, v in lp.items() if k != token_id), lp
     assert texts[RequestOutputKind.DELTA] == texts[RequestOutputKind.CUMULATIVE] == texts[RequestOutputKind.FINAL_ONLY]
     return texts[RequestOutputKind.DELTA]
 
@@ -206,9 +212,14 @@ def test_prompt_ending_inside_a_character_keeps_it():
         for slow in (False, True):
             detokenizing = PythonOnlyTokenizer(gpt2) if slow else gpt2
             for kind in RequestOutputKind:
-                outputs = stream(detokenizing, ids[cut:], SamplingParams(output_kind=kind), ids[:cut]).outputs
-                text = delta_text(outputs) if kind == RequestOutputKind.DELTA else outputs[-1].outputs[0].text
+                params = SamplingParams(output_kind=kind, logprobs=0)
+                outputs = stream(detokenizing, ids[cut:], params, ids[:cut], with_logprobs=True).outputs
+                completion = outputs[-1].outputs[0]
+                text = delta_text(outputs) if kind == RequestOutputKind.DELTA else completion.text
                 assert text == " is spicy", (cut, slow, kind)
+                if kind != RequestOutputKind.DELTA:
+                    sampled = [lp[i].decoded_token for lp, i in zip(completion.logprobs, ids[cut:], strict=True)]
+                    assert sampled == [""] * (len(ids) - cut - 2) + [" is", " spicy"]
 
 
 def test_prompt_ending_inside_a_byte_fallback_character_keeps_it():
@@ -256,12 +267,18 @@ def test_fuzz_byte_tokens_against_the_reference(tokenizer, slow):
     Where the bytes are valid UTF-8 it is also the tokenizer's own decode."""
     rng = random.Random(12)
     words = tokenizer(" hello world, there: new text", add_special_tokens=False).input_ids
+    candidates = (
+        *byte_token_ids(tokenizer, "é".encode()[:1]),  # begins a character: no text on its own
+        *byte_token_ids(tokenizer, "很".encode()[-1:]),  # ends one: its text when the pending bytes fit
+        words[1],
+        tokenizer.eos_token_id,
+    )
     prompts = [[], tokenizer("The answer is").input_ids]
     for n in range(30):
         ids = fuzz_sequence(rng, tokenizer, words)
         prompt_ids = prompts[n % 2]
         skip = slow or n % 3 != 0  # the slow path spaces special tokens apart (spaces_between_special_tokens)
-        text = check_stream(tokenizer, ids, prompt_ids, skip, slow)
+        text = check_stream(tokenizer, ids, prompt_ids, skip, slow, candidates)
         assert text == reference_output_text(tokenizer, prompt_ids, ids, skip)
         if bytes_are_valid(tokenizer, prompt_ids + ids, skip):
             full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=skip)

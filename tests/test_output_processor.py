@@ -174,6 +174,92 @@ def load(name: str):
     return AutoTokenizer.from_pretrained(shared_tokenizer(name))
 
 
+def sampled_texts(completion: CompletionOutput) -> list[str]:
+    return [lp[token_id].decoded_token for lp, token_id in zip(completion.logprobs, completion.token_ids, strict=True)]
+
+
+def test_sampled_logprob_texts_add_up_to_the_text():
+    """Llama 2, prompt "Say", output "▁ <0xE5> <0xBE> <0x88> ▁there": a byte that leaves "很" unfinished has
+    text "", the byte that completes it the whole character (vLLM), so the texts concatenate to the output."""
+    llama = load("llama2")
+    ids = llama.convert_tokens_to_ids(["▁", "<0xE5>", "<0xBE>", "<0x88>", "▁there"])
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=0)
+    completion = stream(llama, ids, params, llama("Say").input_ids, with_logprobs=True).outputs[-1].outputs[0]
+    assert sampled_texts(completion) == [" ", "", "", "很", " there"]
+    assert completion.text == " 很 there" == "".join(sampled_texts(completion))
+
+
+def test_candidate_texts_in_the_sampled_context():
+    """Each top-k candidate is decoded on its own after the sampled tokens, the bytes of an unfinished character
+    included: one that completes it gets the whole character, one that leaves it unfinished "" (never U+FFFD),
+    one that breaks it shows the broken bytes as one U+FFFD then its text, as the stream would."""
+    llama = load("llama2")
+    e5, be, bf, there, here = llama.convert_tokens_to_ids(["<0xE5>", "<0xBE>", "<0xBF>", "▁there", "▁here"])
+    processor = OutputProcessor(llama)
+    processor.add_request("r-1", "r", SamplingParams(logprobs=3), None, llama("Say").input_ids)
+    processor.process_outputs([EngineCoreOutput("r-1", [e5], new_logprobs=[PositionLogprobs([e5], [-1.0], 1)])])
+    processor.process_outputs([EngineCoreOutput("r-1", [be], new_logprobs=[PositionLogprobs([be], [-1.0], 1)])])
+    # Sampled so far: E5 BE, an unfinished character. Candidates for the next position:
+    position = PositionLogprobs([there, bf, e5, here], [-1.0, -2.0, -3.0, -4.0], 1)
+    last = EngineCoreOutput("r-1", [there], new_logprobs=[position], finish_reason=FinishReason.LENGTH)
+    completion = processor.process_outputs([last]).request_outputs[0].outputs[0]
+    texts = {token_id: entry.decoded_token for token_id, entry in completion.logprobs[2].items()}
+    assert texts == {there: "\ufffd there", bf: bytes([0xE5, 0xBE, 0xBF]).decode(), e5: "", here: "\ufffd here"}
+    assert completion.text == "\ufffd there"  # the sampled token's text is what it did to the text
+
+    gpt2 = load("gpt2")
+    comma, world = gpt2(", world", add_special_tokens=False).input_ids
+    assert gpt2.convert_ids_to_tokens(6552) == "âĶ"  # the first two bytes of a three-byte character (E2 94)
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=2)
+    outputs = stream(gpt2, [comma, world], params, gpt2("Hello").input_ids, with_logprobs=True, candidates=(6552,))
+    outputs = outputs.outputs
+    after_comma = outputs[-1].outputs[0].logprobs[1]
+    assert after_comma[6552].decoded_token == "" and after_comma[world].decoded_token == " world"
+
+
+def test_prompt_logprob_texts_in_the_context_of_the_prompt():
+    llama = load("llama2")
+    prompt = llama("Say 很 there").input_ids
+    assert llama.convert_ids_to_tokens(prompt[3:6]) == ["<0xE5>", "<0xBE>", "<0x88>"]
+    processor = OutputProcessor(llama)
+    processor.add_request("r-1", "r", SamplingParams(prompt_logprobs=1), None, prompt)
+    e5 = prompt[3]
+    positions = [PositionLogprobs([token_id, e5], [-1.0, -2.0], 1) for token_id in prompt[1:]]
+    first = EngineCoreOutput("r-1", [], new_prompt_logprobs=positions)
+    out = processor.process_outputs([first, core_output("r-1", 13, FinishReason.LENGTH)]).request_outputs[0]
+    texts = [d[token_id].decoded_token for d, token_id in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    assert texts == ["Say", " ", "", "", "很", " there"]
+    assert "".join(texts) == llama.decode(prompt, skip_special_tokens=True)
+    # The lead byte as a candidate after "很"'s first byte(s) leaves a character unfinished.
+    assert out.prompt_logprobs[4][e5].decoded_token == ""
+
+
+def test_logprob_texts_after_a_prompt_that_ends_inside_a_character():
+    """The pepper begun in the prompt is the prompt's: the token that completes it, sampled or as a candidate,
+    adds no text; a candidate that breaks it adds its own."""
+    gpt2 = load("gpt2")
+    ids = gpt2("Hello world 🌶 is spicy").input_ids
+    cut = 4
+    assert gpt2.decode(ids[:cut]).endswith("\ufffd") and not gpt2.decode(ids[: cut + 1]).endswith("\ufffd")
+    is_id = ids[cut + 1]
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=1)
+    outputs = stream(gpt2, ids[cut:], params, ids[:cut], with_logprobs=True, candidates=(is_id,)).outputs
+    first = outputs[-1].outputs[0].logprobs[0]
+    assert first[ids[cut]].decoded_token == ""
+    assert first[is_id].decoded_token == " is"
+
+
+def test_stop_token_logprob_text_is_its_own():
+    """A stop token the text leaves out still has its text as a logprob; the other sampled texts make the text."""
+    gpt2 = load("gpt2")
+    ids = gpt2(" Hi there", add_special_tokens=False).input_ids + [gpt2.eos_token_id]
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=0)
+    completion = stream(gpt2, ids, params, [], final_reason=FinishReason.STOP, with_logprobs=True).outputs[0]
+    completion = completion.outputs[0]
+    assert completion.text == " Hi there" and completion.token_ids == ids
+    assert sampled_texts(completion) == [" Hi", " there", "<|endoftext|>"]
+
+
 def assert_ids_match_text(tokenizer, prompt_ids, outputs, delta):
     """At every output, the ids sent so far have exactly the text sent so far, and a logprob each."""
     sent_text, sent_ids, num_logprobs = "", [], 0
