@@ -322,6 +322,8 @@ class TextDetokenizer(IncrementalDetokenizer):
         after the settled tokens before it and the pending bytes of an unfinished character (so a candidate that
         completes it gets the whole character); "" where it would leave a character unfinished. A special token's
         text is its content. Characters the prompt began stay the prompt's."""
+        if not token_ids:
+            return []  # logprobs=0: no decode on the hot path
         start = self._pending_starts[index]
         context = self._ids(max(0, start - NUM_CANDIDATE_CONTEXT_TOKENS), start)
         pending = self._ids(start, len(self._context_ids) + index)
