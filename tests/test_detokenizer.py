@@ -191,8 +191,16 @@ def test_text_goes_on_after_an_invalid_byte(slow):
     llama = load("llama2")
     assert llama.convert_ids_to_tokens([13, 243, 29874, 2]) == ["<0x0A>", "<0xF0>", "a", "</s>"]
     there = llama.convert_tokens_to_ids("▁there")
+    hen = llama.convert_tokens_to_ids(["<0xE5>", "<0xBE>", "<0x88>"])  # "很" in byte tokens
     detokenizing = PythonOnlyTokenizer(llama) if slow else llama
-    for ids, expected in (([13, 243, 29874, 2], "\n\ufffda"), ([13, 243, 29874, there, 2], "\n\ufffda there")):
+    cases = [
+        ([13, 243, 29874, 2], "\n\ufffda"),
+        ([13, 243, 29874, there, 2], "\n\ufffda there"),
+        ([*hen, 243, there, 2], "很\ufffd there"),  # the bad byte after a character of byte tokens
+        ([243, *hen, 29874, 2], "\ufffd很a"),  # a good character after it, in the same run of byte tokens
+        ([*hen[:2], there, 2], "\ufffd there"),  # a character cut short: one maximal subpart, one U+FFFD
+    ]
+    for ids, expected in cases:
         for kind in RequestOutputKind:
             outputs = stream(
                 detokenizing, ids, SamplingParams(output_kind=kind), [1, 6324], final_reason=FinishReason.STOP
