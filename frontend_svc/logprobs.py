@@ -1,80 +1,82 @@
-"""Logprobs as the API returns them: token texts decoded in context, cumulative logprob (vLLM
+"""Logprobs as the API returns them: token texts in context, cumulative logprob (vLLM
 ``vllm/v1/engine/logprobs.py``)."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
+from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import PositionLogprobs
 from frontend_svc.outputs import Logprob, PromptLogprobs, SampleLogprobs
-
-# Previous tokens used as context when decoding a logprob token's text (restores SentencePiece's leading
-# space and completes characters split over byte tokens, as vLLM's U+FFFD correction).
-NUM_CONTEXT_TOKENS = 4
-
-
-def token_texts(tokenizer: Any, context_ids: list[int], token_ids: list[int]) -> list[str]:
-    """The text each of ``token_ids`` would add right after ``context_ids``."""
-    before = tokenizer.decode(context_ids, skip_special_tokens=False)
-    texts = []
-    for token_id in token_ids:
-        after = tokenizer.decode(context_ids + [token_id], skip_special_tokens=False)
-        common = 0
-        limit = min(len(before), len(after))
-        while common < limit and before[common] == after[common]:
-            common += 1
-        texts.append(after[common:])
-    return texts
+from frontend_svc.sampling_params import SamplingParams
 
 
 class LogprobsProcessor:
-    """Accumulates one request's sample and prompt logprobs."""
+    """Accumulates one request's sample and prompt logprobs.
+
+    Token texts come from the request's detokenizer: a sampled token's is the text it added to the output (no
+    second decode; "" for a byte that leaves its character unfinished, the whole character on the byte that
+    completes it), so the sampled texts concatenate to the output text; a top-k candidate's is decoded on its own
+    after the sampled tokens before it (``TextDetokenizer.candidate_texts``). A position's dict is built when its
+    id is released (``get_logprobs``), once its text is final; the cumulative logprob covers the same ids.
+    Prompt positions: the same, over a detokenizer that reads the prompt (vLLM: each prompt token in the context
+    of the prompt before it).
+    """
 
     def __init__(
         self,
+        detokenizer: IncrementalDetokenizer,
         tokenizer: Any | None,
-        num_logprobs: int | None,
-        num_prompt_logprobs: int | None,
+        params: SamplingParams,
         prompt_token_ids: list[int],
     ) -> None:
+        self.detokenizer = detokenizer
         self.tokenizer = tokenizer
+        self.params = params
         self.prompt_token_ids = prompt_token_ids
-        self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
-        self.prompt_logprobs: PromptLogprobs | None = [None] if num_prompt_logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if num_logprobs is not None else None
-        self._sampled_ids: list[int] = []
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        # Sum of the sampled logprobs of the positions built so far; None without logprobs.
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self._unbuilt: deque[PositionLogprobs] = deque()  # positions whose dicts are not built yet
 
-    def update_sample_logprobs(self, positions: list[PositionLogprobs]) -> SampleLogprobs:
-        """Add one dict per new token; returns the new dicts."""
-        new: SampleLogprobs = []
+    def update_sample_logprobs(self, positions: list[PositionLogprobs]) -> None:
+        """Take one position per new output id (in order)."""
+        if self.logprobs is not None:
+            self._unbuilt.extend(positions)
+
+    def get_logprobs(self, start: int, end: int) -> SampleLogprobs | None:
+        """The dicts of output ids [start, end), building those not built yet; ``end`` never goes back."""
         if self.logprobs is None:
-            return new
-        for position in positions:
-            context = (self.prompt_token_ids + self._sampled_ids)[-NUM_CONTEXT_TOKENS:]
-            new.append(self._to_dict(position, context))
+            return None
+        while len(self.logprobs) < end and self._unbuilt:
+            position = self._unbuilt.popleft()
+            self.logprobs.append(self._to_dict(self.detokenizer, len(self.logprobs), position))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + position.logprobs[0]
-            self._sampled_ids.append(position.token_ids[0])
-        self.logprobs.extend(new)
-        return new
+        return self.logprobs[start:end]
 
     def set_prompt_logprobs(self, positions: list[PositionLogprobs]) -> None:
+        """Take the prompt's positions (``positions[i]`` predicts prompt token ``i + 1``)."""
         if self.prompt_logprobs is None:
             return
+        texts = IncrementalDetokenizer.for_prompt(self.tokenizer, self.params, self.prompt_token_ids)
         self.prompt_logprobs = [None]
         for i, position in enumerate(positions):
-            context = self.prompt_token_ids[max(0, i + 1 - NUM_CONTEXT_TOKENS) : i + 1]
-            self.prompt_logprobs.append(self._to_dict(position, context))
+            self.prompt_logprobs.append(self._to_dict(texts, i + 1, position))
 
-    def _to_dict(self, position: PositionLogprobs, context: list[int]) -> dict[int, Logprob]:
-        texts = (
-            token_texts(self.tokenizer, context, position.token_ids)
-            if self.tokenizer is not None
-            else [None] * len(position.token_ids)
-        )
+    @staticmethod
+    def _to_dict(texts: IncrementalDetokenizer, index: int, position: PositionLogprobs) -> dict[int, Logprob]:
+        """Position ``index``'s dict: the chosen token first (its text as it went into the text), then the
+        top-k candidates."""
+        chosen = position.token_ids[0]
+        candidates = [token_id for token_id in dict.fromkeys(position.token_ids[1:]) if token_id != chosen]
+        token_texts = dict(zip(candidates, texts.candidate_texts(index, candidates), strict=True))
+        token_texts[chosen] = texts.token_text(index)
         entries: dict[int, Logprob] = {}
-        for i, (token_id, logprob, text) in enumerate(zip(position.token_ids, position.logprobs, texts, strict=True)):
+        for i, (token_id, logprob) in enumerate(zip(position.token_ids, position.logprobs, strict=True)):
             if token_id in entries:
                 continue  # the chosen token also among the top-k: keep its first (chosen) entry
             # Ranks of the top-k are their places; the chosen token's is the vocabulary rank from the core.
-            entries[token_id] = Logprob(logprob, position.rank if i == 0 else i, text)
+            entries[token_id] = Logprob(logprob, position.rank if i == 0 else i, token_texts[token_id])
         return entries

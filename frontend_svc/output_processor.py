@@ -16,7 +16,7 @@ from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineCoreOutput, FinishReason
 from frontend_svc.errors import error_from_core
 from frontend_svc.logprobs import LogprobsProcessor
-from frontend_svc.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from frontend_svc.stats import IterationStats, RequestStateStats
@@ -84,9 +84,7 @@ class RequestState:
         self.request_index = request_index
         self.queue = queue
         self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, params, prompt_token_ids)
-        self.logprobs = LogprobsProcessor(
-            tokenizer if params.detokenize else None, params.logprobs, params.prompt_logprobs, prompt_token_ids
-        )
+        self.logprobs = LogprobsProcessor(self.detokenizer, tokenizer, params, prompt_token_ids)
         self.num_cached_tokens = 0
         self._prompt_logprobs_sent = False
         self.stats = RequestStateStats(arrival_time=time.time() if arrival_time is None else arrival_time)
@@ -98,24 +96,23 @@ class RequestState:
             )
 
     def make_request_output(
-        self,
-        new_token_ids: list[int],
-        new_logprobs: SampleLogprobs,
-        finish_reason: FinishReason | None,
-        stop_reason: int | str | None,
+        self, finish_reason: FinishReason | None, stop_reason: int | str | None
     ) -> RequestOutput | None:
+        """The output to send now, or None while its kind holds it back. Text, ids and logprobs are what the
+        detokenizer releases: while running, ids only with their whole text (after the stop-string hold-back and
+        unfinished characters); at the end, everything."""
         finished = finish_reason is not None
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind == RequestOutputKind.DELTA
+        text, start, end = self.detokenizer.get_next_output(finished, delta)
+        logprobs = self.logprobs.get_logprobs(start, end)  # builds the dicts of the ids released now
         completion = CompletionOutput(
             index=self.request_index,
-            text=self.detokenizer.get_next_output_text(finished, delta),
-            token_ids=list(new_token_ids) if delta else list(self.detokenizer.token_ids),
+            text=text,
+            token_ids=self.detokenizer.token_ids[start:end],
+            logprobs=logprobs,
             cumulative_logprob=self.logprobs.cumulative_logprob,
-            logprobs=(new_logprobs if delta else list(self.logprobs.logprobs))
-            if self.logprobs.logprobs is not None
-            else None,
             finish_reason=str(finish_reason) if finish_reason is not None else None,
             stop_reason=stop_reason,
         )
@@ -253,7 +250,8 @@ class OutputProcessor:
                 continue
             self._remove(state)
             state.finish_stats(FinishReason.ABORT, iteration_stats)
-            aborted = state.make_request_output([], [], FinishReason.ABORT, None)
+            state.detokenizer.finish()  # the text of ids left pending goes out with them
+            aborted = state.make_request_output(FinishReason.ABORT, None)
             if aborted is not None and state.queue is not None:
                 state.queue.put(aborted)
         return internal_ids
@@ -288,8 +286,8 @@ class OutputProcessor:
             stop_string = state.detokenizer.finish()
         if stop_string is not None:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
-        new_logprobs = state.logprobs.update_sample_logprobs(output.new_logprobs[: len(new_token_ids)])
-        request_output = state.make_request_output(new_token_ids, new_logprobs, finish_reason, stop_reason)
+        state.logprobs.update_sample_logprobs(output.new_logprobs[: len(new_token_ids)])
+        request_output = state.make_request_output(finish_reason, stop_reason)
         return request_output, finish_reason
 
     def _remove(self, state: RequestState) -> None:

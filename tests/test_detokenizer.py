@@ -1,4 +1,5 @@
-"""Incremental detokenization with the real tokenizers: streamed text equals the tokenizer's own full decode."""
+"""Incremental detokenization with the real tokenizers: streamed text equals an independent full decode, the ids
+sent always decode to the text sent, and per-token texts add up to the text."""
 
 from __future__ import annotations
 
@@ -6,10 +7,19 @@ import random
 
 import pytest
 
-from frontend_svc.detokenizer import SlowIncrementalDetokenizer
+from frontend_svc.detokenizer import FastIncrementalDetokenizer, SlowIncrementalDetokenizer
+from frontend_svc.engine_types import FinishReason
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import shared_tokenizer
-from tests.frontend_helpers import delta_text, stream
+from tests.frontend_helpers import (
+    PythonOnlyTokenizer,
+    byte_token_ids,
+    bytes_are_valid,
+    delta_text,
+    reference_output_text,
+    reference_text,
+    stream,
+)
 
 TOKENIZERS = ["llama2", "gpt2", "builtin"]
 HAND_PICKED = [
@@ -20,6 +30,7 @@ HAND_PICKED = [
     "Mixed 你好 and 😀 then text",
     "  leading spaces and\ttabs\nnewlines  ",
 ]
+DETOKENIZERS = {"fast": FastIncrementalDetokenizer, "slow": SlowIncrementalDetokenizer}
 
 
 @pytest.fixture(scope="module", params=TOKENIZERS)
@@ -27,6 +38,12 @@ def tokenizer(request):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(shared_tokenizer(request.param))
+
+
+def load(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(shared_tokenizer(name))
 
 
 def random_sequences(tokenizer, count: int = 25, length: int = 40, seed: int = 0) -> list[list[int]]:
@@ -47,71 +64,95 @@ def hand_picked_sequences(tokenizer) -> list[list[int]]:
     return sequences
 
 
-def run_kinds(tokenizer, ids, skip_special_tokens, prompt_ids=None):
+def check_stream(tokenizer, ids, prompt_ids, skip_special_tokens=True, slow=False, candidates=()) -> str:
+    """Stream ``ids`` in every output kind and check what must hold whatever the ids: DELTA, CUMULATIVE and
+    FINAL_ONLY agree; at every streamed step the ids sent so far have, by the independent reference, exactly the
+    text sent so far; every id goes out once, with its logprobs; the sampled tokens' logprob texts concatenate to
+    the text (less skipped special tokens); no candidate's text ends in an unfinished character. Returns the text."""
+    detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer
+    special_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()
     texts = {}
     for kind in RequestOutputKind:
-        params = SamplingParams(output_kind=kind, skip_special_tokens=skip_special_tokens)
-        outputs = stream(tokenizer, ids, params, prompt_ids).outputs
-        texts[kind] = delta_text(outputs) if kind == RequestOutputKind.DELTA else outputs[-1].outputs[0].text
-        if kind == RequestOutputKind.DELTA:
-            deltas = [o.outputs[0].text for o in outputs]
-            assert [o.outputs[0].token_ids for o in outputs] == [[i] for i in ids]
+        params = SamplingParams(output_kind=kind, skip_special_tokens=skip_special_tokens, logprobs=len(candidates))
+        outputs = stream(detokenizing, ids, params, prompt_ids, with_logprobs=True, candidates=candidates).outputs
+        sent_text, sent_ids, sent_logprobs = "", [], []
+        for output in outputs:
+            completion = output.outputs[0]
+            if kind == RequestOutputKind.DELTA:
+                sent_text, sent_ids = sent_text + completion.text, sent_ids + completion.token_ids
+                sent_logprobs += completion.logprobs
+            else:
+                sent_text, sent_ids, sent_logprobs = completion.text, completion.token_ids, completion.logprobs
+            assert len(sent_logprobs) == len(sent_ids)
+            expected = reference_output_text(tokenizer, prompt_ids, sent_ids, skip_special_tokens)
+            assert sent_text == expected, (kind, ids, sent_ids)
         if kind == RequestOutputKind.FINAL_ONLY:
             assert len(outputs) == 1
-    return texts, deltas
+        assert sent_ids == ids and outputs[-1].finished
+        texts[kind] = sent_text
+        sampled = [lp[i].decoded_token for lp, i in zip(sent_logprobs, ids, strict=True) if i not in special_ids]
+        assert "".join(sampled) == sent_text, (ids, sampled)
+        for lp, token_id in zip(sent_logprobs, ids, strict=True):
+            assert all(not v.decoded_token.endswith("\ufffd") for k, v in lp.items() if k != token_id), lp
+    assert texts[RequestOutputKind.DELTA] == texts[RequestOutputKind.CUMULATIVE] == texts[RequestOutputKind.FINAL_ONLY]
+    return texts[RequestOutputKind.DELTA]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_stream_equals_full_decode(tokenizer, skip_special_tokens):
-    for ids in random_sequences(tokenizer) + hand_picked_sequences(tokenizer):
-        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        texts, deltas = run_kinds(tokenizer, ids, skip_special_tokens)
-        assert texts[RequestOutputKind.DELTA] == expected, ids
-        assert texts[RequestOutputKind.CUMULATIVE] == expected
-        assert texts[RequestOutputKind.FINAL_ONLY] == expected
-        if "\ufffd" not in expected:
-            assert not any("\ufffd" in d for d in deltas), deltas
+    for ids in random_sequences(tokenizer, count=12) + hand_picked_sequences(tokenizer):
+        text = check_stream(tokenizer, ids, [], skip_special_tokens)
+        assert text == reference_text(tokenizer, ids, skip_special_tokens)
+        if bytes_are_valid(tokenizer, ids, skip_special_tokens):
+            assert text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), ids
 
 
 def test_stream_after_a_prompt_continues_its_text(tokenizer):
     """With a prompt, the first output token gets its context: the text is what the prompt's decode grows by."""
     prompt_ids = tokenizer("The answer is").input_ids
     prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-    for ids in hand_picked_sequences(tokenizer) + random_sequences(tokenizer, count=10, seed=1):
+    for ids in hand_picked_sequences(tokenizer) + random_sequences(tokenizer, count=6, seed=1):
         full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
         assert full.startswith(prompt_text)
-        texts, _ = run_kinds(tokenizer, ids, True, prompt_ids)
-        assert texts[RequestOutputKind.DELTA] == full[len(prompt_text) :]
+        text = check_stream(tokenizer, ids, prompt_ids)
+        if bytes_are_valid(tokenizer, prompt_ids + ids):
+            assert text == full[len(prompt_text) :]
 
 
 def test_no_replacement_character_mid_stream_for_split_characters(tokenizer):
     ids = tokenizer("😀🚀 東京", add_special_tokens=False).input_ids
     assert len(ids) > 3  # the characters really are split over several tokens
     params = SamplingParams(output_kind=RequestOutputKind.DELTA)
-    deltas = [o.outputs[0].text for o in stream(tokenizer, ids, params).outputs]
+    outputs = stream(tokenizer, ids, params).outputs
+    deltas = [o.outputs[0].text for o in outputs]
     assert "".join(deltas) == "😀🚀 東京"
     assert all("\ufffd" not in d for d in deltas)
-    assert "" in deltas  # some tokens completed no character and so added no text
+    # Tokens that complete no character add no text, and their ids wait for the one that does.
+    assert ("", []) in [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs]
+    assert [i for o in outputs for i in o.outputs[0].token_ids] == ids
 
 
 def test_invalid_bytes_at_the_end_are_flushed_once(tokenizer):
     ids = tokenizer("ok 🦜", add_special_tokens=False).input_ids  # a rare emoji: split over byte tokens
     truncated = ids[:-1]  # its last byte is missing
-    expected = tokenizer.decode(truncated)
-    assert expected.endswith("\ufffd")
+    # The parrot's first bytes but not all four: one maximal subpart, so one U+FFFD (llama2's own decode,
+    # ByteFallback, gives one per byte token).
+    expected = "ok \ufffd"
+    assert reference_text(tokenizer, truncated) == expected
     params = SamplingParams(output_kind=RequestOutputKind.DELTA)
     outputs = stream(tokenizer, truncated, params).outputs
     assert delta_text(outputs) == expected
     assert "\ufffd" not in delta_text(outputs[:-1])  # held back until the end, then flushed in the last delta
 
 
-def test_slow_algorithm_matches_full_decode(tokenizer):
-    params = SamplingParams()
-    for ids in hand_picked_sequences(tokenizer)[:-1] + random_sequences(tokenizer, count=10, seed=2):
-        detokenizer = SlowIncrementalDetokenizer(tokenizer, params, [])
+@pytest.mark.parametrize("cls", DETOKENIZERS.values(), ids=DETOKENIZERS)
+def test_per_token_texts_add_up_to_the_text(tokenizer, cls):
+    for ids in hand_picked_sequences(tokenizer)[:-1] + random_sequences(tokenizer, count=6, seed=2):
+        detokenizer = cls(tokenizer, SamplingParams(), [])
         detokenizer.update(ids, stop_terminated=False)
         detokenizer.finish()
-        assert detokenizer.output_text == tokenizer.decode(ids, skip_special_tokens=True), ids
+        assert detokenizer.output_text == reference_text(tokenizer, ids), ids
+        assert "".join(detokenizer.token_texts) == detokenizer.output_text
 
 
 def test_prompt_ending_in_split_characters_primes_cleanly(tokenizer):
@@ -121,14 +162,15 @@ def test_prompt_ending_in_split_characters_primes_cleanly(tokenizer):
         ids = tokenizer(" and then some text", add_special_tokens=False).input_ids
         full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
         prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
-        texts, deltas = run_kinds(tokenizer, ids, True, prompt_ids)
-        assert texts[RequestOutputKind.DELTA] == full[len(prompt_text) :], prompt
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+        deltas = [o.outputs[0].text for o in stream(tokenizer, ids, params, prompt_ids).outputs]
+        assert "".join(deltas) == full[len(prompt_text) :], prompt
         assert not any("\ufffd" in d for d in deltas)
 
 
 def test_flush_does_not_repeat_text_already_sent(tokenizer):
     """An emoji, then the first bytes of another, then the end: the emoji was sent when complete; the dangling
-    bytes are flushed on their own (U+FFFD each), not as a re-decoded run that would repeat it."""
+    bytes are flushed on their own, not as a re-decoded run that would repeat it."""
     prefix = tokenizer(" ok", add_special_tokens=False).input_ids
     emoji = tokenizer("😀", add_special_tokens=False).input_ids
     rocket = [i for i in tokenizer("🚀", add_special_tokens=False).input_ids if tokenizer.decode([i]).strip()]
@@ -136,5 +178,128 @@ def test_flush_does_not_repeat_text_already_sent(tokenizer):
     assert dangling and "\ufffd" in tokenizer.decode(dangling)
     params = SamplingParams(output_kind=RequestOutputKind.DELTA)
     text = delta_text(stream(tokenizer, prefix + emoji + dangling, params).outputs)
-    assert text == tokenizer.decode(prefix + emoji) + tokenizer.decode(dangling)
+    # The missing last byte leaves one maximal subpart: one U+FFFD.
+    assert text == tokenizer.decode(prefix + emoji) + "\ufffd"
     assert text.count("😀") == 1
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_text_goes_on_after_an_invalid_byte(slow):
+    """Llama 2, prompt "Hi": a newline byte, a lead byte that nothing continues (invalid), "a", EOS. The bad byte
+    shows once as U+FFFD and the text after it is kept; the next word keeps its leading space (the decoder
+    restarts after the settled text, not from nothing)."""
+    llama = load("llama2")
+    assert llama.convert_ids_to_tokens([13, 243, 29874, 2]) == ["<0x0A>", "<0xF0>", "a", "</s>"]
+    there = llama.convert_tokens_to_ids("▁there")
+    hen = llama.convert_tokens_to_ids(["<0xE5>", "<0xBE>", "<0x88>"])  # "很" in byte tokens
+    detokenizing = PythonOnlyTokenizer(llama) if slow else llama
+    cases = [
+        ([13, 243, 29874, 2], "\n\ufffda"),
+        ([13, 243, 29874, there, 2], "\n\ufffda there"),
+        ([*hen, 243, there, 2], "很\ufffd there"),  # the bad byte after a character of byte tokens
+        ([243, *hen, 29874, 2], "\ufffd很a"),  # a good character after it, in the same run of byte tokens
+        ([*hen[:2], there, 2], "\ufffd there"),  # a character cut short: one maximal subpart, one U+FFFD
+    ]
+    for ids, expected in cases:
+        for kind in RequestOutputKind:
+            outputs = stream(
+                detokenizing, ids, SamplingParams(output_kind=kind), [1, 6324], final_reason=FinishReason.STOP
+            ).outputs
+            text = delta_text(outputs) if kind == RequestOutputKind.DELTA else outputs[-1].outputs[0].text
+            assert text == expected, kind
+
+
+def test_prompt_ending_inside_a_character_keeps_it():
+    """gpt2, the ids of "Hello world 🌶 is spicy" cut inside the pepper's bytes: the prompt began the character,
+    so it is the prompt's; the output is the text after it (vLLM)."""
+    gpt2 = load("gpt2")
+    ids = gpt2("Hello world 🌶 is spicy").input_ids
+    cuts = [k for k in range(1, len(ids)) if gpt2.decode(ids[:k]).endswith("\ufffd")]
+    assert cuts  # the pepper is split over tokens
+    for cut in cuts:
+        for slow in (False, True):
+            detokenizing = PythonOnlyTokenizer(gpt2) if slow else gpt2
+            for kind in RequestOutputKind:
+                params = SamplingParams(output_kind=kind, logprobs=0)
+                outputs = stream(detokenizing, ids[cut:], params, ids[:cut], with_logprobs=True).outputs
+                completion = outputs[-1].outputs[0]
+                text = delta_text(outputs) if kind == RequestOutputKind.DELTA else completion.text
+                assert text == " is spicy", (cut, slow, kind)
+                if kind != RequestOutputKind.DELTA:
+                    sampled = [lp[i].decoded_token for lp, i in zip(completion.logprobs, ids[cut:], strict=True)]
+                    assert sampled == [""] * (len(ids) - cut - 2) + [" is", " spicy"]
+
+
+def test_prompt_ending_inside_a_byte_fallback_character_keeps_it():
+    """The same with Llama 2's byte fallback: "很" is three byte tokens; the prompt ends after the first two."""
+    llama = load("llama2")
+    ids = llama("Say 很 there").input_ids
+    first = ids.index(llama.convert_tokens_to_ids("<0xE5>"))
+    for slow in (False, True):
+        detokenizing = PythonOnlyTokenizer(llama) if slow else llama
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+        assert delta_text(stream(detokenizing, ids[first + 2 :], params, ids[: first + 2]).outputs) == " there"
+        # Cut before the character: the output has all of it.
+        assert delta_text(stream(detokenizing, ids[first:], params, ids[:first]).outputs) == "很 there"
+
+
+CHARACTERS = ["é", "很", "🌶", "€", "\n", "a", " ", "👍🏽"]
+
+
+def fuzz_sequence(rng: random.Random, tokenizer, words: list[int]) -> list[int]:
+    """Ordinary tokens mixed with valid characters spelled in byte tokens, characters cut short, stray bytes
+    (invalid UTF-8), any token at all (with byte-level BPE, often part of a character) and EOS."""
+    ids: list[int] = []
+    for _ in range(rng.randint(2, 9)):
+        roll = rng.random()
+        if roll < 0.3:
+            ids.append(rng.choice(words))
+        elif roll < 0.55:
+            ids += byte_token_ids(tokenizer, rng.choice(CHARACTERS).encode())
+        elif roll < 0.8:
+            data = rng.choice(CHARACTERS[:4]).encode()
+            invalid = data[: rng.randrange(1, len(data))] if rng.random() < 0.6 else bytes([rng.randrange(0x80, 256)])
+            ids += byte_token_ids(tokenizer, invalid)
+        elif roll < 0.95:
+            ids.append(rng.randrange(len(tokenizer)))
+        else:
+            ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_fuzz_byte_tokens_against_the_reference(tokenizer, slow):
+    """Random byte-fallback / byte-level sequences, valid and invalid UTF-8, after clean prompts (none, and a
+    short text). The reference is ``reference_text``: all bytes decoded with U+FFFD per maximal subpart, the one
+    behaviour a stream can have (it never takes back a character it sent) and the one byte-level decoders have.
+    Where the bytes are valid UTF-8 it is also the tokenizer's own decode."""
+    rng = random.Random(12)
+    words = tokenizer(" hello world, there: new text", add_special_tokens=False).input_ids
+    candidates = (
+        *byte_token_ids(tokenizer, "é".encode()[:1]),  # begins a character: no text on its own
+        *byte_token_ids(tokenizer, "很".encode()[-1:]),  # ends one: its text when the pending bytes fit
+        words[1],
+        tokenizer.eos_token_id,
+    )
+    prompts = [[], tokenizer("The answer is").input_ids]
+    for n in range(30):
+        ids = fuzz_sequence(rng, tokenizer, words)
+        prompt_ids = prompts[n % 2]
+        skip = slow or n % 3 != 0  # the slow path spaces special tokens apart (spaces_between_special_tokens)
+        text = check_stream(tokenizer, ids, prompt_ids, skip, slow, candidates)
+        assert text == reference_output_text(tokenizer, prompt_ids, ids, skip)
+        if bytes_are_valid(tokenizer, prompt_ids + ids, skip):
+            full = tokenizer.decode(prompt_ids + ids, skip_special_tokens=skip)
+            assert text == full[len(tokenizer.decode(prompt_ids, skip_special_tokens=skip)) :]
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_out_of_vocabulary_id_adds_no_text(tokenizer, slow):
+    """An id past the tokenizer's vocabulary (a model's padded vocabulary) adds no text but stays in the ids
+    (vLLM), and does not hold back the ids after it."""
+    a, b = tokenizer(" a b", add_special_tokens=False).input_ids
+    ids = [a, len(tokenizer) + 7, b]
+    detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    outputs = stream(detokenizing, ids, params, tokenizer("Hi").input_ids).outputs
+    assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs] == [(" a", [a]), ("", [ids[1]]), (" b", [b])]

@@ -12,6 +12,7 @@ from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import real_or_builtin, shared_tokenizer
+from tests.frontend_helpers import reference_output_text, stream
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +189,191 @@ def test_a_child_failed_by_the_core_fails_the_parent_with_internal(tokenizer):
         queue.get_nowait()
     assert str(info.value) == message and status_code(info.value).name == "INTERNAL"
     assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids
+
+
+def load(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(shared_tokenizer(name))
+
+
+def sampled_texts(completion: CompletionOutput) -> list[str]:
+    return [lp[token_id].decoded_token for lp, token_id in zip(completion.logprobs, completion.token_ids, strict=True)]
+
+
+def test_sampled_logprob_texts_add_up_to_the_text():
+    """Llama 2, prompt "Say", output "▁ <0xE5> <0xBE> <0x88> ▁there": a byte that leaves "很" unfinished has
+    text "", the byte that completes it the whole character (vLLM), so the texts concatenate to the output."""
+    llama = load("llama2")
+    ids = llama.convert_tokens_to_ids(["▁", "<0xE5>", "<0xBE>", "<0x88>", "▁there"])
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=0)
+    completion = stream(llama, ids, params, llama("Say").input_ids, with_logprobs=True).outputs[-1].outputs[0]
+    assert sampled_texts(completion) == [" ", "", "", "很", " there"]
+    assert completion.text == " 很 there" == "".join(sampled_texts(completion))
+
+
+def test_candidate_texts_in_the_sampled_context():
+    """Each top-k candidate is decoded on its own after the sampled tokens, the bytes of an unfinished character
+    included: one that completes it gets the whole character, one that leaves it unfinished "" (never U+FFFD),
+    one that breaks it shows the broken bytes as one U+FFFD then its text, as the stream would."""
+    llama = load("llama2")
+    e5, be, bf, there, here = llama.convert_tokens_to_ids(["<0xE5>", "<0xBE>", "<0xBF>", "▁there", "▁here"])
+    processor = OutputProcessor(llama)
+    processor.add_request("r-1", "r", SamplingParams(logprobs=3), None, llama("Say").input_ids)
+    processor.process_outputs([EngineCoreOutput("r-1", [e5], new_logprobs=[PositionLogprobs([e5], [-1.0], 1)])])
+    processor.process_outputs([EngineCoreOutput("r-1", [be], new_logprobs=[PositionLogprobs([be], [-1.0], 1)])])
+    # Sampled so far: E5 BE, an unfinished character. Candidates for the next position:
+    position = PositionLogprobs([there, bf, e5, here], [-1.0, -2.0, -3.0, -4.0], 1)
+    last = EngineCoreOutput("r-1", [there], new_logprobs=[position], finish_reason=FinishReason.LENGTH)
+    completion = processor.process_outputs([last]).request_outputs[0].outputs[0]
+    texts = {token_id: entry.decoded_token for token_id, entry in completion.logprobs[2].items()}
+    assert texts == {there: "\ufffd there", bf: bytes([0xE5, 0xBE, 0xBF]).decode(), e5: "", here: "\ufffd here"}
+    assert completion.text == "\ufffd there"  # the sampled token's text is what it did to the text
+
+    gpt2 = load("gpt2")
+    comma, world = gpt2(", world", add_special_tokens=False).input_ids
+    assert gpt2.convert_ids_to_tokens(6552) == "âĶ"  # the first two bytes of a three-byte character (E2 94)
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=2)
+    outputs = stream(gpt2, [comma, world], params, gpt2("Hello").input_ids, with_logprobs=True, candidates=(6552,))
+    outputs = outputs.outputs
+    after_comma = outputs[-1].outputs[0].logprobs[1]
+    assert after_comma[6552].decoded_token == "" and after_comma[world].decoded_token == " world"
+
+
+def test_prompt_logprob_texts_in_the_context_of_the_prompt():
+    llama = load("llama2")
+    prompt = llama("Say 很 there").input_ids
+    assert llama.convert_ids_to_tokens(prompt[3:6]) == ["<0xE5>", "<0xBE>", "<0x88>"]
+    processor = OutputProcessor(llama)
+    processor.add_request("r-1", "r", SamplingParams(prompt_logprobs=1), None, prompt)
+    e5 = prompt[3]
+    positions = [PositionLogprobs([token_id, e5], [-1.0, -2.0], 1) for token_id in prompt[1:]]
+    first = EngineCoreOutput("r-1", [], new_prompt_logprobs=positions)
+    out = processor.process_outputs([first, core_output("r-1", 13, FinishReason.LENGTH)]).request_outputs[0]
+    texts = [d[token_id].decoded_token for d, token_id in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    assert texts == ["Say", " ", "", "", "很", " there"]
+    assert "".join(texts) == llama.decode(prompt, skip_special_tokens=True)
+    # The lead byte as a candidate after "很"'s first byte(s) leaves a character unfinished.
+    assert out.prompt_logprobs[4][e5].decoded_token == ""
+
+
+def test_logprob_texts_after_a_prompt_that_ends_inside_a_character():
+    """The pepper begun in the prompt is the prompt's: the token that completes it, sampled or as a candidate,
+    adds no text; a candidate that breaks it adds its own."""
+    gpt2 = load("gpt2")
+    ids = gpt2("Hello world 🌶 is spicy").input_ids
+    cut = 4
+    assert gpt2.decode(ids[:cut]).endswith("\ufffd") and not gpt2.decode(ids[: cut + 1]).endswith("\ufffd")
+    is_id = ids[cut + 1]
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=1)
+    outputs = stream(gpt2, ids[cut:], params, ids[:cut], with_logprobs=True, candidates=(is_id,)).outputs
+    first = outputs[-1].outputs[0].logprobs[0]
+    assert first[ids[cut]].decoded_token == ""
+    assert first[is_id].decoded_token == " is"
+
+
+def test_stop_token_logprob_text_is_its_own():
+    """A stop token the text leaves out still has its text as a logprob; the other sampled texts make the text."""
+    gpt2 = load("gpt2")
+    ids = gpt2(" Hi there", add_special_tokens=False).input_ids + [gpt2.eos_token_id]
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=0)
+    completion = stream(gpt2, ids, params, [], final_reason=FinishReason.STOP, with_logprobs=True).outputs[0]
+    completion = completion.outputs[0]
+    assert completion.text == " Hi there" and completion.token_ids == ids
+    assert sampled_texts(completion) == [" Hi", " there", "<|endoftext|>"]
+
+
+def assert_ids_match_text(tokenizer, prompt_ids, outputs, delta):
+    """At every output, the ids sent so far have exactly the text sent so far, and a logprob each."""
+    sent_text, sent_ids, num_logprobs = "", [], 0
+    for output in outputs:
+        completion = output.outputs[0]
+        if delta:
+            sent_text, sent_ids = sent_text + completion.text, sent_ids + completion.token_ids
+            num_logprobs += len(completion.logprobs)
+        else:
+            sent_text, sent_ids, num_logprobs = completion.text, completion.token_ids, len(completion.logprobs)
+        if not output.finished:
+            assert sent_text == reference_output_text(tokenizer, prompt_ids, sent_ids)
+        assert num_logprobs == len(sent_ids)
+    return sent_text, sent_ids
+
+
+def test_ids_are_held_back_with_their_text():
+    """gpt2, stop ["stop"]: " Hello" alone is held back (3 characters of it could begin "stop"), and its id with
+    it, so the first delta is empty; later each output's ids decode to its text. The same for ids of an
+    unfinished character. At the end everything goes out."""
+    gpt2 = load("gpt2")
+    hello = gpt2(" Hello", add_special_tokens=False).input_ids
+    assert hello == [18435]
+    ids = hello + gpt2(" world 🌶 stays", add_special_tokens=False).input_ids
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        params = SamplingParams(output_kind=kind, stop=["stop"], logprobs=0)
+        outputs = stream(gpt2, ids, params, [], with_logprobs=True).outputs
+        assert (outputs[0].outputs[0].text, outputs[0].outputs[0].token_ids) == ("", [])
+        text, sent_ids = assert_ids_match_text(gpt2, [], outputs, kind == RequestOutputKind.DELTA)
+        assert (text, sent_ids) == (" Hello world 🌶 stays", ids)
+    # Stopped by a stop string: the held ids and text go out at the end, text cut before "stop".
+    ids = gpt2(" Hello, stop here", add_special_tokens=False).input_ids
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, stop=["stop"], logprobs=0)
+    result = stream(gpt2, ids, params, [], with_logprobs=True)
+    text, sent_ids = assert_ids_match_text(gpt2, [], result.outputs, delta=True)
+    assert text == " Hello, " and sent_ids == ids[: result.steps] and result.outputs[-1].finished
+
+
+def test_held_ids_through_n_children_and_the_collector():
+    """n = 2 with a stop-string hold-back: each child's deltas, merged in the collector as a slow consumer sees
+    them, still pair ids with their text; every id is counted once (what usage.completion_tokens sums)."""
+    gpt2 = load("gpt2")
+    ids = [gpt2(text, add_special_tokens=False).input_ids for text in (" one two three", " four 🌶 five")]
+
+    async def scenario():
+        processor = OutputProcessor(gpt2)
+        queue = RequestOutputCollector(RequestOutputKind.DELTA)
+        params = SamplingParams(n=2, output_kind=RequestOutputKind.DELTA, stop=["xyz"], logprobs=0)
+        parent = ParentRequest("p-1", "p", params)
+        for i in range(2):
+            child_id, child_params = parent.get_child_info(i)
+            processor.add_request(child_id, "p", child_params, None, [], parent, i, queue)
+        merged: dict[int, CompletionOutput] = {}
+        for step in range(max(map(len, ids))):
+            outputs = []
+            for i, child_ids in enumerate(ids):
+                if step < len(child_ids):
+                    finish = FinishReason.LENGTH if step == len(child_ids) - 1 else None
+                    outputs.append(core_output(f"{i}_p-1", child_ids[step], finish))
+            processor.process_outputs(outputs)
+            if step % 2:  # the consumer takes every other step: outputs in between are merged
+                for completion in (await queue.get()).outputs:
+                    if completion.index in merged:
+                        merged[completion.index].text += completion.text
+                        merged[completion.index].token_ids += completion.token_ids
+                    else:
+                        merged[completion.index] = completion
+        final = queue.get_nowait()
+        assert final is not None and final.finished
+        for completion in final.outputs:
+            merged[completion.index].text += completion.text
+            merged[completion.index].token_ids += completion.token_ids
+        for i, child_ids in enumerate(ids):
+            assert merged[i].token_ids == child_ids
+            assert merged[i].text == gpt2.decode(child_ids)
+
+    asyncio.run(scenario())
+
+
+def test_abort_releases_held_ids_and_their_text():
+    llama = load("llama2")
+    e5, be = llama.convert_tokens_to_ids(["<0xE5>", "<0xBE>"])
+    processor = OutputProcessor(llama)
+    queue = RequestOutputCollector(RequestOutputKind.DELTA)
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, logprobs=0)
+    processor.add_request("r-1", "r", params, None, llama("Say").input_ids, queue=queue)
+    processor.process_outputs([core_output("r-1", e5), core_output("r-1", be)])
+    held = queue.get_nowait()
+    assert (held.outputs[0].text, held.outputs[0].token_ids) == ("", [])  # an unfinished character
+    processor.abort_requests(["r"])
+    final = queue.get_nowait()
+    # The character never finished: its bytes are one maximal subpart, one U+FFFD.
+    assert final.finished and (final.outputs[0].text, final.outputs[0].token_ids) == ("\ufffd", [e5, be])
+    assert len(final.outputs[0].logprobs) == 2

@@ -1,0 +1,192 @@
+"""Incremental decoders: token ids to text, one id at a time, for the detokenizer (``frontend_svc/detokenizer.py``).
+
+- ``StreamDecoder``: tokenizers' ``DecodeStream`` over the tokenizer's Rust backend.
+- ``OffsetDecoder``: the prefix/read offset algorithm of TGI / vLLM ``detokenize_incrementally`` over
+  ``convert_ids_to_tokens`` and ``convert_tokens_to_string``, for tokenizers without a Rust backend.
+
+Both also decode ids standalone, look up the vocabulary, and give the text of ids with invalid UTF-8 as U+FFFD per
+maximal subpart (``lossy_text``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class DecoderDesyncError(Exception):
+    """A decoder's text for its ids no longer extends the text it already gave (tokenizers' "Invalid prefix")."""
+
+
+class TokenDecoder:
+    """One request's incremental decoder. ``step`` feeds an id and returns its new text, or None while there is
+    none yet (an unfinished character, a token without text); ``reset`` starts over."""
+
+    def __init__(self, skip_special_tokens: bool) -> None:
+        self.skip_special_tokens = skip_special_tokens
+        self._byte_values: dict[int, int] | None = None
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def step(self, token_id: int) -> str | None:
+        """Raises DecoderDesyncError when the text of the ids read so far no longer extends what it gave."""
+        raise NotImplementedError
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The ids' text on their own (the tokenizer's decode)."""
+        raise NotImplementedError
+
+    def in_vocab(self, token_id: int) -> bool:
+        raise NotImplementedError
+
+    def token_string(self, token_id: int) -> str:
+        """The vocabulary entry (a special token's content)."""
+        raise NotImplementedError
+
+    def token_id(self, token: str) -> int | None:
+        raise NotImplementedError
+
+    def byte_values(self) -> dict[int, int]:
+        """Byte-fallback token id -> its byte (SentencePiece's ``<0x00>`` .. ``<0xFF>``); empty unless the
+        tokenizer decodes them as bytes. Built on first use."""
+        if self._byte_values is None:
+            table: dict[int, int] = {}
+            probe = self.token_id("<0xF0>")  # a lead byte: alone it is invalid UTF-8
+            if probe is not None and self.decode([probe]) == REPLACEMENT_CHAR:
+                for value in range(256):
+                    token_id = self.token_id(f"<0x{value:02X}>")
+                    if token_id is not None:
+                        table[token_id] = value
+            self._byte_values = table
+        return self._byte_values
+
+    def lossy_text(self, token_ids: list[int]) -> str:
+        """The ids' text on their own, invalid UTF-8 as U+FFFD per maximal subpart (Python's
+        ``errors="replace"``): byte-fallback runs decoded here, the rest by the tokenizer (byte-level BPE decodes
+        that way already; tokenizers' ByteFallback decoder would give one U+FFFD per byte of an invalid run)."""
+        byte_values = self.byte_values()
+        if not byte_values:
+            return self.decode(token_ids)
+        parts: list[str] = []
+        run = bytearray()
+        group: list[int] = []
+        for token_id in token_ids:
+            value = byte_values.get(token_id)
+            if value is None:
+                if run:
+                    parts.append(run.decode("utf-8", errors="replace"))
+                    run = bytearray()
+                group.append(token_id)
+            else:
+                if group:
+                    parts.append(self.decode(group))
+                    group = []
+                run.append(value)
+        parts.append(run.decode("utf-8", errors="replace") if run else self.decode(group))
+        return "".join(parts)
+
+
+class StreamDecoder(TokenDecoder):
+    """tokenizers' ``DecodeStream`` over the tokenizer's Rust backend."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+        super().__init__(skip_special_tokens)
+        from tokenizers.decoders import DecodeStream
+
+        self._decode_stream_class = DecodeStream
+        self.backend = tokenizer.backend_tokenizer
+        self.stream: Any = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.stream = self._decode_stream_class(skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        try:
+            return self.stream.step(self.backend, token_id)
+        except Exception as e:  # tokenizers raises a plain Exception ("Invalid prefix encountered ...")
+            raise DecoderDesyncError(str(e)) from e
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def in_vocab(self, token_id: int) -> bool:
+        return token_id >= 0 and self.backend.id_to_token(token_id) is not None
+
+    def token_string(self, token_id: int) -> str:
+        return self.backend.id_to_token(token_id) or ""
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+
+class OffsetDecoder(TokenDecoder):
+    """The prefix/read offset algorithm (TGI, vLLM ``detokenize_incrementally``) over python tokenizers: decode
+    the tokens from ``prefix_offset``, emit what they add to those before ``read_offset``, then slide."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> None:
+        super().__init__(skip_special_tokens)
+        self.tokenizer = tokenizer
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.added_vocab = set(tokenizer.get_added_vocab())
+        self.all_special_tokens = set(tokenizer.all_special_tokens)
+        self.tokens: list[str] = []
+        self.prefix_offset = self.read_offset = 0
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.prefix_offset = self.read_offset = 0
+
+    def step(self, token_id: int) -> str | None:
+        self.tokens.extend(self._to_tokens([token_id]))
+        prefix_text = self._tokens_to_string(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._tokens_to_string(self.tokens[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return None
+        if not new_text.startswith(prefix_text):
+            raise DecoderDesyncError("the text of the tokens read changed")
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return new_text[len(prefix_text) :]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokens_to_string(self._to_tokens(token_ids))
+
+    def in_vocab(self, token_id: int) -> bool:
+        try:
+            return token_id >= 0 and self.tokenizer.convert_ids_to_tokens([token_id])[0] is not None
+        except (IndexError, KeyError, OverflowError):
+            return False
+
+    def token_string(self, token_id: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens([token_id])[0] or ""
+
+    def token_id(self, token: str) -> int | None:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        return token_id if token_id is not None and self.token_string(token_id) == token else None
+
+    def _to_tokens(self, token_ids: list[int]) -> list[str]:
+        tokens = self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return [t for t in tokens if t is not None]  # ids outside the vocabulary have no token
+
+    def _tokens_to_string(self, tokens: list[str]) -> str:
+        """vLLM ``_convert_tokens_to_string_with_added_encoders``: added tokens stand alone, optionally
+        separated by spaces; the rest goes through ``convert_tokens_to_string``."""
+        if not self.added_vocab:
+            return self.tokenizer.convert_tokens_to_string(tokens)
+        sub_texts: list[str] = []
+        current: list[str] = []
+        for token in tokens:
+            if self.skip_special_tokens and token in self.all_special_tokens:
+                continue
+            if token in self.added_vocab:
+                if current:
+                    sub_texts.append(self.tokenizer.convert_tokens_to_string(current))
+                    current = []
+                sub_texts.append(token)
+            else:
+                current.append(token)
+        if current:
+            sub_texts.append(self.tokenizer.convert_tokens_to_string(current))
+        return (" " if self.spaces_between_special_tokens else "").join(sub_texts)
