@@ -166,12 +166,15 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _call_code(context: Any, error: BaseException | None) -> grpc.StatusCode:
+    """The call's status: what the handler set or aborted with; CANCELLED when the client went away, however the
+    handler learnt it (a CancelledError at an await, a GeneratorExit when grpc closes a streaming handler
+    between two responses, or nothing at all when it ended right then); else UNKNOWN for an uncaught error."""
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
     if isinstance(code, int):  # grpc.aio reports the code as its integer value after an abort
         return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-    if isinstance(error, asyncio.CancelledError):
+    if isinstance(error, asyncio.CancelledError | GeneratorExit) or context.cancelled():
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.OK if error is None else grpc.StatusCode.UNKNOWN
 
