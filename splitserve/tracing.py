@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 FRONTEND_SERVICE_NAME = "splitserve-frontend"
 CORE_SERVICE_NAME = "splitserve-core"
+# At shutdown, how long the last spans may take to leave. An unreachable collector would otherwise hold the exit
+# for the OTLP exporter's retries (about 10 s, OTEL_EXPORTER_OTLP_TIMEOUT) after the server has stopped.
+SHUTDOWN_EXPORT_TIMEOUT_S = 2.0
 
 
 class SpanAttributes:
@@ -86,9 +90,31 @@ def init_tracer_provider(default_service_name: str, exporter: SpanExporter | Non
         exporter = _exporter_from_env()
     service_name = os.environ.get("OTEL_SERVICE_NAME") or default_service_name
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    provider.add_span_processor(BoundedBatchSpanProcessor(exporter))
     logger.info("OpenTelemetry tracing on: service %s, exporter %s", service_name, type(exporter).__name__)
     return provider
+
+
+class BoundedBatchSpanProcessor(BatchSpanProcessor):
+    """A ``BatchSpanProcessor`` whose shutdown waits at most ``shutdown_timeout_s`` for the last export, then
+    shuts the exporter down, which ends its retries (the SDK's own shutdown waits out every retry)."""
+
+    def __init__(self, exporter: SpanExporter, shutdown_timeout_s: float = SHUTDOWN_EXPORT_TIMEOUT_S) -> None:
+        super().__init__(exporter)
+        self.exporter = exporter
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    def shutdown(self) -> None:
+        flush = threading.Thread(target=super().shutdown, name="splitserve-span-flush", daemon=True)
+        flush.start()
+        flush.join(self.shutdown_timeout_s)
+        if flush.is_alive():
+            logger.warning(
+                "the last spans could not be exported within %.0f s (is the collector reachable?); dropped",
+                self.shutdown_timeout_s,
+            )
+            self.exporter.shutdown()
+            flush.join(self.shutdown_timeout_s)
 
 
 def _exporter_from_env() -> SpanExporter:
