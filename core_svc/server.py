@@ -34,14 +34,15 @@ async def serve_core(
     config: CoreConfig,
     host: str = "0.0.0.0",
     port: int = 50061,
-    max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
+    message_limits: grpc_runtime.MessageLimits | None = None,
     shutdown_timeout_s: float = 30.0,
     metrics_port: int | None = None,
 ) -> int:
     """Run until SIGTERM / SIGINT; returns the process exit code (0 after a clean drain, 1 if loading failed).
     ``metrics_port``: serve Prometheus metrics there (None: no metrics). Tracing follows the ``OTEL_*``
     environment (``splitserve.tracing``)."""
-    state = CoreServerState()
+    message_limits = message_limits or grpc_runtime.MessageLimits()
+    state = CoreServerState(max_receive_message_bytes=message_limits.receive_bytes)
     tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
     registry = metrics.make_registry() if metrics_port is not None else None
     interceptors = tracing.grpc_server_interceptors(tracer_provider)
@@ -50,7 +51,7 @@ async def serve_core(
     metrics_server = metrics.MetricsServer(registry, metrics_port, host) if registry is not None else None
     try:
         return await _serve(
-            config, state, host, port, max_message_bytes, shutdown_timeout_s, interceptors, registry, tracer_provider
+            config, state, host, port, message_limits, shutdown_timeout_s, interceptors, registry, tracer_provider
         )
     finally:
         if metrics_server is not None:
@@ -64,13 +65,13 @@ async def _serve(
     state: CoreServerState,
     host: str,
     port: int,
-    max_message_bytes: int,
+    message_limits: grpc_runtime.MessageLimits,
     shutdown_timeout_s: float,
     interceptors: list[object],
     registry: CollectorRegistry | None,
     tracer_provider: TracerProvider | None,
 ) -> int:
-    server = grpc_runtime.make_server(max_message_bytes, interceptors)
+    server = grpc_runtime.make_server(message_limits, interceptors)
     pb_grpc.add_EngineCoreServicer_to_server(EngineCoreServicer(state), server)
     health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")

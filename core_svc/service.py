@@ -35,6 +35,7 @@ class CoreServerState:
 
     engine_loop: EngineLoop | None = None
     draining: bool = False
+    max_receive_message_bytes: int = 0  # the server's receive limit, told to frontends (0: not told)
 
 
 class EngineCoreServicer(pb_grpc.EngineCoreServicer):
@@ -118,7 +119,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext) -> pb.EngineInfo:
         engine_loop = await self._engine_loop(context, allow_draining=True)
-        return engine_info_to_pb(engine_loop.engine_core.get_engine_info())
+        return engine_info_to_pb(engine_loop.engine_core.get_engine_info(), self.state.max_receive_message_bytes)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
         engine_loop = await self._engine_loop(context, allow_draining=True)

@@ -116,7 +116,8 @@ def _stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
     )
 
 
-def engine_info_to_pb(info: EngineInfo) -> pb.EngineInfo:
+def engine_info_to_pb(info: EngineInfo, max_receive_message_bytes: int = 0) -> pb.EngineInfo:
+    """``max_receive_message_bytes``: the serving process's gRPC receive limit (0: none told)."""
     return pb.EngineInfo(
         model=info.model,
         max_model_len=info.max_model_len,
@@ -130,6 +131,7 @@ def engine_info_to_pb(info: EngineInfo) -> pb.EngineInfo:
         max_num_batched_tokens=info.max_num_batched_tokens,
         max_logprobs=info.max_logprobs,
         supports_lora=info.supports_lora,
+        max_receive_message_bytes=max_receive_message_bytes,
     )
 
 

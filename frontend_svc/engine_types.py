@@ -110,3 +110,4 @@ class EngineInfo:
     max_num_batched_tokens: int
     max_logprobs: int
     dtype: str
+    max_receive_message_bytes: int = 0  # the core server's largest request message (0: no limit told)

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_discovery import CoreTarget, resolve
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
-from frontend_svc.errors import EngineDeadError
+from frontend_svc.errors import EngineDeadError, ValidationError
 from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
 from splitserve import grpc_runtime, tracing
 from splitserve.engine.v1 import engine_core_pb2 as pb
@@ -53,7 +53,7 @@ class CoreConnection:
         deliver: Callable[[EngineCoreOutputs], None],
         on_change: Callable[[], None],
         reroute: Callable[[CoreConnection, EngineCoreRequest, EngineCoreOutput], None],
-        max_message_bytes: int,
+        max_receive_message_bytes: int,
         interceptors: list[object] | None = None,
     ) -> None:
         self.address = address
@@ -68,7 +68,12 @@ class CoreConnection:
         self._deliver = deliver
         self._on_change = on_change
         self._reroute = reroute
-        self._options = grpc_runtime.message_options(max_message_bytes) + grpc_runtime.KEEPALIVE_OPTIONS
+        # Outputs can be as large as what the frontend sends its own clients. What it sends is bounded by the core's
+        # receive limit, checked per request in ``send_add`` (grpc's send limit would fail the whole stream).
+        limits = grpc_runtime.MessageLimits(
+            receive_bytes=max_receive_message_bytes, send_bytes=grpc_runtime.DEFAULT_MAX_SEND_MESSAGE_BYTES
+        )
+        self._options = limits.options() + grpc_runtime.KEEPALIVE_OPTIONS
         self._interceptors = interceptors or None  # tracing: the stream's context goes in its metadata
         self._outbox: asyncio.Queue[pb.EngineCoreClientMessage | None] = asyncio.Queue()
 
@@ -103,8 +108,24 @@ class CoreConnection:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     def send_add(self, requests: list[EngineCoreRequest]) -> None:
-        for request in requests:
-            self._outbox.put_nowait(pb.EngineCoreClientMessage(add=request_to_pb(request)))
+        """Queue the requests on the stream, all or none.
+
+        Raises:
+            ValidationError: a request larger on the wire than the core takes (it would end the stream, and every
+                other request on it, with RESOURCE_EXHAUSTED).
+        """
+        messages = [pb.EngineCoreClientMessage(add=request_to_pb(request)) for request in requests]
+        limit = self.info.max_receive_message_bytes if self.info is not None else 0
+        for message in messages:
+            if limit and message.ByteSize() > limit:
+                raise ValidationError(
+                    "request",
+                    f"is {message.ByteSize()} bytes on the wire to the engine core, more than the "
+                    f"{limit} bytes it takes (its --max-receive-message-mib); shorten the prompt, "
+                    "allowed_token_ids, logit_bias, cache_salt or request_id",
+                )
+        for request, message in zip(requests, messages, strict=True):
+            self._outbox.put_nowait(message)
             self.in_flight[request.request_id] = request
 
     def send_abort(self, request_ids: list[str]) -> None:
@@ -201,6 +222,8 @@ class GrpcCoreClient(EngineCoreClient):
             resolved again every ``refresh_s`` seconds (``core_discovery``): a core that appears gets requests,
             one that disappears gets no new ones and is dropped once its requests are done.
         wait_ready_s: how long the constructor waits for a first core; None waits as long as it takes.
+        max_receive_message_bytes: the largest output message taken from a core (what a core sends). Requests
+            are checked against each core's own receive limit (``EngineInfo.max_receive_message_bytes``).
         tracer_provider: trace the calls to the cores (OpenTelemetry's gRPC client instrumentation puts each
             call's context, the ``Connect`` stream's included, in its metadata); None: no tracing.
 
@@ -212,7 +235,7 @@ class GrpcCoreClient(EngineCoreClient):
         self,
         addresses: list[str],
         wait_ready_s: float | None = 60.0,
-        max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
+        max_receive_message_bytes: int = grpc_runtime.DEFAULT_MAX_SEND_MESSAGE_BYTES,
         tracer_provider: TracerProvider | None = None,
         refresh_s: float = 5.0,
     ) -> None:
@@ -232,7 +255,7 @@ class GrpcCoreClient(EngineCoreClient):
         self._sync_event = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
-        self._max_message_bytes = max_message_bytes
+        self._max_receive_message_bytes = max_receive_message_bytes
         self._interceptors = tracing.grpc_client_interceptors(tracer_provider)
         self._refresh_s = refresh_s
         self._tasks: dict[CoreConnection, asyncio.Task[None]] = {}
@@ -336,7 +359,7 @@ class GrpcCoreClient(EngineCoreClient):
             self._deliver,
             self._availability_changed,
             self._reroute,
-            self._max_message_bytes,
+            self._max_receive_message_bytes,
             self._interceptors,
         )
         self.connections = [*self.connections, connection]
@@ -407,6 +430,9 @@ class GrpcCoreClient(EngineCoreClient):
                 await self._add([request], exclude=refused_by)
             except EngineDeadError:
                 self._deliver(EngineCoreOutputs(outputs=[refusal]))
+            except ValidationError as e:  # the other core takes smaller messages
+                error = (grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e))
+                self._deliver(EngineCoreOutputs(outputs=[dataclasses.replace(refusal, error=error)]))
 
         task = asyncio.get_running_loop().create_task(readd())
         self._background.add(task)  # keep a reference until it is done

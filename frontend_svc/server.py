@@ -34,7 +34,7 @@ async def serve_frontend(
     core_addresses: list[str] | None,
     host: str = "0.0.0.0",
     port: int = 50051,
-    max_message_bytes: int = grpc_runtime.DEFAULT_MAX_MESSAGE_BYTES,
+    message_limits: grpc_runtime.MessageLimits | None = None,
     shutdown_timeout_s: float = 30.0,
     trust_request_chat_template: bool = False,
     metrics_port: int | None = None,
@@ -56,7 +56,7 @@ async def serve_frontend(
             core_addresses,
             host,
             port,
-            max_message_bytes,
+            message_limits or grpc_runtime.MessageLimits(),
             shutdown_timeout_s,
             trust_request_chat_template,
             observability,
@@ -86,7 +86,7 @@ async def _serve(
     core_addresses: list[str] | None,
     host: str,
     port: int,
-    max_message_bytes: int,
+    message_limits: grpc_runtime.MessageLimits,
     shutdown_timeout_s: float,
     trust_request_chat_template: bool,
     observability: _Observability,
@@ -100,7 +100,7 @@ async def _serve(
     interceptors = tracing.grpc_server_interceptors(provider)
     if registry is not None:
         interceptors.append(metrics.GrpcMetricsInterceptor(registry))
-    server = grpc_runtime.make_server(max_message_bytes, interceptors)
+    server = grpc_runtime.make_server(message_limits, interceptors)
     api_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -127,7 +127,10 @@ async def _serve(
             from frontend_svc.grpc_client import GrpcCoreClient
 
             client: EngineCoreClient = GrpcCoreClient(
-                core_addresses, wait_ready_s=None, max_message_bytes=max_message_bytes, tracer_provider=provider
+                core_addresses,
+                wait_ready_s=None,
+                max_receive_message_bytes=message_limits.send_bytes,
+                tracer_provider=provider,
             )
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:

@@ -133,6 +133,7 @@ def engine_info_from_pb(msg: pb.EngineInfo) -> EngineInfo:
         max_num_batched_tokens=msg.max_num_batched_tokens,
         max_logprobs=msg.max_logprobs,
         dtype=msg.dtype,
+        max_receive_message_bytes=msg.max_receive_message_bytes,
     )
 
 

@@ -162,7 +162,15 @@ def _output_json(prompt: str, output: Any) -> dict[str, Any]:
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=default_port)
-    parser.add_argument("--max-message-size-mib", type=int, default=256, help="gRPC message limit, both directions")
+    parser.add_argument(
+        "--max-receive-message-mib",
+        type=_message_mib,
+        default=16,
+        help="largest gRPC message taken (requests); a larger one is refused unread with RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--max-send-message-mib", type=_message_mib, default=256, help="largest gRPC message sent (outputs)"
+    )
     parser.add_argument(
         "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
     )
@@ -172,6 +180,20 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics endpoint)",
     )
+
+
+def _message_mib(value: str) -> float:
+    mib = float(value)
+    if not 0 < mib * 2**20 < 2**31:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and less than 2048 MiB, got {value}")
+    return mib
+
+
+def message_limits_from_args(args: argparse.Namespace) -> Any:
+    """The server's ``grpc_runtime.MessageLimits`` from ``--max-receive-message-mib`` / ``--max-send-message-mib``."""
+    from splitserve.grpc_runtime import MessageLimits
+
+    return MessageLimits.from_mib(args.max_receive_message_mib, args.max_send_message_mib)
 
 
 def add_generation_config_arg(parser: argparse.ArgumentParser) -> None:
@@ -218,7 +240,12 @@ def cmd_core(args: argparse.Namespace) -> int:
     config = core_config_from_args(args, resolve_model_arg(args.model))
     return asyncio.run(
         serve_core(
-            config, args.host, args.port, args.max_message_size_mib * 2**20, args.shutdown_timeout, args.metrics_port
+            config,
+            args.host,
+            args.port,
+            message_limits_from_args(args),
+            args.shutdown_timeout,
+            args.metrics_port,
         )
     )
 
@@ -238,7 +265,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
             cores,
             args.host,
             args.port,
-            args.max_message_size_mib * 2**20,
+            message_limits_from_args(args),
             args.shutdown_timeout,
             args.trust_request_chat_template,
             args.metrics_port,
@@ -258,7 +285,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             None,
             args.host,
             args.port,
-            args.max_message_size_mib * 2**20,
+            message_limits_from_args(args),
             args.shutdown_timeout,
             args.trust_request_chat_template,
             args.metrics_port,

@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -16,7 +17,12 @@ from grpc_reflection.v1alpha import reflection
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20  # both directions; gRPC's own default is 4 MiB
+# What a server receives is requests: an EngineCoreRequest of a 1M-token prompt is about 5 MiB on the wire, a
+# public Generate call with a 1M-token text a few MiB more. A larger message is refused by grpc before it is read
+# into memory or parsed (RESOURCE_EXHAUSTED). What a server sends is outputs, which can be large: cumulative text
+# with top-k logprobs of every token, prompt logprobs of a long prompt. gRPC's own default is 4 MiB both ways.
+DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 16 * 2**20
+DEFAULT_MAX_SEND_MESSAGE_BYTES = 256 * 2**20
 # Both sides ping every 2 s and drop a peer that does not answer within 2 s, so a core or frontend that hangs
 # or loses its network (no TCP reset) is noticed within seconds. ``ping_timeout_ms`` is what grpcio honours
 # for that; ``keepalive_timeout_ms`` alone leaves its 60 s default. Our servers accept pings this often; a
@@ -40,17 +46,41 @@ SERVER_KEEPALIVE_OPTIONS = [
 ]
 
 
-def message_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+@dataclass(frozen=True)
+class MessageLimits:
+    """The largest gRPC message a server takes and the largest it sends, in bytes, each sized for what it
+    carries (``--max-receive-message-mib``, ``--max-send-message-mib``). A message over the receive limit is
+    refused before it is parsed; one over the send limit fails its call (RESOURCE_EXHAUSTED both ways)."""
+
+    receive_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES
+    send_bytes: int = DEFAULT_MAX_SEND_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("receive_bytes", "send_bytes"):
+            if not 0 < getattr(self, name) < 2**31:  # grpc takes an int32
+                raise ValueError(f"{name} must be in [1, 2^31), got {getattr(self, name)}")
+
+    @classmethod
+    def from_mib(cls, receive_mib: float, send_mib: float) -> MessageLimits:
+        """Limits given in MiB (the command line's unit).
+
+        Raises:
+            ValueError: a limit outside [1 byte, 2 GiB).
+        """
+        return cls(int(receive_mib * 2**20), int(send_mib * 2**20))
+
+    def options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", self.receive_bytes),
+            ("grpc.max_send_message_length", self.send_bytes),
+        ]
 
 
-def make_server(
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, interceptors: Sequence[object] = ()
-) -> grpc.aio.Server:
-    """An asyncio server with our message limits and keepalive; ``interceptors`` (grpc.aio.ServerInterceptor:
-    tracing, metrics) run on every call, in order."""
+def make_server(limits: MessageLimits | None = None, interceptors: Sequence[object] = ()) -> grpc.aio.Server:
+    """An asyncio server with ``limits`` (default: ``MessageLimits()``) and our keepalive; ``interceptors``
+    (grpc.aio.ServerInterceptor: tracing, metrics) run on every call, in order."""
     return grpc.aio.server(
-        options=message_options(max_message_bytes) + SERVER_KEEPALIVE_OPTIONS,
+        options=(limits or MessageLimits()).options() + SERVER_KEEPALIVE_OPTIONS,
         interceptors=list(interceptors) or None,  # type: ignore[arg-type]
     )
 

@@ -391,3 +391,45 @@ def test_node_client_streams_generate_from_the_proto_files(model, logs):
         python = asyncio.run(generate(frontend.address, "The capital of France is", greedy(max_tokens=12)))
         assert (node_text, node_ids) == joined(python)
         assert messages[-1]["finished"] is True
+
+
+def test_each_direction_has_its_own_message_limit(model, logs):
+    """Servers take messages sized for requests (default 16 MiB; this core 1 MiB) and send larger ones. 100 MB of
+    junk is refused unread (RESOURCE_EXHAUSTED; before, the core took it under its 256 MiB limit, parsed it and
+    kept the memory). A public request that would exceed the core's limit is refused by the frontend alone
+    (INVALID_ARGUMENT), never sent: it would have ended the frontend's stream, and every request on it."""
+    import psutil
+
+    junk = b"\xff" * (100 * 2**20)
+    big_channel = [("grpc.max_send_message_length", 2**30)]
+    with split_stack(model, logs, core_args=[*CORE_ARGS, "--max-receive-message-mib", "1"]) as ([core], frontend):
+        with grpc.insecure_channel(core.address) as channel:
+            info = core_grpc.EngineCoreStub(channel).GetEngineInfo(core_pb.GetEngineInfoRequest(), timeout=10)
+        assert info.max_receive_message_bytes == 2**20
+        core_rss = psutil.Process(core.process.pid).memory_info().rss
+        for address, method in [
+            (core.address, "/splitserve.engine.v1.EngineCore/GetLoad"),
+            (frontend.address, "/splitserve.frontend.v1.Generation/GetModelInfo"),
+        ]:
+            with grpc.insecure_channel(address, options=big_channel) as channel:
+                with pytest.raises(grpc.RpcError) as info_:
+                    channel.unary_unary(method)(junk, timeout=60)
+                assert info_.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (address, info_.value.details())
+        assert psutil.Process(core.process.pid).memory_info().rss - core_rss < 50 * 2**20
+        assert core_load(core).num_running_reqs == 0  # still answering
+
+        async def scenario():
+            started = asyncio.Event()
+            running = asyncio.create_task(generate_ids(frontend.address, list(range(10, 30)), 40, started))
+            await started.wait()
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                big = api.GenerateRequest(prompt="hello", sampling_params=greedy(max_tokens=4), cache_salt="s" * 2**20)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await api_grpc.GenerationStub(channel).Generate(big).read()
+            return refused.value, await running
+
+        refused, (code, _, token_ids, _) = asyncio.run(scenario())
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.details().startswith("request: is ") and f"more than the {2**20} bytes" in refused.details()
+        assert code == grpc.StatusCode.OK and len(token_ids) == 40  # the stream to the core went on
+        assert asyncio.run(generate_ids(frontend.address, list(range(10, 30)), 40))[2] == token_ids
