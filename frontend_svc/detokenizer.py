@@ -18,8 +18,8 @@ Invalid UTF-8 shows as U+FFFD, one per maximal subpart: Unicode's recommended su
 gpt2's) implement. tokenizers' ``ByteFallback`` decoder instead turns a whole run of N byte tokens into N U+FFFD
 once one byte in it is invalid, which takes back characters already streamed and breaks ``DecodeStream`` ("Invalid
 prefix"). Then the detokenizer emits the pending bytes' own text and restarts its decoder from the settled text
-before them, so the next token keeps its context (vLLM restarts its ``DecodeStream`` from nothing and drops the
-pending bytes).
+before them (from a one-letter anchor when there is none), so the next token keeps its context, SentencePiece's
+leading space included (vLLM restarts its ``DecodeStream`` from nothing and drops the pending bytes).
 
 Release: stop strings are matched on the text as it grows; while a request runs, the last ``max(len(stop)) - 1``
 characters are held back, so a streamed delta never holds the beginning of a stop string that completes later. Ids
@@ -204,7 +204,7 @@ class TextDetokenizer(IncrementalDetokenizer):
         own text, restart from the settled ids before them, then feed it again."""
         head = self.decoder.lossy_text(self._pending_ids)
         settled = self._ids(max(0, self._pending_start - MAX_PRIMING_TOKENS), self._pending_start)
-        context = clean_context(self.decoder.decode, settled)
+        context = self._context_after(head, clean_context(self.decoder.decode, settled))
         self._restart(context)
         try:
             tail = self.decoder.step(token_id)
@@ -216,6 +216,14 @@ class TextDetokenizer(IncrementalDetokenizer):
             return head
         self._pending_ids, self._pending_start = [], position + 1
         return head + tail
+
+    def _context_after(self, head: str, context: list[int]) -> list[int]:
+        """The context to decode a token in that follows ``head``, the text of the bytes after ``context``: an
+        anchor when ``context`` has no text and ``head`` has, so the token does not begin the text (it keeps
+        SentencePiece's leading space)."""
+        if head and not self.decoder.decode(context):
+            return self.decoder.anchor_ids()
+        return context
 
     def _drop_prompt_chars(self, text: str) -> str:
         """Text without the characters the prompt began (they come whole, in the first text after priming)."""
@@ -346,7 +354,10 @@ class TextDetokenizer(IncrementalDetokenizer):
         text = _text_after(base, full)
         if pending and REPLACEMENT_CHAR in text and self.decoder.byte_values():
             # As _recover: ByteFallback replaced the whole run; the pending bytes' own text, then the candidate.
-            text = self.decoder.lossy_text(pending) + _text_after(base, self.decoder.decode(context + [token_id]))
+            head = self.decoder.lossy_text(pending)
+            after = self._context_after(head, context)
+            tail = _text_after(self.decoder.decode(after), self.decoder.decode(after + [token_id]))
+            text = head + tail
         return text
 
 

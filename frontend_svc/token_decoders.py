@@ -26,6 +26,7 @@ class TokenDecoder:
     def __init__(self, skip_special_tokens: bool) -> None:
         self.skip_special_tokens = skip_special_tokens
         self._byte_values: dict[int, int] | None = None
+        self._anchor_ids: list[int] | None = None
 
     def reset(self) -> None:
         raise NotImplementedError
@@ -47,6 +48,17 @@ class TokenDecoder:
 
     def token_id(self, token: str) -> int | None:
         raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, without special tokens."""
+        raise NotImplementedError
+
+    def anchor_ids(self) -> list[int]:
+        """Ids of a one-letter text ("a"), for a restart that has no settled text to start from but must not begin
+        the text: SentencePiece's decoder strips the leading space of the first token of a text."""
+        if self._anchor_ids is None:
+            self._anchor_ids = self.encode("a")
+        return self._anchor_ids
 
     def byte_values(self) -> dict[int, int]:
         """Byte-fallback token id -> its byte (SentencePiece's ``<0x00>`` .. ``<0xFF>``); empty unless the
@@ -121,6 +133,9 @@ class StreamDecoder(TokenDecoder):
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
 
 class OffsetDecoder(TokenDecoder):
     """The prefix/read offset algorithm (TGI, vLLM ``detokenize_incrementally``) over python tokenizers: decode
@@ -165,6 +180,9 @@ class OffsetDecoder(TokenDecoder):
     def token_id(self, token: str) -> int | None:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
         return token_id if token_id is not None and self.token_string(token_id) == token else None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _to_tokens(self, token_ids: list[int]) -> list[str]:
         tokens = self.tokenizer.convert_ids_to_tokens(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -209,6 +209,32 @@ def test_text_goes_on_after_an_invalid_byte(slow):
             assert text == expected, kind
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_word_after_an_invalid_byte_keeps_its_space_with_no_text_before(slow):
+    """Llama 2 with no prompt text before the output (no prompt, BOS alone): the bad bytes show as U+FFFD and the
+    next word keeps its leading space. SentencePiece strips only the space of the text's first token (the "▁" in
+    the second case); the decoder restarting after the bad bytes had no text to start from."""
+    llama = load("llama2")
+    f0, e5, be, space, there = llama.convert_tokens_to_ids(["<0xF0>", "<0xE5>", "<0xBE>", "▁", "▁there"])
+    detokenizing = PythonOnlyTokenizer(llama) if slow else llama
+    cases = [([f0, there], "\ufffd there"), ([space, f0, there], "\ufffd there"), ([e5, be, there], "\ufffd there")]
+    for prompt_ids in ([], [llama.bos_token_id]):
+        for ids, expected in cases:
+            assert llama.decode(prompt_ids + ids, skip_special_tokens=True).endswith(" there")
+            for kind in RequestOutputKind:
+                outputs = stream(detokenizing, ids, SamplingParams(output_kind=kind), prompt_ids).outputs
+                text = delta_text(outputs) if kind == RequestOutputKind.DELTA else outputs[-1].outputs[0].text
+                assert text == expected, (prompt_ids, ids, kind)
+    # The same when the prompt's last text is its own unfinished character led by "▁" (a pepper cut short): the
+    # character stays the prompt's; the bytes that break it and the word after are the output's.
+    prompt_ids = llama("Say 很 🌶").input_ids[:-1]
+    assert llama.convert_ids_to_tokens(prompt_ids[-4:]) == ["▁", "<0xF0>", "<0x9F>", "<0x8C>"]
+    letter_a = llama.convert_tokens_to_ids("<0x41>")
+    for ids, expected in [([letter_a, there], "A there"), ([there], " there")]:
+        outputs = stream(detokenizing, ids, SamplingParams(output_kind=RequestOutputKind.DELTA), prompt_ids).outputs
+        assert delta_text(outputs) == expected
+
+
 def test_prompt_ending_inside_a_character_keeps_it():
     """gpt2, the ids of "Hello world 🌶 is spicy" cut inside the pepper's bytes: the prompt began the character,
     so it is the prompt's; the output is the text after it (vLLM)."""
@@ -269,8 +295,8 @@ def fuzz_sequence(rng: random.Random, tokenizer, words: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
 def test_fuzz_byte_tokens_against_the_reference(tokenizer, slow):
-    """Random byte-fallback / byte-level sequences, valid and invalid UTF-8, after clean prompts (none, and a
-    short text). The reference is ``reference_text``: all bytes decoded with U+FFFD per maximal subpart, the one
+    """Random byte-fallback / byte-level sequences, valid and invalid UTF-8, after clean prompts (none, a short
+    text, BOS alone). The reference is ``reference_text``: all bytes decoded with U+FFFD per maximal subpart, the one
     behaviour a stream can have (it never takes back a character it sent) and the one byte-level decoders have.
     Where the bytes are valid UTF-8 it is also the tokenizer's own decode."""
     rng = random.Random(12)
@@ -281,11 +307,11 @@ def test_fuzz_byte_tokens_against_the_reference(tokenizer, slow):
         words[1],
         tokenizer.eos_token_id,
     )
-    prompts = [[], tokenizer("The answer is").input_ids]
+    prompts = [[], tokenizer("The answer is").input_ids, [tokenizer.bos_token_id]]
     for n in range(30):
         ids = fuzz_sequence(rng, tokenizer, words)
-        prompt_ids = prompts[n % 2]
-        skip = slow or n % 3 != 0  # the slow path spaces special tokens apart (spaces_between_special_tokens)
+        prompt_ids = prompts[n % 3]
+        skip = slow or n % 4 != 0  # the slow path spaces special tokens apart (spaces_between_special_tokens)
         text = check_stream(tokenizer, ids, prompt_ids, skip, slow, candidates)
         assert text == reference_output_text(tokenizer, prompt_ids, ids, skip)
         if bytes_are_valid(tokenizer, prompt_ids + ids, skip):

@@ -257,6 +257,28 @@ def test_prompt_logprob_texts_in_the_context_of_the_prompt():
     assert out.prompt_logprobs[4][e5].decoded_token == ""
 
 
+def test_logprob_texts_after_an_invalid_byte_with_no_text_before():
+    """Llama 2, prompt BOS alone: a bad lead byte then "▁there". The word keeps its leading space, sampled and as a
+    candidate, and in the prompt logprobs of the same ids."""
+    llama = load("llama2")
+    f0, there = llama.convert_tokens_to_ids(["<0xF0>", "▁there"])
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=1)
+    outputs = stream(llama, [f0, there], params, [llama.bos_token_id], with_logprobs=True, candidates=(there,))
+    completion = outputs.outputs[-1].outputs[0]
+    assert completion.text == "\ufffd there" == "".join(sampled_texts(completion))
+    assert completion.logprobs[1][there].decoded_token == "\ufffd there"  # sampled
+    assert completion.logprobs[0][there].decoded_token == "there"  # as a candidate for the first token: the start
+
+    prompt = [llama.bos_token_id, f0, there]
+    processor = OutputProcessor(llama)
+    processor.add_request("r-1", "r", SamplingParams(prompt_logprobs=1), None, prompt)
+    positions = [PositionLogprobs([token_id, there], [-1.0, -2.0], 1) for token_id in prompt[1:]]
+    first = EngineCoreOutput("r-1", [], new_prompt_logprobs=positions)
+    out = processor.process_outputs([first, core_output("r-1", 13, FinishReason.LENGTH)]).request_outputs[0]
+    texts = [{token_id: lp.decoded_token for token_id, lp in position.items()} for position in out.prompt_logprobs[1:]]
+    assert texts == [{f0: "", there: "there"}, {there: "\ufffd there"}]
+
+
 def test_logprob_texts_after_a_prompt_that_ends_inside_a_character():
     """The pepper begun in the prompt is the prompt's: the token that completes it, sampled or as a candidate,
     adds no text; a candidate that breaks it adds its own."""
