@@ -365,7 +365,8 @@ class FastIncrementalDetokenizer(TextDetokenizer):
     """Over tokenizers' ``DecodeStream`` (the tokenizer's Rust backend)."""
 
     def __init__(self, tokenizer: Any, params: SamplingParams, prompt_token_ids: list[int]) -> None:
-        super().__init__(tokenizer, params, StreamDecoder(tokenizer, params.skip_special_tokens), prompt_token_ids)
+        decoder = StreamDecoder(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
+        super().__init__(tokenizer, params, decoder, prompt_token_ids)
 
 
 class SlowIncrementalDetokenizer(TextDetokenizer):

@@ -101,25 +101,38 @@ class TokenDecoder:
 
 
 class StreamDecoder(TokenDecoder):
-    """tokenizers' ``DecodeStream`` over the tokenizer's Rust backend."""
+    """tokenizers' ``DecodeStream`` over the tokenizer's Rust backend. With special tokens kept and
+    ``spaces_between_special_tokens`` off, an added token right after another is its content, without the space
+    a decoder may put before it (WordPiece's, or none's), as vLLM's ``FastIncrementalDetokenizer``."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> None:
         super().__init__(skip_special_tokens)
         from tokenizers.decoders import DecodeStream
 
         self._decode_stream_class = DecodeStream
         self.backend = tokenizer.backend_tokenizer
         self.stream: Any = None
+        self._added_tokens: dict[int, str] = {}  # added token id -> content, when spaces between them are off
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._added_tokens = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
+        self._last_is_added = False  # the last id read is an added token
         self.reset()
 
     def reset(self) -> None:
         self.stream = self._decode_stream_class(skip_special_tokens=self.skip_special_tokens)
+        self._last_is_added = False
 
     def step(self, token_id: int) -> str | None:
         try:
-            return self.stream.step(self.backend, token_id)
+            text = self.stream.step(self.backend, token_id)
         except Exception as e:  # tokenizers raises a plain Exception ("Invalid prefix encountered ...")
             raise DecoderDesyncError(str(e)) from e
+        if self._added_tokens:
+            content = self._added_tokens.get(token_id)
+            if content is not None and self._last_is_added and text is not None:
+                text = content
+            self._last_is_added = content is not None
+        return text
 
     def decode(self, token_ids: list[int]) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -329,3 +329,46 @@ def test_out_of_vocabulary_id_adds_no_text(tokenizer, slow):
     params = SamplingParams(output_kind=RequestOutputKind.DELTA)
     outputs = stream(detokenizing, ids, params, tokenizer("Hi").input_ids).outputs
     assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs] == [(" a", [a]), ("", [ids[1]]), (" b", [b])]
+
+
+def wordpiece_tokenizer():
+    """A tiny WordPiece tokenizer (BERT's decoder: tokens joined by spaces, "##" pieces glued on), built in
+    memory: its decode puts a space before every added token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_spaces_between_special_tokens(slow):
+    """Special tokens kept: by default each path spaces them as it does (the fast path as the tokenizer's decode,
+    the slow path with a space around each added token). With ``spaces_between_special_tokens=False`` the slow
+    path joins added tokens to the text, and the fast path drops the space between two added tokens in a row
+    (vLLM's FastIncrementalDetokenizer); the logprob texts follow the text."""
+    tokenizer = wordpiece_tokenizer()
+    ids = [3, 1, 2, 4, 5]  # hello [CLS] [SEP] world ##s, after the prompt "hello"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "hello [CLS] [SEP] worlds"
+    expected = {
+        (False, True): " hello [CLS] [SEP] worlds",
+        (False, False): " hello [CLS][SEP] worlds",
+        (True, True): " hello [CLS] [SEP] worlds",
+        (True, False): " hello[CLS][SEP]worlds",
+    }
+    detokenizing = PythonOnlyTokenizer(tokenizer) if slow else tokenizer
+    for spaces in (True, False):
+        for kind in RequestOutputKind:
+            params = SamplingParams(
+                output_kind=kind, skip_special_tokens=False, spaces_between_special_tokens=spaces, logprobs=0
+            )
+            outputs = stream(detokenizing, ids, params, [3], with_logprobs=True).outputs
+            completion = outputs[-1].outputs[0]
+            text = delta_text(outputs) if kind == RequestOutputKind.DELTA else completion.text
+            assert text == expected[slow, spaces], (spaces, kind)
+            if kind == RequestOutputKind.FINAL_ONLY:
+                sampled = [lp[i].decoded_token for lp, i in zip(completion.logprobs, ids, strict=True)]
+                assert "".join(sampled) == text
