@@ -17,9 +17,11 @@ Invalid UTF-8 shows as U+FFFD, one per maximal subpart: Unicode's recommended su
 ``bytes.decode("utf-8", errors="replace")`` and Rust's ``String::from_utf8_lossy`` (hence byte-level BPE decoders,
 gpt2's) implement. tokenizers' ``ByteFallback`` decoder instead turns a whole run of N byte tokens into N U+FFFD
 once one byte in it is invalid, which takes back characters already streamed and breaks ``DecodeStream`` ("Invalid
-prefix"). Then the detokenizer emits the pending bytes' own text and restarts its decoder from the settled text
-before them (from a one-letter anchor when there is none), so the next token keeps its context, SentencePiece's
-leading space included (vLLM restarts its ``DecodeStream`` from nothing and drops the pending bytes).
+prefix"), or gives no text until a token that is no byte. Then (or as soon as the run's bytes end a character) the
+detokenizer emits the pending bytes' text, decoded in their context with each invalid part spelled as the bytes of
+U+FFFD, and restarts its decoder from the settled text before them (from a one-letter anchor when there is none),
+so the next token keeps its context, SentencePiece's leading space included (vLLM restarts its ``DecodeStream``
+from nothing and drops the pending bytes).
 
 Release: stop strings are matched on the text as it grows; while a request runs, the last ``max(len(stop)) - 1``
 characters are held back, so a streamed delta never holds the beginning of a stop string that completes later. Ids
@@ -153,7 +155,8 @@ class TextDetokenizer(IncrementalDetokenizer):
         held = self._restart(self._context_ids)
         self._pending_ids = held
         self._pending_start = len(self._context_ids) - len(held)
-        self._num_prompt_chars = self._num_dangling_chars = len(self.decoder.lossy_text(held)) if held else 0
+        num_chars = len(self._pending_text(self._settled_context())) if held else 0
+        self._num_prompt_chars = self._num_dangling_chars = num_chars
 
     def _restart(self, context_ids: list[int]) -> list[int]:
         """A fresh decoder that has read ``context_ids``; returns the trailing ones it holds without text."""
@@ -186,7 +189,7 @@ class TextDetokenizer(IncrementalDetokenizer):
                 # ByteFallback replaced a run that began before this token; its text would not be per subpart.
                 raise DecoderDesyncError("invalid byte run")
         except DecoderDesyncError:
-            text = self._recover(token_id, position)
+            text = self._recover(position, token_id)
         else:
             if text is None:
                 if not self._pending_ids and self.skip_special_tokens and token_id in self._special_ids():
@@ -195,17 +198,28 @@ class TextDetokenizer(IncrementalDetokenizer):
                 if not self._pending_ids:
                     self._pending_start = position
                 self._pending_ids.append(token_id)
-                return ""
-            self._pending_ids, self._pending_start = [], position + 1
+                if not self.decoder.ends_in_invalid_bytes(self._pending_ids):
+                    return ""
+                # ByteFallback gives a run with invalid bytes no text until a token that is no byte: give it now.
+                text = self._recover(position)
+            else:
+                self._pending_ids, self._pending_start = [], position + 1
         return self._drop_prompt_chars(text)
 
-    def _recover(self, token_id: int, position: int) -> str:
-        """The decoder cannot take ``token_id`` after the pending ids (their bytes are invalid UTF-8): emit their
-        own text, restart from the settled ids before them, then feed it again."""
-        head = self.decoder.lossy_text(self._pending_ids)
-        settled = self._ids(max(0, self._pending_start - MAX_PRIMING_TOKENS), self._pending_start)
-        context = self._context_after(head, clean_context(self.decoder.decode, settled))
+    def _recover(self, position: int, token_id: int | None = None) -> str:
+        """The decoder's text for the pending ids is wrong or late (their bytes are invalid UTF-8): emit their
+        own text, restart from the settled ids before them, then feed it ``token_id`` (at ``position``), the token
+        it refused, again; without one, ``position`` is the last pending id's."""
+        context = self._settled_context()
+        head = self._pending_text(context)
+        if head and not self.decoder.decode(context):
+            # No settled text to restart from: an anchor, so the next token does not begin the text (SentencePiece
+            # would strip its leading space).
+            context = self.decoder.anchor_ids()
         self._restart(context)
+        self._pending_ids, self._pending_start = [], position + 1
+        if token_id is None:
+            return head
         try:
             tail = self.decoder.step(token_id)
         except DecoderDesyncError:  # not even after clean text: the token adds none
@@ -214,16 +228,18 @@ class TextDetokenizer(IncrementalDetokenizer):
         if tail is None:
             self._pending_ids, self._pending_start = [token_id], position
             return head
-        self._pending_ids, self._pending_start = [], position + 1
         return head + tail
 
-    def _context_after(self, head: str, context: list[int]) -> list[int]:
-        """The context to decode a token in that follows ``head``, the text of the bytes after ``context``: an
-        anchor when ``context`` has no text and ``head`` has, so the token does not begin the text (it keeps
-        SentencePiece's leading space)."""
-        if head and not self.decoder.decode(context):
-            return self.decoder.anchor_ids()
-        return context
+    def _settled_context(self) -> list[int]:
+        """Settled ids right before the pending run to decode after: ``clean_context`` of the last 23."""
+        settled = self._ids(max(0, self._pending_start - MAX_PRIMING_TOKENS), self._pending_start)
+        return clean_context(self.decoder.decode, settled)
+
+    def _pending_text(self, context: list[int]) -> str:
+        """What the pending ids add to the text of ``context``, the settled ids before them; invalid bytes as U+FFFD
+        per maximal subpart (``TokenDecoder.repaired_ids``)."""
+        base = self.decoder.decode(context)
+        return _text_after(base, self.decoder.decode(self.decoder.repaired_ids(context + self._pending_ids)))
 
     def _drop_prompt_chars(self, text: str) -> str:
         """Text without the characters the prompt began (they come whole, in the first text after priming)."""
@@ -278,7 +294,7 @@ class TextDetokenizer(IncrementalDetokenizer):
         the end), once, to the last of them with text. Returns a stop string that this last text completes."""
         if not self._pending_ids:
             return None
-        text = self._drop_prompt_chars(self.decoder.lossy_text(self._pending_ids))
+        text = self._drop_prompt_chars(self._pending_text(self._settled_context()))
         first = max(0, self._pending_start - len(self._context_ids))
         self._pending_ids, self._pending_start = [], len(self._context_ids) + len(self.token_ids)
         special_ids = self._special_ids() if self.skip_special_tokens else frozenset()
@@ -336,29 +352,27 @@ class TextDetokenizer(IncrementalDetokenizer):
         context = self._ids(max(0, start - NUM_CANDIDATE_CONTEXT_TOKENS), start)
         pending = self._ids(start, len(self._context_ids) + index)
         num_prompt_chars = self._num_dangling_chars if start < len(self._context_ids) else 0
-        base = self.decoder.decode(context)
+        # Invalid bytes as U+FFFD per maximal subpart; a byte candidate joins the run of the pending bytes.
+        base = self.decoder.decode(self.decoder.repaired_ids(context))
+        repaired = self.decoder.repaired_ids(context + pending)
+        byte_values = self.decoder.byte_values()
         texts = []
         for token_id in token_ids:
             if token_id in self._special_ids():
                 texts.append(self.decoder.token_string(token_id))
-            elif not self.decoder.in_vocab(token_id):
+                continue
+            if not self.decoder.in_vocab(token_id):
                 texts.append("")
+                continue
+            if token_id in byte_values:
+                full = self.decoder.decode(self.decoder.repaired_ids([*context, *pending, token_id]))
             else:
-                texts.append(self._candidate_text(context, base, pending, token_id)[num_prompt_chars:])
+                full = self.decoder.decode([*repaired, token_id])
+            if full.endswith(REPLACEMENT_CHAR):
+                texts.append("")  # the character is still unfinished
+            else:
+                texts.append(_text_after(base, full)[num_prompt_chars:])
         return texts
-
-    def _candidate_text(self, context: list[int], base: str, pending: list[int], token_id: int) -> str:
-        full = self.decoder.decode(context + pending + [token_id])
-        if full.endswith(REPLACEMENT_CHAR):
-            return ""  # the character is still unfinished
-        text = _text_after(base, full)
-        if pending and REPLACEMENT_CHAR in text and self.decoder.byte_values():
-            # As _recover: ByteFallback replaced the whole run; the pending bytes' own text, then the candidate.
-            head = self.decoder.lossy_text(pending)
-            after = self._context_after(head, context)
-            tail = _text_after(self.decoder.decode(after), self.decoder.decode(after + [token_id]))
-            text = head + tail
-        return text
 
 
 class FastIncrementalDetokenizer(TextDetokenizer):

@@ -4,12 +4,13 @@
 - ``OffsetDecoder``: the prefix/read offset algorithm of TGI / vLLM ``detokenize_incrementally`` over
   ``convert_ids_to_tokens`` and ``convert_tokens_to_string``, for tokenizers without a Rust backend.
 
-Both also decode ids standalone, look up the vocabulary, and give the text of ids with invalid UTF-8 as U+FFFD per
-maximal subpart (``lossy_text``).
+Both also decode ids standalone and look up the vocabulary; ``repaired_ids`` makes the tokenizer's decode give
+invalid UTF-8 as U+FFFD per maximal subpart.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -26,6 +27,7 @@ class TokenDecoder:
     def __init__(self, skip_special_tokens: bool) -> None:
         self.skip_special_tokens = skip_special_tokens
         self._byte_values: dict[int, int] | None = None
+        self._byte_ids: dict[int, int] = {}  # byte -> its byte-fallback token id
         self._anchor_ids: list[int] | None = None
 
     def reset(self) -> None:
@@ -62,7 +64,7 @@ class TokenDecoder:
 
     def byte_values(self) -> dict[int, int]:
         """Byte-fallback token id -> its byte (SentencePiece's ``<0x00>`` .. ``<0xFF>``); empty unless the
-        tokenizer decodes them as bytes. Built on first use."""
+        tokenizer decodes them as bytes and has all 256. Built on first use."""
         if self._byte_values is None:
             table: dict[int, int] = {}
             probe = self.token_id("<0xF0>")  # a lead byte: alone it is invalid UTF-8
@@ -71,33 +73,48 @@ class TokenDecoder:
                     token_id = self.token_id(f"<0x{value:02X}>")
                     if token_id is not None:
                         table[token_id] = value
-            self._byte_values = table
+            self._byte_values = table if len(table) == 256 else {}
+            self._byte_ids = {value: token_id for token_id, value in self._byte_values.items()}
         return self._byte_values
 
-    def lossy_text(self, token_ids: list[int]) -> str:
-        """The ids' text on their own, invalid UTF-8 as U+FFFD per maximal subpart (Python's
-        ``errors="replace"``): byte-fallback runs decoded here, the rest by the tokenizer (byte-level BPE decodes
-        that way already; tokenizers' ByteFallback decoder would give one U+FFFD per byte of an invalid run)."""
+    def repaired_ids(self, token_ids: list[int]) -> list[int]:
+        """``token_ids`` with each run of byte-fallback tokens spelled again as the UTF-8 of its text with U+FFFD
+        per maximal subpart of invalid bytes (Python's ``errors="replace"``), so that the tokenizer's decode
+        gives that text: tokenizers' ByteFallback decoder gives one U+FFFD per byte of a run with an invalid byte.
+        Byte-level BPE decodes per maximal subpart already: its ids come back as they are."""
         byte_values = self.byte_values()
         if not byte_values:
-            return self.decode(token_ids)
-        parts: list[str] = []
+            return list(token_ids)
+        repaired: list[int] = []
         run = bytearray()
-        group: list[int] = []
-        for token_id in token_ids:
+        for token_id in [*token_ids, None]:
+            value = byte_values.get(token_id) if token_id is not None else None
+            if value is not None:
+                run.append(value)
+                continue
+            if run:
+                repaired.extend(self._byte_ids[b] for b in run.decode("utf-8", errors="replace").encode())
+                run.clear()
+            if token_id is not None:
+                repaired.append(token_id)
+        return repaired
+
+    def ends_in_invalid_bytes(self, token_ids: list[int]) -> bool:
+        """Whether ``token_ids`` end in byte-fallback tokens whose bytes hold invalid UTF-8 and leave no character
+        unfinished. ByteFallback decodes such a run as one U+FFFD per byte, so an incremental decoder gives it no
+        text until a token that is no byte, though its text is known."""
+        byte_values = self.byte_values()
+        if not byte_values or token_ids[-1] not in byte_values:
+            return False
+        data = bytearray()
+        for token_id in reversed(token_ids):
             value = byte_values.get(token_id)
             if value is None:
-                if run:
-                    parts.append(run.decode("utf-8", errors="replace"))
-                    run = bytearray()
-                group.append(token_id)
-            else:
-                if group:
-                    parts.append(self.decode(group))
-                    group = []
-                run.append(value)
-        parts.append(run.decode("utf-8", errors="replace") if run else self.decode(group))
-        return "".join(parts)
+                break
+            data.append(value)
+        data.reverse()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return REPLACEMENT_CHAR in decoder.decode(bytes(data)) and not decoder.getstate()[0]
 
 
 class StreamDecoder(TokenDecoder):

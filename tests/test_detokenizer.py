@@ -235,6 +235,38 @@ def test_word_after_an_invalid_byte_keeps_its_space_with_no_text_before(slow):
         assert delta_text(outputs) == expected
 
 
+@pytest.mark.parametrize("name", ["llama2", "gpt2"])
+def test_characters_after_an_invalid_byte_stream_as_they_complete(name):
+    """A stray lead byte, then characters spelled in byte tokens: each character goes out, with its ids, on the
+    byte that completes it (the stray byte's U+FFFD with the first). Llama 2's ByteFallback decodes the whole run
+    as U+FFFD per byte while it holds an invalid byte, so its stream used to wait for a token that is no byte."""
+    tokenizer = load(name)
+    ok = tokenizer(" ok", add_special_tokens=False).input_ids[-1:]
+    ids = byte_token_ids(tokenizer, b"\xe2" + "很好".encode()) + ok
+    outputs = stream(
+        tokenizer, ids, SamplingParams(output_kind=RequestOutputKind.DELTA), tokenizer("Hi").input_ids
+    ).outputs
+    deltas = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs]
+    nothing = ("", [])
+    assert deltas == [nothing] * 3 + [("\ufffd很", ids[:4])] + [nothing] * 2 + [("好", ids[4:7]), (" ok", ok)]
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_space_byte_at_the_start_before_invalid_bytes(slow):
+    """Llama 2: a space spelled as a byte token, a bad byte, "a". At the start of the text SentencePiece drops the
+    space (the text of the bad bytes is decoded in its context, not on its own); after "Hi" it stays."""
+    llama = load("llama2")
+    ids = llama.convert_tokens_to_ids(["<0x20>", "<0xF0>", "a"])
+    detokenizing = PythonOnlyTokenizer(llama) if slow else llama
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    for prompt_ids, expected in [
+        ([], "\ufffda"),
+        ([llama.bos_token_id], "\ufffda"),
+        (llama("Hi").input_ids, " \ufffda"),
+    ]:
+        assert delta_text(stream(detokenizing, ids, params, prompt_ids).outputs) == expected, prompt_ids
+
+
 def test_prompt_ending_inside_a_character_keeps_it():
     """gpt2, the ids of "Hello world 🌶 is spicy" cut inside the pepper's bytes: the prompt began the character,
     so it is the prompt's; the output is the text after it (vLLM)."""
