@@ -306,7 +306,12 @@ class TextDetokenizer(IncrementalDetokenizer):
 
     def _append_text(self, text: str) -> str | None:
         """Add text; once past min_tokens, truncate at a stop string it completes and return that string."""
-        self.output_text += text
+        # Appended with no other reference to the text, which CPython then grows in place: the text of n tokens
+        # costs O(n), where `self.output_text += text` copies it for every token (O(n^2): seconds for the prompt
+        # logprobs of a 100k-token prompt).
+        output_text, self.output_text = self.output_text, ""
+        output_text += text
+        self.output_text = output_text
         if not self.stop or len(self.token_ids) <= self.min_tokens:
             return None
         match = check_stop_strings(self.output_text, len(text), self.stop, self.include_stop_str_in_output)
