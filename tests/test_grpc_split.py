@@ -88,6 +88,33 @@ def test_split_stack_returns_what_the_in_process_llm_returns(services, reference
         assert len(final) == 1 and joined(final) == (reference[prompt].text, reference[prompt].token_ids)
 
 
+def test_streamed_ids_go_with_their_text_and_usage_counts_them(services, model):
+    """n = 2, sampled, DELTA, a stop string that never matches (its hold-back keeps ids back with their text): at
+    every response each completion's ids so far have, by the independent reference, its text so far, and
+    usage.completion_tokens counts the ids sent so far; at the end all 20 of each completion."""
+    from transformers import AutoTokenizer
+
+    from tests.frontend_helpers import reference_output_text
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    params = api.SamplingParams(
+        n=2, temperature=1.0, seed=7, max_tokens=20, ignore_eos=True, stop=["zzqzzq"], output_kind=api.OUTPUT_KIND_DELTA
+    )
+    _, (frontend, _) = services
+    responses = asyncio.run(generate(frontend.address, "Hello", params))
+    prompt_ids = list(responses[0].prompt_token_ids)
+    texts, ids = {0: "", 1: ""}, {0: [], 1: []}
+    for response in responses:
+        for completion in response.outputs:
+            texts[completion.index] += completion.text
+            ids[completion.index] += completion.token_ids
+            assert texts[completion.index] == reference_output_text(tokenizer, prompt_ids, ids[completion.index])
+        assert response.usage.completion_tokens == len(ids[0]) + len(ids[1])
+    assert responses[-1].finished and len(ids[0]) == len(ids[1]) == 20
+    assert responses[-1].usage.completion_tokens == 40
+    assert any(not c.token_ids for r in responses[:-1] for c in r.outputs)  # some ids were held back
+
+
 def test_two_frontends_on_one_core_serve_concurrent_streams(services, reference):
     _, frontends = services
 
