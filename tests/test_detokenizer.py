@@ -267,6 +267,31 @@ def test_space_byte_at_the_start_before_invalid_bytes(slow):
         assert delta_text(stream(detokenizing, ids, params, prompt_ids).outputs) == expected, prompt_ids
 
 
+# vLLM's tests/tokenizers_/test_detokenize.py texts: CJK and Burmese split over byte tokens.
+VLLM_TRUTH = ["Hello here, this is a simple test", "我很感谢你的热情", "ပုံပြင်လေးပြောပြပါ်"]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_prompt_cut_anywhere_in_the_text(tokenizer, skip_special_tokens):
+    """vLLM's test_decode_streaming, at every cut instead of half the text (BOS before and EOS after when special
+    tokens are skipped), fast and slow: the output is what the full decode adds to the prompt's. A cut inside a
+    character leaves it to the prompt, whose text has it as U+FFFD per maximal subpart (vLLM's test takes the
+    prompt's length from its own decode: with ByteFallback, one U+FFFD per byte)."""
+    paths = [tokenizer, PythonOnlyTokenizer(tokenizer)] if skip_special_tokens else [tokenizer]
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, skip_special_tokens=skip_special_tokens)
+    for truth in VLLM_TRUTH:
+        truth_ids = tokenizer(truth, add_special_tokens=False).input_ids
+        for cut in range(len(truth_ids) + 1):
+            prompt_ids, ids = truth_ids[:cut], truth_ids[cut:]
+            if skip_special_tokens:
+                prompt_ids, ids = [tokenizer.bos_token_id, *prompt_ids], [*ids, tokenizer.eos_token_id]
+            full = reference_text(tokenizer, prompt_ids + ids, skip_special_tokens)
+            expected = full[len(reference_text(tokenizer, prompt_ids, skip_special_tokens)) :]
+            assert full == truth  # the reference agrees with the text itself
+            for detokenizing in paths:
+                assert delta_text(stream(detokenizing, ids, params, prompt_ids).outputs) == expected, (truth, cut)
+
+
 def test_prompt_ending_inside_a_character_keeps_it():
     """gpt2, the ids of "Hello world 🌶 is spicy" cut inside the pepper's bytes: the prompt began the character,
     so it is the prompt's; the output is the text after it (vLLM)."""
