@@ -399,3 +399,22 @@ def test_abort_releases_held_ids_and_their_text():
     # The character never finished: its bytes are one maximal subpart, one U+FFFD.
     assert final.finished and (final.outputs[0].text, final.outputs[0].token_ids) == ("\ufffd", [e5, be])
     assert len(final.outputs[0].logprobs) == 2
+
+
+def test_detokenize_false_streams_ids_without_text(tokenizer):
+    """detokenize=False (vLLM): every id goes out on its step, even one of an unfinished character; the text stays
+    empty and every logprob's decoded_token, sampled, top-k or prompt, is None."""
+    ids = tokenizer(" a 🌶 b", add_special_tokens=False).input_ids
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, detokenize=False, logprobs=1, prompt_logprobs=1)
+    processor.add_request("r-1", "r", params, None, [1, 2])
+    prompt_positions = [PositionLogprobs([2, 5], [-1.0, -0.5], 3)]
+    outputs = []
+    for i, token_id in enumerate(ids):
+        output = core_output("r-1", token_id, FinishReason.LENGTH if i == len(ids) - 1 else None)
+        output.new_prompt_logprobs = prompt_positions if i == 0 else None
+        outputs += processor.process_outputs([output]).request_outputs
+    assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outputs] == [("", [i]) for i in ids]
+    entries = [lp for o in outputs for position in o.outputs[0].logprobs for lp in position.values()]
+    entries += list(outputs[0].prompt_logprobs[1].values())
+    assert len(entries) == 2 * len(ids) + 2 and all(lp.decoded_token is None for lp in entries)
