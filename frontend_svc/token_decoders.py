@@ -77,11 +77,21 @@ class TokenDecoder:
             self._byte_ids = {value: token_id for token_id, value in self._byte_values.items()}
         return self._byte_values
 
+    def reads_nothing(self, token_id: int) -> bool:
+        """Whether the decode reads no text from ``token_id``: outside the vocabulary, or a special token that
+        skip_special_tokens leaves out."""
+        return not self.in_vocab(token_id) or token_id in self._skipped_ids()
+
+    def _skipped_ids(self) -> frozenset[int]:
+        """The special tokens the decode leaves out (none unless skip_special_tokens)."""
+        raise NotImplementedError
+
     def repaired_ids(self, token_ids: list[int]) -> list[int]:
         """``token_ids`` with each run of byte-fallback tokens spelled again as the UTF-8 of its text with U+FFFD
         per maximal subpart of invalid bytes (Python's ``errors="replace"``), so that the tokenizer's decode
         gives that text: tokenizers' ByteFallback decoder gives one U+FFFD per byte of a run with an invalid byte.
-        Byte-level BPE decodes per maximal subpart already: its ids come back as they are."""
+        Byte-level BPE decodes per maximal subpart already: its ids come back as they are. Ids the decode reads
+        no text from (``reads_nothing``) are left out: a run goes on across them, as in the decode."""
         byte_values = self.byte_values()
         if not byte_values:
             return list(token_ids)
@@ -91,6 +101,8 @@ class TokenDecoder:
             value = byte_values.get(token_id) if token_id is not None else None
             if value is not None:
                 run.append(value)
+                continue
+            if token_id is not None and self.reads_nothing(token_id):
                 continue
             if run:
                 repaired.extend(self._byte_ids[b] for b in run.decode("utf-8", errors="replace").encode())
@@ -102,16 +114,18 @@ class TokenDecoder:
     def ends_in_invalid_bytes(self, token_ids: list[int]) -> bool:
         """Whether ``token_ids`` end in byte-fallback tokens whose bytes hold invalid UTF-8 and leave no character
         unfinished. ByteFallback decodes such a run as one U+FFFD per byte, so an incremental decoder gives it no
-        text until a token that is no byte, though its text is known."""
+        text until a token that is no byte, though its text is known. Ids the decode reads no text from do not end
+        a run."""
         byte_values = self.byte_values()
         if not byte_values or token_ids[-1] not in byte_values:
             return False
         data = bytearray()
         for token_id in reversed(token_ids):
             value = byte_values.get(token_id)
-            if value is None:
+            if value is not None:
+                data.append(value)
+            elif not self.reads_nothing(token_id):
                 break
-            data.append(value)
         data.reverse()
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         return REPLACEMENT_CHAR in decoder.decode(bytes(data)) and not decoder.getstate()[0]
@@ -133,6 +147,7 @@ class StreamDecoder(TokenDecoder):
         if not skip_special_tokens and not spaces_between_special_tokens:
             self._added_tokens = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
         self._last_is_added = False  # the last id read is an added token
+        self._skipped: frozenset[int] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -163,6 +178,12 @@ class StreamDecoder(TokenDecoder):
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def _skipped_ids(self) -> frozenset[int]:
+        if self._skipped is None:
+            added = self.backend.get_added_tokens_decoder().items() if self.skip_special_tokens else []
+            self._skipped = frozenset(token_id for token_id, token in added if token.special)
+        return self._skipped
+
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
 
@@ -177,6 +198,7 @@ class OffsetDecoder(TokenDecoder):
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.added_vocab = set(tokenizer.get_added_vocab())
         self.all_special_tokens = set(tokenizer.all_special_tokens)
+        self._skipped = frozenset(tokenizer.all_special_ids if skip_special_tokens else [])
         self.tokens: list[str] = []
         self.prefix_offset = self.read_offset = 0
 
@@ -210,6 +232,9 @@ class OffsetDecoder(TokenDecoder):
     def token_id(self, token: str) -> int | None:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
         return token_id if token_id is not None and self.token_string(token_id) == token else None
+
+    def _skipped_ids(self) -> frozenset[int]:
+        return self._skipped
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -292,6 +292,24 @@ def test_prompt_cut_anywhere_in_the_text(tokenizer, skip_special_tokens):
                 assert delta_text(stream(detokenizing, ids, params, prompt_ids).outputs) == expected, (truth, cut)
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_a_character_goes_on_across_ids_without_text(slow):
+    """Llama 2: "很" in byte tokens with a skipped EOS, or an id outside the vocabulary, between its bytes. The
+    tokenizer's decode reads nothing from those, so the character is whole (its own decode says so); with special
+    tokens kept, EOS breaks it."""
+    llama = load("llama2")
+    e5, be, x88 = llama.convert_tokens_to_ids(["<0xE5>", "<0xBE>", "<0x88>"])
+    eos, oov = llama.eos_token_id, len(llama) + 3
+    assert llama.decode([e5, eos, be, x88], skip_special_tokens=True) == "很"
+    detokenizing = PythonOnlyTokenizer(llama) if slow else llama
+    cases = [([e5, eos, be, x88], True, "很"), ([e5, be, eos, x88], True, "很"), ([e5, oov, be, x88], True, "很")]
+    if not slow:  # the slow path spaces special tokens apart
+        cases.append(([e5, eos, be, x88], False, "\ufffd</s>\ufffd\ufffd"))
+    for ids, skip, expected in cases:
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA, skip_special_tokens=skip)
+        assert delta_text(stream(detokenizing, ids, params, [1, 6324]).outputs) == expected, (ids, skip)
+
+
 def test_prompt_ending_inside_a_character_keeps_it():
     """gpt2, the ids of "Hello world 🌶 is spicy" cut inside the pepper's bytes: the prompt began the character,
     so it is the prompt's; the output is the text after it (vLLM)."""
