@@ -349,7 +349,8 @@ CHARACTERS = ["é", "很", "🌶", "€", "\n", "a", " ", "👍🏽"]
 
 def fuzz_sequence(rng: random.Random, tokenizer, words: list[int]) -> list[int]:
     """Ordinary tokens mixed with valid characters spelled in byte tokens, characters cut short, stray bytes
-    (invalid UTF-8), any token at all (with byte-level BPE, often part of a character) and EOS."""
+    (invalid UTF-8), any token at all (with byte-level BPE, often part of a character) and EOS anywhere, inside a
+    character's bytes too."""
     ids: list[int] = []
     for _ in range(rng.randint(2, 9)):
         roll = rng.random()
@@ -364,7 +365,7 @@ def fuzz_sequence(rng: random.Random, tokenizer, words: list[int]) -> list[int]:
         elif roll < 0.95:
             ids.append(rng.randrange(len(tokenizer)))
         else:
-            ids.append(tokenizer.eos_token_id)
+            ids.insert(rng.randint(0, len(ids)), tokenizer.eos_token_id)
     return ids
 
 
