@@ -418,3 +418,25 @@ def test_detokenize_false_streams_ids_without_text(tokenizer):
     entries = [lp for o in outputs for position in o.outputs[0].logprobs for lp in position.values()]
     entries += list(outputs[0].prompt_logprobs[1].values())
     assert len(entries) == 2 * len(ids) + 2 and all(lp.decoded_token is None for lp in entries)
+
+
+def test_a_final_output_without_ids_releases_what_was_held():
+    """The core ends the request with no new id (as after a preemption or an engine-side end): the text and ids
+    the stop-string hold-back and an unfinished character kept go out in that last output, in every kind."""
+    gpt2 = load("gpt2")
+    ids = gpt2(" Hello world 🌶", add_special_tokens=False).input_ids[:-1]  # the pepper's last byte never comes
+    for kind in RequestOutputKind:
+        processor = OutputProcessor(gpt2)
+        processor.add_request("r-1", "r", SamplingParams(output_kind=kind, stop=["xyzzy"], logprobs=0), None, [])
+        outputs = []
+        for token_id in ids:
+            outputs += processor.process_outputs([core_output("r-1", token_id)]).request_outputs
+        last = EngineCoreOutput("r-1", [], finish_reason=FinishReason.LENGTH)
+        outputs += processor.process_outputs([last]).request_outputs
+        final = outputs[-1].outputs[0]
+        assert outputs[-1].finished and final.finish_reason == "length"
+        if kind == RequestOutputKind.DELTA:
+            assert "".join(o.outputs[0].text for o in outputs) == " Hello world \ufffd"
+            assert [i for o in outputs for i in o.outputs[0].token_ids] == ids and final.token_ids
+        else:
+            assert (final.text, final.token_ids, len(final.logprobs)) == (" Hello world \ufffd", ids, len(ids))
