@@ -127,3 +127,29 @@ def test_cumulative_outputs_only_grow_while_holding_back(tokenizer):
     assert texts[0] == ""
     assert all(final.startswith(t) for t in texts)
     assert all(len(a) <= len(b) for a, b in zip(texts, texts[1:], strict=False))
+
+
+def test_stop_token_id_text_is_excluded_unless_included(tokenizer):
+    """The core stopped on a stop_token_ids id that has text (" there"): the text leaves it out unless
+    include_stop_str_in_output; either way the id is the last one sent and its logprob text is its own."""
+    prompt = tokenizer("Say").input_ids
+    hello = tokenizer(" Hello", add_special_tokens=False).input_ids
+    there = tokenizer(" there", add_special_tokens=False).input_ids[-1:]
+    ids = hello + there
+    prompt_text, hello_text, full = (
+        tokenizer.decode(i, skip_special_tokens=True) for i in (prompt, prompt + hello, prompt + ids)
+    )
+    hello_part, there_part = hello_text[len(prompt_text) :], full[len(hello_text) :]
+    assert there_part == " there"
+    for include, expected in ((False, hello_part), (True, hello_part + there_part)):
+        for kind in RequestOutputKind:
+            params = SamplingParams(
+                stop_token_ids=there, include_stop_str_in_output=include, output_kind=kind, logprobs=0
+            )
+            result = stream(tokenizer, ids, params, prompt, final_reason=FinishReason.STOP, with_logprobs=True)
+            completion = result.outputs[-1].outputs[0]
+            text = delta_text(result.outputs) if kind == RequestOutputKind.DELTA else completion.text
+            assert text == expected and result.reqs_to_abort == []
+            if kind != RequestOutputKind.DELTA:
+                assert completion.token_ids == ids
+                assert completion.logprobs[-1][there[0]].decoded_token == there_part
