@@ -11,6 +11,7 @@ from frontend_svc.chars_per_token import max_chars_per_token
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
+from splitserve.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,11 @@ class InputProcessor:
         resolved = params.clone()
         resolved.max_tokens = self._resolve_max_tokens(len(prompt_token_ids), params)
         if resolved.min_tokens > resolved.max_tokens:
+            room = self.info.max_model_len - len(prompt_token_ids)
+            source = "the room left within max_model_len" if resolved.max_tokens == room else "the model's default"
             raise ValidationError(
                 "min_tokens",
-                f"{resolved.min_tokens} is above the derived max_tokens "
-                f"{resolved.max_tokens} (max_model_len - prompt length)",
+                f"{resolved.min_tokens} is above the derived max_tokens {resolved.max_tokens} ({source})",
             )
         resolved.verify(self.info.vocab_size, self.info.max_logprobs)
         if self.eos_token_ids:
@@ -176,10 +178,8 @@ class InputProcessor:
         if params.max_tokens > room:
             raise ValidationError(
                 "max_tokens",
-                f"{params.max_tokens} is too large: this model's maximum context length is "
-                f"{self.info.max_model_len} tokens, and {num_prompt_tokens + params.max_tokens} were requested "
-                f"({num_prompt_tokens} in the prompt, {params.max_tokens} in the completion); at most {room} "
-                "fit after this prompt (max_tokens unset or None: up to max_model_len)",
+                max_tokens_too_large(params.max_tokens, num_prompt_tokens, self.info.max_model_len)
+                + " (max_tokens=None, max_tokens_unlimited over gRPC, takes all the room left)",
             )
         return params.max_tokens
 
@@ -188,17 +188,11 @@ class InputProcessor:
             raise ValidationError("prompt", "is empty")
         max_model_len = self.info.max_model_len
         if len(prompt_token_ids) >= max_model_len:
-            raise ValidationError(
-                "prompt",
-                f"has {len(prompt_token_ids)} tokens, which leaves no room for an output "
-                f"token within max_model_len={max_model_len}",
-            )
+            raise ValidationError("prompt", prompt_leaves_no_room(len(prompt_token_ids), max_model_len))
         vocab_size = self.info.vocab_size
         for i, token_id in enumerate(prompt_token_ids):
             if not 0 <= token_id < vocab_size:
-                raise ValidationError(
-                    f"prompt_token_ids[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
+                raise ValidationError(f"prompt_token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
 
     @staticmethod
     def _check_int_ids(token_ids: Any) -> list[int]:

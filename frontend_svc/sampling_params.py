@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.errors import ValidationError
+from splitserve.request_rules import token_id_outside_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -194,12 +195,10 @@ class SamplingParams:
         for name in ("stop_token_ids", "allowed_token_ids"):
             for i, token_id in enumerate(getattr(self, name) or []):
                 if not 0 <= token_id < vocab_size:
-                    raise ValidationError(
-                        f"{name}[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                    )
+                    raise ValidationError(f"{name}[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
         for token_id in self.logit_bias or {}:
             if not 0 <= token_id < vocab_size:
-                raise ValidationError("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+                raise ValidationError("logit_bias", token_id_outside_vocabulary(token_id, vocab_size))
 
     def _check_unsupported(self) -> None:
         for name, why in UNSUPPORTED_FIELDS.items():

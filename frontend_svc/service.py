@@ -28,6 +28,7 @@ from frontend_svc.wire import (
 )
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.request_rules import token_id_outside_vocabulary
 from splitserve.tracing import SpanAttributes, inject_headers
 
 SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -103,9 +104,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         vocab_size = len(tokenizer)
         for i, token_id in enumerate(request.token_ids):
             if not 0 <= token_id < vocab_size:
-                error = ValidationError(
-                    f"token_ids[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
+                error = ValidationError(f"token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
                 await context.abort(status_code(error), str(error))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await asyncio.to_thread(tokenizer.decode, list(request.token_ids), skip_special_tokens=skip)
