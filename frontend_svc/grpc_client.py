@@ -26,7 +26,7 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_discovery import CoreTarget, resolve
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
 from frontend_svc.errors import EngineDeadError, ValidationError
-from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
+from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
 from splitserve import grpc_runtime, tracing
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
@@ -130,7 +130,9 @@ class CoreConnection:
 
     def send_abort(self, request_ids: list[str]) -> None:
         if self.available:
-            self._outbox.put_nowait(pb.EngineCoreClientMessage(abort=pb.AbortRequests(request_ids=request_ids)))
+            limit = self.info.max_receive_message_bytes if self.info is not None else 0
+            for message in abort_messages(request_ids, limit):  # each within the core's receive limit
+                self._outbox.put_nowait(message)
         for request_id in request_ids:
             self.in_flight.pop(request_id, None)
 
