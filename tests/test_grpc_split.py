@@ -155,6 +155,9 @@ WIRE_ERRORS = [
     (dict(prompt_token_ids=[5] * 8, sampling_params=api.SamplingParams(max_tokens=1017)), "max_tokens"),
     # 6 MB of text: refused by its length, before tokenizing (it took 25 s and ~950 MiB to refuse).
     (dict(prompt="x" * 6_000_000), "prompt"),
+    # Every output carries the id: a 15 MiB id made each streamed message 15 MiB.
+    (dict(prompt="hi", request_id="r" * 1025), "request_id"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(stop=["s"] * 1025)), "stop"),
 ]
 
 

@@ -82,6 +82,7 @@ def test_children_get_n_1_and_offset_seeds():
         ({"stop": ["ok", ""]}, "stop[1]"),
         ({"stop": [3]}, "stop[0]"),
         ({"stop": ["x"], "detokenize": False}, "stop"),
+        ({"stop": [f"s{i}" for i in range(1025)]}, "stop"),  # each is matched on every new text
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [1, None]}, "allowed_token_ids[1]"),
         ({"logit_bias": {"a": 1.0}}, "logit_bias"),
@@ -252,3 +253,9 @@ def test_model_defaults_fill_unset_fields_and_explicit_ones_win():
     unlimited = sampling_params_with_defaults({"max_tokens": None}, defaults)
     assert (unlimited.max_tokens, unlimited.default_max_tokens) == (None, None)
     assert sampling_params_with_defaults({}, {}) == SamplingParams()
+
+
+def test_at_most_1024_stop_strings():
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(1024)]).stop) == 1024
+    with pytest.raises(ValidationError, match="stop: has 1025 strings, more than the 1024 allowed"):
+        SamplingParams(stop=[f"s{i}" for i in range(1025)])
