@@ -58,7 +58,7 @@ class InputProcessor:
                 fit within max_model_len whatever its tokens (refused before tokenizing).
         """
         if isinstance(prompt, str):
-            self._check_text_length(prompt, "the prompt")
+            self.check_text_length(prompt, "prompt", "the prompt")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -92,7 +92,7 @@ class InputProcessor:
             )
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
             raise ValidationError("messages", f"the chat template refused the conversation: {e}") from e
-        self._check_text_length(text, "the rendered conversation")
+        self.check_text_length(text, "prompt", "the rendered conversation")
         # The rendered text already holds BOS and other special tokens: do not add them again.
         return TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -157,12 +157,16 @@ class InputProcessor:
             return None
         return (self.info.max_model_len - 1) * self.max_chars_per_token
 
-    def _check_text_length(self, text: str, what: str) -> None:
-        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are."""
+    def check_text_length(self, text: str, field: str, what: str) -> None:
+        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are.
+
+        Raises:
+            ValidationError: naming ``field``; ``what`` says which text it was.
+        """
         limit = self.max_prompt_chars
         if limit is not None and len(text) > limit:
             raise ValidationError(
-                "prompt",
+                field,
                 f"{what} has {len(text)} characters, more than any prompt that fits within "
                 f"max_model_len={self.info.max_model_len} can have ({limit}: {self.info.max_model_len - 1} "
                 f"tokens of at most {self.max_chars_per_token} characters each)",

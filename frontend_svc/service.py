@@ -90,6 +90,13 @@ class GenerationServicer(api_grpc.GenerationServicer):
     async def Tokenize(self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext) -> api.TokenizeResponse:
         tokenizer = await self._tokenizer(context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        if self.state.engine is not None:
+            # A text no prompt could be is refused by its length, as prompts are: tokenizing costs seconds and
+            # about 300 bytes of memory per token (a 16 MiB text of short words: 13 s and 2 GB).
+            try:
+                self.state.engine.input_processor.check_text_length(request.text, "text", "the text")
+            except ValidationError as e:
+                await context.abort(status_code(e), str(e))
 
         def tokenize() -> api.TokenizeResponse:
             token_ids = tokenizer(request.text, add_special_tokens=add_special).input_ids

@@ -248,6 +248,15 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
         assert list(tokens.tokens) == tokenizer.convert_ids_to_tokens(tokenizer("Hello world").input_ids)
         text = stub.Detokenize(api.DetokenizeRequest(token_ids=tokens.token_ids)).text
         assert text == "Hello world"
+        # A text no prompt could be (more characters than 1023 tokens of the longest vocabulary string can hold) is
+        # refused by its length, as a prompt is; one character less is tokenized.
+        limit = 1023 * max(len(token) for token in tokenizer.get_vocab())
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Tokenize(api.TokenizeRequest(text="a" * (limit + 1)), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith(f"text: the text has {limit + 1} characters")
+        at_limit = stub.Tokenize(api.TokenizeRequest(text="a" * limit), timeout=30)
+        assert list(at_limit.token_ids) == tokenizer("a" * limit).input_ids
         info = stub.GetModelInfo(api.GetModelInfoRequest())
         assert info.vocab_size == len(tokenizer) and info.max_model_len == 1024 and info.has_chat_template
 
