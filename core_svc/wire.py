@@ -24,7 +24,7 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         logit_bias=dict(msg.logit_bias) or None,
-        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        allowed_token_ids=list(dict.fromkeys(msg.allowed_token_ids)) or None,  # each step indexes with them
     )
     for name in (
         "temperature",

@@ -8,7 +8,7 @@ import copy
 import enum
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,8 +232,10 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+            self.stop = _as_list(self.stop, "stop", "a string or a list of strings")
+        self.stop_token_ids = _unique_token_ids(self.stop_token_ids, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _unique_token_ids(self.allowed_token_ids, "allowed_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool):  # True asks for the sampled token and 1 more; False for none
@@ -326,8 +328,6 @@ class SamplingParams:
                 name,
                 f"must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}",
             )
-        for i, token_id in enumerate(self.stop_token_ids or []):
-            _require(_is_int(token_id), f"stop_token_ids[{i}]", f"must be an integer token id, got {token_id!r}")
         _require(
             len(self.stop or []) <= MAX_STOP_STRINGS,
             "stop",
@@ -343,8 +343,6 @@ class SamplingParams:
         )
         if self.allowed_token_ids is not None:
             _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty when given")
-            for i, token_id in enumerate(self.allowed_token_ids):
-                _require(_is_int(token_id), f"allowed_token_ids[{i}]", f"must be an integer, got {token_id!r}")
 
 
 def sampling_params_with_defaults(explicit: Mapping[str, Any], defaults: Mapping[str, Any]) -> SamplingParams:
@@ -371,6 +369,28 @@ def _require(ok: bool, field_name: str, message: str) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_list(value: Any, field_name: str, what: str) -> list[Any]:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ValidationError(field_name, f"must be {what}, got {type(value).__name__}")
+    return list(value)
+
+
+def _unique_token_ids(value: Any, field_name: str) -> list[int]:
+    """Integer token ids, each once, in first-seen order (None: none). A list of a million copies of one id cost
+    every engine step of the request most of a second; deduplicated it is at most the vocabulary.
+
+    Raises:
+        ValidationError: not a list, or an entry that is not an integer (named by its index).
+    """
+    if value is None:
+        return []
+    token_ids = _as_list(value, field_name, "a list of integer token ids")
+    if not set(map(type, token_ids)) <= {int}:  # the usual case checked at C speed; else find the culprit
+        for i, token_id in enumerate(token_ids):
+            _require(_is_int(token_id), f"{field_name}[{i}]", f"must be an integer token id, got {token_id!r}")
+    return list(dict.fromkeys(token_ids))
 
 
 def _output_kind(value: Any) -> RequestOutputKind:

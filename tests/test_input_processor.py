@@ -3,6 +3,7 @@ before tokenizing, chat text parts joined, priorities the wire can carry."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -239,3 +240,13 @@ def test_a_priority_the_wire_cannot_carry_is_refused(llama2_tokenizer, priority)
     assert info.value.field == "priority"
     request, _ = processor.process_inputs("r", [5, 6], SamplingParams(), RequestOptions(priority=-(2**31)))
     assert request.priority == -(2**31)
+
+
+@pytest.mark.parametrize(
+    ("ids", "field"), [([5, True, 6], "prompt_token_ids[1]"), ([5, 6, 7.0], "prompt_token_ids[2]")]
+)
+def test_token_id_prompts_must_be_integers(llama2_tokenizer, ids, field):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    with pytest.raises(ValidationError, match=rf"^{re.escape(field)}: must be an integer token id, got "):
+        processor.process_inputs("r", ids, SamplingParams())
+    assert processor.process_inputs("r", [5, 6, 7], SamplingParams())[0].prompt_token_ids == [5, 6, 7]
