@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -47,7 +47,7 @@ def logs(tmp_path):
 
 @contextlib.contextmanager
 def split_stack(
-    model: str, logs: Path, num_cores: int = 1, core_args: list[str] = CORE_ARGS
+    model: str, logs: Path, num_cores: int = 1, core_args: list[str] = CORE_ARGS, frontend_args: Sequence[str] = ()
 ) -> Iterator[tuple[list[stack.ServiceProcess], stack.ServiceProcess]]:
     """``num_cores`` cores and one frontend over all of them, SERVING; stopped (SIGTERM) afterwards."""
     cores = [stack.start_core(model, logs, core_args) for _ in range(num_cores)]
@@ -55,7 +55,7 @@ def split_stack(
     try:
         for core in cores:
             core.wait_serving()
-        frontend = stack.start_frontend(model, [c.address for c in cores], logs)
+        frontend = stack.start_frontend(model, [c.address for c in cores], logs, frontend_args)
         frontend.wait_serving()
         yield cores, frontend
     finally:
@@ -484,3 +484,28 @@ def test_steps_and_aborts_over_the_peers_limit_go_in_pieces_and_the_stream_survi
         assert load.num_waiting_reqs == 0 and load.num_free_kv_blocks == load.num_usable_kv_blocks
         log = (logs / f"frontend-{frontend.address.rsplit(':', 1)[1]}.log").read_text()
         assert "unreachable" not in log and "RESOURCE_EXHAUSTED" not in log  # the stream never broke
+
+
+def test_a_frontends_send_limit_bounds_its_own_calls_not_its_stream_to_the_core(model, logs):
+    """A frontend's --max-send-message-mib is what it sends its callers. It used to be also the most it took from a
+    core, so a step's outputs over it (prompt logprobs here) ended the frontend's stream, every request on it; now
+    only the call whose message is too large fails, with RESOURCE_EXHAUSTED."""
+    with split_stack(model, logs, frontend_args=["--max-send-message-mib", "0.01"]) as ([core], frontend):
+
+        async def scenario():
+            started = asyncio.Event()
+            beside = asyncio.create_task(generate_ids(frontend.address, list(range(10, 30)), 60, started))
+            await started.wait()
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                large = api.GenerateRequest(
+                    prompt_token_ids=list(range(10, 110)),
+                    sampling_params=api.SamplingParams(max_tokens=2, prompt_logprobs=20),
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await api_grpc.GenerationStub(channel).Generate(large).read()
+            return refused.value, await beside
+
+        refused, (code, details, token_ids, _) = asyncio.run(scenario())
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code == grpc.StatusCode.OK and len(token_ids) == 60, details
+        assert wait_for(lambda: core_load(core).num_running_reqs == 0)
