@@ -50,7 +50,10 @@ def load_default_sampling_params(model_path: Path, generation_config: str = AUTO
     try:
         SamplingParams(**{**defaults, "max_tokens": defaults.get("max_tokens", 16)})
     except ValidationError as e:
-        raise ValidationError("generation_config", f"{source} sets a default that is refused: {e}") from e
+        raise ValidationError(
+            "generation_config",
+            f"{source} sets a default that is refused: {e} (--generation-config vllm ignores the model's defaults)",
+        ) from e
     if defaults:
         logger.info(
             "Default sampling parameters from %s: %s (unset request fields take them; generation config 'vllm' "
