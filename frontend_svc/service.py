@@ -108,13 +108,23 @@ class GenerationServicer(api_grpc.GenerationServicer):
         self, request: api.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.DetokenizeResponse:
         tokenizer = await self._tokenizer(context)
+        token_ids = list(request.token_ids)
+        engine = self.state.engine
+        if engine is not None and len(token_ids) > engine.engine_info.max_model_len:
+            # As Tokenize's text: no sequence of this model is longer, and decoding costs time and memory per id.
+            error = ValidationError(
+                "token_ids",
+                f"has {len(token_ids)} ids, more than any sequence of this model has "
+                f"(max_model_len={engine.engine_info.max_model_len})",
+            )
+            await context.abort(status_code(error), str(error))
         vocab_size = len(tokenizer)
-        for i, token_id in enumerate(request.token_ids):
-            if not 0 <= token_id < vocab_size:
-                error = ValidationError(f"token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
-                await context.abort(status_code(error), str(error))
+        if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):  # at C speed; then find it
+            i, token_id = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+            error = ValidationError(f"token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
+            await context.abort(status_code(error), str(error))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await asyncio.to_thread(tokenizer.decode, list(request.token_ids), skip_special_tokens=skip)
+        text = await asyncio.to_thread(tokenizer.decode, token_ids, skip_special_tokens=skip)
         return api.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> api.ModelInfo:

@@ -257,6 +257,21 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
         assert refused.value.details().startswith(f"text: the text has {limit + 1} characters")
         at_limit = stub.Tokenize(api.TokenizeRequest(text="a" * limit), timeout=30)
         assert list(at_limit.token_ids) == tokenizer("a" * limit).input_ids
+        # Likewise more ids than max_model_len (1024) are refused; as many are decoded.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Detokenize(api.DetokenizeRequest(token_ids=[100] * 1025), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == (
+            "token_ids: has 1025 ids, more than any sequence of this model has (max_model_len=1024)"
+        )
+        decoded = stub.Detokenize(api.DetokenizeRequest(token_ids=[100] * 1024), timeout=30).text
+        assert decoded == tokenizer.decode([100] * 1024)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Detokenize(api.DetokenizeRequest(token_ids=[100, 5, len(tokenizer), -3]), timeout=30)
+        assert (
+            refused.value.details()
+            == f"token_ids[2]: token id {len(tokenizer)} is outside the vocabulary [0, {len(tokenizer)})"
+        )
         info = stub.GetModelInfo(api.GetModelInfoRequest())
         assert info.vocab_size == len(tokenizer) and info.max_model_len == 1024 and info.has_chat_template
 
