@@ -277,8 +277,9 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
 
 
 def test_messages_over_grpcs_default_4_mib_pass_both_servers(services, model):
-    """Both servers take messages past gRPC's 4 MiB default (256 MiB here): a ~4.3 MiB list of token ids to the
-    frontend and, on the core's own stream, a ~4.3 MiB prompt that the core receives and refuses by length."""
+    """Both servers take messages past gRPC's 4 MiB default (16 MiB): a ~4.5 MiB list of token ids that the
+    frontend receives and refuses by its length (INVALID_ARGUMENT, not RESOURCE_EXHAUSTED) and, on the core's own
+    stream, a ~4.5 MiB prompt that the core receives and refuses by length."""
     from transformers import AutoTokenizer
 
     core, (frontend, _) = services
@@ -289,8 +290,10 @@ def test_messages_over_grpcs_default_4_mib_pass_both_servers(services, model):
     ) as channel:
         request = api.DetokenizeRequest(token_ids=ids)
         assert request.ByteSize() > 4 * 2**20
-        text = api_grpc.GenerationStub(channel).Detokenize(request, timeout=60).text
-        assert len(text) > 1_000_000
+        with pytest.raises(grpc.RpcError) as refused:
+            api_grpc.GenerationStub(channel).Detokenize(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith(f"token_ids: has {len(ids)} ids")
 
     async def core_stream():
         options = [("grpc.max_send_message_length", 2**28), ("grpc.max_receive_message_length", 2**28)]
