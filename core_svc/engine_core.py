@@ -40,6 +40,7 @@ from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.stats import RequestStatsTracker, StatsSink
 from kernels import get_attention_backend
+from splitserve.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -312,32 +313,26 @@ class EngineCore:
         if not prompt:
             raise InvalidRequestError("prompt_token_ids: is empty")
         if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt_token_ids: has {len(prompt)} tokens, which leaves no room for an output token within "
-                f"max_model_len={self.max_model_len}"
-            )
+            raise InvalidRequestError(f"prompt_token_ids: {prompt_leaves_no_room(len(prompt), self.max_model_len)}")
         for i, token_id in enumerate(prompt):
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidRequestError(
-                    f"prompt_token_ids[{i}]: token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                    f"prompt_token_ids[{i}]: {token_id_outside_vocabulary(token_id, self.vocab_size)}"
                 )
         request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
         max_tokens = request.sampling_params.max_tokens
         if len(prompt) + max_tokens > self.max_model_len:
             # Refused, as vLLM's servers refuse it, rather than cut short with finish reason "length".
             raise InvalidRequestError(
-                f"max_tokens: {max_tokens} is too large: this model's maximum context length is "
-                f"{self.max_model_len} tokens, and {len(prompt) + max_tokens} were requested ({len(prompt)} in the "
-                f"prompt, {max_tokens} in the completion); at most {self.max_model_len - len(prompt)} fit after "
-                "this prompt"
+                f"max_tokens: {max_tokens_too_large(max_tokens, len(prompt), self.max_model_len)}"
             )
         # The last token is sampled, never computed: it needs no KV slot.
-        max_len = min(len(prompt) + request.sampling_params.max_tokens, self.max_model_len) - 1
+        max_len = len(prompt) + max_tokens - 1
         num_usable_blocks = self.num_kv_blocks - 1
         if cdiv(max_len, self.config.block_size) > num_usable_blocks:
             raise RequestTooLargeError(
                 f"request needs up to {max_len} tokens of KV cache (prompt {len(prompt)} + max_tokens "
-                f"{request.sampling_params.max_tokens} - 1, within max_model_len), more than the whole cache "
+                f"{max_tokens} - 1), more than the whole cache "
                 f"holds ({num_usable_blocks * self.config.block_size} tokens)"
             )
 

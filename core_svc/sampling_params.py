@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from core_svc.errors import InvalidRequestError
+from splitserve.request_rules import token_id_outside_vocabulary
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -102,4 +103,4 @@ class SamplingParams:
 def _check_ids(name: str, token_ids: list[int], vocab_size: int) -> None:
     for i, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(f"{name}[{i}]: token id {token_id} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequestError(f"{name}[{i}]: {token_id_outside_vocabulary(token_id, vocab_size)}")

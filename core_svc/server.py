@@ -42,7 +42,9 @@ async def serve_core(
     ``metrics_port``: serve Prometheus metrics there (None: no metrics). Tracing follows the ``OTEL_*``
     environment (``splitserve.tracing``)."""
     message_limits = message_limits or grpc_runtime.MessageLimits()
-    state = CoreServerState(max_receive_message_bytes=message_limits.receive_bytes)
+    state = CoreServerState(
+        max_receive_message_bytes=message_limits.receive_bytes, max_send_message_bytes=message_limits.send_bytes
+    )
     tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
     registry = metrics.make_registry() if metrics_port is not None else None
     interceptors = tracing.grpc_server_interceptors(tracer_provider)

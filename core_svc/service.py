@@ -14,7 +14,7 @@ from core_svc.errors import EngineUnavailableError
 from core_svc.grpc_status import status_code
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
-from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, request_from_pb
+from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, outputs_to_pb_messages, request_from_pb
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
@@ -36,6 +36,7 @@ class CoreServerState:
     engine_loop: EngineLoop | None = None
     draining: bool = False
     max_receive_message_bytes: int = 0  # the server's receive limit, told to frontends (0: not told)
+    max_send_message_bytes: int = 0  # the server's send limit: larger steps go out split (0: no limit)
 
 
 class EngineCoreServicer(pb_grpc.EngineCoreServicer):
@@ -53,7 +54,13 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone] = asyncio.Queue()
 
         def sink(outputs: EngineCoreOutputs) -> None:  # on the engine thread
-            event_loop.call_soon_threadsafe(outbox.put_nowait, outputs_to_pb(outputs))
+            # One message over the send limit would end this stream and every request on it: split the step, and
+            # end (and abort) a request whose output alone is too large.
+            messages, too_large = outputs_to_pb_messages(outputs, self.state.max_send_message_bytes)
+            if too_large:
+                engine_loop.abort_requests(too_large, client_index)
+            for message in messages:
+                event_loop.call_soon_threadsafe(outbox.put_nowait, message)
 
         client_index = engine_loop.register_client(sink)
         # Requests of this stream not yet finished, kept on this event loop in the order the outbox delivers:

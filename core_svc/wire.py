@@ -7,9 +7,10 @@ dataclass -> protobuf). Nothing else in the core touches protobuf types.
 from __future__ import annotations
 
 from core_svc.engine_core import EngineInfo, EngineLoad
+from core_svc.errors import RequestTooLargeError
 from core_svc.grpc_status import status_code_value
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
-from core_svc.request import MultiModalFeature, Request
+from core_svc.request import FinishReason, MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
 from splitserve.engine.v1 import engine_core_pb2 as pb
 
@@ -23,7 +24,7 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         logit_bias=dict(msg.logit_bias) or None,
-        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        allowed_token_ids=list(dict.fromkeys(msg.allowed_token_ids)) or None,  # each step indexes with them
     )
     for name in (
         "temperature",
@@ -55,6 +56,57 @@ def request_from_pb(msg: pb.EngineCoreRequest) -> Request:
         mm_features=[MultiModalFeature(f.modality, f.identifier, f.offset, f.length) for f in msg.mm_features],
         trace_headers=dict(msg.trace_headers),
     )
+
+
+# What a length-delimited field adds to a message beyond its content: its tag (1 byte below field number 16) and
+# its length (a varint of at most 5 bytes).
+FIELD_OVERHEAD_BYTES = 6
+
+
+def outputs_to_pb_messages(outputs: EngineCoreOutputs, max_bytes: int) -> tuple[list[pb.EngineCoreOutputs], list[str]]:
+    """One step's outputs for one stream, as messages of at most ``max_bytes`` each (0: one message, unbounded).
+    A larger message would fail the whole stream, every request on it, so the step is split between its outputs
+    (the scheduler stats go with the first message, finished ids after the outputs). An output larger than
+    ``max_bytes`` on its own (prompt logprobs of a long prompt) becomes an error that ends its request with
+    RESOURCE_EXHAUSTED; the caller must abort those requests in the engine.
+
+    Returns:
+        The messages, in order, and the ids of the requests whose output was too large.
+    """
+    whole = outputs_to_pb(outputs)
+    if not max_bytes or whole.ByteSize() <= max_bytes:
+        return [whole], []
+    first = pb.EngineCoreOutputs(engine_index=whole.engine_index, timestamp=whole.timestamp)
+    if whole.HasField("scheduler_stats"):
+        first.scheduler_stats.CopyFrom(whole.scheduler_stats)
+    messages, sizes = [first], [first.ByteSize()]
+    header_bytes = pb.EngineCoreOutputs(engine_index=whole.engine_index, timestamp=whole.timestamp).ByteSize()
+
+    def place(size: int) -> pb.EngineCoreOutputs:
+        """The message that takes ``size`` more bytes: the last one, or a new one when it is full."""
+        if sizes[-1] + size > max_bytes:
+            messages.append(pb.EngineCoreOutputs(engine_index=whole.engine_index, timestamp=whole.timestamp))
+            sizes.append(header_bytes)
+        sizes[-1] += size
+        return messages[-1]
+
+    too_large: list[str] = []
+    for output in whole.outputs:
+        size = output.ByteSize() + FIELD_OVERHEAD_BYTES
+        if header_bytes + size > max_bytes:
+            too_large.append(output.request_id)
+            error = RequestTooLargeError(
+                f"the output of this request in one step is {size} bytes, more than the {max_bytes} bytes the engine "
+                "core sends in one message (its --max-send-message-mib); ask for fewer prompt_logprobs or logprobs"
+            )
+            output = _output_to_pb(
+                EngineCoreOutput(output.request_id, [], finish_reason=FinishReason.ERROR, error=error)
+            )
+            size = output.ByteSize() + FIELD_OVERHEAD_BYTES
+        place(size).outputs.append(output)
+    for request_id in whole.finished_requests:
+        place(len(request_id.encode()) + FIELD_OVERHEAD_BYTES).finished_requests.append(request_id)
+    return messages, too_large
 
 
 def outputs_to_pb(outputs: EngineCoreOutputs) -> pb.EngineCoreOutputs:

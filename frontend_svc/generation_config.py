@@ -50,7 +50,10 @@ def load_default_sampling_params(model_path: Path, generation_config: str = AUTO
     try:
         SamplingParams(**{**defaults, "max_tokens": defaults.get("max_tokens", 16)})
     except ValidationError as e:
-        raise ValidationError("generation_config", f"{source} sets a default that is refused: {e}") from e
+        raise ValidationError(
+            "generation_config",
+            f"{source} sets a default that is refused: {e} (--generation-config vllm ignores the model's defaults)",
+        ) from e
     if defaults:
         logger.info(
             "Default sampling parameters from %s: %s (unset request fields take them; generation config 'vllm' "
@@ -78,14 +81,27 @@ def _model_generation_config(model_path: Path) -> Any:
     return None
 
 
-def _folder_generation_config(folder: Path) -> Any:
-    from transformers import GenerationConfig
+def check_generation_config(generation_config: str) -> None:
+    """What can be checked of a ``--generation-config`` value without the model (the command line does it before
+    loading or waiting for anything).
 
+    Raises:
+        ValidationError: neither ``"auto"``, ``"vllm"`` nor a folder holding a ``generation_config.json``.
+    """
+    if generation_config in (AUTO, VLLM):
+        return
+    folder = Path(generation_config).expanduser()
     if not (folder / "generation_config.json").is_file():
         raise ValidationError(
             "generation_config",
             f"must be 'auto', 'vllm' or a folder holding a generation_config.json; {folder} holds none",
         )
+
+
+def _folder_generation_config(folder: Path) -> Any:
+    from transformers import GenerationConfig
+
+    check_generation_config(str(folder))
     try:
         return GenerationConfig.from_pretrained(str(folder))
     except (OSError, ValueError) as e:

@@ -26,7 +26,7 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_discovery import CoreTarget, resolve
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
 from frontend_svc.errors import EngineDeadError, ValidationError
-from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
+from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
 from splitserve import grpc_runtime, tracing
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
@@ -53,7 +53,6 @@ class CoreConnection:
         deliver: Callable[[EngineCoreOutputs], None],
         on_change: Callable[[], None],
         reroute: Callable[[CoreConnection, EngineCoreRequest, EngineCoreOutput], None],
-        max_receive_message_bytes: int,
         interceptors: list[object] | None = None,
     ) -> None:
         self.address = address
@@ -68,11 +67,10 @@ class CoreConnection:
         self._deliver = deliver
         self._on_change = on_change
         self._reroute = reroute
-        # Outputs can be as large as what the frontend sends its own clients. What it sends is bounded by the core's
-        # receive limit, checked per request in ``send_add`` (grpc's send limit would fail the whole stream).
-        limits = grpc_runtime.MessageLimits(
-            receive_bytes=max_receive_message_bytes, send_bytes=grpc_runtime.DEFAULT_MAX_SEND_MESSAGE_BYTES
-        )
+        # No channel limit of its own either way: one message over it would fail the whole stream. The core keeps
+        # each message it sends within its --max-send-message-mib (in pieces); what the frontend sends is checked
+        # per message against the core's receive limit (``send_add``, ``abort_messages``).
+        limits = grpc_runtime.MessageLimits(grpc_runtime.MAX_MESSAGE_BYTES, grpc_runtime.MAX_MESSAGE_BYTES)
         self._options = limits.options() + grpc_runtime.KEEPALIVE_OPTIONS
         self._interceptors = interceptors or None  # tracing: the stream's context goes in its metadata
         self._outbox: asyncio.Queue[pb.EngineCoreClientMessage | None] = asyncio.Queue()
@@ -130,7 +128,9 @@ class CoreConnection:
 
     def send_abort(self, request_ids: list[str]) -> None:
         if self.available:
-            self._outbox.put_nowait(pb.EngineCoreClientMessage(abort=pb.AbortRequests(request_ids=request_ids)))
+            limit = self.info.max_receive_message_bytes if self.info is not None else 0
+            for message in abort_messages(request_ids, limit):  # each within the core's receive limit
+                self._outbox.put_nowait(message)
         for request_id in request_ids:
             self.in_flight.pop(request_id, None)
 
@@ -222,8 +222,6 @@ class GrpcCoreClient(EngineCoreClient):
             resolved again every ``refresh_s`` seconds (``core_discovery``): a core that appears gets requests,
             one that disappears gets no new ones and is dropped once its requests are done.
         wait_ready_s: how long the constructor waits for a first core; None waits as long as it takes.
-        max_receive_message_bytes: the largest output message taken from a core (what a core sends). Requests
-            are checked against each core's own receive limit (``EngineInfo.max_receive_message_bytes``).
         tracer_provider: trace the calls to the cores (OpenTelemetry's gRPC client instrumentation puts each
             call's context, the ``Connect`` stream's included, in its metadata); None: no tracing.
 
@@ -235,7 +233,6 @@ class GrpcCoreClient(EngineCoreClient):
         self,
         addresses: list[str],
         wait_ready_s: float | None = 60.0,
-        max_receive_message_bytes: int = grpc_runtime.DEFAULT_MAX_SEND_MESSAGE_BYTES,
         tracer_provider: TracerProvider | None = None,
         refresh_s: float = 5.0,
     ) -> None:
@@ -255,7 +252,6 @@ class GrpcCoreClient(EngineCoreClient):
         self._sync_event = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
-        self._max_receive_message_bytes = max_receive_message_bytes
         self._interceptors = tracing.grpc_client_interceptors(tracer_provider)
         self._refresh_s = refresh_s
         self._tasks: dict[CoreConnection, asyncio.Task[None]] = {}
@@ -359,7 +355,6 @@ class GrpcCoreClient(EngineCoreClient):
             self._deliver,
             self._availability_changed,
             self._reroute,
-            self._max_receive_message_bytes,
             self._interceptors,
         )
         self.connections = [*self.connections, connection]

@@ -11,6 +11,7 @@ from frontend_svc.chars_per_token import max_chars_per_token
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
+from splitserve.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class InputProcessor:
                 fit within max_model_len whatever its tokens (refused before tokenizing).
         """
         if isinstance(prompt, str):
-            self._check_text_length(prompt, "the prompt")
+            self.check_text_length(prompt, "prompt", "the prompt")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -91,7 +92,7 @@ class InputProcessor:
             )
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
             raise ValidationError("messages", f"the chat template refused the conversation: {e}") from e
-        self._check_text_length(text, "the rendered conversation")
+        self.check_text_length(text, "prompt", "the rendered conversation")
         # The rendered text already holds BOS and other special tokens: do not add them again.
         return TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -123,10 +124,11 @@ class InputProcessor:
         resolved = params.clone()
         resolved.max_tokens = self._resolve_max_tokens(len(prompt_token_ids), params)
         if resolved.min_tokens > resolved.max_tokens:
+            room = self.info.max_model_len - len(prompt_token_ids)
+            source = "the room left within max_model_len" if resolved.max_tokens == room else "the model's default"
             raise ValidationError(
                 "min_tokens",
-                f"{resolved.min_tokens} is above the derived max_tokens "
-                f"{resolved.max_tokens} (max_model_len - prompt length)",
+                f"{resolved.min_tokens} is above the derived max_tokens {resolved.max_tokens} ({source})",
             )
         resolved.verify(self.info.vocab_size, self.info.max_logprobs)
         if self.eos_token_ids:
@@ -155,12 +157,16 @@ class InputProcessor:
             return None
         return (self.info.max_model_len - 1) * self.max_chars_per_token
 
-    def _check_text_length(self, text: str, what: str) -> None:
-        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are."""
+    def check_text_length(self, text: str, field: str, what: str) -> None:
+        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are.
+
+        Raises:
+            ValidationError: naming ``field``; ``what`` says which text it was.
+        """
         limit = self.max_prompt_chars
         if limit is not None and len(text) > limit:
             raise ValidationError(
-                "prompt",
+                field,
                 f"{what} has {len(text)} characters, more than any prompt that fits within "
                 f"max_model_len={self.info.max_model_len} can have ({limit}: {self.info.max_model_len - 1} "
                 f"tokens of at most {self.max_chars_per_token} characters each)",
@@ -176,10 +182,8 @@ class InputProcessor:
         if params.max_tokens > room:
             raise ValidationError(
                 "max_tokens",
-                f"{params.max_tokens} is too large: this model's maximum context length is "
-                f"{self.info.max_model_len} tokens, and {num_prompt_tokens + params.max_tokens} were requested "
-                f"({num_prompt_tokens} in the prompt, {params.max_tokens} in the completion); at most {room} "
-                "fit after this prompt (max_tokens unset or None: up to max_model_len)",
+                max_tokens_too_large(params.max_tokens, num_prompt_tokens, self.info.max_model_len)
+                + " (max_tokens=None, max_tokens_unlimited over gRPC, takes all the room left)",
             )
         return params.max_tokens
 
@@ -188,21 +192,17 @@ class InputProcessor:
             raise ValidationError("prompt", "is empty")
         max_model_len = self.info.max_model_len
         if len(prompt_token_ids) >= max_model_len:
-            raise ValidationError(
-                "prompt",
-                f"has {len(prompt_token_ids)} tokens, which leaves no room for an output "
-                f"token within max_model_len={max_model_len}",
-            )
+            raise ValidationError("prompt", prompt_leaves_no_room(len(prompt_token_ids), max_model_len))
         vocab_size = self.info.vocab_size
         for i, token_id in enumerate(prompt_token_ids):
             if not 0 <= token_id < vocab_size:
-                raise ValidationError(
-                    f"prompt_token_ids[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
+                raise ValidationError(f"prompt_token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
 
     @staticmethod
     def _check_int_ids(token_ids: Any) -> list[int]:
         ids = list(token_ids)
+        if set(map(type, ids)) <= {int}:  # the usual case, at C speed: a long list costs the event loop little
+            return ids
         for i, token_id in enumerate(ids):
             if not isinstance(token_id, int) or isinstance(token_id, bool):
                 raise ValidationError(f"prompt_token_ids[{i}]", f"must be an integer token id, got {token_id!r}")

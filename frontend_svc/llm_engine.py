@@ -13,6 +13,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
+from frontend_svc.errors import ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
@@ -22,6 +23,10 @@ from frontend_svc.sampling_params import SamplingParams, sampling_params_with_de
 from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve.model_files import resolve_model_path
+
+# Every output of a request carries its id, from the core on each step and to the caller on each streamed message:
+# a 15 MiB id made each of them 15 MiB. vLLM sets no limit; ids in use (UUIDs, OpenAI's) are tens of characters.
+MAX_REQUEST_ID_CHARS = 1024
 
 
 class EngineFrontend:
@@ -86,6 +91,12 @@ class EngineFrontend:
         (vLLM's)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValidationError(
+                "request_id",
+                f"has {len(request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} allowed (it goes back with "
+                "every output)",
+            )
         internal_id = f"{request_id}-{secrets.token_hex(4)}"
         request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, options)
         if params.n == 1:
@@ -173,7 +184,7 @@ class LLMEngine(EngineFrontend):
 
         Raises:
             TypeError: request_id is not a str.
-            ValidationError: bad prompt or parameters (the field is named).
+            ValidationError: bad prompt, parameters or request_id (the field is named).
             RequestTooLargeError: the request can never fit the KV cache.
         """
         internal_id, requests = self.prepare_requests(

@@ -8,11 +8,12 @@ import copy
 import enum
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.errors import ValidationError
+from splitserve.request_rules import token_id_outside_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,10 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (numerical stability), as vLLM
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100]
 MIN_TOP_P = 1e-30  # smaller values would be 0 on the wire (float32)
+# Stop strings are matched on every new piece of text, each one in turn, on the frontend's event loop: a request
+# with a million of them held every other request of its frontend about 0.14 s per token. TGI allows 4 by default
+# (--max-stop-sequences) and OpenAI's API 4; vLLM sets no limit.
+MAX_STOP_STRINGS = 1024
 INT32_MAX = 2**31 - 1  # the wire carries counts and ids as int32, the seed as int64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
@@ -194,12 +199,10 @@ class SamplingParams:
         for name in ("stop_token_ids", "allowed_token_ids"):
             for i, token_id in enumerate(getattr(self, name) or []):
                 if not 0 <= token_id < vocab_size:
-                    raise ValidationError(
-                        f"{name}[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                    )
+                    raise ValidationError(f"{name}[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
         for token_id in self.logit_bias or {}:
             if not 0 <= token_id < vocab_size:
-                raise ValidationError("logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+                raise ValidationError("logit_bias", token_id_outside_vocabulary(token_id, vocab_size))
 
     def _check_unsupported(self) -> None:
         for name, why in UNSUPPORTED_FIELDS.items():
@@ -229,8 +232,10 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+            self.stop = _as_list(self.stop, "stop", "a string or a list of strings")
+        self.stop_token_ids = _unique_token_ids(self.stop_token_ids, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _unique_token_ids(self.allowed_token_ids, "allowed_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool):  # True asks for the sampled token and 1 more; False for none
@@ -323,8 +328,11 @@ class SamplingParams:
                 name,
                 f"must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}",
             )
-        for i, token_id in enumerate(self.stop_token_ids or []):
-            _require(_is_int(token_id), f"stop_token_ids[{i}]", f"must be an integer token id, got {token_id!r}")
+        _require(
+            len(self.stop or []) <= MAX_STOP_STRINGS,
+            "stop",
+            f"has {len(self.stop or [])} strings, more than the {MAX_STOP_STRINGS} allowed",
+        )
         for i, stop in enumerate(self.stop or []):
             _require(isinstance(stop, str), f"stop[{i}]", f"must be a string, got {stop!r}")
             _require(stop != "", f"stop[{i}]", "must not be an empty string")
@@ -335,8 +343,6 @@ class SamplingParams:
         )
         if self.allowed_token_ids is not None:
             _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty when given")
-            for i, token_id in enumerate(self.allowed_token_ids):
-                _require(_is_int(token_id), f"allowed_token_ids[{i}]", f"must be an integer, got {token_id!r}")
 
 
 def sampling_params_with_defaults(explicit: Mapping[str, Any], defaults: Mapping[str, Any]) -> SamplingParams:
@@ -363,6 +369,28 @@ def _require(ok: bool, field_name: str, message: str) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_list(value: Any, field_name: str, what: str) -> list[Any]:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ValidationError(field_name, f"must be {what}, got {type(value).__name__}")
+    return list(value)
+
+
+def _unique_token_ids(value: Any, field_name: str) -> list[int]:
+    """Integer token ids, each once, in first-seen order (None: none). A list of a million copies of one id cost
+    every engine step of the request most of a second; deduplicated it is at most the vocabulary.
+
+    Raises:
+        ValidationError: not a list, or an entry that is not an integer (named by its index).
+    """
+    if value is None:
+        return []
+    token_ids = _as_list(value, field_name, "a list of integer token ids")
+    if not set(map(type, token_ids)) <= {int}:  # the usual case checked at C speed; else find the culprit
+        for i, token_id in enumerate(token_ids):
+            _require(_is_int(token_id), f"{field_name}[{i}]", f"must be an integer token id, got {token_id!r}")
+    return list(dict.fromkeys(token_ids))
 
 
 def _output_kind(value: Any) -> RequestOutputKind:

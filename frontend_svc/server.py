@@ -126,12 +126,7 @@ async def _serve(
         if core_addresses:
             from frontend_svc.grpc_client import GrpcCoreClient
 
-            client: EngineCoreClient = GrpcCoreClient(
-                core_addresses,
-                wait_ready_s=None,
-                max_receive_message_bytes=message_limits.send_bytes,
-                tracer_provider=provider,
-            )
+            client: EngineCoreClient = GrpcCoreClient(core_addresses, wait_ready_s=None, tracer_provider=provider)
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:
             client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)

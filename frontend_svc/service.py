@@ -28,6 +28,7 @@ from frontend_svc.wire import (
 )
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.request_rules import token_id_outside_vocabulary
 from splitserve.tracing import SpanAttributes, inject_headers
 
 SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -89,6 +90,13 @@ class GenerationServicer(api_grpc.GenerationServicer):
     async def Tokenize(self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext) -> api.TokenizeResponse:
         tokenizer = await self._tokenizer(context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        if self.state.engine is not None:
+            # A text no prompt could be is refused by its length, as prompts are: tokenizing costs seconds and
+            # about 300 bytes of memory per token (a 16 MiB text of short words: 13 s and 2 GB).
+            try:
+                self.state.engine.input_processor.check_text_length(request.text, "text", "the text")
+            except ValidationError as e:
+                await context.abort(status_code(e), str(e))
 
         def tokenize() -> api.TokenizeResponse:
             token_ids = tokenizer(request.text, add_special_tokens=add_special).input_ids
@@ -100,15 +108,23 @@ class GenerationServicer(api_grpc.GenerationServicer):
         self, request: api.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.DetokenizeResponse:
         tokenizer = await self._tokenizer(context)
+        token_ids = list(request.token_ids)
+        engine = self.state.engine
+        if engine is not None and len(token_ids) > engine.engine_info.max_model_len:
+            # As Tokenize's text: no sequence of this model is longer, and decoding costs time and memory per id.
+            error = ValidationError(
+                "token_ids",
+                f"has {len(token_ids)} ids, more than any sequence of this model has "
+                f"(max_model_len={engine.engine_info.max_model_len})",
+            )
+            await context.abort(status_code(error), str(error))
         vocab_size = len(tokenizer)
-        for i, token_id in enumerate(request.token_ids):
-            if not 0 <= token_id < vocab_size:
-                error = ValidationError(
-                    f"token_ids[{i}]", f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
-                await context.abort(status_code(error), str(error))
+        if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):  # at C speed; then find it
+            i, token_id = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+            error = ValidationError(f"token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
+            await context.abort(status_code(error), str(error))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await asyncio.to_thread(tokenizer.decode, list(request.token_ids), skip_special_tokens=skip)
+        text = await asyncio.to_thread(tokenizer.decode, token_ids, skip_special_tokens=skip)
         return api.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> api.ModelInfo:

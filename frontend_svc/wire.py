@@ -61,6 +61,27 @@ def request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
     return msg
 
 
+# What a length-delimited field adds to a message beyond its content: its tag (1 byte below field number 16) and
+# its length (a varint of at most 5 bytes).
+FIELD_OVERHEAD_BYTES = 6
+
+
+def abort_messages(request_ids: list[str], max_bytes: int) -> list[pb.EngineCoreClientMessage]:
+    """Abort messages for ``request_ids``, each at most ``max_bytes`` on the wire (0: one message, unbounded): a
+    larger one would end the stream to the core, and every request on it (the ids of n children, or of many
+    requests a batch of stop strings ended, add up)."""
+    batches: list[list[str]] = [[]]
+    size = FIELD_OVERHEAD_BYTES  # the abort field of EngineCoreClientMessage
+    for request_id in request_ids:
+        id_bytes = len(request_id.encode()) + FIELD_OVERHEAD_BYTES
+        if max_bytes and batches[-1] and size + id_bytes > max_bytes:
+            batches.append([])
+            size = FIELD_OVERHEAD_BYTES
+        batches[-1].append(request_id)
+        size += id_bytes
+    return [pb.EngineCoreClientMessage(abort=pb.AbortRequests(request_ids=ids)) for ids in batches]
+
+
 def outputs_from_pb(msg: pb.EngineCoreOutputs) -> EngineCoreOutputs:
     return EngineCoreOutputs(
         outputs=[_output_from_pb(o) for o in msg.outputs],

@@ -105,6 +105,7 @@ DEFAULTABLE_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetit
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from frontend_svc import LLM
+    from frontend_svc.generation_config import check_generation_config
     from frontend_svc.sampling_params import sampling_params_with_defaults
 
     explicit: dict[str, Any] = {
@@ -117,6 +118,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     explicit.update(
         {name: getattr(args, name) for name in DEFAULTABLE_SAMPLING_FLAGS if getattr(args, name) is not None}
     )
+    # Bad flags fail before the model loads; the model's defaults can only be checked with it.
+    check_generation_config(args.generation_config)
+    sampling_params_with_defaults(explicit, {})
     prompts = args.prompt or ["Hello, my name is"]
     model = resolve_model_arg(args.model)
     with LLM(model, generation_config=args.generation_config, **core_kwargs_from_args(args)) as llm:
@@ -254,11 +258,13 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     import asyncio
 
     from frontend_svc.core_discovery import CoreTarget
+    from frontend_svc.generation_config import check_generation_config
     from frontend_svc.server import serve_frontend
 
     cores = [address.strip() for address in args.core.split(",") if address.strip()]
     for address in cores:
         CoreTarget.parse(address)  # a bad one fails here, with its name, before anything starts
+    check_generation_config(args.generation_config)  # not only once a core answers
     return asyncio.run(
         serve_frontend(
             resolve_model_arg(args.model, build_demo=False),  # building it needs torch: the core's job
@@ -277,8 +283,10 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from frontend_svc.generation_config import check_generation_config
     from frontend_svc.server import serve_frontend
 
+    check_generation_config(args.generation_config)  # not only once the model has loaded
     return asyncio.run(
         serve_frontend(
             resolve_model_arg(args.model),

@@ -23,6 +23,7 @@ T = TypeVar("T")
 # with top-k logprobs of every token, prompt logprobs of a long prompt. gRPC's own default is 4 MiB both ways.
 DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 16 * 2**20
 DEFAULT_MAX_SEND_MESSAGE_BYTES = 256 * 2**20
+MAX_MESSAGE_BYTES = 2**31 - 1  # the most grpc takes (an int32): no limit of our own
 # Both sides ping every 2 s and drop a peer that does not answer within 2 s, so a core or frontend that hangs
 # or loses its network (no TCP reset) is noticed within seconds. ``ping_timeout_ms`` is what grpcio honours
 # for that; ``keepalive_timeout_ms`` alone leaves its 60 s default. Our servers accept pings this often; a

@@ -105,3 +105,23 @@ def test_generate_sampling_flags_default_to_the_models_generation_config(generat
     assert run("--generation-config", "vllm", "--seed", "3") == run(
         "--temperature", "1", "--top-p", "1", "--top-k", "0", "--seed", "3"
     )
+
+
+def test_bad_flags_fail_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """A sampling flag or --generation-config that cannot work fails at once, naming itself: before, generate loaded
+    the model first and a split frontend waited for a core before reading --generation-config."""
+    import splitserve.cli as cli
+
+    def no_model(*args: object, **kwargs: object) -> str:
+        raise AssertionError("the model was looked up")
+
+    monkeypatch.setattr(cli, "resolve_model_arg", no_model)
+    cases = [
+        (["generate", "--temperature", "5"], "error: temperature: must be a finite number in [0, 2], got 5.0"),
+        (["generate", "--generation-config", "vlm"], "error: generation_config: must be 'auto', 'vllm' or a folder"),
+        (["serve", "--generation-config", str(tmp_path)], f"generation_config.json; {tmp_path} holds none"),
+        (["frontend", "--core", "localhost:1", "--generation-config", "vlm"], "error: generation_config: "),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv

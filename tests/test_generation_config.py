@@ -40,8 +40,9 @@ def test_defaults_are_read_from_the_model_a_folder_or_not_at_all(generation_conf
     with pytest.raises(ValidationError, match="generation_config: must be 'auto', 'vllm' or a folder"):
         load_default_sampling_params(generation_config_model, str(tmp_path / "missing"))
     (folder / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
-    with pytest.raises(ValidationError, match="generation_config: .* sets a default that is refused: top_p"):
+    with pytest.raises(ValidationError, match="generation_config: .* sets a default that is refused: top_p") as info:
         load_default_sampling_params(generation_config_model, str(folder))
+    assert str(info.value).endswith("(--generation-config vllm ignores the model's defaults)")  # the way out
 
 
 def test_llm_uses_the_models_defaults_when_sampling_params_is_none(generation_config_model):

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -47,7 +47,7 @@ def logs(tmp_path):
 
 @contextlib.contextmanager
 def split_stack(
-    model: str, logs: Path, num_cores: int = 1, core_args: list[str] = CORE_ARGS
+    model: str, logs: Path, num_cores: int = 1, core_args: list[str] = CORE_ARGS, frontend_args: Sequence[str] = ()
 ) -> Iterator[tuple[list[stack.ServiceProcess], stack.ServiceProcess]]:
     """``num_cores`` cores and one frontend over all of them, SERVING; stopped (SIGTERM) afterwards."""
     cores = [stack.start_core(model, logs, core_args) for _ in range(num_cores)]
@@ -55,7 +55,7 @@ def split_stack(
     try:
         for core in cores:
             core.wait_serving()
-        frontend = stack.start_frontend(model, [c.address for c in cores], logs)
+        frontend = stack.start_frontend(model, [c.address for c in cores], logs, frontend_args)
         frontend.wait_serving()
         yield cores, frontend
     finally:
@@ -433,3 +433,79 @@ def test_each_direction_has_its_own_message_limit(model, logs):
         assert refused.details().startswith("request: is ") and f"more than the {2**20} bytes" in refused.details()
         assert code == grpc.StatusCode.OK and len(token_ids) == 40  # the stream to the core went on
         assert asyncio.run(generate_ids(frontend.address, list(range(10, 30)), 40))[2] == token_ids
+
+
+def test_steps_and_aborts_over_the_peers_limit_go_in_pieces_and_the_stream_survives(model, logs):
+    """The shared stream carries one message per step (core -> frontend) and one per abort (frontend -> core); one
+    over the receiver's limit ends the stream and every request on it. With both core limits at 10 KiB: 30 n-children
+    with 1000-character ids make each step's outputs about 31 KB and their abort about 31 KB, which now go in pieces;
+    prompt logprobs too large for any message end only their own request, with RESOURCE_EXHAUSTED. A request running
+    beside all of it gets every token (before, it got UNAVAILABLE "lost the engine core")."""
+    limit_mib = "0.01"  # 10485 bytes
+    limit = int(0.01 * 2**20)
+    core_args = [*CORE_ARGS, "--max-send-message-mib", limit_mib, "--max-receive-message-mib", limit_mib]
+    long_id = "q" * 1000
+    sampled = {"temperature": 1.0, "seed": 1, "ignore_eos": True}
+    with split_stack(model, logs, core_args=core_args) as ([core], frontend):
+
+        async def scenario():
+            started = asyncio.Event()
+            beside = asyncio.create_task(generate_ids(frontend.address, list(range(10, 30)), 60, started))
+            await started.wait()
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                stub = api_grpc.GenerationStub(channel)
+                params = api.SamplingParams(n=30, max_tokens=8, output_kind=api.OUTPUT_KIND_FINAL_ONLY, **sampled)
+                request = api.GenerateRequest(prompt_token_ids=list(range(40, 50)), request_id=long_id)
+                request.sampling_params.CopyFrom(params)
+                fanned_out = [r async for r in stub.Generate(request)]
+                # Cancelled mid-stream: the frontend aborts the 30 children in the core.
+                request.sampling_params.CopyFrom(api.SamplingParams(n=30, max_tokens=200, **sampled))
+                call = stub.Generate(request)
+                await call.read()
+                call.cancel()
+                too_large = api.GenerateRequest(
+                    prompt_token_ids=list(range(10, 110)),
+                    sampling_params=api.SamplingParams(max_tokens=2, prompt_logprobs=20),
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Generate(too_large).read()
+            return fanned_out, refused.value, await beside
+
+        fanned_out, refused, (code, details, token_ids, _) = asyncio.run(scenario())
+        assert code == grpc.StatusCode.OK, details
+        assert token_ids == asyncio.run(generate_ids(frontend.address, list(range(10, 30)), 60))[2]  # all 60, right
+        assert fanned_out[-1].finished and sorted(o.index for o in fanned_out[-1].outputs) == list(range(30))
+        assert all(len(o.token_ids) == 8 for o in fanned_out[-1].outputs)
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"more than the {limit} bytes the engine core sends in one message" in refused.details()
+        # The cancelled children and the refused request were aborted in the core: nothing runs, every block is free.
+        assert wait_for(lambda: core_load(core).num_running_reqs == 0)
+        load = core_load(core)
+        assert load.num_waiting_reqs == 0 and load.num_free_kv_blocks == load.num_usable_kv_blocks
+        log = (logs / f"frontend-{frontend.address.rsplit(':', 1)[1]}.log").read_text()
+        assert "unreachable" not in log and "RESOURCE_EXHAUSTED" not in log  # the stream never broke
+
+
+def test_a_frontends_send_limit_bounds_its_own_calls_not_its_stream_to_the_core(model, logs):
+    """A frontend's --max-send-message-mib is what it sends its callers. It used to be also the most it took from a
+    core, so a step's outputs over it (prompt logprobs here) ended the frontend's stream, every request on it; now
+    only the call whose message is too large fails, with RESOURCE_EXHAUSTED."""
+    with split_stack(model, logs, frontend_args=["--max-send-message-mib", "0.01"]) as ([core], frontend):
+
+        async def scenario():
+            started = asyncio.Event()
+            beside = asyncio.create_task(generate_ids(frontend.address, list(range(10, 30)), 60, started))
+            await started.wait()
+            async with grpc.aio.insecure_channel(frontend.address) as channel:
+                large = api.GenerateRequest(
+                    prompt_token_ids=list(range(10, 110)),
+                    sampling_params=api.SamplingParams(max_tokens=2, prompt_logprobs=20),
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await api_grpc.GenerationStub(channel).Generate(large).read()
+            return refused.value, await beside
+
+        refused, (code, details, token_ids, _) = asyncio.run(scenario())
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code == grpc.StatusCode.OK and len(token_ids) == 60, details
+        assert wait_for(lambda: core_load(core).num_running_reqs == 0)

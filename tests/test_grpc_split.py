@@ -182,6 +182,9 @@ WIRE_ERRORS = [
     (dict(prompt_token_ids=[5] * 8, sampling_params=api.SamplingParams(max_tokens=1017)), "max_tokens"),
     # 6 MB of text: refused by its length, before tokenizing (it took 25 s and ~950 MiB to refuse).
     (dict(prompt="x" * 6_000_000), "prompt"),
+    # Every output carries the id: a 15 MiB id made each streamed message 15 MiB.
+    (dict(prompt="hi", request_id="r" * 1025), "request_id"),
+    (dict(prompt="hi", sampling_params=api.SamplingParams(stop=["s"] * 1025)), "stop"),
 ]
 
 
@@ -272,13 +275,38 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
         assert list(tokens.tokens) == tokenizer.convert_ids_to_tokens(tokenizer("Hello world").input_ids)
         text = stub.Detokenize(api.DetokenizeRequest(token_ids=tokens.token_ids)).text
         assert text == "Hello world"
+        # A text no prompt could be (more characters than 1023 tokens of the longest vocabulary string can hold) is
+        # refused by its length, as a prompt is; one character less is tokenized.
+        limit = 1023 * max(len(token) for token in tokenizer.get_vocab())
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Tokenize(api.TokenizeRequest(text="a" * (limit + 1)), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith(f"text: the text has {limit + 1} characters")
+        at_limit = stub.Tokenize(api.TokenizeRequest(text="a" * limit), timeout=30)
+        assert list(at_limit.token_ids) == tokenizer("a" * limit).input_ids
+        # Likewise more ids than max_model_len (1024) are refused; as many are decoded.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Detokenize(api.DetokenizeRequest(token_ids=[100] * 1025), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details() == (
+            "token_ids: has 1025 ids, more than any sequence of this model has (max_model_len=1024)"
+        )
+        decoded = stub.Detokenize(api.DetokenizeRequest(token_ids=[100] * 1024), timeout=30).text
+        assert decoded == tokenizer.decode([100] * 1024)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Detokenize(api.DetokenizeRequest(token_ids=[100, 5, len(tokenizer), -3]), timeout=30)
+        assert (
+            refused.value.details()
+            == f"token_ids[2]: token id {len(tokenizer)} is outside the vocabulary [0, {len(tokenizer)})"
+        )
         info = stub.GetModelInfo(api.GetModelInfoRequest())
         assert info.vocab_size == len(tokenizer) and info.max_model_len == 1024 and info.has_chat_template
 
 
 def test_messages_over_grpcs_default_4_mib_pass_both_servers(services, model):
-    """Both servers take messages past gRPC's 4 MiB default (256 MiB here): a ~4.3 MiB list of token ids to the
-    frontend and, on the core's own stream, a ~4.3 MiB prompt that the core receives and refuses by length."""
+    """Both servers take messages past gRPC's 4 MiB default (16 MiB): a ~4.5 MiB list of token ids that the
+    frontend receives and refuses by its length (INVALID_ARGUMENT, not RESOURCE_EXHAUSTED) and, on the core's own
+    stream, a ~4.5 MiB prompt that the core receives and refuses by length."""
     from transformers import AutoTokenizer
 
     core, (frontend, _) = services
@@ -289,8 +317,10 @@ def test_messages_over_grpcs_default_4_mib_pass_both_servers(services, model):
     ) as channel:
         request = api.DetokenizeRequest(token_ids=ids)
         assert request.ByteSize() > 4 * 2**20
-        text = api_grpc.GenerationStub(channel).Detokenize(request, timeout=60).text
-        assert len(text) > 1_000_000
+        with pytest.raises(grpc.RpcError) as refused:
+            api_grpc.GenerationStub(channel).Detokenize(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith(f"token_ids: has {len(ids)} ids")
 
     async def core_stream():
         options = [("grpc.max_send_message_length", 2**28), ("grpc.max_receive_message_length", 2**28)]

@@ -3,6 +3,7 @@ before tokenizing, chat text parts joined, priorities the wire can carry."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -76,6 +77,18 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_refused_naming_max_tokens(
     assert "maximum context length is 64 tokens" in message
     assert "69 were requested (8 in the prompt, 61 in the completion)" in message
     assert "at most 56 fit" in message
+    # The way out it names is true: None takes the room left. (It used to say "max_tokens unset or None: up to
+    # max_model_len", while unset is 16 both here and over gRPC.)
+    assert message.endswith("(max_tokens=None, max_tokens_unlimited over gRPC, takes all the room left)")
+    with pytest.raises(ValidationError, match="max_tokens: 16 is too large") as unset:
+        processor.process_inputs("r", list(range(10, 60)), SamplingParams())
+    assert "at most 14 fit" in str(unset.value)
+    assert (
+        processor.process_inputs("r", list(range(10, 60)), SamplingParams(max_tokens=None))[
+            0
+        ].sampling_params.max_tokens
+        == 14
+    )
     # Right at the limit: 8 + 56 = 64.
     request, _ = processor.process_inputs("r", prompt, SamplingParams(max_tokens=56))
     assert request.sampling_params.max_tokens == 56
@@ -95,8 +108,16 @@ def test_unset_max_tokens_takes_the_room_left_and_a_model_default_is_capped_to_i
     # A value the caller chose is checked, whatever the model's default.
     with pytest.raises(ValidationError, match="max_tokens: 57 is too large"):
         processor.process_inputs("r", prompt, sampling_params_with_defaults({"max_tokens": 57}, {"max_tokens": 10}))
-    with pytest.raises(ValidationError, match="min_tokens: 20 is above the derived max_tokens 10"):
+    # The refusal says where the derived max_tokens came from: the model's default, or the room left.
+    with pytest.raises(
+        ValidationError, match=r"min_tokens: 20 is above the derived max_tokens 10 \(the model's default\)$"
+    ):
         processor.process_inputs("r", prompt, sampling_params_with_defaults({"min_tokens": 20}, {"max_tokens": 10}))
+    with pytest.raises(
+        ValidationError,
+        match=r"min_tokens: 57 is above the derived max_tokens 56 \(the room left within max_model_len\)$",
+    ):
+        processor.process_inputs("r", prompt, sampling_params_with_defaults({"min_tokens": 57}, {"max_tokens": 100}))
 
 
 # --- text prompts refused by length before tokenizing (issue 12, item 12(b)) ---
@@ -219,3 +240,13 @@ def test_a_priority_the_wire_cannot_carry_is_refused(llama2_tokenizer, priority)
     assert info.value.field == "priority"
     request, _ = processor.process_inputs("r", [5, 6], SamplingParams(), RequestOptions(priority=-(2**31)))
     assert request.priority == -(2**31)
+
+
+@pytest.mark.parametrize(
+    ("ids", "field"), [([5, True, 6], "prompt_token_ids[1]"), ([5, 6, 7.0], "prompt_token_ids[2]")]
+)
+def test_token_id_prompts_must_be_integers(llama2_tokenizer, ids, field):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=64))
+    with pytest.raises(ValidationError, match=rf"^{re.escape(field)}: must be an integer token id, got "):
+        processor.process_inputs("r", ids, SamplingParams())
+    assert processor.process_inputs("r", [5, 6, 7], SamplingParams())[0].prompt_token_ids == [5, 6, 7]

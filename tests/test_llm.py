@@ -147,7 +147,13 @@ def test_bad_requests_are_refused_and_others_go_on(llm):
         ValidationError, match=r"max_tokens: 2041 is too large: .* 2049 were requested \(8 in the prompt, 2041 in"
     ):
         llm.generate([[5] * 8, [6] * 8], SamplingParams(max_tokens=2041), use_tqdm=False)
+    with pytest.raises(ValidationError, match="request_id: has 1025 characters, more than the 1024 allowed"):
+        llm.llm_engine.add_request("r" * 1025, "hi", SamplingParams(max_tokens=3))
     assert not llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.add_request("r" * 1024, "hi", SamplingParams(temperature=0.0, max_tokens=3))
+    while llm.llm_engine.has_unfinished_requests():
+        finished = [o for o in llm.llm_engine.step() if o.finished]
+    assert finished[0].request_id == "r" * 1024 and len(finished[0].outputs[0].token_ids) == 3
     out = llm.generate(["hi", "there"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
 

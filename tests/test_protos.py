@@ -99,6 +99,9 @@ def test_request_from_pb_applies_vllm_defaults_and_keeps_every_field():
     assert request.trace_headers == {"traceparent": "00-abc-def-01"}
     assert request.mm_features[0].identifier == "h" and request.mm_features[0].offset == 1
     assert request_from_pb(pb.EngineCoreRequest(request_id="x", prompt_token_ids=[1])).cache_salt is None
+    # allowed_token_ids index every step's logits: repeats are dropped once, here (a client sent 4M copies).
+    repeated = pb.EngineCoreRequest(sampling_params=pb.SamplingParams(allowed_token_ids=[8, 3] * 1000 + [5]))
+    assert request_from_pb(repeated).sampling_params.allowed_token_ids == [8, 3, 5]
 
 
 def test_outputs_to_pb():

@@ -31,6 +31,7 @@ def test_normalization():
         output_kind=1,
     )
     assert p.seed is None and p.stop == ["###"] and p.stop_token_ids == [5, 7]
+    assert SamplingParams(allowed_token_ids=(9, 4, 9, 4, 1)).allowed_token_ids == [9, 4, 1]  # each once, in order
     assert p.logprobs == 1 and p.prompt_logprobs == 1
     assert p.logit_bias == {12: 100.0, 3: -100.0}
     assert p.output_kind == RequestOutputKind.DELTA
@@ -82,6 +83,14 @@ def test_children_get_n_1_and_offset_seeds():
         ({"stop": ["ok", ""]}, "stop[1]"),
         ({"stop": [3]}, "stop[0]"),
         ({"stop": ["x"], "detokenize": False}, "stop"),
+        ({"stop": [f"s{i}" for i in range(1025)]}, "stop"),  # each is matched on every new text
+        # Wrong types are refused naming the field (they raised TypeError).
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": [[1]]}, "stop_token_ids[0]"),
+        ({"stop_token_ids": [1, True]}, "stop_token_ids[1]"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, 3, "a"]}, "allowed_token_ids[2]"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [1, None]}, "allowed_token_ids[1]"),
         ({"logit_bias": {"a": 1.0}}, "logit_bias"),
@@ -252,3 +261,9 @@ def test_model_defaults_fill_unset_fields_and_explicit_ones_win():
     unlimited = sampling_params_with_defaults({"max_tokens": None}, defaults)
     assert (unlimited.max_tokens, unlimited.default_max_tokens) == (None, None)
     assert sampling_params_with_defaults({}, {}) == SamplingParams()
+
+
+def test_at_most_1024_stop_strings():
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(1024)]).stop) == 1024
+    with pytest.raises(ValidationError, match="stop: has 1025 strings, more than the 1024 allowed"):
+        SamplingParams(stop=[f"s{i}" for i in range(1025)])
