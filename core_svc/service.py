@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
+from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError
 from core_svc.grpc_status import status_code
@@ -20,6 +22,7 @@ from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -123,13 +126,13 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
         engine_loop = await self._engine_loop(context, allow_draining=True)
-        return engine_load_to_pb(await asyncio.wrap_future(engine_loop.call(lambda core: core.get_load())))
+        return engine_load_to_pb(await self._call(context, engine_loop, lambda core: core.get_load()))
 
     async def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
         engine_loop = await self._engine_loop(context)
-        success = await asyncio.wrap_future(engine_loop.call(lambda core: core.reset_prefix_cache()))
+        success = await self._call(context, engine_loop, lambda core: core.reset_prefix_cache())
         return pb.ResetPrefixCacheResponse(success=success)
 
     async def StartProfile(
@@ -156,10 +159,10 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         return engine_loop  # type: ignore[return-value]
 
     @staticmethod
-    async def _call(context: grpc.aio.ServicerContext, engine_loop: EngineLoop, fn: object) -> object:
+    async def _call(context: grpc.aio.ServicerContext, engine_loop: EngineLoop, fn: Callable[[EngineCore], T]) -> T:
+        """``fn(engine_core)`` on the engine thread. Its error, or the loop's if it stopped or died before
+        running it (``EngineUnavailableError``), ends the call with the status ``grpc_status`` maps it to."""
         try:
-            return await asyncio.wrap_future(engine_loop.call(fn))  # type: ignore[arg-type]
-        except RuntimeError as e:  # profile already running / not running
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            return await asyncio.wrap_future(engine_loop.call(fn))
         except Exception as e:
-            await context.abort(status_code(e), str(e))
+            await context.abort(status_code(e), str(e))  # raises

@@ -107,3 +107,47 @@ def test_a_command_racing_stop_is_run_or_refused(monkeypatch):
     (future,) = futures
     assert future.done()
     assert future.exception() is not None or future.result() == "ran"
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """The servicer's side of a unary call: records how ``abort`` ended it."""
+
+    code: object = None
+    details: str = ""
+
+    async def abort(self, code: object, details: str) -> None:
+        self.code, self.details = code, details
+        raise _Aborted
+
+
+@pytest.mark.parametrize(
+    ("method", "request_message"),
+    [
+        ("GetLoad", core_pb.GetLoadRequest()),
+        ("ResetPrefixCache", core_pb.ResetPrefixCacheRequest()),
+        ("StartProfile", core_pb.StartProfileRequest()),
+    ],
+)
+def test_a_call_racing_the_loop_stop_answers_unavailable(method, request_message, monkeypatch):
+    """The loop stops after the servicer saw it alive and before its command ran: the call ends with UNAVAILABLE
+    and the loop's reason (GetLoad and ResetPrefixCache used to end with UNKNOWN, an unmapped exception)."""
+    import grpc
+
+    engine_loop = EngineLoop(ScriptedCore())
+    engine_loop.start()
+    call = engine_loop.call
+
+    def stop_then_call(fn):
+        engine_loop.stop()
+        return call(fn)
+
+    monkeypatch.setattr(engine_loop, "call", stop_then_call)
+    servicer = EngineCoreServicer(CoreServerState(engine_loop=engine_loop))
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(getattr(servicer, method)(request_message, context))
+    assert (context.code, context.details) == (grpc.StatusCode.UNAVAILABLE, "the engine loop has stopped")

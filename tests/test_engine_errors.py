@@ -307,7 +307,7 @@ def test_failed_steps_in_a_row_declare_the_core_dead(checkpoint, monkeypatch):
 
 def test_server_faults_map_to_internal_and_only_a_stopped_core_to_unavailable():
     """A router replays UNAVAILABLE on another core: only a core that cannot serve may answer it."""
-    from core_svc.errors import EngineStepError, EngineUnavailableError
+    from core_svc.errors import EngineStepError, EngineUnavailableError, ProfileStateError
     from core_svc.grpc_status import status_code
     from frontend_svc.errors import EngineDeadError, InternalError, error_from_core
     from frontend_svc.grpc_status import status_code as frontend_status_code
@@ -315,6 +315,7 @@ def test_server_faults_map_to_internal_and_only_a_stopped_core_to_unavailable():
     assert status_code(RuntimeError("CUDA error: an illegal memory access was encountered")).name == "INTERNAL"
     assert status_code(EngineStepError("x")).name == "INTERNAL"
     assert status_code(EngineUnavailableError("the engine loop has stopped")).name == "UNAVAILABLE"
+    assert status_code(ProfileStateError("a profile is already running")).name == "FAILED_PRECONDITION"
     internal = error_from_core(13, "the engine core failed while running this request: RuntimeError: boom")
     assert isinstance(internal, InternalError) and frontend_status_code(internal).name == "INTERNAL"
     assert str(internal) == "the engine core failed while running this request: RuntimeError: boom"
