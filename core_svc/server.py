@@ -38,9 +38,9 @@ async def serve_core(
     shutdown_timeout_s: float = 30.0,
     metrics_port: int | None = None,
 ) -> int:
-    """Run until SIGTERM / SIGINT; returns the process exit code (0 after a clean drain, 1 if loading failed).
-    ``metrics_port``: serve Prometheus metrics there (None: no metrics). Tracing follows the ``OTEL_*``
-    environment (``splitserve.tracing``)."""
+    """Run until SIGTERM / SIGINT, or until the engine dies; returns the process exit code (0 after a clean
+    drain, 1 if loading failed or the engine died). ``metrics_port``: serve Prometheus metrics there (None: no
+    metrics). Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``)."""
     message_limits = message_limits or grpc_runtime.MessageLimits()
     state = CoreServerState(max_receive_message_bytes=message_limits.receive_bytes)
     tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
@@ -110,9 +110,9 @@ async def _serve(
     await stop.wait()
     state.draining = True
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
-    if failed:  # nothing to drain: the loop already ended every request with UNAVAILABLE
+    if failed:  # nothing to drain: the loop already ended every request (INTERNAL or UNAVAILABLE)
         logger.error(
-            "the engine core is down (%s): NOT_SERVING; its requests ended with UNAVAILABLE, exiting without a drain",
+            "the engine core is down (%s): NOT_SERVING; its requests have ended, exiting without a drain",
             engine_loop.dead_error,
         )
     else:
