@@ -83,13 +83,13 @@ async def _serve(
     load = grpc_runtime.run_in_daemon_thread(lambda: EngineCore(config))
     done, _ = await asyncio.wait({load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if load not in done:
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 0
     try:
         engine_core = load.result()
     except Exception:
         logger.exception("could not load %s", config.model)
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 1
     observe_engine(engine_core, config.model, registry, tracer_provider)
     engine_loop = EngineLoop(engine_core)
@@ -127,7 +127,8 @@ async def _serve(
         left = engine_loop.num_unfinished_requests()
         if left:
             logger.warning("aborting %d request(s) still running after %.0f s", left, shutdown_timeout_s)
-    await server.stop(grace=1.0)  # ends the streams; their requests are aborted as the streams close
+    state.end_streams()  # the requests still on them are aborted as they close
+    await grpc_runtime.stop_server(server, health, 1.0)
     engine_loop.stop()
     logger.info("splitserve core stopped")
     return 1 if failed else 0

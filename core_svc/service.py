@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -32,6 +32,14 @@ class _ReaderDone:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class _ServerStopping:
+    """The server stops: the stream ends now."""
+
+
+_Outbox = asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone | _ServerStopping]
+
+
 @dataclass
 class CoreServerState:
     """What the servicer needs from the server: the loop once the model is loaded, and whether it drains."""
@@ -39,6 +47,13 @@ class CoreServerState:
     engine_loop: EngineLoop | None = None
     draining: bool = False
     max_receive_message_bytes: int = 0  # the server's receive limit, told to frontends (0: not told)
+    outboxes: set[_Outbox] = field(default_factory=set)  # one per open Connect stream
+
+    def end_streams(self) -> None:
+        """End every open ``Connect`` stream with status OK (at shutdown, after the drain: grpc would cancel
+        them, and may log a traceback for each); the requests still on one are aborted as it closes."""
+        for outbox in self.outboxes:
+            outbox.put_nowait(_ServerStopping())
 
 
 class EngineCoreServicer(pb_grpc.EngineCoreServicer):
@@ -50,10 +65,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     ) -> AsyncIterator[pb.EngineCoreOutputs]:
         """Serve one frontend stream. When the client half-closes, its requests still run to the end, then the
         stream ends; when it goes away, they are aborted. A message that does not parse ends the stream with
-        INVALID_ARGUMENT."""
+        INVALID_ARGUMENT. At the server's stop (``CoreServerState.end_streams``) it ends with OK, and what it still
+        has running is aborted."""
         engine_loop = await self._engine_loop(context)
         event_loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone] = asyncio.Queue()
+        outbox: _Outbox = asyncio.Queue()
 
         def sink(outputs: EngineCoreOutputs) -> None:  # on the engine thread
             event_loop.call_soon_threadsafe(outbox.put_nowait, outputs_to_pb(outputs))
@@ -64,9 +80,12 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         open_ids: set[str] = set()
         reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, outbox, open_ids))
         reader_done: _ReaderDone | None = None
+        self.state.outboxes.add(outbox)
         try:
             while reader_done is None or open_ids:
                 item = await outbox.get()
+                if isinstance(item, _ServerStopping):
+                    return
                 if isinstance(item, _ReaderDone):
                     reader_done = item
                     if item.error is not None:
@@ -81,6 +100,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                 )
                 yield item
         finally:
+            self.state.outboxes.discard(outbox)
             reader.cancel()
             engine_loop.unregister_client(client_index)  # aborts whatever this stream still had running
 
@@ -89,7 +109,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         request_iterator: AsyncIterator[pb.EngineCoreClientMessage],
         engine_loop: EngineLoop,
         client_index: int,
-        outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone],
+        outbox: _Outbox,
         open_ids: set[str],
     ) -> None:
         error: str | None = None

@@ -165,13 +165,13 @@ async def _serve(
     starting = grpc_runtime.run_in_daemon_thread(build)
     done, _ = await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if starting not in done:
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 0
     try:
         state.engine = starting.result()
     except Exception:
         logger.exception("could not start the engine for %s", model)
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 1
     available = getattr(state.engine.engine_core, "is_available", lambda: True)()
     await grpc_runtime.set_serving(health, [SERVICE_NAME], available)
@@ -195,6 +195,6 @@ async def _serve(
         if not state.active_calls:
             break
         await asyncio.sleep(0.05)
-    await server.stop(grace=1.0)
+    await grpc_runtime.stop_server(server, health, 1.0)
     logger.info("splitserve frontend stopped")
     return 1 if core_death else 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve import stack
 from splitserve.engine.v1 import engine_core_pb2 as core_pb
@@ -289,6 +289,39 @@ def test_sigterm_drains_core_and_frontend(model, logs):
         assert len(joined(responses)[1]) == 60  # finished, not aborted
         assert core.process.wait(30) == 0
         assert frontend.stop() == 0
+
+
+def test_sigterm_with_watches_and_streams_open_ends_them_cleanly(model, logs):
+    """A client watches the health of the core and of the frontend, and the frontend's Connect stream and its own
+    Watch are open on the core. On SIGTERM each server says NOT_SERVING, then ends those calls with OK rather
+    than having grpc cancel them when it stops (which made grpc log a CancelledError traceback per call, often
+    at a plain SIGTERM); both exit 0 with no traceback in their logs."""
+    with split_stack(model, logs) as ([core], frontend):
+
+        async def watch(address: str, service: str, serving: asyncio.Event) -> tuple[list[int], grpc.StatusCode]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
+                statuses = []
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    statuses.append(response.status)
+                    serving.set()
+                return statuses, await call.code()
+
+        async def both():
+            watching = [asyncio.Event(), asyncio.Event()]
+            on_core = asyncio.create_task(watch(core.address, stack.CORE_SERVICE, watching[0]))
+            on_frontend = asyncio.create_task(watch(frontend.address, stack.FRONTEND_SERVICE, watching[1]))
+            for event in watching:
+                await event.wait()
+            core.process.send_signal(15)  # the frontend's Connect stream and health Watch are open on it
+            core_result = await on_core
+            frontend.process.send_signal(15)
+            return core_result, await on_frontend
+
+        assert asyncio.run(both()) == (([SERVING, NOT_SERVING], grpc.StatusCode.OK),) * 2
+        assert core.process.wait(30) == 0 and frontend.process.wait(30) == 0
+        for process in (core, frontend):
+            assert "Traceback" not in process.log_path.read_text(), process.log_path
 
 
 def test_frontend_spreads_requests_over_several_cores(model, logs):
