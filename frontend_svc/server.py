@@ -6,8 +6,8 @@ SIGTERM the frontend stops taking calls, lets streams in flight finish for up to
 closes them and exits 0.
 
 An in-process core (``serve``) that dies (declared dead after failed steps, or any fault on its thread) cannot
-come back: as a split core would, the server then goes NOT_SERVING and exits 1 without a drain (its calls
-have already ended), for its supervisor to restart it.
+come back: as a split core would, the server then goes NOT_SERVING and exits 1 once its calls have ended (each
+with the error the core gave its request), for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -180,16 +180,17 @@ async def _serve(
     await stop.wait()
     state.draining = True
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
-    if core_death:
+    if core_death:  # every request has its error on the way: the calls end as soon as they get it
         logger.error(
-            "the in-process engine core is down (%s): NOT_SERVING; its calls have ended, exiting without a drain",
+            "the in-process engine core is down (%s): NOT_SERVING; exiting once its %d call(s) have their errors",
             core_death[0],
+            state.active_calls,
         )
     else:
         logger.info("shutting down: %d call(s) in flight, waiting up to %.0f s", state.active_calls, shutdown_timeout_s)
-        deadline = time.monotonic() + shutdown_timeout_s
-        while state.active_calls and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+    deadline = time.monotonic() + shutdown_timeout_s
+    while state.active_calls and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     state.engine.close()  # calls still running end now, with UNAVAILABLE, rather than being cancelled
     for _ in range(40):
         if not state.active_calls:

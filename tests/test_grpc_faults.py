@@ -202,8 +202,8 @@ def test_a_core_whose_every_step_fails_is_declared_dead(model, logs):
 def test_an_embedded_server_whose_core_is_declared_dead_exits_1(model, logs):
     """``splitserve serve`` with every forward failing: as the split core, three failed steps in a row (one
     request each, max-num-seqs 1) end those requests with INTERNAL, the fourth with UNAVAILABLE, and the core is
-    dead. It cannot come back in this process, so the server goes NOT_SERVING and exits 1 without a drain (it
-    used to stay SERVING, refusing every call, and never exit)."""
+    dead. It cannot come back in this process, so the server goes NOT_SERVING and exits 1 once each call has its
+    error (it used to stay SERVING, refusing every call, and never exit)."""
     launcher = [sys.executable, str(ROOT / "tests" / "faulty_core.py"), "broken"]
     args = ["serve", "--model", model, *CORE_ARGS, "--max-num-seqs", "1"]
     server = stack.start_service("serve", args, stack.free_port(), logs, launcher=launcher)
@@ -217,7 +217,7 @@ def test_an_embedded_server_whose_core_is_declared_dead_exits_1(model, logs):
         assert sorted(code.name for code, *_ in results) == ["INTERNAL", "INTERNAL", "INTERNAL", "UNAVAILABLE"]
         assert server.process.wait(30) == 1
         log = server.log_path.read_text()
-        assert "the in-process engine core is down" in log and "exiting without a drain" in log
+        assert "the in-process engine core is down" in log and "call(s) have their errors" in log
         assert "shutting down" not in log and "Traceback" not in log.split("engine loop stopped")[-1]
     finally:
         server.stop()
