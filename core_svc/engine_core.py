@@ -30,6 +30,7 @@ from core_svc.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     LoRANotFoundError,
+    ProfileStateError,
     RequestTooLargeError,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
@@ -233,10 +234,10 @@ class EngineCore:
         """Record every step with torch.profiler until ``stop_profile``.
 
         Raises:
-            RuntimeError: a profile is already running.
+            ProfileStateError: a profile is already running.
         """
         if self._profiler is not None:
-            raise RuntimeError("a profile is already running")
+            raise ProfileStateError("a profile is already running")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -248,10 +249,10 @@ class EngineCore:
         """Stop the profile and write it as a Chrome trace; returns the trace's path.
 
         Raises:
-            RuntimeError: no profile is running.
+            ProfileStateError: no profile is running.
         """
         if self._profiler is None:
-            raise RuntimeError("no profile is running")
+            raise ProfileStateError("no profile is running")
         profiler, self._profiler = self._profiler, None
         profiler.stop()
         self._profile_dir.mkdir(parents=True, exist_ok=True)

@@ -216,16 +216,21 @@ class EngineLoop:
             client.request_ids.discard(request_id)
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
-        """Split a step's outputs by client; every client with something gets its share and the stats."""
+        """Split a step's outputs by client; every client with something in it, or with a request still in the
+        core, gets its share and the stats. So a step that produced no output (prefill chunks only) still
+        brings its stats, its admissions' prefix-cache lookups among them, to the frontends waiting on it."""
         shares: dict[int, EngineCoreOutputs] = {}
+
+        def share_of(index: int) -> EngineCoreOutputs:
+            if index not in shares:
+                shares[index] = EngineCoreOutputs(scheduler_stats=outputs.scheduler_stats, timestamp=outputs.timestamp)
+            return shares[index]
 
         def share(request_id: str) -> EngineCoreOutputs | None:
             index = self._owner.get(request_id)
             if index is None or index not in self._clients:
                 return None
-            if index not in shares:
-                shares[index] = EngineCoreOutputs(scheduler_stats=outputs.scheduler_stats, timestamp=outputs.timestamp)
-            return shares[index]
+            return share_of(index)
 
         for output in outputs.outputs:
             target = share(output.request_id)
@@ -236,6 +241,11 @@ class EngineLoop:
             if target is not None:
                 target.finished_requests.add(request_id)
             self._forget(request_id)
+        if outputs.scheduler_stats is not None:
+            with self._lock:  # other threads register clients
+                waiting = [index for index, client in self._clients.items() if client.request_ids]
+            for index in waiting:
+                share_of(index)
         for index, client_outputs in shares.items():
             try:
                 self._clients[index].sink(client_outputs)

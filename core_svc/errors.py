@@ -25,6 +25,10 @@ class ModelLoadError(EngineError):
     """The checkpoint is missing, corrupt, or uses an architecture or option the core does not support."""
 
 
+class ProfileStateError(EngineError):
+    """``StartProfile`` while a profile runs, or ``StopProfile`` with none running. Maps to FAILED_PRECONDITION."""
+
+
 class EngineStepError(EngineError):
     """The model runner raised while running a step (forward or sampling). Every request of that step ends with
     it, and the core goes on serving the others. Maps to INTERNAL: a fault of the server, which a router must not

@@ -9,21 +9,25 @@ from core_svc.errors import (
     InvalidRequestError,
     LoRANotFoundError,
     ModelLoadError,
+    ProfileStateError,
     RequestTooLargeError,
 )
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
-    """validation -> INVALID_ARGUMENT, unknown LoRA -> NOT_FOUND, can-never-fit -> RESOURCE_EXHAUSTED, engine
-    not serving (``EngineUnavailableError``, ``ModelLoadError``) -> UNAVAILABLE, anything else -> INTERNAL: a
-    failed step (``EngineStepError``) and any unexpected exception (torch raises ``RuntimeError``) are faults of
-    the server, never answered with the retryable UNAVAILABLE."""
+    """validation -> INVALID_ARGUMENT, unknown LoRA -> NOT_FOUND, can-never-fit -> RESOURCE_EXHAUSTED, profile
+    already running or not running -> FAILED_PRECONDITION, engine not serving (``EngineUnavailableError``,
+    ``ModelLoadError``) -> UNAVAILABLE, anything else -> INTERNAL: a failed step (``EngineStepError``) and any
+    unexpected exception (torch raises ``RuntimeError``) are faults of the server, never answered with the
+    retryable UNAVAILABLE."""
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, LoRANotFoundError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(error, RequestTooLargeError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, ProfileStateError):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(error, EngineUnavailableError | ModelLoadError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL

@@ -38,9 +38,9 @@ async def serve_core(
     shutdown_timeout_s: float = 30.0,
     metrics_port: int | None = None,
 ) -> int:
-    """Run until SIGTERM / SIGINT; returns the process exit code (0 after a clean drain, 1 if loading failed).
-    ``metrics_port``: serve Prometheus metrics there (None: no metrics). Tracing follows the ``OTEL_*``
-    environment (``splitserve.tracing``)."""
+    """Run until SIGTERM / SIGINT, or until the engine dies; returns the process exit code (0 after a clean
+    drain, 1 if loading failed or the engine died). ``metrics_port``: serve Prometheus metrics there (None: no
+    metrics). Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``)."""
     message_limits = message_limits or grpc_runtime.MessageLimits()
     state = CoreServerState(
         max_receive_message_bytes=message_limits.receive_bytes, max_send_message_bytes=message_limits.send_bytes
@@ -85,13 +85,13 @@ async def _serve(
     load = grpc_runtime.run_in_daemon_thread(lambda: EngineCore(config))
     done, _ = await asyncio.wait({load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if load not in done:
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 0
     try:
         engine_core = load.result()
     except Exception:
         logger.exception("could not load %s", config.model)
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 1
     observe_engine(engine_core, config.model, registry, tracer_provider)
     engine_loop = EngineLoop(engine_core)
@@ -112,9 +112,9 @@ async def _serve(
     await stop.wait()
     state.draining = True
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
-    if failed:  # nothing to drain: the loop already ended every request with UNAVAILABLE
+    if failed:  # nothing to drain: the loop already ended every request (INTERNAL or UNAVAILABLE)
         logger.error(
-            "the engine core is down (%s): NOT_SERVING; its requests ended with UNAVAILABLE, exiting without a drain",
+            "the engine core is down (%s): NOT_SERVING; its requests have ended, exiting without a drain",
             engine_loop.dead_error,
         )
     else:
@@ -129,7 +129,8 @@ async def _serve(
         left = engine_loop.num_unfinished_requests()
         if left:
             logger.warning("aborting %d request(s) still running after %.0f s", left, shutdown_timeout_s)
-    await server.stop(grace=1.0)  # ends the streams; their requests are aborted as the streams close
+    state.end_streams()  # the requests still on them are aborted as they close
+    await grpc_runtime.stop_server(server, health, 1.0)
     engine_loop.stop()
     logger.info("splitserve core stopped")
     return 1 if failed else 0

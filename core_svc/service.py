@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
+from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError
 from core_svc.grpc_status import status_code
@@ -20,6 +22,7 @@ from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,14 @@ class _ReaderDone:
     """The client stopped sending (half-close), or sent something that did not parse (``error``)."""
 
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class _ServerStopping:
+    """The server stops: the stream ends now."""
+
+
+_Outbox = asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone | _ServerStopping]
 
 
 @dataclass
@@ -37,6 +48,13 @@ class CoreServerState:
     draining: bool = False
     max_receive_message_bytes: int = 0  # the server's receive limit, told to frontends (0: not told)
     max_send_message_bytes: int = 0  # the server's send limit: larger steps go out split (0: no limit)
+    outboxes: set[_Outbox] = field(default_factory=set)  # one per open Connect stream
+
+    def end_streams(self) -> None:
+        """End every open ``Connect`` stream with status OK (at shutdown, after the drain: grpc would cancel
+        them, and may log a traceback for each); the requests still on one are aborted as it closes."""
+        for outbox in self.outboxes:
+            outbox.put_nowait(_ServerStopping())
 
 
 class EngineCoreServicer(pb_grpc.EngineCoreServicer):
@@ -48,10 +66,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     ) -> AsyncIterator[pb.EngineCoreOutputs]:
         """Serve one frontend stream. When the client half-closes, its requests still run to the end, then the
         stream ends; when it goes away, they are aborted. A message that does not parse ends the stream with
-        INVALID_ARGUMENT."""
+        INVALID_ARGUMENT. At the server's stop (``CoreServerState.end_streams``) it ends with OK, and what it still
+        has running is aborted."""
         engine_loop = await self._engine_loop(context)
         event_loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone] = asyncio.Queue()
+        outbox: _Outbox = asyncio.Queue()
 
         def sink(outputs: EngineCoreOutputs) -> None:  # on the engine thread
             # One message over the send limit would end this stream and every request on it: split the step, and
@@ -68,9 +87,12 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         open_ids: set[str] = set()
         reader = asyncio.create_task(self._read(request_iterator, engine_loop, client_index, outbox, open_ids))
         reader_done: _ReaderDone | None = None
+        self.state.outboxes.add(outbox)
         try:
             while reader_done is None or open_ids:
                 item = await outbox.get()
+                if isinstance(item, _ServerStopping):
+                    return
                 if isinstance(item, _ReaderDone):
                     reader_done = item
                     if item.error is not None:
@@ -85,6 +107,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                 )
                 yield item
         finally:
+            self.state.outboxes.discard(outbox)
             reader.cancel()
             engine_loop.unregister_client(client_index)  # aborts whatever this stream still had running
 
@@ -93,7 +116,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         request_iterator: AsyncIterator[pb.EngineCoreClientMessage],
         engine_loop: EngineLoop,
         client_index: int,
-        outbox: asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone],
+        outbox: _Outbox,
         open_ids: set[str],
     ) -> None:
         error: str | None = None
@@ -130,13 +153,13 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.EngineLoad:
         engine_loop = await self._engine_loop(context, allow_draining=True)
-        return engine_load_to_pb(await asyncio.wrap_future(engine_loop.call(lambda core: core.get_load())))
+        return engine_load_to_pb(await self._call(context, engine_loop, lambda core: core.get_load()))
 
     async def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
         engine_loop = await self._engine_loop(context)
-        success = await asyncio.wrap_future(engine_loop.call(lambda core: core.reset_prefix_cache()))
+        success = await self._call(context, engine_loop, lambda core: core.reset_prefix_cache())
         return pb.ResetPrefixCacheResponse(success=success)
 
     async def StartProfile(
@@ -163,10 +186,10 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         return engine_loop  # type: ignore[return-value]
 
     @staticmethod
-    async def _call(context: grpc.aio.ServicerContext, engine_loop: EngineLoop, fn: object) -> object:
+    async def _call(context: grpc.aio.ServicerContext, engine_loop: EngineLoop, fn: Callable[[EngineCore], T]) -> T:
+        """``fn(engine_core)`` on the engine thread. Its error, or the loop's if it stopped or died before
+        running it (``EngineUnavailableError``), ends the call with the status ``grpc_status`` maps it to."""
         try:
-            return await asyncio.wrap_future(engine_loop.call(fn))  # type: ignore[arg-type]
-        except RuntimeError as e:  # profile already running / not running
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            return await asyncio.wrap_future(engine_loop.call(fn))
         except Exception as e:
-            await context.abort(status_code(e), str(e))
+            await context.abort(status_code(e), str(e))  # raises

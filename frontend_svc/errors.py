@@ -2,7 +2,10 @@
 
 
 class FrontendError(Exception):
-    """Base class of every error the frontend raises on purpose."""
+    """Base class of every error the frontend raises on purpose. ``request_id`` names the request (the caller's
+    id) when the error ended one already queued: the core refused, failed or lost it (``LLMEngine.step``)."""
+
+    request_id: str | None = None
 
 
 class ValidationError(FrontendError, ValueError):

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_discovery import CoreTarget, resolve
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
-from frontend_svc.errors import EngineDeadError, ValidationError
+from frontend_svc.errors import EngineDeadError, ValidationError, error_from_core
 from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
 from splitserve import grpc_runtime, tracing
 from splitserve.engine.v1 import engine_core_pb2 as pb
@@ -443,11 +443,19 @@ class GrpcCoreClient(EngineCoreClient):
             connection.send_abort(ids)
 
     async def _reset_prefix_cache(self) -> bool:
-        results = [
-            await c.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10.0)
-            for c in self.connections
-            if c.available and c.stub is not None
-        ]
+        """ResetPrefixCache on every connected core: whether all of them reset.
+
+        Raises:
+            EngineDeadError: no core is reachable, or one stopped meanwhile (UNAVAILABLE). A core's other failures
+                come as ``error_from_core`` maps their codes, never as a raw ``grpc.RpcError``.
+        """
+        results = []
+        for connection in self.connections:
+            if connection.available and connection.stub is not None:
+                try:
+                    results.append(await connection.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10.0))
+                except grpc.aio.AioRpcError as e:
+                    raise error_from_core(e.code().value[0], e.details() or "") from e
         if not results:
             raise EngineDeadError("no engine core is reachable")
         return all(r.success for r in results)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
@@ -74,7 +76,19 @@ class AsyncInprocClient(InprocClient):
         super().__init__(model, **core_config)
         self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._edge().start_loop(self._sink, lambda e: self._post(EngineDeadError(f"the engine core failed: {e!r}")))
+        self._death_lock = threading.Lock()
+        self._death_listeners: list[Callable[[BaseException], None]] = []
+        self.dead_error: BaseException | None = None  # why the core's engine loop died, once it has
+        self._edge().start_loop(self._sink, self._on_core_death)
+
+    def add_death_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """``listener(error)`` once, when the core's engine loop dies (declared dead, or any fault on its
+        thread): on that thread, or at once here if it already has. A shutdown is no death."""
+        with self._death_lock:
+            self._death_listeners.append(listener)
+            error = self.dead_error
+        if error is not None:
+            listener(error)
 
     def observe_core(self, model_name: str, registry: Any | None, tracer_provider: Any | None) -> None:
         """Give the core its Prometheus metrics (in ``registry``) and request spans (from ``tracer_provider``);
@@ -134,6 +148,14 @@ class AsyncInprocClient(InprocClient):
 
     def _sink(self, outputs: pb.EngineCoreOutputs) -> None:  # on the engine thread
         self._post(outputs_from_pb(outputs))
+
+    def _on_core_death(self, error: BaseException) -> None:  # on the engine thread
+        self._post(EngineDeadError(f"the engine core failed: {error!r}"))
+        with self._death_lock:
+            self.dead_error = error
+            listeners = list(self._death_listeners)
+        for listener in listeners:
+            listener(error)
 
     def _post(self, item: EngineCoreOutputs | BaseException) -> None:
         loop, queue = self._loop, self._outputs

@@ -74,6 +74,9 @@ class LLM:
 
         Raises:
             ValidationError: a bad prompt or parameter (nothing is left running).
+            InternalError, EngineDeadError, ...: the error of the first request the core failed, refused or lost
+                (``LLMEngine.step``; ``error.request_id`` is its ``RequestOutput.request_id``); the call's other
+                requests are aborted: nothing of it is left running.
         """
         prompt_list = _as_prompt_list(prompts)
         return self._run(prompt_list, sampling_params, use_tqdm, priority)
@@ -128,11 +131,15 @@ class LLM:
 
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while self.llm_engine.has_unfinished_requests():
-                for output in self.llm_engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            try:
+                while self.llm_engine.has_unfinished_requests():
+                    for output in self.llm_engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except Exception:  # a request failed (vLLM's LLM raises too): the call ends, all of it
+                self.llm_engine.abort_request(request_ids)
+                raise
         return [finished[request_id] for request_id in request_ids]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
-from frontend_svc.errors import ValidationError
+from frontend_svc.errors import FrontendError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
@@ -167,6 +167,9 @@ class LLMEngine(EngineFrontend):
         super().__init__(model, core_address, tokenizer, False, core_config, generation_config)
         self.num_preemptions = 0  # preemptions the core reported since this engine started
         self.scheduler_stats: SchedulerStats | None = None  # the latest the core reported
+        # A step that failed requests raises one error per step() call; what it produced besides waits here.
+        self._pending_errors: list[FrontendError] = []
+        self._pending_outputs: list[RequestOutput] = []
 
     def add_request(
         self,
@@ -202,22 +205,44 @@ class LLMEngine(EngineFrontend):
         return internal_id
 
     def step(self) -> list[RequestOutput]:
-        """Run one core step; return the outputs it produced (per output kind)."""
-        outputs = self.engine_core.get_output()
-        if outputs.scheduler_stats is not None:
-            self.scheduler_stats = outputs.scheduler_stats
-            self.num_preemptions += outputs.scheduler_stats.num_preemptions
-        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp, IterationStats())
-        self.engine_core.abort_requests(processed.reqs_to_abort)
-        return processed.request_outputs
+        """Run one core step; return the outputs it produced (per output kind).
+
+        A request the core refused, failed (a failed step) or lost raises its error, as ``AsyncLLM.generate``
+        does, rather than coming back as an output with finish reason "error" and no message. It is finished
+        (n > 1: with its siblings) before the error is raised; ``error.request_id`` names it. When one step
+        ends several requests so, or also produced outputs, the following calls raise the other errors, then
+        return the outputs, before running the core again.
+
+        Raises:
+            InternalError: the core failed while running the request.
+            EngineDeadError: the core stopped, was lost, or was declared dead (also from a step run on a dead core).
+            ValidationError, RequestTooLargeError, NotFoundError: a core refused the request as sent.
+        """
+        if not self._pending_errors and not self._pending_outputs:
+            outputs = self.engine_core.get_output()
+            if outputs.scheduler_stats is not None:
+                self.scheduler_stats = outputs.scheduler_stats
+                self.num_preemptions += outputs.scheduler_stats.num_preemptions
+            processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp, IterationStats())
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+            self._pending_errors, self._pending_outputs = processed.errors, processed.request_outputs
+        if self._pending_errors:
+            raise self._pending_errors.pop(0)
+        request_outputs, self._pending_outputs = self._pending_outputs, []
+        return request_outputs
 
     def abort_request(self, request_ids: str | list[str], internal: bool = False) -> None:
-        """Abort by the caller's ids (every n child included), or by internal ids."""
+        """Abort by the caller's ids (every n child included; their errors and outputs not yet handed out are
+        dropped), or by internal ids."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if not internal:
+            self._pending_errors = [e for e in self._pending_errors if e.request_id not in ids]
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in ids]
         self.engine_core.abort_requests(self.output_processor.abort_requests(ids, internal))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        """Requests still running, or errors and outputs of a step not yet handed out by ``step``."""
+        return bool(self._pending_errors or self._pending_outputs) or self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

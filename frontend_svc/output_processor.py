@@ -14,7 +14,7 @@ from typing import Any
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineCoreOutput, FinishReason
-from frontend_svc.errors import error_from_core
+from frontend_svc.errors import FrontendError, error_from_core
 from frontend_svc.logprobs import LogprobsProcessor
 from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -142,7 +142,9 @@ class RequestState:
 @dataclass
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput] = field(default_factory=list)  # for callers without a queue
-    reqs_to_abort: list[str] = field(default_factory=list)  # internal ids a stop string ended
+    reqs_to_abort: list[str] = field(default_factory=list)  # internal ids a stop string or a failed sibling ended
+    # For callers without a queue: requests the core refused, failed or lost, one error each (``request_id`` set)
+    errors: list[FrontendError] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -196,9 +198,10 @@ class OutputProcessor:
         engine_core_timestamp: float = 0.0,
         iteration_stats: IterationStats | None = None,
     ) -> OutputProcessorOutput:
-        """Detokenize, match stop strings and build outputs. With ``iteration_stats``, also record each
-        request's timing (``engine_core_timestamp``: the core's ``EngineCoreOutputs.timestamp``) and what
-        finished."""
+        """Detokenize, match stop strings and build outputs. A request the core ended with an error fails with
+        it, n > 1 siblings included: its queue gets the error, or, without a queue, ``errors``. With
+        ``iteration_stats``, also record each request's timing (``engine_core_timestamp``: the core's
+        ``EngineCoreOutputs.timestamp``) and what finished."""
         result = OutputProcessorOutput()
         for output in engine_core_outputs:
             state = self.request_states.get(output.request_id)
@@ -212,8 +215,11 @@ class OutputProcessor:
                     len(state.prompt_token_ids),
                     state.stats,
                 )
-            if output.error is not None and state.queue is not None:
-                result.reqs_to_abort.extend(self._fail(state, error_from_core(*output.error), iteration_stats))
+            if output.error is not None:
+                error = error_from_core(*output.error)
+                result.reqs_to_abort.extend(self._fail(state, error, iteration_stats))
+                if state.queue is None:
+                    result.errors.append(error)
                 continue
             request_output, finish_reason = self._process_one(state, output)
             if request_output is not None:
@@ -256,9 +262,10 @@ class OutputProcessor:
                 state.queue.put(aborted)
         return internal_ids
 
-    def _fail(self, state: RequestState, error: Exception, iteration_stats: IterationStats | None) -> list[str]:
-        """A request the core refused or lost: its stream gets the error; n > 1 siblings are dropped too.
-        Returns the siblings' internal ids, for the core to abort."""
+    def _fail(self, state: RequestState, error: FrontendError, iteration_stats: IterationStats | None) -> list[str]:
+        """A request the core refused, failed or lost: its stream gets the error, which names it; n > 1 siblings
+        are dropped too. Returns the siblings' internal ids, for the core to abort."""
+        error.request_id = state.external_req_id
         siblings = sorted(state.parent.child_requests - {state.request_id}) if state.parent is not None else []
         for request_id in [state.request_id, *siblings]:
             sibling = self.request_states.get(request_id)

@@ -27,7 +27,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None without logprobs
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running (a failed request raises)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:

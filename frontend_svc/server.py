@@ -4,6 +4,10 @@ Health: "" (liveness) is SERVING while the process runs; ``splitserve.frontend.v
 NOT_SERVING until a core is reachable (or loaded), while every core is unreachable, and from SIGTERM on. On
 SIGTERM the frontend stops taking calls, lets streams in flight finish for up to ``shutdown_timeout_s``, then
 closes them and exits 0.
+
+An in-process core (``serve``) that dies (declared dead after failed steps, or any fault on its thread) cannot
+come back: as a split core would, the server then goes NOT_SERVING and exits 1 once its calls have ended (each
+with the error the core gave its request), for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ async def serve_frontend(
     generation_config: str = "auto",
     **core_config: Any,
 ) -> int:
-    """Run until SIGTERM / SIGINT; returns the exit code. ``core_addresses`` None runs the core in this process
+    """Run until SIGTERM / SIGINT, or until an in-process core dies; returns the exit code (0 after a drain, 1 if
+    the engine could not start or the in-process core died). ``core_addresses`` None runs the core in this process
     with ``core_config``. ``metrics_port``: serve Prometheus metrics there (None: no metrics; in-process, the
     core's metrics too). ``generation_config``: where unset sampling fields take defaults from ("auto": the
     model's generation_config.json, "vllm": none, or a folder), as vLLM's ``--generation-config``. Tracing
@@ -111,6 +116,14 @@ async def _serve(
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     grpc_runtime.on_termination(stop.set)
+    core_death: list[BaseException] = []  # why the in-process core died, once it has
+
+    def on_core_death(error: BaseException) -> None:  # on the core's thread
+        def stop_serving() -> None:
+            core_death.append(error)
+            stop.set()
+
+        loop.call_soon_threadsafe(stop_serving)
 
     def set_serving(available: bool) -> None:  # from the client's transport thread
         if state.engine is not None and not state.draining:
@@ -130,6 +143,7 @@ async def _serve(
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:
             client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)
+            client.add_death_listener(on_core_death)  # type: ignore[attr-defined]
             observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
             client.observe_core(model, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]
         stat_loggers: list[StatLogger] = []
@@ -146,22 +160,29 @@ async def _serve(
     starting = grpc_runtime.run_in_daemon_thread(build)
     done, _ = await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if starting not in done:
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 0
     try:
         state.engine = starting.result()
     except Exception:
         logger.exception("could not start the engine for %s", model)
-        await server.stop(None)
+        await grpc_runtime.stop_server(server, health, 0)
         return 1
     available = getattr(state.engine.engine_core, "is_available", lambda: True)()
     await grpc_runtime.set_serving(health, [SERVICE_NAME], available)
     logger.info("splitserve frontend ready on %s:%d", host, bound)
 
     await stop.wait()
-    logger.info("shutting down: %d call(s) in flight, waiting up to %.0f s", state.active_calls, shutdown_timeout_s)
     state.draining = True
     await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
+    if core_death:  # every request has its error on the way: the calls end as soon as they get it
+        logger.error(
+            "the in-process engine core is down (%s): NOT_SERVING; exiting once its %d call(s) have their errors",
+            core_death[0],
+            state.active_calls,
+        )
+    else:
+        logger.info("shutting down: %d call(s) in flight, waiting up to %.0f s", state.active_calls, shutdown_timeout_s)
     deadline = time.monotonic() + shutdown_timeout_s
     while state.active_calls and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -170,6 +191,6 @@ async def _serve(
         if not state.active_calls:
             break
         await asyncio.sleep(0.05)
-    await server.stop(grace=1.0)
+    await grpc_runtime.stop_server(server, health, 1.0)
     logger.info("splitserve frontend stopped")
-    return 0
+    return 1 if core_death else 0

@@ -86,11 +86,52 @@ def make_server(limits: MessageLimits | None = None, interceptors: Sequence[obje
     )
 
 
-async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
+class HealthServicer(health.aio.HealthServicer):
+    """grpcio-health-checking's asyncio servicer (``Check``, ``set``) with a ``Watch`` that ends, status OK, at
+    ``end_watches``, after sending the latest status. grpc's own Watch never ends: one still open when the
+    server stops is cancelled by grpc, which then may log a CancelledError traceback for it (at a plain
+    SIGTERM, whenever a client watches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._statuses: dict[str, health_pb2.HealthCheckResponse.ServingStatus] = {
+            "": health_pb2.HealthCheckResponse.SERVING
+        }
+        self._changed = asyncio.Condition()
+        self._ending = False
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        await super().set(service, status)
+        async with self._changed:
+            self._statuses[service] = status
+            self._changed.notify_all()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        """The service's status now and at every change (grpc.health.v1), until ``end_watches``."""
+        last = None
+        async with self._changed:
+            while True:
+                status = self._statuses.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                if status != last:
+                    await context.write(health_pb2.HealthCheckResponse(status=status))
+                    last = status
+                if self._ending:
+                    return
+                await self._changed.wait()
+
+    async def end_watches(self) -> None:
+        """End every open ``Watch`` call, and any started from now on, with status OK, each after it has sent
+        the latest status."""
+        async with self._changed:
+            self._ending = True
+            self._changed.notify_all()
+
+
+async def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> HealthServicer:
     """Register grpc.health.v1 and server reflection. The whole server ("") is SERVING while the process runs:
     liveness. Each service name is NOT_SERVING until ``set_serving``: readiness (loaded, not draining; for a
     frontend, some core reachable)."""
-    servicer = health.aio.HealthServicer()
+    servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     for name in service_names:
@@ -99,11 +140,19 @@ async def add_health_and_reflection(server: grpc.aio.Server, service_names: list
     return servicer
 
 
-async def set_serving(servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+async def set_serving(servicer: HealthServicer, service_names: list[str], serving: bool) -> None:
     """Set each service name (readiness) to SERVING or NOT_SERVING; "" (liveness) stays SERVING."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in service_names:
         await servicer.set(name, status)
+
+
+async def stop_server(server: grpc.aio.Server, health_servicer: HealthServicer, grace_s: float) -> None:
+    """Stop ``server`` at the end of a shutdown: end its health Watch calls (OK), then stop it, cancelling the
+    calls still open after ``grace_s``. Each server ends its own long streams before this (the core's
+    ``Connect``, the frontend's ``Generate``), so that a normal shutdown cancels none and logs no traceback."""
+    await health_servicer.end_watches()
+    await server.stop(grace=grace_s)
 
 
 def on_termination(callback: Callable[[], None]) -> None:

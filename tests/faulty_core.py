@@ -1,8 +1,8 @@
 """Faults injected into the core's forward, for the fault tests; the production code has no such hook.
 
-``python tests/faulty_core.py MODE <splitserve args>`` runs the ``splitserve`` command (a core, for the split
-stack) with ``inject(MODE)`` applied, as ``tests/torchless.py`` runs it without torch. In-process tests call
-``faulty_forward`` with pytest's monkeypatch instead. Modes:
+``python tests/faulty_core.py MODE <splitserve args>`` runs the ``splitserve`` command (``core`` for the split
+stack, or ``serve``) with ``inject(MODE)`` applied, as ``tests/torchless.py`` runs it without torch. In-process
+tests call ``faulty_forward`` with pytest's monkeypatch instead. Modes:
 
 - ``poison_once``: the first forward whose batch holds a request whose first prompt token is
   ``POISON_TOKEN_ID`` raises; later ones run (so the same prompt, sent again, shows what the cache kept).

@@ -107,3 +107,109 @@ def test_a_command_racing_stop_is_run_or_refused(monkeypatch):
     (future,) = futures
     assert future.done()
     assert future.exception() is not None or future.result() == "ran"
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """The servicer's side of a unary call: records how ``abort`` ended it."""
+
+    code: object = None
+    details: str = ""
+
+    async def abort(self, code: object, details: str) -> None:
+        self.code, self.details = code, details
+        raise _Aborted
+
+
+@pytest.mark.parametrize(
+    ("method", "request_message"),
+    [
+        ("GetLoad", core_pb.GetLoadRequest()),
+        ("ResetPrefixCache", core_pb.ResetPrefixCacheRequest()),
+        ("StartProfile", core_pb.StartProfileRequest()),
+    ],
+)
+def test_a_call_racing_the_loop_stop_answers_unavailable(method, request_message, monkeypatch):
+    """The loop stops after the servicer saw it alive and before its command ran: the call ends with UNAVAILABLE
+    and the loop's reason (GetLoad and ResetPrefixCache used to end with UNKNOWN, an unmapped exception)."""
+    import grpc
+
+    engine_loop = EngineLoop(ScriptedCore())
+    engine_loop.start()
+    call = engine_loop.call
+
+    def stop_then_call(fn):
+        engine_loop.stop()
+        return call(fn)
+
+    monkeypatch.setattr(engine_loop, "call", stop_then_call)
+    servicer = EngineCoreServicer(CoreServerState(engine_loop=engine_loop))
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(getattr(servicer, method)(request_message, context))
+    assert (context.code, context.details) == (grpc.StatusCode.UNAVAILABLE, "the engine loop has stopped")
+
+
+def test_end_streams_ends_an_open_connect_stream_and_aborts_its_requests():
+    """At the server's stop, after the drain, a frontend's Connect stream still open (it never half-closes) ends
+    with OK instead of being cancelled by grpc, and the request still on it is aborted. ScriptedCore requests
+    run NUM_TOKENS steps; the engine is held between steps so that "r" cannot finish first."""
+    import threading
+
+    hold = threading.Event()
+
+    class HeldCore(ScriptedCore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.aborted: list[str] = []
+
+        def step(self) -> EngineCoreOutputs:
+            hold.wait(5)
+            return super().step()
+
+        def abort_requests(self, request_ids: list[str]) -> None:
+            self.aborted += [i for i in request_ids if i in self.left]
+            super().abort_requests(request_ids)
+
+    core = HeldCore()
+    engine_loop = EngineLoop(core)
+    engine_loop.start()
+    state = CoreServerState(engine_loop=engine_loop)
+    servicer = EngineCoreServicer(state)
+
+    async def scenario() -> list[core_pb.EngineCoreOutputs]:
+        async def messages():
+            yield core_pb.EngineCoreClientMessage(
+                add=core_pb.EngineCoreRequest(
+                    request_id="r", prompt_token_ids=[1, 2], sampling_params=core_pb.SamplingParams()
+                )
+            )
+            await asyncio.Event().wait()  # the frontend keeps its stream open
+
+        received = []
+
+        async def consume():
+            async for message in servicer.Connect(messages(), None):
+                received.append(message)
+
+        stream = asyncio.create_task(consume())
+        while not core.left:  # "r" is in the core
+            await asyncio.sleep(0.01)
+        assert len(state.outboxes) == 1
+        state.end_streams()
+        await asyncio.wait_for(stream, timeout=5)  # ended: not cancelled, not waiting for "r"
+        return received
+
+    try:
+        received = asyncio.run(scenario())
+        deadline = time.monotonic() + 5
+        while core.left and time.monotonic() < deadline:  # the abort reaches the engine thread between steps
+            hold.set()
+            time.sleep(0.01)
+        assert received == [] and core.aborted == ["r"] and not state.outboxes
+    finally:
+        hold.set()
+        engine_loop.stop()

@@ -140,3 +140,44 @@ def test_readmissions_after_preemption_leave_the_hit_rate_and_counters_alone(che
     assert value(registry, "splitserve:prefix_cache_preempted_hits_total") == 32
     clock[0] += 1.0
     assert stat_logger.maybe_log().endswith("Prefix cache hit rate: 0.0%")
+
+
+def test_a_step_without_outputs_still_brings_its_stats_to_the_frontend(checkpoint):
+    """Through the EngineLoop, as the servers run it. 4 unrelated 40-token prompts, max_num_batched_tokens 32,
+    by hand: step 1 admits only "0" and computes its first 32 tokens, so it produces no output; step 2 finishes
+    "0"'s prefill (8 tokens, its first output) and admits "1" with 24; and so on. Step 1's stats hold "0"'s
+    admission (1 request, 40 tokens looked up, 0 found); the stream used to get them only in steps with an
+    output of its own, so the frontend counted 3 requests and 120 tokens instead of 4 and 160."""
+    import time
+
+    from core_svc.engine_loop import EngineLoop
+    from tests.helpers import make_engine
+
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=33, max_num_batched_tokens=32)
+    engine_loop = EngineLoop(engine)
+    received: list[EngineCoreOutputs] = []
+    client = engine_loop.register_client(received.append)
+    requests = [
+        Request(str(i), list(range(10 + 40 * i, 50 + 40 * i)), SamplingParams(temperature=0.0, max_tokens=2))
+        for i in range(4)
+    ]
+    engine_loop.start()
+    try:
+        engine_loop.add_requests(client, requests).result(timeout=10)
+        deadline = time.monotonic() + 30
+        while engine_loop.num_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine_loop.stop()
+    first = received[0]
+    assert first.outputs == [] and first.scheduler_stats.num_running_reqs == 1
+    assert (first.scheduler_stats.prefix_cache_stats.requests, first.scheduler_stats.prefix_cache_stats.queries) == (
+        1,
+        40,
+    )
+    totals = [0, 0, 0]
+    for outputs in received:
+        prefix = outputs.scheduler_stats.prefix_cache_stats
+        totals = [totals[0] + prefix.requests, totals[1] + prefix.queries, totals[2] + prefix.hits]
+    assert totals == [4, 160, 0]
+    assert sorted(o.request_id for m in received for o in m.outputs if o.finish_reason is not None) == list("0123")

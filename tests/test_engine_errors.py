@@ -307,7 +307,7 @@ def test_failed_steps_in_a_row_declare_the_core_dead(checkpoint, monkeypatch):
 
 def test_server_faults_map_to_internal_and_only_a_stopped_core_to_unavailable():
     """A router replays UNAVAILABLE on another core: only a core that cannot serve may answer it."""
-    from core_svc.errors import EngineStepError, EngineUnavailableError
+    from core_svc.errors import EngineStepError, EngineUnavailableError, ProfileStateError
     from core_svc.grpc_status import status_code
     from frontend_svc.errors import EngineDeadError, InternalError, error_from_core
     from frontend_svc.grpc_status import status_code as frontend_status_code
@@ -315,6 +315,7 @@ def test_server_faults_map_to_internal_and_only_a_stopped_core_to_unavailable():
     assert status_code(RuntimeError("CUDA error: an illegal memory access was encountered")).name == "INTERNAL"
     assert status_code(EngineStepError("x")).name == "INTERNAL"
     assert status_code(EngineUnavailableError("the engine loop has stopped")).name == "UNAVAILABLE"
+    assert status_code(ProfileStateError("a profile is already running")).name == "FAILED_PRECONDITION"
     internal = error_from_core(13, "the engine core failed while running this request: RuntimeError: boom")
     assert isinstance(internal, InternalError) and frontend_status_code(internal).name == "INTERNAL"
     assert str(internal) == "the engine core failed while running this request: RuntimeError: boom"
@@ -343,3 +344,96 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_refused_not_cut(checkpoint
     assert not engine.has_unfinished_requests()
     results, _ = run_engine(engine, [prompt], 56)  # 8 + 56 = 64: fits exactly
     assert len(results[0].token_ids) == 56 and results[0].finish_reason == "length"
+
+
+def fail_forward_number(monkeypatch, number: int) -> None:
+    """Make the ``number``-th forward from now (1-based) raise, and only that one."""
+    from core_svc.models.llama import LlamaForCausalLM
+    from tests.faulty_core import FAULT_MESSAGE
+
+    forward = LlamaForCausalLM.forward
+    calls = [0]
+
+    def patched(self, *args):
+        calls[0] += 1
+        if calls[0] == number:
+            raise RuntimeError(FAULT_MESSAGE)
+        return forward(self, *args)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", patched)
+
+
+def run_to_end(engine, requests: list[Request]) -> tuple[dict[str, list[int]], dict[str, str], dict[str, object]]:
+    """Add ``requests``, step until done: (tokens, error messages, prompt logprobs) by request id."""
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    errors: dict[str, str] = {}
+    prompt_logprobs: dict[str, object] = {}
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+            if output.error is not None:
+                errors[output.request_id] = str(output.error)
+            if output.new_prompt_logprobs is not None:
+                prompt_logprobs[output.request_id] = output.new_prompt_logprobs
+    return tokens, errors, prompt_logprobs
+
+
+def test_a_fault_in_a_chunked_prefill_keeps_only_the_chunks_written_before(checkpoint, monkeypatch):
+    """A 100-token prompt with prompt logprobs, max_num_batched_tokens 32, block_size 16, by hand: forward 1
+    computes tokens 0-31 (blocks 0-1, cached at allocation), forward 2 tokens 32-63 (blocks 2-3) and raises. The
+    request fails; blocks 0-1, which forward 1 wrote, stay cached (a probe finds 32 tokens), blocks 2-3 do not.
+    The same request run again gets the tokens and prompt logprobs of a run without the fault (the runner kept
+    nothing of the failed one's prompt-logprob chunks)."""
+    prompt = list(range(200, 300))
+
+    def make(name: str) -> Request:
+        return request(name, prompt, **{**GREEDY, "max_tokens": 4, "prompt_logprobs": 2})
+
+    reference = make_engine(checkpoint("llama"), num_kv_blocks=40, max_num_batched_tokens=32)
+    ref_tokens, _, ref_prompt_logprobs = run_to_end(reference, [make("L")])
+
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=40, max_num_batched_tokens=32)
+    kv = engine.scheduler.kv_cache_manager
+    fail_forward_number(monkeypatch, 2)
+    tokens, errors, _ = run_to_end(engine, [make("L")])
+    assert tokens == {"L": []} and errors == {
+        "L": "the engine core failed while running this request: RuntimeError: injected fault"
+    }
+    assert kv.num_free_blocks == 39 and not engine.model_runner.requests
+    assert kv.get_computed_blocks(request("probe", [*prompt, 0]))[1] == 32
+    again_tokens, again_errors, again_prompt_logprobs = run_to_end(engine, [make("L2")])
+    assert again_errors == {} and again_tokens["L2"] == ref_tokens["L"] and len(ref_tokens["L"]) == 4
+    assert again_prompt_logprobs["L2"] == ref_prompt_logprobs["L"]
+
+
+def test_a_request_preempted_in_the_failed_step_goes_on(checkpoint, monkeypatch):
+    """7 KV blocks (6 usable), three 20-token prompts, max_tokens 20, by hand: step 1 prefills all three (2
+    blocks each: every block taken); step k >= 2 decodes position 18 + k, so step 14 (position 32) needs a third
+    block for each: "0" finds none and preempts "2" (the last running), then "0" and "1" take its two blocks.
+    That step's forward raises: "0" and "1" fail, "2", preempted, is not in it. "2" then runs alone to its 20
+    tokens, the same as in a run without the fault, and every block comes back."""
+
+    def requests() -> list[Request]:
+        return [
+            request(str(i), list(range(30 + 40 * i, 50 + 40 * i)), **{**GREEDY, "max_tokens": 20}) for i in range(3)
+        ]
+
+    reference = make_engine(checkpoint("llama"), num_kv_blocks=7)
+    ref_tokens, _, _ = run_to_end(reference, requests())
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=7)
+    fail_forward_number(monkeypatch, 14)
+    preempted_at = []
+    original_preempt = engine.scheduler._preempt
+
+    def preempt(victim: Request) -> None:
+        preempted_at.append((victim.request_id, victim.num_output_tokens))
+        original_preempt(victim)
+
+    monkeypatch.setattr(engine.scheduler, "_preempt", preempt)
+    tokens, errors, _ = run_to_end(engine, requests())
+    assert preempted_at[0] == ("2", 13)  # at step 14: 13 outputs (one per step 1-13)
+    assert sorted(errors) == ["0", "1"] and all(len(tokens[i]) == 13 for i in "01")
+    assert tokens["2"] == ref_tokens["2"] and len(tokens["2"]) == 20
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == 6

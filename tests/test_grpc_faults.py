@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve import stack
 from splitserve.engine.v1 import engine_core_pb2 as core_pb
@@ -199,6 +199,30 @@ def test_a_core_whose_every_step_fails_is_declared_dead(model, logs):
         assert "exiting without a drain" in log and "draining" not in log
 
 
+def test_an_embedded_server_whose_core_is_declared_dead_exits_1(model, logs):
+    """``splitserve serve`` with every forward failing: as the split core, three failed steps in a row (one
+    request each, max-num-seqs 1) end those requests with INTERNAL, the fourth with UNAVAILABLE, and the core is
+    dead. It cannot come back in this process, so the server goes NOT_SERVING and exits 1 once each call has its
+    error (it used to stay SERVING, refusing every call, and never exit)."""
+    launcher = [sys.executable, str(ROOT / "tests" / "faulty_core.py"), "broken"]
+    args = ["serve", "--model", model, *CORE_ARGS, "--max-num-seqs", "1"]
+    server = stack.start_service("serve", args, stack.free_port(), logs, launcher=launcher)
+    try:
+        server.wait_serving()
+
+        async def four():
+            return await asyncio.gather(*(generate_ids(server.address, [5 + i, 6, 7], 5) for i in range(4)))
+
+        results = asyncio.run(four())
+        assert sorted(code.name for code, *_ in results) == ["INTERNAL", "INTERNAL", "INTERNAL", "UNAVAILABLE"]
+        assert server.process.wait(30) == 1
+        log = server.log_path.read_text()
+        assert "the in-process engine core is down" in log and "call(s) have their errors" in log
+        assert "shutting down" not in log and "Traceback" not in log.split("engine loop stopped")[-1]
+    finally:
+        server.stop()
+
+
 def test_core_killed_mid_stream_then_restarted(model, logs):
     with split_stack(model, logs) as ([core], frontend):
         code, seconds = stream_then(frontend.address, core.kill)
@@ -265,6 +289,39 @@ def test_sigterm_drains_core_and_frontend(model, logs):
         assert len(joined(responses)[1]) == 60  # finished, not aborted
         assert core.process.wait(30) == 0
         assert frontend.stop() == 0
+
+
+def test_sigterm_with_watches_and_streams_open_ends_them_cleanly(model, logs):
+    """A client watches the health of the core and of the frontend, and the frontend's Connect stream and its own
+    Watch are open on the core. On SIGTERM each server says NOT_SERVING, then ends those calls with OK rather
+    than having grpc cancel them when it stops (which made grpc log a CancelledError traceback per call, often
+    at a plain SIGTERM); both exit 0 with no traceback in their logs."""
+    with split_stack(model, logs) as ([core], frontend):
+
+        async def watch(address: str, service: str, serving: asyncio.Event) -> tuple[list[int], grpc.StatusCode]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
+                statuses = []
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    statuses.append(response.status)
+                    serving.set()
+                return statuses, await call.code()
+
+        async def both():
+            watching = [asyncio.Event(), asyncio.Event()]
+            on_core = asyncio.create_task(watch(core.address, stack.CORE_SERVICE, watching[0]))
+            on_frontend = asyncio.create_task(watch(frontend.address, stack.FRONTEND_SERVICE, watching[1]))
+            for event in watching:
+                await event.wait()
+            core.process.send_signal(15)  # the frontend's Connect stream and health Watch are open on it
+            core_result = await on_core
+            frontend.process.send_signal(15)
+            return core_result, await on_frontend
+
+        assert asyncio.run(both()) == (([SERVING, NOT_SERVING], grpc.StatusCode.OK),) * 2
+        assert core.process.wait(30) == 0 and frontend.process.wait(30) == 0
+        for process in (core, frontend):
+            assert "Traceback" not in process.log_path.read_text(), process.log_path
 
 
 def test_frontend_spreads_requests_over_several_cores(model, logs):

@@ -150,3 +150,30 @@ def test_span_export_at_shutdown_is_bounded():
     provider.shutdown()
     assert time.monotonic() - start < 5
     assert exporter.stopped.is_set()
+
+
+def test_stop_server_ends_health_watches_with_ok_instead_of_cancelling_them():
+    """A Watch never ends by itself. grpc's servicer left it open until server.stop cancelled it at the end of
+    the grace period (the client got UNAVAILABLE "Cancelling all calls", and grpc could log a CancelledError
+    traceback for it); ``stop_server`` ends it with OK first, so the stop does not wait out a 5 s grace."""
+
+    async def scenario() -> tuple[list[int], grpc.StatusCode, float]:
+        server = grpc_runtime.make_server()
+        health = await grpc_runtime.add_health_and_reflection(server, ["svc"])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        statuses: list[int] = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="svc"))
+            statuses.append((await watch.read()).status)
+            await grpc_runtime.set_serving(health, ["svc"], True)
+            statuses.append((await watch.read()).status)
+            began = time.monotonic()
+            await grpc_runtime.stop_server(server, health, grace_s=5.0)
+            seconds = time.monotonic() - began
+            assert await watch.read() is grpc.aio.EOF
+            return statuses, await watch.code(), seconds
+
+    statuses, code, seconds = asyncio.run(scenario())
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert statuses == [not_serving, serving] and code == grpc.StatusCode.OK and seconds < 2

@@ -476,3 +476,24 @@ def test_core_side_refusals_keep_their_field(services):
             list(stub.Chat(api.ChatRequest(messages=[message], chat_template="{{ 'x' }}"), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith("chat_template: per-request chat templates are off")
+
+
+def test_reset_prefix_cache_turns_a_core_refusal_into_the_frontends_error():
+    """A core that stops (or starts draining) between the client's look at it and its ResetPrefixCache answers
+    UNAVAILABLE: LLM / AsyncLLM.reset_prefix_cache raise EngineDeadError with the core's message, as every other
+    call does, instead of the raw grpc.aio.AioRpcError."""
+    from types import SimpleNamespace
+
+    from frontend_svc.errors import EngineDeadError
+    from frontend_svc.grpc_client import GrpcCoreClient
+
+    class StoppingCore:
+        async def ResetPrefixCache(self, request: object, timeout: float) -> None:
+            metadata = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, metadata, metadata, "the engine core is shutting down"
+            )
+
+    client = SimpleNamespace(connections=[SimpleNamespace(available=True, stub=StoppingCore())])
+    with pytest.raises(EngineDeadError, match="^the engine core is shutting down$"):
+        asyncio.run(GrpcCoreClient._reset_prefix_cache(client))  # type: ignore[arg-type]

@@ -316,3 +316,59 @@ def test_engine_abort_by_internal_parent_id(llama2_model):
         assert not engine.engine_core.engine_core.has_unfinished_requests()
     finally:
         engine.close()
+
+
+def test_generate_raises_a_failed_request_and_leaves_nothing_running(llama2_model, monkeypatch):
+    """A step that fails (the forward raises for a prompt starting with POISON_TOKEN_ID) ends its requests
+    with INTERNAL. LLM.generate raises that error with the core's message, as vLLM's LLM raises, instead of
+    returning an output with finish reason "error" and no message, and aborts the call's other requests: with
+    max_num_seqs 1 the poison request runs alone, the other waits and is aborted; n = 2: child 0 fails alone,
+    child 1 waits and is aborted. Nothing stays in the frontend or the core; the next call is served as before."""
+    from core_svc.models.llama import LlamaForCausalLM
+    from frontend_svc import InternalError
+    from tests.faulty_core import FAULT_MESSAGE, POISON_TOKEN_ID, faulty_forward
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    good, poison = [5, 6, 7, 8], [POISON_TOKEN_ID, 6, 7, 8]
+    with LLM(str(llama2_model), num_kv_blocks=257, max_num_seqs=1) as llm:
+        reference = llm.generate([good], params, use_tqdm=False)[0].outputs[0].token_ids
+        monkeypatch.setattr(LlamaForCausalLM, "forward", faulty_forward("poison", LlamaForCausalLM.forward))
+        core = llm.llm_engine.engine_core.engine_core
+        two = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True)
+        message = f"the engine core failed while running this request: RuntimeError: {FAULT_MESSAGE}"
+        # LLM numbers its requests from 0: the reference was "0", the first call "1" and "2", the second "3".
+        for prompts, call_params, failed_id in [([poison, good], params, "1"), ([poison], two, "3")]:
+            with pytest.raises(InternalError) as info:
+                llm.generate(prompts, call_params, use_tqdm=False)
+            assert (str(info.value), info.value.request_id) == (message, failed_id)
+            assert not llm.llm_engine.has_unfinished_requests() and not core.scheduler.requests
+            assert free_blocks(llm) == 256
+        assert llm.generate([good], params, use_tqdm=False)[0].outputs[0].token_ids == reference
+
+
+def test_engine_step_raises_each_failed_request_once(llama2_model, monkeypatch):
+    """max_consecutive_failed_steps 1: the first failed step declares the core dead. Its own request "p" gets
+    INTERNAL; "w", waiting (max_num_seqs 1), gets UNAVAILABLE: two errors from one step. step() raises the
+    first, the next step() the second (from that same step: the dead core is not stepped again), each naming
+    its request; then nothing is left, and the dead core refuses new requests with EngineDeadError."""
+    from core_svc.models.llama import LlamaForCausalLM
+    from frontend_svc import EngineDeadError, InternalError
+    from tests.faulty_core import POISON_TOKEN_ID, faulty_forward
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", faulty_forward("poison", LlamaForCausalLM.forward))
+    engine = LLMEngine(str(llama2_model), num_kv_blocks=257, max_num_seqs=1, max_consecutive_failed_steps=1)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        engine.add_request("p", [POISON_TOKEN_ID, 6, 7], params)
+        engine.add_request("w", [5, 6, 7], params)
+        with pytest.raises(InternalError) as first:
+            engine.step()
+        with pytest.raises(EngineDeadError) as second:
+            engine.step()
+        assert (first.value.request_id, second.value.request_id) == ("p", "w")
+        assert str(second.value).startswith("the engine core is dead: 1 steps in a row failed")
+        assert not engine.has_unfinished_requests()
+        with pytest.raises(EngineDeadError, match="the engine core is dead"):
+            engine.add_request("late", [5, 6, 7], params)
+    finally:
+        engine.close()

@@ -440,3 +440,31 @@ def test_a_final_output_without_ids_releases_what_was_held():
             assert [i for o in outputs for i in o.outputs[0].token_ids] == ids and final.token_ids
         else:
             assert (final.text, final.token_ids, len(final.logprobs)) == (" Hello world \ufffd", ids, len(ids))
+
+
+def test_without_a_queue_a_failed_request_comes_back_as_its_error(tokenizer):
+    """LLMEngine's path (no queue): the error is returned with the request it names, not an output with finish
+    reason "error" and no message. n = 2, the core fails child 0 with INTERNAL: one InternalError naming "p", the
+    sibling handed back for the core to abort, nothing left. A request refused as sent (INVALID_ARGUMENT, from a
+    remote core) gives the ValidationError naming the field."""
+    from frontend_svc.errors import InternalError, ValidationError
+
+    processor = OutputProcessor(tokenizer)
+    parent = ParentRequest("p-1", "p", SamplingParams(n=2, output_kind=RequestOutputKind.FINAL_ONLY))
+    for i in range(2):
+        child_id, child_params = parent.get_child_info(i)
+        processor.add_request(child_id, "p", child_params, None, [1], parent, i)
+    processor.add_request("q-1", "q", SamplingParams(), None, [1])
+    message = "the engine core failed while running this request: RuntimeError: boom"
+    result = processor.process_outputs(
+        [
+            EngineCoreOutput("0_p-1", [], finish_reason=FinishReason.ERROR, error=(13, message)),
+            EngineCoreOutput("1_p-1", [], finish_reason=FinishReason.ERROR, error=(13, message)),  # aborted already
+            EngineCoreOutput("q-1", [], finish_reason=FinishReason.ERROR, error=(3, "top_p: must be in (0, 1]")),
+        ]
+    )
+    assert result.request_outputs == [] and result.reqs_to_abort == ["1_p-1"]
+    internal, refused = result.errors
+    assert isinstance(internal, InternalError) and (str(internal), internal.request_id) == (message, "p")
+    assert isinstance(refused, ValidationError) and (refused.field, refused.request_id) == ("top_p", "q")
+    assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids
