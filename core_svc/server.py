@@ -19,6 +19,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
+from core_svc.admin import AdminPolicy
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
@@ -26,35 +27,37 @@ from core_svc.observability import observe_engine
 from core_svc.service import SERVICE_NAME, CoreServerState, EngineCoreServicer
 from splitserve import grpc_runtime, metrics, tracing
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
+from splitserve.metrics_server import MetricsServer
 
 logger = logging.getLogger(__name__)
 
 
-async def serve_core(
-    config: CoreConfig,
-    host: str = "0.0.0.0",
-    port: int = 50061,
-    message_limits: grpc_runtime.MessageLimits | None = None,
-    shutdown_timeout_s: float = 30.0,
-    metrics_port: int | None = None,
-) -> int:
+async def serve_core(config: CoreConfig, options: grpc_runtime.ServerOptions, admin: AdminPolicy | None = None) -> int:
     """Run until SIGTERM / SIGINT, or until the engine dies; returns the process exit code (0 after a clean
-    drain, 1 if loading failed or the engine died). ``metrics_port``: serve Prometheus metrics there (None: no
-    metrics). Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``)."""
-    message_limits = message_limits or grpc_runtime.MessageLimits()
+    drain, 1 if loading failed or the engine died). ``options``: where and how it listens (TLS, the metrics
+    endpoint: none without ``metrics_port``). ``admin``: whether ResetPrefixCache / StartProfile / StopProfile are
+    on, and where profiles go (default: off). Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``).
+
+    Raises:
+        ValueError: a TLS file cannot be read or is not PEM.
+        OSError: the metrics port cannot be bound.
+    """
+    message_limits = options.message_limits
     state = CoreServerState(
-        max_receive_message_bytes=message_limits.receive_bytes, max_send_message_bytes=message_limits.send_bytes
+        max_receive_message_bytes=message_limits.receive_bytes,
+        max_send_message_bytes=message_limits.send_bytes,
+        admin=admin or AdminPolicy(),
     )
     tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
-    registry = metrics.make_registry() if metrics_port is not None else None
+    registry = metrics.make_registry() if options.metrics_port is not None else None
     interceptors = tracing.grpc_server_interceptors(tracer_provider)
     if registry is not None:
         interceptors.append(metrics.GrpcMetricsInterceptor(registry))
-    metrics_server = metrics.MetricsServer(registry, metrics_port, host) if registry is not None else None
+    metrics_server = None
+    if registry is not None and options.metrics_port is not None:
+        metrics_server = MetricsServer(registry, options.metrics_port, options.metrics_bind_host)
     try:
-        return await _serve(
-            config, state, host, port, message_limits, shutdown_timeout_s, interceptors, registry, tracer_provider
-        )
+        return await _serve(config, state, options, interceptors, registry, tracer_provider)
     finally:
         if metrics_server is not None:
             metrics_server.stop()
@@ -65,20 +68,30 @@ async def serve_core(
 async def _serve(
     config: CoreConfig,
     state: CoreServerState,
-    host: str,
-    port: int,
-    message_limits: grpc_runtime.MessageLimits,
-    shutdown_timeout_s: float,
+    options: grpc_runtime.ServerOptions,
     interceptors: list[object],
     registry: CollectorRegistry | None,
     tracer_provider: TracerProvider | None,
 ) -> int:
-    server = grpc_runtime.make_server(message_limits, interceptors)
+    host, shutdown_timeout_s = options.host, options.shutdown_timeout_s
+    server = grpc_runtime.make_server(options.message_limits, interceptors)
     pb_grpc.add_EngineCoreServicer_to_server(EngineCoreServicer(state), server)
     health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = grpc_runtime.add_port(server, options)
     await server.start()
-    logger.info("splitserve core listening on %s:%d (loading %s)", host, bound, config.model)
+    logger.info(
+        "splitserve core listening on %s:%d, %s (loading %s)",
+        host,
+        bound,
+        grpc_runtime.describe_transport(options),
+        config.model,
+    )
+    if state.admin.enabled:
+        logger.warning(
+            "admin RPCs are on (ResetPrefixCache, StartProfile, StopProfile): every client that reaches this port "
+            "may call them; profiles go under %s",
+            state.admin.profile_dir,
+        )
 
     stop = asyncio.Event()
     grpc_runtime.on_termination(stop.set)

@@ -10,9 +10,10 @@ from typing import TypeVar
 
 import grpc
 
+from core_svc.admin import AdminPolicy, disabled_message
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
-from core_svc.errors import EngineUnavailableError
+from core_svc.errors import EngineUnavailableError, InvalidRequestError
 from core_svc.grpc_status import status_code
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
@@ -42,13 +43,15 @@ _Outbox = asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone | _ServerStopping]
 
 @dataclass
 class CoreServerState:
-    """What the servicer needs from the server: the loop once the model is loaded, and whether it drains."""
+    """What the servicer needs from the server: the loop once the model is loaded, whether it drains, and whether
+    its admin RPCs are on."""
 
     engine_loop: EngineLoop | None = None
     draining: bool = False
     max_receive_message_bytes: int = 0  # the server's receive limit, told to frontends (0: not told)
     max_send_message_bytes: int = 0  # the server's send limit: larger steps go out split (0: no limit)
     outboxes: set[_Outbox] = field(default_factory=set)  # one per open Connect stream
+    admin: AdminPolicy = AdminPolicy()  # ResetPrefixCache, StartProfile, StopProfile: off unless enabled
 
     def end_streams(self) -> None:
         """End every open ``Connect`` stream with status OK (at shutdown, after the drain: grpc would cancel
@@ -158,6 +161,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     async def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
+        await self._check_admin(context, "ResetPrefixCache")
         engine_loop = await self._engine_loop(context)
         success = await self._call(context, engine_loop, lambda core: core.reset_prefix_cache())
         return pb.ResetPrefixCacheResponse(success=success)
@@ -165,17 +169,31 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     async def StartProfile(
         self, request: pb.StartProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.StartProfileResponse:
+        """Profile every step until ``StopProfile``; the trace goes to ``output_dir`` under the core's profile
+        directory (empty: the directory itself). INVALID_ARGUMENT when it would lie outside."""
+        await self._check_admin(context, "StartProfile")
+        try:
+            output_dir = self.state.admin.profile_output_dir(request.output_dir)
+        except InvalidRequestError as e:
+            await context.abort(status_code(e), str(e))
         engine_loop = await self._engine_loop(context)
-        output_dir = request.output_dir or None
-        await self._call(context, engine_loop, lambda core: core.start_profile(output_dir))
+        await self._call(context, engine_loop, lambda core: core.start_profile(str(output_dir)))
         return pb.StartProfileResponse()
 
     async def StopProfile(
         self, request: pb.StopProfileRequest, context: grpc.aio.ServicerContext
     ) -> pb.StopProfileResponse:
+        await self._check_admin(context, "StopProfile")
         engine_loop = await self._engine_loop(context, allow_draining=True)
         path = await self._call(context, engine_loop, lambda core: core.stop_profile())
         return pb.StopProfileResponse(trace_path=path)
+
+    async def _check_admin(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """End the call with UNIMPLEMENTED unless the admin RPCs are on: gRPC's code for an operation "not
+        supported/enabled in this service", which a client cannot change by asking otherwise (PERMISSION_DENIED
+        would suggest another identity could), and what a core without the method would answer."""
+        if not self.state.admin.enabled:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, disabled_message(method))
 
     async def _engine_loop(self, context: grpc.aio.ServicerContext, allow_draining: bool = False) -> EngineLoop:
         engine_loop = self.state.engine_loop

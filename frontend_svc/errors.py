@@ -32,17 +32,23 @@ class EngineDeadError(FrontendError, RuntimeError):
     """The engine core stopped or is unreachable. Maps to UNAVAILABLE."""
 
 
+class NotSupportedError(FrontendError, NotImplementedError):
+    """The engine core does not offer the operation: an admin RPC (``reset_prefix_cache``) of a core started
+    without ``--enable-admin-rpcs``. Maps to UNIMPLEMENTED."""
+
+
 class InternalError(FrontendError):
     """The engine core failed while running the request (a fault of the server, not of the request as sent;
     the core goes on serving others). Maps to INTERNAL, which routers do not replay on another core."""
 
 
 # gRPC status code values the core puts in EngineCoreOutput.error (grpc.StatusCode, without importing grpc).
-_INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _INTERNAL, _UNAVAILABLE = 3, 5, 8, 13, 14
+_INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNIMPLEMENTED, _INTERNAL, _UNAVAILABLE = 3, 5, 8, 12, 13, 14
 
 
 def error_from_core(code: int, message: str) -> FrontendError:
-    """The frontend error for a request the core refused or lost (``EngineCoreOutput.error``)."""
+    """The frontend error for a request or call the core refused or lost (``EngineCoreOutput.error``, a unary
+    call's status)."""
     if code == _INVALID_ARGUMENT:
         # The core's messages start with the field ("prompt_token_ids[3]: ..."): keep it as the field.
         field, sep, rest = message.partition(": ")
@@ -53,6 +59,8 @@ def error_from_core(code: int, message: str) -> FrontendError:
         return NotFoundError(message)
     if code == _RESOURCE_EXHAUSTED:
         return RequestTooLargeError(message)
+    if code == _UNIMPLEMENTED:
+        return NotSupportedError(message)
     if code == _UNAVAILABLE:
         return EngineDeadError(message)
     if code == _INTERNAL:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -30,6 +31,7 @@ from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_
 from splitserve import grpc_runtime, tracing
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
+from splitserve.tls import ClientTLS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +39,15 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
 CORE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+
+
+@dataclass(frozen=True)
+class ChannelTLS:
+    """A core connection's TLS: the credentials (read once for every core) and its channel options (the name the
+    core's certificate must carry)."""
+
+    credentials: grpc.ChannelCredentials
+    options: list[tuple[str, str]]
 
 
 class CoreConnection:
@@ -54,6 +65,7 @@ class CoreConnection:
         on_change: Callable[[], None],
         reroute: Callable[[CoreConnection, EngineCoreRequest, EngineCoreOutput], None],
         interceptors: list[object] | None = None,
+        tls: ChannelTLS | None = None,
     ) -> None:
         self.address = address
         self.closing = False  # the client is shutting down: losing the stream is expected
@@ -73,6 +85,7 @@ class CoreConnection:
         limits = grpc_runtime.MessageLimits(grpc_runtime.MAX_MESSAGE_BYTES, grpc_runtime.MAX_MESSAGE_BYTES)
         self._options = limits.options() + grpc_runtime.KEEPALIVE_OPTIONS
         self._interceptors = interceptors or None  # tracing: the stream's context goes in its metadata
+        self._tls = tls  # None: plaintext
         self._outbox: asyncio.Queue[pb.EngineCoreClientMessage | None] = asyncio.Queue()
 
     @property
@@ -83,12 +96,7 @@ class CoreConnection:
         backoff = INITIAL_BACKOFF_S
         last_logged = 0.0
         while True:
-            channel = grpc.aio.insecure_channel(
-                self.address,
-                options=self._options,
-                interceptors=self._interceptors,  # type: ignore[arg-type]
-            )
-            async with channel:
+            async with self._channel() as channel:
                 try:
                     await self._serve_stream(channel)
                     backoff = INITIAL_BACKOFF_S  # it was up; retry soon
@@ -104,6 +112,20 @@ class CoreConnection:
                     self._mark_down()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def _channel(self) -> grpc.aio.Channel:
+        if self._tls is None:
+            return grpc.aio.insecure_channel(
+                self.address,
+                options=self._options,
+                interceptors=self._interceptors,  # type: ignore[arg-type]
+            )
+        return grpc.aio.secure_channel(
+            self.address,
+            self._tls.credentials,
+            options=[*self._options, *self._tls.options],
+            interceptors=self._interceptors,  # type: ignore[arg-type]
+        )
 
     def send_add(self, requests: list[EngineCoreRequest]) -> None:
         """Queue the requests on the stream, all or none.
@@ -224,9 +246,14 @@ class GrpcCoreClient(EngineCoreClient):
         wait_ready_s: how long the constructor waits for a first core; None waits as long as it takes.
         tracer_provider: trace the calls to the cores (OpenTelemetry's gRPC client instrumentation puts each
             call's context, the ``Connect`` stream's included, in its metadata); None: no tracing.
+        tls: speak TLS to the cores, checking their certificates (against ``tls.server_name`` when set, else the
+            ``dns:///`` name for the addresses a name resolves to, else the host), and present ``tls``'s client
+            certificate (a core with ``--ssl-ca-certs`` requires one); None: plaintext.
 
     Raises:
-        EngineDeadError: from the constructor, when no core answered within ``wait_ready_s``.
+        EngineDeadError: from the constructor, when no core answered within ``wait_ready_s`` (a core that refuses
+            the TLS handshake is one that does not answer; the log says why).
+        ValueError: from the constructor, for a bad address or a TLS file that cannot be read.
     """
 
     def __init__(
@@ -235,10 +262,13 @@ class GrpcCoreClient(EngineCoreClient):
         wait_ready_s: float | None = 60.0,
         tracer_provider: TracerProvider | None = None,
         refresh_s: float = 5.0,
+        tls: ClientTLS | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one engine-core address is needed")
         targets = [CoreTarget.parse(a) for a in addresses]  # ValueError names a bad one
+        self._tls = tls
+        self._credentials = tls.credentials() if tls is not None else None
         self._transport = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._transport.run_forever, name="splitserve-grpc-client", daemon=True)
         self._thread.start()
@@ -349,13 +379,19 @@ class GrpcCoreClient(EngineCoreClient):
             else:
                 self._connect(target.address)
 
-    def _connect(self, address: str) -> CoreConnection:
+    def _connect(self, address: str, server_name: str | None = None) -> CoreConnection:
+        """A connection to the core at ``address``; with TLS, its certificate must name ``server_name`` (None: the
+        address's host), unless the client's ``ClientTLS.server_name`` says otherwise."""
+        tls = None
+        if self._tls is not None and self._credentials is not None:
+            tls = ChannelTLS(self._credentials, self._tls.options(server_name))
         connection = CoreConnection(
             address,
             self._deliver,
             self._availability_changed,
             self._reroute,
             self._interceptors,
+            tls,
         )
         self.connections = [*self.connections, connection]
         self._tasks[connection] = asyncio.get_running_loop().create_task(connection.run())
@@ -377,7 +413,7 @@ class GrpcCoreClient(EngineCoreClient):
             if addresses is not None:
                 for address in sorted(addresses - known.keys()):
                     logger.info("engine core %s found at %s", target.host, address)
-                    known[address] = self._connect(address)
+                    known[address] = self._connect(address, target.host)  # its IP; the certificate names the name
                 for address, connection in known.items():
                     retired = address not in addresses
                     if retired != connection.retired:
@@ -446,8 +482,10 @@ class GrpcCoreClient(EngineCoreClient):
         """ResetPrefixCache on every connected core: whether all of them reset.
 
         Raises:
-            EngineDeadError: no core is reachable, or one stopped meanwhile (UNAVAILABLE). A core's other failures
-                come as ``error_from_core`` maps their codes, never as a raw ``grpc.RpcError``.
+            EngineDeadError: no core is reachable, or one stopped meanwhile (UNAVAILABLE).
+            NotSupportedError: a core runs without ``--enable-admin-rpcs`` (UNIMPLEMENTED); the cores before it in
+                the list have reset. A core's other failures come as ``error_from_core`` maps their codes, never as
+                a raw ``grpc.RpcError``.
         """
         results = []
         for connection in self.connections:

@@ -27,47 +27,52 @@ from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationSe
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve import grpc_runtime, metrics, tracing
+from splitserve.api_key import ApiKeyInterceptor
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.metrics_server import MetricsServer
 from splitserve.model_files import resolve_model_path
+from splitserve.tls import ClientTLS
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontendOptions:
+    """What only a frontend (or ``serve``) is started with, besides where it listens."""
+
+    trust_request_chat_template: bool = False  # whether a Chat call may bring its own template (as vLLM's flag)
+    generation_config: str = "auto"  # where unset sampling fields take defaults from: "auto", "vllm" or a folder
+    api_key: str | None = None  # every call but health needs "authorization: Bearer <api_key>"; None: no key
+    core_tls: ClientTLS | None = None  # TLS (and the client certificate) to the cores; None: plaintext
 
 
 async def serve_frontend(
     model: str,
     core_addresses: list[str] | None,
-    host: str = "0.0.0.0",
-    port: int = 50051,
-    message_limits: grpc_runtime.MessageLimits | None = None,
-    shutdown_timeout_s: float = 30.0,
-    trust_request_chat_template: bool = False,
-    metrics_port: int | None = None,
-    generation_config: str = "auto",
+    options: grpc_runtime.ServerOptions,
+    frontend: FrontendOptions | None = None,
     **core_config: Any,
 ) -> int:
     """Run until SIGTERM / SIGINT, or until an in-process core dies; returns the exit code (0 after a drain, 1 if
     the engine could not start or the in-process core died). ``core_addresses`` None runs the core in this process
-    with ``core_config``. ``metrics_port``: serve Prometheus metrics there (None: no metrics; in-process, the
-    core's metrics too). ``generation_config``: where unset sampling fields take defaults from ("auto": the
-    model's generation_config.json, "vllm": none, or a folder), as vLLM's ``--generation-config``. Tracing
-    follows the ``OTEL_*`` environment (``splitserve.tracing``)."""
+    with ``core_config``. ``options``: where and how it listens (TLS, the metrics endpoint: none without
+    ``metrics_port``; in-process, the core's metrics too). ``frontend``: chat templates, the model's sampling
+    defaults (``generation_config``, as vLLM's ``--generation-config``), the API key, TLS to the cores. Tracing
+    follows the ``OTEL_*`` environment (``splitserve.tracing``).
+
+    Raises:
+        ValueError: a TLS file cannot be read or is not PEM.
+        OSError: the metrics port cannot be bound.
+    """
+    frontend = frontend or FrontendOptions()
     tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_SERVICE_NAME)
-    registry = metrics.make_registry() if metrics_port is not None else None
-    metrics_server = metrics.MetricsServer(registry, metrics_port, host) if registry is not None else None
+    registry = metrics.make_registry() if options.metrics_port is not None else None
+    metrics_server = None
+    if registry is not None and options.metrics_port is not None:
+        metrics_server = MetricsServer(registry, options.metrics_port, options.metrics_bind_host)
     observability = _Observability(tracer_provider, registry)
     try:
-        return await _serve(
-            model,
-            core_addresses,
-            host,
-            port,
-            message_limits or grpc_runtime.MessageLimits(),
-            shutdown_timeout_s,
-            trust_request_chat_template,
-            observability,
-            core_config,
-            generation_config,
-        )
+        return await _serve(model, core_addresses, options, frontend, observability, core_config)
     finally:
         if metrics_server is not None:
             metrics_server.stop()
@@ -89,29 +94,38 @@ class _Observability:
 async def _serve(
     model: str,
     core_addresses: list[str] | None,
-    host: str,
-    port: int,
-    message_limits: grpc_runtime.MessageLimits,
-    shutdown_timeout_s: float,
-    trust_request_chat_template: bool,
+    options: grpc_runtime.ServerOptions,
+    frontend: FrontendOptions,
     observability: _Observability,
     core_config: dict[str, Any],
-    generation_config: str,
 ) -> int:
-    state = FrontendServerState(model=model, trust_request_chat_template=trust_request_chat_template)
+    host, shutdown_timeout_s = options.host, options.shutdown_timeout_s
+    state = FrontendServerState(model=model, trust_request_chat_template=frontend.trust_request_chat_template)
     provider, registry = observability.tracer_provider, observability.registry
     if provider is not None:
         state.tracer = provider.get_tracer("splitserve.frontend")
     interceptors = tracing.grpc_server_interceptors(provider)
     if registry is not None:
         interceptors.append(metrics.GrpcMetricsInterceptor(registry))
-    server = grpc_runtime.make_server(message_limits, interceptors)
+    if frontend.api_key is not None:  # last: the calls it refuses are traced and counted too
+        interceptors.append(ApiKeyInterceptor(frontend.api_key))
+    if frontend.core_tls is not None:
+        frontend.core_tls.credentials()  # a file that cannot be read fails here, before anything listens
+    server = grpc_runtime.make_server(options.message_limits, interceptors)
     api_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = grpc_runtime.add_port(server, options)
     await server.start()
     where = ", ".join(core_addresses) if core_addresses else "in-process"
-    logger.info("splitserve frontend listening on %s:%d (engine core: %s)", host, bound, where)
+    logger.info(
+        "splitserve frontend listening on %s:%d, %s, %s (engine core: %s%s)",
+        host,
+        bound,
+        grpc_runtime.describe_transport(options),
+        "API key required" if frontend.api_key is not None else "no API key",
+        where,
+        ", TLS" if frontend.core_tls is not None else "",
+    )
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -139,7 +153,9 @@ async def _serve(
         if core_addresses:
             from frontend_svc.grpc_client import GrpcCoreClient
 
-            client: EngineCoreClient = GrpcCoreClient(core_addresses, wait_ready_s=None, tracer_provider=provider)
+            client: EngineCoreClient = GrpcCoreClient(
+                core_addresses, wait_ready_s=None, tracer_provider=provider, tls=frontend.core_tls
+            )
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:
             client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)
@@ -153,7 +169,7 @@ async def _serve(
             str(model_path),
             tokenizer=state.tokenizer,
             stat_loggers=stat_loggers,
-            generation_config=generation_config,
+            generation_config=frontend.generation_config,
             engine_core_client=client,
         )
 

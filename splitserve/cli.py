@@ -182,8 +182,58 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics endpoint)",
+        help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (default: no metrics endpoint)",
     )
+    parser.add_argument(
+        "--metrics-host", default=None, help="the metrics endpoint's address (default: the same as --host)"
+    )
+    add_ssl_args(
+        parser,
+        "",
+        "this server's certificate (it then speaks TLS only)",
+        "clients must then present a certificate signed by one (mTLS)",
+    )
+
+
+def add_ssl_args(parser: argparse.ArgumentParser, prefix: str, certificate: str, ca: str) -> None:
+    """``--{prefix}ssl-keyfile``, ``--{prefix}ssl-certfile``, ``--{prefix}ssl-ca-certs`` (vLLM's names), the
+    certificate's and the CA's use told by ``certificate`` and ``ca``."""
+    parser.add_argument(f"--{prefix}ssl-keyfile", default=None, help=f"PEM private key of {certificate}")
+    parser.add_argument(f"--{prefix}ssl-certfile", default=None, help=f"PEM certificate chain: {certificate}")
+    parser.add_argument(f"--{prefix}ssl-ca-certs", default=None, help=f"PEM CA certificates: {ca}")
+
+
+def server_options_from_args(args: argparse.Namespace) -> Any:
+    """The server's ``grpc_runtime.ServerOptions`` from the flags ``add_server_args`` adds.
+
+    Raises:
+        ValueError: TLS flags that do not go together.
+    """
+    from splitserve.grpc_runtime import ServerOptions
+    from splitserve.tls import ServerTLS
+
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        message_limits=message_limits_from_args(args),
+        shutdown_timeout_s=args.shutdown_timeout,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        tls=ServerTLS.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs),
+    )
+
+
+def add_api_key_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'authorization: Bearer <key>' metadata on every call but health (default: "
+        "$SPLITSERVE_API_KEY, which keeps the key out of the process list; unset: no key)",
+    )
+
+
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    return args.api_key or envs.api_key()
 
 
 def _message_mib(value: str) -> float:
@@ -220,12 +270,14 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 when the server at ``--address`` says SERVING for ``--service``, else 1 (container health checks;
-    Kubernetes probes speak grpc.health.v1 themselves)."""
+    Kubernetes probes speak grpc.health.v1 themselves, in plaintext only)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from splitserve.tls import secure_or_insecure_channel
+
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        with secure_or_insecure_channel(args.address, health_tls_from_args(args)) as channel:
             request = health_pb2.HealthCheckRequest(service=args.service)
             status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
     except grpc.RpcError as e:
@@ -236,22 +288,40 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def health_tls_from_args(args: argparse.Namespace) -> Any:
+    """``health``'s ``ClientTLS``: TLS with ``--tls`` or any ``--ssl-*`` flag, else None (plaintext)."""
+    from splitserve.tls import ClientTLS
+
+    flags = (args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile, args.ssl_server_name)
+    if not args.tls and all(value is None for value in flags):
+        return None
+    return ClientTLS(args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile, args.ssl_server_name)
+
+
 def cmd_core(args: argparse.Namespace) -> int:
     import asyncio
 
+    from core_svc.admin import AdminPolicy
     from core_svc.server import serve_core
 
+    if args.profile_dir is not None and not args.enable_admin_rpcs:
+        raise ValueError("--profile-dir is where StartProfile writes: it needs --enable-admin-rpcs")
+    options = server_options_from_args(args)
+    admin = AdminPolicy.enabled_with(args.profile_dir) if args.enable_admin_rpcs else AdminPolicy()
     config = core_config_from_args(args, resolve_model_arg(args.model))
-    return asyncio.run(
-        serve_core(
-            config,
-            args.host,
-            args.port,
-            message_limits_from_args(args),
-            args.shutdown_timeout,
-            args.metrics_port,
-        )
-    )
+    return asyncio.run(serve_core(config, options, admin))
+
+
+def core_tls_from_args(args: argparse.Namespace) -> Any:
+    """A frontend's ``ClientTLS`` to its cores: TLS when any ``--core-ssl-*`` flag is given, else None."""
+    from splitserve.tls import ClientTLS
+
+    flags = (args.core_ssl_ca_certs, args.core_ssl_certfile, args.core_ssl_keyfile, args.core_ssl_server_name)
+    if all(value is None for value in flags):
+        return None
+    if (args.core_ssl_certfile is None) != (args.core_ssl_keyfile is None):
+        raise ValueError("--core-ssl-keyfile and --core-ssl-certfile go together")
+    return ClientTLS(args.core_ssl_ca_certs, args.core_ssl_certfile, args.core_ssl_keyfile, args.core_ssl_server_name)
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
@@ -259,23 +329,22 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     from frontend_svc.core_discovery import CoreTarget
     from frontend_svc.generation_config import check_generation_config
-    from frontend_svc.server import serve_frontend
+    from frontend_svc.server import FrontendOptions, serve_frontend
 
     cores = [address.strip() for address in args.core.split(",") if address.strip()]
     for address in cores:
         CoreTarget.parse(address)  # a bad one fails here, with its name, before anything starts
     check_generation_config(args.generation_config)  # not only once a core answers
+    options = server_options_from_args(args)
+    frontend = FrontendOptions(
+        args.trust_request_chat_template, args.generation_config, api_key_from_args(args), core_tls_from_args(args)
+    )
     return asyncio.run(
         serve_frontend(
             resolve_model_arg(args.model, build_demo=False),  # building it needs torch: the core's job
             cores,
-            args.host,
-            args.port,
-            message_limits_from_args(args),
-            args.shutdown_timeout,
-            args.trust_request_chat_template,
-            args.metrics_port,
-            args.generation_config,
+            options,
+            frontend,
         )
     )
 
@@ -284,22 +353,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from frontend_svc.generation_config import check_generation_config
-    from frontend_svc.server import serve_frontend
+    from frontend_svc.server import FrontendOptions, serve_frontend
 
     check_generation_config(args.generation_config)  # not only once the model has loaded
+    options = server_options_from_args(args)
+    frontend = FrontendOptions(args.trust_request_chat_template, args.generation_config, api_key_from_args(args))
     return asyncio.run(
-        serve_frontend(
-            resolve_model_arg(args.model),
-            None,
-            args.host,
-            args.port,
-            message_limits_from_args(args),
-            args.shutdown_timeout,
-            args.trust_request_chat_template,
-            args.metrics_port,
-            args.generation_config,
-            **core_kwargs_from_args(args),
-        )
+        serve_frontend(resolve_model_arg(args.model), None, options, frontend, **core_kwargs_from_args(args))
     )
 
 
@@ -311,18 +371,21 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
     from splitserve import stack
 
+    tls = stack.StackTLS.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
+    api_key = api_key_from_args(args)
     model = resolve_model_arg(args.model)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitserve-logs-"))
     print(f"starting the split stack for {model} (logs in {log_dir})", flush=True)
-    core = stack.start_core(model, log_dir, port=args.core_port or None)
+    core = stack.start_core(model, log_dir, port=args.core_port or None, tls=tls)
     frontend = None
     try:
         core.wait_serving()
-        frontend = stack.start_frontend(model, [core.address], log_dir, port=args.port or None)
+        frontend_args = ["--api-key", api_key] if args.api_key else []  # else it reads $SPLITSERVE_API_KEY itself
+        frontend = stack.start_frontend(model, [core.address], log_dir, frontend_args, args.port or None, tls)
         frontend.wait_serving()
         print(f"core {core.address} and frontend {frontend.address} are SERVING", flush=True)
         if args.command == "demo":
-            return asyncio.run(_demo(frontend.address))
+            return asyncio.run(_demo(frontend.address, tls.client() if tls is not None else None, api_key))
         print("Ctrl-C stops both.", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         while core.process.poll() is None and frontend.process.poll() is None:
@@ -335,10 +398,10 @@ def cmd_stack(args: argparse.Namespace) -> int:
         print("stopped: " + ", ".join(f"{name} exited {code}" for name, code in codes), flush=True)
 
 
-async def _demo(address: str) -> int:
+async def _demo(address: str, tls: Any, api_key: str | None) -> int:
     from splitserve.demo_client import run_demo
 
-    return await run_demo(address)
+    return await run_demo(address, tls, api_key)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -378,6 +441,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_core_args(p)
     add_server_args(p, 50061)
     p.add_argument(
+        "--enable-admin-rpcs",
+        action="store_true",
+        help="allow ResetPrefixCache, StartProfile and StopProfile (off: UNIMPLEMENTED) to every client that "
+        "reaches the port",
+    )
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="StartProfile writes only under this directory (default: a new private temporary directory)",
+    )
+    p.add_argument(
         "--seed", dest="engine_seed", type=int, default=0, help="seed of the engine RNG (unseeded random sampling)"
     )
     p.set_defaults(func=cmd_core)
@@ -391,6 +465,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(a headless Service), resolved again every 5 s",
     )
     add_server_args(p, 50051)
+    add_api_key_arg(p)
+    add_ssl_args(
+        p,
+        "core-",
+        "the certificate this frontend presents to cores that require one (mTLS)",
+        "the cores' certificates must be signed by one (default: the system's roots)",
+    )
+    p.add_argument(
+        "--core-ssl-server-name",
+        default=None,
+        help="the name the cores' certificates must carry (default: the NAME of dns:///NAME:PORT, else the host)",
+    )
     add_chat_template_arg(p)
     add_generation_config_arg(p)
     p.set_defaults(func=cmd_frontend)
@@ -398,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
     add_core_args(p)
     add_server_args(p, 50051)
+    add_api_key_arg(p)
     add_chat_template_arg(p)
     add_generation_config_arg(p)
     p.set_defaults(func=cmd_serve)
@@ -410,6 +497,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="'' (default): liveness; splitserve.frontend.v1.Generation or splitserve.engine.v1.EngineCore: readiness",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.add_argument("--tls", action="store_true", help="speak TLS (implied by any --ssl-* flag)")
+    add_ssl_args(
+        p,
+        "",
+        "the client certificate, for a server that requires one",
+        "the server's certificate must be signed by one (default: the system's roots)",
+    )
+    p.add_argument(
+        "--ssl-server-name", default=None, help="the name the server's certificate must carry (default: the host)"
+    )
     p.set_defaults(func=cmd_health)
 
     for name, text in (
@@ -423,6 +520,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--port", type=int, default=0, help="frontend port (default: a free one)")
         p.add_argument("--core-port", type=int, default=0, help="core port (default: a free one)")
         p.add_argument("--log-dir", default=None, help="where the two processes log (default: a temporary folder)")
+        add_ssl_args(
+            p,
+            "",
+            "both servers' certificate, which the frontend also presents to the core (server and client auth)",
+            "signs it; the core requires it of the frontend (mTLS), the frontend and the demo check against it",
+        )
+        add_api_key_arg(p)
         p.set_defaults(func=cmd_stack)
 
     from benchmarks.cli import add_bench_parser

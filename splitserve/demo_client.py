@@ -8,10 +8,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.tls import ClientTLS, bearer_metadata, secure_or_insecure_aio_channel
 
 
 @dataclass
@@ -52,14 +51,18 @@ class Timing:
     completion_tokens: int
 
 
-async def run_request(stub: api_grpc.GenerationStub, request: DemoRequest, show: bool) -> Timing:
-    """Stream one request; with ``show``, print each completion's text as it arrives."""
+async def run_request(
+    stub: api_grpc.GenerationStub, request: DemoRequest, show: bool, metadata: tuple[tuple[str, str], ...] = ()
+) -> Timing:
+    """Stream one request; with ``show``, print each completion's text as it arrives. ``metadata``: sent with the
+    call (the API key)."""
     start = time.perf_counter()
     if request.chat:
         message = api.ChatMessage(role="user", content=[api.ContentPart(text=request.chat)])
-        call = stub.Chat(api.ChatRequest(messages=[message], sampling_params=request.params))
+        call = stub.Chat(api.ChatRequest(messages=[message], sampling_params=request.params), metadata=metadata)
     else:
-        call = stub.Generate(api.GenerateRequest(prompt=request.prompt, sampling_params=request.params))
+        request_pb = api.GenerateRequest(prompt=request.prompt, sampling_params=request.params)
+        call = stub.Generate(request_pb, metadata=metadata)
     ttft = None
     completion_tokens = 0
     texts: dict[int, str] = {}
@@ -79,23 +82,25 @@ async def run_request(stub: api_grpc.GenerationStub, request: DemoRequest, show:
     return Timing(ttft if ttft is not None else latency, latency, completion_tokens)
 
 
-async def run_demo(address: str) -> int:
-    """Each request streamed live, one after the other; then all at once (batched by the core). Returns 0."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def run_demo(address: str, tls: ClientTLS | None = None, api_key: str | None = None) -> int:
+    """Each request streamed live, one after the other; then all at once (batched by the core). Returns 0.
+    ``tls``: the frontend serves TLS; ``api_key``: it requires that key."""
+    metadata = bearer_metadata(api_key)
+    async with secure_or_insecure_aio_channel(address, tls) as channel:
         stub = api_grpc.GenerationStub(channel)
-        info = await stub.GetModelInfo(api.GetModelInfoRequest())
+        info = await stub.GetModelInfo(api.GetModelInfoRequest(), metadata=metadata)
         print(f"model {info.model} (max_model_len {info.max_model_len}, vocabulary {info.vocab_size}) at {address}\n")
         for request in demo_requests():
             shown = request.chat or request.prompt
             print(f"--- {request.label}: {shown!r}\n", end="")
-            timing = await run_request(stub, request, show=True)
+            timing = await run_request(stub, request, show=True, metadata=metadata)
             print(
                 f"\n    TTFT {timing.ttft_s * 1000:.0f} ms, latency {timing.latency_s * 1000:.0f} ms, "
                 f"{timing.completion_tokens} tokens\n"
             )
         requests = demo_requests()
         start = time.perf_counter()
-        timings = await asyncio.gather(*(run_request(stub, r, show=False) for r in requests))
+        timings = await asyncio.gather(*(run_request(stub, r, show=False, metadata=metadata) for r in requests))
         wall = time.perf_counter() - start
         print(f"--- the same {len(requests)} requests at once: {wall:.2f} s in all")
         for request, timing in zip(requests, timings, strict=True):

@@ -39,3 +39,9 @@ def tokenizers_dir() -> Path | None:
     """SPLITSERVE_TOKENIZERS_DIR: a folder of real tokenizers (llama2, gpt2) for the benchmarks and tests."""
     value = os.environ.get("SPLITSERVE_TOKENIZERS_DIR")
     return Path(value) if value else None
+
+
+def api_key() -> str | None:
+    """SPLITSERVE_API_KEY: the default of a frontend's ``--api-key`` (vLLM's VLLM_API_KEY). An environment variable
+    (from a Kubernetes Secret, say) keeps the key out of the process list, where a flag's value shows."""
+    return os.environ.get("SPLITSERVE_API_KEY") or None

@@ -1,4 +1,5 @@
-"""What both gRPC servers share: options, health, reflection, and SIGTERM handling. Imports grpc only."""
+"""What both gRPC servers share: how they listen (address, message limits, TLS, metrics endpoint), health,
+reflection, and SIGTERM handling. Imports grpc only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from splitserve.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,6 +78,42 @@ class MessageLimits:
             ("grpc.max_receive_message_length", self.receive_bytes),
             ("grpc.max_send_message_length", self.send_bytes),
         ]
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How a server listens: the flags both servers take (``--host``, ``--port``, message limits,
+    ``--shutdown-timeout``, ``--metrics-host`` / ``--metrics-port``, ``--ssl-*``)."""
+
+    host: str = "0.0.0.0"
+    port: int = 0  # 0: any free port
+    message_limits: MessageLimits = MessageLimits()
+    shutdown_timeout_s: float = 30.0  # how long in-flight requests get to finish after SIGTERM
+    metrics_port: int | None = None  # None: no /metrics endpoint
+    metrics_host: str | None = None  # the /metrics endpoint's address; None: ``host``
+    tls: ServerTLS | None = None  # None: plaintext
+
+    @property
+    def metrics_bind_host(self) -> str:
+        return self.metrics_host if self.metrics_host is not None else self.host
+
+
+def add_port(server: grpc.aio.Server, options: ServerOptions) -> int:
+    """Listen on ``options.host:options.port``, with TLS when ``options.tls`` is set; returns the port bound.
+
+    Raises:
+        ValueError: a TLS file cannot be read or is not PEM.
+        RuntimeError: the address cannot be bound (grpc's error).
+    """
+    address = f"{options.host}:{options.port}"
+    if options.tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, options.tls.credentials())
+
+
+def describe_transport(options: ServerOptions) -> str:
+    """For the startup log: "plaintext", "TLS" or "TLS, client certificates required"."""
+    return options.tls.describe() if options.tls is not None else "plaintext"
 
 
 def make_server(limits: MessageLimits | None = None, interceptors: Sequence[object] = ()) -> grpc.aio.Server:

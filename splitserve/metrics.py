@@ -1,5 +1,6 @@
-"""What both services share for Prometheus: the registry, the ``/metrics`` endpoint, vLLM's histogram buckets,
-and a gRPC server interceptor that counts calls by method and status. Imports prometheus_client and grpc only.
+"""What both services share for Prometheus: the registry, vLLM's histogram buckets, and a gRPC server interceptor
+that counts calls by method and status (the ``/metrics`` endpoint: ``splitserve.metrics_server``). Imports
+prometheus_client and grpc only.
 
 Metric names follow vLLM v1's (``vllm/v1/metrics/loggers.py``) with the ``splitserve:`` prefix and the same
 labels (``model_name``, ``engine``); ``docs/observability.md`` lists which service exports which.
@@ -10,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import (
@@ -25,7 +24,6 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client import start_http_server as _start_http_server
 
 logger = logging.getLogger(__name__)
 PREFIX = "splitserve:"
@@ -96,26 +94,6 @@ class LabelledMetrics:
 
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
-
-
-class MetricsServer:
-    """``/metrics`` over HTTP on its own daemon thread (prometheus_client's server).
-
-    Raises:
-        OSError: from the constructor, when the port cannot be bound.
-    """
-
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
-        self._server: WSGIServer
-        self._thread: threading.Thread
-        self._server, self._thread = _start_http_server(port, addr=host, registry=registry)
-        self.port: int = self._server.server_port
-        logger.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
 
 
 class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):

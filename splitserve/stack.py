@@ -19,6 +19,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.tls import ClientTLS, secure_or_insecure_channel
+
 CORE_SERVICE = "splitserve.engine.v1.EngineCore"
 FRONTEND_SERVICE = "splitserve.frontend.v1.Generation"
 
@@ -28,6 +30,44 @@ def free_port() -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StackTLS:
+    """One CA and one certificate for a whole stack (``splitserve stack --ssl-*``): the core serves with it and
+    requires a client certificate signed by the CA (mTLS), the frontend serves with it (TLS) and presents it to the
+    core, and clients check both against the CA. The certificate must name the host the processes are reached at
+    (localhost or 127.0.0.1) and allow both server and client authentication."""
+
+    certfile: str
+    keyfile: str
+    ca_certs: str
+
+    @classmethod
+    def from_flags(cls, keyfile: str | None, certfile: str | None, ca_certs: str | None) -> StackTLS | None:
+        """None (plaintext) when no flag is given.
+
+        Raises:
+            ValueError: some of the three are given, not all.
+        """
+        given = [value is not None for value in (keyfile, certfile, ca_certs)]
+        if not any(given):
+            return None
+        if not all(given):
+            raise ValueError("a TLS stack needs --ssl-keyfile, --ssl-certfile and --ssl-ca-certs")
+        return cls(certfile, keyfile, ca_certs)  # type: ignore[arg-type]
+
+    def core_args(self) -> list[str]:
+        return ["--ssl-keyfile", self.keyfile, "--ssl-certfile", self.certfile, "--ssl-ca-certs", self.ca_certs]
+
+    def frontend_args(self) -> list[str]:
+        server = ["--ssl-keyfile", self.keyfile, "--ssl-certfile", self.certfile]
+        to_core = ["--core-ssl-keyfile", self.keyfile, "--core-ssl-certfile", self.certfile]
+        return [*server, *to_core, "--core-ssl-ca-certs", self.ca_certs]
+
+    def client(self) -> ClientTLS:
+        """A client of either server: checks it against the CA, presents the certificate (the core requires one)."""
+        return ClientTLS(self.ca_certs, self.certfile, self.keyfile)
 
 
 @dataclass
@@ -40,12 +80,17 @@ class ServiceProcess:
     log_path: Path | None = None
     argv: list[str] = field(default_factory=list)
     service: str = FRONTEND_SERVICE  # the gRPC service whose health is this process's readiness
+    tls: ClientTLS | None = None  # how to reach it: None, plaintext
+
+    def channel(self) -> grpc.Channel:
+        """A blocking channel to the process (TLS when it serves TLS)."""
+        return secure_or_insecure_channel(self.address, self.tls)
 
     def health(self, timeout_s: float = 1.0) -> int:
         """The grpc.health.v1 readiness status (health_pb2.HealthCheckResponse.ServingStatus) of the process's
         service; 0 (UNKNOWN) when it does not answer."""
         try:
-            with grpc.insecure_channel(self.address) as channel:
+            with self.channel() as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 return stub.Check(health_pb2.HealthCheckRequest(service=self.service), timeout=timeout_s).status
         except grpc.RpcError:
@@ -97,10 +142,12 @@ def start_service(
     host: str = "127.0.0.1",
     env: dict[str, str] | None = None,
     launcher: Sequence[str] = (),
+    tls: ClientTLS | None = None,
 ) -> ServiceProcess:
     """``splitserve <args...> --host <host> --port <port>`` as a child process, logging to ``log_dir``;
     ``service``: the gRPC service whose health tells its readiness; ``env``: added to this environment;
-    ``launcher``: the command that runs ``splitserve`` (default: this Python's ``-m splitserve.cli``)."""
+    ``launcher``: the command that runs ``splitserve`` (default: this Python's ``-m splitserve.cli``); ``tls``:
+    how to reach it when it serves TLS (its own ``--ssl-*`` flags are in ``args``)."""
     argv = [*(launcher or [sys.executable, "-m", "splitserve.cli"]), *args, "--host", host, "--port", str(port)]
     log_path = None
     stdout: int | object = subprocess.DEVNULL
@@ -110,23 +157,32 @@ def start_service(
         stdout = log_path.open("wb")
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     process = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT, env=child_env)  # type: ignore[arg-type]
-    return ServiceProcess(name, f"{host}:{port}", process, log_path, argv, service)
+    return ServiceProcess(name, f"{host}:{port}", process, log_path, argv, service, tls)
 
 
 def start_core(
-    model: str, log_dir: Path | None, extra_args: Sequence[str] = (), port: int | None = None
+    model: str,
+    log_dir: Path | None,
+    extra_args: Sequence[str] = (),
+    port: int | None = None,
+    tls: StackTLS | None = None,
 ) -> ServiceProcess:
+    """A core on loopback; with ``tls``, serving TLS and requiring the frontend's certificate."""
     port = port or free_port()
-    return start_service(f"core-{port}", ["core", "--model", model, *extra_args], port, log_dir, CORE_SERVICE)
+    args = ["core", "--model", model, *(tls.core_args() if tls else []), *extra_args]
+    return start_service(f"core-{port}", args, port, log_dir, CORE_SERVICE, tls=tls.client() if tls else None)
 
 
 def start_frontend(
-    model: str, core_addresses: list[str], log_dir: Path | None, extra_args: Sequence[str] = (), port: int | None = None
+    model: str,
+    core_addresses: list[str],
+    log_dir: Path | None,
+    extra_args: Sequence[str] = (),
+    port: int | None = None,
+    tls: StackTLS | None = None,
 ) -> ServiceProcess:
+    """A frontend on loopback over ``core_addresses``; with ``tls``, serving TLS and presenting the stack's
+    certificate to the cores."""
     port = port or free_port()
-    return start_service(
-        f"frontend-{port}",
-        ["frontend", "--model", model, "--core", ",".join(core_addresses), *extra_args],
-        port,
-        log_dir,
-    )
+    args = ["frontend", "--model", model, "--core", ",".join(core_addresses), *(tls.frontend_args() if tls else [])]
+    return start_service(f"frontend-{port}", [*args, *extra_args], port, log_dir, tls=tls.client() if tls else None)

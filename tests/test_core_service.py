@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from core_svc.admin import AdminPolicy
 from core_svc.engine_loop import EngineLoop
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
@@ -132,7 +133,7 @@ class _Context:
         ("StartProfile", core_pb.StartProfileRequest()),
     ],
 )
-def test_a_call_racing_the_loop_stop_answers_unavailable(method, request_message, monkeypatch):
+def test_a_call_racing_the_loop_stop_answers_unavailable(method, request_message, monkeypatch, tmp_path):
     """The loop stops after the servicer saw it alive and before its command ran: the call ends with UNAVAILABLE
     and the loop's reason (GetLoad and ResetPrefixCache used to end with UNKNOWN, an unmapped exception)."""
     import grpc
@@ -146,7 +147,8 @@ def test_a_call_racing_the_loop_stop_answers_unavailable(method, request_message
         return call(fn)
 
     monkeypatch.setattr(engine_loop, "call", stop_then_call)
-    servicer = EngineCoreServicer(CoreServerState(engine_loop=engine_loop))
+    admin = AdminPolicy.enabled_with(tmp_path)  # ResetPrefixCache and StartProfile are admin RPCs
+    servicer = EngineCoreServicer(CoreServerState(engine_loop=engine_loop, admin=admin))
     context = _Context()
     with pytest.raises(_Aborted):
         asyncio.run(getattr(servicer, method)(request_message, context))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import grpc
 import pytest
@@ -33,10 +34,15 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def services(model, tmp_path_factory):
-    """One core and two frontends on it."""
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def services(model, tmp_path_factory, profile_dir):
+    """One core (admin RPCs on, profiles under ``profile_dir``) and two frontends on it."""
     logs = tmp_path_factory.mktemp("split-logs")
-    core = stack.start_core(model, logs, CORE_ARGS)
+    core = stack.start_core(model, logs, [*CORE_ARGS, "--enable-admin-rpcs", "--profile-dir", str(profile_dir)])
     frontends = []
     try:
         core.wait_serving()
@@ -368,19 +374,27 @@ def test_health_and_reflection_answer(services, which):
         assert described.file_descriptor_response.file_descriptor_proto
 
 
-def test_profile_rpcs_write_a_chrome_trace(services, tmp_path):
+def test_profile_rpcs_write_a_chrome_trace_under_the_profile_dir(services, profile_dir, tmp_path):
+    """With --enable-admin-rpcs: a profile's output_dir is taken under --profile-dir; one that would lie outside
+    (a '..', an absolute path elsewhere, a link inside pointing out) is INVALID_ARGUMENT, and nothing is written."""
     core, (frontend, _) = services
+    (profile_dir / "link-out").symlink_to(tmp_path)
     with grpc.insecure_channel(core.address) as channel:
         stub = core_grpc.EngineCoreStub(channel)
-        stub.StartProfile(core_pb.StartProfileRequest(output_dir=str(tmp_path)), timeout=30)
+        for outside in ("../escape", str(tmp_path), "link-out"):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.StartProfile(core_pb.StartProfileRequest(output_dir=outside), timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, outside
+            assert info.value.details().startswith(f"output_dir: {outside!r} "), info.value.details()
+        stub.StartProfile(core_pb.StartProfileRequest(output_dir="run-1"), timeout=30)
         with pytest.raises(grpc.RpcError) as info:
             stub.StartProfile(core_pb.StartProfileRequest(), timeout=30)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         asyncio.run(generate(frontend.address, PROMPTS[0], greedy(max_tokens=4)))
         path = stub.StopProfile(core_pb.StopProfileRequest(), timeout=60).trace_path
     trace = json.loads(open(path).read())
-    assert trace["traceEvents"] and path.startswith(str(tmp_path))
-    assert stub is not None
+    assert trace["traceEvents"] and os.path.dirname(path) == str(profile_dir.resolve() / "run-1")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_llm_with_a_remote_core(services, model, reference):
@@ -388,6 +402,7 @@ def test_llm_with_a_remote_core(services, model, reference):
     with LLM(model, core_address=core.address) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.reset_prefix_cache() is True  # nothing runs; the core's admin RPCs are on
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert (output.outputs[0].text, output.outputs[0].token_ids) == (
             reference[prompt].text,

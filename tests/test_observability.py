@@ -298,6 +298,7 @@ def test_no_tracing_without_the_environment(checkpoint, monkeypatch):
 
     from frontend_svc.server import serve_frontend
     from splitserve import tracing
+    from splitserve.grpc_runtime import ServerOptions
 
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
         monkeypatch.delenv(name, raising=False)
@@ -316,7 +317,8 @@ def test_no_tracing_without_the_environment(checkpoint, monkeypatch):
     model = str(checkpoint("llama", "tiny"))
 
     async def scenario() -> tuple[list[int], list[str], str]:
-        server = asyncio.create_task(serve_frontend(model, None, "127.0.0.1", port, metrics_port=metrics_port))
+        options = ServerOptions("127.0.0.1", port, metrics_port=metrics_port)
+        server = asyncio.create_task(serve_frontend(model, None, options))
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = api_grpc.GenerationStub(channel)
             for _ in range(600):
@@ -369,11 +371,12 @@ def test_console_exporter_and_bad_protocol(monkeypatch):
 
 def test_metrics_port_in_use_fails_clearly():
     from splitserve import metrics
+    from splitserve.metrics_server import MetricsServer
 
-    first = metrics.MetricsServer(metrics.make_registry(), 0, "127.0.0.1")
+    first = MetricsServer(metrics.make_registry(), 0, "127.0.0.1")
     try:
         with pytest.raises(OSError):
-            metrics.MetricsServer(metrics.make_registry(), first.port, "127.0.0.1")
+            MetricsServer(metrics.make_registry(), first.port, "127.0.0.1")
     finally:
         first.stop()
     time.sleep(0)
