@@ -15,6 +15,7 @@ describe work as processes on loopback (no Docker engine or cluster runs here).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ from tests.metrics_helpers import sample, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml"]
+COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml", ROOT / "docker-compose.tls.yml"]
 CORE_SERVICE, FRONTEND_SERVICE = stack.CORE_SERVICE, stack.FRONTEND_SERVICE
 K8S_VERSION = "1.33.0"
 # Variables the deployment files may set: ours (splitserve/envs.py), the standard OpenTelemetry ones, and the
@@ -56,11 +57,29 @@ def base_manifests() -> list[dict]:
 
 
 def rendered(overlay: str) -> list[dict]:
+    return kustomize(K8S / "overlays" / overlay)
+
+
+def kustomize(directory: Path) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl (for `kubectl kustomize`) is not installed")
-    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True)
+    out = subprocess.run([kubectl, "kustomize", str(directory)], check=True, capture_output=True)
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def rendered_with_tls(overlay: str, tmp_path: Path) -> list[dict]:
+    """An overlay with the TLS component, as a user's own kustomization would combine them (kustomize takes
+    relative paths only)."""
+    relative = Path(os.path.relpath(K8S, tmp_path))
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [str(relative / "overlays" / overlay)],
+        "components": [str(relative / "components" / "tls")],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return kustomize(tmp_path)
 
 
 def by_kind(docs: list[dict], kind: str, name: str) -> dict:
@@ -118,6 +137,7 @@ def test_kubernetes_manifests_validate(source):
         "Deployment",
         "HorizontalPodAutoscaler",
         "PodDisruptionBudget",
+        "NetworkPolicy",
     }
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on any schema error
@@ -195,6 +215,153 @@ def test_kubernetes_commands_ports_and_probes_agree_with_the_cli(source):
         core = container(docs, "StatefulSet", "splitserve-core")
         assert core["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert parse(core["args"]).device == "cuda"
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A label selector with only ``matchLabels`` (what the manifests use) against a pod's labels."""
+    assert set(selector) == {"matchLabels"}, selector
+    return selector["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("source", ["base", "cpu", "gpu"])
+def test_only_frontends_reach_the_cores_grpc_port(source):
+    """The NetworkPolicy isolates core pods (ingress only): their gRPC port from frontend pods, their metrics port
+    from Prometheus, nothing else; frontend pods stay unselected (reachable as before)."""
+    docs = base_manifests() if source == "base" else rendered(source)
+    core_pod = by_kind(docs, "StatefulSet", "splitserve-core")["spec"]["template"]
+    frontend_pod = by_kind(docs, "Deployment", "splitserve-frontend")["spec"]["template"]
+    core_labels, frontend_labels = core_pod["metadata"]["labels"], frontend_pod["metadata"]["labels"]
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    (policy,) = policies
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert selects(spec["podSelector"], core_labels) and not selects(spec["podSelector"], frontend_labels)
+    core_ports = {p["name"]: p["containerPort"] for p in container(docs, "StatefulSet", "splitserve-core")["ports"]}
+    allowed: dict[str, list[dict]] = {}
+    for rule in spec["ingress"]:
+        assert rule["from"] and rule["ports"], rule  # an empty list would allow every source or every port
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP" and port["port"] in core_ports, port
+            allowed.setdefault(port["port"], []).extend(rule["from"])
+    assert set(allowed) == {"grpc", "metrics"} == set(core_ports)
+    (grpc_peer,) = allowed["grpc"]
+    assert set(grpc_peer) == {"podSelector"}  # pods of this namespace only
+    assert selects(grpc_peer["podSelector"], frontend_labels) and not selects(grpc_peer["podSelector"], core_labels)
+    (metrics_peer,) = allowed["metrics"]
+    assert set(metrics_peer) == {"namespaceSelector", "podSelector"}  # both: Prometheus pods in that namespace
+    assert not selects(metrics_peer["podSelector"], frontend_labels)
+    # The headless Service's gRPC port is the one the policy opens to frontends.
+    core_service = by_kind(docs, "Service", "splitserve-core")
+    assert {p["targetPort"] for p in core_service["spec"]["ports"]} == set(allowed)
+
+
+TLS_DIR = "/etc/splitserve/tls"
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_the_tls_component_mounts_one_secret_and_agrees_with_the_cli(overlay, tmp_path):
+    from splitserve.cli import core_tls_from_args, health_tls_from_args, server_options_from_args
+
+    docs = rendered_with_tls(overlay, tmp_path)
+    plain = rendered(overlay)
+    for doc in docs:
+        kubernetes_validate_strict(doc)
+    files = {"key": f"{TLS_DIR}/tls.key", "cert": f"{TLS_DIR}/tls.crt", "ca": f"{TLS_DIR}/ca.crt"}
+    for name, kind, service, port in (
+        ("splitserve-core", "StatefulSet", CORE_SERVICE, 50061),
+        ("splitserve-frontend", "Deployment", FRONTEND_SERVICE, 50051),
+    ):
+        pod = by_kind(docs, kind, name)["spec"]["template"]["spec"]
+        c = container(docs, kind, name)
+        # The Secret cert-manager writes, mounted read-only where the flags point, readable by the pod's user.
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "splitserve-tls"
+        assert {"name": "tls", "mountPath": TLS_DIR, "readOnly": True} in c["volumeMounts"]
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+        # The overlay's own flags are kept; the TLS flags come after them.
+        plain_args = container(plain, kind, name)["args"]
+        assert c["args"][: len(plain_args)] == plain_args
+        options = server_options_from_args(parse(c["args"]))
+        assert (options.tls.keyfile, options.tls.certfile) == (files["key"], files["cert"])
+        # kubelet gRPC probes speak plaintext only: the probes run `splitserve health` over TLS instead.
+        for probe_kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            probe = c[probe_kind]
+            assert set(probe) >= {"exec"} and "grpc" not in probe, probe_kind
+            command = probe["exec"]["command"]
+            assert command[0] == "splitserve"
+            check = parse(command[1:])
+            assert check.func.__name__ == "cmd_health" and check.address == f"127.0.0.1:{port}"
+            assert check.service == (service if probe_kind == "readinessProbe" else ""), probe_kind
+            tls = health_tls_from_args(check)
+            assert tls.ca_certs == files["ca"]
+            assert probe["timeoutSeconds"] >= 5  # a Python process starts per probe
+            # The probe checks the certificate for the name clients use: the core's headless Service, which
+            # frontends dial (dns:///NAME), and the frontends' Service.
+            service_name = "splitserve-core" if kind == "StatefulSet" else "splitserve"
+            assert tls.server_name == service_name and by_kind(docs, "Service", service_name)
+            if kind == "StatefulSet":  # the core requires a client certificate: the probe presents one
+                assert (tls.certfile, tls.keyfile) == (files["cert"], files["key"])
+        if kind == "StatefulSet":
+            assert options.tls.ca_certs == files["ca"]  # mTLS: frontends must present a certificate
+        else:
+            assert options.tls.ca_certs is None  # public clients need none; they send the API key
+            core_tls = core_tls_from_args(parse(c["args"]))
+            assert (core_tls.ca_certs, core_tls.certfile, core_tls.keyfile) == (
+                files["ca"],
+                files["cert"],
+                files["key"],
+            )
+            assert core_tls.server_name is None  # dns:///splitserve-core: checked against splitserve-core
+            assert flag(c["args"], "--core").startswith("dns:///splitserve-core:")
+            (env,) = [e for e in c["env"] if e["name"] == "SPLITSERVE_API_KEY"]
+            assert env["valueFrom"]["secretKeyRef"] == {"name": "splitserve-api-key", "key": "api-key"}
+            assert "SPLITSERVE_API_KEY" in splitserve_envs() and "--api-key" not in c["args"]
+    if overlay == "gpu":
+        assert parse(container(docs, "StatefulSet", "splitserve-core")["args"]).device == "cuda"
+
+
+def kubernetes_validate_strict(doc: dict) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_compose_tls_override_adds_tls_to_the_same_commands():
+    from splitserve.cli import core_tls_from_args, health_tls_from_args, server_options_from_args
+
+    base = yaml.safe_load(COMPOSE_FILES[0].read_text())["services"]
+    override = yaml.safe_load(COMPOSE_FILES[2].read_text())["services"]
+    assert set(override) == {"core", "frontend"}
+    certs = {"key": "/certs/tls.key", "cert": "/certs/tls.crt", "ca": "/certs/ca.crt"}
+    for name in ("core", "frontend"):
+        entry = override[name]
+        assert entry["volumes"] == ["./certs:/certs:ro"]
+        command = entry["command"]
+        assert command[: len(base[name]["command"])] == base[name]["command"]  # the base's flags, then TLS's
+        options = server_options_from_args(parse(command))
+        assert (options.tls.keyfile, options.tls.certfile) == (certs["key"], certs["cert"])
+        health = entry["healthcheck"]["test"]
+        assert health[:2] == ["CMD", "splitserve"]
+        check = parse(health[2:])
+        assert health[1:7] == base[name]["healthcheck"]["test"][1:]  # same address and service, then TLS flags
+        tls = health_tls_from_args(check)
+        assert tls.ca_certs == certs["ca"]
+        if name == "core":
+            assert options.tls.ca_certs == certs["ca"]  # mTLS
+            assert (tls.certfile, tls.keyfile, tls.server_name) == (certs["cert"], certs["key"], "core")
+        else:
+            assert options.tls.ca_certs is None and tls.server_name == "localhost"
+            core_tls = core_tls_from_args(parse(command))
+            assert (core_tls.ca_certs, core_tls.certfile, core_tls.keyfile) == (
+                certs["ca"],
+                certs["cert"],
+                certs["key"],
+            )
+            assert flag(command, "--core") == "dns:///core:50061"  # checked against the name "core"
+            assert set(entry["environment"]) == {"SPLITSERVE_API_KEY"}
+            assert "SPLITSERVE_API_KEY" in splitserve_envs()
+    ignored = (ROOT / ".gitignore").read_text().splitlines() + (ROOT / ".dockerignore").read_text().splitlines()
+    assert "/certs/" in ignored and "certs" in ignored  # keys stay out of git and out of images
 
 
 def dockerfile_instructions(path: Path) -> dict[str, list[str]]:
