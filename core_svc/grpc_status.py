@@ -12,15 +12,16 @@ from core_svc.errors import (
     ProfileStateError,
     RequestTooLargeError,
 )
+from splitserve.grpc_errors import UndecodableRequestError
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
-    """validation -> INVALID_ARGUMENT, unknown LoRA -> NOT_FOUND, can-never-fit -> RESOURCE_EXHAUSTED, profile
-    already running or not running -> FAILED_PRECONDITION, engine not serving (``EngineUnavailableError``,
-    ``ModelLoadError``) -> UNAVAILABLE, anything else -> INTERNAL: a failed step (``EngineStepError``) and any
-    unexpected exception (torch raises ``RuntimeError``) are faults of the server, never answered with the
-    retryable UNAVAILABLE."""
-    if isinstance(error, InvalidRequestError):
+    """validation and a message that does not parse -> INVALID_ARGUMENT, unknown LoRA -> NOT_FOUND,
+    can-never-fit -> RESOURCE_EXHAUSTED, profile already running or not running -> FAILED_PRECONDITION, engine
+    not serving (``EngineUnavailableError``, ``ModelLoadError``) -> UNAVAILABLE, anything else -> INTERNAL: a
+    failed step (``EngineStepError``) and any unexpected exception (torch raises ``RuntimeError``) are faults of
+    the server, never answered with the retryable UNAVAILABLE."""
+    if isinstance(error, InvalidRequestError | UndecodableRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, LoRANotFoundError):
         return grpc.StatusCode.NOT_FOUND

@@ -20,6 +20,7 @@ from core_svc.request import FinishReason
 from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, outputs_to_pb_messages, request_from_pb
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
+from splitserve.grpc_errors import UndecodableRequestError, finish_reading
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
@@ -28,9 +29,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class _ReaderDone:
-    """The client stopped sending (half-close), or sent something that did not parse (``error``)."""
+    """The client stopped sending (half-close), or sent something the core cannot take (``error``: a message
+    that does not parse)."""
 
-    error: str | None = None
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,9 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     ) -> AsyncIterator[pb.EngineCoreOutputs]:
         """Serve one frontend stream. When the client half-closes, its requests still run to the end, then the
         stream ends; when it goes away, they are aborted. A message that does not parse ends the stream with
-        INVALID_ARGUMENT. At the server's stop (``CoreServerState.end_streams``) it ends with OK, and what it still
-        has running is aborted."""
+        INVALID_ARGUMENT naming it, once the client has half-closed (``grpc_errors.finish_reading``), and aborts
+        its requests. At the server's stop (``CoreServerState.end_streams``) it ends with OK, and what it still has
+        running is aborted."""
         engine_loop = await self._engine_loop(context)
         event_loop = asyncio.get_running_loop()
         outbox: _Outbox = asyncio.Queue()
@@ -99,10 +102,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                 if isinstance(item, _ReaderDone):
                     reader_done = item
                     if item.error is not None:
-                        logger.warning("stream %d sent a bad message: %s", client_index, item.error)
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT, f"bad message on the stream: {item.error}"
-                        )
+                        logger.warning("stream %d ends: %s", client_index, item.error)
+                        await context.abort(status_code(item.error), str(item.error))
                     continue
                 open_ids.difference_update(item.finished_requests)
                 open_ids.difference_update(
@@ -122,7 +123,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         outbox: _Outbox,
         open_ids: set[str],
     ) -> None:
-        error: str | None = None
+        error: Exception | None = None
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("message")
@@ -143,11 +144,12 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                     engine_loop.abort_requests(list(message.abort.request_ids), client_index)
         except asyncio.CancelledError:
             return
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                error = f"{e.code().name}: {e.details()}"
-        except Exception as e:  # a message that does not deserialize, a bad field
-            error = repr(e)
+        except UndecodableRequestError as e:
+            error = e
+            await finish_reading(request_iterator)  # else an asyncio client may get INTERNAL instead of this error
+        except Exception as e:  # a fault of ours: INTERNAL
+            logger.exception("stream %d: reading its messages failed", client_index)
+            error = e
         outbox.put_nowait(_ReaderDone(error))
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext) -> pb.EngineInfo:

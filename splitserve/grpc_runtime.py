@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.grpc_errors import GrpcErrorsInterceptor
 from splitserve.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
@@ -118,17 +119,18 @@ def describe_transport(options: ServerOptions) -> str:
 
 def make_server(limits: MessageLimits | None = None, interceptors: Sequence[object] = ()) -> grpc.aio.Server:
     """An asyncio server with ``limits`` (default: ``MessageLimits()``) and our keepalive; ``interceptors``
-    (grpc.aio.ServerInterceptor: tracing, metrics) run on every call, in order."""
+    (grpc.aio.ServerInterceptor: tracing, metrics) run on every call, in order, and then
+    ``grpc_errors.GrpcErrorsInterceptor``: a request that does not parse is INVALID_ARGUMENT on every method."""
     return grpc.aio.server(
         options=(limits or MessageLimits()).options() + SERVER_KEEPALIVE_OPTIONS,
-        interceptors=list(interceptors) or None,  # type: ignore[arg-type]
+        interceptors=[*interceptors, GrpcErrorsInterceptor()],  # type: ignore[list-item]
     )
 
 
 class HealthServicer(health.aio.HealthServicer):
-    """grpcio-health-checking's asyncio servicer (``Check``, ``set``) with a ``Watch`` that ends, status OK, at
-    ``end_watches``, after sending the latest status. grpc's own Watch never ends: one still open when the
-    server stops is cancelled by grpc, which then may log a CancelledError traceback for it (at a plain
+    """grpcio-health-checking's asyncio servicer (``Check``, ``set``), with ``List``, and a ``Watch`` that ends,
+    status OK, at ``end_watches``, after sending the latest status. grpc's own Watch never ends: one still open
+    when the server stops is cancelled by grpc, which then may log a CancelledError traceback for it (at a plain
     SIGTERM, whenever a client watches)."""
 
     def __init__(self) -> None:
@@ -157,6 +159,14 @@ class HealthServicer(health.aio.HealthServicer):
                 if self._ending:
                     return
                 await self._changed.wait()
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        """Every service's status (grpc.health.v1; grpc's asyncio servicer leaves it unimplemented, which answered
+        UNKNOWN "Unexpected <class 'NotImplementedError'>")."""
+        statuses = {name: health_pb2.HealthCheckResponse(status=status) for name, status in self._statuses.items()}
+        return health_pb2.HealthListResponse(statuses=statuses)
 
     async def end_watches(self) -> None:
         """End every open ``Watch`` call, and any started from now on, with status OK, each after it has sent

@@ -4,6 +4,7 @@ servers: idle keepalive, cancelled calls counted as CANCELLED, a bounded export 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -120,6 +121,92 @@ def test_calls_cancelled_by_their_clients_are_counted_cancelled():
 def test_call_code(code, cancelled, error, expected):
     context = SimpleNamespace(code=lambda: code, cancelled=lambda: cancelled)
     assert metrics._call_code(context, error).name == expected
+
+
+class _ErrorsServicer:
+    """Handlers of grpc.health.v1.HealthCheckRequest messages that fail in the ways a handler can."""
+
+    async def raise_(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> bytes:
+        if request.service == "set code":
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+        raise RuntimeError("a bug") if request.service != "no message" else ValueError()
+
+    async def raise_streaming(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        yield b"first"
+        raise RuntimeError("a bug")
+
+    async def count(
+        self, requests: AsyncIterator[health_pb2.HealthCheckRequest], context: object
+    ) -> AsyncIterator[bytes]:
+        yield str(len([r async for r in requests])).encode()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        parse = health_pb2.HealthCheckRequest.FromString
+        return grpc.method_handlers_generic_handler(
+            "test.Errors",
+            {
+                "Raise": grpc.unary_unary_rpc_method_handler(self.raise_, parse),
+                "RaiseStreaming": grpc.unary_stream_rpc_method_handler(self.raise_streaming, parse),
+                "Count": grpc.stream_stream_rpc_method_handler(self.count, parse),
+            },
+        )
+
+
+def test_calls_that_fail_outside_the_handlers_error_mapping(caplog):
+    """What every server answers, through ``grpc_errors.GrpcErrorsInterceptor`` (``make_server`` adds it): an
+    exception a handler let through is UNKNOWN with its message and no Python class name (grpc sent "Unexpected
+    <class 'RuntimeError'>: a bug"), or the code the handler set; its traceback is logged. A request stream with a
+    message that does not parse is INVALID_ARGUMENT naming it, in every one of 50 calls made by an asyncio client
+    that sends three messages at once (``finish_reading``; without it, about 1 in 8 got INTERNAL "Internal error
+    from Core")."""
+    valid = health_pb2.HealthCheckRequest(service="s").SerializeToString()
+
+    async def scenario() -> list[tuple[grpc.StatusCode, str]]:
+        server = grpc_runtime.make_server()
+        server.add_generic_rpc_handlers([_ErrorsServicer().handler()])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        answers = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for service in ("", "set code", "no message"):
+                call = channel.unary_unary("/test.Errors/Raise")(
+                    health_pb2.HealthCheckRequest(service=service).SerializeToString()
+                )
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await call
+                answers.append((await call.code(), await call.details()))
+            call = channel.unary_stream("/test.Errors/RaiseStreaming")(valid)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                assert await call.read() == b"first"
+                await call.read()
+            answers.append((await call.code(), await call.details()))
+            count = channel.stream_stream("/test.Errors/Count")
+            for _ in range(50):
+                call = count(iter([b"\xff\xff\xff"] * 3))
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await call.read()
+                answers.append((await call.code(), await call.details()))
+            answers.append((grpc.StatusCode.OK, (await count(iter([valid, valid])).read()).decode()))
+        await server.stop(None)
+        return answers
+
+    answers = asyncio.run(scenario())
+    bad_stream = (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "message 1 of the request stream is not a valid grpc.health.v1.HealthCheckRequest: Wire format was corrupt",
+    )
+    assert answers == [
+        (grpc.StatusCode.UNKNOWN, "unexpected error in the server: a bug"),
+        (grpc.StatusCode.NOT_FOUND, "unexpected error in the server: a bug"),
+        (grpc.StatusCode.UNKNOWN, "unexpected error in the server"),
+        (grpc.StatusCode.UNKNOWN, "unexpected error in the server: a bug"),
+        *[bad_stream] * 50,
+        (grpc.StatusCode.OK, "2"),
+    ]
+    logged = [r for r in caplog.records if r.getMessage() == "unexpected error in /test.Errors/Raise"]
+    assert len(logged) == 3 and "RuntimeError: a bug" in logged[0].exc_text
 
 
 def test_span_export_at_shutdown_is_bounded():
