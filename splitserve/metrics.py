@@ -97,9 +97,10 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts every finished call as ``splitserve:grpc_server_handled_total{grpc_service, grpc_method,
-    grpc_code}`` (the labels of go-grpc-prometheus, the usual gRPC server metric). A call's code is what the
-    handler aborted with or set, CANCELLED when the client went away, UNKNOWN for an uncaught exception, else OK.
+    """Counts every call as ``splitserve:grpc_server_handled_total{grpc_service, grpc_method, grpc_code}`` (the
+    labels of go-grpc-prometheus, the usual gRPC server metric) once it has ended, whatever way it ends (see
+    ``_CallRecord``): the code the handler aborted with or set; CANCELLED when its client went away, its
+    deadline passed or the server stopped before it answered; UNKNOWN for an uncaught exception; else OK.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -115,77 +116,109 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        record = self._recorder(service, method)
+        call = _CallRecord(self.handled, service, method)
+        # grpc.aio runs each call (finding its handler, the interceptors after this one included, receiving its
+        # request, the handler, sending its status) as one task, which ends exactly once, however the call ends. A
+        # handler may never run, or be left suspended at a yield when its client goes away: its own code cannot
+        # count its call.
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(call.count)
+        handler = await continuation(handler_call_details)
+        if handler is None:  # no such method: grpc answers UNIMPLEMENTED; not counted (any name could be a label)
+            call.is_method = False
+            return handler
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, record), handler.request_deserializer, handler.response_serializer
+                _watched(handler.unary_unary, call), handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, record), handler.request_deserializer, handler.response_serializer
+                _watched(handler.unary_stream, call), handler.request_deserializer, handler.response_serializer
             )
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, record), handler.request_deserializer, handler.response_serializer
+                _watched(handler.stream_unary, call), handler.request_deserializer, handler.response_serializer
             )
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, record), handler.request_deserializer, handler.response_serializer
+            _watched(handler.stream_stream, call), handler.request_deserializer, handler.response_serializer
         )
 
-    def _recorder(self, service: str, method: str) -> _Record:
-        def record(context: Any, error: BaseException | None) -> None:
-            self.handled.labels(service, method, _call_code(context, error).name).inc()
 
-        return record
+class _CallRecord:
+    """One call, counted when its task ends (``count``), with what its handler did: the handler's context once it
+    ran, and whether it returned or raised."""
+
+    def __init__(self, handled: Counter, service: str, method: str) -> None:
+        self.handled = handled
+        self.service = service
+        self.method = method
+        self.is_method = True
+        self.context: Any = None  # None: the handler never ran
+        self.returned = False
+        self.error: BaseException | None = None
+
+    def count(self, task: asyncio.Task[Any]) -> None:
+        if not self.is_method:
+            return
+        code = _call_code(self.context, self.error, self.returned, task.cancelling() > 0)
+        self.handled.labels(self.service, self.method, code.name).inc()
 
 
-def _call_code(context: Any, error: BaseException | None) -> grpc.StatusCode:
-    """The call's status: what the handler set or aborted with; CANCELLED when the client went away, however the
-    handler learnt it (a CancelledError at an await, a GeneratorExit when grpc closes a streaming handler
-    between two responses, or nothing at all when it ended right then); else UNKNOWN for an uncaught error."""
+def _call_code(context: Any, error: BaseException | None, returned: bool, cancelled: bool) -> grpc.StatusCode:
+    """A call's status, from how its task ended (``cancelled``: grpc cancelled it) and what its handler did.
+
+    grpc cancels a call's task only when the call ends before the server sent its status: the client cancelled or
+    went away, the deadline passed, or the server stopped; that is CANCELLED, whatever the handler was doing. A
+    handler that never ran otherwise had no request to run on: grpc refused the request before (a message over
+    the receive limit: RESOURCE_EXHAUSTED). Then the code the handler aborted with or set; OK if it returned;
+    CANCELLED if it was closed (GeneratorExit) or cancelled; else UNKNOWN (an exception it let through, or one
+    grpc raised sending its responses)."""
+    if cancelled:
+        return grpc.StatusCode.CANCELLED
+    if context is None:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
     if isinstance(code, int):  # grpc.aio reports the code as its integer value after an abort
         return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-    if isinstance(error, asyncio.CancelledError | GeneratorExit) or context.cancelled():
+    if returned:
+        return grpc.StatusCode.OK
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
         return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.OK if error is None else grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.UNKNOWN
 
 
-_Record = Callable[[Any, BaseException | None], None]
+def _watched(behavior: Callable[..., Any], call: _CallRecord) -> Any:
+    """``behavior`` noting in ``call`` that it ran and how it ended; the same kind of callable (coroutine or async
+    generator: grpc and the other interceptors tell them apart)."""
+    if inspect.isasyncgenfunction(behavior):
 
+        async def watched_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            call.context = context
+            responses = behavior(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            except BaseException as e:
+                call.error = e
+                raise
+            finally:
+                await responses.aclose()
+            call.returned = True
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]], record: _Record) -> Any:
-    async def wrapper(request: Any, context: Any) -> Any:
+        return watched_stream
+
+    async def watched(request: Any, context: Any) -> Any:
+        call.context = context
         try:
             response = await behavior(request, context)
         except BaseException as e:
-            record(context, e)
+            call.error = e
             raise
-        record(context, None)
+        call.returned = True
         return response
 
-    return wrapper
-
-
-def _wrap_stream(behavior: Callable[..., Any], record: _Record) -> Any:
-    """A streaming handler is an async generator (yields responses) or a coroutine that writes them with
-    ``context.write`` (grpcio-health-checking's ``Watch``); the wrapper keeps its kind."""
-    if not inspect.isasyncgenfunction(behavior):
-        return _wrap_unary(behavior, record)
-
-    async def wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
-        try:
-            async for response in behavior(request, context):
-                yield response
-        except BaseException as e:
-            record(context, e)
-            raise
-        record(context, None)
-
-    return wrapper
+    return watched

@@ -4,19 +4,20 @@ servers: idle keepalive, cancelled calls counted as CANCELLED, a bounded export 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import random
 import threading
 import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve import grpc_runtime, metrics
-
-STREAM_METHOD = "/test.Stream/Count"
 
 
 def test_an_idle_client_with_the_advertised_keepalive_is_not_sent_away():
@@ -58,69 +59,208 @@ def test_an_idle_client_with_the_advertised_keepalive_is_not_sent_away():
         thread.join(10)
 
 
-def _counting_stream_handler() -> grpc.GenericRpcHandler:
-    async def count(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        i = 0
-        while True:
-            yield i.to_bytes(4, "big")
-            i += 1
+CALLS_SERVICE = "test.Calls"
+CALLS_RECEIVE_LIMIT = 2**20
+
+
+class _CallsServicer:
+    """Handlers that do what their request says, b"<call id> <mode> <k> <padding>"; ``started[call id]`` is set
+    as the call reaches its handler (or ``_HoldingInterceptor``), so that a client ends only a call the server has
+    taken."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, asyncio.Event] = {}
+
+    def _start(self, request: bytes) -> tuple[str, int]:
+        call_id, mode, k = request.decode().split()[:3]
+        self.started.setdefault(call_id, asyncio.Event()).set()
+        return mode, int(k)
+
+    async def stream(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        mode, k = self._start(request)
+        if mode == "wait":
+            await asyncio.Event().wait()
+        if mode == "abort_now":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+        for _ in range(k if mode in ("abort", "finish", "raise") else 2**31):
+            # 64 KiB each: a "flow" stream fills the connection's window, so that its handler mostly waits at a yield
+            # for grpc to send, rather than anywhere inside itself, when its client cancels.
+            yield bytes(2**16)
             await asyncio.sleep(0)
+        if mode == "abort":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused")
+        if mode == "raise":
+            raise RuntimeError("a bug")
 
-    handler = grpc.unary_stream_rpc_method_handler(count)
-    return grpc.method_handlers_generic_handler("test.Stream", {"Count": handler})
+    async def unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        mode, _ = self._start(request)
+        if mode == "wait":
+            await asyncio.Event().wait()
+        return b"done"
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            CALLS_SERVICE,
+            {
+                "Stream": grpc.unary_stream_rpc_method_handler(self.stream),
+                "Unary": grpc.unary_unary_rpc_method_handler(self.unary),
+            },
+        )
 
 
-def test_calls_cancelled_by_their_clients_are_counted_cancelled():
-    """200 concurrent streams, each cancelled by its client after 3 responses, are 200 CANCELLED calls. A stream
-    closed by grpc between two responses ends its handler with GeneratorExit, which was counted UNKNOWN."""
+class _HoldingInterceptor(grpc.aio.ServerInterceptor):
+    """Holds a call that has ("hold", call id) in its metadata before its handler runs, until it is cancelled: as
+    grpc holds a call whose request is still on its way, or an interceptor that checks something first."""
 
-    async def scenario() -> dict[str, float]:
+    def __init__(self, servicer: _CallsServicer) -> None:
+        self.servicer = servicer
+
+    async def intercept_service(self, continuation: Any, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        held = dict(handler_call_details.invocation_metadata or ()).get("hold")
+        if held is not None:
+            self.servicer.started.setdefault(held, asyncio.Event()).set()
+            await asyncio.Event().wait()
+        return await continuation(handler_call_details)
+
+
+# Each way a call ends: (method, the handler's mode, how the client ends it, the code the server counts; None:
+# CANCELLED or INVALID_ARGUMENT, as the race between the client's cancel and the handler's abort goes).
+CALL_KINDS = {
+    "stream cancelled before its first response": ("Stream", "wait", "cancel", "CANCELLED"),
+    "stream cancelled between two responses": ("Stream", "flow", "cancel after k", "CANCELLED"),
+    "stream cancelled as its handler aborts": ("Stream", "abort_now", "cancel", None),
+    "stream aborted after k responses": ("Stream", "abort", "read", "INVALID_ARGUMENT"),
+    "stream whose handler raises after k responses": ("Stream", "raise", "read", "UNKNOWN"),
+    "stream finished": ("Stream", "finish", "read", "OK"),
+    "stream open when the server stops": ("Stream", "wait", "server stop", "CANCELLED"),
+    "unary cancelled while it runs": ("Unary", "wait", "cancel", "CANCELLED"),
+    "unary cancelled before its handler runs": ("Unary", "ok", "cancel held", "CANCELLED"),
+    "unary past its deadline": ("Unary", "wait", "deadline", "CANCELLED"),
+    "unary over the receive limit": ("Unary", "ok", "too large", "RESOURCE_EXHAUSTED"),
+    "unary finished": ("Unary", "ok", "read", "OK"),
+}
+
+
+def test_every_call_is_counted_once_with_its_code():
+    """1,500 concurrent calls, each ended in one of the ways a call ends, at a random point: the handled counter
+    sums to the number of calls, and each way has its code. The counter was kept by the handler's wrapper, so a
+    call whose handler never ran (cancelled while grpc or an interceptor held it, or refused over the receive
+    limit) was never counted, and a stream left suspended at a yield was counted only when the garbage collector
+    closed its generator."""
+    rng = random.Random(0)
+    kinds = [rng.choice(list(CALL_KINDS)) for _ in range(1500)]
+
+    async def scenario() -> tuple[dict[str, float], set[str]]:
         registry = metrics.make_registry()
-        server = grpc_runtime.make_server(interceptors=[metrics.GrpcMetricsInterceptor(registry)])
-        server.add_generic_rpc_handlers([_counting_stream_handler()])
+        servicer = _CallsServicer()
+        server = grpc_runtime.make_server(
+            grpc_runtime.MessageLimits(receive_bytes=CALLS_RECEIVE_LIMIT),
+            [metrics.GrpcMetricsInterceptor(registry), _HoldingInterceptor(servicer)],
+        )
+        server.add_generic_rpc_handlers([servicer.handler()])
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
+        open_at_stop: list[grpc.aio.Call] = []
+        # grpc queues at most 1000 calls its server has not taken yet, and cancels the others: calls start 100 at
+        # a time, each once the one before its turn has reached the server; all stay open together.
+        starting = asyncio.Semaphore(100)
 
-        async def one(channel: grpc.aio.Channel) -> None:
-            call = channel.unary_stream(STREAM_METHOD)(b"")
-            received = 0
-            async for _ in call:
-                received += 1
-                if received == 3:
-                    call.cancel()
-                    break
+        async def one(channel: grpc.aio.Channel, call_id: int, kind: str) -> None:
+            method, mode, end, _ = CALL_KINDS[kind]
+            k = rng.randint(1, 5)
+            started = servicer.started.setdefault(str(call_id), asyncio.Event())
+            request = f"{call_id} {mode} {k} ".encode()
+            if end == "too large":
+                request += bytes(CALLS_RECEIVE_LIMIT)
+            metadata = (("hold", str(call_id)),) if end == "cancel held" else None
+            timeout = 3.0 if end == "deadline" else None
+            path = f"/{CALLS_SERVICE}/{method}"
+            async with starting:
+                call = (channel.unary_stream if method == "Stream" else channel.unary_unary)(path)(
+                    request, timeout=timeout, metadata=metadata
+                )
+                await asyncio.wait(
+                    {asyncio.ensure_future(started.wait()), asyncio.ensure_future(call.code())},
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            if end in ("cancel", "cancel held"):
+                call.cancel()
+            elif end == "cancel after k":
+                for _ in range(k):
+                    await call.read()
+                call.cancel()
+            elif end == "server stop":
+                open_at_stop.append(call)
+                return
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+                while method == "Stream" and await call.read() is not grpc.aio.EOF:
+                    pass
+                await call.code()
 
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            await asyncio.gather(*(one(channel) for _ in range(200)))
-        await asyncio.sleep(0.5)  # the handlers see the cancellations
-        await server.stop(None)
-        return {
-            code: registry.get_sample_value(
-                "splitserve:grpc_server_handled_total",
-                {"grpc_service": "test.Stream", "grpc_method": "Count", "grpc_code": code},
-            )
-            or 0.0
-            for code in ("CANCELLED", "UNKNOWN", "OK")
-        }
+        options = [("grpc.max_send_message_length", 2 * CALLS_RECEIVE_LIMIT)]
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(4)]
+        await asyncio.gather(*(one(channels[i % 4], i, kind) for i, kind in enumerate(kinds)))
+        await server.stop(None)  # the streams still open are cancelled
+        for channel in channels:
+            await channel.close()
 
-    assert asyncio.run(scenario()) == {"CANCELLED": 200.0, "UNKNOWN": 0.0, "OK": 0.0}
+        def handled() -> dict[str, float]:
+            return {
+                code.name: sum(
+                    registry.get_sample_value(
+                        "splitserve:grpc_server_handled_total",
+                        {"grpc_service": CALLS_SERVICE, "grpc_method": method, "grpc_code": code.name},
+                    )
+                    or 0.0
+                    for method in ("Stream", "Unary")
+                )
+                for code in grpc.StatusCode
+            }
+
+        for _ in range(200):  # the last calls' tasks end after their clients saw them end (a bound, not a measure)
+            if sum(handled().values()) >= len(kinds):
+                break
+            await asyncio.sleep(0.05)
+        too_large = {str(i) for i, kind in enumerate(kinds) if CALL_KINDS[kind][2] == "too large"}
+        return handled(), {i for i, event in servicer.started.items() if not event.is_set()} - too_large
+
+    handled, never_started = asyncio.run(scenario())
+    assert not never_started  # every call reached the server, so it had all 1,500 to count
+    expected = collections.Counter(CALL_KINDS[kind][3] for kind in kinds)
+    assert sum(handled.values()) == len(kinds)
+    for code in ("OK", "UNKNOWN", "RESOURCE_EXHAUSTED"):
+        assert handled[code] == expected[code], code
+    assert handled["CANCELLED"] >= expected["CANCELLED"]
+    assert handled["INVALID_ARGUMENT"] >= expected["INVALID_ARGUMENT"]
+    assert handled["CANCELLED"] + handled["INVALID_ARGUMENT"] == (
+        expected["CANCELLED"] + expected["INVALID_ARGUMENT"] + expected[None]
+    )
 
 
 @pytest.mark.parametrize(
-    ("code", "cancelled", "error", "expected"),
+    ("code", "error", "returned", "cancelled", "expected"),
     [
-        (None, False, None, "OK"),
-        (None, False, GeneratorExit(), "CANCELLED"),  # grpc closed the streaming handler between responses
-        (None, False, asyncio.CancelledError(), "CANCELLED"),
-        (None, True, None, "CANCELLED"),  # the client left right after the last response
-        (None, False, ValueError("bug"), "UNKNOWN"),
-        (grpc.StatusCode.INVALID_ARGUMENT, False, None, "INVALID_ARGUMENT"),
-        (3, True, None, "INVALID_ARGUMENT"),  # grpc.aio gives the integer value after an abort
+        (None, None, True, False, "OK"),
+        (None, GeneratorExit(), False, False, "CANCELLED"),  # closed between two responses
+        (None, asyncio.CancelledError(), False, False, "CANCELLED"),
+        (None, None, True, True, "CANCELLED"),  # returned, and grpc cancelled the call before its status went out
+        (grpc.StatusCode.NOT_FOUND, None, False, True, "CANCELLED"),  # set a code, then the client left
+        (None, ValueError("bug"), False, False, "UNKNOWN"),
+        (None, None, False, False, "UNKNOWN"),  # grpc raised sending a response (the handler saw nothing)
+        (grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.AbortError(), False, False, "INVALID_ARGUMENT"),
+        (3, grpc.aio.AbortError(), False, False, "INVALID_ARGUMENT"),  # grpc.aio gives the integer after an abort
     ],
 )
-def test_call_code(code, cancelled, error, expected):
-    context = SimpleNamespace(code=lambda: code, cancelled=lambda: cancelled)
-    assert metrics._call_code(context, error).name == expected
+def test_call_code(code, error, returned, cancelled, expected):
+    context = SimpleNamespace(code=lambda: code)
+    assert metrics._call_code(context, error, returned, cancelled).name == expected
+
+
+@pytest.mark.parametrize(("cancelled", "expected"), [(True, "CANCELLED"), (False, "RESOURCE_EXHAUSTED")])
+def test_call_code_of_a_call_whose_handler_never_ran(cancelled, expected):
+    """grpc ends such a call before its request reached the handler: the client left (cancelled) while sending it,
+    or it was over the receive limit."""
+    assert metrics._call_code(None, None, False, cancelled).name == expected
 
 
 class _ErrorsServicer:
