@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -291,37 +292,98 @@ def test_sigterm_drains_core_and_frontend(model, logs):
         assert frontend.stop() == 0
 
 
-def test_sigterm_with_watches_and_streams_open_ends_them_cleanly(model, logs):
-    """A client watches the health of the core and of the frontend, and the frontend's Connect stream and its own
-    Watch are open on the core. On SIGTERM each server says NOT_SERVING, then ends those calls with OK rather
-    than having grpc cancel them when it stops (which made grpc log a CancelledError traceback per call, often
-    at a plain SIGTERM); both exit 0 with no traceback in their logs."""
+async def _watch(address: str, service: str, serving: asyncio.Event) -> tuple[list[int], grpc.StatusCode]:
+    """A health Watch of ``service``: the statuses it got and how it ended; ``serving`` is set at the first."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
+        statuses = []
+        while (response := await call.read()) is not grpc.aio.EOF:
+            statuses.append(response.status)
+            serving.set()
+        return statuses, await call.code()
+
+
+async def _connect(address: str, max_tokens: int, started: asyncio.Event) -> tuple[int, grpc.StatusCode]:
+    """One request on a Connect stream of its own, as a frontend sends it: the tokens it got, how the stream ended."""
+    request = core_pb.EngineCoreRequest(
+        request_id="r",
+        prompt_token_ids=list(range(10, 20)),
+        sampling_params=core_pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        opened = asyncio.Event()
+
+        async def messages() -> AsyncIterator[core_pb.EngineCoreClientMessage]:
+            yield core_pb.EngineCoreClientMessage(add=request)
+            await opened.wait()  # kept open, as a frontend keeps its stream
+
+        call = core_grpc.EngineCoreStub(channel).Connect(messages())
+        num_tokens = 0
+        async for outputs in call:
+            num_tokens += sum(len(o.new_token_ids) for o in outputs.outputs)
+            started.set()
+        return num_tokens, await call.code()
+
+
+def _errors_logged(process: stack.ServiceProcess) -> list[str]:
+    """The log's lines at ERROR or above (Python's logging, and grpc's own "E1130 12:00:00..." lines), and its
+    tracebacks."""
+    lines = process.log_path.read_text().splitlines()
+    return [line for line in lines if re.search(r" (ERROR|CRITICAL) |^Traceback|^[EF]\d{4} ", line)]
+
+
+def test_sigterm_with_watches_and_streams_open_logs_no_error(model, logs):
+    """A client watches each server's health and has a stream open on each (a Generate on the frontend, a request on
+    a Connect stream of the core, beside the frontend's own stream and Watch there), and both get SIGTERM at once.
+    Each server says NOT_SERVING, lets the streams finish, ends the Watch calls with OK, and exits 0, with nothing
+    at ERROR and no traceback in its log: grpc used to cancel such calls when it stopped and log a CancelledError
+    traceback for each."""
     with split_stack(model, logs) as ([core], frontend):
 
-        async def watch(address: str, service: str, serving: asyncio.Event) -> tuple[list[int], grpc.StatusCode]:
-            async with grpc.aio.insecure_channel(address) as channel:
-                call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service))
-                statuses = []
-                while (response := await call.read()) is not grpc.aio.EOF:
-                    statuses.append(response.status)
-                    serving.set()
-                return statuses, await call.code()
-
-        async def both():
+        async def scenario() -> list[object]:
             watching = [asyncio.Event(), asyncio.Event()]
-            on_core = asyncio.create_task(watch(core.address, stack.CORE_SERVICE, watching[0]))
-            on_frontend = asyncio.create_task(watch(frontend.address, stack.FRONTEND_SERVICE, watching[1]))
-            for event in watching:
+            on_frontend = asyncio.create_task(_watch(frontend.address, stack.FRONTEND_SERVICE, watching[0]))
+            on_core = asyncio.create_task(_watch(core.address, stack.CORE_SERVICE, watching[1]))
+            generating, connected = asyncio.Event(), asyncio.Event()
+            generated = asyncio.create_task(generate_ids(frontend.address, list(range(10, 30)), 100, generating))
+            direct = asyncio.create_task(_connect(core.address, 300, connected))
+            for event in (*watching, generating, connected):
                 await event.wait()
-            core.process.send_signal(15)  # the frontend's Connect stream and health Watch are open on it
-            core_result = await on_core
             frontend.process.send_signal(15)
-            return core_result, await on_frontend
+            core.process.send_signal(15)  # it drains both requests: the frontend's, and the direct one
+            return [await generated, await on_frontend, await direct, await on_core]
 
-        assert asyncio.run(both()) == (([SERVING, NOT_SERVING], grpc.StatusCode.OK),) * 2
-        assert core.process.wait(30) == 0 and frontend.process.wait(30) == 0
-        for process in (core, frontend):
-            assert "Traceback" not in process.log_path.read_text(), process.log_path
+        (code, _, token_ids, _), frontend_watch, direct, core_watch = asyncio.run(scenario())
+        assert (code, len(token_ids)) == (grpc.StatusCode.OK, 100)
+        assert direct == (300, grpc.StatusCode.OK)
+        assert frontend_watch == core_watch == ([SERVING, NOT_SERVING], grpc.StatusCode.OK)
+        assert frontend.process.wait(30) == 0 and core.process.wait(30) == 0
+        assert _errors_logged(frontend) == [] and _errors_logged(core) == []
+
+
+def test_sigterm_of_serve_with_a_watch_and_a_stream_open_logs_no_error(model, logs):
+    """The same for ``splitserve serve``: its Watch ends with OK, its Generate finishes, and it exits 0 with nothing
+    at ERROR and no traceback in its log."""
+    server = stack.start_service("serve", ["serve", "--model", model, *CORE_ARGS], stack.free_port(), logs)
+    try:
+        server.wait_serving()
+
+        async def scenario() -> list[object]:
+            watching, generating = asyncio.Event(), asyncio.Event()
+            watch = asyncio.create_task(_watch(server.address, stack.FRONTEND_SERVICE, watching))
+            generated = asyncio.create_task(generate_ids(server.address, list(range(10, 30)), 100, generating))
+            await watching.wait()
+            await generating.wait()
+            server.process.send_signal(15)
+            return [await generated, await watch]
+
+        (code, _, token_ids, _), watch = asyncio.run(scenario())
+        assert (code, len(token_ids)) == (grpc.StatusCode.OK, 100)
+        assert watch == ([SERVING, NOT_SERVING], grpc.StatusCode.OK)
+        assert server.process.wait(30) == 0
+        assert _errors_logged(server) == []
+    finally:
+        server.stop()
 
 
 def test_frontend_spreads_requests_over_several_cores(model, logs):
