@@ -105,8 +105,8 @@ class AsyncLLM(EngineFrontend):
             raise EngineDeadError(f"the engine core has failed: {dead}")
         self._ensure_output_handler()
         if not isinstance(prompt, list | tuple) and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
-            # Tokenizing a long text takes CPU time: not on the event loop.
-            text, token_ids = await asyncio.to_thread(self.input_processor.tokenize, prompt)
+            # Tokenizing a long text takes CPU time (not on the event loop) and memory (within the tokenize budget).
+            text, token_ids = await self.input_processor.tokenize_async(prompt)
             prompt = (
                 TokensPrompt(prompt_token_ids=token_ids)
                 if text is None

@@ -11,6 +11,7 @@ from frontend_svc.chars_per_token import max_chars_per_token
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
+from frontend_svc.tokenize_budget import TokenizeBudget, utf8_size
 from splitserve.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 
@@ -36,6 +37,13 @@ class TokensPrompt(TypedDict, total=False):
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 ChatMessage = dict[str, Any]  # {"role": ..., "content": str or [{"type": "text", "text": ...}]}
 
+# A text of more than (max_model_len - 1) times this many UTF-8 bytes is refused before tokenizing, whatever the
+# tokenizer: tokenizing costs memory per token and a text can have a token per byte, so this bounds what one
+# prompt can cost (``tokenize_budget``). Text averages 2 to 4 bytes per token (English, code, JSON with the
+# Llama 2 and GPT-2 tokenizers); a prompt refused by this bound but short enough in tokens would need tokens of
+# over 32 bytes on average, such as long runs of one character.
+MAX_BYTES_PER_TOKEN = 32
+
 
 class InputProcessor:
     """Validates requests against the model the core serves and builds core requests."""
@@ -45,6 +53,7 @@ class InputProcessor:
         self.info = engine_info
         # Characters one token covers at most (None: no sound bound for this tokenizer), computed once.
         self.max_chars_per_token = max_chars_per_token(tokenizer)
+        self.budget = TokenizeBudget()  # what the server tokenizes at once (``tokenize_async``)
         eos_ids = list(engine_info.eos_token_ids)
         if not eos_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids = [tokenizer.eos_token_id]
@@ -69,6 +78,18 @@ class InputProcessor:
         if isinstance(prompt, list | tuple):
             return None, self._check_int_ids(prompt)
         raise ValidationError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
+
+    async def tokenize_async(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``tokenize`` on a worker thread, within ``budget`` (a text too long is refused before it waits).
+
+        Raises:
+            ValidationError: as ``tokenize``.
+        """
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            return self.tokenize(prompt)  # token ids: nothing to tokenize
+        self.check_text_length(text, "prompt", "the prompt")
+        return await self.budget.run(utf8_size(text), lambda: self.tokenize(prompt))
 
     def render_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, chat_template: str | None = None
@@ -157,19 +178,35 @@ class InputProcessor:
             return None
         return (self.info.max_model_len - 1) * self.max_chars_per_token
 
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The largest text (in UTF-8 bytes) tokenized for a prompt, whatever the tokenizer: (max_model_len - 1) *
+        ``MAX_BYTES_PER_TOKEN``."""
+        return (self.info.max_model_len - 1) * MAX_BYTES_PER_TOKEN
+
     def check_text_length(self, text: str, field: str, what: str) -> None:
-        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are.
+        """Refuse, without tokenizing it, a text that has at least max_model_len tokens whatever they are, or that
+        is larger than ``max_prompt_bytes``.
 
         Raises:
             ValidationError: naming ``field``; ``what`` says which text it was.
         """
+        max_model_len = self.info.max_model_len
         limit = self.max_prompt_chars
         if limit is not None and len(text) > limit:
             raise ValidationError(
                 field,
                 f"{what} has {len(text)} characters, more than any prompt that fits within "
-                f"max_model_len={self.info.max_model_len} can have ({limit}: {self.info.max_model_len - 1} "
+                f"max_model_len={max_model_len} can have ({limit}: {max_model_len - 1} "
                 f"tokens of at most {self.max_chars_per_token} characters each)",
+            )
+        max_bytes = self.max_prompt_bytes
+        if len(text) > max_bytes or (4 * len(text) > max_bytes and utf8_size(text) > max_bytes):
+            raise ValidationError(
+                field,
+                f"{what} has {utf8_size(text)} bytes (UTF-8), more than this server tokenizes for a prompt within "
+                f"max_model_len={max_model_len} ({max_bytes}: {max_model_len - 1} tokens of "
+                f"{MAX_BYTES_PER_TOKEN} bytes, where text averages 2 to 4 bytes per token)",
             )
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:

@@ -19,6 +19,7 @@ from frontend_svc.grpc_status import status_code
 from frontend_svc.input_processor import PromptType
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from frontend_svc.tokenize_budget import utf8_size
 from frontend_svc.wire import (
     chat_messages_from_api,
     default_sampling_params_to_api,
@@ -75,12 +76,11 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     "per-request chat templates are off; start the frontend with "
                     "--trust-request-chat-template to allow them",
                 )
-            # Rendering runs the template and tokenizes: CPU work, kept off the event loop.
-            prompt = await asyncio.to_thread(
-                engine.input_processor.render_chat,
-                chat_messages_from_api(request.messages),
-                add_generation_prompt,
-                chat_template,
+            # Rendering runs the template and tokenizes: CPU work, kept off the event loop, within the tokenize budget.
+            messages = chat_messages_from_api(request.messages)
+            prompt = await engine.input_processor.budget.run(
+                _text_size(messages),
+                lambda: engine.input_processor.render_chat(messages, add_generation_prompt, chat_template),
             )
         except FrontendError as e:
             await context.abort(status_code(e), str(e))
@@ -90,19 +90,21 @@ class GenerationServicer(api_grpc.GenerationServicer):
     async def Tokenize(self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext) -> api.TokenizeResponse:
         tokenizer = await self._tokenizer(context)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        if self.state.engine is not None:
-            # A text no prompt could be is refused by its length, as prompts are: tokenizing costs seconds and
-            # about 300 bytes of memory per token (a 16 MiB text of short words: 13 s and 2 GB).
-            try:
-                self.state.engine.input_processor.check_text_length(request.text, "text", "the text")
-            except ValidationError as e:
-                await context.abort(status_code(e), str(e))
 
         def tokenize() -> api.TokenizeResponse:
             token_ids = tokenizer(request.text, add_special_tokens=add_special).input_ids
             return api.TokenizeResponse(token_ids=token_ids, tokens=tokenizer.convert_ids_to_tokens(token_ids))
 
-        return await asyncio.to_thread(tokenize)
+        if self.state.engine is None:  # the tokenizer is loaded, no core reached yet: nothing to bound it by
+            return await asyncio.to_thread(tokenize)
+        # A text no prompt could be is refused by its length, as prompts are: tokenizing costs seconds and
+        # about 300 bytes of memory per token (a 16 MiB text of short words: 13 s and 2 GB).
+        input_processor = self.state.engine.input_processor
+        try:
+            input_processor.check_text_length(request.text, "text", "the text")
+        except ValidationError as e:
+            await context.abort(status_code(e), str(e))
+        return await input_processor.budget.run(utf8_size(request.text), tokenize)
 
     async def Detokenize(
         self, request: api.DetokenizeRequest, context: grpc.aio.ServicerContext
@@ -206,6 +208,16 @@ class GenerationServicer(api_grpc.GenerationServicer):
             error = EngineDeadError("no engine core is reachable")
             await context.abort(status_code(error), str(error))
         return engine  # type: ignore[return-value]
+
+
+def _text_size(messages: list[dict[str, Any]]) -> int:
+    """The UTF-8 size of a conversation's texts (``chat_messages_from_api``'s messages)."""
+    size = 0
+    for message in messages:
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else [p.get("text") for p in content or [] if isinstance(p, dict)]
+        size += sum(utf8_size(text) for text in parts if isinstance(text, str))
+    return size
 
 
 class _RequestSpan:

@@ -310,6 +310,39 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
         assert info.vocab_size == len(tokenizer) and info.max_model_len == 1024 and info.has_chat_template
 
 
+def test_large_texts_are_refused_before_they_are_tokenized(services, model):
+    """A 20 MiB prompt or text is refused unread at the 16 MiB receive limit (RESOURCE_EXHAUSTED; the frontend's
+    memory does not grow by it). 11,000 CJK characters are within what 1023 Llama 2 tokens can hold (16,368
+    characters) but 33,000 bytes, over 1023 * 32: refused by size, naming the field, like the 6 MB prompt above."""
+    import psutil
+
+    _, (frontend, _) = services
+    huge = "x" * (20 * 2**20)
+    cjk = "日" * 11_000
+    options = [("grpc.max_send_message_length", 2**26)]
+    with grpc.insecure_channel(frontend.address, options=options) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        rss = psutil.Process(frontend.process.pid).memory_info().rss
+        refusals = []
+        for call in (
+            lambda text: list(stub.Generate(api.GenerateRequest(prompt=text), timeout=60)),
+            lambda text: stub.Tokenize(api.TokenizeRequest(text=text), timeout=60),
+        ):
+            for text in (huge, cjk):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(text)
+                refusals.append((info.value.code(), info.value.details()))
+        assert psutil.Process(frontend.process.pid).memory_info().rss - rss < 50 * 2**20
+    too_large = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [code for code, _ in refusals] == [too_large, grpc.StatusCode.INVALID_ARGUMENT] * 2
+    by_size = (
+        "the {} has 33000 bytes (UTF-8), more than this server tokenizes for a prompt within max_model_len=1024 "
+        "(32736: 1023 tokens of 32 bytes, where text averages 2 to 4 bytes per token)"
+    )
+    assert refusals[1][1] == "prompt: " + by_size.format("prompt")
+    assert refusals[3][1] == "text: " + by_size.format("text")
+
+
 def test_messages_over_grpcs_default_4_mib_pass_both_servers(services, model):
     """Both servers take messages past gRPC's 4 MiB default (16 MiB): a ~4.5 MiB list of token ids that the
     frontend receives and refuses by its length (INVALID_ARGUMENT, not RESOURCE_EXHAUSTED) and, on the core's own

@@ -185,6 +185,51 @@ def test_a_rendered_conversation_too_long_is_refused_without_tokenizing(llama2_t
     assert tokenizer.calls == 1
 
 
+def _wordpiece() -> Any:
+    """A tokenizer with no sound bound on characters per token (WordPiece: one [UNK] for a whole unknown word)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+def test_a_text_over_max_model_len_times_32_bytes_is_refused_without_tokenizing_whatever_the_tokenizer():
+    """Without a sound bound (WordPiece), a text of more than 63 * 32 UTF-8 bytes is still refused before
+    tokenizing, so that no text the receive limit lets in costs gigabytes to tokenize; at the bound it is tokenized.
+    Non-ASCII text counts its bytes, not its characters."""
+    tokenizer = CountingTokenizer(_wordpiece())
+    processor = InputProcessor(tokenizer, engine_info(max_model_len=64))
+    assert processor.max_prompt_chars is None and processor.max_prompt_bytes == 63 * 32
+    with pytest.raises(ValidationError) as info:
+        processor.process_inputs("r", "a " * 1008 + "b", SamplingParams())  # 2017 bytes
+    assert info.value.field == "prompt"
+    assert str(info.value) == (
+        "prompt: the prompt has 2017 bytes (UTF-8), more than this server tokenizes for a prompt within "
+        "max_model_len=64 (2016: 63 tokens of 32 bytes, where text averages 2 to 4 bytes per token)"
+    )
+    with pytest.raises(ValidationError, match="prompt: the prompt has 2019 bytes"):
+        processor.process_inputs("r", "é" * 1000 + "a" * 19, SamplingParams())  # 1019 characters, 2019 bytes
+    with pytest.raises(ValidationError, match="text: the text has 2017 bytes"):
+        processor.check_text_length("b" * 2017, "text", "the text")
+    assert tokenizer.calls == 0
+    with pytest.raises(ValidationError, match="prompt: has 1008 tokens"):  # 2016 bytes: tokenized, then too long
+        processor.process_inputs("r", "a " * 1008, SamplingParams())
+    assert tokenizer.calls == 1
+
+
+def test_a_text_within_the_character_bound_may_still_be_over_the_byte_bound(llama2_tokenizer):
+    """Llama 2's tokens have at most 16 characters: 63 tokens hold at most 1008. 700 CJK characters are within
+    that, but 2100 bytes, over 63 * 32: refused by bytes, before tokenizing."""
+    tokenizer = CountingTokenizer(llama2_tokenizer)
+    processor = InputProcessor(tokenizer, engine_info(max_model_len=64))
+    assert processor.max_prompt_chars == 1008
+    with pytest.raises(ValidationError, match="prompt: the prompt has 2100 bytes"):
+        processor.process_inputs("r", "日" * 700, SamplingParams())
+    assert tokenizer.calls == 0
+
+
 def test_pipelines_that_can_drop_text_get_no_bound():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
