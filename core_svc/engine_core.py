@@ -32,6 +32,7 @@ from core_svc.errors import (
     LoRANotFoundError,
     ProfileStateError,
     RequestTooLargeError,
+    fault_message,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, load_model, resolve_model_path
@@ -196,13 +197,13 @@ class EngineCore:
             ", ".join(failed_ids),
             exc_info=cause,
         )
-        error = EngineStepError(f"the engine core failed while running this request: {type(cause).__name__}: {cause}")
+        error = EngineStepError(f"the engine core failed while running this request: {fault_message(cause)}")
         # The runner may have taken new requests in before it raised, and not yet dropped those finished before.
         self.model_runner.remove_requests([*failed_ids, *scheduler_output.finished_req_ids])
         outputs = self.scheduler.fail_step(scheduler_output, error)
         if self.num_consecutive_failed_steps >= limit:
             self.dead_error = EngineUnavailableError(
-                f"the engine core is dead: {limit} steps in a row failed, the last with {type(cause).__name__}: {cause}"
+                f"the engine core is dead: {limit} steps in a row failed (the last: {fault_message(cause)})"
             )
             others = list(self.scheduler.requests)
             logger.critical("%s; ending the %d other request(s) with UNAVAILABLE", self.dead_error, len(others))

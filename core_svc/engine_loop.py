@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from core_svc.engine_core import EngineCore
-from core_svc.errors import EngineUnavailableError
+from core_svc.errors import EngineUnavailableError, fault_message
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason, Request
 
@@ -146,7 +146,7 @@ class EngineLoop:
                 unavailable = e
             else:
                 logger.exception("engine loop died")
-                unavailable = EngineUnavailableError(f"the engine core died: {type(e).__name__}: {e}")
+                unavailable = EngineUnavailableError(f"the engine core died: {fault_message(e)}")
             self.dead_error = e
             with self._submit_lock:
                 self._stopping.set()
@@ -280,7 +280,7 @@ class EngineLoop:
 def _error_outputs(request_ids: list[str], error: BaseException) -> EngineCoreOutputs:
     """Outputs that end requests with finish_reason ERROR and ``error``."""
     if not isinstance(error, Exception):  # KeyboardInterrupt and the like: the loop is gone
-        error = EngineUnavailableError(f"the engine loop stopped: {type(error).__name__}")
+        error = EngineUnavailableError("the engine loop stopped")
     return EngineCoreOutputs(
         outputs=[EngineCoreOutput(i, [], finish_reason=FinishReason.ERROR, error=error) for i in request_ids]
     )

@@ -39,3 +39,9 @@ class EngineUnavailableError(EngineError):
     """The core cannot take or finish requests: it is shutting down, has stopped, or was declared dead after
     ``CoreConfig.max_consecutive_failed_steps`` failed steps in a row. Maps to UNAVAILABLE: a request refused
     or ended with it may go to another core."""
+
+
+def fault_message(error: BaseException) -> str:
+    """What a status says of an exception the core did not raise on purpose (a fault of torch, a bug): its
+    message, never its Python class, which the log has, with the traceback."""
+    return str(error) or "an error without a message; the core's log has its traceback"

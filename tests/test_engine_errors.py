@@ -246,7 +246,7 @@ def test_a_failed_step_fails_its_requests_alone_and_the_core_goes_on(checkpoint,
     for output in failed.outputs:
         assert str(output.finish_reason) == "error" and output.new_token_ids == []
         assert isinstance(output.error, EngineStepError) and status_code(output.error).name == "INTERNAL"
-        assert str(output.error) == "the engine core failed while running this request: RuntimeError: injected fault"
+        assert str(output.error) == "the engine core failed while running this request: injected fault"
     assert engine.dead_error is None and engine.num_consecutive_failed_steps == 1
     # Every block back; the runner forgot both; the cache keeps only what a finished forward wrote: a's block 0.
     assert kv.num_free_blocks == 32
@@ -294,9 +294,7 @@ def test_failed_steps_in_a_row_declare_the_core_dead(checkpoint, monkeypatch):
         ("r2", "INTERNAL"),
         ("r3", "UNAVAILABLE"),
     ]
-    assert str(engine.dead_error) == (
-        "the engine core is dead: 2 steps in a row failed, the last with RuntimeError: injected fault"
-    )
+    assert str(engine.dead_error) == ("the engine core is dead: 2 steps in a row failed (the last: injected fault)")
     assert not engine.has_unfinished_requests() and not engine.model_runner.requests
     assert engine.scheduler.kv_cache_manager.num_free_blocks == 32
     with pytest.raises(EngineUnavailableError, match="the engine core is dead"):
@@ -316,9 +314,9 @@ def test_server_faults_map_to_internal_and_only_a_stopped_core_to_unavailable():
     assert status_code(EngineStepError("x")).name == "INTERNAL"
     assert status_code(EngineUnavailableError("the engine loop has stopped")).name == "UNAVAILABLE"
     assert status_code(ProfileStateError("a profile is already running")).name == "FAILED_PRECONDITION"
-    internal = error_from_core(13, "the engine core failed while running this request: RuntimeError: boom")
+    internal = error_from_core(13, "the engine core failed while running this request: boom")
     assert isinstance(internal, InternalError) and frontend_status_code(internal).name == "INTERNAL"
-    assert str(internal) == "the engine core failed while running this request: RuntimeError: boom"
+    assert str(internal) == "the engine core failed while running this request: boom"
     unavailable = error_from_core(14, "the engine core is dead")
     assert isinstance(unavailable, EngineDeadError) and frontend_status_code(unavailable).name == "UNAVAILABLE"
 
@@ -398,9 +396,7 @@ def test_a_fault_in_a_chunked_prefill_keeps_only_the_chunks_written_before(check
     kv = engine.scheduler.kv_cache_manager
     fail_forward_number(monkeypatch, 2)
     tokens, errors, _ = run_to_end(engine, [make("L")])
-    assert tokens == {"L": []} and errors == {
-        "L": "the engine core failed while running this request: RuntimeError: injected fault"
-    }
+    assert tokens == {"L": []} and errors == {"L": "the engine core failed while running this request: injected fault"}
     assert kv.num_free_blocks == 39 and not engine.model_runner.requests
     assert kv.get_computed_blocks(request("probe", [*prompt, 0]))[1] == 32
     again_tokens, again_errors, again_prompt_logprobs = run_to_end(engine, [make("L2")])
@@ -437,3 +433,11 @@ def test_a_request_preempted_in_the_failed_step_goes_on(checkpoint, monkeypatch)
     assert sorted(errors) == ["0", "1"] and all(len(tokens[i]) == 13 for i in "01")
     assert tokens["2"] == ref_tokens["2"] and len(tokens["2"]) == 20
     assert engine.scheduler.kv_cache_manager.num_free_blocks == 6
+
+
+def test_a_fault_is_described_by_its_message_not_its_class():
+    """Statuses carry the fault's message; its Python class stays in the log, with the traceback."""
+    from core_svc.errors import fault_message
+
+    assert fault_message(RuntimeError("CUDA error: an illegal memory access")) == "CUDA error: an illegal memory access"
+    assert fault_message(AssertionError()) == "an error without a message; the core's log has its traceback"

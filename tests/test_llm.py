@@ -335,7 +335,7 @@ def test_generate_raises_a_failed_request_and_leaves_nothing_running(llama2_mode
         monkeypatch.setattr(LlamaForCausalLM, "forward", faulty_forward("poison", LlamaForCausalLM.forward))
         core = llm.llm_engine.engine_core.engine_core
         two = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True)
-        message = f"the engine core failed while running this request: RuntimeError: {FAULT_MESSAGE}"
+        message = f"the engine core failed while running this request: {FAULT_MESSAGE}"
         # LLM numbers its requests from 0: the reference was "0", the first call "1" and "2", the second "3".
         for prompts, call_params, failed_id in [([poison, good], params, "1"), ([poison], two, "3")]:
             with pytest.raises(InternalError) as info:
