@@ -3,7 +3,9 @@ templates, checks against the model, and EOS / generation-config stop ids folded
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -23,6 +25,51 @@ class RequestOptions:
     priority: int = 0  # lower is served first under the priority policy
     cache_salt: str | None = None  # isolates the request's prefix-cache entries
     trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate for the core's spans
+
+
+def check_options(options: RequestOptions) -> None:
+    """Refuse, naming the field, what the wire to the core cannot carry: every conversion to protobuf that could
+    raise ("Value out of range", a wrong type, text that is not UTF-8) is checked here, before anything is sent.
+
+    Raises:
+        ValidationError: priority outside int32, arrival_time not a finite number, cache_salt not a string,
+            trace_headers not a map of strings, or a string with lone surrogates.
+    """
+    priority, arrival_time = options.priority, options.arrival_time
+    if (
+        not (isinstance(priority, int) and not isinstance(priority, bool))
+        or not -INT32_MAX - 1 <= priority <= INT32_MAX
+    ):
+        raise ValidationError("priority", f"must be a 32-bit integer, got {priority!r}")
+    if arrival_time is not None and (
+        not isinstance(arrival_time, int | float) or isinstance(arrival_time, bool) or not math.isfinite(arrival_time)
+    ):
+        raise ValidationError(
+            "arrival_time", f"must be a finite number of seconds since the epoch, got {arrival_time!r}"
+        )
+    if options.cache_salt is not None:
+        check_wire_string(options.cache_salt, "cache_salt")
+    headers = options.trace_headers
+    if headers is not None:
+        if not isinstance(headers, Mapping):
+            raise ValidationError("trace_headers", f"must map strings to strings, got {type(headers).__name__}")
+        for key, value in headers.items():
+            check_wire_string(key, "trace_headers")
+            check_wire_string(value, f"trace_headers[{key!r}]")
+
+
+def check_wire_string(value: Any, field: str) -> None:
+    """A string protobuf can carry: a ``str`` that encodes to UTF-8 (no lone surrogates).
+
+    Raises:
+        ValidationError: naming ``field``.
+    """
+    if not isinstance(value, str):
+        raise ValidationError(field, f"must be a string, got {type(value).__name__}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as e:
+        raise ValidationError(field, f"is not valid Unicode text ({e.reason} at position {e.start})") from None
 
 
 class TextPrompt(TypedDict, total=False):
@@ -133,13 +180,11 @@ class InputProcessor:
         Raises:
             ValidationError: empty prompt, no room for one output token within max_model_len, prompt plus
                 max_tokens over max_model_len, token ids outside the vocabulary, min_tokens above the derived
-                max_tokens, a priority the wire cannot carry, or a parameter wrong for this model.
+                max_tokens, an option the wire cannot carry (``check_options``), or a parameter wrong for this
+                model.
         """
         options = options or RequestOptions()
-        if not (isinstance(options.priority, int) and not isinstance(options.priority, bool)) or not (
-            -INT32_MAX - 1 <= options.priority <= INT32_MAX
-        ):
-            raise ValidationError("priority", f"must be a 32-bit integer, got {options.priority!r}")
+        check_options(options)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         self._check_prompt(prompt_token_ids)
         resolved = params.clone()

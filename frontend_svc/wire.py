@@ -27,6 +27,21 @@ from splitserve.frontend.v1 import generation_pb2 as api
 
 
 def request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
+    """The wire message of a core request.
+
+    Raises:
+        ValidationError: a value the wire cannot carry ("Value out of range", a wrong type, text that is not
+            UTF-8), naming its field. The frontend checks every field before (``SamplingParams``,
+            ``check_options``), so this is the last guard: a conversion error must never reach a client as UNKNOWN,
+            nor fail one n > 1 child after others were sent.
+    """
+    try:
+        return _request_to_pb(request)
+    except (ValueError, TypeError, OverflowError) as e:  # UnicodeEncodeError is a ValueError
+        raise ValidationError(_unsendable_field(request), f"cannot be sent to the engine core: {e}") from None
+
+
+def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
     params = request.sampling_params
     sampling = pb.SamplingParams(
         temperature=params.temperature,
@@ -59,6 +74,28 @@ def request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
     if request.cache_salt is not None:
         msg.cache_salt = request.cache_salt
     return msg
+
+
+def _unsendable_field(request: EngineCoreRequest) -> str:
+    """The first field of ``request`` that a protobuf message refuses (after ``_request_to_pb`` raised)."""
+    params = request.sampling_params
+    candidates: list[tuple[str, Any, dict[str, Any]]] = [
+        (f.name, pb.SamplingParams, {f.name: getattr(params, f.name)})
+        for f in pb.SamplingParams.DESCRIPTOR.fields
+        if getattr(params, f.name, None) is not None
+    ]
+    candidates += [
+        (name, pb.EngineCoreRequest, {name: getattr(request, name)})
+        for name in ("request_id", "prompt_token_ids", "arrival_time", "priority", "trace_headers", "client_index")
+    ]
+    if request.cache_salt is not None:
+        candidates.append(("cache_salt", pb.EngineCoreRequest, {"cache_salt": request.cache_salt}))
+    for name, message_class, kwargs in candidates:
+        try:
+            message_class(**kwargs)
+        except (ValueError, TypeError, OverflowError):
+            return name
+    return "request"
 
 
 # What a length-delimited field adds to a message beyond its content: its tag (1 byte below field number 16) and
