@@ -24,38 +24,52 @@ from frontend_svc.stats import IterationStats, RequestStateStats
 
 class RequestOutputCollector:
     """Per-request mailbox between the output handler and an ``AsyncLLM.generate`` consumer. Outputs that pile
-    up while the consumer is busy are merged: DELTA outputs concatenated, others replaced per completion."""
+    up while the consumer is busy are merged when it takes them (``RequestOutput.merge``: DELTA outputs
+    concatenated, others replaced per completion), in one pass: a put costs O(1), whatever the consumer's delay.
+    An error put replaces what is pending and stays until taken. A closed collector (its consumer has gone)
+    takes nothing more."""
 
     def __init__(self, output_kind: RequestOutputKind, request_id: str = "") -> None:
         self.request_id = request_id  # the internal id of the request (the parent's, for n > 1)
         self.aggregate = output_kind == RequestOutputKind.DELTA
-        self.output: RequestOutput | Exception | None = None
+        self.closed = False
+        self._pending: list[RequestOutput] = []
+        self._error: Exception | None = None
         self.ready = asyncio.Event()
 
     def put(self, output: RequestOutput | Exception) -> None:
-        if self.output is None or isinstance(output, Exception) or isinstance(self.output, Exception):
-            if not isinstance(self.output, Exception):
-                self.output = output
+        if self.closed or self._error is not None:
+            return
+        if isinstance(output, Exception):
+            self._error = output
+            self._pending.clear()
         else:
-            self.output.add(output, aggregate=self.aggregate)
+            self._pending.append(output)
         self.ready.set()
 
+    def close(self) -> None:
+        """The consumer has gone: drop what is pending and take nothing more."""
+        self.closed = True
+        self._pending.clear()
+        self._error = None
+
     async def get(self) -> RequestOutput:
-        while self.output is None:
+        while not self._pending and self._error is None:
             await self.ready.wait()
         return self._take()
 
     def get_nowait(self) -> RequestOutput | None:
-        return self._take() if self.output is not None else None
+        return self._take() if self._pending or self._error is not None else None
 
     def _take(self) -> RequestOutput:
-        output, self.output = self.output, None
         self.ready.clear()
-        if isinstance(output, Exception):
-            raise output
-        if output is None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        if not self._pending:
             raise RuntimeError("no output to take")
-        return output
+        pending, self._pending = self._pending, []
+        return RequestOutput.merge(pending, self.aggregate)
 
 
 class RequestState:
@@ -153,7 +167,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
-        self.external_req_ids: dict[str, list[str]] = {}  # the caller's id -> internal ids (children for n > 1)
+        # The caller's id -> its internal ids (children for n > 1), as an ordered set: removing one is O(1).
+        self.external_req_ids: dict[str, dict[str, None]] = {}
         self.parent_requests: dict[str, ParentRequest] = {}  # internal parent id -> parent, while children run
 
     def get_num_unfinished_requests(self) -> int:
@@ -188,7 +203,7 @@ class OutputProcessor:
             queue,
             arrival_time,
         )
-        self.external_req_ids.setdefault(external_req_id, []).append(request_id)
+        self.external_req_ids.setdefault(external_req_id, {})[request_id] = None
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
 
@@ -240,27 +255,42 @@ class OutputProcessor:
         """Forget requests: by the caller's id (every child of an n > 1 request) or by internal id (a parent's
         internal id covers its children). Streams waiting on a queue get ``abort`` outputs, through the parent's
         aggregation, so every completion ends; ``iteration_stats`` records them as finished (abort). Returns
-        the internal ids to abort in the core."""
+        the internal ids to abort in the core. Linear in the requests and children named.
+
+        ``AsyncLLM`` does the same in two parts, ``internal_ids`` and then ``finish_aborted`` in chunks, so that
+        aborting 16384 children lets the event loop run between chunks."""
+        internal_ids = self.internal_ids(request_ids, internal)
+        self.finish_aborted(internal_ids, iteration_stats)
+        return internal_ids
+
+    def internal_ids(self, request_ids: Iterable[str], internal: bool = False) -> list[str]:
+        """The internal ids of the requests named by the caller's ids (every child) or by internal ids (a
+        parent's covers its children still running), each once."""
         internal_ids: list[str] = []
         for request_id in request_ids:
             if not internal:
-                internal_ids.extend(self.external_req_ids.get(request_id, []))
+                internal_ids.extend(self.external_req_ids.get(request_id, ()))
             elif request_id in self.parent_requests:
                 internal_ids.extend(sorted(self.parent_requests[request_id].child_requests))
             else:
                 internal_ids.append(request_id)
-        internal_ids = list(dict.fromkeys(internal_ids))
+        return list(dict.fromkeys(internal_ids))
+
+    def finish_aborted(self, internal_ids: Iterable[str], iteration_stats: IterationStats | None = None) -> None:
+        """End these requests as aborted (see ``abort_requests``); ids no longer in flight are skipped. No
+        output is built for a stream whose consumer has gone (a closed collector)."""
         for request_id in internal_ids:
             state = self.request_states.get(request_id)
             if state is None:
                 continue
             self._remove(state)
             state.finish_stats(FinishReason.ABORT, iteration_stats)
+            if state.queue is not None and state.queue.closed:
+                continue
             state.detokenizer.finish()  # the text of ids left pending goes out with them
             aborted = state.make_request_output(FinishReason.ABORT, None)
             if aborted is not None and state.queue is not None:
                 state.queue.put(aborted)
-        return internal_ids
 
     def _fail(self, state: RequestState, error: FrontendError, iteration_stats: IterationStats | None) -> list[str]:
         """A request the core refused, failed or lost: its stream gets the error, which names it; n > 1 siblings
@@ -298,12 +328,15 @@ class OutputProcessor:
         return request_output, finish_reason
 
     def _remove(self, state: RequestState) -> None:
+        """Forget one request, in O(1): a parent goes with its last child."""
         self.request_states.pop(state.request_id, None)
-        if state.parent is not None and not any(child in self.request_states for child in state.parent.child_requests):
-            self.parent_requests.pop(state.parent.request_id, None)
+        parent = state.parent
+        if parent is not None:
+            parent.child_requests.discard(state.request_id)
+            if not parent.child_requests:
+                self.parent_requests.pop(parent.request_id, None)
         siblings = self.external_req_ids.get(state.external_req_id)
         if siblings is not None:
-            if state.request_id in siblings:
-                siblings.remove(state.request_id)
+            siblings.pop(state.request_id, None)
             if not siblings:
                 del self.external_req_ids[state.external_req_id]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from frontend_svc.stats import RequestStateStats
@@ -46,26 +48,60 @@ class RequestOutput:
     metrics: RequestStateStats | None = None  # timing of the (last finishing) core request behind this output
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
-        """Merge a later output for the same request: per completion index, append (DELTA) or replace."""
-        self.finished |= next_output.finished
-        self.num_cached_tokens = next_output.num_cached_tokens
-        self.metrics = next_output.metrics
-        for completion in next_output.outputs:
-            for i, existing in enumerate(self.outputs):
-                if existing.index != completion.index:
-                    continue
-                if aggregate:
-                    existing.text += completion.text
-                    existing.token_ids.extend(completion.token_ids)
-                    if completion.logprobs is not None:
-                        existing.logprobs = (existing.logprobs or []) + completion.logprobs
-                    existing.cumulative_logprob = completion.cumulative_logprob
-                    existing.finish_reason = completion.finish_reason
-                    existing.stop_reason = completion.stop_reason
-                else:
-                    self.outputs[i] = completion
-                break
-            else:
-                self.outputs.append(completion)
-        if next_output.prompt_logprobs is not None:
-            self.prompt_logprobs = next_output.prompt_logprobs
+        """Merge a later output for the same request in place (vLLM's ``RequestOutput.add``): per completion
+        index, append (DELTA, ``aggregate``) or replace. Costs this output's completions once; to merge many
+        outputs, ``merge`` them together, which is linear in all of them."""
+        merged = RequestOutput.merge([self, next_output], aggregate)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(merged, f.name))
+
+    @staticmethod
+    def merge(outputs: Sequence[RequestOutput], aggregate: bool) -> RequestOutput:
+        """One output for several outputs of the same request, in their order: per completion index (in the
+        order the indices first appear), DELTA pieces concatenated (``aggregate``: texts, ids and logprobs; the
+        last cumulative logprob and finish), otherwise the latest completion. ``finished`` if any is;
+        ``num_cached_tokens`` and ``metrics`` of the last; the last prompt logprobs given.
+
+        Linear in the completions, ids and logprobs merged: the outputs of an n = 16384 request that piled up
+        while its consumer was busy merge in one pass, not one pass over all completions per output.
+
+        Raises:
+            ValueError: ``outputs`` is empty.
+        """
+        if not outputs:
+            raise ValueError("nothing to merge")
+        first, last = outputs[0], outputs[-1]
+        if len(outputs) == 1:
+            return first
+        by_index: dict[int, list[CompletionOutput]] = {}
+        for output in outputs:
+            for completion in output.outputs:
+                by_index.setdefault(completion.index, []).append(completion)
+        prompt_logprobs = next((o.prompt_logprobs for o in reversed(outputs) if o.prompt_logprobs is not None), None)
+        return RequestOutput(
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=[_merge_completions(pieces, aggregate) for pieces in by_index.values()],
+            finished=any(o.finished for o in outputs),
+            num_cached_tokens=last.num_cached_tokens,
+            metrics=last.metrics,
+        )
+
+
+def _merge_completions(pieces: list[CompletionOutput], aggregate: bool) -> CompletionOutput:
+    """One completion's outputs in order: concatenated (DELTA) or the latest."""
+    last = pieces[-1]
+    if not aggregate or len(pieces) == 1:
+        return last
+    has_logprobs = any(p.logprobs is not None for p in pieces)
+    return CompletionOutput(
+        index=last.index,
+        text="".join(p.text for p in pieces),
+        token_ids=[token_id for p in pieces for token_id in p.token_ids],
+        cumulative_logprob=last.cumulative_logprob,
+        logprobs=[position for p in pieces for position in p.logprobs or []] if has_logprobs else None,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+    )

@@ -10,7 +10,8 @@ class ParentRequest:
     """Children are ``"{index}_{parent_request_id}"`` with n = 1 and, when seeded, seed + index.
 
     Streaming kinds pass each child's completion on as it comes; FINAL_ONLY collects all n and releases them
-    together. The parent is finished when every child is.
+    together. The parent is finished when every child is. Every call costs O(1) but the one that releases the
+    FINAL_ONLY completions, O(n) once: so a request's whole life is linear in n.
     """
 
     def __init__(self, request_id: str, external_req_id: str, sampling_params: SamplingParams) -> None:
@@ -18,13 +19,26 @@ class ParentRequest:
         self.external_req_id = external_req_id
         self.sampling_params = sampling_params
         self.n = sampling_params.n
+        # Children not finished yet; the OutputProcessor also drops a child it removes (aborted or failed).
         self.child_requests: set[str] = set()
-        self._aggregator: list[CompletionOutput | None] = [None] * self.n
+        self._aggregator: list[CompletionOutput | None] = (
+            [None] * self.n if sampling_params.output_kind == RequestOutputKind.FINAL_ONLY else []
+        )
+        self._unseeded_child_params: SamplingParams | None = None  # shared by every child when unseeded (vLLM)
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         child_id = f"{index}_{self.request_id}"
         self.child_requests.add(child_id)
-        return child_id, self.sampling_params.child(index)
+        return child_id, self._child_params(index)
+
+    def _child_params(self, index: int) -> SamplingParams:
+        """vLLM's ``_get_child_sampling_params``: a shallow copy with n = 1 (the lists are never changed after
+        validation), one per child when seeded (seed + index), else one for all."""
+        if self.sampling_params.seed is None:
+            if self._unseeded_child_params is None:
+                self._unseeded_child_params = self.sampling_params.child(index)
+            return self._unseeded_child_params
+        return self.sampling_params.child(index)
 
     def get_outputs(
         self, child_request_id: str, completion: CompletionOutput | None

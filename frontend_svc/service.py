@@ -156,7 +156,10 @@ class GenerationServicer(api_grpc.GenerationServicer):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         delta = params.output_kind == RequestOutputKind.DELTA
+        # Per completion index the ids sent so far, and their total, kept as a running sum: a message costs what
+        # it carries, not the request's n.
         completion_tokens: dict[int, int] = {}
+        total_completion_tokens = 0
         first = True
         span = trace_headers = None
         if self.state.tracer is not None:
@@ -174,10 +177,12 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 cache_salt=cache_salt,
             ):
                 for completion in output.outputs:
-                    previous = completion_tokens.get(completion.index, 0) if delta else 0
-                    completion_tokens[completion.index] = previous + len(completion.token_ids)
-                request_span.update(output, sum(completion_tokens.values()))
-                yield request_output_to_api(output, first, sum(completion_tokens.values()))
+                    previous = completion_tokens.get(completion.index, 0)
+                    count = previous + len(completion.token_ids) if delta else len(completion.token_ids)
+                    completion_tokens[completion.index] = count
+                    total_completion_tokens += count - previous
+                request_span.update(output, total_completion_tokens)
+                yield request_output_to_api(output, first, total_completion_tokens)
                 first = False
         except FrontendError as e:
             request_span.fail(e)
