@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from core_svc.engine_core import EngineCore
@@ -86,14 +86,17 @@ class EngineLoop:
         """Forget a client and abort every request it still has in the core."""
         return self.submit(lambda: self._drop_client(client_index))
 
-    def add_requests(self, client_index: int, requests: list[Request]) -> concurrent.futures.Future[None]:
+    def add_requests(
+        self, client_index: int, requests: Sequence[Any], convert: Callable[[Any], Request] | None = None
+    ) -> concurrent.futures.Future[None]:
         """Queue requests for the core; all are added or none. A refusal is also reported to the client's sink,
-        a loop that stopped or died before the add ran included."""
+        a loop that stopped or died before the add ran included. ``convert``: turns each of ``requests`` (which
+        has a ``request_id``) into a ``Request``, on the engine thread (None: they are ``Request``s)."""
         ran = threading.Event()
 
         def add() -> None:
             ran.set()
-            self._add(client_index, requests)  # reports its own refusal
+            self._add(client_index, [convert(r) for r in requests] if convert is not None else list(requests))
 
         def refuse_if_never_run(done: concurrent.futures.Future[None]) -> None:
             client = self._clients.get(client_index)

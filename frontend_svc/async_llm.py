@@ -11,20 +11,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import SchedulerStats
+from frontend_svc.engine_types import EngineCoreRequest, SchedulerStats
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import EngineFrontend
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
+from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.stat_logger import LoggingStatLogger, StatLogger
 from frontend_svc.stats import IterationStats
 from splitserve import envs
 
 logger = logging.getLogger(__name__)
-# Outputs processed between yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE).
+# Outputs processed between yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE); also the n > 1
+# children registered, and aborted with their outputs built, between yields.
 OUTPUT_CHUNK_SIZE = 128
 
 
@@ -77,6 +79,7 @@ class AsyncLLM(EngineFrontend):
     ) -> None:
         super().__init__(model, core_address, tokenizer, True, core_config, generation_config)
         self._output_handler: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # aborts of cancelled streams, running in chunks
         interval = envs.log_stats_interval()
         loggers: list[StatLogger] = [LoggingStatLogger(interval)] if interval > 0 else []
         self._handler_state = _HandlerState(stat_loggers=loggers + list(stat_loggers or []), log_interval_s=interval)
@@ -114,12 +117,23 @@ class AsyncLLM(EngineFrontend):
             )
         queue = RequestOutputCollector(params.output_kind)
         options = RequestOptions(arrival_time, priority, cache_salt, trace_headers)
-        internal_id, requests = self.prepare_requests(request_id, prompt, params, options, queue)
+        internal_id, request, prompt_text = self.process_request(request_id, prompt, params, options)
         queue.request_id = internal_id
+        requests: list[EngineCoreRequest] = []  # every one registered (abortable) before any is sent
         try:
+            if params.n == 1:
+                requests.append(self.register_request(request, request_id, prompt_text, queue))
+            else:
+                parent = ParentRequest(internal_id, request_id, request.sampling_params)
+                for index in range(params.n):
+                    if index and index % OUTPUT_CHUNK_SIZE == 0:
+                        await asyncio.sleep(0)  # 16384 children: the event loop runs between chunks
+                    requests.append(self.add_child(parent, request, prompt_text, index, queue))
             await self.engine_core.add_requests_async(requests)
         except BaseException:
-            # Refused, or cancelled while the core thread may be adding them: take back whatever got in.
+            # Refused, or cancelled while the core may be adding them: take back whatever got in (the abort
+            # reaches the core after the add), and forget them all here.
+            queue.close()
             self.engine_core.abort_requests_nowait([r.request_id for r in requests])
             self.release_failed(requests)
             raise
@@ -159,18 +173,28 @@ class AsyncLLM(EngineFrontend):
                 yield output
         except (asyncio.CancelledError, GeneratorExit):
             if queue is not None and not finished:
+                queue.close()  # nobody reads it now: no abort outputs are built for it
                 self._abort_nowait([queue.request_id])
             raise
 
     async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
         """Abort by the caller's ids (all n children) or by internal ids (a parent's covers its children);
-        unknown ids are ignored."""
+        unknown ids are ignored. Returns once the core has aborted them. The core hears of it first; the
+        streams' abort outputs are built meanwhile, ``OUTPUT_CHUNK_SIZE`` children at a time, the event loop
+        running between chunks."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        iteration_stats = IterationStats()
-        internal_ids = self.output_processor.abort_requests(ids, internal, iteration_stats)
-        self._handler_state.record(iteration_stats)
+        internal_ids = self.output_processor.internal_ids(ids, internal)
+        core_abort = None
         if internal_ids and self._handler_state.dead_error is None:
-            await self.engine_core.abort_requests_async(internal_ids)
+            core_abort = asyncio.ensure_future(self.engine_core.abort_requests_async(internal_ids))
+        iteration_stats = IterationStats()
+        for start in range(0, len(internal_ids), OUTPUT_CHUNK_SIZE):
+            if start:
+                await asyncio.sleep(0)
+            self.output_processor.finish_aborted(internal_ids[start : start + OUTPUT_CHUNK_SIZE], iteration_stats)
+        self._handler_state.record(iteration_stats)
+        if core_abort is not None:
+            await core_abort
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
@@ -185,6 +209,18 @@ class AsyncLLM(EngineFrontend):
         super().close()
 
     def _abort_nowait(self, internal_ids: list[str]) -> None:
+        """Abort from a synchronous context (a cancelled ``generate``, whose stream is closed: no outputs are
+        built). On a running event loop ``abort`` runs as a task, in chunks: the bookkeeping of 16384 children
+        takes a quarter of a second; without one (the loop is closing), here and now."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None and not loop.is_closed():
+            task = loop.create_task(self.abort(internal_ids, internal=True))
+            self._background.add(task)  # keep a reference until it is done
+            task.add_done_callback(self._background.discard)
+            return
         iteration_stats = IterationStats()
         ids = self.output_processor.abort_requests(internal_ids, True, iteration_stats)
         self._handler_state.record(iteration_stats)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import Any
 
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from frontend_svc.errors import FrontendError
 
 
 class EngineCoreClient(ABC):
@@ -41,6 +43,17 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Add several requests (n > 1 children), all or none: when one is refused or the call is interrupted,
+        every one of them is aborted (ids the core never got are ignored), then the error is raised."""
+        try:
+            for request in requests:
+                self.add_request(request)
+        except BaseException:
+            with contextlib.suppress(FrontendError):  # a core gone meanwhile: the first error is the one to raise
+                self.abort_requests([r.request_id for r in requests])
+            raise
+
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
@@ -59,7 +72,9 @@ class EngineCoreClient(ABC):
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
-        """Add several requests atomically (n > 1 children): all are added or none."""
+        """Add several requests atomically (n > 1 children): all are added or none. Long batches let the caller's
+        event loop run between chunks. A caller cancelled meanwhile aborts them all (``abort_requests_nowait``):
+        the abort reaches the core after whatever part of the add did."""
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:

@@ -39,6 +39,8 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
 CORE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+# Requests converted to protobuf between yields to the event loop (about 1 ms of work).
+CONVERT_CHUNK_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,13 @@ class CoreConnection:
             interceptors=self._interceptors,  # type: ignore[arg-type]
         )
 
-    def send_add(self, requests: list[EngineCoreRequest]) -> None:
-        """Queue the requests on the stream, all or none.
+    def send_add(self, requests: list[EngineCoreRequest], messages: list[pb.EngineCoreClientMessage]) -> None:
+        """Queue the requests, as ``messages`` (``add_messages``), on the stream, all or none.
 
         Raises:
             ValidationError: a request larger on the wire than the core takes (it would end the stream, and every
                 other request on it, with RESOURCE_EXHAUSTED).
         """
-        messages = [pb.EngineCoreClientMessage(add=request_to_pb(request)) for request in requests]
         limit = self.info.max_receive_message_bytes if self.info is not None else 0
         for message in messages:
             if limit and message.ByteSize() > limit:
@@ -236,6 +237,22 @@ class CoreConnection:
             self._on_change()
 
 
+async def add_messages(requests: list[EngineCoreRequest]) -> list[pb.EngineCoreClientMessage]:
+    """The stream messages that add ``requests``, converted ``CONVERT_CHUNK_SIZE`` at a time with a yield to
+    the event loop between chunks.
+
+    Raises:
+        ValidationError: a field the wire cannot carry (``request_to_pb``).
+    """
+    messages = []
+    for start in range(0, len(requests), CONVERT_CHUNK_SIZE):
+        if start:
+            await asyncio.sleep(0)
+        chunk = requests[start : start + CONVERT_CHUNK_SIZE]
+        messages += [pb.EngineCoreClientMessage(add=request_to_pb(request)) for request in chunk]
+    return messages
+
+
 class GrpcCoreClient(EngineCoreClient):
     """Engine-core client over gRPC to one or more cores (``addresses``), sync and asyncio.
 
@@ -312,7 +329,15 @@ class GrpcCoreClient(EngineCoreClient):
     # --- requests ---
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._on_transport(self._add([request])).result()
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """All or none, in one call to the transport (not one per n > 1 child)."""
+        try:
+            self._on_transport(self._add(requests)).result()
+        except BaseException:  # interrupted while the transport may still be sending them: take them back
+            self.abort_requests_nowait([r.request_id for r in requests])
+            raise
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self.add_requests_async([request])
@@ -444,11 +469,16 @@ class GrpcCoreClient(EngineCoreClient):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _add(self, requests: list[EngineCoreRequest], exclude: CoreConnection | None = None) -> None:
+        """Send ``requests`` to one core, all or none. Converting them (16384 children) yields to this loop
+        between chunks; they are queued on the stream, and become abortable (``_owner``), together at the end."""
+        if not any(c.accepting and c is not exclude for c in self.connections):
+            raise EngineDeadError("no engine core is reachable")
+        messages = await add_messages(requests)
         accepting = [c for c in self.connections if c.accepting and c is not exclude]
         if not accepting:
             raise EngineDeadError("no engine core is reachable")
         connection = min(accepting, key=lambda c: len(c.in_flight))  # least outstanding requests
-        connection.send_add(requests)
+        connection.send_add(requests, messages)
         for request in requests:
             self._owner[request.request_id] = connection
 

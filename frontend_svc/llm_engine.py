@@ -15,7 +15,7 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
 from frontend_svc.errors import FrontendError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
-from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions
+from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions, check_wire_string
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -88,7 +88,23 @@ class EngineFrontend:
     ) -> tuple[str, list[EngineCoreRequest]]:
         """Validate, register with the output processor, and return the internal id and the core request(s) to
         send: one, or n children ``"{i}_{internal_id}"``. The internal id is ``"{request_id}-{8 hex chars}"``
-        (vLLM's)."""
+        (vLLM's). Every request is registered before any is sent, so an abort by either id reaches them all;
+        when the send fails, abort them in the core and ``release_failed`` them."""
+        internal_id, request, prompt_text = self.process_request(request_id, prompt, params, options)
+        if params.n == 1:
+            return internal_id, [self.register_request(request, request_id, prompt_text, queue)]
+        parent = ParentRequest(internal_id, request_id, request.sampling_params)
+        return internal_id, [self.add_child(parent, request, prompt_text, i, queue) for i in range(params.n)]
+
+    def process_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, options: RequestOptions
+    ) -> tuple[str, EngineCoreRequest, str | None]:
+        """Validate a request; returns its internal id, its core request (n as asked) and its prompt text.
+
+        Raises:
+            TypeError: request_id is not a str.
+            ValidationError: naming the field: request_id, the prompt, a parameter.
+        """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if len(request_id) > MAX_REQUEST_ID_CHARS:
@@ -97,46 +113,61 @@ class EngineFrontend:
                 f"has {len(request_id)} characters, more than the {MAX_REQUEST_ID_CHARS} allowed (it goes back with "
                 "every output)",
             )
+        check_wire_string(request_id, "request_id")
         internal_id = f"{request_id}-{secrets.token_hex(4)}"
         request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, options)
-        if params.n == 1:
-            self.output_processor.add_request(
-                internal_id,
-                request_id,
-                request.sampling_params,
-                prompt_text,
-                request.prompt_token_ids,
-                queue=queue,
-                arrival_time=request.arrival_time,
-            )
-            return internal_id, [request]
-        parent = ParentRequest(internal_id, request_id, request.sampling_params)
-        children = []
-        for index in range(params.n):
-            child_id, child_params = parent.get_child_info(index)
-            self.output_processor.add_request(
-                child_id,
-                request_id,
-                child_params,
-                prompt_text,
-                request.prompt_token_ids,
-                parent,
-                index,
-                queue,
-                request.arrival_time,
-            )
-            children.append(
-                EngineCoreRequest(
-                    child_id,
-                    request.prompt_token_ids,
-                    child_params,
-                    request.arrival_time,
-                    request.priority,
-                    request.cache_salt,
-                    request.trace_headers,
-                )
-            )
-        return internal_id, children
+        return internal_id, request, prompt_text
+
+    def register_request(
+        self,
+        request: EngineCoreRequest,
+        external_req_id: str,
+        prompt_text: str | None,
+        queue: RequestOutputCollector | None,
+    ) -> EngineCoreRequest:
+        """Register an n = 1 request with the output processor; returns it."""
+        self.output_processor.add_request(
+            request.request_id,
+            external_req_id,
+            request.sampling_params,
+            prompt_text,
+            request.prompt_token_ids,
+            queue=queue,
+            arrival_time=request.arrival_time,
+        )
+        return request
+
+    def add_child(
+        self,
+        parent: ParentRequest,
+        request: EngineCoreRequest,
+        prompt_text: str | None,
+        index: int,
+        queue: RequestOutputCollector | None,
+    ) -> EngineCoreRequest:
+        """Register child ``index`` of ``parent`` (its request: ``request``) with the output processor; returns
+        the child's core request."""
+        child_id, child_params = parent.get_child_info(index)
+        self.output_processor.add_request(
+            child_id,
+            parent.external_req_id,
+            child_params,
+            prompt_text,
+            request.prompt_token_ids,
+            parent,
+            index,
+            queue,
+            request.arrival_time,
+        )
+        return EngineCoreRequest(
+            child_id,
+            request.prompt_token_ids,
+            child_params,
+            request.arrival_time,
+            request.priority,
+            request.cache_salt,
+            request.trace_headers,
+        )
 
     def release_failed(self, requests: list[EngineCoreRequest]) -> None:
         """Forget requests of which some could not be added to the core (the caller aborts those added)."""
@@ -193,13 +224,9 @@ class LLMEngine(EngineFrontend):
         internal_id, requests = self.prepare_requests(
             request_id, prompt, params, RequestOptions(arrival_time, priority, cache_salt, trace_headers)
         )
-        added: list[str] = []
         try:
-            for request in requests:
-                self.engine_core.add_request(request)
-                added.append(request.request_id)
-        except Exception:
-            self.engine_core.abort_requests(added)
+            self.engine_core.add_requests(requests)  # all or none: it aborts those sent if a later one fails
+        except BaseException:
             self.release_failed(requests)
             raise
         return internal_id
