@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.sampling_params import MAX_N
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
@@ -44,6 +45,7 @@ class FrontendOptions:
     generation_config: str = "auto"  # where unset sampling fields take defaults from: "auto", "vllm" or a folder
     api_key: str | None = None  # every call but health needs "authorization: Bearer <api_key>"; None: no key
     core_tls: ClientTLS | None = None  # TLS (and the client certificate) to the cores; None: plaintext
+    max_n: int = MAX_N  # the most completions one call may ask for (--max-n; docs/operations.md)
 
 
 async def serve_frontend(
@@ -57,7 +59,8 @@ async def serve_frontend(
     the engine could not start or the in-process core died). ``core_addresses`` None runs the core in this process
     with ``core_config``. ``options``: where and how it listens (TLS, the metrics endpoint: none without
     ``metrics_port``; in-process, the core's metrics too). ``frontend``: chat templates, the model's sampling
-    defaults (``generation_config``, as vLLM's ``--generation-config``), the API key, TLS to the cores. Tracing
+    defaults (``generation_config``, as vLLM's ``--generation-config``), the API key, TLS to the cores, the
+    most completions a call may ask for (``max_n``). Tracing
     follows the ``OTEL_*`` environment (``splitserve.tracing``).
 
     Raises:
@@ -100,7 +103,9 @@ async def _serve(
     core_config: dict[str, Any],
 ) -> int:
     host, shutdown_timeout_s = options.host, options.shutdown_timeout_s
-    state = FrontendServerState(model=model, trust_request_chat_template=frontend.trust_request_chat_template)
+    state = FrontendServerState(
+        model=model, trust_request_chat_template=frontend.trust_request_chat_template, max_n=frontend.max_n
+    )
     provider, registry = observability.tracer_provider, observability.registry
     if provider is not None:
         state.tracer = provider.get_tracer("splitserve.frontend")

@@ -18,7 +18,7 @@ from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
 from frontend_svc.grpc_status import status_code
 from frontend_svc.input_processor import PromptType
 from frontend_svc.outputs import RequestOutput
-from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from frontend_svc.sampling_params import MAX_N, RequestOutputKind, SamplingParams
 from frontend_svc.tokenize_budget import utf8_size
 from frontend_svc.wire import (
     chat_messages_from_api,
@@ -39,6 +39,7 @@ SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
 class FrontendServerState:
     model: str
     trust_request_chat_template: bool = False  # whether a Chat call may bring its own template (as vLLM's flag)
+    max_n: int = MAX_N  # the most completions one call may ask for (--max-n; docs/operations.md)
     tokenizer: Any = None  # loaded first: Tokenize / Detokenize work before any core is reachable
     engine: AsyncLLM | None = None  # set once the core is reachable (or loaded, in-process)
     draining: bool = False
@@ -153,6 +154,9 @@ class GenerationServicer(api_grpc.GenerationServicer):
         """Stream one request's outputs; cancellation of the call aborts it (the generator is closed). With
         tracing on, the request gets an ``llm_request`` span (a child of the call's server span) whose context
         goes to the core in ``trace_headers``."""
+        if params.n > self.state.max_n:
+            error = ValidationError("n", f"must be at most {self.state.max_n} on this server (--max-n), got {params.n}")
+            await context.abort(status_code(error), str(error))
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         delta = params.output_kind == RequestOutputKind.DELTA

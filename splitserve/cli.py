@@ -260,6 +260,27 @@ def add_generation_config_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_max_n_arg(parser: argparse.ArgumentParser) -> None:
+    from frontend_svc.sampling_params import MAX_N
+
+    parser.add_argument(
+        "--max-n",
+        type=_max_n,
+        default=MAX_N,
+        help=f"the most completions (n) one call may ask for, 1..{MAX_N} (default: {MAX_N}, vLLM's limit); a "
+        "larger n is refused with INVALID_ARGUMENT (docs/operations.md)",
+    )
+
+
+def _max_n(value: str) -> int:
+    from frontend_svc.sampling_params import MAX_N
+
+    n = int(value)
+    if not 1 <= n <= MAX_N:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_N}], got {value}")
+    return n
+
+
 def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-request-chat-template",
@@ -337,7 +358,11 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     check_generation_config(args.generation_config)  # not only once a core answers
     options = server_options_from_args(args)
     frontend = FrontendOptions(
-        args.trust_request_chat_template, args.generation_config, api_key_from_args(args), core_tls_from_args(args)
+        args.trust_request_chat_template,
+        args.generation_config,
+        api_key_from_args(args),
+        core_tls_from_args(args),
+        args.max_n,
     )
     return asyncio.run(
         serve_frontend(
@@ -357,7 +382,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_generation_config(args.generation_config)  # not only once the model has loaded
     options = server_options_from_args(args)
-    frontend = FrontendOptions(args.trust_request_chat_template, args.generation_config, api_key_from_args(args))
+    frontend = FrontendOptions(
+        args.trust_request_chat_template, args.generation_config, api_key_from_args(args), max_n=args.max_n
+    )
     return asyncio.run(
         serve_frontend(resolve_model_arg(args.model), None, options, frontend, **core_kwargs_from_args(args))
     )
@@ -479,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_chat_template_arg(p)
     add_generation_config_arg(p)
+    add_max_n_arg(p)
     p.set_defaults(func=cmd_frontend)
 
     p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
@@ -487,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_arg(p)
     add_chat_template_arg(p)
     add_generation_config_arg(p)
+    add_max_n_arg(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("health", help="a server's grpc.health.v1 status; exit 0 when SERVING (container checks)")
