@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency")
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency, large n")
     kinds = bench.add_subparsers(dest="bench", required=True)
 
     for name, text in (
@@ -65,6 +65,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--log-dir", type=Path, default=None)
         p.set_defaults(func=cmd_bench)
 
+    p = kinds.add_parser("n", help="one request with a large n: add, first output, abort after a deadline, liveness")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
+    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"])
+    p.add_argument("--tokenizer", type=Path, default=None, help="as for the other benchmarks")
+    p.add_argument("--ns", default="1024,4096,16384", help="values of n, comma-separated")
+    p.add_argument("--deadline-s", type=float, default=10.0, help="the client's deadline (issue 13 used 10 s)")
+    p.add_argument("--max-tokens", type=int, default=2000, help="per completion, EOS ignored: outlasts the deadline")
+    p.add_argument("--deployments", default="split,in-process", help="comma-separated: split, in-process")
+    p.add_argument("--max-wait-s", type=float, default=900.0, help="give up on an abort after this long")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
+    p.add_argument("--name", default=None, help="file name stem (default: n-<preset>)")
+    p.add_argument("--log-dir", type=Path, default=None)
+    p.set_defaults(func=cmd_bench)
+
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
@@ -78,6 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if tokenizer_dir is None:
             logger.warning("no llama2 tokenizer found (SPLITSERVE_TOKENIZERS_DIR): using the builtin tokenizer")
         model = workload.bench_model_path(args.arch, args.preset, tokenizer_dir)
+    if args.bench == "n":
+        return _bench_n(args, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = workload.make_request_set(args.num_prompts, args.output_len, tokenizer, args.seed)
     name = args.name or f"{args.bench}-{args.preset if not args.model else model.name}"
@@ -101,5 +118,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = bench.run(model, requests, rates, args.core_args.split(), log_dir, args.repeats)
     json_path, png_path = bench.write_report(report, args.out, name)
     print(bench.format_report(report))
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _bench_n(args: argparse.Namespace, model: Path) -> int:
+    from benchmarks import large_n
+
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
+    ns = [int(n) for n in args.ns.split(",") if n.strip()]
+    deployments = [d.strip() for d in args.deployments.split(",") if d.strip()]
+    report = large_n.run(model, ns, args.deadline_s, args.max_tokens, deployments, log_dir, args.max_wait_s)
+    name = args.name or f"n-{args.preset if not args.model else model.name}"
+    json_path, png_path = large_n.write_report(report, args.out, name)
+    print(large_n.format_report(report))
     print(f"wrote {json_path} and {png_path}")
     return 0
