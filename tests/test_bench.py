@@ -107,3 +107,32 @@ def test_bench_serve_runs_both_deployments(checkpoint, tmp_path, capsys):
     assert [c["rate"] for c in report["comparison"]] == [50.0, "inf"]
     out = capsys.readouterr().out
     assert "split vs in-process at inf" in out and "target split/in-process throughput" in out
+
+
+@pytest.mark.slow
+def test_bench_n_reports_both_deployments_per_n(checkpoint, tmp_path, capsys):
+    model = checkpoint("llama", "tiny")
+    code = main(
+        [
+            "bench", "n", "--model", str(model), "--ns", "8,32", "--deadline-s", "2", "--max-tokens", "1500",
+            "--out", str(tmp_path), "--name", "n", "--log-dir", str(tmp_path / "logs"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "n.json").read_text())
+    assert (tmp_path / "n.png").read_bytes().startswith(PNG_MAGIC)
+    assert [(r["deployment"], r["n"]) for r in report["results"]] == [
+        ("split", 8),
+        ("split", 32),
+        ("in-process", 8),
+        ("in-process", 32),
+    ]
+    for r in report["results"]:
+        # The whole request was in the core, streamed before the deadline, and was aborted after it.
+        assert r["error"] is None and not r["finished_before_deadline"]
+        assert r["peak_core_requests"] == r["n"] and 0 < r["add_s"] < 2
+        assert 0 < r["first_output_s"] < 2 and r["abort_s"] >= 0
+        assert r["liveness_samples_s"] and r["liveness_max_s"] == max(r["liveness_samples_s"])
+    out = capsys.readouterr().out
+    rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("split ", "in-process "))]
+    assert "live max s" in out and rows == [["split", "8"], ["split", "32"], ["in-process", "8"], ["in-process", "32"]]

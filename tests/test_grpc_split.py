@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from tests.conftest import real_or_builtin
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "Hello"]
 NUM_KV_BLOCKS = 129
 CORE_ARGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "1024"]
+MAX_N_SECOND = 1024  # the second frontend's --max-n
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +43,15 @@ def profile_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def services(model, tmp_path_factory, profile_dir):
-    """One core (admin RPCs on, profiles under ``profile_dir``) and two frontends on it."""
+    """One core (admin RPCs on, profiles under ``profile_dir``) and two frontends on it; the second takes n up to
+    MAX_N_SECOND only."""
     logs = tmp_path_factory.mktemp("split-logs")
     core = stack.start_core(model, logs, [*CORE_ARGS, "--enable-admin-rpcs", "--profile-dir", str(profile_dir)])
     frontends = []
     try:
         core.wait_serving()
-        frontends = [stack.start_frontend(model, [core.address], logs) for _ in range(2)]
+        extra_args = ([], ["--max-n", str(MAX_N_SECOND)])
+        frontends = [stack.start_frontend(model, [core.address], logs, extra) for extra in extra_args]
         for frontend in frontends:
             frontend.wait_serving()
         yield core, frontends
@@ -629,3 +633,151 @@ def test_reset_prefix_cache_turns_a_core_refusal_into_the_frontends_error():
     client = SimpleNamespace(connections=[SimpleNamespace(available=True, stub=StoppingCore())])
     with pytest.raises(EngineDeadError, match="^the engine core is shutting down$"):
         asyncio.run(GrpcCoreClient._reset_prefix_cache(client))  # type: ignore[arg-type]
+
+
+def core_load(core_address: str) -> core_pb.EngineLoad:
+    with grpc.insecure_channel(core_address) as channel:
+        return core_grpc.EngineCoreStub(channel).GetLoad(core_pb.GetLoadRequest(), timeout=30)
+
+
+def wait_core_empty(core_address: str) -> core_pb.EngineLoad:
+    """The core's load once it holds no request and every block is free, or after a minute (a hang guard)."""
+    for _ in range(600):
+        load = core_load(core_address)
+        if not load.num_running_reqs and not load.num_waiting_reqs and load.num_free_kv_blocks == NUM_KV_BLOCKS - 1:
+            break
+        time.sleep(0.1)
+    return load
+
+
+def sampled(n: int, seed: int | None = None, max_tokens: int = 8, **fields: object) -> api.SamplingParams:
+    params = api.SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, **fields)
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+def final_ids(responses: list[api.GenerateResponse]) -> dict[int, list[int]]:
+    return {c.index: list(c.token_ids) for c in responses[-1].outputs}
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def test_a_seed_at_the_top_of_int64_is_served_and_leaves_nothing_running(services, model):
+    """Issue 13: n = 2, seed 2**63 - 1 failed with UNKNOWN "Value out of range" (child 1's seed 2**63 is not an
+    int64). Child seeds now wrap as torch reads them: child 1 samples what an n = 1 request seeded -2**63 does,
+    child 0 what one seeded 2**63 - 1 does; over Generate, Chat and LLM with a remote core alike. Afterwards the
+    core holds nothing and every block is free."""
+    core, (frontend, _) = services
+    final = api.OUTPUT_KIND_FINAL_ONLY
+    top = final_ids(asyncio.run(generate(frontend.address, "hello", sampled(1, INT64_MAX, output_kind=final))))
+    wrapped = final_ids(asyncio.run(generate(frontend.address, "hello", sampled(1, INT64_MIN, output_kind=final))))
+    two = final_ids(asyncio.run(generate(frontend.address, "hello", sampled(2, INT64_MAX, output_kind=final))))
+    assert two == {0: top[0], 1: wrapped[0]} and top[0] != wrapped[0]
+    with grpc.insecure_channel(frontend.address) as channel:
+        message = api.ChatMessage(role="user", content=[api.ContentPart(text="hello")])
+        request = api.ChatRequest(messages=[message], sampling_params=sampled(2, INT64_MAX, max_tokens=400))
+        responses = list(api_grpc.GenerationStub(channel).Chat(request, timeout=120))
+    assert responses[-1].finished and responses[-1].usage.completion_tokens == 800
+    with LLM(model, core_address=core.address) as llm:
+        outputs = llm.generate(
+            ["hello"],
+            SamplingParams(n=2, temperature=1.0, seed=INT64_MAX, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+    assert {c.index: c.token_ids for c in outputs[0].outputs} == two
+    load = wait_core_empty(core.address)
+    assert (load.num_running_reqs, load.num_waiting_reqs, load.num_free_kv_blocks) == (0, 0, NUM_KV_BLOCKS - 1)
+
+
+def test_a_large_n_request_past_its_deadline_leaves_nothing_and_the_frontend_answers(services):
+    """Issue 13: n = 2048 with a 2 s deadline, DELTA (the API's default). While it is added and after the deadline
+    aborts it, the frontend answers its liveness check; then the core holds none of the children and every block
+    is free, and the frontend serves the next call. Not timed: ``splitserve bench n`` measures how long."""
+    core, (frontend, _) = services
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(frontend.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            call = api_grpc.GenerationStub(channel).Generate(
+                api.GenerateRequest(prompt="hello", sampling_params=sampled(2048, max_tokens=1000)), timeout=2
+            )
+            statuses = []
+
+            async def probe():
+                while not call.done():
+                    response = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=60)
+                    statuses.append(response.status)
+                    await asyncio.sleep(0.2)
+
+            prober = asyncio.create_task(probe())
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            await prober
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
+
+    asyncio.run(scenario())
+    load = wait_core_empty(core.address)
+    assert (load.num_running_reqs, load.num_waiting_reqs, load.num_free_kv_blocks) == (0, 0, NUM_KV_BLOCKS - 1)
+    responses = asyncio.run(generate(frontend.address, "hello", sampled(3, seed=1, max_tokens=4)))
+    assert responses[-1].finished and responses[-1].usage.completion_tokens == 12
+
+
+def test_n_over_the_frontends_max_n_is_invalid_argument(services):
+    _, (_, capped) = services
+    with grpc.insecure_channel(capped.address) as channel:
+        stub = api_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(api.GenerateRequest(prompt="hi", sampling_params=sampled(MAX_N_SECOND + 1)), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == f"n: must be at most {MAX_N_SECOND} on this server (--max-n), got 1025"
+        message = api.ChatMessage(role="user", content=[api.ContentPart(text="hi")])
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(api.ChatRequest(messages=[message], sampling_params=sampled(MAX_N_SECOND + 1)), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("n: ")
+        responses = list(stub.Generate(api.GenerateRequest(prompt="hi", sampling_params=sampled(2)), timeout=30))
+        assert responses[-1].finished
+
+
+def test_cumulative_usage_counts_each_completions_latest_ids(services):
+    _, (frontend, _) = services
+    responses = asyncio.run(
+        generate(frontend.address, "hello", sampled(3, seed=5, max_tokens=6, output_kind=api.OUTPUT_KIND_CUMULATIVE))
+    )
+    latest: dict[int, int] = {}
+    for response in responses:
+        for completion in response.outputs:
+            latest[completion.index] = len(completion.token_ids)
+        assert response.usage.completion_tokens == sum(latest.values())
+    assert responses[-1].finished and latest == {0: 6, 1: 6, 2: 6}
+
+
+def test_the_grpc_client_adds_a_batch_all_or_none(services):
+    """A batch whose second request the wire cannot carry: the client raises ValidationError naming the field
+    and sends none of them (the first never reaches the core)."""
+    import dataclasses
+
+    from frontend_svc.engine_types import EngineCoreRequest
+    from frontend_svc.errors import ValidationError
+    from frontend_svc.grpc_client import GrpcCoreClient
+
+    core, _ = services
+    good = EngineCoreRequest(
+        "0_batch", [5, 6, 7], SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True), 0.0
+    )
+    bad_params = dataclasses.replace(good.sampling_params)
+    bad_params.top_k = 2**31  # past validation, as a bug would
+    bad = dataclasses.replace(good, request_id="1_batch", sampling_params=bad_params)
+    client = GrpcCoreClient([core.address])
+    try:
+        with pytest.raises(ValidationError) as info:
+            client.add_requests([good, bad])
+        assert info.value.field == "top_k"
+        assert all(not c.in_flight for c in client.connections)
+        load = core_load(core.address)
+        assert (load.num_running_reqs, load.num_waiting_reqs) == (0, 0)
+    finally:
+        client.shutdown()
