@@ -74,10 +74,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deadline-s", type=float, default=10.0, help="the client's deadline (issue 13 used 10 s)")
     p.add_argument("--max-tokens", type=int, default=2000, help="per completion, EOS ignored: outlasts the deadline")
     p.add_argument("--deployments", default="split,in-process", help="comma-separated: split, in-process")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each deployment and n (medians reported)")
     p.add_argument("--max-wait-s", type=float, default=900.0, help="give up on an abort after this long")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
     p.add_argument("--name", default=None, help="file name stem (default: n-<preset>)")
     p.add_argument("--log-dir", type=Path, default=None)
+    p.add_argument("--baseline", type=Path, default=None, help="an earlier bench n JSON to show beside this run")
     p.set_defaults(func=cmd_bench)
 
 
@@ -126,9 +128,15 @@ def _bench_n(args: argparse.Namespace, model: Path) -> int:
     from benchmarks import large_n
 
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
-    ns = [int(n) for n in args.ns.split(",") if n.strip()]
+    settings = large_n.Settings(
+        ns=tuple(int(n) for n in args.ns.split(",") if n.strip()),
+        deadline_s=args.deadline_s,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        max_wait_s=args.max_wait_s,
+    )
     deployments = [d.strip() for d in args.deployments.split(",") if d.strip()]
-    report = large_n.run(model, ns, args.deadline_s, args.max_tokens, deployments, log_dir, args.max_wait_s)
+    report = large_n.run(model, settings, deployments, log_dir, args.baseline)
     name = args.name or f"n-{args.preset if not args.model else model.name}"
     json_path, png_path = large_n.write_report(report, args.out, name)
     print(large_n.format_report(report))

@@ -16,11 +16,16 @@ its core on the engine thread, in this process):
   thread; in-process, how late the event loop runs a 10 ms timer (what a Check would wait): max and p99;
 - ``peak_rss_mib``: the frontend process's resident memory at its highest, over its size before the call
   (split: the frontend process; in-process: this process, core included).
+
+Each (deployment, n) runs ``repeats`` times: the report gives the median of each time, the worst liveness answer
+of all runs, and every run's values (the machine is shared: one run can be slowed by others' work).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 import logging
 import math
 import threading
@@ -51,6 +56,17 @@ TICK_S = 0.01
 # blocks for the running children (preemption, should it come, only recomputes).
 CORE_CONFIG = {"max_model_len": 2048, "num_kv_blocks": 8192}
 CORE_ARGS = [arg for name, value in CORE_CONFIG.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+# Times reported as the median over the repeats; liveness as the worst over them.
+MEDIAN_FIELDS = ("add_s", "first_output_s", "abort_s")
+
+
+@dataclass(frozen=True)
+class Settings:
+    ns: tuple[int, ...] = (1024, 4096, 16384)
+    deadline_s: float = 10.0  # the client's deadline (issue 13 used 10 s)
+    max_tokens: int = 2000  # per completion, EOS ignored: no child finishes before the deadline
+    repeats: int = 3  # runs of each (deployment, n)
+    max_wait_s: float = 900.0  # give up on an abort after this long
 
 
 @dataclass
@@ -145,16 +161,10 @@ class LivenessProbe:
                 self._stop.wait(LIVENESS_POLL_S)
 
 
-async def split_one(
-    core_address: str,
-    frontend_address: str,
-    frontend_pid: int,
-    n: int,
-    deadline_s: float,
-    max_tokens: int,
-    max_wait_s: float,
-) -> NResult:
+async def split_one(core_address: str, frontend: Any, n: int, settings: Settings) -> NResult:
+    """One request of ``n`` through ``frontend`` (a ``stack.ServiceProcess``) to the core at ``core_address``."""
     result = NResult("split", n)
+    frontend_address, deadline_s, max_wait_s = frontend.address, settings.deadline_s, settings.max_wait_s
     async with (
         grpc.aio.insecure_channel(frontend_address) as frontend_channel,
         grpc.aio.insecure_channel(core_address) as core_channel,
@@ -167,12 +177,13 @@ async def split_one(
                 load.num_running_reqs + load.num_waiting_reqs, load.num_free_kv_blocks, load.num_usable_kv_blocks
             )
 
-        with LivenessProbe(frontend_address, frontend_pid) as probe:
+        with LivenessProbe(frontend_address, frontend.process.pid) as probe:
             start = time.perf_counter()
             watch = LoadWatch(n, get_load, start)
             watcher = asyncio.create_task(watch.run())
             try:
-                call = api_grpc.GenerationStub(frontend_channel).Generate(_request(n, max_tokens), timeout=deadline_s)
+                request = _request(n, settings.max_tokens)
+                call = api_grpc.GenerationStub(frontend_channel).Generate(request, timeout=deadline_s)
                 async for response in call:
                     if math.isnan(result.first_output_s) and any(o.token_ids for o in response.outputs):
                         result.first_output_s = time.perf_counter() - start
@@ -201,20 +212,12 @@ def _fill(result: NResult, watch: LoadWatch, latencies: list[float], peak_rss_mi
     result.peak_rss_mib = peak_rss_mib
 
 
-def run_split(
-    model: Path,
-    ns: list[int],
-    deadline_s: float,
-    max_tokens: int,
-    core_args: list[str],
-    log_dir: Path,
-    max_wait_s: float,
-) -> list[NResult]:
+def run_split(model: Path, settings: Settings, log_dir: Path) -> list[NResult]:
     from splitserve import stack
 
     processes: list[stack.ServiceProcess] = []
     try:
-        core = stack.start_core(str(model), log_dir, core_args)
+        core = stack.start_core(str(model), log_dir, CORE_ARGS)
         processes.append(core)
         core.wait_serving()
         frontend = stack.start_frontend(str(model), [core.address], log_dir)
@@ -222,10 +225,10 @@ def run_split(
         frontend.wait_serving()
         asyncio.run(_warm_up(frontend.address))
         results = []
-        for n in ns:
-            args = (core.address, frontend.address, frontend.process.pid, n, deadline_s, max_tokens, max_wait_s)
-            results.append(asyncio.run(split_one(*args)))
-            logger.info("split n=%d: %s", n, _line(results[-1]))
+        for n in settings.ns:
+            for _ in range(settings.repeats):
+                results.append(asyncio.run(split_one(core.address, frontend, n, settings)))
+                logger.info("split n=%d: %s", n, _line(results[-1]))
         return results
     finally:
         for process in reversed(processes):
@@ -238,10 +241,12 @@ async def _warm_up(address: str) -> None:
             pass
 
 
-async def inproc_one(llm: Any, n: int, deadline_s: float, max_tokens: int, max_wait_s: float) -> NResult:
+async def inproc_one(llm: Any, n: int, settings: Settings) -> NResult:
+    """One request of ``n`` through ``llm`` (an ``AsyncLLM`` with its core in this process)."""
     from frontend_svc import SamplingParams
 
     result = NResult("in-process", n)
+    deadline_s, max_wait_s = settings.deadline_s, settings.max_wait_s
     engine_core = llm.engine_core.engine_core  # read from this thread while the engine thread runs: counts only
     process = psutil.Process()
     base_rss = peak_rss = process.memory_info().rss
@@ -260,7 +265,7 @@ async def inproc_one(llm: Any, n: int, deadline_s: float, max_tokens: int, max_w
         load = engine_core.get_load()
         return Load(load.num_running_reqs + load.num_waiting_reqs, load.num_free_kv_blocks, load.num_usable_kv_blocks)
 
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, output_kind="DELTA")
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=settings.max_tokens, ignore_eos=True, output_kind="DELTA")
     start = time.perf_counter()
 
     async def consume() -> None:
@@ -289,23 +294,25 @@ async def inproc_one(llm: Any, n: int, deadline_s: float, max_tokens: int, max_w
     return result
 
 
-def run_inproc(
-    model: Path, ns: list[int], deadline_s: float, max_tokens: int, core_config: dict[str, Any], max_wait_s: float
-) -> list[NResult]:
+def run_inproc(model: Path, settings: Settings) -> list[NResult]:
     from frontend_svc.async_llm import AsyncLLM
 
     async def run_all() -> list[NResult]:
-        llm = AsyncLLM(str(model), **core_config)
+        llm = AsyncLLM(str(model), **CORE_CONFIG)
+        gc.collect()
+        gc.freeze()  # as the servers do once started (frontend_svc.server)
         try:
             async for _ in llm.generate(PROMPT, _warm_up_params(), "warm-up"):
                 pass
             results = []
-            for n in ns:
-                results.append(await inproc_one(llm, n, deadline_s, max_tokens, max_wait_s))
-                logger.info("in-process n=%d: %s", n, _line(results[-1]))
+            for n in settings.ns:
+                for _ in range(settings.repeats):
+                    results.append(await inproc_one(llm, n, settings))
+                    logger.info("in-process n=%d: %s", n, _line(results[-1]))
             return results
         finally:
             llm.close()
+            gc.unfreeze()
 
     return asyncio.run(run_all())
 
@@ -324,21 +331,16 @@ def _line(r: NResult) -> str:
 
 
 def run(
-    model: Path,
-    ns: list[int],
-    deadline_s: float,
-    max_tokens: int,
-    deployments: list[str],
-    log_dir: Path,
-    max_wait_s: float = 900.0,
+    model: Path, settings: Settings, deployments: list[str], log_dir: Path, baseline: Path | None = None
 ) -> dict[str, Any]:
-    """Run each deployment over ``ns``, one after the other (the split stack's processes are stopped before the
-    in-process engine starts), and report them side by side."""
-    results: list[NResult] = []
+    """Run each deployment over ``settings.ns``, one after the other (the split stack's processes are stopped
+    before the in-process engine starts), and report them side by side; ``baseline``: an earlier report (other
+    code, the same command) to show beside it."""
+    runs: list[NResult] = []
     if "split" in deployments:
-        results += run_split(model, ns, deadline_s, max_tokens, CORE_ARGS, log_dir, max_wait_s)
+        runs += run_split(model, settings, log_dir)
     if "in-process" in deployments:
-        results += run_inproc(model, ns, deadline_s, max_tokens, CORE_CONFIG, max_wait_s)
+        runs += run_inproc(model, settings)
     return {
         "benchmark": "n",
         "model": str(model),
@@ -346,21 +348,56 @@ def run(
         "request": {
             "prompt": PROMPT,
             "temperature": 1.0,
-            "max_tokens": max_tokens,
+            "max_tokens": settings.max_tokens,
             "ignore_eos": True,
             "output_kind": "DELTA",
-            "deadline_s": deadline_s,
+            "deadline_s": settings.deadline_s,
         },
         "core_args": CORE_ARGS,
-        "results": [asdict(r) for r in results],
+        "repeats": settings.repeats,
+        "results": summarize(runs),
+        "runs": [asdict(r) for r in runs],
+        "baseline": _baseline(baseline) if baseline is not None else None,
     }
+
+
+def summarize(runs: list[NResult]) -> list[dict[str, Any]]:
+    """One row per (deployment, n), in run order: the median of each time over its runs (nan when none had it),
+    the worst liveness answer and memory of all of them, the fewest requests the core held, the first error."""
+    groups: dict[tuple[str, int], list[NResult]] = {}
+    for r in runs:
+        groups.setdefault((r.deployment, r.n), []).append(r)
+    rows = []
+    for (deployment, n), group in groups.items():
+        row: dict[str, Any] = {"deployment": deployment, "n": n, "runs": len(group)}
+        for key in MEDIAN_FIELDS:
+            values = [getattr(r, key) for r in group]
+            finite = [v for v in values if not math.isnan(v)]
+            row[key] = float(np.median(finite)) if finite else math.nan
+            row[f"{key}_runs"] = values
+        samples = [x for r in group for x in r.liveness_samples_s]
+        row["liveness_max_s"] = max(samples) if samples else math.nan
+        row["liveness_p99_s"] = float(np.percentile(samples, 99)) if samples else math.nan
+        row["liveness_max_s_runs"] = [r.liveness_max_s for r in group]
+        row["peak_rss_mib"] = max(r.peak_rss_mib for r in group)
+        row["peak_core_requests"] = min(r.peak_core_requests for r in group)
+        row["finished_before_deadline"] = any(r.finished_before_deadline for r in group)
+        row["error"] = next((r.error for r in group if r.error), None)
+        rows.append(row)
+    return rows
+
+
+def _baseline(path: Path) -> dict[str, Any]:
+    """An earlier report's summary rows."""
+    return {"path": str(path), "results": json.loads(path.read_text())["results"]}
 
 
 def format_report(report: dict[str, Any]) -> str:
     req = report["request"]
     lines = [
         f"model {report['model']}; one request: prompt {req['prompt']!r}, temperature 1, max_tokens "
-        f"{req['max_tokens']} (EOS ignored), DELTA, deadline {req['deadline_s']:.0f} s",
+        f"{req['max_tokens']} (EOS ignored), DELTA, deadline {req['deadline_s']:.0f} s; {report['repeats']} runs "
+        "each: times are medians, liveness the worst answer of all runs",
         f"{'deployment':11} {'n':>6} {'add s':>8} {'first out s':>12} {'abort s':>9} {'live max s':>11} "
         f"{'live p99 s':>11} {'RSS +MiB':>9}  note",
     ]
@@ -373,7 +410,24 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['liveness_max_s']:11.3f} {r['liveness_p99_s']:11.3f} {r['peak_rss_mib']:9.0f}  {note}"
         )
     lines.append('liveness: split, Check("") answer time on the frontend; in-process, event-loop lateness')
+    baseline = report.get("baseline")
+    if baseline:
+        lines.append(f"against {baseline['path']}:")
+        before = {(r["deployment"], r["n"]): r for r in baseline["results"]}
+        for r in report["results"]:
+            b = before.get((r["deployment"], r["n"]))
+            if b is not None:
+                changes = ", ".join(f"{name} {b[key]:.2f} -> {r[key]:.2f} s" for key, name in _COMPARED)
+                lines.append(f"  {r['deployment']:11} n={r['n']:<6d} {changes}")
     return "\n".join(lines)
+
+
+_COMPARED = (
+    ("add_s", "add"),
+    ("first_output_s", "first output"),
+    ("abort_s", "abort"),
+    ("liveness_max_s", "liveness max"),
+)
 
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
@@ -388,10 +442,15 @@ def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path
     )
     fig, axes = plt.subplots(1, len(metrics), figsize=(16, 4))
     deployments = sorted({r["deployment"] for r in report["results"]})
+    baseline = report.get("baseline") or {"results": []}
     for ax, (key, title) in zip(axes, metrics, strict=True):
         for i, deployment in enumerate(deployments):
             rows = [r for r in report["results"] if r["deployment"] == deployment]
             ax.plot([r["n"] for r in rows], [r[key] for r in rows], "o-", color=f"C{i}", label=deployment)
+            before = [r for r in baseline["results"] if r["deployment"] == deployment]
+            if before:
+                xs, ys = [r["n"] for r in before], [r[key] for r in before]
+                ax.plot(xs, ys, "x--", color=f"C{i}", alpha=0.6, label=f"{deployment}, baseline")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("n")

@@ -115,7 +115,7 @@ def test_bench_n_reports_both_deployments_per_n(checkpoint, tmp_path, capsys):
     code = main(
         [
             "bench", "n", "--model", str(model), "--ns", "8,32", "--deadline-s", "2", "--max-tokens", "1500",
-            "--out", str(tmp_path), "--name", "n", "--log-dir", str(tmp_path / "logs"),
+            "--repeats", "2", "--out", str(tmp_path), "--name", "n", "--log-dir", str(tmp_path / "logs"),
         ]
     )  # fmt: skip
     assert code == 0
@@ -127,12 +127,20 @@ def test_bench_n_reports_both_deployments_per_n(checkpoint, tmp_path, capsys):
         ("in-process", 8),
         ("in-process", 32),
     ]
-    for r in report["results"]:
-        # The whole request was in the core, streamed before the deadline, and was aborted after it.
-        assert r["error"] is None and not r["finished_before_deadline"]
-        assert r["peak_core_requests"] == r["n"] and 0 < r["add_s"] < 2
-        assert 0 < r["first_output_s"] < 2 and r["abort_s"] >= 0
-        assert r["liveness_samples_s"] and r["liveness_max_s"] == max(r["liveness_samples_s"])
+    assert [(r["deployment"], r["n"]) for r in report["runs"]] == [
+        (deployment, n) for deployment in ("split", "in-process") for n in (8, 32) for _ in range(2)
+    ]
+    for row in report["results"]:
+        runs = [r for r in report["runs"] if (r["deployment"], r["n"]) == (row["deployment"], row["n"])]
+        for r in runs:  # the whole request was in the core, streamed before the deadline, and was aborted after it
+            assert r["error"] is None and not r["finished_before_deadline"]
+            assert r["peak_core_requests"] == r["n"] and 0 < r["add_s"] < 2
+            assert 0 < r["first_output_s"] < 2 and r["abort_s"] >= 0
+            assert r["liveness_samples_s"] and r["liveness_max_s"] == max(r["liveness_samples_s"])
+        assert row["runs"] == 2 and row["error"] is None
+        for key in ("add_s", "first_output_s", "abort_s"):
+            assert row[key] == pytest.approx(float(np.median([r[key] for r in runs])))
+        assert row["liveness_max_s"] == max(r["liveness_max_s"] for r in runs)
     out = capsys.readouterr().out
     rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("split ", "in-process "))]
     assert "live max s" in out and rows == [["split", "8"], ["split", "32"], ["in-process", "8"], ["in-process", "32"]]
