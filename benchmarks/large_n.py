@@ -356,9 +356,16 @@ def run(
         "core_args": CORE_ARGS,
         "repeats": settings.repeats,
         "results": summarize(runs),
-        "runs": [asdict(r) for r in runs],
+        "runs": [_run_record(r) for r in runs],
         "baseline": _baseline(baseline) if baseline is not None else None,
     }
+
+
+def _run_record(result: NResult) -> dict[str, Any]:
+    """One run as the JSON keeps it: the liveness samples counted, not listed (their max and p99 are kept)."""
+    record = asdict(result)
+    record["liveness_num_samples"] = len(record.pop("liveness_samples_s"))
+    return record
 
 
 def summarize(runs: list[NResult]) -> list[dict[str, Any]]:

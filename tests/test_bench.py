@@ -136,7 +136,7 @@ def test_bench_n_reports_both_deployments_per_n(checkpoint, tmp_path, capsys):
             assert r["error"] is None and not r["finished_before_deadline"]
             assert r["peak_core_requests"] == r["n"] and 0 < r["add_s"] < 2
             assert 0 < r["first_output_s"] < 2 and r["abort_s"] >= 0
-            assert r["liveness_samples_s"] and r["liveness_max_s"] == max(r["liveness_samples_s"])
+            assert r["liveness_num_samples"] > 0 and r["liveness_max_s"] >= r["liveness_p99_s"] >= 0
         assert row["runs"] == 2 and row["error"] is None
         for key in ("add_s", "first_output_s", "abort_s"):
             assert row[key] == pytest.approx(float(np.median([r[key] for r in runs])))
