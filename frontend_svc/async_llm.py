@@ -180,19 +180,13 @@ class AsyncLLM(EngineFrontend):
     async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
         """Abort by the caller's ids (all n children) or by internal ids (a parent's covers its children);
         unknown ids are ignored. Returns once the core has aborted them. The core hears of it first; the
-        streams' abort outputs are built meanwhile, ``OUTPUT_CHUNK_SIZE`` children at a time, the event loop
-        running between chunks."""
+        streams' abort outputs are built meanwhile (``_finish_aborted``)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         internal_ids = self.output_processor.internal_ids(ids, internal)
         core_abort = None
         if internal_ids and self._handler_state.dead_error is None:
             core_abort = asyncio.ensure_future(self.engine_core.abort_requests_async(internal_ids))
-        iteration_stats = IterationStats()
-        for start in range(0, len(internal_ids), OUTPUT_CHUNK_SIZE):
-            if start:
-                await asyncio.sleep(0)
-            self.output_processor.finish_aborted(internal_ids[start : start + OUTPUT_CHUNK_SIZE], iteration_stats)
-        self._handler_state.record(iteration_stats)
+        await self._finish_aborted(internal_ids)
         if core_abort is not None:
             await core_abort
 
@@ -210,22 +204,33 @@ class AsyncLLM(EngineFrontend):
 
     def _abort_nowait(self, internal_ids: list[str]) -> None:
         """Abort from a synchronous context (a cancelled ``generate``, whose stream is closed: no outputs are
-        built). On a running event loop ``abort`` runs as a task, in chunks: the bookkeeping of 16384 children
-        takes a quarter of a second; without one (the loop is closing), here and now."""
+        built). The core hears of it now; on a running event loop the frontend's bookkeeping (a quarter of a
+        second for 16384 children) runs as a task, in chunks; without one (the loop is closing), here."""
+        ids = self.output_processor.internal_ids(internal_ids, internal=True)
+        if ids and self._handler_state.dead_error is None:
+            self.engine_core.abort_requests_nowait(ids)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         if loop is not None and not loop.is_closed():
-            task = loop.create_task(self.abort(internal_ids, internal=True))
+            task = loop.create_task(self._finish_aborted(ids))
             self._background.add(task)  # keep a reference until it is done
             task.add_done_callback(self._background.discard)
             return
         iteration_stats = IterationStats()
-        ids = self.output_processor.abort_requests(internal_ids, True, iteration_stats)
+        self.output_processor.finish_aborted(ids, iteration_stats)
         self._handler_state.record(iteration_stats)
-        if ids and self._handler_state.dead_error is None:
-            self.engine_core.abort_requests_nowait(ids)
+
+    async def _finish_aborted(self, internal_ids: list[str]) -> None:
+        """End aborted requests in the output processor (their abort outputs, their stats), ``OUTPUT_CHUNK_SIZE``
+        at a time, the event loop running between chunks."""
+        iteration_stats = IterationStats()
+        for start in range(0, len(internal_ids), OUTPUT_CHUNK_SIZE):
+            if start:
+                await asyncio.sleep(0)
+            self.output_processor.finish_aborted(internal_ids[start : start + OUTPUT_CHUNK_SIZE], iteration_stats)
+        self._handler_state.record(iteration_stats)
 
     def _ensure_output_handler(self) -> None:
         loop = asyncio.get_running_loop()
