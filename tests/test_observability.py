@@ -25,7 +25,7 @@ from splitserve import stack
 from splitserve.frontend.v1 import generation_pb2 as api
 from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
 from splitserve.tracing import SpanAttributes
-from tests.metrics_helpers import sample, scrape
+from tests.metrics_helpers import sample, scrape, scrape_when
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
@@ -117,7 +117,15 @@ def run(model, tmp_path_factory) -> Run:
         core.wait_serving()
         frontend.wait_serving()
         asyncio.run(_workload(frontend.address, result))
-        result.frontend_metrics = scrape(f"127.0.0.1:{frontend_metrics_port}")
+        # A call is counted when its handler's task ends, which may be just after its client has the status.
+        result.frontend_metrics = scrape_when(
+            f"127.0.0.1:{frontend_metrics_port}",
+            lambda text: (
+                "splitserve:grpc_server_handled_total" in text
+                and sample(text, "splitserve:grpc_server_handled_total", grpc_method="Generate")
+                == expected_counts(result)["requests"] + 1
+            ),  # the requests and the refused call
+        )
         result.core_metrics = scrape(f"127.0.0.1:{core_metrics_port}")
     finally:
         for process in (frontend, core):
