@@ -14,6 +14,23 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 UNAUTHENTICATED_MESSAGE = "missing or wrong API key: send the metadata 'authorization: Bearer <key>'"
 
 
+def check_api_key(api_key: str, source: str) -> str:
+    """The key clients must send, from ``api_key`` as configured (``source``: the flag or variable it came from,
+    for the message): without surrounding whitespace, which a metadata value cannot carry and a key read from a
+    file (a Kubernetes Secret made ``--from-file``) often ends with.
+
+    Raises:
+        ValueError: the key is empty (a flag or variable set to nothing serves no key silently otherwise), or
+            holds a character a gRPC metadata value cannot carry (only printable ASCII): no client could send it.
+    """
+    key = api_key.strip()
+    if not key:
+        raise ValueError(f"{source}: the API key must not be empty (leave it unset for no key)")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"{source}: the API key must be printable ASCII, what gRPC metadata can carry")
+    return key
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Ends every call that does not carry ``authorization: Bearer <api_key>`` with UNAUTHENTICATED before its
     handler runs (its request is not even parsed), except calls to ``open_services``: health, which container
@@ -23,12 +40,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     The key is compared in constant time: both sides are hashed with SHA-256 first, so neither the time nor the
     length of the comparison depends on how much of the key a caller got right.
+
+    Raises:
+        ValueError: from the constructor, for a key no client could send (``check_api_key``).
     """
 
     def __init__(self, api_key: str, open_services: Sequence[str] = (HEALTH_SERVICE,)) -> None:
-        if not api_key:
-            raise ValueError("the API key must not be empty")
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._digest = hashlib.sha256(check_api_key(api_key, "api_key").encode()).digest()
         self._open_services = frozenset(open_services)
 
     def is_authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:

@@ -233,7 +233,17 @@ def add_api_key_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
-    return args.api_key or envs.api_key()
+    """``--api-key``, else ``$SPLITSERVE_API_KEY``, else None (no key).
+
+    Raises:
+        ValueError: the one given is empty or no client could send it (``api_key.check_api_key``).
+    """
+    from splitserve.api_key import check_api_key
+
+    if args.api_key is not None:
+        return check_api_key(args.api_key, "--api-key")
+    key = envs.api_key()
+    return check_api_key(key, "SPLITSERVE_API_KEY") if key is not None else None
 
 
 def _message_mib(value: str) -> float:
@@ -407,7 +417,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
     frontend = None
     try:
         core.wait_serving()
-        frontend_args = ["--api-key", api_key] if args.api_key else []  # else it reads $SPLITSERVE_API_KEY itself
+        # A key given as a flag goes on as one; from $SPLITSERVE_API_KEY it stays there, for the frontend to read.
+        frontend_args = ["--api-key", api_key] if api_key is not None and args.api_key is not None else []
         frontend = stack.start_frontend(model, [core.address], log_dir, frontend_args, args.port or None, tls)
         frontend.wait_serving()
         print(f"core {core.address} and frontend {frontend.address} are SERVING", flush=True)

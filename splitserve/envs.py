@@ -44,4 +44,4 @@ def tokenizers_dir() -> Path | None:
 def api_key() -> str | None:
     """SPLITSERVE_API_KEY: the default of a frontend's ``--api-key`` (vLLM's VLLM_API_KEY). An environment variable
     (from a Kubernetes Secret, say) keeps the key out of the process list, where a flag's value shows."""
-    return os.environ.get("SPLITSERVE_API_KEY") or None
+    return os.environ.get("SPLITSERVE_API_KEY")  # set but empty is an error, not "no key" (``api_key.check_api_key``)

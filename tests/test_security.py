@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from core_svc.admin import AdminPolicy
 from core_svc.errors import InvalidRequestError
 from splitserve import grpc_runtime, stack
-from splitserve.api_key import ApiKeyInterceptor
+from splitserve.api_key import ApiKeyInterceptor, check_api_key
 from splitserve.cli import main
 from splitserve.engine.v1 import engine_core_pb2 as core_pb
 from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
@@ -160,9 +160,17 @@ def test_the_api_key_check(metadata, authorized):
     assert ApiKeyInterceptor(API_KEY).is_authorized(metadata) is authorized
 
 
-def test_an_empty_api_key_is_refused():
-    with pytest.raises(ValueError, match="must not be empty"):
-        ApiKeyInterceptor("")
+def test_an_api_key_no_client_could_send_is_refused():
+    """A key gRPC metadata cannot carry (not printable ASCII) made a server that refused every caller; surrounding
+    whitespace (a Secret made from a file ends with a newline) is not part of the key, as clients cannot send it."""
+    for key in ("", "  \n", "clé", "tab\tinside", "new\nline"):
+        with pytest.raises(ValueError, match="must not be empty|must be printable ASCII"):
+            ApiKeyInterceptor(key)
+    assert check_api_key(f"{API_KEY}\n", "--api-key") == API_KEY
+    assert check_api_key("with inner spaces", "--api-key") == "with inner spaces"
+    interceptor = ApiKeyInterceptor(f" {API_KEY}\n")
+    assert interceptor.is_authorized((("authorization", f"Bearer {API_KEY}"),))
+    assert ApiKeyInterceptor("with inner spaces").is_authorized((("authorization", "Bearer with inner spaces"),))
 
 
 def test_every_call_but_health_needs_the_api_key():
@@ -226,8 +234,18 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_API_KEY", "from-env")
     assert api_key_from_args(build_parser().parse_args(["frontend", "--core", "c:1"])) == "from-env"
     assert api_key_from_args(build_parser().parse_args(["serve", "--api-key", "flag"])) == "flag"
+    monkeypatch.setenv("SPLITSERVE_API_KEY", "from-file\n")  # a Secret made --from-file
+    assert api_key_from_args(build_parser().parse_args(["frontend", "--core", "c:1"])) == "from-file"
+    # A key set to nothing is a mistake (a Secret that came out empty, --api-key "$UNSET"), not "no key": the
+    # server would run open while its operator thinks it is not.
     monkeypatch.setenv("SPLITSERVE_API_KEY", "")
-    assert api_key_from_args(build_parser().parse_args(["frontend", "--core", "c:1"])) is None
+    with pytest.raises(ValueError, match="SPLITSERVE_API_KEY: the API key must not be empty"):
+        api_key_from_args(build_parser().parse_args(["frontend", "--core", "c:1"]))
+    monkeypatch.delenv("SPLITSERVE_API_KEY")
+    with pytest.raises(ValueError, match="--api-key: the API key must not be empty"):
+        api_key_from_args(build_parser().parse_args(["serve", "--api-key", ""]))
+    assert main(["frontend", "--core", "localhost:1", "--api-key", " "]) == 2  # before anything starts
+    assert main(["stack", "--api-key", ""]) == 2
 
 
 # --- the core's admin RPCs: where profiles may go --------------------------------------------------------------
