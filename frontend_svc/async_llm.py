@@ -264,7 +264,12 @@ async def _run_output_handler(
     except Exception as e:
         if not isinstance(e, EngineDeadError):
             logger.exception("output handler failed")
-        error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine failed: {e!r}")
+        # Callers get the fault's message, never its Python class (the log above has both, and the traceback).
+        error = (
+            e
+            if isinstance(e, EngineDeadError)
+            else EngineDeadError(f"the engine failed: {e}" if str(e) else "the engine failed")
+        )
         state.dead_error = error
         _fail_streams(output_processor, error)
     finally:

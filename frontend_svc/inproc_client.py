@@ -158,7 +158,8 @@ class AsyncInprocClient(InprocClient):
         self._post(outputs_from_pb(outputs))
 
     def _on_core_death(self, error: BaseException) -> None:  # on the engine thread
-        self._post(EngineDeadError(f"the engine core failed: {error!r}"))
+        # Its message, not its Python class: the engine loop has logged both, with the traceback.
+        self._post(EngineDeadError(f"the engine core failed: {error}" if str(error) else "the engine core failed"))
         with self._death_lock:
             self.dead_error = error
             listeners = list(self._death_listeners)

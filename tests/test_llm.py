@@ -372,3 +372,48 @@ def test_engine_step_raises_each_failed_request_once(llama2_model, monkeypatch):
             engine.add_request("late", [5, 6, 7], params)
     finally:
         engine.close()
+
+
+def test_async_llm_dead_core_and_failed_output_handler_errors_name_no_python_class(llama2_model, monkeypatch):
+    """Callers (and a server's clients, as UNAVAILABLE) read these errors: the fault's message, never its class.
+    A core declared dead made later requests fail with "the engine core failed: EngineUnavailableError('the
+    engine core is dead: ...')", and a fault in the output handler with "the engine failed: RuntimeError('boom')"."""
+    from core_svc.models.llama import LlamaForCausalLM
+    from frontend_svc import EngineDeadError, InternalError
+    from tests.faulty_core import POISON_TOKEN_ID, faulty_forward
+
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", faulty_forward("poison", LlamaForCausalLM.forward))
+
+    async def scenario() -> tuple[str, str]:
+        dead = AsyncLLM(str(llama2_model), num_kv_blocks=65, max_consecutive_failed_steps=1)
+        try:
+            with pytest.raises(InternalError):  # its request fails, and the core is dead
+                async for _ in dead.generate([POISON_TOKEN_ID, 6, 7], params, "p"):
+                    pass
+            while dead._handler_state.dead_error is None:  # the core's death reaches the output handler
+                await asyncio.sleep(0.01)
+            with pytest.raises(EngineDeadError) as late:
+                await dead.add_request("late", [5, 6, 7], params)
+        finally:
+            dead.close()
+        broken = AsyncLLM(str(llama2_model), num_kv_blocks=65)
+        try:
+
+            async def failing() -> None:
+                raise RuntimeError("boom")
+
+            broken.engine_core.get_output_async = failing  # type: ignore[method-assign]
+            with pytest.raises(EngineDeadError) as failed:
+                async for _ in broken.generate([5, 6, 7], params, "q"):
+                    pass
+        finally:
+            broken.close()
+        return str(late.value), str(failed.value)
+
+    late, failed = asyncio.run(scenario())
+    assert late == (
+        "the engine core has failed: the engine core failed: the engine core is dead: 1 steps in a row failed "
+        "(the last: injected fault)"
+    )
+    assert failed == "the engine failed: boom"
