@@ -99,8 +99,9 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")
 class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts every call as ``splitserve:grpc_server_handled_total{grpc_service, grpc_method, grpc_code}`` (the
     labels of go-grpc-prometheus, the usual gRPC server metric) once it has ended, whatever way it ends (see
-    ``_CallRecord``): the code the handler aborted with or set; CANCELLED when its client went away, its
-    deadline passed or the server stopped before it answered; UNKNOWN for an uncaught exception; else OK.
+    ``_CallRecord``): the code the handler aborted with or set; DEADLINE_EXCEEDED when its deadline passed before
+    it answered (see ``_call_code``), CANCELLED when its client went away or the server stopped first; UNKNOWN
+    for an uncaught exception; else OK.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -169,14 +170,23 @@ class _CallRecord:
 def _call_code(context: Any, error: BaseException | None, returned: bool, cancelled: bool) -> grpc.StatusCode:
     """A call's status, from how its task ended (``cancelled``: grpc cancelled it) and what its handler did.
 
-    grpc cancels a call's task only when the call ends before the server sent its status: the client cancelled or
-    went away, the deadline passed, or the server stopped; that is CANCELLED, whatever the handler was doing. A
+    grpc cancels a call's task only when the call ends before the server sent its status: its deadline passed
+    (DEADLINE_EXCEEDED, what its client got, known from the handler's context once it ran), the client cancelled
+    or went away, or the server stopped (CANCELLED; the client of a stopped server gets UNAVAILABLE, but our
+    servers' drains end their calls before), whatever the handler was doing. A client's own deadline timer may
+    cancel the call a moment before the server's: that reaches the server as any cancel, CANCELLED (as in
+    go-grpc-prometheus, whose handlers see a context cancelled, not past its deadline). A
     handler that never ran otherwise had no request to run on: grpc refused the request before (a message over
     the receive limit: RESOURCE_EXHAUSTED). Then the code the handler aborted with or set; OK if it returned;
     CANCELLED if it was closed (GeneratorExit) or cancelled; else UNKNOWN (an exception it let through, or one
     grpc raised sending its responses)."""
     if cancelled:
-        return grpc.StatusCode.CANCELLED
+        remaining_s = context.time_remaining() if context is not None else None
+        return (
+            grpc.StatusCode.DEADLINE_EXCEEDED
+            if remaining_s is not None and remaining_s <= 0
+            else grpc.StatusCode.CANCELLED
+        )
     if context is None:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     code = context.code()

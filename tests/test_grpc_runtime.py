@@ -135,7 +135,7 @@ CALL_KINDS = {
     "stream open when the server stops": ("Stream", "wait", "server stop", "CANCELLED"),
     "unary cancelled while it runs": ("Unary", "wait", "cancel", "CANCELLED"),
     "unary cancelled before its handler runs": ("Unary", "ok", "cancel held", "CANCELLED"),
-    "unary past its deadline": ("Unary", "wait", "deadline", "CANCELLED"),
+    "unary past its deadline": ("Unary", "wait", "deadline", "DEADLINE_EXCEEDED"),  # or CANCELLED: see below
     "unary over the receive limit": ("Unary", "ok", "too large", "RESOURCE_EXHAUSTED"),
     "unary finished": ("Unary", "ok", "read", "OK"),
 }
@@ -232,8 +232,11 @@ def test_every_call_is_counted_once_with_its_code():
         assert handled[code] == expected[code], code
     assert handled["CANCELLED"] >= expected["CANCELLED"]
     assert handled["INVALID_ARGUMENT"] >= expected["INVALID_ARGUMENT"]
-    assert handled["CANCELLED"] + handled["INVALID_ARGUMENT"] == (
-        expected["CANCELLED"] + expected["INVALID_ARGUMENT"] + expected[None]
+    # A call past its deadline is DEADLINE_EXCEEDED when the server's deadline ends it, CANCELLED when the client's
+    # cancel (its own deadline, a moment earlier) arrives first: the server cannot tell that from any other cancel.
+    assert handled["DEADLINE_EXCEEDED"] <= expected["DEADLINE_EXCEEDED"]
+    assert handled["CANCELLED"] + handled["INVALID_ARGUMENT"] + handled["DEADLINE_EXCEEDED"] == (
+        expected["CANCELLED"] + expected["INVALID_ARGUMENT"] + expected["DEADLINE_EXCEEDED"] + expected[None]
     )
 
 
@@ -252,8 +255,15 @@ def test_every_call_is_counted_once_with_its_code():
     ],
 )
 def test_call_code(code, error, returned, cancelled, expected):
-    context = SimpleNamespace(code=lambda: code)
+    context = SimpleNamespace(code=lambda: code, time_remaining=lambda: None)  # no deadline
     assert metrics._call_code(context, error, returned, cancelled).name == expected
+
+
+@pytest.mark.parametrize(("time_remaining", "expected"), [(0.0, "DEADLINE_EXCEEDED"), (2.5, "CANCELLED")])
+def test_call_code_of_a_call_cancelled_with_a_deadline(time_remaining, expected):
+    """A deadline passed (grpc's context says 0 s remain): its client got DEADLINE_EXCEEDED, not CANCELLED."""
+    context = SimpleNamespace(code=lambda: None, time_remaining=lambda: time_remaining)
+    assert metrics._call_code(context, None, False, True).name == expected
 
 
 @pytest.mark.parametrize(("cancelled", "expected"), [(True, "CANCELLED"), (False, "RESOURCE_EXHAUSTED")])
