@@ -287,14 +287,16 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
         text = stub.Detokenize(api.DetokenizeRequest(token_ids=tokens.token_ids)).text
         assert text == "Hello world"
         # A text no prompt could be (more characters than 1023 tokens of the longest vocabulary string can hold) is
-        # refused by its length, as a prompt is; one character less is tokenized.
+        # refused by its length, as a prompt is; one character less is tokenized unless it is over the byte bound
+        # (1023 * 32), as with a vocabulary whose longest string has more than 32 characters.
         limit = 1023 * max(len(token) for token in tokenizer.get_vocab())
         with pytest.raises(grpc.RpcError) as refused:
             stub.Tokenize(api.TokenizeRequest(text="a" * (limit + 1)), timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert refused.value.details().startswith(f"text: the text has {limit + 1} characters")
-        at_limit = stub.Tokenize(api.TokenizeRequest(text="a" * limit), timeout=30)
-        assert list(at_limit.token_ids) == tokenizer("a" * limit).input_ids
+        within = min(limit, 1023 * 32)
+        at_limit = stub.Tokenize(api.TokenizeRequest(text="a" * within), timeout=30)
+        assert list(at_limit.token_ids) == tokenizer("a" * within).input_ids
         # Likewise more ids than max_model_len (1024) are refused; as many are decoded.
         with pytest.raises(grpc.RpcError) as refused:
             stub.Detokenize(api.DetokenizeRequest(token_ids=[100] * 1025), timeout=30)
