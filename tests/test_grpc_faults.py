@@ -473,22 +473,24 @@ def test_embedded_serve_answers_like_the_split_stack(model, logs):
 
 
 def _node_modules() -> Path:
-    """@grpc/grpc-js and @grpc/proto-loader from npm, once, into an ignored folder of the checkout."""
+    """examples/node's dependencies, installed by ``npm install`` from its package.json and .npmrc (what the README's
+    line runs) into an ignored folder of the checkout; again whenever package.json changes."""
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("Node.js and npm are not installed")
     folder = ROOT / ".cache" / "node-client"
-    if not (folder / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "package.json").write_text(json.dumps({"name": "splitserve-node-client", "private": True}))
+    package_json = (ROOT / "examples" / "node" / "package.json").read_text()
+    installed = folder / "installed-package.json"  # written once npm install has succeeded
+    if not (installed.is_file() and installed.read_text() == package_json):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for name in ("package.json", ".npmrc"):
+            shutil.copy(ROOT / "examples" / "node" / name, folder / name)
         result = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "@grpc/grpc-js@1", "@grpc/proto-loader@0"],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=300,
+            ["npm", "install", "--no-audit", "--no-fund"], cwd=folder, capture_output=True, text=True, timeout=300
         )
         if result.returncode != 0:
             pytest.skip(f"npm could not install the gRPC packages: {result.stderr[-300:]}")
+        installed.write_text(package_json)
     return folder / "node_modules"
 
 
