@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PORT ?= 50051
+# run, stack and serve: MODEL=<hub id or local Hugging Face folder> instead of the demo model (random weights).
+MODEL ?=
+MODEL_ARG := $(if $(MODEL),--model "$(MODEL)")
 
 .PHONY: setup test lint format protos run stack serve clean
 
@@ -36,15 +39,15 @@ protos: setup
 # The main job: core and frontend as two processes, demo prompts streamed through the public gRPC API, both
 # stopped cleanly. The demo model is built on first use.
 run: setup
-	$(BIN)/splitserve demo
+	$(BIN)/splitserve demo $(MODEL_ARG)
 
 # Keep the split stack running on localhost:$(PORT) until Ctrl-C.
 stack: setup
-	$(BIN)/splitserve stack --port $(PORT)
+	$(BIN)/splitserve stack --port $(PORT) $(MODEL_ARG)
 
 # The same public API with the core in-process (one process).
 serve: setup
-	$(BIN)/splitserve serve --port $(PORT)
+	$(BIN)/splitserve serve --port $(PORT) $(MODEL_ARG)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

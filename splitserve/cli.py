@@ -407,12 +407,14 @@ def cmd_stack(args: argparse.Namespace) -> int:
     import tempfile
 
     from splitserve import stack
+    from splitserve.demo import model_notice
 
     tls = stack.StackTLS.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
     api_key = api_key_from_args(args)
     model = resolve_model_arg(args.model)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitserve-logs-"))
-    print(f"starting the split stack for {model} (logs in {log_dir})", flush=True)
+    print(model_notice(model, args.command), flush=True)
+    print(f"starting the split stack (logs in {log_dir})", flush=True)
     core = stack.start_core(model, log_dir, port=args.core_port or None, tls=tls)
     frontend = None
     try:

@@ -1,14 +1,11 @@
 """Failures and lifecycles of the split stack as processes: cores killed, hung, restarted and drained; frontends
-killed and started first; several cores behind one frontend; the embedded server; and a Node.js client."""
+killed and started first; several cores behind one frontend; the embedded server."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -470,46 +467,6 @@ def test_embedded_serve_answers_like_the_split_stack(model, logs):
                 assert joined(embedded) == joined(split) and len(joined(split)[1]) == 20
     finally:
         assert server.stop() == 0
-
-
-def _node_modules() -> Path:
-    """@grpc/grpc-js and @grpc/proto-loader from npm, once, into an ignored folder of the checkout."""
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        pytest.skip("Node.js and npm are not installed")
-    folder = ROOT / ".cache" / "node-client"
-    if not (folder / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "package.json").write_text(json.dumps({"name": "splitserve-node-client", "private": True}))
-        result = subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "@grpc/grpc-js@1", "@grpc/proto-loader@0"],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"npm could not install the gRPC packages: {result.stderr[-300:]}")
-    return folder / "node_modules"
-
-
-def test_node_client_streams_generate_from_the_proto_files(model, logs):
-    node_modules = _node_modules()
-    with split_stack(model, logs) as (_, frontend):
-        script = ROOT / "examples" / "node" / "generate.js"
-        result = subprocess.run(
-            ["node", str(script), frontend.address, "The capital of France is", "12"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={"NODE_PATH": str(node_modules), "PATH": "/usr/bin:/bin:/usr/local/bin"},
-        )
-        assert result.returncode == 0, result.stderr
-        messages = [json.loads(line) for line in result.stdout.splitlines()]
-        node_text = "".join(m["text"] for m in messages)
-        node_ids = [t for m in messages for t in m["tokenIds"]]
-        python = asyncio.run(generate(frontend.address, "The capital of France is", greedy(max_tokens=12)))
-        assert (node_text, node_ids) == joined(python)
-        assert messages[-1]["finished"] is True
 
 
 def test_each_direction_has_its_own_message_limit(model, logs):

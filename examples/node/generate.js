@@ -1,7 +1,7 @@
 // Stream a completion from a splitserve frontend, using only the .proto files (no generated code).
 //
-//   npm install @grpc/grpc-js @grpc/proto-loader
-//   node examples/node/generate.js localhost:50051 "The capital of France is" 32
+//   cd examples/node && npm install                      # @grpc/grpc-js and @grpc/proto-loader (package.json)
+//   node generate.js localhost:50051 "The capital of France is" 32   # or: npm start -- ADDRESS PROMPT MAX_TOKENS
 //
 // Prints one JSON line per streamed message: {"text", "tokenIds", "finished", "finishReason"}.
 const path = require("path");
