@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import os
+import re
 import subprocess
 import sys
 import weakref
@@ -53,6 +56,60 @@ def test_generate_greedy_matches_transformers(llm, llama2_model):
         assert completion.text == full[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)) :]
         assert completion.text.strip() == tokenizer.decode(reference, skip_special_tokens=True).strip()
         assert completion.finish_reason == "length" and output.finished
+
+
+def test_a_program_using_llm_sees_the_model_and_kv_cache_sizes_on_stderr(llama2_model):
+    """A plain script (no logging configured) shows vLLM's startup lines: the model's size and load time, the KV
+    cache in blocks, tokens and GiB, and how many requests of max_model_len tokens fit at once."""
+    code = f"from frontend_svc import LLM; LLM({str(llama2_model)!r}, num_kv_blocks=65, max_model_len=100).close()"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    stderr = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ
+    ).stderr
+    lines = re.findall(r"^\S+ \S+ INFO (\S+: .*)$", stderr, flags=re.MULTILINE)
+    loading = [line for line in lines if line.startswith("core_svc.model_loader: Model loading took ")]
+    kv_cache = [line for line in lines if line.startswith("core_svc.engine_core: KV cache: ")]
+    num_parameters = json.loads((llama2_model / "splitserve_test_model.json").read_text())["num_parameters"]
+    size = f"{num_parameters * 4 / 2**20:.2f} MiB ({num_parameters:,} parameters, float32)"  # float32: 4 bytes
+    assert len(loading) == 1, stderr
+    assert re.fullmatch(rf".*: Model loading took {re.escape(size)} and [0-9.]+ seconds", loading[0])
+    # 65 blocks of 16 tokens allocated, K and V of every layer's KV heads, float32; the null block holds no tokens:
+    # 64 blocks usable, and a request of 100 tokens needs 7 of them, so 64 / 7 fit at once.
+    config = json.loads((llama2_model / "config.json").read_text())
+    head_size = config["hidden_size"] // config["num_attention_heads"]
+    kv_bytes = 65 * 16 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_size * 4
+    assert kv_cache == [
+        f"core_svc.engine_core: KV cache: 64 blocks x 16 tokens = 1,024 tokens ({kv_bytes / 2**20:.2f} MiB, "
+        "float32); maximum concurrency for 100 tokens per request: 9.14x"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("env", "setup", "expected"),
+    [
+        ({}, "", [r"\S+ \S+ INFO core_svc\.x: ours"]),  # once, although configured twice
+        ({"SPLITSERVE_LOG_LEVEL": "warning"}, "", []),
+        ({"SPLITSERVE_CONFIGURE_LOGGING": "0"}, "", []),  # Python's default: warnings only
+        # The application's configuration decides, and each line is printed once.
+        (
+            {},
+            "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s'); ",
+            [r"core_svc\.x ours", "app theirs"],
+        ),
+    ],
+)
+def test_the_python_api_logs_info_to_stderr_unless_the_application_configured_logging(env, setup, expected):
+    code = (
+        f"import logging; {setup}from splitserve.logging_config import configure_library_logging; "
+        "configure_library_logging(); configure_library_logging(); "
+        "logging.getLogger('core_svc.x').info('ours'); logging.getLogger('app').info('theirs')"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")} | env
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
+    lines = result.stderr.splitlines()
+    assert len(lines) == len(expected), lines
+    for pattern, line in zip(expected, lines, strict=True):
+        assert re.fullmatch(pattern, line), line
 
 
 def test_chat_renders_the_chat_template(llm):
