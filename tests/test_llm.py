@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import io
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import weakref
 import pytest
 
 from frontend_svc import LLM, AsyncLLM, LLMEngine, RequestOutputKind, SamplingParams, ValidationError
+from frontend_svc.llm import speed_postfix
 from tests.conftest import real_or_builtin
 from tests.helpers import hf_greedy
 
@@ -56,6 +58,44 @@ def test_generate_greedy_matches_transformers(llm, llama2_model):
         assert completion.text == full[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)) :]
         assert completion.text.strip() == tokenizer.decode(reference, skip_special_tokens=True).strip()
         assert completion.finish_reason == "length" and output.finished
+
+
+def test_progress_bar_counts_completions_and_shows_input_and_output_speed(llm):
+    """vLLM's bar: completions (n per prompt) and, as requests finish, the input and output tokens of all their
+    completions over the same elapsed time, so the two speeds stand in the ratio of the two token counts."""
+    from tqdm import tqdm
+
+    bar_text = io.StringIO()
+    made: list[dict] = []
+
+    def make_bar(**kwargs):
+        made.append(kwargs)
+        return tqdm(**{**kwargs, "dynamic_ncols": False}, file=bar_text)  # ncols None on a StringIO: no cut
+
+    prompts = [*PROMPTS, "Hello"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        SamplingParams(n=2, seed=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=make_bar)
+    assert [len(o.outputs) for o in outputs] == [1, 2, 1, 1]
+    num_input_tokens = sum(len(o.prompt_token_ids) * len(o.outputs) for o in outputs)
+    num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    assert num_output_tokens == 5 + 2 * 9 + 30 + 2
+    assert made[0]["total"] == 5 and made[0]["desc"] == "Processed prompts"
+    final = re.split(r"[\r\n]", bar_text.getvalue().rstrip())[-1]
+    assert final.startswith("Processed prompts: 100%") and " 5/5 [" in final, final
+    speeds = re.fullmatch(r".*, est\. speed input: ([0-9.]+) toks/s, output: ([0-9.]+) toks/s\]", final)
+    assert speeds is not None, final
+    input_speed, output_speed = float(speeds[1]), float(speeds[2])
+    assert input_speed / output_speed == pytest.approx(num_input_tokens / num_output_tokens, rel=1e-3)
+
+
+def test_speed_postfix_is_vllms():
+    assert speed_postfix(300, 600, 2.0) == "est. speed input: 150.00 toks/s, output: 300.00 toks/s"
+    assert speed_postfix(7, 1, 0.0) == "est. speed input: 0.00 toks/s, output: 0.00 toks/s"
 
 
 def test_a_program_using_llm_sees_the_model_and_kv_cache_sizes_on_stderr(llama2_model):
