@@ -35,7 +35,7 @@ from core_svc.errors import (
     fault_message,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
-from core_svc.model_loader import LoadedModel, load_model, resolve_model_path
+from core_svc.model_loader import LoadedModel, format_bytes, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
 from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
@@ -115,14 +115,18 @@ class EngineCore:
         self.num_consecutive_failed_steps = 0  # steps whose model runner raised, since the last one that did not
         self.dead_error: EngineUnavailableError | None = None  # set once the core is declared dead
         info = self.get_engine_info()
+        # Maximum concurrency as vLLM's get_max_concurrency_for_kv_cache_config: blocks over the blocks one request
+        # of max_model_len tokens needs (here without the null block, which holds no tokens).
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.3f GiB, %s); max_model_len %d",
+            "KV cache: %d blocks x %d tokens = %s tokens (%s, %s); maximum concurrency for %s tokens per "
+            "request: %.2fx",
             info.num_kv_blocks - 1,
             info.block_size,
-            info.kv_cache_tokens,
-            self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size / 2**30,
+            f"{info.kv_cache_tokens:,}",
+            format_bytes(self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size),
             info.dtype,
-            info.max_model_len,
+            f"{info.max_model_len:,}",
+            (info.num_kv_blocks - 1) / cdiv(info.max_model_len, info.block_size),
         )
 
     def add_request(self, request: Request) -> None:

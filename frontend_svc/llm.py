@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from frontend_svc.errors import ValidationError
@@ -60,7 +60,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
@@ -70,6 +70,9 @@ class LLM:
                 {"prompt_token_ids"} dict.
             sampling_params: one for all prompts or one per prompt (default: ``get_default_sampling_params()``,
                 the model's generation-config defaults).
+            use_tqdm: show vLLM's progress bar on stderr: "Processed prompts" (completions: n per prompt) with the
+                estimated input and output speed in tokens/s of the requests finished so far; a callable makes
+                the bar instead of ``tqdm.auto.tqdm`` (same arguments), as in vLLM.
             priority: one for all prompts or one per prompt (lower is served first under the priority policy).
 
         Raises:
@@ -86,13 +89,13 @@ class LLM:
         messages: list[ChatMessage] | Sequence[list[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, rendered with the tokenizer's chat template; sampling
-        parameters and priority as ``generate``."""
+        parameters, progress bar and priority as ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
@@ -105,7 +108,7 @@ class LLM:
         self,
         prompts: list[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
         priority: int | Sequence[int] | None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
@@ -124,23 +127,57 @@ class LLM:
         except Exception:
             engine.abort_request(request_ids)
             raise
-        return self._run_engine(request_ids, use_tqdm)
+        return self._run_engine(request_ids, sum(params.n for params in params_list), use_tqdm)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], num_completions: int, use_tqdm: bool | Callable[..., Any]
+    ) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        # As vLLM's LLM._run_engine: the bar counts completions (n per prompt) and shows the speed of the finished
+        # ones (prompt tokens once per completion, all completions' tokens) over the time since it started.
+        with make_bar(
+            total=num_completions,
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+            postfix=speed_postfix(0, 0, 0.0),
+        ) as bar:
+            num_input_tokens = num_output_tokens = 0
             try:
                 while self.llm_engine.has_unfinished_requests():
                     for output in self.llm_engine.step():
-                        if output.finished:
-                            finished[output.request_id] = output
-                            bar.update(1)
+                        if not output.finished:
+                            continue
+                        finished[output.request_id] = output
+                        if use_tqdm:
+                            input_tokens, output_tokens = count_tokens(output)
+                            num_input_tokens += input_tokens
+                            num_output_tokens += output_tokens
+                            elapsed_s = bar.format_dict["elapsed"]
+                            bar.set_postfix_str(speed_postfix(num_input_tokens, num_output_tokens, elapsed_s), False)
+                            bar.update(len(output.outputs))
             except Exception:  # a request failed (vLLM's LLM raises too): the call ends, all of it
                 self.llm_engine.abort_request(request_ids)
                 raise
         return [finished[request_id] for request_id in request_ids]
+
+
+def count_tokens(output: RequestOutput) -> tuple[int, int]:
+    """(input, output) tokens of a finished request as vLLM's ``LLM`` progress bar counts them: the prompt's once
+    per completion, and the tokens of all its completions."""
+    num_prompt_tokens = len(output.prompt_token_ids or ())
+    return num_prompt_tokens * len(output.outputs), sum(len(c.token_ids) for c in output.outputs)
+
+
+def speed_postfix(num_input_tokens: int, num_output_tokens: int, elapsed_s: float) -> str:
+    """vLLM's progress-bar postfix, "est. speed input: 123.45 toks/s, output: 234.56 toks/s": tokens over
+    ``elapsed_s`` seconds (0 toks/s before any time has passed)."""
+    input_speed = num_input_tokens / elapsed_s if elapsed_s > 0 else 0.0
+    output_speed = num_output_tokens / elapsed_s if elapsed_s > 0 else 0.0
+    return f"est. speed input: {input_speed:.2f} toks/s, output: {output_speed:.2f} toks/s"
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

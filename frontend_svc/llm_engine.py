@@ -22,6 +22,7 @@ from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams, sampling_params_with_defaults
 from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
+from splitserve.logging_config import configure_library_logging
 from splitserve.model_files import resolve_model_path
 
 # Every output of a request carries its id, from the core on each step and to the caller on each streamed message:
@@ -42,6 +43,7 @@ class EngineFrontend:
         core_config: dict[str, Any],
         generation_config: str = AUTO,
     ) -> None:
+        configure_library_logging()  # before the core loads: its size and the KV cache's are logged at INFO
         client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
         loaded = tokenizer is not None and not isinstance(tokenizer, str)

@@ -126,10 +126,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with LLM(model, generation_config=args.generation_config, **core_kwargs_from_args(args)) as llm:
         # Flags not given take the model's defaults (its generation config), then vLLM's, as a server's requests.
         params = sampling_params_with_defaults(explicit, llm.llm_engine.default_sampling_params)
+        if len(prompts) == 1 and params.n == 1 and not args.json:
+            _stream_one(llm.llm_engine, prompts[0], params, args.chat)
+            return 0
         if args.chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs, strict=True):
         if args.json:
             print(json.dumps(_output_json(prompt, output), ensure_ascii=False))
@@ -138,6 +141,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
             label = f"[{completion.index}] " if args.n > 1 else ""
             print(f"{prompt!r} -> {label}{completion.text!r} ({completion.finish_reason})")
     return 0
+
+
+def _stream_one(engine: Any, prompt: str, params: Any, chat: bool) -> None:
+    """Print one completion's text to stdout as the engine releases it, then a newline; log its finish reason and
+    speed. The text is the one ``LLM.generate`` returns for the same request (DELTA outputs of one request add up
+    to its final text).
+
+    Raises:
+        ValidationError, InternalError, EngineDeadError: as ``LLMEngine.add_request`` and ``step``.
+    """
+    from frontend_svc.sampling_params import RequestOutputKind
+
+    delta = params.clone()
+    delta.output_kind = RequestOutputKind.DELTA
+    if chat:
+        prompt = engine.input_processor.render_chat([{"role": "user", "content": prompt}], True, None)
+    start = time.perf_counter()
+    engine.add_request("0", prompt, delta)
+    num_prompt_tokens = num_output_tokens = 0
+    finish_reason = None
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                completion = output.outputs[0]
+                sys.stdout.write(completion.text)
+                sys.stdout.flush()
+                num_prompt_tokens = len(output.prompt_token_ids or ())
+                num_output_tokens += len(completion.token_ids)
+                finish_reason = completion.finish_reason
+    finally:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    elapsed_s = time.perf_counter() - start
+    logger.info(
+        "finished (%s): %d prompt tokens, %d output tokens in %.2f s (%.2f toks/s)",
+        finish_reason,
+        num_prompt_tokens,
+        num_output_tokens,
+        elapsed_s,
+        num_output_tokens / elapsed_s,
+    )
 
 
 def _output_json(prompt: str, output: Any) -> dict[str, Any]:

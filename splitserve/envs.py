@@ -17,6 +17,13 @@ def log_level() -> str:
     return os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO").upper()
 
 
+def configure_logging() -> bool:
+    """SPLITSERVE_CONFIGURE_LOGGING, default 1 (vLLM's VLLM_CONFIGURE_LOGGING): 0 leaves logging alone in the
+    Python API, which otherwise prints splitserve's lines at SPLITSERVE_LOG_LEVEL to stderr when the application
+    has not configured logging (``splitserve.logging_config``)."""
+    return os.environ.get("SPLITSERVE_CONFIGURE_LOGGING", "1").strip() != "0"
+
+
 def log_stats_interval() -> float:
     """SPLITSERVE_LOG_STATS_INTERVAL, default 10: seconds between the frontend's stats log lines (vLLM's
     VLLM_LOG_STATS_INTERVAL); 0 or less turns them off."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import re
+import sys
 
 from splitserve.cli import main
 from tests.helpers import hf_greedy
@@ -85,6 +89,60 @@ def test_generate_n_stop_logprobs_and_chat(checkpoint, capsys):
     assert chat["prompt_token_ids"] == tokenizer.apply_chat_template(
         [{"role": "user", "content": "Once upon a time"}], tokenize=True, add_generation_prompt=True, return_dict=False
     )
+
+
+class _Writes(io.StringIO):
+    """A stdout that keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.pieces.append(text)
+        return super().write(text)
+
+
+def test_generate_streams_one_prompt_and_shows_a_progress_bar_for_several(checkpoint, capsys, monkeypatch, caplog):
+    """One prompt: its text goes to stdout piece by piece as it is generated, then a newline, and is the text the
+    non-streamed path gives (--json, LLM.generate). Several prompts: vLLM's progress bar on stderr, then the
+    results as before."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # tqdm cuts its line to $COLUMNS when it cannot ask the terminal
+    path = checkpoint("llama")
+    prompts = ["The capital of France is", "def add(a, b):"]
+    base = ["generate", "--model", str(path), "--max-tokens", "24", "--temperature", "0", "--ignore-eos"]
+
+    assert main(base + ["--prompt", prompts[0], "--prompt", prompts[1], "--json"]) == 0
+    captured = capsys.readouterr()
+    texts = [json.loads(line)["outputs"][0]["text"] for line in captured.out.splitlines()]
+    assert re.search(
+        r"Processed prompts: 100%.* 2/2 \[.*est\. speed input: [0-9.]+ toks/s, output: [0-9.]+ toks/s", captured.err
+    )
+
+    assert main(base + ["--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"{p!r} -> {t!r} (length)" for p, t in zip(prompts, texts, strict=True)]
+    assert "Processed prompts: 100%" in captured.err
+
+    for chat in ([], ["--chat"]):
+        assert main(base + ["--prompt", prompts[0], "--json", *chat]) == 0
+        expected = json.loads(capsys.readouterr().out)
+        stdout = _Writes()
+        caplog.clear()
+        with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="splitserve"):
+            patch.setattr(sys, "stdout", stdout)
+            assert main(base + ["--prompt", prompts[0], *chat]) == 0
+        assert stdout.getvalue() == expected["outputs"][0]["text"] + "\n"
+        assert len([piece for piece in stdout.pieces if piece]) > 3  # streamed, not written at the end
+        assert "Processed prompts" not in capsys.readouterr().err
+        num_prompt_tokens = len(expected["prompt_token_ids"])
+        summary = [r.getMessage() for r in caplog.records if r.name == "splitserve"]
+        assert len(summary) == 1
+        assert re.fullmatch(
+            rf"finished \(length\): {num_prompt_tokens} prompt tokens, 24 output tokens in [0-9.]+ s "
+            r"\([0-9.]+ toks/s\)",
+            summary[0],
+        )
 
 
 def test_generate_sampling_flags_default_to_the_models_generation_config(generation_config_model, capsys):

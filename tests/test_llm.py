@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import io
+import json
+import os
+import re
 import subprocess
 import sys
 import weakref
@@ -11,6 +15,7 @@ import weakref
 import pytest
 
 from frontend_svc import LLM, AsyncLLM, LLMEngine, RequestOutputKind, SamplingParams, ValidationError
+from frontend_svc.llm import speed_postfix
 from tests.conftest import real_or_builtin
 from tests.helpers import hf_greedy
 
@@ -53,6 +58,98 @@ def test_generate_greedy_matches_transformers(llm, llama2_model):
         assert completion.text == full[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)) :]
         assert completion.text.strip() == tokenizer.decode(reference, skip_special_tokens=True).strip()
         assert completion.finish_reason == "length" and output.finished
+
+
+def test_progress_bar_counts_completions_and_shows_input_and_output_speed(llm):
+    """vLLM's bar: completions (n per prompt) and, as requests finish, the input and output tokens of all their
+    completions over the same elapsed time, so the two speeds stand in the ratio of the two token counts."""
+    from tqdm import tqdm
+
+    bar_text = io.StringIO()
+    made: list[dict] = []
+
+    def make_bar(**kwargs):
+        made.append(kwargs)
+        return tqdm(**{**kwargs, "dynamic_ncols": False}, file=bar_text)  # ncols None on a StringIO: no cut
+
+    prompts = [*PROMPTS, "Hello"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        SamplingParams(n=2, seed=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=make_bar)
+    assert [len(o.outputs) for o in outputs] == [1, 2, 1, 1]
+    num_input_tokens = sum(len(o.prompt_token_ids) * len(o.outputs) for o in outputs)
+    num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    assert num_output_tokens == 5 + 2 * 9 + 30 + 2
+    assert made[0]["total"] == 5 and made[0]["desc"] == "Processed prompts"
+    final = re.split(r"[\r\n]", bar_text.getvalue().rstrip())[-1]
+    assert final.startswith("Processed prompts: 100%") and " 5/5 [" in final, final
+    speeds = re.fullmatch(r".*, est\. speed input: ([0-9.]+) toks/s, output: ([0-9.]+) toks/s\]", final)
+    assert speeds is not None, final
+    input_speed, output_speed = float(speeds[1]), float(speeds[2])
+    assert input_speed / output_speed == pytest.approx(num_input_tokens / num_output_tokens, rel=1e-3)
+
+
+def test_speed_postfix_is_vllms():
+    assert speed_postfix(300, 600, 2.0) == "est. speed input: 150.00 toks/s, output: 300.00 toks/s"
+    assert speed_postfix(7, 1, 0.0) == "est. speed input: 0.00 toks/s, output: 0.00 toks/s"
+
+
+def test_a_program_using_llm_sees_the_model_and_kv_cache_sizes_on_stderr(llama2_model):
+    """A plain script (no logging configured) shows vLLM's startup lines: the model's size and load time, the KV
+    cache in blocks, tokens and GiB, and how many requests of max_model_len tokens fit at once."""
+    code = f"from frontend_svc import LLM; LLM({str(llama2_model)!r}, num_kv_blocks=65, max_model_len=100).close()"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    stderr = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ
+    ).stderr
+    lines = re.findall(r"^\S+ \S+ INFO (\S+: .*)$", stderr, flags=re.MULTILINE)
+    loading = [line for line in lines if line.startswith("core_svc.model_loader: Model loading took ")]
+    kv_cache = [line for line in lines if line.startswith("core_svc.engine_core: KV cache: ")]
+    num_parameters = json.loads((llama2_model / "splitserve_test_model.json").read_text())["num_parameters"]
+    size = f"{num_parameters * 4 / 2**20:.2f} MiB ({num_parameters:,} parameters, float32)"  # float32: 4 bytes
+    assert len(loading) == 1, stderr
+    assert re.fullmatch(rf".*: Model loading took {re.escape(size)} and [0-9.]+ seconds", loading[0])
+    # 65 blocks of 16 tokens allocated, K and V of every layer's KV heads, float32; the null block holds no tokens:
+    # 64 blocks usable, and a request of 100 tokens needs 7 of them, so 64 / 7 fit at once.
+    config = json.loads((llama2_model / "config.json").read_text())
+    head_size = config["hidden_size"] // config["num_attention_heads"]
+    kv_bytes = 65 * 16 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_size * 4
+    assert kv_cache == [
+        f"core_svc.engine_core: KV cache: 64 blocks x 16 tokens = 1,024 tokens ({kv_bytes / 2**20:.2f} MiB, "
+        "float32); maximum concurrency for 100 tokens per request: 9.14x"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("env", "setup", "expected"),
+    [
+        ({}, "", [r"\S+ \S+ INFO core_svc\.x: ours"]),  # once, although configured twice
+        ({"SPLITSERVE_LOG_LEVEL": "warning"}, "", []),
+        ({"SPLITSERVE_CONFIGURE_LOGGING": "0"}, "", []),  # Python's default: warnings only
+        # The application's configuration decides, and each line is printed once.
+        (
+            {},
+            "logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s'); ",
+            [r"core_svc\.x ours", "app theirs"],
+        ),
+    ],
+)
+def test_the_python_api_logs_info_to_stderr_unless_the_application_configured_logging(env, setup, expected):
+    code = (
+        f"import logging; {setup}from splitserve.logging_config import configure_library_logging; "
+        "configure_library_logging(); configure_library_logging(); "
+        "logging.getLogger('core_svc.x').info('ours'); logging.getLogger('app').info('theirs')"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")} | env
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ)
+    lines = result.stderr.splitlines()
+    assert len(lines) == len(expected), lines
+    for pattern, line in zip(expected, lines, strict=True):
+        assert re.fullmatch(pattern, line), line
 
 
 def test_chat_renders_the_chat_template(llm):
