@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.async_llm import AsyncLLM
-from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.core_client import EngineCoreClient, check_core_settings
 from frontend_svc.sampling_params import MAX_N
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
@@ -65,9 +65,10 @@ async def serve_frontend(
     follows the ``OTEL_*`` environment (``splitserve.tracing``).
 
     Raises:
-        ValueError: a TLS file cannot be read or is not PEM.
+        ValueError: a TLS file cannot be read or is not PEM; engine-core settings given with ``core_addresses``.
         OSError: the metrics port cannot be bound.
     """
+    check_core_settings(core_addresses, core_config)
     frontend = frontend or FrontendOptions()
     tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_SERVICE_NAME)
     registry = metrics.make_registry() if options.metrics_port is not None else None
