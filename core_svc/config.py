@@ -44,6 +44,12 @@ class CoreConfig:
     max_consecutive_failed_steps: int = 3
     attention_backend: str = "auto"  # auto, cpu or torch_ref (kernels.get_attention_backend)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: no cap (vLLM's default 20)
+    served_model_name: str | None = None  # the metrics' model_name label (--served-model-name); None: model
+
+    @property
+    def model_name(self) -> str:
+        """The name the core reports its model by: ``served_model_name``, else ``model`` as given."""
+        return self.served_model_name or self.model
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")

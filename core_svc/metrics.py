@@ -24,7 +24,7 @@ class CoreMetrics:
 
     Args:
         registry: where the metrics are registered (one per core).
-        model_name: the model the core serves, as given to ``--model``.
+        model_name: the model the core serves: ``--served-model-name``, else ``--model`` as given.
         max_model_len, max_num_batched_tokens: upper ends of the token-count buckets.
     """
 

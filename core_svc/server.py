@@ -108,7 +108,7 @@ async def _serve(
         logger.exception("could not load %s", config.model)
         await grpc_runtime.stop_server(server, health, 0)
         return 1
-    observe_engine(engine_core, config.model, registry, tracer_provider)
+    observe_engine(engine_core, config.model_name, registry, tracer_provider)
     # As the frontend does (and vLLM's EngineCore): the startup heap, the model's included, is left out of garbage
     # collection, so a full collection walks only what requests made (16384 of them at once, with n = 16384).
     gc.collect()

@@ -8,6 +8,20 @@ from typing import Any
 
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import FrontendError
+from splitserve import envs
+
+
+def check_core_settings(core_address: str | list[str] | None, core_config: dict[str, Any]) -> None:
+    """Engine-core settings configure an in-process core only: a remote core has its own flags.
+
+    Raises:
+        ValueError: ``core_config`` is not empty while ``core_address`` is given, naming the settings.
+    """
+    if core_address and core_config:
+        raise ValueError(
+            "engine settings apply to an in-process core; with core_address they are the core's own flags: "
+            + ", ".join(core_config)
+        )
 
 
 class EngineCoreClient(ABC):
@@ -26,12 +40,16 @@ class EngineCoreClient(ABC):
         fields of ``core_svc.config.CoreConfig``). Sync or asyncio per ``asyncio_mode`` (the gRPC client is both).
 
         Raises:
-            EngineDeadError: no core answered at ``core_address`` within a minute.
+            EngineDeadError: no core answered at ``core_address`` within ``SPLITSERVE_ENGINE_READY_TIMEOUT_S``
+                seconds (default 60; the log says, at once and every 10 s, what it waits for).
+            ValueError: engine-core settings given with ``core_address`` (``check_core_settings``).
         """
+        check_core_settings(core_address, core_config)
         if core_address is not None:
             from frontend_svc.grpc_client import GrpcCoreClient
 
-            return GrpcCoreClient([a.strip() for a in core_address.split(",") if a.strip()])
+            addresses = [a.strip() for a in core_address.split(",") if a.strip()]
+            return GrpcCoreClient(addresses, wait_ready_s=envs.engine_ready_timeout_s())
         from frontend_svc.inproc_client import AsyncInprocClient, InprocClient
 
         client_class = AsyncInprocClient if asyncio_mode else InprocClient

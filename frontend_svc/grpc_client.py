@@ -38,6 +38,7 @@ T = TypeVar("T")
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
+WAIT_LOG_INTERVAL_S = 10.0  # while the constructor waits for a first core, say so this often
 CORE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
 # Requests converted to protobuf between yields to the event loop (about 1 ms of work).
 CONVERT_CHUNK_SIZE = 128
@@ -75,6 +76,7 @@ class CoreConnection:
         self.available = False  # the Connect stream is up
         self.serving = False  # the core's health says SERVING
         self.info: EngineInfo | None = None
+        self.last_error: str | None = None  # why the latest attempt to reach it failed (a gRPC status and details)
         # request_id -> the request until its first output (so a refused add can go elsewhere), then None
         self.in_flight: dict[str, EngineCoreRequest | None] = {}
         self.stub: pb_grpc.EngineCoreStub | None = None
@@ -108,8 +110,8 @@ class CoreConnection:
                     now = time.monotonic()
                     if self.available or now - last_logged > LOG_INTERVAL_S:
                         last_logged = now
-                        detail = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
-                        logger.warning("engine core %s: %s; retrying", self.address, detail)
+                        logger.warning("engine core %s: %s; retrying", self.address, _describe(e))
+                    self.last_error = _describe(e)
                 finally:
                     self._mark_down()
             await asyncio.sleep(backoff)
@@ -306,9 +308,39 @@ class GrpcCoreClient(EngineCoreClient):
         # Replaced, never changed in place (other threads read it); changed on the transport thread only.
         self.connections: list[CoreConnection] = []
         self._on_transport(self._start(targets)).result()
-        if not self._ready.wait(wait_ready_s):
-            self.shutdown()
-            raise EngineDeadError(f"no engine core answered at {', '.join(addresses)} within {wait_ready_s} s")
+        self._wait_ready(", ".join(addresses), wait_ready_s)
+
+    def _wait_ready(self, where: str, wait_ready_s: float | None) -> None:
+        """Block until some core takes requests, saying so in the log at once and every ``WAIT_LOG_INTERVAL_S``.
+
+        Raises:
+            EngineDeadError: none did within ``wait_ready_s`` seconds (None: no limit); the message says what was
+                waited for, how long, and the last error of each core.
+        """
+        limit = "no time limit" if wait_ready_s is None else f"up to {wait_ready_s:g} s"
+        logger.info("waiting for the engine core at %s (%s) ...", where, limit)
+        start = time.monotonic()
+        while True:
+            left = None if wait_ready_s is None else wait_ready_s - (time.monotonic() - start)
+            interval = WAIT_LOG_INTERVAL_S if left is None else max(0.0, min(WAIT_LOG_INTERVAL_S, left))
+            if self._ready.wait(interval):
+                return
+            waited_s = time.monotonic() - start
+            errors = "; ".join(f"{c.address}: {c.last_error}" for c in self.connections if c.last_error)
+            if wait_ready_s is not None and waited_s >= wait_ready_s:
+                self.shutdown()
+                raise EngineDeadError(
+                    f"no engine core answered at {where} within {wait_ready_s:g} s (waited for a Connect stream to "
+                    f"it and its health to say SERVING; is `splitserve core` running there?)"
+                    + (f"; latest attempt: {errors}" if errors else "")
+                )
+            logger.warning(
+                "still waiting for the engine core at %s: %.0f s so far (%s)%s",
+                where,
+                waited_s,
+                limit,
+                f"; latest attempt: {errors}" if errors else "",
+            )
 
     # --- state ---
 
@@ -558,3 +590,10 @@ class GrpcCoreClient(EngineCoreClient):
         if self._caller_queue is None or self._caller_loop is not loop:
             self._caller_loop, self._caller_queue = loop, asyncio.Queue()
         return self._caller_queue
+
+
+def _describe(error: Exception) -> str:
+    """A failed attempt to reach a core, in one line: its gRPC status and details, else the exception."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name} {error.details()}"
+    return repr(error)

@@ -28,7 +28,10 @@ class LLM:
     Args:
         model: local Hugging Face folder or hub id.
         **kwargs: ``LLMEngine`` arguments (core_address, tokenizer, generation_config, and engine-core
-            settings).
+            settings, which only an in-process core takes).
+
+    Raises:
+        ModelNotFoundError, ValueError, EngineDeadError: as ``LLMEngine``.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

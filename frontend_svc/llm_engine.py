@@ -11,7 +11,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.core_client import EngineCoreClient, check_core_settings
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
 from frontend_svc.errors import FrontendError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
@@ -45,6 +45,7 @@ class EngineFrontend:
     ) -> None:
         configure_library_logging()  # before the core loads: its size and the KV cache's are logged at INFO
         client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
+        check_core_settings(core_address, core_config)  # before the tokenizer loads
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
         loaded = tokenizer is not None and not isinstance(tokenizer, str)
         in_process = client is None and core_address is None  # only then does this process need the weights
@@ -187,6 +188,13 @@ class LLMEngine(EngineFrontend):
             generation_config.json, as vLLM's default), "vllm" (none) or a folder.
         **core_config: engine-core settings (``core_svc.config.CoreConfig`` fields: max_num_seqs,
             num_kv_blocks, dtype, ...), for the in-process core.
+
+    Raises:
+        ModelNotFoundError: ``model`` is no model folder ("no such folder: PATH", "PATH is not a model folder: no
+            config.json") nor a hub id that could be fetched.
+        ValueError: engine-core settings given with ``core_address`` (a remote core has its own flags).
+        EngineDeadError: no core at ``core_address`` took requests within ``SPLITSERVE_ENGINE_READY_TIMEOUT_S``
+            seconds (default 60).
     """
 
     def __init__(

@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.async_llm import AsyncLLM
-from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.core_client import EngineCoreClient, check_core_settings
 from frontend_svc.sampling_params import MAX_N
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
@@ -47,6 +47,8 @@ class FrontendOptions:
     api_key: str | None = None  # every call but health needs "authorization: Bearer <api_key>"; None: no key
     core_tls: ClientTLS | None = None  # TLS (and the client certificate) to the cores; None: plaintext
     max_n: int = MAX_N  # the most completions one call may ask for (--max-n; docs/operations.md)
+    # The model's name to clients (vLLM's --served-model-name): GetModelInfo, metrics labels, spans; None: the model.
+    served_model_name: str | None = None
 
 
 async def serve_frontend(
@@ -61,13 +63,14 @@ async def serve_frontend(
     with ``core_config``. ``options``: where and how it listens (TLS, the metrics endpoint: none without
     ``metrics_port``; in-process, the core's metrics too). ``frontend``: chat templates, the model's sampling
     defaults (``generation_config``, as vLLM's ``--generation-config``), the API key, TLS to the cores, the
-    most completions a call may ask for (``max_n``). Tracing
-    follows the ``OTEL_*`` environment (``splitserve.tracing``).
+    most completions a call may ask for (``max_n``), the name clients see the model by (``served_model_name``).
+    Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``).
 
     Raises:
-        ValueError: a TLS file cannot be read or is not PEM.
+        ValueError: a TLS file cannot be read or is not PEM; engine-core settings given with ``core_addresses``.
         OSError: the metrics port cannot be bound.
     """
+    check_core_settings(core_addresses, core_config)
     frontend = frontend or FrontendOptions()
     tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_SERVICE_NAME)
     registry = metrics.make_registry() if options.metrics_port is not None else None
@@ -105,8 +108,9 @@ async def _serve(
     core_config: dict[str, Any],
 ) -> int:
     host, shutdown_timeout_s = options.host, options.shutdown_timeout_s
+    model_name = frontend.served_model_name or model
     state = FrontendServerState(
-        model=model, trust_request_chat_template=frontend.trust_request_chat_template, max_n=frontend.max_n
+        model=model_name, trust_request_chat_template=frontend.trust_request_chat_template, max_n=frontend.max_n
     )
     provider, registry = observability.tracer_provider, observability.registry
     if provider is not None:
@@ -168,10 +172,10 @@ async def _serve(
             client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)
             client.add_death_listener(on_core_death)  # type: ignore[attr-defined]
             observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
-            client.observe_core(model, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]
+            client.observe_core(model_name, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]
         stat_loggers: list[StatLogger] = []
         if registry is not None:
-            stat_loggers.append(PrometheusStatLogger(registry, model, client.get_engine_info().max_model_len))
+            stat_loggers.append(PrometheusStatLogger(registry, model_name, client.get_engine_info().max_model_len))
         return AsyncLLM(
             str(model_path),
             tokenizer=state.tokenizer,

@@ -37,7 +37,7 @@ SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
 
 @dataclass
 class FrontendServerState:
-    model: str
+    model: str  # the name clients see (--served-model-name, else --model as given)
     trust_request_chat_template: bool = False  # whether a Chat call may bring its own template (as vLLM's flag)
     max_n: int = MAX_N  # the most completions one call may ask for (--max-n; docs/operations.md)
     tokenizer: Any = None  # loaded first: Tokenize / Detokenize work before any core is reachable

@@ -16,26 +16,94 @@ from splitserve import envs
 logger = logging.getLogger("splitserve")
 
 
+MODEL_HELP = "local Hugging Face folder or hub id (default: $SPLITSERVE_MODEL, else the demo model)"
+# Where a frontend (or ``serve``) reports --served-model-name.
+PUBLIC_MODEL_NAME = "GetModelInfo's model, the metrics' model_name label, the gen_ai.response.model of traces"
+
+
+def add_model_args(parser: argparse.ArgumentParser, help_text: str = MODEL_HELP) -> None:
+    """The model, as ``vllm serve MODEL`` takes it (positional) or as ``--model``; ``model_from_args`` reads it."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=f"{help_text}; or --model")
+    parser.add_argument("--model", default=None, help=help_text)
+
+
+def add_served_model_name_arg(parser: argparse.ArgumentParser, where: str) -> None:
+    """``--served-model-name`` (vLLM's flag); ``where``: where this command reports the name."""
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help=f"the name the model is reported by: {where} (default: the model as given)",
+    )
+
+
+def model_from_args(args: argparse.Namespace) -> str | None:
+    """The model given as MODEL or ``--model`` (None: neither).
+
+    Raises:
+        ValueError: both are given and differ.
+    """
+    positional, flag = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"the model is given twice, as MODEL ({positional}) and as --model ({flag}): give it once")
+    return positional if positional is not None else flag
+
+
 def add_core_args(parser: argparse.ArgumentParser) -> None:
     """Engine-core flags (``CoreConfig`` fields), shared by every command that runs a core."""
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     parser.add_argument(
-        "--model",
-        default=None,
-        help="local Hugging Face folder or hub id (default: $SPLITSERVE_MODEL, else the demo model)",
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the weights' and activations' dtype; auto: the checkpoint's",
     )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     kv = parser.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (null block included)")
-    kv.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV cache budget in GiB")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    kv.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache size in blocks (null block included; default: from --kv-cache-memory-gib)",
+    )
+    kv.add_argument(
+        "--kv-cache-memory-gib",
+        type=float,
+        default=None,
+        help="KV cache budget in GiB (default: 1 GiB, capped at what --max-num-seqs full sequences use)",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt and output (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="most prompt tokens of a request per step; 0: no cap",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: first come, first served; priority: lowest priority value first",
+    )
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off",
+    )
+    parser.add_argument(
+        "--no-enable-chunked-prefill",
+        dest="enable_chunked_prefill",
+        action="store_false",
+        help="turn chunked prefill off (a prompt's prefill then takes one step)",
+    )
     parser.add_argument(
         "--attention-backend",
         choices=["auto", "cpu", "torch_ref"],
@@ -65,17 +133,32 @@ def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
         max_logprobs=args.max_logprobs,
         attention_backend=args.attention_backend,
         seed=getattr(args, "engine_seed", 0),
+        served_model_name=getattr(args, "served_model_name", None),
     )
 
 
 def resolve_model_arg(model: str | None, build_demo: bool = True) -> str:
-    """``--model``, else ``SPLITSERVE_MODEL``, else the demo model (built on first use when ``build_demo``).
+    """MODEL or ``--model``, else ``SPLITSERVE_MODEL``, else the demo model (built on first use when
+    ``build_demo``). A model given is checked at once (``model_files.check_model``): a local folder must exist and
+    hold a config.json, a hub id must be fetchable (its config.json is downloaded).
 
     Raises:
+        ModelNotFoundError: the model given cannot be served (one line: "no such folder: PATH", "PATH is not a
+            model folder: no config.json", the hub could not be reached, ...; "(from $SPLITSERVE_MODEL)" when
+            it came from there).
         ValueError: no model given, the demo model is not built, and ``build_demo`` is False.
     """
-    model = model or envs.model()
+    from splitserve.model_files import ModelNotFoundError, check_model
+
+    if model:
+        check_model(model)
+        return model
+    model = envs.model()
     if model is not None:
+        try:
+            check_model(model)
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"{e} (from $SPLITSERVE_MODEL)") from e
         return model
     from splitserve.demo import demo_model_path
 
@@ -208,8 +291,8 @@ def _output_json(prompt: str, output: Any) -> dict[str, Any]:
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=default_port)
+    parser.add_argument("--host", default="0.0.0.0", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=default_port, help="the gRPC port; 0: a free one")
     parser.add_argument(
         "--max-receive-message-mib",
         type=_message_mib,
@@ -417,6 +500,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         api_key_from_args(args),
         core_tls_from_args(args),
         args.max_n,
+        args.served_model_name,
     )
     return asyncio.run(
         serve_frontend(
@@ -437,7 +521,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_generation_config(args.generation_config)  # not only once the model has loaded
     options = server_options_from_args(args)
     frontend = FrontendOptions(
-        args.trust_request_chat_template, args.generation_config, api_key_from_args(args), max_n=args.max_n
+        args.trust_request_chat_template,
+        args.generation_config,
+        api_key_from_args(args),
+        max_n=args.max_n,
+        served_model_name=args.served_model_name,
     )
     return asyncio.run(
         serve_frontend(resolve_model_arg(args.model), None, options, frontend, **core_kwargs_from_args(args))
@@ -489,19 +577,24 @@ async def _demo(address: str, tls: Any, api_key: str | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``splitserve`` parser; every option's help shows its default (``show_defaults``)."""
+    import splitserve
+
     parser = argparse.ArgumentParser(prog="splitserve", description="LLM inference server: gRPC frontend + core")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {splitserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-test-model", help="write a seeded random-weight Hugging Face checkpoint")
-    p.add_argument("out", type=Path)
-    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"])
+    p.add_argument("out", type=Path, help="the folder to write")
+    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"], help="architecture")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"], help="size")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder to copy (default: builtin)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
     p.set_defaults(func=cmd_make_test_model)
 
     p = sub.add_parser("generate", help="run prompts offline (the Python API, core in-process)")
+    add_model_args(p)
     add_core_args(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several")
     # Unset by default: the model's generation config fills them, else vLLM's defaults (in brackets).
@@ -512,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=None, help="[0.0]")
     p.add_argument("--repetition-penalty", type=float, default=None, help="[1.0]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed of each request")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the EOS token (up to --max-tokens)")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
     p.add_argument("--stop", action="append", default=None, help="stop string; repeat for several")
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs per generated token")
@@ -522,7 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("core", help="the engine core as a gRPC server")
+    add_model_args(p)
     add_core_args(p)
+    add_served_model_name_arg(p, "the metrics' model_name label")
     add_server_args(p, 50061)
     p.add_argument(
         "--enable-admin-rpcs",
@@ -541,7 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_core)
 
     p = sub.add_parser("frontend", help="the public gRPC API, over one or more engine cores")
-    p.add_argument("--model", default=None, help="the model the cores serve (for its tokenizer)")
+    add_model_args(
+        p, "the model the cores serve, for its tokenizer (default: $SPLITSERVE_MODEL, else the demo model if built)"
+    )
+    add_served_model_name_arg(p, PUBLIC_MODEL_NAME)
     p.add_argument(
         "--core",
         required=True,
@@ -567,7 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_frontend)
 
     p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
+    add_model_args(p)
     add_core_args(p)
+    add_served_model_name_arg(p, PUBLIC_MODEL_NAME)
     add_server_args(p, 50051)
     add_api_key_arg(p)
     add_chat_template_arg(p)
@@ -580,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--service",
         default="",
-        help="'' (default): liveness; splitserve.frontend.v1.Generation or splitserve.engine.v1.EngineCore: readiness",
+        help="'': liveness; splitserve.frontend.v1.Generation or splitserve.engine.v1.EngineCore: readiness",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
     p.add_argument("--tls", action="store_true", help="speak TLS (implied by any --ssl-* flag)")
@@ -600,11 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("demo", "start the split stack, stream demo prompts through it, stop it"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument(
-            "--model", default=None, help="local folder or hub id (default: $SPLITSERVE_MODEL, else the demo model)"
-        )
-        p.add_argument("--port", type=int, default=0, help="frontend port (default: a free one)")
-        p.add_argument("--core-port", type=int, default=0, help="core port (default: a free one)")
+        add_model_args(p)
+        p.add_argument("--port", type=int, default=0, help="frontend port; 0: a free one")
+        p.add_argument("--core-port", type=int, default=0, help="core port; 0: a free one")
         p.add_argument("--log-dir", default=None, help="where the two processes log (default: a temporary folder)")
         add_ssl_args(
             p,
@@ -618,10 +716,30 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
+    show_defaults(parser)
     return parser
 
 
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Add "(default: X)" to the help of every option of ``parser`` and of its subcommands that has a default
+    (not None) and does not state one yet. Switches (``store_true`` / ``store_false``) are left as they are:
+    off unless given."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_defaults(subparser)
+            continue
+        if action.default in (None, argparse.SUPPRESS) or isinstance(action.default, bool):
+            continue
+        if action.help == argparse.SUPPRESS or "(default" in (action.help or ""):
+            continue
+        shown = "''" if action.default == "" else "%(default)s"  # help strings are %-formatted by argparse
+        action.help = f"{action.help or ''} (default: {shown})".lstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``splitserve ARGV``; returns the exit status: 2 and one line on stderr for an error the user can fix
+    (a bad flag, a model that cannot be found, a refused setting)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -631,6 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve.model_files import ModelNotFoundError
 
     try:
+        if hasattr(args, "model_tag"):  # MODEL and --model are one setting
+            args.model = model_from_args(args)
         return args.func(args)
     except (EngineError, FrontendError, ModelNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -30,6 +30,23 @@ def log_stats_interval() -> float:
     return float(os.environ.get("SPLITSERVE_LOG_STATS_INTERVAL", "10"))
 
 
+def engine_ready_timeout_s() -> float:
+    """SPLITSERVE_ENGINE_READY_TIMEOUT_S, default 60: seconds ``LLM`` / ``LLMEngine`` / ``AsyncLLM`` with a
+    ``core_address`` wait for a core to take requests before they fail (vLLM's VLLM_ENGINE_READY_TIMEOUT_S).
+
+    Raises:
+        ValueError: not a number above 0.
+    """
+    value = os.environ.get("SPLITSERVE_ENGINE_READY_TIMEOUT_S", "60")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"SPLITSERVE_ENGINE_READY_TIMEOUT_S must be a number of seconds above 0, got {value!r}")
+    return seconds
+
+
 def model() -> str | None:
     """SPLITSERVE_MODEL: the default of ``--model`` (a local folder or hub id); unset: the demo model."""
     return os.environ.get("SPLITSERVE_MODEL") or None

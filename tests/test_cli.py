@@ -57,7 +57,7 @@ def test_generate_seeded_sampling_is_reproducible(checkpoint, capsys):
 def test_generate_reports_errors_cleanly(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
-    assert "error: model" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"error: no such folder: {tmp_path / 'missing'}\n"
 
 
 def test_generate_n_stop_logprobs_and_chat(checkpoint, capsys):

@@ -25,6 +25,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 NUM_KV_BLOCKS = 129
 CORE_ARGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "1024"]
 MAX_N_SECOND = 1024  # the second frontend's --max-n
+SERVED_NAME_SECOND = "tiny-llama"  # the second frontend's --served-model-name
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +45,13 @@ def profile_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def services(model, tmp_path_factory, profile_dir):
     """One core (admin RPCs on, profiles under ``profile_dir``) and two frontends on it; the second takes n up to
-    MAX_N_SECOND only."""
+    MAX_N_SECOND only and names the model SERVED_NAME_SECOND."""
     logs = tmp_path_factory.mktemp("split-logs")
     core = stack.start_core(model, logs, [*CORE_ARGS, "--enable-admin-rpcs", "--profile-dir", str(profile_dir)])
     frontends = []
     try:
         core.wait_serving()
-        extra_args = ([], ["--max-n", str(MAX_N_SECOND)])
+        extra_args = ([], ["--max-n", str(MAX_N_SECOND), "--served-model-name", SERVED_NAME_SECOND])
         frontends = [stack.start_frontend(model, [core.address], logs, extra) for extra in extra_args]
         for frontend in frontends:
             frontend.wait_serving()
@@ -272,7 +273,7 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    _, (frontend, _) = services
+    _, (frontend, second) = services
     with grpc.insecure_channel(frontend.address) as channel:
         stub = api_grpc.GenerationStub(channel)
         message = api.ChatMessage(role="user", content=[api.ContentPart(text="Name a color.")])
@@ -314,6 +315,10 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
         )
         info = stub.GetModelInfo(api.GetModelInfoRequest())
         assert info.vocab_size == len(tokenizer) and info.max_model_len == 1024 and info.has_chat_template
+        assert info.model == model  # --model as given, without --served-model-name
+    with grpc.insecure_channel(second.address) as channel:
+        served = api_grpc.GenerationStub(channel).GetModelInfo(api.GetModelInfoRequest())
+        assert served.model == SERVED_NAME_SECOND and served.vocab_size == len(tokenizer)
 
 
 def test_large_texts_are_refused_before_they_are_tokenized(services, model):

@@ -31,6 +31,8 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN_ID}-01"
 CORE_ARGS = ["--num-kv-blocks", "64", "--max-model-len", "256"]
+# The names each server reports the model by (--served-model-name): metrics labels, the frontend's spans.
+CORE_NAME, FRONTEND_NAME = "tiny-core", "tiny"
 # (prompt token ids, max_tokens): all prompts shorter than a KV block, so no prefix-cache hits.
 WORKLOAD = [([5, 6, 7], 4), ([8, 9, 10, 11, 12], 7), ([13] * 14, 1), ([20, 21, 22, 23], 5)]
 
@@ -112,8 +114,10 @@ def run(model, tmp_path_factory) -> Run:
     core = frontend = None
     try:
         with patched_environ(env):  # the children take it; ours goes back
-            core = stack.start_core(model, logs, [*CORE_ARGS, "--metrics-port", str(core_metrics_port)])
-            frontend = stack.start_frontend(model, [core.address], logs, ["--metrics-port", str(frontend_metrics_port)])
+            core_args = [*CORE_ARGS, "--metrics-port", str(core_metrics_port), "--served-model-name", CORE_NAME]
+            core = stack.start_core(model, logs, core_args)
+            frontend_args = ["--metrics-port", str(frontend_metrics_port), "--served-model-name", FRONTEND_NAME]
+            frontend = stack.start_frontend(model, [core.address], logs, frontend_args)
         core.wait_serving()
         frontend.wait_serving()
         asyncio.run(_workload(frontend.address, result))
@@ -219,6 +223,7 @@ def test_frontend_metrics_equal_the_workload(run):
     refused = sample(text, "splitserve:grpc_server_handled_total", grpc_method="Generate", grpc_code="INVALID_ARGUMENT")
     assert refused == 1
     assert sample(text, "splitserve:prompt_tokens_total", engine="0") == want["prompt_tokens"]  # labelled
+    assert sample(text, "splitserve:prompt_tokens_total", model_name=FRONTEND_NAME) == want["prompt_tokens"]
 
 
 def test_core_metrics_equal_the_workload(run):
@@ -227,6 +232,7 @@ def test_core_metrics_equal_the_workload(run):
     assert sample(text, "splitserve:core_request_finished_total", finished_reason="length") == want["length"]
     assert sample(text, "splitserve:core_request_finished_total", finished_reason="stop") == want["stop"]
     assert sample(text, "splitserve:core_generation_tokens_total") == want["generation_tokens"]
+    assert sample(text, "splitserve:core_generation_tokens_total", model_name=CORE_NAME) == want["generation_tokens"]
     assert sample(text, "splitserve:prompt_tokens_by_source_total") == want["prompt_tokens"]
     assert sample(text, "splitserve:prompt_tokens_by_source_total", source="local_cache_hit") == 0
     for histogram in ("queue_time", "prefill_time", "decode_time", "inference_time"):
@@ -262,6 +268,7 @@ def test_one_trace_across_both_services(run):
     assert attributes[SpanAttributes.GEN_AI_REQUEST_TEMPERATURE] == 0.0
     assert attributes[SpanAttributes.GEN_AI_REQUEST_N] == 1
     assert attributes[SpanAttributes.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+    assert attributes[SpanAttributes.GEN_AI_RESPONSE_MODEL] == FRONTEND_NAME
     latencies = [
         attributes[name]
         for name in (
