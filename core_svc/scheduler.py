@@ -9,6 +9,8 @@ Waiting requests are admitted only in steps that preempted nothing. No torch, no
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from core_svc.config import SchedulerConfig
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.outputs import (
@@ -22,6 +24,20 @@ from core_svc.outputs import (
 )
 from core_svc.request import EngineCoreEventType, Request, RequestStatus
 from core_svc.request_queue import create_request_queue
+
+
+@dataclass
+class _StepPlan:
+    """What ``schedule()`` has handed out so far in one step, filled by its phases."""
+
+    token_budget: int  # tokens still to hand out this step, under max_num_batched_tokens
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request_id -> tokens to compute
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> ids of blocks allocated
+    # this step, for each request of scheduled_running
+    scheduled_running: list[Request] = field(default_factory=list)  # already running, in order (less victims)
+    scheduled_new: list[Request] = field(default_factory=list)  # admitted from waiting for the first time
+    scheduled_resumed: list[Request] = field(default_factory=list)  # admitted again after a preemption
+    preempted: list[Request] = field(default_factory=list)  # preempted this step, in order
 
 
 class Scheduler:
@@ -82,95 +98,17 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and token counts; allocate their KV slots."""
-        token_budget = self.config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        preempted: list[Request] = []
+        """Pick this step's requests and token counts; allocate their KV slots.
 
-        req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
-            num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, token_budget)
-            if num_new_tokens == 0:
-                req_index += 1
-                continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-                victim = self._pick_preemption_victim()
-                victim_index = self.running.index(victim)
-                del self.running[victim_index]
-                if victim_index < req_index:
-                    req_index -= 1
-                if victim in scheduled_running:  # refund what it was given this step
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    del new_block_ids[victim.request_id]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break
-            scheduled_running.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-            token_budget -= num_new_tokens
-            req_index += 1
-
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek_request()
-            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_computed_tokens
-            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
-                break  # no skipping ahead: FCFS order holds
-            num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
-            if new_blocks is None:
-                break
-            self.waiting.pop_request()
-            self.running.append(request)
-            (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed_tokens
-            request.record_event(EngineCoreEventType.SCHEDULED)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-
-        scheduler_output = SchedulerOutput(
-            scheduled_new_reqs=[
-                NewRequestData(
-                    request_id=r.request_id,
-                    prompt_token_ids=r.prompt_token_ids,
-                    sampling_params=r.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-                    num_computed_tokens=r.num_computed_tokens,
-                )
-                for r in scheduled_new
-            ],
-            scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, new_block_ids[r.request_id], r.num_computed_tokens, False)
-                for r in scheduled_running
-            ]
-            + [
-                CachedRequestData(
-                    r.request_id, self.kv_cache_manager.get_block_ids(r.request_id), r.num_computed_tokens, True
-                )
-                for r in scheduled_resumed
-            ],
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
-        )
-        # Optimistically count this step's tokens as computed, as vLLM's _update_after_schedule.
-        for request_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
-        self.finished_req_ids = set()
+        Running requests first (preempting when the KV cache is full), then waiting ones, only in a step that
+        preempted nothing; each scheduled request's tokens then count as computed (optimistically).
+        """
+        step = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        scheduler_output = self._make_scheduler_output(step)
+        self._update_after_schedule(scheduler_output)
         return scheduler_output
 
     def update_from_output(
@@ -263,6 +201,115 @@ class Scheduler:
         )
         self.num_preemptions = 0
         return stats
+
+    # --- schedule() phases ---------------------------------------------------------------------------------
+
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """Running requests, in order: each gets what it lacks (``_num_tokens_to_schedule``; none: skipped). When
+        its slots do not fit, victims are preempted until they do; if it is preempted itself, the phase ends."""
+        req_index = 0
+        while req_index < len(self.running) and step.token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, step.token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            new_block_ids, req_index = self._allocate_or_preempt(request, req_index, num_new_tokens, step)
+            if new_block_ids is None:
+                break
+            step.scheduled_running.append(request)
+            step.num_scheduled_tokens[request.request_id] = num_new_tokens
+            step.new_block_ids[request.request_id] = new_block_ids
+            step.token_budget -= num_new_tokens
+            req_index += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, req_index: int, num_new_tokens: int, step: _StepPlan
+    ) -> tuple[list[int] | None, int]:
+        """Slots for ``num_new_tokens`` of ``request`` (``self.running[req_index]``), preempting victims
+        (``_pick_preemption_victim``) until they fit; a victim scheduled earlier this step gives its tokens back.
+
+        Returns the new blocks' ids (None: ``request`` itself was preempted) and ``request``'s index in
+        ``self.running`` once the victims left it.
+        """
+        while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+            victim = self._pick_preemption_victim()
+            victim_index = self.running.index(victim)
+            del self.running[victim_index]
+            if victim_index < req_index:
+                req_index -= 1
+            if victim in step.scheduled_running:  # refund what it was given this step
+                step.scheduled_running.remove(victim)
+                step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
+                del step.new_block_ids[victim.request_id]
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None, req_index
+        return [b.block_id for b in new_blocks], req_index
+
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        """Admit waiting requests in queue order while budget, ``max_num_seqs`` and free blocks last; the first
+        that does not fit ends the phase (no skipping ahead). Prefix-cache hits count as computed."""
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek_request()
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new_tokens > step.token_budget:
+                break  # no skipping ahead: FCFS order holds
+            num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, step.token_budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break
+            self.waiting.pop_request()
+            self._admit(request, num_computed_tokens, step)
+            step.num_scheduled_tokens[request.request_id] = num_new_tokens
+            step.token_budget -= num_new_tokens
+
+    def _admit(self, request: Request, num_computed_tokens: int, step: _StepPlan) -> None:
+        """Move a request taken off the waiting queue to running, new or resumed after a preemption."""
+        self.running.append(request)
+        (step.scheduled_resumed if request.status == RequestStatus.PREEMPTED else step.scheduled_new).append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+        request.record_event(EngineCoreEventType.SCHEDULED)
+
+    def _make_scheduler_output(self, step: _StepPlan) -> SchedulerOutput:
+        """The step for the model runner: new requests with their whole block table, running ones with this
+        step's new blocks, then resumed ones with their whole (new) block table."""
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        return SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    request_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    sampling_params=r.sampling_params,
+                    block_ids=get_block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in step.scheduled_new
+            ],
+            scheduled_cached_reqs=[
+                CachedRequestData(r.request_id, step.new_block_ids[r.request_id], r.num_computed_tokens, False)
+                for r in step.scheduled_running
+            ]
+            + [
+                CachedRequestData(r.request_id, get_block_ids(r.request_id), r.num_computed_tokens, True)
+                for r in step.scheduled_resumed
+            ],
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in step.preempted},
+        )
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Optimistically count this step's tokens as computed, as vLLM's ``_update_after_schedule``; the
+        finished ids went to the model runner."""
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
 
     # --- helpers -------------------------------------------------------------------------------------------
 
