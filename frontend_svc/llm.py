@@ -16,8 +16,10 @@ from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     """Generate for many prompts at once; the engine batches them continuously.
 
-    ``LLM(model=M)`` runs the core in-process; ``core_address="host:port"`` uses a remote core. Close it (or use
-    it as a context manager) to free the core's memory at once; it is freed anyway when the object is
+    ``LLM(model=M)`` runs the core in-process; ``core_address="host:port"`` sends the requests over gRPC to a
+    ``splitserve core`` (``frontend_svc.grpc_client``; several cores: "host:port,host:port", or
+    "dns:///name:port" for every address a name resolves to). Close it (or use it as a context manager) to free
+    the core's memory (in-process) or the connections at once; that happens anyway when the object is
     garbage-collected.
 
     A prompt whose tokens plus max_tokens exceed max_model_len is refused with ``ValidationError`` naming
