@@ -116,7 +116,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop checks, free finished requests, and build this step's outputs."""
         outputs: list[EngineCoreOutput] = []
-        stopped: set[Request] = set()
+        stopped: list[Request] = []  # in the step's order, so block ids are the same from run to run
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -127,7 +127,7 @@ class Scheduler:
                 request.append_output_token_id(token_id)
                 kept.append(token_id)
                 if self._check_stop(request):
-                    stopped.add(request)
+                    stopped.append(request)
                     break
             prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
             if not kept and prompt_logprobs is None:
@@ -146,7 +146,8 @@ class Scheduler:
                 )
             )
         if stopped:
-            self.running = [r for r in self.running if r not in stopped]
+            stopped_ids = {request.request_id for request in stopped}
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
             for request in stopped:
                 self._free_request(request)
         return self.make_outputs(outputs)

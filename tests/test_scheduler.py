@@ -325,3 +325,20 @@ def test_fail_step_ends_only_its_requests_and_uncaches_what_its_forward_was_to_w
     output, outputs = run_step(scheduler)
     assert output.finished_req_ids == {"dec", "new"} and output.num_scheduled_tokens == {"wait": 20}
     assert [o.new_token_ids for o in outputs.outputs] == [[100]]
+
+
+def test_requests_that_stop_in_one_step_free_their_blocks_in_the_steps_order():
+    """Block ids are the same from run to run: stopped requests are freed in the step's order (they were kept in
+    a set of requests, whose order followed memory addresses). Without prefix caching each freed block goes to the
+    head of the free queue, so the next requests get the blocks of the last-freed requests first."""
+    scheduler = make_scheduler(enable_caching=False)
+    first = [make_request(f"a{i}", num_tokens=10, max_tokens=1) for i in range(8)]
+    for request in first:
+        scheduler.add_request(request)
+    output, _ = run_step(scheduler)
+    assert [d.block_ids for d in output.scheduled_new_reqs] == [[i + 1] for i in range(8)]  # block 0 is null
+    assert all(r.is_finished for r in first)
+    for i in range(8):
+        scheduler.add_request(make_request(f"b{i}", num_tokens=10, max_tokens=1))
+    output = scheduler.schedule()
+    assert [d.block_ids for d in output.scheduled_new_reqs] == [[8 - i] for i in range(8)]
