@@ -8,7 +8,7 @@ from typing import Any
 
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import FrontendError
-from splitserve import envs
+from splitserve.base import envs
 
 
 def check_core_settings(core_address: str | list[str] | None, core_config: dict[str, Any]) -> None:

@@ -22,8 +22,8 @@ from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams, sampling_params_with_defaults
 from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
-from splitserve.logging_config import configure_library_logging
-from splitserve.model_files import resolve_model_path
+from splitserve.base.logging_config import configure_library_logging
+from splitserve.base.model_files import resolve_model_path
 
 # Every output of a request carries its id, from the core on each step and to the caller on each streamed message:
 # a 15 MiB id made each of them 15 MiB. vLLM sets no limit; ids in use (UUIDs, OpenAI's) are tens of characters.

@@ -28,12 +28,12 @@ from frontend_svc.sampling_params import MAX_N
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
-from splitserve import grpc_runtime, metrics, tracing
-from splitserve.api_key import ApiKeyInterceptor
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
-from splitserve.metrics_server import MetricsServer
-from splitserve.model_files import resolve_model_path
-from splitserve.tls import ClientTLS
+from splitserve.base import grpc_runtime, metrics, tracing
+from splitserve.base.api_key import ApiKeyInterceptor
+from splitserve.base.metrics_server import MetricsServer
+from splitserve.base.model_files import resolve_model_path
+from splitserve.base.tls import ClientTLS
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ async def serve_frontend(
     ``metrics_port``; in-process, the core's metrics too). ``frontend``: chat templates, the model's sampling
     defaults (``generation_config``, as vLLM's ``--generation-config``), the API key, TLS to the cores, the
     most completions a call may ask for (``max_n``), the name clients see the model by (``served_model_name``).
-    Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``).
+    Tracing follows the ``OTEL_*`` environment (``splitserve.base.tracing``).
 
     Raises:
         ValueError: a TLS file cannot be read or is not PEM; engine-core settings given with ``core_addresses``.
