@@ -1,5 +1,5 @@
 """The in-process engine-core client: the one frontend module that imports ``core_svc``, lazily, when
-``EngineCoreClient.make_client`` chooses it (the import is inside the constructor).
+``core_client_factory.make_client`` chooses it (the import is inside the constructor).
 
 It talks to the core's in-process edge, ``core_svc.inproc.InprocCore``, in the same protobuf messages and
 status codes as the gRPC client, so a refusal reads the same either way. ``InprocClient`` runs a core step per

@@ -23,7 +23,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.async_llm import AsyncLLM
-from frontend_svc.core_client import EngineCoreClient, check_core_settings
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.core_client_factory import check_core_settings, make_client
 from frontend_svc.sampling_params import MAX_N
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
@@ -169,7 +170,7 @@ async def _serve(
             )
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:
-            client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)
+            client = make_client(str(resolve_model_path(model)), None, True, **core_config)
             client.add_death_listener(on_core_death)  # type: ignore[attr-defined]
             observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
             client.observe_core(model_name, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]
