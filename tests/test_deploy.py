@@ -261,7 +261,8 @@ TLS_DIR = "/etc/splitserve/tls"
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_the_tls_component_mounts_one_secret_and_agrees_with_the_cli(overlay, tmp_path):
-    from splitserve.entrypoints.cli import core_tls_from_args, health_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.cli import core_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.health import health_tls_from_args
 
     docs = rendered_with_tls(overlay, tmp_path)
     plain = rendered(overlay)
@@ -328,7 +329,8 @@ def kubernetes_validate_strict(doc: dict) -> None:
 
 
 def test_the_compose_tls_override_adds_tls_to_the_same_commands():
-    from splitserve.entrypoints.cli import core_tls_from_args, health_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.cli import core_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.health import health_tls_from_args
 
     base = yaml.safe_load(COMPOSE_FILES[0].read_text())["services"]
     override = yaml.safe_load(COMPOSE_FILES[2].read_text())["services"]
