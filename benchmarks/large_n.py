@@ -41,10 +41,10 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.workload import Machine, pyplot, write_json
-from splitserve.engine.v1 import engine_core_pb2 as core_pb
-from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as core_grpc
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def _fill(result: NResult, watch: LoadWatch, latencies: list[float], peak_rss_mi
 
 
 def run_split(model: Path, settings: Settings, log_dir: Path) -> list[NResult]:
-    from splitserve import stack
+    from splitserve.entrypoints import stack
 
     processes: list[stack.ServiceProcess] = []
     try:

@@ -33,9 +33,9 @@ import grpc
 import psutil
 
 from benchmarks.workload import Machine, write_json
-from splitserve import stack
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.entrypoints import stack
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 WORDS = ["the", "of", "and", "a", "to", "in", "is", "you", "that", "it"]
 
@@ -117,7 +117,8 @@ def start_server(model: Path, source: Path, log_dir: Path, max_model_len: int | 
     if max_model_len is not None:
         args += ["--max-model-len", str(max_model_len)]
     env = {"PYTHONPATH": str(source), "SPLITSERVE_LOG_STATS_INTERVAL": "0", "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-P", "-m", "splitserve.cli"]  # -P: the source on PYTHONPATH, not the working dir
+    # -P: the source on PYTHONPATH, not the working dir
+    launcher = [sys.executable, "-P", "-m", "splitserve.entrypoints.cli"]
     server = stack.start_service(f"serve-{max_model_len}", args, stack.free_port(), log_dir, env=env, launcher=launcher)
     server.wait_serving()
     asyncio.run(_call(server.address, "Generate", "warm up"))
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--name", default="large-prompts", help="the results' file name")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     work = Path(tempfile.mkdtemp(prefix="splitserve-large-prompts-"))
     tokenizers = Path(os.environ.get("SPLITSERVE_TOKENIZERS_DIR", Path(__file__).resolve().parents[2] / "shared"))

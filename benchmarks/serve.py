@@ -22,8 +22,8 @@ import grpc
 import numpy as np
 
 from benchmarks.workload import Machine, RequestSet, pyplot, write_json
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def run(
 ) -> dict[str, Any]:
     """Start the split stack (core and frontend processes) and ``splitserve serve`` (core in-process) with
     ``core_args``, both at once (an idle stack costs memory only), and run ``run_interleaved`` on them."""
-    from splitserve import stack
+    from splitserve.entrypoints import stack
 
     processes: list[stack.ServiceProcess] = []
     try:

@@ -130,7 +130,7 @@ def _observe(llm: Any, model: str, hook_s: list[float]) -> Any:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from core_svc.observability import observe_engine
-    from splitserve import metrics, tracing
+    from splitserve.base import metrics, tracing
 
     provider = tracing.init_tracer_provider("splitserve-bench", exporter=InMemorySpanExporter())
     core = llm.llm_engine.engine_core.engine_core

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from splitserve import envs
-from splitserve.demo import cached_test_model
+from splitserve.base import envs
+from splitserve.entrypoints.demo import cached_test_model
 
 # ShareGPT's prompt lengths are long-tailed: most prompts are short, a few are long. A log-normal with median 100
 # and sigma 0.8 has mean ~140 and a 99th percentile ~640, clipped to 16..1024 tokens.

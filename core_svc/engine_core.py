@@ -42,7 +42,7 @@ from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.stats import RequestStatsTracker, StatsSink
 from kernels import get_attention_backend
-from splitserve.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
+from splitserve.base.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 logger = logging.getLogger(__name__)
 

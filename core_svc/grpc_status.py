@@ -12,7 +12,7 @@ from core_svc.errors import (
     ProfileStateError,
     RequestTooLargeError,
 )
-from splitserve.grpc_errors import UndecodableRequestError
+from splitserve.base.grpc_errors import UndecodableRequestError
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:

@@ -20,7 +20,7 @@ from core_svc.grpc_status import status_code_value
 from core_svc.observability import observe_engine
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_from_pb
-from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from core_svc.outputs import SchedulerStats
 from core_svc.stats import CoreRequestStats
-from splitserve import metrics
+from splitserve.base import metrics
 
 
 class CoreMetrics:

@@ -20,7 +20,7 @@ from core_svc.models.arch import ModelArchConfig
 from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
 from kernels import AttentionBackend
-from splitserve import model_files
+from splitserve.base import model_files
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from core_svc.errors import InvalidRequestError
-from splitserve.request_rules import token_id_outside_vocabulary
+from splitserve.base.request_rules import token_id_outside_vocabulary
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5

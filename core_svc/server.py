@@ -26,9 +26,9 @@ from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.observability import observe_engine
 from core_svc.service import SERVICE_NAME, CoreServerState, EngineCoreServicer
-from splitserve import grpc_runtime, metrics, tracing
-from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
-from splitserve.metrics_server import MetricsServer
+from splitserve.base import grpc_runtime, metrics, tracing
+from splitserve.base.metrics_server import MetricsServer
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ async def serve_core(config: CoreConfig, options: grpc_runtime.ServerOptions, ad
     """Run until SIGTERM / SIGINT, or until the engine dies; returns the process exit code (0 after a clean
     drain, 1 if loading failed or the engine died). ``options``: where and how it listens (TLS, the metrics
     endpoint: none without ``metrics_port``). ``admin``: whether ResetPrefixCache / StartProfile / StopProfile are
-    on, and where profiles go (default: off). Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``).
+    on, and where profiles go (default: off). Tracing follows the ``OTEL_*`` environment (``splitserve.base.tracing``).
 
     Raises:
         ValueError: a TLS file cannot be read or is not PEM.

@@ -18,9 +18,9 @@ from core_svc.grpc_status import status_code
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
 from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, outputs_to_pb_messages, request_from_pb
-from splitserve.engine.v1 import engine_core_pb2 as pb
-from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
-from splitserve.grpc_errors import UndecodableRequestError, finish_reading
+from splitserve.base.grpc_errors import UndecodableRequestError, finish_reading
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from core_svc.outputs import EngineCoreOutputs, SchedulerStats
 from core_svc.request import EngineCoreEvent, EngineCoreEventType, FinishReason, Request
-from splitserve.request_phases import RequestPhases, interval
+from splitserve.base.request_phases import RequestPhases, interval
 
 
 @dataclass

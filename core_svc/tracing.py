@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from core_svc.outputs import SchedulerStats
 from core_svc.request import FinishReason
 from core_svc.stats import CoreRequestStats
-from splitserve.tracing import SpanAttributes, extract_context, monotonic_to_epoch_ns
+from splitserve.base.tracing import SpanAttributes, extract_context, monotonic_to_epoch_ns
 
 
 class RequestTracer:

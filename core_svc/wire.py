@@ -12,7 +12,7 @@ from core_svc.grpc_status import status_code_value
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import FinishReason, MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
-from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 
 def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:

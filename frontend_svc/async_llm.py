@@ -22,7 +22,7 @@ from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.stat_logger import LoggingStatLogger, StatLogger
 from frontend_svc.stats import IterationStats
-from splitserve import envs
+from splitserve.base import envs
 
 logger = logging.getLogger(__name__)
 # Outputs processed between yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE); also the n > 1

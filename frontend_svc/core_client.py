@@ -1,27 +1,13 @@
-"""How the frontend talks to an engine core (vLLM ``EngineCoreClient``): the interface and ``make_client``."""
+"""How the frontend talks to an engine core (vLLM ``EngineCoreClient``): the interface, which the gRPC and
+in-process clients implement (``core_client_factory`` chooses one)."""
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any
 
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import FrontendError
-from splitserve import envs
-
-
-def check_core_settings(core_address: str | list[str] | None, core_config: dict[str, Any]) -> None:
-    """Engine-core settings configure an in-process core only: a remote core has its own flags.
-
-    Raises:
-        ValueError: ``core_config`` is not empty while ``core_address`` is given, naming the settings.
-    """
-    if core_address and core_config:
-        raise ValueError(
-            "engine settings apply to an in-process core; with core_address they are the core's own flags: "
-            + ", ".join(core_config)
-        )
 
 
 class EngineCoreClient(ABC):
@@ -30,30 +16,6 @@ class EngineCoreClient(ABC):
     Errors: ``add_request`` raises ValidationError or RequestTooLargeError for a request the core refuses;
     every call raises EngineDeadError once the core is gone.
     """
-
-    @staticmethod
-    def make_client(
-        model: str, core_address: str | None = None, asyncio_mode: bool = False, **core_config: Any
-    ) -> EngineCoreClient:
-        """The gRPC client of the core(s) at ``core_address`` ("host:port[,host:port...]"), or, when it is None,
-        the in-process client: the core runs in this process, built from ``model`` and ``core_config`` (the
-        fields of ``core_svc.config.CoreConfig``). Sync or asyncio per ``asyncio_mode`` (the gRPC client is both).
-
-        Raises:
-            EngineDeadError: no core answered at ``core_address`` within ``SPLITSERVE_ENGINE_READY_TIMEOUT_S``
-                seconds (default 60; the log says, at once and every 10 s, what it waits for).
-            ValueError: engine-core settings given with ``core_address`` (``check_core_settings``).
-        """
-        check_core_settings(core_address, core_config)
-        if core_address is not None:
-            from frontend_svc.grpc_client import GrpcCoreClient
-
-            addresses = [a.strip() for a in core_address.split(",") if a.strip()]
-            return GrpcCoreClient(addresses, wait_ready_s=envs.engine_ready_timeout_s())
-        from frontend_svc.inproc_client import AsyncInprocClient, InprocClient
-
-        client_class = AsyncInprocClient if asyncio_mode else InprocClient
-        return client_class(model, **core_config)
 
     @abstractmethod
     def get_engine_info(self) -> EngineInfo: ...

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve import envs
+from splitserve.base import envs
 
 DNS_SCHEME = "dns:///"
 

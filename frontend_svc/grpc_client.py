@@ -28,10 +28,10 @@ from frontend_svc.core_discovery import CoreTarget, resolve
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
 from frontend_svc.errors import EngineDeadError, ValidationError, error_from_core
 from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
-from splitserve import grpc_runtime, tracing
-from splitserve.engine.v1 import engine_core_pb2 as pb
-from splitserve.engine.v1 import engine_core_pb2_grpc as pb_grpc
-from splitserve.tls import ClientTLS
+from splitserve.base import grpc_runtime, tracing
+from splitserve.base.tls import ClientTLS
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,5 +1,5 @@
 """The in-process engine-core client: the one frontend module that imports ``core_svc``, lazily, when
-``EngineCoreClient.make_client`` chooses it (the import is inside the constructor).
+``core_client_factory.make_client`` chooses it (the import is inside the constructor).
 
 It talks to the core's in-process edge, ``core_svc.inproc.InprocCore``, in the same protobuf messages and
 status codes as the gRPC client, so a refusal reads the same either way. ``InprocClient`` runs a core step per
@@ -20,7 +20,7 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import EngineDeadError, error_from_core
 from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
-from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 # Requests converted to protobuf between yields to the event loop (about 1 ms of work).
 CONVERT_CHUNK_SIZE = 128

@@ -14,7 +14,7 @@ from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
 from frontend_svc.tokenize_budget import TokenizeBudget, utf8_size
-from splitserve.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
+from splitserve.base.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 
 @dataclass(frozen=True)

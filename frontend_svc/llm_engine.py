@@ -11,7 +11,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from frontend_svc.core_client import EngineCoreClient, check_core_settings
+from frontend_svc.core_client_factory import check_core_settings, make_client
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
 from frontend_svc.errors import FrontendError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
@@ -22,8 +22,8 @@ from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams, sampling_params_with_defaults
 from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
-from splitserve.logging_config import configure_library_logging
-from splitserve.model_files import resolve_model_path
+from splitserve.base.logging_config import configure_library_logging
+from splitserve.base.model_files import resolve_model_path
 
 # Every output of a request carries its id, from the core on each step and to the caller on each streamed message:
 # a 15 MiB id made each of them 15 MiB. vLLM sets no limit; ids in use (UUIDs, OpenAI's) are tens of characters.
@@ -55,9 +55,7 @@ class EngineFrontend:
         # --generation-config; "vllm" ignores them).
         self.default_sampling_params = load_default_sampling_params(model_path, generation_config)
         self.generation_config = generation_config
-        self.engine_core = client or EngineCoreClient.make_client(
-            str(model_path), core_address, asyncio_mode, **core_config
-        )
+        self.engine_core = client or make_client(str(model_path), core_address, asyncio_mode, **core_config)
         # Releases the core's memory when this object is collected; close() runs it early. It must not hold self.
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
         self.engine_info: EngineInfo = self.engine_core.get_engine_info()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.errors import ValidationError
-from splitserve.request_rules import token_id_outside_vocabulary
+from splitserve.base.request_rules import token_id_outside_vocabulary
 
 logger = logging.getLogger(__name__)
 

@@ -23,17 +23,18 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.async_llm import AsyncLLM
-from frontend_svc.core_client import EngineCoreClient, check_core_settings
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.core_client_factory import check_core_settings, make_client
 from frontend_svc.sampling_params import MAX_N
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
-from splitserve import grpc_runtime, metrics, tracing
-from splitserve.api_key import ApiKeyInterceptor
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
-from splitserve.metrics_server import MetricsServer
-from splitserve.model_files import resolve_model_path
-from splitserve.tls import ClientTLS
+from splitserve.base import grpc_runtime, metrics, tracing
+from splitserve.base.api_key import ApiKeyInterceptor
+from splitserve.base.metrics_server import MetricsServer
+from splitserve.base.model_files import resolve_model_path
+from splitserve.base.tls import ClientTLS
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ async def serve_frontend(
     ``metrics_port``; in-process, the core's metrics too). ``frontend``: chat templates, the model's sampling
     defaults (``generation_config``, as vLLM's ``--generation-config``), the API key, TLS to the cores, the
     most completions a call may ask for (``max_n``), the name clients see the model by (``served_model_name``).
-    Tracing follows the ``OTEL_*`` environment (``splitserve.tracing``).
+    Tracing follows the ``OTEL_*`` environment (``splitserve.base.tracing``).
 
     Raises:
         ValueError: a TLS file cannot be read or is not PEM; engine-core settings given with ``core_addresses``.
@@ -169,7 +170,7 @@ async def _serve(
             )
             client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
         else:
-            client = EngineCoreClient.make_client(str(resolve_model_path(model)), None, True, **core_config)
+            client = make_client(str(resolve_model_path(model)), None, True, **core_config)
             client.add_death_listener(on_core_death)  # type: ignore[attr-defined]
             observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
             client.observe_core(model_name, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]

@@ -27,10 +27,10 @@ from frontend_svc.wire import (
     request_output_to_api,
     sampling_params_from_api,
 )
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
-from splitserve.request_rules import token_id_outside_vocabulary
-from splitserve.tracing import SpanAttributes, inject_headers
+from splitserve.base.request_rules import token_id_outside_vocabulary
+from splitserve.base.tracing import SpanAttributes, inject_headers
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from frontend_svc.engine_types import SchedulerStats
 from frontend_svc.stats import IterationStats
-from splitserve import metrics
+from splitserve.base import metrics
 
 logger = logging.getLogger(__name__)
 STALE_S = 60.0  # a core silent this long (idle, or gone) leaves the log line's sums

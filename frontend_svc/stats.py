@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from frontend_svc.engine_types import EngineCoreEvent, EngineCoreEventType
-from splitserve.request_phases import RequestPhases
+from splitserve.base.request_phases import RequestPhases
 
 
 @dataclass

@@ -22,8 +22,8 @@ from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, TokensPrompt
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
-from splitserve.engine.v1 import engine_core_pb2 as pb
-from splitserve.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
 
 
 def request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:

@@ -1,5 +1,6 @@
-"""splitserve: the command line (``splitserve.cli``), what both services share, test-checkpoint tooling, and the
-generated wire stubs (``splitserve.engine.v1``, from ``protos/``).
+"""splitserve's packages besides the two services, in floors: ``splitserve.stubs`` (generated from ``protos/``)
+and ``splitserve.base`` (what both services import) below ``frontend_svc`` and ``core_svc``, and
+``splitserve.entrypoints`` (the command line, the stack, the demo, test checkpoints) above them.
 
 The Python API is here too, as in vLLM (``from splitserve import LLM, SamplingParams``), but lazily: these names
 are ``frontend_svc``'s, imported on first use, because both services import this package and importing it

@@ -32,7 +32,7 @@ def shared_tokenizer(name: str) -> Path:
 
 @cache
 def builtin_tokenizer_dir() -> Path:
-    from splitserve.builtin_tokenizer import save_builtin_tokenizer
+    from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
 
     path = Path(tempfile.mkdtemp(prefix="splitserve-builtin-tokenizer-"))
     save_builtin_tokenizer(path)
@@ -48,7 +48,7 @@ def real_or_builtin(name: str) -> Path:
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """checkpoint(arch, preset="tiny", **make_test_model kwargs) -> path, built once per distinct argument set."""
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     built: dict[str, Path] = {}
 
@@ -81,7 +81,7 @@ GENERATION_CONFIG_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 1}
 @pytest.fixture(scope="session")
 def generation_config_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny llama checkpoint whose generation_config.json also sets ``GENERATION_CONFIG_DEFAULTS``."""
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     path = make_test_model(tmp_path_factory.mktemp("generation-config-model"), "llama", "tiny", seed=0)
     config_file = path / "generation_config.json"

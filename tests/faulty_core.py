@@ -47,6 +47,6 @@ def inject(mode: str) -> None:
 
 if __name__ == "__main__":
     inject(sys.argv[1])
-    from splitserve.cli import main
+    from splitserve.entrypoints.cli import main
 
     sys.exit(main(sys.argv[2:]))

@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.workload import PROMPT_LEN_RANGE, ModelFlops, make_request_set
-from splitserve.cli import main
-from splitserve.test_model import PRESET_TABLE
+from splitserve.entrypoints.cli import main
+from splitserve.entrypoints.test_model import PRESET_TABLE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,7 @@ import logging
 import re
 import sys
 
-from splitserve.cli import main
+from splitserve.entrypoints.cli import main
 from tests.helpers import hf_greedy
 
 
@@ -168,7 +168,7 @@ def test_generate_sampling_flags_default_to_the_models_generation_config(generat
 def test_bad_flags_fail_before_any_model_loads(tmp_path, capsys, monkeypatch):
     """A sampling flag or --generation-config that cannot work fails at once, naming itself: before, generate loaded
     the model first and a split frontend waited for a core before reading --generation-config."""
-    import splitserve.cli as cli
+    import splitserve.entrypoints.cli as cli
 
     def no_model(*args: object, **kwargs: object) -> str:
         raise AssertionError("the model was looked up")

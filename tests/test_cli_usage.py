@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from splitserve.cli import build_parser, core_config_from_args, main, model_from_args
+from splitserve.entrypoints.cli import build_parser, core_config_from_args, main, model_from_args
 
 MISSING = "/nonexistent/path"
 # Every command that takes a model, with the other flags it needs.
@@ -55,7 +55,10 @@ def test_a_hub_id_the_hub_cannot_give_fails_before_a_server_starts(tmp_path, cap
 
 def test_the_command_prints_no_traceback_for_a_missing_model():
     done = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "serve", MISSING], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "splitserve.entrypoints.cli", "serve", MISSING],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert (done.returncode, done.stdout, done.stderr) == (2, "", f"error: no such folder: {MISSING}\n")
 
@@ -87,6 +90,13 @@ def test_version_is_the_installed_packages(capsys):
         main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out == f"splitserve {importlib.metadata.version('splitserve')}\n"
+
+
+def test_python_dash_m_splitserve_is_the_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "splitserve", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (0, f"splitserve {importlib.metadata.version('splitserve')}\n")
 
 
 def _subparsers(parser: argparse.ArgumentParser, path: str = "splitserve") -> list[tuple[str, argparse.ArgumentParser]]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from splitserve import stack
-from splitserve.api_key import UNAUTHENTICATED_MESSAGE
-from splitserve.tls import ClientTLS
+from splitserve.base.api_key import UNAUTHENTICATED_MESSAGE
+from splitserve.base.tls import ClientTLS
+from splitserve.entrypoints import stack
 from tests.test_grpc_split import generate, greedy, joined
 from tests.tls_helpers import TestCA
 
@@ -32,7 +32,7 @@ API_KEY = "example-key"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     return str(make_test_model(tmp_path_factory.mktemp("clients-model"), "llama", "tiny"))
 

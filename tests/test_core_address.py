@@ -10,8 +10,8 @@ import pytest
 
 import frontend_svc.grpc_client
 from frontend_svc import LLM, EngineDeadError
-from splitserve.model_files import ModelNotFoundError
-from splitserve.stack import free_port
+from splitserve.base.model_files import ModelNotFoundError
+from splitserve.entrypoints.stack import free_port
 
 
 def test_engine_settings_with_core_address_are_refused_naming_them(checkpoint):

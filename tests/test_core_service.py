@@ -13,7 +13,7 @@ from core_svc.engine_loop import EngineLoop
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
 from core_svc.service import CoreServerState, EngineCoreServicer
-from splitserve.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
 
 NUM_TOKENS = 3
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from splitserve.cli import main
-from splitserve.demo import DEMO_NAME, is_demo_model, model_notice
+from splitserve.entrypoints.cli import main
+from splitserve.entrypoints.demo import DEMO_NAME, is_demo_model, model_notice
 
 GIBBERISH = "Its weights are random (it is built for testing), so the text below is gibberish by design"
 REAL_MODEL = "make run MODEL=Qwen/Qwen2.5-0.5B-Instruct (a hub id, needs network)"
@@ -50,7 +50,7 @@ def test_the_demo_says_so_before_its_outputs_and_streams_what_the_llm_returns(ca
     """``splitserve demo`` with no model: the demo model (here a tiny stand-in in its cache folder) as two processes;
     the notice comes first, the greedy completion is the in-process LLM's, and both processes exit 0."""
     from frontend_svc import LLM, SamplingParams
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     demo = make_test_model(cache_dir / DEMO_NAME, "llama", "tiny")
     with LLM(str(demo)) as llm:

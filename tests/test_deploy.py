@@ -27,10 +27,11 @@ import grpc
 import pytest
 import yaml
 
-from splitserve import envs, stack
-from splitserve.cli import build_parser
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.base import envs
+from splitserve.entrypoints import stack
+from splitserve.entrypoints.cli import build_parser
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.metrics_helpers import sample, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ K8S = ROOT / "k8s"
 COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml", ROOT / "docker-compose.tls.yml"]
 CORE_SERVICE, FRONTEND_SERVICE = stack.CORE_SERVICE, stack.FRONTEND_SERVICE
 K8S_VERSION = "1.33.0"
-# Variables the deployment files may set: ours (splitserve/envs.py), the standard OpenTelemetry ones, and the
+# Variables the deployment files may set: ours (splitserve/base/envs.py), the standard OpenTelemetry ones, and the
 # Hugging Face hub's.
 ENV_PATTERN = re.compile(r"^(SPLITSERVE_[A-Z_]+|OTEL_[A-Z_]+|HF_[A-Z_]+)$")
 
@@ -260,7 +261,8 @@ TLS_DIR = "/etc/splitserve/tls"
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_the_tls_component_mounts_one_secret_and_agrees_with_the_cli(overlay, tmp_path):
-    from splitserve.cli import core_tls_from_args, health_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.cli import core_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.health import health_tls_from_args
 
     docs = rendered_with_tls(overlay, tmp_path)
     plain = rendered(overlay)
@@ -327,7 +329,8 @@ def kubernetes_validate_strict(doc: dict) -> None:
 
 
 def test_the_compose_tls_override_adds_tls_to_the_same_commands():
-    from splitserve.cli import core_tls_from_args, health_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.cli import core_tls_from_args, server_options_from_args
+    from splitserve.entrypoints.health import health_tls_from_args
 
     base = yaml.safe_load(COMPOSE_FILES[0].read_text())["services"]
     override = yaml.safe_load(COMPOSE_FILES[2].read_text())["services"]
@@ -463,7 +466,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
     from tests.conftest import real_or_builtin
 
     return str(
@@ -593,7 +596,7 @@ def test_core_targets_and_hosts_files(tmp_path):
 
 
 def test_the_frontend_refuses_a_bad_core_address(capsys):
-    from splitserve.cli import main
+    from splitserve.entrypoints.cli import main
 
     assert main(["frontend", "--model", "m", "--core", "dns:///splitserve-core"]) == 2
     assert "core address 'dns:///splitserve-core'" in capsys.readouterr().err

@@ -336,7 +336,7 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_refused_not_cut(checkpoint
     assert "maximum context length is 64 tokens, and 69 were requested (8 in the prompt, 61 in the completion)" in (
         message
     )
-    # Worded as the frontend words it (splitserve/request_rules.py), without the frontend's Python-API hint.
+    # Worded as the frontend words it (splitserve/base/request_rules.py), without the frontend's Python-API hint.
     assert message == (
         "max_tokens: 61 is too large: this model's maximum context length is 64 tokens, and 69 were requested (8 in "
         "the prompt, 61 in the completion); at most 56 fit after this prompt"

@@ -12,9 +12,9 @@ import pytest
 
 from frontend_svc import LLM, SamplingParams, ValidationError
 from frontend_svc.generation_config import load_default_sampling_params
-from splitserve import stack
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.entrypoints import stack
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.conftest import GENERATION_CONFIG_DEFAULTS
 
 PROMPTS = ["The capital of France is", "Once upon a time"]

@@ -15,11 +15,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve import stack
-from splitserve.engine.v1 import engine_core_pb2 as core_pb
-from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.entrypoints import stack
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as core_grpc
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.faulty_core import FAULT_MESSAGE, POISON_TOKEN_ID
 from tests.test_grpc_split import CORE_ARGS, generate, greedy, joined
 
@@ -33,7 +33,7 @@ UNBOUNDED = api.SamplingParams(
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     return str(make_test_model(tmp_path_factory.mktemp("fault-model"), "llama", "tiny"))
 

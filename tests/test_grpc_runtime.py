@@ -1,4 +1,4 @@
-"""What both servers share (``splitserve.grpc_runtime``, the calls counter, tracing's shutdown), on in-process
+"""What both servers share (``splitserve.base.grpc_runtime``, the calls counter, tracing's shutdown), on in-process
 servers: idle keepalive, cancelled calls counted as CANCELLED, a bounded export at shutdown."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve import grpc_runtime, metrics
+from splitserve.base import grpc_runtime, metrics
 
 
 def test_an_idle_client_with_the_advertised_keepalive_is_not_sent_away():
@@ -365,7 +365,7 @@ def test_span_export_at_shutdown_is_bounded():
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from splitserve.tracing import BoundedBatchSpanProcessor
+    from splitserve.base.tracing import BoundedBatchSpanProcessor
 
     class UnreachableCollector(SpanExporter):
         def __init__(self) -> None:

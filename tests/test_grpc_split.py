@@ -14,11 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from frontend_svc import LLM, SamplingParams
-from splitserve import stack
-from splitserve.engine.v1 import engine_core_pb2 as core_pb
-from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.entrypoints import stack
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as core_grpc
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.conftest import real_or_builtin
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "Hello"]
@@ -30,7 +30,7 @@ SERVED_NAME_SECOND = "tiny-llama"  # the second frontend's --served-model-name
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     return str(
         make_test_model(tmp_path_factory.mktemp("split-model"), "llama", "tiny", tokenizer=real_or_builtin("llama2"))

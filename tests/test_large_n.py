@@ -16,7 +16,7 @@ NUM_KV_BLOCKS = 257
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     return str(
         make_test_model(tmp_path_factory.mktemp("large-n"), "llama", "tiny", tokenizer=real_or_builtin("llama2"))

@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.fixture(scope="module")
 def llama2_model(tmp_path_factory):
     """A tiny llama checkpoint with the real llama2 tokenizer (the builtin one where it is absent)."""
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     return make_test_model(
         tmp_path_factory.mktemp("llama2-tiny"), "llama", "tiny", tokenizer=real_or_builtin("llama2"), seed=0
@@ -140,7 +140,7 @@ def test_a_program_using_llm_sees_the_model_and_kv_cache_sizes_on_stderr(llama2_
 )
 def test_the_python_api_logs_info_to_stderr_unless_the_application_configured_logging(env, setup, expected):
     code = (
-        f"import logging; {setup}from splitserve.logging_config import configure_library_logging; "
+        f"import logging; {setup}from splitserve.base.logging_config import configure_library_logging; "
         "configure_library_logging(); configure_library_logging(); "
         "logging.getLogger('core_svc.x').info('ours'); logging.getLogger('app').info('theirs')"
     )

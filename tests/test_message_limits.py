@@ -12,7 +12,7 @@ from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists,
 from core_svc.request import FinishReason
 from core_svc.wire import outputs_to_pb, outputs_to_pb_messages
 from frontend_svc.wire import abort_messages
-from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 
 def step_outputs(num_requests: int, id_length: int, prompt_logprobs_of: int | None = None) -> EngineCoreOutputs:

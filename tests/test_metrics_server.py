@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from splitserve import metrics
-from splitserve.cli import build_parser, server_options_from_args
-from splitserve.metrics_server import MetricsServer
+from splitserve.base import metrics
+from splitserve.base.metrics_server import MetricsServer
+from splitserve.entrypoints.cli import build_parser, server_options_from_args
 from tests.metrics_helpers import sample, scrape
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.model_files import ModelNotFoundError, check_model, looks_like_path, resolve_model_path
+from splitserve.base.model_files import ModelNotFoundError, check_model, looks_like_path, resolve_model_path
 
 HUB_ID = "Qwen/Qwen2.5-0.5B"
 OFFLINE_MESSAGE = (

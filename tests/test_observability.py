@@ -21,10 +21,10 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from splitserve import stack
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
-from splitserve.tracing import SpanAttributes
+from splitserve.base.tracing import SpanAttributes
+from splitserve.entrypoints import stack
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.metrics_helpers import sample, scrape, scrape_when
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -95,7 +95,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     return str(make_test_model(tmp_path_factory.mktemp("observed-model"), "llama", "tiny"))
 
@@ -312,8 +312,8 @@ def test_no_tracing_without_the_environment(checkpoint, monkeypatch):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from frontend_svc.server import serve_frontend
-    from splitserve import tracing
-    from splitserve.grpc_runtime import ServerOptions
+    from splitserve.base import tracing
+    from splitserve.base.grpc_runtime import ServerOptions
 
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
         monkeypatch.delenv(name, raising=False)
@@ -363,7 +363,7 @@ def test_no_tracing_without_the_environment(checkpoint, monkeypatch):
 def test_console_exporter_and_bad_protocol(monkeypatch):
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    from splitserve import tracing
+    from splitserve.base import tracing
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
@@ -385,8 +385,8 @@ def test_console_exporter_and_bad_protocol(monkeypatch):
 
 
 def test_metrics_port_in_use_fails_clearly():
-    from splitserve import metrics
-    from splitserve.metrics_server import MetricsServer
+    from splitserve.base import metrics
+    from splitserve.base.metrics_server import MetricsServer
 
     first = MetricsServer(metrics.make_registry(), 0, "127.0.0.1")
     try:
@@ -401,7 +401,7 @@ def test_the_calls_counter_keeps_health_watch_working():
     """Health Watch is a coroutine that writes its responses (not a generator); counted calls must still work."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from splitserve import grpc_runtime, metrics
+    from splitserve.base import grpc_runtime, metrics
 
     async def scenario() -> tuple[list[int], float, float]:
         registry = metrics.make_registry()

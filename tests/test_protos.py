@@ -1,4 +1,4 @@
-"""The committed stubs match protos/, and the core's converter round-trips the wire messages."""
+"""The committed stubs (splitserve.stubs) match protos/, and the core's converter round-trips the wire messages."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import EngineCoreEvent, EngineCoreEventType, FinishReason
 from core_svc.wire import outputs_to_pb, request_from_pb
-from splitserve.engine.v1 import engine_core_pb2 as pb
+from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_committed_stubs_match_the_protos(tmp_path):
                 sys.executable,
                 "-m",
                 "grpc_tools.protoc",
-                f"-I{ROOT / 'protos'}",
+                *generate_protos.include_args(),
                 f"--descriptor_set_out={out}",
                 str(rel),
             ],

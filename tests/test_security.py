@@ -19,14 +19,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from core_svc.admin import AdminPolicy
 from core_svc.errors import InvalidRequestError
-from splitserve import grpc_runtime, stack
-from splitserve.api_key import ApiKeyInterceptor, check_api_key
-from splitserve.cli import main
-from splitserve.engine.v1 import engine_core_pb2 as core_pb
-from splitserve.engine.v1 import engine_core_pb2_grpc as core_grpc
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
-from splitserve.tls import ClientTLS, ServerTLS, read_pem, secure_or_insecure_aio_channel
+from splitserve.base import grpc_runtime
+from splitserve.base.api_key import ApiKeyInterceptor, check_api_key
+from splitserve.base.tls import ClientTLS, ServerTLS, read_pem, secure_or_insecure_aio_channel
+from splitserve.entrypoints import stack
+from splitserve.entrypoints.cli import main
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as core_grpc
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.tls_helpers import TestCA
 
 API_KEY = "s3cret-key"
@@ -227,7 +228,7 @@ async def _drain(call: object) -> list:
 
 
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
-    from splitserve.cli import api_key_from_args, build_parser
+    from splitserve.entrypoints.cli import api_key_from_args, build_parser
 
     monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
     assert api_key_from_args(build_parser().parse_args(["frontend", "--core", "c:1"])) is None
@@ -297,7 +298,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
     from tests.conftest import real_or_builtin
 
     return str(

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from splitserve.builtin_tokenizer import train_tokenizer
-from splitserve.test_model import ARCHS, build_config
+from splitserve.entrypoints.builtin_tokenizer import train_tokenizer
+from splitserve.entrypoints.test_model import ARCHS, build_config
 from tests.conftest import shared_tokenizer
 
 
@@ -45,7 +45,7 @@ def test_checkpoint_is_seeded_and_loadable_by_transformers(checkpoint, tmp_path)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     path = checkpoint("qwen2")
     again = make_test_model(tmp_path / "again", arch="qwen2", preset="tiny", seed=0)
@@ -86,7 +86,7 @@ def test_make_test_model_command(tmp_path):
         [
             sys.executable,
             "-m",
-            "splitserve.cli",
+            "splitserve.entrypoints.cli",
             "make-test-model",
             str(out),
             "--arch",
@@ -111,7 +111,7 @@ def test_make_test_model_command(tmp_path):
 
 
 def test_unknown_arch_is_rejected(tmp_path):
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     with pytest.raises(ValueError, match="unknown arch 'gpt2'; choose from llama, mistral, qwen2, qwen3"):
         make_test_model(tmp_path, arch="gpt2")

@@ -33,6 +33,6 @@ class _WithoutTorch(importlib.abc.MetaPathFinder):
 
 if __name__ == "__main__":
     sys.meta_path[:] = [_WithoutTorch(finder) for finder in sys.meta_path]
-    from splitserve.cli import main
+    from splitserve.entrypoints.cli import main
 
     sys.exit(main(sys.argv[1:]))

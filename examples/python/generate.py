@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

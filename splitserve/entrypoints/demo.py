@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from splitserve import envs
+from splitserve.base import envs
 
 DEMO_ARCH, DEMO_PRESET, DEMO_SEED = "llama", "small", 0
 DEMO_NAME = f"demo-{DEMO_ARCH}-{DEMO_PRESET}-seed{DEMO_SEED}"  # its folder in the cache
@@ -25,7 +25,7 @@ def cached_test_model(name: str, **make_test_model_args: Any) -> Path:
     path = envs.cache_dir() / name
     if (path / "config.json").is_file():
         return path
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     logger.info("building %s (first use only)", path)
     path.parent.mkdir(parents=True, exist_ok=True)

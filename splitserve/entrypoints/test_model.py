@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splitserve.builtin_tokenizer import save_builtin_tokenizer
+from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 PRESETS = ("tiny", "small", "medium")

@@ -1,14 +1,15 @@
 """Logging for the Python API: splitserve's INFO lines on stderr by default, as vLLM's ``vllm/logger.py``.
 
-The command line configures the root logger itself (``splitserve.cli.main``); this is for a program that uses
-``LLM``, ``LLMEngine`` or ``AsyncLLM`` without configuring logging, where Python would show warnings only.
+The command line configures the root logger itself (``splitserve.entrypoints.cli.main``); this is for a program
+that uses ``LLM``, ``LLMEngine`` or ``AsyncLLM`` without configuring logging, where Python would show warnings
+only.
 """
 
 from __future__ import annotations
 
 import logging
 
-from splitserve import envs
+from splitserve.base import envs
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The top-level packages whose modules log (each module's logger is named after it).

@@ -1,5 +1,5 @@
 """What both services share for Prometheus: the registry, vLLM's histogram buckets, and a gRPC server interceptor
-that counts calls by method and status (the ``/metrics`` endpoint: ``splitserve.metrics_server``). Imports
+that counts calls by method and status (the ``/metrics`` endpoint: ``splitserve.base.metrics_server``). Imports
 prometheus_client and grpc only.
 
 Metric names follow vLLM v1's (``vllm/v1/metrics/loggers.py``) with the ``splitserve:`` prefix and the same

@@ -1,5 +1,5 @@
 """Every ``SPLITSERVE_*`` environment variable splitserve reads, in one place (the standard ``OTEL_*`` ones:
-``splitserve/tracing.py``)."""
+``splitserve/base/tracing.py``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def log_level() -> str:
 def configure_logging() -> bool:
     """SPLITSERVE_CONFIGURE_LOGGING, default 1 (vLLM's VLLM_CONFIGURE_LOGGING): 0 leaves logging alone in the
     Python API, which otherwise prints splitserve's lines at SPLITSERVE_LOG_LEVEL to stderr when the application
-    has not configured logging (``splitserve.logging_config``)."""
+    has not configured logging (``splitserve.base.logging_config``)."""
     return os.environ.get("SPLITSERVE_CONFIGURE_LOGGING", "1").strip() != "0"
 
 

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from splitserve import envs
+from splitserve.base import envs
+from splitserve.entrypoints.health import cmd_health
 
 logger = logging.getLogger("splitserve")
 
@@ -148,7 +149,7 @@ def resolve_model_arg(model: str | None, build_demo: bool = True) -> str:
             it came from there).
         ValueError: no model given, the demo model is not built, and ``build_demo`` is False.
     """
-    from splitserve.model_files import ModelNotFoundError, check_model
+    from splitserve.base.model_files import ModelNotFoundError, check_model
 
     if model:
         check_model(model)
@@ -160,13 +161,13 @@ def resolve_model_arg(model: str | None, build_demo: bool = True) -> str:
         except ModelNotFoundError as e:
             raise ModelNotFoundError(f"{e} (from $SPLITSERVE_MODEL)") from e
         return model
-    from splitserve.demo import demo_model_path
+    from splitserve.entrypoints.demo import demo_model_path
 
     return str(demo_model_path(build=build_demo))
 
 
 def cmd_make_test_model(args: argparse.Namespace) -> int:
-    from splitserve.test_model import make_test_model
+    from splitserve.entrypoints.test_model import make_test_model
 
     out = make_test_model(
         args.out, arch=args.arch, preset=args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype
@@ -336,8 +337,8 @@ def server_options_from_args(args: argparse.Namespace) -> Any:
     Raises:
         ValueError: TLS flags that do not go together.
     """
-    from splitserve.grpc_runtime import ServerOptions
-    from splitserve.tls import ServerTLS
+    from splitserve.base.grpc_runtime import ServerOptions
+    from splitserve.base.tls import ServerTLS
 
     return ServerOptions(
         host=args.host,
@@ -365,7 +366,7 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
     Raises:
         ValueError: the one given is empty or no client could send it (``api_key.check_api_key``).
     """
-    from splitserve.api_key import check_api_key
+    from splitserve.base.api_key import check_api_key
 
     if args.api_key is not None:
         return check_api_key(args.api_key, "--api-key")
@@ -382,7 +383,7 @@ def _message_mib(value: str) -> float:
 
 def message_limits_from_args(args: argparse.Namespace) -> Any:
     """The server's ``grpc_runtime.MessageLimits`` from ``--max-receive-message-mib`` / ``--max-send-message-mib``."""
-    from splitserve.grpc_runtime import MessageLimits
+    from splitserve.base.grpc_runtime import MessageLimits
 
     return MessageLimits.from_mib(args.max_receive_message_mib, args.max_send_message_mib)
 
@@ -426,36 +427,6 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_health(args: argparse.Namespace) -> int:
-    """Exit 0 when the server at ``--address`` says SERVING for ``--service``, else 1 (container health checks;
-    Kubernetes probes speak grpc.health.v1 themselves, in plaintext only)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from splitserve.tls import secure_or_insecure_channel
-
-    try:
-        with secure_or_insecure_channel(args.address, health_tls_from_args(args)) as channel:
-            request = health_pb2.HealthCheckRequest(service=args.service)
-            status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=args.timeout).status
-    except grpc.RpcError as e:
-        print(f"{args.address}: {e.code().name} {e.details()}", file=sys.stderr)
-        return 1
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-    print(f"{args.address} {args.service or '(server)'}: {name}")
-    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def health_tls_from_args(args: argparse.Namespace) -> Any:
-    """``health``'s ``ClientTLS``: TLS with ``--tls`` or any ``--ssl-*`` flag, else None (plaintext)."""
-    from splitserve.tls import ClientTLS
-
-    flags = (args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile, args.ssl_server_name)
-    if not args.tls and all(value is None for value in flags):
-        return None
-    return ClientTLS(args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile, args.ssl_server_name)
-
-
 def cmd_core(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -472,7 +443,7 @@ def cmd_core(args: argparse.Namespace) -> int:
 
 def core_tls_from_args(args: argparse.Namespace) -> Any:
     """A frontend's ``ClientTLS`` to its cores: TLS when any ``--core-ssl-*`` flag is given, else None."""
-    from splitserve.tls import ClientTLS
+    from splitserve.base.tls import ClientTLS
 
     flags = (args.core_ssl_ca_certs, args.core_ssl_certfile, args.core_ssl_keyfile, args.core_ssl_server_name)
     if all(value is None for value in flags):
@@ -538,8 +509,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
     import signal
     import tempfile
 
-    from splitserve import stack
-    from splitserve.demo import model_notice
+    from splitserve.entrypoints import stack
+    from splitserve.entrypoints.demo import model_notice
 
     tls = stack.StackTLS.from_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
     api_key = api_key_from_args(args)
@@ -571,7 +542,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 
 async def _demo(address: str, tls: Any, api_key: str | None) -> int:
-    from splitserve.demo_client import run_demo
+    from splitserve.entrypoints.demo_client import run_demo
 
     return await run_demo(address, tls, api_key)
 
@@ -746,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from core_svc.errors import EngineError
     from frontend_svc.errors import FrontendError
-    from splitserve.model_files import ModelNotFoundError
+    from splitserve.base.model_files import ModelNotFoundError
 
     try:
         if hasattr(args, "model_tag"):  # MODEL and --model are one setting

@@ -8,9 +8,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from splitserve.frontend.v1 import generation_pb2 as api
-from splitserve.frontend.v1 import generation_pb2_grpc as api_grpc
-from splitserve.tls import ClientTLS, bearer_metadata, secure_or_insecure_aio_channel
+from splitserve.base.tls import ClientTLS, bearer_metadata, secure_or_insecure_aio_channel
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 
 @dataclass

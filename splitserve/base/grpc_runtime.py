@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.grpc_errors import GrpcErrorsInterceptor
-from splitserve.tls import ServerTLS
+from splitserve.base.grpc_errors import GrpcErrorsInterceptor
+from splitserve.base.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.frontend.v1 import generation_pb2 as splitserve_dot_frontend_dot_v1_dot_generation__pb2
+from splitserve.stubs.frontend.v1 import generation_pb2 as splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitserve/frontend/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/stubs/frontend/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/splitserve.frontend.v1.Generation/Generate',
-                request_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Chat = channel.unary_stream(
                 '/splitserve.frontend.v1.Generation/Chat',
-                request_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
-                response_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/splitserve.frontend.v1.Generation/Tokenize',
-                request_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
                 '/splitserve.frontend.v1.Generation/Detokenize',
-                request_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/splitserve.frontend.v1.Generation/GetModelInfo',
-                request_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -102,28 +102,28 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Chat': grpc.unary_stream_rpc_method_handler(
                     servicer.Chat,
-                    request_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.ChatRequest.FromString,
-                    response_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ChatRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'Detokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Detokenize,
-                    request_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
-                    response_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=splitserve_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,8 +151,8 @@ class Generation:
             request,
             target,
             '/splitserve.frontend.v1.Generation/Generate',
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -178,8 +178,8 @@ class Generation:
             request,
             target,
             '/splitserve.frontend.v1.Generation/Chat',
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -205,8 +205,8 @@ class Generation:
             request,
             target,
             '/splitserve.frontend.v1.Generation/Tokenize',
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -232,8 +232,8 @@ class Generation:
             request,
             target,
             '/splitserve.frontend.v1.Generation/Detokenize',
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -259,8 +259,8 @@ class Generation:
             request,
             target,
             '/splitserve.frontend.v1.Generation/GetModelInfo',
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-            splitserve_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

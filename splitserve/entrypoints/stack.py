@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.tls import ClientTLS, secure_or_insecure_channel
+from splitserve.base.tls import ClientTLS, secure_or_insecure_channel
 
 CORE_SERVICE = "splitserve.engine.v1.EngineCore"
 FRONTEND_SERVICE = "splitserve.frontend.v1.Generation"
@@ -146,9 +146,10 @@ def start_service(
 ) -> ServiceProcess:
     """``splitserve <args...> --host <host> --port <port>`` as a child process, logging to ``log_dir``;
     ``service``: the gRPC service whose health tells its readiness; ``env``: added to this environment;
-    ``launcher``: the command that runs ``splitserve`` (default: this Python's ``-m splitserve.cli``); ``tls``:
-    how to reach it when it serves TLS (its own ``--ssl-*`` flags are in ``args``)."""
-    argv = [*(launcher or [sys.executable, "-m", "splitserve.cli"]), *args, "--host", host, "--port", str(port)]
+    ``launcher``: the command that runs ``splitserve`` (default: this Python's ``-m splitserve.entrypoints.cli``);
+    ``tls``: how to reach it when it serves TLS (its own ``--ssl-*`` flags are in ``args``)."""
+    launcher = launcher or [sys.executable, "-m", "splitserve.entrypoints.cli"]
+    argv = [*launcher, *args, "--host", host, "--port", str(port)]
     log_path = None
     stdout: int | object = subprocess.DEVNULL
     if log_dir is not None:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.engine.v1 import engine_core_pb2 as splitserve_dot_engine_dot_v1_dot_engine__core__pb2
+from splitserve.stubs.engine.v1 import engine_core_pb2 as splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitserve/engine/v1/engine_core_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/stubs/engine/v1/engine_core_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,33 +37,33 @@ class EngineCoreStub:
         """
         self.Connect = channel.stream_stream(
                 '/splitserve.engine.v1.EngineCore/Connect',
-                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.SerializeToString,
-                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.FromString,
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.FromString,
                 _registered_method=True)
         self.GetEngineInfo = channel.unary_unary(
                 '/splitserve.engine.v1.EngineCore/GetEngineInfo',
-                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.SerializeToString,
-                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.FromString,
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/splitserve.engine.v1.EngineCore/GetLoad',
-                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
                 _registered_method=True)
         self.ResetPrefixCache = channel.unary_unary(
                 '/splitserve.engine.v1.EngineCore/ResetPrefixCache',
-                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.SerializeToString,
-                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.FromString,
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
         self.StartProfile = channel.unary_unary(
                 '/splitserve.engine.v1.EngineCore/StartProfile',
-                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.SerializeToString,
-                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.FromString,
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.FromString,
                 _registered_method=True)
         self.StopProfile = channel.unary_unary(
                 '/splitserve.engine.v1.EngineCore/StopProfile',
-                request_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
-                response_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
 
 
@@ -118,33 +118,33 @@ def add_EngineCoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.FromString,
-                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.SerializeToString,
             ),
             'GetEngineInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetEngineInfo,
-                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.FromString,
-                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.FromString,
-                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.SerializeToString,
             ),
             'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetPrefixCache,
-                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.FromString,
-                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
             'StartProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StartProfile,
-                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.FromString,
-                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.SerializeToString,
             ),
             'StopProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StopProfile,
-                    request_deserializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.FromString,
-                    response_serializer=splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,8 +173,8 @@ class EngineCore:
             request_iterator,
             target,
             '/splitserve.engine.v1.EngineCore/Connect',
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.SerializeToString,
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.FromString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreClientMessage.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineCoreOutputs.FromString,
             options,
             channel_credentials,
             insecure,
@@ -200,8 +200,8 @@ class EngineCore:
             request,
             target,
             '/splitserve.engine.v1.EngineCore/GetEngineInfo',
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.SerializeToString,
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.FromString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.GetEngineInfoRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,8 +227,8 @@ class EngineCore:
             request,
             target,
             '/splitserve.engine.v1.EngineCore/GetLoad',
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.GetLoadRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.EngineLoad.FromString,
             options,
             channel_credentials,
             insecure,
@@ -254,8 +254,8 @@ class EngineCore:
             request,
             target,
             '/splitserve.engine.v1.EngineCore/ResetPrefixCache',
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.SerializeToString,
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.FromString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,8 +281,8 @@ class EngineCore:
             request,
             target,
             '/splitserve.engine.v1.EngineCore/StartProfile',
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.SerializeToString,
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.FromString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StartProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class EngineCore:
             request,
             target,
             '/splitserve.engine.v1.EngineCore/StopProfile',
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
-            splitserve_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,
