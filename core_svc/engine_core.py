@@ -42,6 +42,7 @@ from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.stats import RequestStatsTracker, StatsSink
 from kernels import get_attention_backend
+from splitserve import envs
 from splitserve.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class EngineCore:
         device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model_path = resolve_model_path(config.model)
-        loaded = load_model(self.model_path, dtype, device, get_attention_backend(config.attention_backend, device))
+        backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir())
+        loaded = load_model(self.model_path, dtype, device, backend)
         self.max_model_len = _resolve_max_model_len(config, loaded)
         self.vocab_size = loaded.arch.vocab_size
         self.eos_token_ids = loaded.eos_token_ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -65,13 +66,17 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """Backend by name: ``cpu`` (compiled decode kernel, built on first use), ``torch_ref`` (plain torch, runs
-    anywhere), or ``auto``: ``cpu`` on CPU when its kernel builds, else ``torch_ref`` with a warning saying why.
+def get_attention_backend(
+    name: str = "auto", device: torch.device | str = "cpu", build_dir: Path | None = None
+) -> AttentionBackend:
+    """Backend by name: ``cpu`` (compiled decode kernel, built on first use into ``build_dir``, see
+    ``cpu_ops.load``), ``torch_ref`` (plain torch, runs anywhere), or ``auto``: ``cpu`` on CPU when its kernel
+    builds, else ``torch_ref`` with a warning saying why.
 
     Raises:
         ValueError: an unknown name.
-        RuntimeError: ``cpu`` asked for explicitly and its kernel cannot be built or loaded.
+        RuntimeError: ``cpu`` asked for explicitly and its kernel cannot be built or loaded
+            (``cpu_ops.KernelBuildError``, whose message ends with the compiler's output).
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
@@ -82,7 +87,7 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
             from kernels.attention import cpu_ops
 
             try:
-                cpu_ops.load()
+                cpu_ops.load(build_dir)
                 name = "cpu"
             except Exception as e:  # a missing compiler, a failed build: the reference still serves correctly
                 logger.warning("attention backend 'cpu' unavailable (%s); using 'torch_ref', which is slower", e)
@@ -90,7 +95,7 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
     if name == "cpu":
         from kernels.attention.cpu import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(build_dir)
     from kernels.attention.torch_ref import TorchRefAttentionBackend
 
     return TorchRefAttentionBackend()
