@@ -35,11 +35,12 @@ from core_svc.errors import (
     fault_message,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
-from core_svc.model_loader import LoadedModel, load_model, resolve_model_path
+from core_svc.model_loader import LoadedModel, load_hf_config, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
 from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
+from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
 from kernels import get_attention_backend
 from splitserve import envs
@@ -87,11 +88,18 @@ class EngineCore:
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
+        self.startup = StartupTimes()  # where the start went; logged as one line at the end
         device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model_path = resolve_model_path(config.model)
-        backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir())
-        loaded = load_model(self.model_path, dtype, device, backend)
+        with self.startup.phase("model files"):
+            self.model_path = resolve_model_path(config.model)  # a hub id is fetched here
+        with self.startup.phase("kernel"):
+            backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir())
+        with self.startup.phase("model config"):
+            hf_config = load_hf_config(self.model_path)
+        with self.startup.phase("weights") as phase:
+            loaded = load_model(self.model_path, hf_config, dtype, device, backend)
+            phase.note = f"{loaded.weights_bytes / 2**20:.1f} MiB"
         self.max_model_len = _resolve_max_model_len(config, loaded)
         self.vocab_size = loaded.arch.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
@@ -106,7 +114,10 @@ class EngineCore:
                 kv_cache_tokens,
                 self.max_model_len,
             )
-        self.model_runner = ModelRunner(loaded, self.num_kv_blocks, config.block_size, config.seed)
+        kv_cache_gib = self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size / 2**30
+        with self.startup.phase("KV cache") as phase:
+            self.model_runner = ModelRunner(loaded, self.num_kv_blocks, config.block_size, config.seed)
+            phase.note = f"{kv_cache_gib:.3f} GiB"
         kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
         )
@@ -122,10 +133,11 @@ class EngineCore:
             info.num_kv_blocks - 1,
             info.block_size,
             info.kv_cache_tokens,
-            self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size / 2**30,
+            kv_cache_gib,
             info.dtype,
             info.max_model_len,
         )
+        logger.info("%s", self.startup.summary())
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request.

@@ -30,6 +30,7 @@ class LoadedModel:
     arch: ModelArchConfig
     path: Path
     eos_token_ids: list[int]  # generation_config's EOS ids first, else config.json's; may be empty
+    weights_bytes: int  # the parameters' bytes, as loaded (before prepacking)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -52,17 +53,19 @@ def load_hf_config(path: Path) -> object:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
 
 
-def load_model(path: Path, dtype: torch.dtype | None, device: torch.device, backend: AttentionBackend) -> LoadedModel:
+def load_model(
+    path: Path, hf_config: object, dtype: torch.dtype | None, device: torch.device, backend: AttentionBackend
+) -> LoadedModel:
     """Build our model for the checkpoint at ``path`` and load every weight.
 
     Args:
+        hf_config: the checkpoint's config (``load_hf_config``).
         dtype: parameter dtype; None keeps the checkpoint's.
 
     Raises:
         ModelLoadError: missing or unreadable files, unsupported architecture or option, a missing, unexpected
             or wrongly shaped tensor.
     """
-    hf_config = load_hf_config(path)
     arch = ModelArchConfig.from_hf_config(hf_config)
     dtype = dtype or arch.dtype
     with torch.device("meta"):
@@ -73,9 +76,11 @@ def load_model(path: Path, dtype: torch.dtype | None, device: torch.device, back
             module.build_table()
     _load_weights(model, _weight_files(path))
     model.eval()
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if prepack_linear_weights(model):
         logger.info("linear weights prepacked for oneDNN")
-    return LoadedModel(model=model, arch=arch, path=path, eos_token_ids=_eos_token_ids(path, hf_config))
+    eos_token_ids = _eos_token_ids(path, hf_config)
+    return LoadedModel(model=model, arch=arch, path=path, eos_token_ids=eos_token_ids, weights_bytes=weights_bytes)
 
 
 def _weight_files(path: Path) -> list[Path]:
