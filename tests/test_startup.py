@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from safetensors import safe_open
 
@@ -47,3 +48,21 @@ def test_engine_core_logs_its_startup_breakdown(checkpoint, caplog):
     assert phases[4].note == f"{kv_bytes / 2**30:.3f} GiB"
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine core ready in")]
     assert line == core.startup.summary()
+
+
+def test_loading_and_serving_import_no_compiler_stack(checkpoint):
+    """nn.Embedding's random init on the meta device imported torch._dynamo (0.8 s of every start); the model is
+    built without it, and a request does not import it either."""
+    script = (
+        "import sys\n"
+        "from core_svc.request import Request\n"
+        "from core_svc.sampling_params import SamplingParams\n"
+        "from tests.helpers import make_engine\n"
+        f"core = make_engine({str(checkpoint('llama'))!r}, num_kv_blocks=64)\n"
+        "core.add_request(Request('r', [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0)))\n"
+        "while core.has_unfinished_requests():\n"
+        "    core.step()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.check_output([sys.executable, "-c", script], cwd=root, text=True).strip() == "[]"
