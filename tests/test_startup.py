@@ -19,7 +19,7 @@ def test_summary_names_every_phase_with_its_note():
     )
     assert times.summary() == (
         "engine core ready in 1.50 s (4.00 s since the process started, 2.50 s of it before the engine: "
-        "interpreter and imports): kernel 0.50 s, weights 1.00 s (4.8 MiB)"
+        "interpreter, imports, server setup): kernel 0.50 s, weights 1.00 s (4.8 MiB)"
     )
     times.before_engine_s = None  # no /proc
     assert times.summary() == "engine core ready in 1.50 s: kernel 0.50 s, weights 1.00 s (4.8 MiB)"
