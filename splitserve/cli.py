@@ -451,7 +451,11 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
         path, compiled = build(envs.kernel_dir())
     except KernelBuildError as e:
         print(f"cannot build the CPU attention kernel: {e}", file=sys.stderr)
-        print("cores on CPU use the slower reference attention backend (torch_ref) until it is built", file=sys.stderr)
+        print(
+            "cores on CPU use the slower reference attention backend (torch_ref) until it is built; install a C++ "
+            "compiler (g++, or set CXX to one) and run this again",
+            file=sys.stderr,
+        )
         return 1
     print(f"the CPU attention kernel is {'compiled' if compiled else 'already built'}: {path}")
     return 0

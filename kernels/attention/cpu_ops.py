@@ -154,7 +154,7 @@ def _build_spec() -> _BuildSpec:
     compiler = shutil.which(cxx[0]) if cxx else None
     if compiler is None:
         named = f"CXX={os.environ['CXX']!r} is not an executable" if os.environ.get("CXX") else "no c++ on PATH"
-        raise KernelBuildError(f"no C++ compiler: {named} (install g++, or set CXX to a C++ compiler)")
+        raise KernelBuildError(f"no C++ compiler: {named}")
     try:
         version = subprocess.run(
             [*cxx, "--version"], capture_output=True, text=True, timeout=60, check=True
