@@ -10,8 +10,8 @@ built once beside the first.
 
 Why not ``torch.utils.cpp_extension.load``: its ninja build decides whether to rebuild from the ninja command line
 it records, which holds the virtualenv's paths and depends on which ninja runs it (the system's or the wheel's),
-so processes started with and without an activated virtualenv rebuilt in turn (70-125 s each on a busy 2-core
-machine), and a build killed half-way left a state that was then reported as a failed build.
+so processes started with and without an activated virtualenv rebuilt in turn (12-25 s each here, 70-125 s on a
+busy 2-core machine), and a build killed half-way left a state that was then reported as a failed build.
 
 Builds are atomic and serialized. The compiler writes a temporary file in the same folder, which is renamed into
 place only when complete, so a killed build leaves nothing that is later loaded (its temporary file is removed by
@@ -206,9 +206,7 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
     logger.info("compiling the CPU attention kernel (first use of this build, about 20 s on 2 cores): %s", path)
     start = time.perf_counter()
     try:
-        result = subprocess.run(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=_COMPILE_TIMEOUT_S
-        )
+        result = _run_compiler(command)
         if result.returncode != 0:
             tail = "\n".join(result.stdout.splitlines()[-_ERROR_TAIL_LINES:])
             raise KernelBuildError(
@@ -217,11 +215,22 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
                 f"command: {shlex.join(command)}\n{tail}",
             )
         os.replace(tmp, path)
-    except subprocess.TimeoutExpired as e:
-        raise KernelBuildError(f"compiling {_SOURCE.name} took more than {_COMPILE_TIMEOUT_S} s") from e
     finally:
         tmp.unlink(missing_ok=True)
     logger.info("compiled the CPU attention kernel in %.1f s: %s", time.perf_counter() - start, path)
+
+
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run the compile; its output (stdout and stderr together) in ``stdout``. Raises KernelBuildError when it
+    cannot run or takes more than ``_COMPILE_TIMEOUT_S``."""
+    try:
+        return subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=_COMPILE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as e:
+        raise KernelBuildError(f"compiling {_SOURCE.name} took more than {_COMPILE_TIMEOUT_S} s") from e
+    except OSError as e:  # the compiler went away since its --version answered
+        raise KernelBuildError(f"cannot run the C++ compiler {command[0]}: {e}") from e
 
 
 def _cpu_signature() -> str:
