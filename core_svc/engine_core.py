@@ -35,13 +35,15 @@ from core_svc.errors import (
     fault_message,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
-from core_svc.model_loader import LoadedModel, format_bytes, load_model, resolve_model_path
+from core_svc.model_loader import LoadedModel, format_bytes, load_hf_config, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
 from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
+from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
 from kernels import get_attention_backend
+from splitserve.base import envs
 from splitserve.base.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -86,10 +88,18 @@ class EngineCore:
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
+        self.startup = StartupTimes()  # where the start went; logged as one line at the end
         device = torch.device(config.device)
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
-        self.model_path = resolve_model_path(config.model)
-        loaded = load_model(self.model_path, dtype, device, get_attention_backend(config.attention_backend, device))
+        with self.startup.phase("model files"):
+            self.model_path = resolve_model_path(config.model)  # a hub id is fetched here
+        with self.startup.phase("kernel"):
+            backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir())
+        with self.startup.phase("model config"):
+            hf_config = load_hf_config(self.model_path)
+        with self.startup.phase("weights") as phase:
+            loaded = load_model(self.model_path, hf_config, dtype, device, backend)
+            phase.note = format_bytes(loaded.weights_bytes)
         self.max_model_len = _resolve_max_model_len(config, loaded)
         self.vocab_size = loaded.arch.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
@@ -104,7 +114,10 @@ class EngineCore:
                 kv_cache_tokens,
                 self.max_model_len,
             )
-        self.model_runner = ModelRunner(loaded, self.num_kv_blocks, config.block_size, config.seed)
+        kv_cache_bytes = self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
+        with self.startup.phase("KV cache") as phase:
+            self.model_runner = ModelRunner(loaded, self.num_kv_blocks, config.block_size, config.seed)
+            phase.note = format_bytes(kv_cache_bytes)
         kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
         )
@@ -123,11 +136,12 @@ class EngineCore:
             info.num_kv_blocks - 1,
             info.block_size,
             f"{info.kv_cache_tokens:,}",
-            format_bytes(self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size),
+            format_bytes(kv_cache_bytes),
             info.dtype,
             f"{info.max_model_len:,}",
             (info.num_kv_blocks - 1) / cdiv(info.max_model_len, info.block_size),
         )
+        logger.info("%s", self.startup.summary())
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request.

@@ -32,8 +32,8 @@ class LoadedModel:
     path: Path
     eos_token_ids: list[int]  # generation_config's EOS ids first, else config.json's; may be empty
     num_parameters: int  # the model's parameters (a tied embedding counted once)
-    weights_bytes: int  # their bytes, in the dtype they were loaded in
-    load_time_s: float  # wall-clock seconds of load_model: config, build, reading weights, prepacking
+    weights_bytes: int  # their bytes, in the dtype they were loaded in (before prepacking)
+    load_time_s: float  # wall-clock seconds of load_model: build, reading weights, prepacking (not the config)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -56,11 +56,14 @@ def load_hf_config(path: Path) -> object:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
 
 
-def load_model(path: Path, dtype: torch.dtype | None, device: torch.device, backend: AttentionBackend) -> LoadedModel:
+def load_model(
+    path: Path, hf_config: object, dtype: torch.dtype | None, device: torch.device, backend: AttentionBackend
+) -> LoadedModel:
     """Build our model for the checkpoint at ``path`` and load every weight. Logs its size and load time at INFO
     (vLLM's "Model loading took 13.48 GiB and 12.3 seconds", with the parameter count and dtype).
 
     Args:
+        hf_config: the checkpoint's config (``load_hf_config``).
         dtype: parameter dtype; None keeps the checkpoint's.
 
     Raises:
@@ -68,7 +71,6 @@ def load_model(path: Path, dtype: torch.dtype | None, device: torch.device, back
             or wrongly shaped tensor.
     """
     start = time.perf_counter()
-    hf_config = load_hf_config(path)
     arch = ModelArchConfig.from_hf_config(hf_config)
     dtype = dtype or arch.dtype
     with torch.device("meta"):

@@ -26,6 +26,7 @@ from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.observability import observe_engine
 from core_svc.service import SERVICE_NAME, CoreServerState, EngineCoreServicer
+from core_svc.startup import process_age_s
 from splitserve.base import grpc_runtime, metrics, tracing
 from splitserve.base.metrics_server import MetricsServer
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
@@ -126,7 +127,10 @@ async def _serve(
     engine_loop.start()
     state.engine_loop = engine_loop
     await grpc_runtime.set_serving(health, [SERVICE_NAME], True)
-    logger.info("splitserve core ready on %s:%d", host, bound)
+    age_s = process_age_s()
+    logger.info(
+        "splitserve core ready on %s:%d%s", host, bound, f", {age_s:.1f} s after its process started" if age_s else ""
+    )
 
     await stop.wait()
     state.draining = True

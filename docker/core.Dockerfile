@@ -2,7 +2,7 @@
 #   docker build -f docker/core.Dockerfile \
 #     --build-arg BASE_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime --build-arg TORCH_SPEC= .
 # (docker-compose.gpu.yml does this.) The CPU variant installs torch's CPU wheel and g++ for the CPU
-# attention kernel, which is compiled on first use.
+# attention kernel, which the image compiles for the build machine's CPU (see below).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
@@ -14,8 +14,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SPLITSERVE_CACHE_DIR=/models \
-    HF_HOME=/models/huggingface \
-    TORCH_EXTENSIONS_DIR=/models/torch_extensions
+    HF_HOME=/models/huggingface
 
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -34,12 +33,18 @@ RUN pip install ".[core]"
 RUN useradd --create-home --uid 10001 splitserve \
     && mkdir -p /models && chown splitserve /models
 USER splitserve
+# The CPU attention kernel into /models/kernels, as the user that runs the core. It is compiled with -march=native
+# for the CPU of the machine that builds the image; its file name holds a hash of that CPU's feature flags, so a core
+# on another kind of CPU does not load it but compiles its own at its first start (about 20 s; g++ stays in the
+# image for that) and keeps it in the volume for every later start. A fresh named volume (compose) starts with
+# this build; a Kubernetes volume starts empty, so there the first start compiles.
+RUN splitserve build-kernels
 VOLUME ["/models"]
 
 # gRPC (engine core) and Prometheus metrics.
 EXPOSE 50061 9401
-# Readiness: the model is loaded and the core is not draining. A cold start builds the demo model and the CPU
-# kernel; the start period covers that.
+# Readiness: the model is loaded and the core is not draining. A cold start builds the demo model (and the CPU
+# kernel on a CPU unlike the build machine's); the start period covers that.
 HEALTHCHECK --interval=5s --timeout=4s --start-period=900s --retries=3 \
     CMD ["splitserve", "health", "--address", "127.0.0.1:50061", "--service", "splitserve.engine.v1.EngineCore"]
 # The model: SPLITSERVE_MODEL (a folder under /models or a hub id), or --model; unset, the demo model.

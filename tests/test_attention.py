@@ -10,6 +10,7 @@ import torch
 
 from kernels import AttentionMetadata, get_attention_backend
 from kernels.attention import cpu_ops
+from kernels.attention.backend import FALLBACK_COST
 
 
 def _cpu_backend_available() -> bool:
@@ -109,14 +110,19 @@ def test_unknown_backend_names_the_known_ones():
         get_attention_backend("flash")
 
 
-def test_auto_falls_back_to_the_reference_when_the_kernel_cannot_build(monkeypatch, caplog):
-    def fail() -> None:
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(cpu_ops, "load", fail)
-    with caplog.at_level("WARNING"):
-        backend = get_attention_backend("auto")
+def test_auto_falls_back_to_the_reference_loudly_when_the_kernel_cannot_build(tmp_path, monkeypatch, caplog):
+    """No compiler and nothing built yet: ``auto`` serves with the reference and a WARNING that gives the reason,
+    the measured cost and the fix; ``cpu`` asked for explicitly raises."""
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    build_dir = tmp_path / "kernels"
+    with caplog.at_level("WARNING", logger="kernels.attention.backend"):
+        backend = get_attention_backend("auto", "cpu", build_dir)
     assert backend.name == "torch_ref"
-    assert "no C++ compiler" in caplog.text
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    message = record.getMessage()
+    assert "(no C++ compiler: CXX='/nonexistent/g++' is not an executable)" in message
+    assert "slower reference backend 'torch_ref'" in message
+    assert f"Cost: {FALLBACK_COST}." in message and "install a C++ compiler (g++" in message
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
-        get_attention_backend("cpu")
+        get_attention_backend("cpu", "cpu", build_dir)

@@ -8,6 +8,8 @@ longest sequence in the batch times the batch size; the kernel reads only what e
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kernels.attention import cpu_ops
@@ -18,8 +20,13 @@ from kernels.attention.torch_ref import TorchRefAttentionBackend
 class CpuAttentionBackend(TorchRefAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
-        cpu_ops.load()
+    def __init__(self, build_dir: Path | None = None) -> None:
+        """Loads the kernel, compiling it first if ``build_dir`` has no binary for it (``cpu_ops.load``).
+
+        Raises:
+            cpu_ops.KernelBuildError: the kernel cannot be built or loaded.
+        """
+        cpu_ops.load(build_dir)
 
     def _decode(
         self,

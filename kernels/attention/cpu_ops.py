@@ -1,54 +1,236 @@
-"""Builds and loads the C++ CPU kernels (``csrc/``) with torch's JIT extension builder.
+"""Builds and loads the C++ CPU kernels (``csrc/``): one compiler call, one binary per build key.
 
-The first ``load()`` in a fresh environment compiles with the system C++ compiler (about 20 s on 2 cores) into
-torch's extension folder (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); later loads reuse the
-build, which torch rebuilds when the source or flags change. The library name carries the torch version, so
-environments with different torch builds or CPUs never share a binary.
+``load(build_dir)`` compiles ``csrc/paged_attention_cpu.cpp`` the first time (one call of the C++ compiler,
+``$CXX`` or else ``c++``; about 20 s on 2 cores) into ``build_dir/splitserve_cpu_<key>.so`` and loads it with
+``torch.ops.load_library``, which registers ``torch.ops.splitserve_cpu.*``. The key is a hash of everything the
+binary depends on: the source, the flags, the compiler (its path and ``--version``), torch's version and C++ ABI,
+and the CPU's feature flags (``-march=native``). A later load, in any process, finds the file by its key and does
+not compile, whichever ninja or virtualenv is on PATH; a change of any input gives another key, so another file,
+built once beside the first.
+
+Why not ``torch.utils.cpp_extension.load``: its ninja build decides whether to rebuild from the ninja command line
+it records, which holds the virtualenv's paths and depends on which ninja runs it (the system's or the wheel's),
+so processes started with and without an activated virtualenv rebuilt in turn (12-25 s each here, 70-125 s on a
+busy 2-core machine), and a build killed half-way left a state that was then reported as a failed build.
+
+Builds are atomic and serialized. The compiler writes a temporary file in the same folder, which is renamed into
+place only when complete, so a killed build leaves nothing that is later loaded (its temporary file is removed by
+the next build). An exclusive ``flock`` on ``<name>.lock`` beside the binary makes concurrent processes compile once:
+the others wait, then load what it built.
+
+Environment: ``CXX`` (the compiler command, as torch's extension builder reads it). The folder is the caller's:
+the engine core passes ``$SPLITSERVE_CACHE_DIR/kernels`` (``splitserve.base.envs.kernel_dir``), and ``splitserve
+build-kernels`` builds there ahead of time.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
-import re
+import shlex
 import shutil
+import subprocess
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_BUILD_DIR = Path("~/.cache/splitserve/kernels")
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-# -march=native: the build happens on the machine that runs it. -fopenmp: the kernel's OpenMP pragmas, resolved
-# against the OpenMP runtime torch has already loaded. -ffast-math: vectorized expf (glibc libmvec) and reassociated
-# sums; the kernel sees finite scores only.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_LIBRARY_PREFIX = "splitserve_cpu_"
+# -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
+# kernel's OpenMP pragmas, resolved against the OpenMP runtime torch has already loaded. -ffast-math: vectorized
+# expf (glibc libmvec) and reassociated sums; the kernel sees finite scores only. The rest are the flags torch's
+# extension builder (2.13) uses for a CPU library.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++20", "-shared"]
+_COMPILE_TIMEOUT_S = 900
+_ERROR_TAIL_LINES = 20
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel cannot be built or loaded. ``reason`` says why in one line (no compiler, the compile failed,
+    the binary did not load); ``details``, also at the end of the message, the compiler's command and last lines
+    where there are some."""
+
+    def __init__(self, reason: str, details: str = "") -> None:
+        super().__init__(f"{reason}\n{details}" if details else reason)
+        self.reason = reason
+        self.details = details
+
+
+def load(build_dir: Path | None = None) -> Path:
+    """Compile (the first time for this key) and load the kernels, registering ``torch.ops.splitserve_cpu.*``.
+    Once per process and folder: a later call returns the first call's result, a failure included (a failed
+    build costs seconds). The ops are registered once per process; a load from a second folder builds there if
+    needed but keeps the first registration.
+
+    Args:
+        build_dir: where binaries are kept (created when missing); default ``~/.cache/splitserve/kernels``.
+
+    Returns:
+        The loaded binary's path.
+
+    Raises:
+        KernelBuildError: no C++ compiler, the compile failed (the message ends with the compiler's last lines),
+            the folder is not writable, or the binary does not load.
+    """
+    result = _load(_resolve(build_dir))
+    if isinstance(result, KernelBuildError):
+        raise result
+    return result
+
+
+def build(build_dir: Path | None = None) -> tuple[Path, bool]:
+    """Compile the kernels unless a binary for this key is already in ``build_dir``, without loading them (the
+    ahead-of-time build, ``splitserve build-kernels``).
+
+    Returns:
+        ``(path, compiled)``: the binary, and whether this call compiled it (False: it was there, or another
+        process built it while this one waited).
+
+    Raises:
+        KernelBuildError: as ``load``.
+    """
+    build_dir = _resolve(build_dir)
+    spec = _build_spec()
+    path = build_dir / f"{_LIBRARY_PREFIX}{spec.key}.so"
+    if path.is_file():
+        return path, False
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            _lock(lock, path)
+            if path.is_file():  # another process built it while this one waited
+                return path, False
+            _compile(spec, path)
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the CPU attention kernel into {build_dir}: {e}") from e
+    return path, True
 
 
 @functools.cache
-def _build() -> BaseException | None:
-    """The build and load, once per process; a failure is kept, not retried (a failed build costs seconds)."""
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:  # the ninja wheel (a dependency) when the system has none on PATH
-        try:
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-    # The name carries the torch version and the CPU's feature flags: -march=native code must never be loaded
-    # by another kind of CPU sharing the extensions folder (a home directory on several machines, an image).
-    name = f"splitserve_cpu_{re.sub(r'[^0-9a-zA-Z]', '_', torch.__version__)}_{_cpu_signature()}"
-    logger.info("loading the CPU attention kernel (compiled on first use)")
+def _load(build_dir: Path) -> Path | KernelBuildError:
     try:
-        cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, is_python_module=False)
-    except Exception as e:
+        path, _ = build(build_dir)
+    except KernelBuildError as e:
         return e
-    return None
+    if hasattr(torch.ops.splitserve_cpu, "paged_decode_attention"):
+        logger.info("the CPU attention kernel is already loaded in this process; not loading %s", path)
+        return path
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as e:
+        return KernelBuildError(f"cannot load the CPU attention kernel {path}: {e}")
+    built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
+    logger.info("loaded the CPU attention kernel from %s (built %s)", path, built)
+    return path
+
+
+def _resolve(build_dir: Path | None) -> Path:
+    return (build_dir or DEFAULT_BUILD_DIR).expanduser().absolute()
+
+
+@dataclass(frozen=True)
+class _BuildSpec:
+    """The compiler command, its flags, and the key of the binary they make here."""
+
+    cxx: list[str]
+    cflags: list[str]
+    key: str
+
+
+def _build_spec() -> _BuildSpec:
+    """Raises KernelBuildError when the compiler cannot be found or run."""
+    cxx = shlex.split(os.environ.get("CXX") or "c++")
+    compiler = shutil.which(cxx[0]) if cxx else None
+    if compiler is None:
+        named = f"CXX={os.environ['CXX']!r} is not an executable" if os.environ.get("CXX") else "no c++ on PATH"
+        raise KernelBuildError(f"no C++ compiler: {named}")
+    try:
+        version = subprocess.run(
+            [*cxx, "--version"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"the C++ compiler {compiler} does not run: {e}") from e
+    cflags = [*_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    inputs = {
+        "source_sha256": hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+        "cflags": cflags,
+        "cxx": cxx,
+        "compiler": os.path.realpath(compiler),
+        "compiler_version": version,
+        "torch": torch.__version__,
+        "cpu": _cpu_signature(),
+    }
+    # The paths of torch's headers and libraries are left out: a torch version has the same in every virtualenv.
+    return _BuildSpec(cxx, cflags, hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16])
+
+
+def _lock(lock: IO[str], path: Path) -> None:
+    """Take the build lock of ``path``, saying so when another process holds it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        logger.info("waiting for another process's build of the CPU attention kernel: %s", path)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+
+
+def _compile(spec: _BuildSpec, path: Path) -> None:
+    """Compile into a temporary file beside ``path`` and rename it into place; call with the build lock held."""
+    from torch.utils import cpp_extension  # 0.25 s of imports: only when compiling
+
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # of builds killed half-way: none runs, we hold the lock
+        stale.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    command = [
+        *spec.cxx,
+        *spec.cflags,
+        *(f"-isystem{include}" for include in cpp_extension.include_paths("cpu")),
+        str(_SOURCE),
+        "-o",
+        str(tmp),
+        *(f"-L{lib}" for lib in cpp_extension.library_paths("cpu")),
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+    ]
+    logger.info("compiling the CPU attention kernel (first use of this build, about 20 s on 2 cores): %s", path)
+    start = time.perf_counter()
+    try:
+        result = _run_compiler(command)
+        if result.returncode != 0:
+            tail = "\n".join(result.stdout.splitlines()[-_ERROR_TAIL_LINES:])
+            raise KernelBuildError(
+                f"compiling {_SOURCE.name} failed (exit {result.returncode}); the compiler's last lines: "
+                f"{' | '.join(tail.splitlines()[-3:])}",
+                f"command: {shlex.join(command)}\n{tail}",
+            )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    logger.info("compiled the CPU attention kernel in %.1f s: %s", time.perf_counter() - start, path)
+
+
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run the compile; its output (stdout and stderr together) in ``stdout``. Raises KernelBuildError when it
+    cannot run or takes more than ``_COMPILE_TIMEOUT_S``."""
+    try:
+        return subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=_COMPILE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as e:
+        raise KernelBuildError(f"compiling {_SOURCE.name} took more than {_COMPILE_TIMEOUT_S} s") from e
+    except OSError as e:  # the compiler went away since its --version answered
+        raise KernelBuildError(f"cannot run the C++ compiler {command[0]}: {e}") from e
 
 
 def _cpu_signature() -> str:
@@ -61,17 +243,6 @@ def _cpu_signature() -> str:
     except (OSError, StopIteration):
         pass
     return hashlib.sha256(text.encode()).hexdigest()[:10]
-
-
-def load() -> None:
-    """Compile (first time) and load the kernels, registering ``torch.ops.splitserve_cpu.*``.
-
-    Raises:
-        RuntimeError: no C++ compiler or ninja, or the build or load failed (the message says which).
-    """
-    error = _build()
-    if error is not None:
-        raise RuntimeError(f"cannot build or load {_SOURCE.name}: {error}") from error
 
 
 def paged_decode_attention(

@@ -8,8 +8,15 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """SPLITSERVE_CACHE_DIR, default ~/.cache/splitserve: where the demo model is built."""
+    """SPLITSERVE_CACHE_DIR, default ~/.cache/splitserve: where the demo model is built, and the compiled kernels
+    are kept (``kernel_dir``)."""
     return Path(os.environ.get("SPLITSERVE_CACHE_DIR", Path.home() / ".cache" / "splitserve")).expanduser()
+
+
+def kernel_dir() -> Path:
+    """``$SPLITSERVE_CACHE_DIR/kernels``: the compiled CPU attention kernels (``kernels.attention.cpu_ops``), one
+    file per build key."""
+    return cache_dir() / "kernels"
 
 
 def log_level() -> str:

@@ -547,6 +547,25 @@ async def _demo(address: str, tls: Any, api_key: str | None) -> int:
     return await run_demo(address, tls, api_key)
 
 
+def cmd_build_kernels(args: argparse.Namespace) -> int:
+    """Compile the CPU attention kernel ahead of time into ``$SPLITSERVE_CACHE_DIR/kernels``, where cores look
+    for it (``make setup`` and the core image run this); exit 1, saying why, when it cannot be built."""
+    from kernels.attention.cpu_ops import KernelBuildError, build
+
+    try:
+        path, compiled = build(envs.kernel_dir())
+    except KernelBuildError as e:
+        print(f"cannot build the CPU attention kernel: {e}", file=sys.stderr)
+        print(
+            "cores on CPU use the slower reference attention backend (torch_ref) until it is built; install a C++ "
+            "compiler (g++, or set CXX to one) and run this again",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"the CPU attention kernel is {'compiled' if compiled else 'already built'}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``splitserve`` parser; every option's help shows its default (``show_defaults``)."""
     import splitserve
@@ -683,6 +702,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_api_key_arg(p)
         p.set_defaults(func=cmd_stack)
+
+    p = sub.add_parser("build-kernels", help="compile the CPU attention kernel now, not at a core's first start")
+    p.set_defaults(func=cmd_build_kernels)
 
     from benchmarks.cli import add_bench_parser
 

@@ -1,0 +1,111 @@
+"""Decode attention: the compiled CPU kernel against the torch reference, alone and in the whole engine.
+
+``python -m benchmarks.decode_attention [--model DIR]`` prints, per case, the median time of one attention call of
+each backend (a layer of the ``small`` preset: 8 query heads, 4 KV heads of 64, float32, block size 16) and their
+ratio; with ``--model``, also the engine's output tokens/s with each backend (64 requests, prompts of 64-400
+random tokens, 64 greedy output tokens each). Together: what falling back to the reference costs
+(``kernels.attention.backend`` quotes it). The requests' blocks are scattered over the cache, as after a while
+of serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import AttentionMetadata, get_attention_backend
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 64, 16
+# (requests, context lengths): the throughput workload's decode batch (mean context about 200 tokens), and
+# longer contexts.
+CASES = [(64, (64, 400)), (64, (512, 1536)), (8, (512, 1536))]
+
+
+def make_batch(num_reqs: int, lengths: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """One decode token per request over a random cache: (query, key, value, kv_cache) and the metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(lengths[0], lengths[1] + 1, (num_reqs,), generator=gen, dtype=torch.int32)
+    blocks_per_req = [-(int(n) // -BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_req) + 1
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    max_blocks = max(blocks_per_req)
+    block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_req):
+        block_table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    last = seq_lens.long() - 1
+    slots = block_table[torch.arange(num_reqs), last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE
+    metadata = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_table=block_table,
+        query_start_loc_cpu=list(range(num_reqs + 1)),
+        seq_lens_cpu=seq_lens.tolist(),
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        num_decodes=num_reqs,
+    )
+    query = torch.randn(num_reqs, NUM_HEADS, HEAD_SIZE, generator=gen)
+    key = torch.randn(num_reqs, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    value = torch.randn(num_reqs, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    return query, key, value, kv_cache, metadata
+
+
+def time_backend(name: str, batch: tuple, repeats: int) -> float:
+    """Median seconds of one forward (after one untimed call)."""
+    backend = get_attention_backend(name)
+    query, key, value, kv_cache, metadata = batch
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, None)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def engine_output_tokens_per_s(model: Path, backend: str, num_requests: int = 64, output_len: int = 64) -> float:
+    """Output tokens/s of an in-process engine core with ``backend`` on seeded random prompts of 64-400 tokens."""
+    from core_svc.config import CoreConfig
+    from core_svc.engine_core import EngineCore
+    from core_svc.request import Request
+    from core_svc.sampling_params import SamplingParams
+
+    core = EngineCore(CoreConfig(model=str(model), attention_backend=backend))
+    rng = random.Random(0)
+    for i in range(num_requests):
+        prompt = [rng.randrange(3, core.vocab_size) for _ in range(rng.randint(64, 400))]
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        core.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
+    start = time.perf_counter()
+    while core.has_unfinished_requests():
+        core.step()
+    return num_requests * output_len / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--model", type=Path, default=None, help="also run the engine on this checkpoint")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; one layer of 'small', float32")
+    print(f"{'requests':>8} {'context':>10} {'kernel ms':>10} {'torch_ref ms':>13} {'ratio':>6}")
+    for num_reqs, lengths in CASES:
+        batch = make_batch(num_reqs, lengths)
+        kernel, reference = (time_backend(name, batch, args.repeats) for name in ("cpu", "torch_ref"))
+        context = f"{lengths[0]}-{lengths[1]}"
+        print(f"{num_reqs:>8} {context:>10} {kernel * 1e3:>10.2f} {reference * 1e3:>13.2f} {reference / kernel:>6.1f}")
+    if args.model is not None:
+        kernel, reference = (engine_output_tokens_per_s(args.model, name) for name in ("cpu", "torch_ref"))
+        ratio = kernel / reference
+        print(f"engine on {args.model}: output tok/s {kernel:.0f} (cpu), {reference:.0f} (torch_ref), {ratio:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
