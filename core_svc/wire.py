@@ -1,17 +1,18 @@
 """The core's one converter between protobuf wire messages and its own dataclasses.
 
 Inbound: ``request_from_pb`` (EngineCoreRequest -> Request). Outbound: ``outputs_to_pb`` (EngineCoreOutputs
-dataclass -> protobuf). Nothing else in the core touches protobuf types.
+dataclass -> protobuf), ``request_error_to_pb`` (an error -> RequestError). Nothing else in the core touches
+protobuf types.
 """
 
 from __future__ import annotations
 
 from core_svc.engine_core import EngineInfo, EngineLoad
 from core_svc.errors import RequestTooLargeError
-from core_svc.grpc_status import status_code_value
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import FinishReason, MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
+from splitserve.base.status import FieldError, status_code_of
 from splitserve.engine.v1 import engine_core_pb2 as pb
 
 
@@ -136,8 +137,16 @@ def _output_to_pb(output: EngineCoreOutput) -> pb.EngineCoreOutput:
     elif isinstance(output.stop_reason, str):
         msg.stop_str = output.stop_reason
     if output.error is not None:
-        msg.error.code, msg.error.message = status_code_value(output.error), str(output.error)
+        msg.error.CopyFrom(request_error_to_pb(output.error))
     return msg
+
+
+def request_error_to_pb(error: BaseException) -> pb.RequestError:
+    """A refusal or failure as the wire carries it: its status code (``splitserve.base.status``), its message,
+    and a ``FieldError``'s field as data."""
+    return pb.RequestError(
+        code=status_code_of(error), message=str(error), field=error.field if isinstance(error, FieldError) else ""
+    )
 
 
 def _logprobs_to_pb(logprobs: LogprobsLists | None) -> list[pb.PositionLogprobs]:

@@ -18,7 +18,7 @@ from frontend_svc.engine_types import (
     PositionLogprobs,
     SchedulerStats,
 )
-from frontend_svc.errors import ValidationError
+from frontend_svc.errors import FrontendError, ValidationError, error_from_core
 from frontend_svc.input_processor import ChatMessage, TokensPrompt
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
@@ -151,9 +151,15 @@ def _output_from_pb(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
         finish_reason=_finish_reason(msg.finish_reason),
         stop_reason=getattr(msg, stop_kind) if stop_kind else None,
         num_cached_tokens=msg.num_cached_tokens,
-        error=(msg.error.code, msg.error.message) if msg.HasField("error") else None,
+        error=error_from_pb(msg.error) if msg.HasField("error") else None,
         events=[event for event in map(_event_from_pb, msg.events) if event is not None],
     )
+
+
+def error_from_pb(msg: pb.RequestError) -> FrontendError:
+    """The frontend's error for a refusal or failure the core sent (a request's output, an in-process refusal):
+    by its code, with the field as data."""
+    return error_from_core(msg.code, msg.message, msg.field)
 
 
 def _event_from_pb(msg: pb.EngineCoreEvent) -> EngineCoreEvent | None:
