@@ -12,13 +12,14 @@ from core_svc.errors import RequestTooLargeError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import FinishReason, MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
+from splitserve.base.proto_fields import set_optional_fields
 from splitserve.base.status import FieldError, status_code_of
 from splitserve.engine.v1 import engine_core_pb2 as pb
 
 
 def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields take vLLM's defaults (the dataclass defaults)."""
-    params = SamplingParams(
+    return SamplingParams(
         min_tokens=msg.min_tokens,
         stop_token_ids=list(dict.fromkeys(msg.stop_token_ids)),
         ignore_eos=msg.ignore_eos,
@@ -26,22 +27,8 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(dict.fromkeys(msg.allowed_token_ids)) or None,  # each step indexes with them
+        **set_optional_fields(msg),
     )
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "logprobs",
-        "prompt_logprobs",
-        "repetition_penalty",
-        "eos_token_id",
-    ):
-        if msg.HasField(name):
-            setattr(params, name, getattr(msg, name))
-    return params
 
 
 def request_from_pb(msg: pb.EngineCoreRequest) -> Request:

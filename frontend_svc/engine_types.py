@@ -9,18 +9,7 @@ from dataclasses import dataclass, field
 
 from frontend_svc.errors import FrontendError
 from frontend_svc.sampling_params import SamplingParams
-
-
-class FinishReason(enum.IntEnum):
-    """Values equal the wire enum; ``str()`` gives the API string."""
-
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-    ERROR = 4
-
-    def __str__(self) -> str:
-        return self.name.lower()
+from splitserve.base.finish_reason import FinishReason
 
 
 @dataclass

@@ -22,6 +22,7 @@ from frontend_svc.errors import FrontendError, ValidationError, error_from_core
 from frontend_svc.input_processor import ChatMessage, TokensPrompt
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
+from splitserve.base.proto_fields import set_optional_fields
 from splitserve.engine.v1 import engine_core_pb2 as pb
 from splitserve.frontend.v1 import generation_pb2 as api
 
@@ -209,32 +210,12 @@ _OUTPUT_KINDS = {
     api.OUTPUT_KIND_DELTA: RequestOutputKind.DELTA,
     api.OUTPUT_KIND_FINAL_ONLY: RequestOutputKind.FINAL_ONLY,
 }
-_OPTIONAL_SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "max_tokens",
-    "min_tokens",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "logprobs",
-    "prompt_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "detokenize",
-)
 
 
 def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """Unset fields take the model's defaults (``defaults``, from its generation config), then vLLM's. Raises
     ValidationError naming the field for any refused value."""
-    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    kwargs = set_optional_fields(msg)
     if msg.max_tokens_unlimited:
         if msg.HasField("max_tokens"):
             raise ValidationError("max_tokens", "set max_tokens or max_tokens_unlimited, not both")
