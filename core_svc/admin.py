@@ -54,15 +54,15 @@ class AdminPolicy:
         if self.profile_dir is None:
             raise ValueError("the admin RPCs are off")
         if "\x00" in output_dir:
-            raise InvalidRequestError("output_dir: must not contain a NUL character")
+            raise InvalidRequestError("output_dir", "must not contain a NUL character")
         requested = Path(output_dir)
         if ".." in requested.parts:
-            raise InvalidRequestError(f"output_dir: {output_dir!r} must not contain '..'")
+            raise InvalidRequestError("output_dir", f"{output_dir!r} must not contain '..'")
         root = self.profile_dir.resolve()
         target = (root / requested).resolve()  # an absolute output_dir replaces root here, and is checked as such
         if not target.is_relative_to(root):
             raise InvalidRequestError(
-                f"output_dir: {output_dir!r} is outside the core's profile directory {root} (--profile-dir)"
+                "output_dir", f"{output_dir!r} is outside the core's profile directory {root} (--profile-dir)"
             )
         return target
 

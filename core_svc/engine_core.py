@@ -44,7 +44,8 @@ from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
 from kernels import get_attention_backend
 from splitserve.base import envs
-from splitserve.base.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
+from splitserve.base.request_rules import max_tokens_violation, prompt_violation
+from splitserve.base.sampling_rules import eos_and_stop_ids
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +159,13 @@ class EngineCore:
         self._validate(request)
         params = request.sampling_params
         if params.eos_token_id is None and self.eos_token_ids:
-            # "The model's EOS", as vLLM's update_from_generation_config: the first id is the EOS, further
-            # generation-config EOS ids become stop ids. A copy, since n>1 children may share one params object.
-            extra_stop_ids = (
-                [] if params.ignore_eos else [i for i in self.eos_token_ids[1:] if i not in params.stop_token_ids]
+            # "The model's EOS", for a client that did not fold it in (our frontend does, from the same rule). A
+            # copy, since n>1 children may share one params object.
+            eos_token_id, stop_token_ids = eos_and_stop_ids(
+                self.eos_token_ids, params.stop_token_ids, params.ignore_eos
             )
             request.sampling_params = dataclasses.replace(
-                params, eos_token_id=self.eos_token_ids[0], stop_token_ids=params.stop_token_ids + extra_stop_ids
+                params, eos_token_id=eos_token_id, stop_token_ids=stop_token_ids
             )
         self.scheduler.add_request(request)
         if self._stats is not None:
@@ -322,30 +323,22 @@ class EngineCore:
 
     def _validate(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if request.lora_name is not None:
             raise LoRANotFoundError(f"lora_request: adapter {request.lora_name!r} is not loaded (no LoRA adapters are)")
         if request.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidRequestError(
-                f"priority: {request.priority} needs the priority scheduling policy (--scheduling-policy priority)"
+                "priority", f"{request.priority} needs the priority scheduling policy (--scheduling-policy priority)"
             )
         prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("prompt_token_ids: is empty")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt_token_ids: {prompt_leaves_no_room(len(prompt), self.max_model_len)}")
-        for i, token_id in enumerate(prompt):
-            if not 0 <= token_id < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt_token_ids[{i}]: {token_id_outside_vocabulary(token_id, self.vocab_size)}"
-                )
+        violation = prompt_violation(prompt, self.max_model_len, self.vocab_size, "prompt_token_ids")
+        if violation is not None:
+            raise InvalidRequestError.from_violation(violation)
         request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
         max_tokens = request.sampling_params.max_tokens
-        if len(prompt) + max_tokens > self.max_model_len:
-            # Refused, as vLLM's servers refuse it, rather than cut short with finish reason "length".
-            raise InvalidRequestError(
-                f"max_tokens: {max_tokens_too_large(max_tokens, len(prompt), self.max_model_len)}"
-            )
+        violation = max_tokens_violation(max_tokens, len(prompt), self.max_model_len)
+        if violation is not None:
+            raise InvalidRequestError.from_violation(violation)
         # The last token is sampled, never computed: it needs no KV slot.
         max_len = len(prompt) + max_tokens - 1
         num_usable_blocks = self.num_kv_blocks - 1

@@ -1,44 +1,67 @@
-"""Errors the core raises at its boundary. The gRPC service maps each class to one status code."""
+"""Errors the core raises at its boundary; each class says its gRPC status code (``status_code``, read by
+``splitserve.base.grpc_status``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from splitserve.base.status import FieldError, StatusCode
 
 
 class EngineError(Exception):
     """Base class of every error the core raises on purpose."""
 
+    status_code: ClassVar[StatusCode] = StatusCode.INTERNAL
 
-class InvalidRequestError(EngineError, ValueError):
-    """A request the core cannot accept as sent (bad field value). Maps to INVALID_ARGUMENT.
 
-    The message names the offending field, e.g. ``prompt_token_ids[3]: 40001 is outside the vocabulary
+class InvalidRequestError(EngineError, FieldError):
+    """A request the core cannot accept as sent (bad field value): INVALID_ARGUMENT.
+
+    ``field`` names the offending field and ``description`` what is wrong; the message is
+    ``"<field>: <description>"``, e.g. ``prompt_token_ids[3]: token id 40001 is outside the vocabulary
     [0, 32000)``.
     """
 
+    status_code: ClassVar[StatusCode] = StatusCode.INVALID_ARGUMENT
+
 
 class LoRANotFoundError(EngineError):
-    """A request names a LoRA adapter the core has not loaded. Maps to NOT_FOUND."""
+    """A request names a LoRA adapter the core has not loaded: NOT_FOUND."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.NOT_FOUND
 
 
 class RequestTooLargeError(EngineError):
-    """A request that can never fit in the KV cache, however empty. Maps to RESOURCE_EXHAUSTED."""
+    """A request that can never fit in the KV cache, however empty: RESOURCE_EXHAUSTED."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.RESOURCE_EXHAUSTED
 
 
 class ModelLoadError(EngineError):
-    """The checkpoint is missing, corrupt, or uses an architecture or option the core does not support."""
+    """The checkpoint is missing, corrupt, or uses an architecture or option the core does not support:
+    UNAVAILABLE (the core cannot serve)."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.UNAVAILABLE
 
 
 class ProfileStateError(EngineError):
-    """``StartProfile`` while a profile runs, or ``StopProfile`` with none running. Maps to FAILED_PRECONDITION."""
+    """``StartProfile`` while a profile runs, or ``StopProfile`` with none running: FAILED_PRECONDITION."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.FAILED_PRECONDITION
 
 
 class EngineStepError(EngineError):
     """The model runner raised while running a step (forward or sampling). Every request of that step ends with
-    it, and the core goes on serving the others. Maps to INTERNAL: a fault of the server, which a router must not
-    replay on another core as if the request had never run (it could take that core down too)."""
+    it, and the core goes on serving the others. INTERNAL: a fault of the server, which a router must not replay
+    on another core as if the request had never run (it could take that core down too)."""
 
 
 class EngineUnavailableError(EngineError):
     """The core cannot take or finish requests: it is shutting down, has stopped, or was declared dead after
-    ``CoreConfig.max_consecutive_failed_steps`` failed steps in a row. Maps to UNAVAILABLE: a request refused
-    or ended with it may go to another core."""
+    ``CoreConfig.max_consecutive_failed_steps`` failed steps in a row. UNAVAILABLE: a request refused or ended
+    with it may go to another core."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.UNAVAILABLE
 
 
 def fault_message(error: BaseException) -> str:

@@ -1,6 +1,6 @@
 """The core's edge for a frontend in the same process: the same protobuf messages as over gRPC (not
-serialized), and refusals as gRPC status codes, mapped by the same ``grpc_status`` as the server's. A frontend
-needs nothing else of the core.
+serialized), and refusals as the wire's ``RequestError`` (gRPC status code, message, field), as a request's
+output carries them. A frontend needs nothing else of the core.
 """
 
 from __future__ import annotations
@@ -16,26 +16,25 @@ from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError
-from core_svc.grpc_status import status_code_value
 from core_svc.observability import observe_engine
 from core_svc.outputs import EngineCoreOutputs
-from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_from_pb
+from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_error_to_pb, request_from_pb
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 T = TypeVar("T")
 
 
 class RefusedError(Exception):
-    """The core refused a call: ``code`` is the grpc status code value the gRPC server would have sent."""
+    """The core refused a call: ``error`` is the refusal as the gRPC server would have sent it on a request's
+    output (code, message, field)."""
 
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    def __init__(self, error: pb.RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _refused(error: BaseException) -> RefusedError:
-    return error if isinstance(error, RefusedError) else RefusedError(status_code_value(error), str(error))
+    return error if isinstance(error, RefusedError) else RefusedError(request_error_to_pb(error))
 
 
 class InprocCore:

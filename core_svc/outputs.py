@@ -83,8 +83,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # stop token id (or stop string, set by the frontend)
     events: list[EngineCoreEvent] = field(default_factory=list)
     num_cached_tokens: int = 0
-    error: Exception | None = None  # with finish_reason ERROR: why; the wire carries its message and the gRPC
-    # code core_svc/grpc_status.py maps it to
+    error: Exception | None = None  # with finish_reason ERROR: why; the wire carries its status code, message and
+    # field (core_svc.wire.request_error_to_pb)
 
     @property
     def finished(self) -> bool:

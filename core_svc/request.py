@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from core_svc.sampling_params import SamplingParams
+from splitserve.base.finish_reason import FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -27,18 +28,6 @@ class RequestStatus(enum.IntEnum):
     @property
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request finished; values equal the wire enum ``splitserve.engine.v1.FinishReason``."""
-
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-    ERROR = 4
-
-    def __str__(self) -> str:
-        return self.name.lower()
 
 
 _FINISH_REASONS = {

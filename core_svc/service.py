@@ -14,11 +14,11 @@ from core_svc.admin import AdminPolicy, disabled_message
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError, InvalidRequestError
-from core_svc.grpc_status import status_code
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
 from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, outputs_to_pb_messages, request_from_pb
 from splitserve.base.grpc_errors import UndecodableRequestError, finish_reading
+from splitserve.base.grpc_status import abort
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
@@ -103,7 +103,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
                     reader_done = item
                     if item.error is not None:
                         logger.warning("stream %d ends: %s", client_index, item.error)
-                        await context.abort(status_code(item.error), str(item.error))
+                        await abort(context, item.error)
                     continue
                 open_ids.difference_update(item.finished_requests)
                 open_ids.difference_update(
@@ -177,7 +177,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         try:
             output_dir = self.state.admin.profile_output_dir(request.output_dir)
         except InvalidRequestError as e:
-            await context.abort(status_code(e), str(e))
+            await abort(context, e)
         engine_loop = await self._engine_loop(context)
         await self._call(context, engine_loop, lambda core: core.start_profile(str(output_dir)))
         return pb.StartProfileResponse()
@@ -208,8 +208,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     @staticmethod
     async def _call(context: grpc.aio.ServicerContext, engine_loop: EngineLoop, fn: Callable[[EngineCore], T]) -> T:
         """``fn(engine_core)`` on the engine thread. Its error, or the loop's if it stopped or died before
-        running it (``EngineUnavailableError``), ends the call with the status ``grpc_status`` maps it to."""
+        running it (``EngineUnavailableError``), ends the call with its status (``splitserve.base.grpc_status``)."""
         try:
             return await asyncio.wrap_future(engine_loop.call(fn))
         except Exception as e:
-            await context.abort(status_code(e), str(e))  # raises
+            await abort(context, e)  # raises

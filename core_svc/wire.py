@@ -1,23 +1,25 @@
 """The core's one converter between protobuf wire messages and its own dataclasses.
 
 Inbound: ``request_from_pb`` (EngineCoreRequest -> Request). Outbound: ``outputs_to_pb`` (EngineCoreOutputs
-dataclass -> protobuf). Nothing else in the core touches protobuf types.
+dataclass -> protobuf), ``request_error_to_pb`` (an error -> RequestError). Nothing else in the core touches
+protobuf types.
 """
 
 from __future__ import annotations
 
 from core_svc.engine_core import EngineInfo, EngineLoad
 from core_svc.errors import RequestTooLargeError
-from core_svc.grpc_status import status_code_value
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import FinishReason, MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
+from splitserve.base.proto_fields import set_optional_fields
+from splitserve.base.status import FieldError, status_code_of
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 
 def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields take vLLM's defaults (the dataclass defaults)."""
-    params = SamplingParams(
+    return SamplingParams(
         min_tokens=msg.min_tokens,
         stop_token_ids=list(dict.fromkeys(msg.stop_token_ids)),
         ignore_eos=msg.ignore_eos,
@@ -25,22 +27,8 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(dict.fromkeys(msg.allowed_token_ids)) or None,  # each step indexes with them
+        **set_optional_fields(msg),
     )
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "logprobs",
-        "prompt_logprobs",
-        "repetition_penalty",
-        "eos_token_id",
-    ):
-        if msg.HasField(name):
-            setattr(params, name, getattr(msg, name))
-    return params
 
 
 def request_from_pb(msg: pb.EngineCoreRequest) -> Request:
@@ -136,8 +124,16 @@ def _output_to_pb(output: EngineCoreOutput) -> pb.EngineCoreOutput:
     elif isinstance(output.stop_reason, str):
         msg.stop_str = output.stop_reason
     if output.error is not None:
-        msg.error.code, msg.error.message = status_code_value(output.error), str(output.error)
+        msg.error.CopyFrom(request_error_to_pb(output.error))
     return msg
+
+
+def request_error_to_pb(error: BaseException) -> pb.RequestError:
+    """A refusal or failure as the wire carries it: its status code (``splitserve.base.status``), its message,
+    and a ``FieldError``'s field as data."""
+    return pb.RequestError(
+        code=status_code_of(error), message=str(error), field=error.field if isinstance(error, FieldError) else ""
+    )
 
 
 def _logprobs_to_pb(logprobs: LogprobsLists | None) -> list[pb.PositionLogprobs]:

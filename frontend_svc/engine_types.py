@@ -7,19 +7,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from frontend_svc.errors import FrontendError
 from frontend_svc.sampling_params import SamplingParams
-
-
-class FinishReason(enum.IntEnum):
-    """Values equal the wire enum; ``str()`` gives the API string."""
-
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-    ERROR = 4
-
-    def __str__(self) -> str:
-        return self.name.lower()
+from splitserve.base.finish_reason import FinishReason
 
 
 @dataclass
@@ -64,7 +54,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    error: tuple[int, str] | None = None  # (grpc status code value, message)
+    error: FrontendError | None = None  # with finish_reason ERROR: the core's refusal or failure
     events: list[EngineCoreEvent] = field(default_factory=list)  # since the request's previous output
 
     @property

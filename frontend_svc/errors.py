@@ -1,68 +1,76 @@
-"""Errors the frontend raises; the gRPC layer maps each class to one status code."""
+"""Errors the frontend raises; each class says its gRPC status code (``status_code``, read by
+``splitserve.base.grpc_status``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from splitserve.base.status import FieldError, StatusCode
 
 
 class FrontendError(Exception):
     """Base class of every error the frontend raises on purpose. ``request_id`` names the request (the caller's
     id) when the error ended one already queued: the core refused, failed or lost it (``LLMEngine.step``)."""
 
+    status_code: ClassVar[StatusCode] = StatusCode.INTERNAL
     request_id: str | None = None
 
 
-class ValidationError(FrontendError, ValueError):
-    """A request or parameter the server refuses as sent. Maps to INVALID_ARGUMENT.
+class ValidationError(FrontendError, FieldError):
+    """A request or parameter the server refuses as sent: INVALID_ARGUMENT.
 
-    ``field`` names the offending field (``sampling_params.top_p``, ``prompt``); the message names it too,
-    with the allowed range.
+    ``field`` names the offending field (``top_p``, ``prompt``, ``stop_token_ids[2]``) and ``description`` what
+    is wrong with it; the message is ``"<field>: <description>"``, with the allowed range.
     """
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+    status_code: ClassVar[StatusCode] = StatusCode.INVALID_ARGUMENT
 
 
 class RequestTooLargeError(FrontendError):
-    """The request can never fit in the core's KV cache. Maps to RESOURCE_EXHAUSTED."""
+    """The request can never fit in the core's KV cache: RESOURCE_EXHAUSTED."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.RESOURCE_EXHAUSTED
 
 
 class NotFoundError(FrontendError, LookupError):
-    """A named resource (a LoRA adapter) does not exist. Maps to NOT_FOUND."""
+    """A named resource (a LoRA adapter) does not exist: NOT_FOUND."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.NOT_FOUND
 
 
 class EngineDeadError(FrontendError, RuntimeError):
-    """The engine core stopped or is unreachable. Maps to UNAVAILABLE."""
+    """The engine core stopped or is unreachable: UNAVAILABLE."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.UNAVAILABLE
 
 
 class NotSupportedError(FrontendError, NotImplementedError):
     """The engine core does not offer the operation: an admin RPC (``reset_prefix_cache``) of a core started
-    without ``--enable-admin-rpcs``. Maps to UNIMPLEMENTED."""
+    without ``--enable-admin-rpcs``: UNIMPLEMENTED."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.UNIMPLEMENTED
 
 
 class InternalError(FrontendError):
     """The engine core failed while running the request (a fault of the server, not of the request as sent;
-    the core goes on serving others). Maps to INTERNAL, which routers do not replay on another core."""
+    the core goes on serving others): INTERNAL, which routers do not replay on another core."""
 
 
-# gRPC status code values the core puts in EngineCoreOutput.error (grpc.StatusCode, without importing grpc).
-_INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNIMPLEMENTED, _INTERNAL, _UNAVAILABLE = 3, 5, 8, 12, 13, 14
+# The frontend's error for each code the core refuses or fails a request with (INVALID_ARGUMENT: ValidationError).
+_FROM_CORE: dict[int, type[FrontendError]] = {
+    cls.status_code: cls
+    for cls in (NotFoundError, RequestTooLargeError, NotSupportedError, EngineDeadError, InternalError)
+}
 
 
-def error_from_core(code: int, message: str) -> FrontendError:
-    """The frontend error for a request or call the core refused or lost (``EngineCoreOutput.error``, a unary
-    call's status)."""
-    if code == _INVALID_ARGUMENT:
-        # The core's messages start with the field ("prompt_token_ids[3]: ..."): keep it as the field.
-        field, sep, rest = message.partition(": ")
-        if sep and field and " " not in field:
-            return ValidationError(field, rest)
+def error_from_core(code: int, message: str, field: str = "") -> FrontendError:
+    """The frontend error for a request or call the core refused or lost: its status ``code`` (a
+    ``StatusCode`` value), ``message`` and, for INVALID_ARGUMENT, the offending ``field`` (the wire's
+    ``RequestError``, a unary call's status and its ``google.rpc.BadRequest``). A message naming ``field`` starts
+    with ``"<field>: "``; a refusal without a field is the whole ``request``'s. A code this frontend does not
+    know gives a plain ``FrontendError`` (INTERNAL)."""
+    if code == StatusCode.INVALID_ARGUMENT:
+        if field:
+            return ValidationError(field, message.removeprefix(f"{field}: "))
         return ValidationError("request", message)
-    if code == _NOT_FOUND:
-        return NotFoundError(message)
-    if code == _RESOURCE_EXHAUSTED:
-        return RequestTooLargeError(message)
-    if code == _UNIMPLEMENTED:
-        return NotSupportedError(message)
-    if code == _UNAVAILABLE:
-        return EngineDeadError(message)
-    if code == _INTERNAL:
-        return InternalError(message)
-    return FrontendError(message)
+    return _FROM_CORE.get(code, FrontendError)(message)

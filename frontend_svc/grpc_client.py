@@ -29,13 +29,13 @@ from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, Engin
 from frontend_svc.errors import EngineDeadError, ValidationError, error_from_core
 from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
 from splitserve.base import grpc_runtime, tracing
+from splitserve.base.grpc_status import field_violation
 from splitserve.base.tls import ClientTLS
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
 WAIT_LOG_INTERVAL_S = 10.0  # while the constructor waits for a first core, say so this often
@@ -193,7 +193,7 @@ class CoreConnection:
         delivered = []
         for output in outputs.outputs:
             request = self.in_flight.get(output.request_id)
-            if output.error is not None and output.error[0] == UNAVAILABLE and request is not None:
+            if isinstance(output.error, EngineDeadError) and request is not None:
                 # Refused before it ran (the core is draining): nothing happened, so another core can take it.
                 self.in_flight.pop(output.request_id, None)
                 if self.serving:
@@ -227,7 +227,7 @@ class CoreConnection:
                     request_id,
                     [],
                     finish_reason=FinishReason.ERROR,
-                    error=(UNAVAILABLE, f"lost the engine core at {self.address}"),
+                    error=EngineDeadError(f"lost the engine core at {self.address}"),
                 )
                 for request_id in sorted(self.in_flight)
             ]
@@ -524,8 +524,7 @@ class GrpcCoreClient(EngineCoreClient):
             except EngineDeadError:
                 self._deliver(EngineCoreOutputs(outputs=[refusal]))
             except ValidationError as e:  # the other core takes smaller messages
-                error = (grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e))
-                self._deliver(EngineCoreOutputs(outputs=[dataclasses.replace(refusal, error=error)]))
+                self._deliver(EngineCoreOutputs(outputs=[dataclasses.replace(refusal, error=e)]))
 
         task = asyncio.get_running_loop().create_task(readd())
         self._background.add(task)  # keep a reference until it is done
@@ -555,7 +554,8 @@ class GrpcCoreClient(EngineCoreClient):
                 try:
                     results.append(await connection.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10.0))
                 except grpc.aio.AioRpcError as e:
-                    raise error_from_core(e.code().value[0], e.details() or "") from e
+                    field = violation.field if (violation := field_violation(e)) else ""
+                    raise error_from_core(e.code().value[0], e.details() or "", field) from e
         if not results:
             raise EngineDeadError("no engine core is reachable")
         return all(r.success for r in results)

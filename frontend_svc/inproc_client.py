@@ -1,8 +1,8 @@
 """The in-process engine-core client: the one frontend module that imports ``core_svc``, lazily, when
 ``core_client_factory.make_client`` chooses it (the import is inside the constructor).
 
-It talks to the core's in-process edge, ``core_svc.inproc.InprocCore``, in the same protobuf messages and
-status codes as the gRPC client, so a refusal reads the same either way. ``InprocClient`` runs a core step per
+It talks to the core's in-process edge, ``core_svc.inproc.InprocCore``, in the same protobuf messages (refusals as
+``RequestError``) as the gRPC client, so a refusal reads the same either way. ``InprocClient`` runs a core step per
 ``get_output`` call (for ``LLMEngine``); ``AsyncInprocClient`` runs the core on its engine-loop thread, as the
 core server does, and hands outputs to the asyncio loop.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
-from frontend_svc.errors import EngineDeadError, error_from_core
-from frontend_svc.wire import engine_info_from_pb, outputs_from_pb, request_to_pb
+from frontend_svc.errors import EngineDeadError
+from frontend_svc.wire import engine_info_from_pb, error_from_pb, outputs_from_pb, request_to_pb
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 # Requests converted to protobuf between yields to the event loop (about 1 ms of work).
@@ -48,7 +48,7 @@ class InprocClient(EngineCoreClient):
         try:
             self._edge().add_request(request_to_pb(request))
         except self._refused_error as e:
-            raise error_from_core(e.code, e.message) from e
+            raise error_from_pb(e.error) from e
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -58,7 +58,7 @@ class InprocClient(EngineCoreClient):
         try:
             return outputs_from_pb(self._edge().step())
         except self._refused_error as e:  # the core was declared dead
-            raise error_from_core(e.code, e.message) from e
+            raise error_from_pb(e.error) from e
 
     def reset_prefix_cache(self) -> bool:
         return self._edge().reset_prefix_cache()
@@ -152,7 +152,7 @@ class AsyncInprocClient(InprocClient):
         try:
             return await asyncio.wrap_future(future)
         except self._refused_error as e:
-            raise error_from_core(e.code, e.message) from e
+            raise error_from_pb(e.error) from e
 
     def _sink(self, outputs: pb.EngineCoreOutputs) -> None:  # on the engine thread
         self._post(outputs_from_pb(outputs))

@@ -14,7 +14,8 @@ from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
 from frontend_svc.tokenize_budget import TokenizeBudget, utf8_size
-from splitserve.base.request_rules import max_tokens_too_large, prompt_leaves_no_room, token_id_outside_vocabulary
+from splitserve.base.request_rules import max_tokens_violation, prompt_violation
+from splitserve.base.sampling_rules import eos_and_stop_ids
 
 
 @dataclass(frozen=True)
@@ -198,12 +199,9 @@ class InputProcessor:
             )
         resolved.verify(self.info.vocab_size, self.info.max_logprobs)
         if self.eos_token_ids:
-            # vLLM's update_from_generation_config: the first EOS id stops the core (unless ignore_eos); further
-            # generation-config EOS ids become stop ids, reported with stop_reason = the id.
-            resolved.eos_token_id = self.eos_token_ids[0]
-            if not resolved.ignore_eos:
-                extra = [i for i in self.eos_token_ids[1:] if i not in resolved.stop_token_ids]
-                resolved.stop_token_ids = list(resolved.stop_token_ids or []) + extra
+            resolved.eos_token_id, resolved.stop_token_ids = eos_and_stop_ids(
+                self.eos_token_ids, resolved.stop_token_ids or [], resolved.ignore_eos
+            )
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -261,24 +259,16 @@ class InputProcessor:
         room = self.info.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
             return room if params.default_max_tokens is None else min(params.default_max_tokens, room)
-        if params.max_tokens > room:
-            raise ValidationError(
-                "max_tokens",
-                max_tokens_too_large(params.max_tokens, num_prompt_tokens, self.info.max_model_len)
-                + " (max_tokens=None, max_tokens_unlimited over gRPC, takes all the room left)",
-            )
+        violation = max_tokens_violation(params.max_tokens, num_prompt_tokens, self.info.max_model_len)
+        if violation is not None:
+            hint = " (max_tokens=None, max_tokens_unlimited over gRPC, takes all the room left)"
+            raise ValidationError(violation.field, violation.description + hint)
         return params.max_tokens
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValidationError("prompt", "is empty")
-        max_model_len = self.info.max_model_len
-        if len(prompt_token_ids) >= max_model_len:
-            raise ValidationError("prompt", prompt_leaves_no_room(len(prompt_token_ids), max_model_len))
-        vocab_size = self.info.vocab_size
-        for i, token_id in enumerate(prompt_token_ids):
-            if not 0 <= token_id < vocab_size:
-                raise ValidationError(f"prompt_token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
+        violation = prompt_violation(prompt_token_ids, self.info.max_model_len, self.info.vocab_size, "prompt")
+        if violation is not None:
+            raise ValidationError.from_violation(violation)
 
     @staticmethod
     def _check_int_ids(token_ids: Any) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineCoreOutput, FinishReason
-from frontend_svc.errors import FrontendError, error_from_core
+from frontend_svc.errors import FrontendError
 from frontend_svc.logprobs import LogprobsProcessor
 from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -231,7 +231,7 @@ class OutputProcessor:
                     state.stats,
                 )
             if output.error is not None:
-                error = error_from_core(*output.error)
+                error = output.error
                 result.reqs_to_abort.extend(self._fail(state, error, iteration_stats))
                 if state.queue is None:
                     result.errors.append(error)

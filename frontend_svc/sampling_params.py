@@ -1,5 +1,7 @@
 """``SamplingParams``: vLLM's field names, defaults, normalization and validation rules
 (``vllm/sampling_params.py``). Every refused value raises ``ValidationError`` naming the field and its range.
+The ranges and the checks against the model are the core's too (``splitserve.base.sampling_rules``); the types,
+``n``, stop strings and the vLLM fields splitserve does not implement are checked here only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.errors import ValidationError
-from splitserve.base.request_rules import token_id_outside_vocabulary
+from splitserve.base.sampling_rules import INT32_MAX, INT64_MIN, model_violation, range_violation
+from splitserve.base.sampling_rules import INT64_MAX as INT64_MAX  # the seed's range, for callers
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +24,10 @@ MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (numerical stability), as vLLM
 LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100]
-MIN_TOP_P = 1e-30  # smaller values would be 0 on the wire (float32)
 # Stop strings are matched on every new piece of text, each one in turn, on the frontend's event loop: a request
 # with a million of them held every other request of its frontend about 0.14 s per token. TGI allows 4 by default
 # (--max-stop-sequences) and OpenAI's API 4; vLLM sets no limit.
 MAX_STOP_STRINGS = 1024
-INT32_MAX = 2**31 - 1  # the wire carries counts and ids as int32, the seed as int64
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
 BOOL_FIELDS = (
     "ignore_eos",
@@ -179,32 +179,16 @@ class SamplingParams:
     # --- checks ---
 
     def verify(self, vocab_size: int, max_logprobs: int) -> None:
-        """Checks that need the model (vLLM ``SamplingParams.verify``).
+        """Checks that need the model (vLLM ``SamplingParams.verify``), the core's too
+        (``splitserve.base.sampling_rules.model_violation``).
 
         Raises:
             ValidationError: logprobs above the engine's max_logprobs or the vocabulary, token ids outside
                 [0, vocab_size).
         """
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if max_logprobs != -1 and (value == -1 or value > max_logprobs):
-                asked = "the whole vocabulary (-1)" if value == -1 else value
-                raise ValidationError(
-                    name, f"asked for {asked}; the engine allows at most {max_logprobs} (max_logprobs)"
-                )
-            if value > vocab_size:
-                raise ValidationError(
-                    name, f"asked for {value}, more than the vocabulary ({vocab_size}); -1 asks for all"
-                )
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            for i, token_id in enumerate(getattr(self, name) or []):
-                if not 0 <= token_id < vocab_size:
-                    raise ValidationError(f"{name}[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
-        for token_id in self.logit_bias or {}:
-            if not 0 <= token_id < vocab_size:
-                raise ValidationError("logit_bias", token_id_outside_vocabulary(token_id, vocab_size))
+        violation = model_violation(self, vocab_size, max_logprobs)
+        if violation is not None:
+            raise ValidationError.from_violation(violation)
 
     def _check_unsupported(self) -> None:
         for name, why in UNSUPPORTED_FIELDS.items():
@@ -250,60 +234,16 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
 
     def _verify_args(self) -> None:
-        checks = [
-            (_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}"),
-            (
-                -2.0 <= self.presence_penalty <= 2.0,
-                "presence_penalty",
-                f"must be in [-2, 2], got {self.presence_penalty}",
-            ),
-            (
-                -2.0 <= self.frequency_penalty <= 2.0,
-                "frequency_penalty",
-                f"must be in [-2, 2], got {self.frequency_penalty}",
-            ),
-            (
-                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
-                "repetition_penalty",
-                f"must be a finite number > 0, got {self.repetition_penalty}",
-            ),
-            (
-                math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
-                "temperature",
-                f"must be a finite number in [0, 2], got {self.temperature}",
-            ),
-            (0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}"),
-            (self.top_p >= MIN_TOP_P, "top_p", f"is too small to tell from 0 (below {MIN_TOP_P}), got {self.top_p}"),
-            (
-                _is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
-                "top_k",
-                f"must be an integer: -1 or 0 (off), or in [1, {INT32_MAX}], got {self.top_k!r}",
-            ),
-            (0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}"),
-            (
-                self.seed is None or (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
-                "seed",
-                f"must be a 64-bit integer, got {self.seed!r}",
-            ),
-            (
-                self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX),
-                "max_tokens",
-                f"must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}",
-            ),
-            (
-                self.default_max_tokens is None
-                or (_is_int(self.default_max_tokens) and 1 <= self.default_max_tokens <= INT32_MAX),
-                "default_max_tokens",
-                f"must be an integer in [1, {INT32_MAX}], got {self.default_max_tokens!r}",
-            ),
-            (
-                _is_int(self.min_tokens) and 0 <= self.min_tokens <= INT32_MAX,
-                "min_tokens",
-                f"must be an integer in [0, {INT32_MAX}], got {self.min_tokens!r}",
-            ),
-        ]
-        for ok, field_name, message in checks:
-            _require(ok, field_name, message)
+        _require(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        violation = range_violation(self)  # the ranges the core checks too, in the same words
+        if violation is not None:
+            raise ValidationError.from_violation(violation)
+        _require(
+            self.default_max_tokens is None
+            or (_is_int(self.default_max_tokens) and 1 <= self.default_max_tokens <= INT32_MAX),
+            "default_max_tokens",
+            f"must be an integer in [1, {INT32_MAX}], got {self.default_max_tokens!r}",
+        )
         if self.best_of is not None:
             # best_of below n was always an error; vLLM V1 refuses best_of > 1 outright.
             _require(
@@ -316,19 +256,6 @@ class SamplingParams:
                 "best_of",
                 f"best_of > 1 is not supported (as vLLM V1), got {self.best_of}; ask for n completions and pick "
                 "by cumulative_logprob",
-            )
-        if self.max_tokens is not None:
-            _require(
-                self.min_tokens <= self.max_tokens,
-                "min_tokens",
-                f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _require(
-                value is None or (_is_int(value) and -1 <= value <= INT32_MAX),
-                name,
-                f"must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}",
             )
         _require(
             len(self.stop or []) <= MAX_STOP_STRINGS,
@@ -343,8 +270,6 @@ class SamplingParams:
             "stop",
             "stop strings need detokenize=True (they are matched on the text)",
         )
-        if self.allowed_token_ids is not None:
-            _require(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty when given")
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -1,4 +1,5 @@
-"""The public ``Generation`` servicer: thin and typed over ``AsyncLLM``; errors mapped in ``grpc_status``."""
+"""The public ``Generation`` servicer: thin and typed over ``AsyncLLM``; errors ended with their status by
+``splitserve.base.grpc_status``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
-from frontend_svc.grpc_status import status_code
 from frontend_svc.input_processor import PromptType
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import MAX_N, RequestOutputKind, SamplingParams
@@ -27,7 +27,8 @@ from frontend_svc.wire import (
     request_output_to_api,
     sampling_params_from_api,
 )
-from splitserve.base.request_rules import token_id_outside_vocabulary
+from splitserve.base.grpc_status import abort
+from splitserve.base.request_rules import token_ids_violation
 from splitserve.base.tracing import SpanAttributes, inject_headers
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
@@ -59,7 +60,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
             prompt: PromptType = generate_request_from_api(request)
             params = sampling_params_from_api(request.sampling_params, engine.default_sampling_params)
         except FrontendError as e:
-            await context.abort(status_code(e), str(e))
+            await abort(context, e)
         async for message in self._stream(context, engine, prompt, params, request):
             yield message
 
@@ -84,7 +85,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 lambda: engine.input_processor.render_chat(messages, add_generation_prompt, chat_template),
             )
         except FrontendError as e:
-            await context.abort(status_code(e), str(e))
+            await abort(context, e)
         async for message in self._stream(context, engine, prompt, params, request):
             yield message
 
@@ -104,7 +105,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         try:
             input_processor.check_text_length(request.text, "text", "the text")
         except ValidationError as e:
-            await context.abort(status_code(e), str(e))
+            await abort(context, e)
         return await input_processor.budget.run(utf8_size(request.text), tokenize)
 
     async def Detokenize(
@@ -120,12 +121,12 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 f"has {len(token_ids)} ids, more than any sequence of this model has "
                 f"(max_model_len={engine.engine_info.max_model_len})",
             )
-            await context.abort(status_code(error), str(error))
+            await abort(context, error)
         vocab_size = len(tokenizer)
         if token_ids and not (min(token_ids) >= 0 and max(token_ids) < vocab_size):  # at C speed; then find it
-            i, token_id = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
-            error = ValidationError(f"token_ids[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
-            await context.abort(status_code(error), str(error))
+            violation = token_ids_violation("token_ids", token_ids, vocab_size)
+            if violation is not None:
+                await abort(context, ValidationError.from_violation(violation))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await asyncio.to_thread(tokenizer.decode, token_ids, skip_special_tokens=skip)
         return api.DetokenizeResponse(text=text)
@@ -156,7 +157,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         goes to the core in ``trace_headers``."""
         if params.n > self.state.max_n:
             error = ValidationError("n", f"must be at most {self.state.max_n} on this server (--max-n), got {params.n}")
-            await context.abort(status_code(error), str(error))
+            await abort(context, error)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         delta = params.output_kind == RequestOutputKind.DELTA
@@ -190,7 +191,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 first = False
         except FrontendError as e:
             request_span.fail(e)
-            await context.abort(status_code(e), str(e))
+            await abort(context, e)
         except (asyncio.CancelledError, GeneratorExit):
             request_span.cancelled()
             raise
@@ -215,7 +216,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         client = engine.engine_core  # type: ignore[union-attr]
         if not getattr(client, "is_available", lambda: True)():
             error = EngineDeadError("no engine core is reachable")
-            await context.abort(status_code(error), str(error))
+            await abort(context, error)
         return engine  # type: ignore[return-value]
 
 

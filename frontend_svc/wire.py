@@ -18,10 +18,11 @@ from frontend_svc.engine_types import (
     PositionLogprobs,
     SchedulerStats,
 )
-from frontend_svc.errors import ValidationError
+from frontend_svc.errors import FrontendError, ValidationError, error_from_core
 from frontend_svc.input_processor import ChatMessage, TokensPrompt
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
+from splitserve.base.proto_fields import set_optional_fields
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 
@@ -151,9 +152,15 @@ def _output_from_pb(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
         finish_reason=_finish_reason(msg.finish_reason),
         stop_reason=getattr(msg, stop_kind) if stop_kind else None,
         num_cached_tokens=msg.num_cached_tokens,
-        error=(msg.error.code, msg.error.message) if msg.HasField("error") else None,
+        error=error_from_pb(msg.error) if msg.HasField("error") else None,
         events=[event for event in map(_event_from_pb, msg.events) if event is not None],
     )
+
+
+def error_from_pb(msg: pb.RequestError) -> FrontendError:
+    """The frontend's error for a refusal or failure the core sent (a request's output, an in-process refusal):
+    by its code, with the field as data."""
+    return error_from_core(msg.code, msg.message, msg.field)
 
 
 def _event_from_pb(msg: pb.EngineCoreEvent) -> EngineCoreEvent | None:
@@ -203,32 +210,12 @@ _OUTPUT_KINDS = {
     api.OUTPUT_KIND_DELTA: RequestOutputKind.DELTA,
     api.OUTPUT_KIND_FINAL_ONLY: RequestOutputKind.FINAL_ONLY,
 }
-_OPTIONAL_SAMPLING_FIELDS = (
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "max_tokens",
-    "min_tokens",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "logprobs",
-    "prompt_logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "detokenize",
-)
 
 
 def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """Unset fields take the model's defaults (``defaults``, from its generation config), then vLLM's. Raises
     ValidationError naming the field for any refused value."""
-    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    kwargs = set_optional_fields(msg)
     if msg.max_tokens_unlimited:
         if msg.HasField("max_tokens"):
             raise ValidationError("max_tokens", "set max_tokens or max_tokens_unlimited, not both")

@@ -209,9 +209,64 @@ def test_bad_input_is_invalid_argument_naming_the_field(services, fields, field)
             list(stub.Generate(api.GenerateRequest(**fields), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith(f"{field}: ")
+        # The field as data too: a google.rpc.BadRequest field violation, as a client in any language reads it.
+        assert bad_request_violations(info.value) == [(field, info.value.details().removeprefix(f"{field}: "))]
         # And the server goes on serving.
         ok = list(stub.Generate(api.GenerateRequest(prompt="hi", sampling_params=greedy(max_tokens=2)), timeout=30))
         assert ok[-1].finished
+
+
+def bad_request_violations(call: grpc.Call) -> list[tuple[str, str]]:
+    """The (field, description) of each ``google.rpc.BadRequest`` field violation in a failed call's status."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(call)
+    assert status is not None, "no rich status details"
+    violations = []
+    for detail in status.details:
+        bad_request = error_details_pb2.BadRequest()
+        if detail.Unpack(bad_request):
+            violations += [(v.field, v.description) for v in bad_request.field_violations]
+    return violations
+
+
+def test_bad_top_p_reads_the_same_from_the_frontend_and_from_the_core(services):
+    """One rule, one message: top_p=0 refused by the frontend's Generate (a BadRequest field violation) and by the
+    core reached directly (the Connect stream's error, with its field), word for word."""
+    core, (frontend, _) = services
+    with grpc.insecure_channel(frontend.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            request = api.GenerateRequest(prompt="hi", sampling_params=api.SamplingParams(top_p=0.0))
+            list(api_grpc.GenerationStub(channel).Generate(request, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_request_violations(info.value) == [("top_p", "must be in (0, 1], got 0.0")]
+    add = core_pb.EngineCoreRequest(
+        request_id="topp", prompt_token_ids=[5, 6], sampling_params=core_pb.SamplingParams(top_p=0.0)
+    )
+    with grpc.insecure_channel(core.address) as channel:
+        messages = list(
+            core_grpc.EngineCoreStub(channel).Connect(iter([core_pb.EngineCoreClientMessage(add=add)]), timeout=30)
+        )
+    output = next(o for m in messages for o in m.outputs)
+    assert output.finish_reason == core_pb.FINISH_REASON_ERROR
+    assert (output.error.code, output.error.field) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "top_p")
+    assert output.error.message == info.value.details() == "top_p: must be in (0, 1], got 0.0"
+
+
+def test_a_raw_core_client_request_stops_on_the_models_eos(services):
+    """A client of the core that leaves eos_token_id unset (ours folds it in) still gets the model's EOS: the
+    core folds it in with the same rule. The EOS made certain by logit_bias, so greedy decoding takes it first."""
+    core, _ = services
+    with grpc.insecure_channel(core.address) as channel:
+        stub = core_grpc.EngineCoreStub(channel)
+        eos = stub.GetEngineInfo(core_pb.GetEngineInfoRequest(), timeout=30).eos_token_ids[0]
+        params = core_pb.SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100.0})
+        add = core_pb.EngineCoreRequest(request_id="eos", prompt_token_ids=[5, 6, 7], sampling_params=params)
+        messages = list(stub.Connect(iter([core_pb.EngineCoreClientMessage(add=add)]), timeout=30))
+    outputs = [o for m in messages for o in m.outputs]
+    assert [t for o in outputs for t in o.new_token_ids] == [eos]
+    assert outputs[-1].finish_reason == core_pb.FINISH_REASON_STOP
 
 
 def test_bad_chat_input(services):
@@ -264,7 +319,7 @@ def test_core_refuses_prompt_plus_max_tokens_over_max_model_len(services):
         )
     output = next(o for m in messages for o in m.outputs)
     assert output.request_id == "over" and output.finish_reason == core_pb.FINISH_REASON_ERROR
-    assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and output.error.field == "max_tokens"
     assert output.error.message.startswith("max_tokens: 1017 is too large")
     assert "1025 were requested (8 in the prompt, 1017 in the completion)" in output.error.message
 
@@ -431,6 +486,7 @@ def test_profile_rpcs_write_a_chrome_trace_under_the_profile_dir(services, profi
                 stub.StartProfile(core_pb.StartProfileRequest(output_dir=outside), timeout=30)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, outside
             assert info.value.details().startswith(f"output_dir: {outside!r} "), info.value.details()
+            assert [field for field, _ in bad_request_violations(info.value)] == ["output_dir"]
         stub.StartProfile(core_pb.StartProfileRequest(output_dir="run-1"), timeout=30)
         with pytest.raises(grpc.RpcError) as info:
             stub.StartProfile(core_pb.StartProfileRequest(), timeout=30)
@@ -614,6 +670,7 @@ def test_core_side_refusals_keep_their_field(services):
             list(stub.Generate(api.GenerateRequest(prompt="hi", priority=3, sampling_params=greedy(2)), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith("priority: 3 needs the priority scheduling policy")
+        assert [field for field, _ in bad_request_violations(info.value)] == ["priority"]
         message = api.ChatMessage(role="user", content=[api.ContentPart(text="hi")])
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Chat(api.ChatRequest(messages=[message], chat_template="{{ 'x' }}"), timeout=30))

@@ -173,7 +173,7 @@ def test_a_child_failed_by_the_core_fails_the_parent_with_internal(tokenizer):
     core's message, which the public API sends as INTERNAL; the two siblings are handed back for the core to
     abort, and nothing of the parent stays."""
     from frontend_svc.errors import InternalError
-    from frontend_svc.grpc_status import status_code
+    from splitserve.base.grpc_status import grpc_status_code as status_code
 
     processor = OutputProcessor(tokenizer)
     queue = RequestOutputCollector(RequestOutputKind.DELTA)
@@ -182,7 +182,7 @@ def test_a_child_failed_by_the_core_fails_the_parent_with_internal(tokenizer):
         child_id, child_params = parent.get_child_info(i)
         processor.add_request(child_id, "p", child_params, None, [1], parent, i, queue)
     message = "the engine core failed while running this request: RuntimeError: boom"
-    failed = EngineCoreOutput("1_p-1", [], finish_reason=FinishReason.ERROR, error=(13, message))
+    failed = EngineCoreOutput("1_p-1", [], finish_reason=FinishReason.ERROR, error=InternalError(message))
     result = processor.process_outputs([failed])
     assert sorted(result.reqs_to_abort) == ["0_p-1", "2_p-1"]
     with pytest.raises(InternalError) as info:
@@ -456,11 +456,13 @@ def test_without_a_queue_a_failed_request_comes_back_as_its_error(tokenizer):
         processor.add_request(child_id, "p", child_params, None, [1], parent, i)
     processor.add_request("q-1", "q", SamplingParams(), None, [1])
     message = "the engine core failed while running this request: RuntimeError: boom"
+    refusal = ValidationError("top_p", "must be in (0, 1]")
     result = processor.process_outputs(
         [
-            EngineCoreOutput("0_p-1", [], finish_reason=FinishReason.ERROR, error=(13, message)),
-            EngineCoreOutput("1_p-1", [], finish_reason=FinishReason.ERROR, error=(13, message)),  # aborted already
-            EngineCoreOutput("q-1", [], finish_reason=FinishReason.ERROR, error=(3, "top_p: must be in (0, 1]")),
+            EngineCoreOutput("0_p-1", [], finish_reason=FinishReason.ERROR, error=InternalError(message)),
+            # aborted already
+            EngineCoreOutput("1_p-1", [], finish_reason=FinishReason.ERROR, error=InternalError(message)),
+            EngineCoreOutput("q-1", [], finish_reason=FinishReason.ERROR, error=refusal),
         ]
     )
     assert result.request_outputs == [] and result.reqs_to_abort == ["1_p-1"]

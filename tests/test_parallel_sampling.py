@@ -195,7 +195,8 @@ def test_a_failed_child_fails_its_16384_siblings_once(tokenizer):
     processor = OutputProcessor(tokenizer)
     queue = fan_out(processor, 16384, RequestOutputKind.DELTA)
     lost = [
-        EngineCoreOutput(f"{i}_p-1", [], finish_reason=FinishReason.ERROR, error=(13, "boom")) for i in range(16384)
+        EngineCoreOutput(f"{i}_p-1", [], finish_reason=FinishReason.ERROR, error=InternalError("boom"))
+        for i in range(16384)
     ]
     result = processor.process_outputs(lost)
     assert sorted(result.reqs_to_abort) == sorted(f"{i}_p-1" for i in range(1, 16384))

@@ -25,9 +25,11 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
+
+from splitserve.base.status import StatusCode
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,10 @@ FINISH_READING_S = 1.0
 
 
 class UndecodableRequestError(ValueError):
-    """A request message that does not parse as its type. The message names the type and what is wrong."""
+    """A request message that does not parse as its type: INVALID_ARGUMENT. The message names the type and what
+    is wrong."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.INVALID_ARGUMENT
 
 
 @dataclass(frozen=True)

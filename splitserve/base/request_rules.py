@@ -1,9 +1,42 @@
-"""The wording of the request checks both services make: the frontend for its callers, the core again for clients
-that reach it directly. One wording, so a refusal reads the same from the Python API, the public gRPC API and a
-core. Each function returns the message without the field name, which each side puts in front
-(``ValidationError(field, message)`` in the frontend, ``f"{field}: {message}"`` in the core)."""
+"""The request checks both services make, and their wording: the frontend for its callers, the core again for
+clients that reach it directly. One definition, so a refusal reads the same from the Python API, the public gRPC
+API and a core. A check returns a ``Violation`` (the field and what is wrong, without the field's name) or None;
+each side raises its own error from it (``ValidationError`` in the frontend, ``InvalidRequestError`` in the
+core, both ``splitserve.base.status.FieldError``). The sampling parameters' checks are in
+``splitserve.base.sampling_rules``."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+from splitserve.base.status import Violation
+
+
+def prompt_violation(prompt_token_ids: list[int], max_model_len: int, vocab_size: int, field: str) -> Violation | None:
+    """A prompt the model cannot take (vLLM's ``InputProcessor`` checks): empty, no room for one output token
+    within ``max_model_len``, or an id outside the vocabulary (``prompt_token_ids[i]``). ``field`` names the
+    whole prompt as the caller sent it (``prompt`` in the frontend, ``prompt_token_ids`` in the core)."""
+    if not prompt_token_ids:
+        return Violation(field, "is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        return Violation(field, prompt_leaves_no_room(len(prompt_token_ids), max_model_len))
+    return token_ids_violation("prompt_token_ids", prompt_token_ids, vocab_size)
+
+
+def max_tokens_violation(max_tokens: int, num_prompt_tokens: int, max_model_len: int) -> Violation | None:
+    """prompt + ``max_tokens`` over ``max_model_len``: refused, as vLLM's servers refuse it (HTTP 400), rather
+    than cut short with finish reason "length"."""
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return Violation("max_tokens", max_tokens_too_large(max_tokens, num_prompt_tokens, max_model_len))
+
+
+def token_ids_violation(field: str, token_ids: Iterable[int], vocab_size: int) -> Violation | None:
+    """The first id outside [0, vocab_size), named ``field[i]``."""
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            return Violation(f"{field}[{i}]", token_id_outside_vocabulary(token_id, vocab_size))
+    return None
 
 
 def prompt_leaves_no_room(num_prompt_tokens: int, max_model_len: int) -> str:
