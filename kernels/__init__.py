@@ -1,9 +1,11 @@
 """Attention and KV-store kernels behind one backend interface. Imports nothing of the project's.
 
-``get_attention_backend(name)`` returns a backend; ``torch_ref`` runs everywhere (the CPU default), CUDA
-backends (flash-attn, Triton) plug in through the same ``AttentionBackend`` interface.
+``get_attention_backend(name)`` returns a backend: on CPU the default (``auto``) is ``cpu``, the compiled decode
+kernel, and ``torch_ref`` (plain torch, runs everywhere) when that kernel cannot be built. Other backends plug in
+through the same ``AttentionBackend`` interface.
 """
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+from kernels.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.attention.selector import get_attention_backend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

@@ -10,7 +10,7 @@ import torch
 
 from kernels import AttentionMetadata, get_attention_backend
 from kernels.attention import cpu_ops
-from kernels.attention.backend import FALLBACK_COST
+from kernels.attention.selector import FALLBACK_COST
 
 
 def _cpu_backend_available() -> bool:

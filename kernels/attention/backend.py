@@ -6,22 +6,10 @@ Token t of a request lives in slot ``block_table[i, t // block_size] * block_siz
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
-
-logger = logging.getLogger(__name__)
-
-BACKEND_NAMES = ("auto", "cpu", "torch_ref")
-# What falling back from the kernel to the reference costs, measured by ``python -m benchmarks.decode_attention
-# --model <small checkpoint>`` on 2 cores (docs/benchmarks.md#decode-attention-kernel-and-reference).
-FALLBACK_COST = (
-    "decode attention 5-15 times slower, and 1.8 times fewer output tokens/s for the small test model with 64 "
-    "requests of 64-400 prompt tokens (more with longer contexts)"
-)
 
 
 @dataclass
@@ -70,51 +58,3 @@ class AttentionBackend(Protocol):
         Returns ``[num_tokens, num_heads, head_size]`` in the query's dtype.
         """
         ...
-
-
-def get_attention_backend(
-    name: str = "auto", device: torch.device | str = "cpu", build_dir: Path | None = None
-) -> AttentionBackend:
-    """Backend by name: ``cpu`` (compiled decode kernel, built on first use into ``build_dir``, see
-    ``cpu_ops.load``), ``torch_ref`` (plain torch, runs anywhere), or ``auto``: ``cpu`` on CPU when its kernel
-    builds and loads, else ``torch_ref`` with a WARNING giving the reason, what the reference costs and the fix.
-
-    Raises:
-        ValueError: an unknown name.
-        RuntimeError: ``cpu`` asked for explicitly and its kernel cannot be built or loaded
-            (``cpu_ops.KernelBuildError``, whose message ends with the compiler's output).
-    """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
-    if name == "auto":
-        name = "torch_ref" if torch.device(device).type != "cpu" or not _kernel_loads(build_dir) else "cpu"
-    if name == "cpu":
-        from kernels.attention.cpu import CpuAttentionBackend
-
-        return CpuAttentionBackend(build_dir)
-    from kernels.attention.torch_ref import TorchRefAttentionBackend
-
-    return TorchRefAttentionBackend()
-
-
-def _kernel_loads(build_dir: Path | None) -> bool:
-    """Load the CPU kernel; on failure log why, what the reference backend costs, and the fix."""
-    from kernels.attention import cpu_ops
-
-    try:
-        cpu_ops.load(build_dir)
-        return True
-    except cpu_ops.KernelBuildError as e:
-        reason, details = e.reason, e.details
-    except Exception as e:  # anything else the load raised: the reference still serves correctly
-        reason, details = f"{type(e).__name__}: {e}", ""
-    logger.warning(
-        "the CPU attention kernel is unavailable (%s), so attention runs on the slower reference backend "
-        "'torch_ref'. Cost: %s. Fix: install a C++ compiler (g++, or set CXX to one) and restart, which builds the "
-        "kernel once (about 20 s); or pass --attention-backend torch_ref to choose the reference.",
-        reason,
-        FALLBACK_COST,
-    )
-    if details:
-        logger.warning("the CPU attention kernel's build: %s", details)
-    return False
