@@ -5,12 +5,15 @@ Defaults are vLLM's (``vllm/config/scheduler.py``, ``vllm/config/cache.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from splitserve.base.config_args import NOT_A_FLAG, flag
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+AttentionBackendName = Literal["auto", "cpu", "torch_ref"]  # kernels.get_attention_backend
 
 # KV cache budget when neither num_kv_blocks nor kv_cache_memory_gib is given. The cache is allocated zeroed,
 # so this much memory is touched at startup; it is capped at what max_num_seqs full-length sequences can use.
@@ -19,32 +22,74 @@ DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """Everything ``splitserve core`` is started with.
+    """Everything ``splitserve core`` is started with; its flags (``splitserve core``, ``serve``, ``generate``) are
+    generated from these fields (``splitserve.base.config_args``).
 
     Raises:
         ValueError: from ``__post_init__``, naming the field, for any value out of range.
     """
 
-    model: str  # local Hugging Face folder or hub id
-    device: Device = "cpu"
-    dtype: DType = "auto"  # auto: the checkpoint's dtype
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # KV blocks including the null block; overrides kv_cache_memory_gib
-    kv_cache_memory_gib: float | None = None  # KV cache budget in GiB
-    max_num_seqs: int = 128  # most requests running at once
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0: no per-request cap on a step's prefill chunk
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    seed: int = 0  # seeds the engine RNG used by unseeded random sampling
+    # MODEL or --model on the command line, resolved against $SPLITSERVE_MODEL and the demo model there.
+    model: str = field(metadata=NOT_A_FLAG)  # local Hugging Face folder or hub id
+    device: Device = field(default="cpu", metadata=flag("where the model runs"))
+    dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV block", unit="tokens"))
+    # KV blocks including the null block; overrides kv_cache_memory_gib.
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata=flag(
+            "KV cache size in blocks, the null block included",
+            default_help="from --kv-cache-memory-gib",
+            exclusive="kv_cache_size",
+        ),
+    )
+    kv_cache_memory_gib: float | None = field(
+        default=None,
+        metadata=flag(
+            "KV cache budget in GiB",
+            default_help=f"{DEFAULT_KV_CACHE_MEMORY_GIB:g} GiB, capped at what --max-num-seqs full sequences use",
+            exclusive="kv_cache_size",
+        ),
+    )
+    max_num_seqs: int = field(default=128, metadata=flag("most requests running at once", unit="requests"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step", unit="tokens"))
+    max_model_len: int | None = field(
+        default=None,
+        metadata=flag("tokens per sequence, prompt and output", default_help="the model's max_position_embeddings"),
+    )
+    enable_prefix_caching: bool = field(default=True, metadata=flag("turn automatic prefix caching off"))
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=flag("turn chunked prefill off (a prompt's prefill then takes one step)")
+    )
+    long_prefill_token_threshold: int = field(
+        default=0, metadata=flag("most prompt tokens of a request per step; 0: no cap", unit="tokens")
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata=flag("fcfs: first come, first served; priority: lowest priority value first"),
+    )
+    seed: int = field(default=0, metadata=flag("seed of the engine RNG (unseeded random sampling)"))
     # A step whose model runner raises fails its own requests (INTERNAL) and the core goes on; this many failed
     # steps in a row, with no successful one between, declare the core dead (UNAVAILABLE, NOT_SERVING, exit).
-    max_consecutive_failed_steps: int = 3
-    attention_backend: str = "auto"  # auto, cpu or torch_ref (kernels.get_attention_backend)
-    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1: no cap (vLLM's default 20)
-    served_model_name: str | None = None  # the metrics' model_name label (--served-model-name); None: model
+    max_consecutive_failed_steps: int = field(
+        default=3,
+        metadata=flag(
+            "failed model steps in a row (no successful one between) that declare the core dead", unit="steps"
+        ),
+    )
+    attention_backend: AttentionBackendName = field(
+        default="auto", metadata=flag("auto: the compiled CPU kernel when it builds, else the torch reference")
+    )
+    # Most logprobs / prompt_logprobs a request may ask for (vLLM's default 20).
+    max_logprobs: int = field(default=20, metadata=flag("cap on logprobs per request; -1: no cap"))
+    served_model_name: str | None = field(
+        default=None,
+        metadata=flag(
+            "the name the model is reported by: the metrics' model_name label",
+            default_help="the model as given",
+            metavar="NAME",
+        ),
+    )
 
     @property
     def model_name(self) -> str:

@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.config import FrontendConfig
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings, make_client
-from frontend_svc.sampling_params import MAX_N
 from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
@@ -33,30 +33,16 @@ from splitserve.base import grpc_runtime, metrics, tracing
 from splitserve.base.api_key import ApiKeyInterceptor
 from splitserve.base.metrics_server import MetricsServer
 from splitserve.base.model_files import resolve_model_path
-from splitserve.base.tls import ClientTLS
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FrontendOptions:
-    """What only a frontend (or ``serve``) is started with, besides where it listens."""
-
-    trust_request_chat_template: bool = False  # whether a Chat call may bring its own template (as vLLM's flag)
-    generation_config: str = "auto"  # where unset sampling fields take defaults from: "auto", "vllm" or a folder
-    api_key: str | None = None  # every call but health needs "authorization: Bearer <api_key>"; None: no key
-    core_tls: ClientTLS | None = None  # TLS (and the client certificate) to the cores; None: plaintext
-    max_n: int = MAX_N  # the most completions one call may ask for (--max-n; docs/operations.md)
-    # The model's name to clients (vLLM's --served-model-name): GetModelInfo, metrics labels, spans; None: the model.
-    served_model_name: str | None = None
 
 
 async def serve_frontend(
     model: str,
     core_addresses: list[str] | None,
     options: grpc_runtime.ServerOptions,
-    frontend: FrontendOptions | None = None,
+    frontend: FrontendConfig | None = None,
     **core_config: Any,
 ) -> int:
     """Run until SIGTERM / SIGINT, or until an in-process core dies; returns the exit code (0 after a drain, 1 if
@@ -72,7 +58,7 @@ async def serve_frontend(
         OSError: the metrics port cannot be bound.
     """
     check_core_settings(core_addresses, core_config)
-    frontend = frontend or FrontendOptions()
+    frontend = frontend or FrontendConfig()
     tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_SERVICE_NAME)
     registry = metrics.make_registry() if options.metrics_port is not None else None
     metrics_server = None
@@ -104,7 +90,7 @@ async def _serve(
     model: str,
     core_addresses: list[str] | None,
     options: grpc_runtime.ServerOptions,
-    frontend: FrontendOptions,
+    frontend: FrontendConfig,
     observability: _Observability,
     core_config: dict[str, Any],
 ) -> int:

@@ -1,18 +1,32 @@
 """What a user meets first: the model as ``splitserve serve MODEL`` or ``--model``, a model that cannot be found
-(one line, status 2, every command), ``--version``, defaults in ``--help``, ``--served-model-name``."""
+(one line, status 2, every command), ``--version``, defaults and units in ``--help``, ``--served-model-name``, the
+engine and frontend flags as their config dataclasses' fields."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import re
 import subprocess
 import sys
+import types
+import typing
 
 import pytest
 
-from splitserve.entrypoints.cli import build_parser, core_config_from_args, main, model_from_args
+from core_svc.config import CoreConfig
+from frontend_svc.config import FrontendConfig
+from frontend_svc.sampling_params import MAX_N
+from splitserve.base.config_args import flag_fields, flag_name
+from splitserve.entrypoints.cli import (
+    build_parser,
+    core_config_from_args,
+    frontend_config_from_args,
+    main,
+    model_from_args,
+)
 
 MISSING = "/nonexistent/path"
 # Every command that takes a model, with the other flags it needs.
@@ -147,3 +161,94 @@ def test_served_model_name_reaches_the_cores_config():
     args = build_parser().parse_args(["core", "m", "--served-model-name", "tiny-chat"])
     assert core_config_from_args(args, "m").model_name == "tiny-chat"
     assert core_config_from_args(build_parser().parse_args(["core", "m"]), "m").model_name == "m"
+
+
+def test_help_shows_units(monkeypatch):
+    """A flag's default is shown with its unit (the config field's ``flag(unit=...)``, or the flag's own help)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    parsers = dict(_subparsers(build_parser()))
+    for command in ("core", "serve", "generate"):
+        entries = _help_entries(parsers[f"splitserve {command}"].format_help())
+        assert "(default: 2048 tokens)" in entries["--max-num-batched-tokens"], command
+        assert "(default: 16 tokens)" in entries["--block-size"], command
+        assert "(default: 1 GiB, capped at what --max-num-seqs" in entries["--kv-cache-memory-gib"], command
+    for command in ("core", "serve", "frontend"):
+        entries = _help_entries(parsers[f"splitserve {command}"].format_help())
+        assert "(default: 16 MiB)" in entries["--max-receive-message-mib"], command
+        assert "(default: 30.0 s)" in entries["--shutdown-timeout"], command
+    frontend = _help_entries(parsers["splitserve frontend"].format_help())
+    assert f"(default: {MAX_N} completions)" in frontend["--max-n"]
+
+
+# The config fields each command gives no flag of its own: generate's --seed is each request's sampling seed and it
+# reports no model name; serve's --served-model-name is the frontend's (and reaches its in-process core too).
+CORE_FIELDS_WITHOUT_FLAGS = {"core": set(), "serve": {"served_model_name"}, "generate": {"seed", "served_model_name"}}
+FRONTEND_COMMANDS = {"frontend": ["--core", "localhost:1"], "serve": []}
+
+
+def _non_default(field: dataclasses.Field, annotation: object) -> tuple[list[str], object]:
+    """The arguments after a field's flag that give it a valid value other than its default, and that value."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if annotation is bool:
+        return [], not field.default
+    if typing.get_origin(annotation) is typing.Literal:
+        value = next(choice for choice in typing.get_args(annotation) if choice != field.default)
+    elif annotation is int:
+        value = 7 if field.default is None else (field.default // 2 if field.default > 1 else field.default + 1)
+    elif annotation is float:
+        value = 0.5
+    else:
+        assert annotation is str, f"{field.name}: no value made for {annotation}"
+        value = "other"
+    return [str(value)], value
+
+
+@pytest.mark.parametrize("command", CORE_FIELDS_WITHOUT_FLAGS)
+def test_engine_flags_are_the_core_configs_fields_and_round_trip(command):
+    """Every CoreConfig field but the model (MODEL / --model) is a flag of core, serve and generate, named after it
+    (less the ones a command leaves out on purpose); each flag's non-default value reaches the config, which
+    otherwise keeps its defaults."""
+    parser = dict(_subparsers(build_parser()))[f"splitserve {command}"]
+    options = {option: action.dest for action in parser._actions for option in action.option_strings}
+    hints = typing.get_type_hints(CoreConfig)
+    expected = [f for f in dataclasses.fields(CoreConfig) if f.name != "model"]
+    expected = [f for f in expected if f.name not in CORE_FIELDS_WITHOUT_FLAGS[command]]
+    assert {f.name for f in expected} == {f.name for f in flag_fields(CoreConfig, CORE_FIELDS_WITHOUT_FLAGS[command])}
+    defaults = CoreConfig(model="m")
+    for field in expected:
+        assert options.get(flag_name(field)) == field.name, f"{command} has no {flag_name(field)}"
+        values, value = _non_default(field, hints[field.name])
+        config = core_config_from_args(build_parser().parse_args([command, "m", flag_name(field), *values]), "m")
+        assert config == dataclasses.replace(defaults, **{field.name: value}), field.name
+    if command == "generate":  # its --seed is the requests' sampling seed, not the engine's
+        assert core_config_from_args(build_parser().parse_args([command, "m", "--seed", "5"]), "m") == defaults
+
+
+@pytest.mark.parametrize("command", FRONTEND_COMMANDS)
+def test_frontend_flags_are_the_frontend_configs_fields_and_round_trip(command, monkeypatch):
+    """Every FrontendConfig field set by one flag is a flag of frontend and serve; core_tls comes from the
+    --core-ssl-* flags together (frontend only)."""
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    extra = FRONTEND_COMMANDS[command]
+    parser = dict(_subparsers(build_parser()))[f"splitserve {command}"]
+    options = {option: action.dest for action in parser._actions for option in action.option_strings}
+    hints = typing.get_type_hints(FrontendConfig)
+    expected = [f for f in dataclasses.fields(FrontendConfig) if f.name != "core_tls"]
+    assert {f.name for f in expected} == {f.name for f in flag_fields(FrontendConfig)}
+    for field in expected:
+        assert options.get(flag_name(field)) == field.name, f"{command} has no {flag_name(field)}"
+        values, value = _non_default(field, hints[field.name])
+        args = build_parser().parse_args([command, "m", *extra, flag_name(field), *values])
+        assert frontend_config_from_args(args) == FrontendConfig(**{field.name: value}), field.name
+    assert frontend_config_from_args(build_parser().parse_args([command, *extra])) == FrontendConfig()
+
+
+def test_a_config_value_out_of_range_is_one_line_and_status_2(capsys, monkeypatch):
+    import splitserve.entrypoints.cli as cli
+
+    monkeypatch.setattr(cli, "resolve_model_arg", lambda *args, **kwargs: "m")
+    assert main(["frontend", "--core", "localhost:1", "--max-n", "0"]) == 2
+    assert capsys.readouterr().err == f"error: max_n must be in [1, {MAX_N}], got 0\n"
+    assert main(["core", "--max-num-seqs", "0"]) == 2
+    assert capsys.readouterr().err == "error: max_num_seqs must be at least 1, got 0\n"

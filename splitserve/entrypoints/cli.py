@@ -12,30 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.base import envs
+from splitserve.base.config_args import add_config_args, config_kwargs_from_args
 from splitserve.entrypoints.health import cmd_health
 
 logger = logging.getLogger("splitserve")
 
 
 MODEL_HELP = "local Hugging Face folder or hub id (default: $SPLITSERVE_MODEL, else the demo model)"
-# Where a frontend (or ``serve``) reports --served-model-name.
-PUBLIC_MODEL_NAME = "GetModelInfo's model, the metrics' model_name label, the gen_ai.response.model of traces"
 
 
 def add_model_args(parser: argparse.ArgumentParser, help_text: str = MODEL_HELP) -> None:
     """The model, as ``vllm serve MODEL`` takes it (positional) or as ``--model``; ``model_from_args`` reads it."""
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=f"{help_text}; or --model")
     parser.add_argument("--model", default=None, help=help_text)
-
-
-def add_served_model_name_arg(parser: argparse.ArgumentParser, where: str) -> None:
-    """``--served-model-name`` (vLLM's flag); ``where``: where this command reports the name."""
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAME",
-        help=f"the name the model is reported by: {where} (default: the model as given)",
-    )
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -50,92 +39,15 @@ def model_from_args(args: argparse.Namespace) -> str | None:
     return positional if positional is not None else flag
 
 
-def add_core_args(parser: argparse.ArgumentParser) -> None:
-    """Engine-core flags (``CoreConfig`` fields), shared by every command that runs a core."""
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="the weights' and activations' dtype; auto: the checkpoint's",
-    )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    kv = parser.add_mutually_exclusive_group()
-    kv.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="KV cache size in blocks (null block included; default: from --kv-cache-memory-gib)",
-    )
-    kv.add_argument(
-        "--kv-cache-memory-gib",
-        type=float,
-        default=None,
-        help="KV cache budget in GiB (default: 1 GiB, capped at what --max-num-seqs full sequences use)",
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="tokens per sequence, prompt and output (default: the model's max_position_embeddings)",
-    )
-    parser.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="most prompt tokens of a request per step; 0: no cap",
-    )
-    parser.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=["fcfs", "priority"],
-        help="fcfs: first come, first served; priority: lowest priority value first",
-    )
-    parser.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="turn automatic prefix caching off",
-    )
-    parser.add_argument(
-        "--no-enable-chunked-prefill",
-        dest="enable_chunked_prefill",
-        action="store_false",
-        help="turn chunked prefill off (a prompt's prefill then takes one step)",
-    )
-    parser.add_argument(
-        "--attention-backend",
-        choices=["auto", "cpu", "torch_ref"],
-        default="auto",
-        help="auto: the compiled CPU kernel when it builds, else the torch reference",
-    )
-    parser.add_argument("--max-logprobs", type=int, default=20, help="cap on logprobs per request; -1: no cap")
-
-
 def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
+    """The ``CoreConfig`` of ``model`` and the engine flags this command has (others keep their defaults).
+
+    Raises:
+        ValueError: a value out of range (``CoreConfig.__post_init__``).
+    """
     from core_svc.config import CoreConfig
 
-    return CoreConfig(
-        model=model,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        scheduling_policy=args.scheduling_policy,
-        max_logprobs=args.max_logprobs,
-        attention_backend=args.attention_backend,
-        seed=getattr(args, "engine_seed", 0),
-        served_model_name=getattr(args, "served_model_name", None),
-    )
+    return CoreConfig(model=model, **config_kwargs_from_args(args, CoreConfig))
 
 
 def resolve_model_arg(model: str | None, build_demo: bool = True) -> str:
@@ -178,10 +90,30 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
 
 def core_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine-core settings for an in-process core (``CoreConfig`` fields other than the model)."""
+    """Engine-core settings for an in-process core (``CoreConfig`` fields other than the model), validated.
+
+    Raises:
+        ValueError: a value out of range (``CoreConfig.__post_init__``).
+    """
     config = core_config_from_args(args, model="")
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"}
 
+
+def frontend_config_from_args(args: argparse.Namespace, core_tls: Any = None) -> Any:
+    """The ``FrontendConfig`` of this command's flags; the API key also from ``$SPLITSERVE_API_KEY``
+    (``api_key_from_args``); ``core_tls``: the frontend's ``ClientTLS`` to its cores, if any.
+
+    Raises:
+        ValueError: a value out of range (``FrontendConfig.__post_init__``), a bad API key.
+    """
+    from frontend_svc.config import FrontendConfig
+
+    kwargs = config_kwargs_from_args(args, FrontendConfig)
+    return FrontendConfig(**{**kwargs, "api_key": api_key_from_args(args), "core_tls": core_tls})
+
+
+# ``CoreConfig`` fields ``generate`` has no flag for: its --seed is each request's sampling seed; no metrics name.
+GENERATE_CORE_FIELDS_NOT_FLAGS = ("seed", "served_model_name")
 
 # ``generate``'s sampling flags that default to the model's generation config when not given.
 DEFAULTABLE_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
@@ -298,13 +230,20 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--max-receive-message-mib",
         type=_message_mib,
         default=16,
-        help="largest gRPC message taken (requests); a larger one is refused unread with RESOURCE_EXHAUSTED",
+        help="largest gRPC message taken (requests); a larger one is refused unread with RESOURCE_EXHAUSTED "
+        "(default: %(default)s MiB)",
     )
     parser.add_argument(
-        "--max-send-message-mib", type=_message_mib, default=256, help="largest gRPC message sent (outputs)"
+        "--max-send-message-mib",
+        type=_message_mib,
+        default=256,
+        help="largest gRPC message sent (outputs) (default: %(default)s MiB)",
     )
     parser.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="how long in-flight requests get to finish after SIGTERM (default: %(default)s s)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -352,12 +291,10 @@ def server_options_from_args(args: argparse.Namespace) -> Any:
 
 
 def add_api_key_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'authorization: Bearer <key>' metadata on every call but health (default: "
-        "$SPLITSERVE_API_KEY, which keeps the key out of the process list; unset: no key)",
-    )
+    """``--api-key``, ``FrontendConfig.api_key``'s flag, for the commands that pass it on (``stack``, ``demo``)."""
+    from frontend_svc.config import FrontendConfig
+
+    add_config_args(parser, FrontendConfig, only=("api_key",))
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
@@ -386,45 +323,6 @@ def message_limits_from_args(args: argparse.Namespace) -> Any:
     from splitserve.base.grpc_runtime import MessageLimits
 
     return MessageLimits.from_mib(args.max_receive_message_mib, args.max_send_message_mib)
-
-
-def add_generation_config_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--generation-config",
-        default="auto",
-        help="where sampling fields a request leaves unset take defaults from (as vLLM's flag): 'auto' (the "
-        "model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
-        "'vllm' (ignore it: vLLM's defaults), or a folder holding a generation_config.json",
-    )
-
-
-def add_max_n_arg(parser: argparse.ArgumentParser) -> None:
-    from frontend_svc.sampling_params import MAX_N
-
-    parser.add_argument(
-        "--max-n",
-        type=_max_n,
-        default=MAX_N,
-        help=f"the most completions (n) one call may ask for, 1..{MAX_N} (default: {MAX_N}, vLLM's limit); a "
-        "larger n is refused with INVALID_ARGUMENT (docs/operations.md)",
-    )
-
-
-def _max_n(value: str) -> int:
-    from frontend_svc.sampling_params import MAX_N
-
-    n = int(value)
-    if not 1 <= n <= MAX_N:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_N}], got {value}")
-    return n
-
-
-def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let Chat calls bring their own chat_template (it runs on the frontend's CPU)",
-    )
 
 
 def cmd_core(args: argparse.Namespace) -> int:
@@ -458,21 +356,14 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     from frontend_svc.core_discovery import CoreTarget
     from frontend_svc.generation_config import check_generation_config
-    from frontend_svc.server import FrontendOptions, serve_frontend
+    from frontend_svc.server import serve_frontend
 
+    frontend = frontend_config_from_args(args, core_tls_from_args(args))
     cores = [address.strip() for address in args.core.split(",") if address.strip()]
     for address in cores:
         CoreTarget.parse(address)  # a bad one fails here, with its name, before anything starts
-    check_generation_config(args.generation_config)  # not only once a core answers
+    check_generation_config(frontend.generation_config)  # not only once a core answers
     options = server_options_from_args(args)
-    frontend = FrontendOptions(
-        args.trust_request_chat_template,
-        args.generation_config,
-        api_key_from_args(args),
-        core_tls_from_args(args),
-        args.max_n,
-        args.served_model_name,
-    )
     return asyncio.run(
         serve_frontend(
             resolve_model_arg(args.model, build_demo=False),  # building it needs torch: the core's job
@@ -487,20 +378,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from frontend_svc.generation_config import check_generation_config
-    from frontend_svc.server import FrontendOptions, serve_frontend
+    from frontend_svc.server import serve_frontend
 
-    check_generation_config(args.generation_config)  # not only once the model has loaded
+    frontend = frontend_config_from_args(args)
+    check_generation_config(frontend.generation_config)  # not only once the model has loaded
     options = server_options_from_args(args)
-    frontend = FrontendOptions(
-        args.trust_request_chat_template,
-        args.generation_config,
-        api_key_from_args(args),
-        max_n=args.max_n,
-        served_model_name=args.served_model_name,
-    )
-    return asyncio.run(
-        serve_frontend(resolve_model_arg(args.model), None, options, frontend, **core_kwargs_from_args(args))
-    )
+    # One --served-model-name: the in-process core's metrics report the model by the same name.
+    core_config = {**core_kwargs_from_args(args), "served_model_name": frontend.served_model_name}
+    return asyncio.run(serve_frontend(resolve_model_arg(args.model), None, options, frontend, **core_config))
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
@@ -567,8 +452,11 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``splitserve`` parser; every option's help shows its default (``show_defaults``)."""
+    """The ``splitserve`` parser; every option's help shows its default (``show_defaults``). The engine's flags are
+    ``CoreConfig``'s fields, the frontend's ``FrontendConfig``'s (``splitserve.base.config_args``)."""
     import splitserve
+    from core_svc.config import CoreConfig
+    from frontend_svc.config import FrontendConfig
 
     parser = argparse.ArgumentParser(prog="splitserve", description="LLM inference server: gRPC frontend + core")
     parser.add_argument("--version", action="version", version=f"%(prog)s {splitserve.__version__}")
@@ -585,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="run prompts offline (the Python API, core in-process)")
     add_model_args(p)
-    add_core_args(p)
+    # --seed is each request's sampling seed here; the engine's RNG keeps its default.
+    add_config_args(p, CoreConfig, exclude=GENERATE_CORE_FIELDS_NOT_FLAGS)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for several")
     # Unset by default: the model's generation config fills them, else vLLM's defaults (in brackets).
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate [16]")
@@ -601,13 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=int, default=None, help="top logprobs per generated token")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_generation_config_arg(p)
+    add_config_args(p, FrontendConfig, only=("generation_config",))
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("core", help="the engine core as a gRPC server")
     add_model_args(p)
-    add_core_args(p)
-    add_served_model_name_arg(p, "the metrics' model_name label")
+    add_config_args(p, CoreConfig)
     add_server_args(p, 50061)
     p.add_argument(
         "--enable-admin-rpcs",
@@ -620,16 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="StartProfile writes only under this directory (default: a new private temporary directory)",
     )
-    p.add_argument(
-        "--seed", dest="engine_seed", type=int, default=0, help="seed of the engine RNG (unseeded random sampling)"
-    )
     p.set_defaults(func=cmd_core)
 
     p = sub.add_parser("frontend", help="the public gRPC API, over one or more engine cores")
     add_model_args(
         p, "the model the cores serve, for its tokenizer (default: $SPLITSERVE_MODEL, else the demo model if built)"
     )
-    add_served_model_name_arg(p, PUBLIC_MODEL_NAME)
     p.add_argument(
         "--core",
         required=True,
@@ -637,7 +521,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(a headless Service), resolved again every 5 s",
     )
     add_server_args(p, 50051)
-    add_api_key_arg(p)
     add_ssl_args(
         p,
         "core-",
@@ -649,20 +532,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the name the cores' certificates must carry (default: the NAME of dns:///NAME:PORT, else the host)",
     )
-    add_chat_template_arg(p)
-    add_generation_config_arg(p)
-    add_max_n_arg(p)
+    add_config_args(p, FrontendConfig)
     p.set_defaults(func=cmd_frontend)
 
     p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
     add_model_args(p)
-    add_core_args(p)
-    add_served_model_name_arg(p, PUBLIC_MODEL_NAME)
+    # --served-model-name is the frontend's, and the in-process core's too (cmd_serve).
+    add_config_args(p, CoreConfig, exclude=("served_model_name",))
     add_server_args(p, 50051)
-    add_api_key_arg(p)
-    add_chat_template_arg(p)
-    add_generation_config_arg(p)
-    add_max_n_arg(p)
+    add_config_args(p, FrontendConfig)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("health", help="a server's grpc.health.v1 status; exit 0 when SERVING (container checks)")
@@ -672,7 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="'': liveness; splitserve.frontend.v1.Generation or splitserve.engine.v1.EngineCore: readiness",
     )
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.add_argument(
+        "--timeout", type=float, default=3.0, help="how long to wait for the answer (default: %(default)s s)"
+    )
     p.add_argument("--tls", action="store_true", help="speak TLS (implied by any --ssl-* flag)")
     add_ssl_args(
         p,

@@ -1,0 +1,70 @@
+"""The frontend's configuration: what only a frontend (or ``serve``) is started with, besides where it listens
+(``splitserve.base.grpc_runtime.ServerOptions``). Its flags are generated from the fields
+(``splitserve.base.config_args``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from frontend_svc.sampling_params import MAX_N
+from splitserve.base.config_args import NOT_A_FLAG, flag
+from splitserve.base.tls import ClientTLS
+
+# Where a frontend (or ``serve``) reports --served-model-name.
+PUBLIC_MODEL_NAME = "GetModelInfo's model, the metrics' model_name label, the gen_ai.response.model of traces"
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Everything ``splitserve frontend`` / ``serve`` is started with but the model, its cores and its address.
+
+    Raises:
+        ValueError: from ``__post_init__``, naming the field, for a value out of range.
+    """
+
+    # Whether a Chat call may bring its own template (as vLLM's flag).
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata=flag("let Chat calls bring their own chat_template (it runs on the frontend's CPU)"),
+    )
+    # Where unset sampling fields take defaults from: "auto", "vllm" or a folder (generation_config.py).
+    generation_config: str = field(
+        default="auto",
+        metadata=flag(
+            "where sampling fields a request leaves unset take defaults from (as vLLM's flag): 'auto' (the "
+            "model's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+            "max_new_tokens), 'vllm' (ignore it: vLLM's defaults), or a folder holding a generation_config.json"
+        ),
+    )
+    # Every call but health needs "authorization: Bearer <api_key>"; None: no key.
+    api_key: str | None = field(
+        default=None,
+        metadata=flag(
+            "require 'authorization: Bearer <key>' metadata on every call but health",
+            default_help="$SPLITSERVE_API_KEY, which keeps the key out of the process list; unset: no key",
+        ),
+    )
+    # TLS (and the client certificate) to the cores; None: plaintext. From the --core-ssl-* flags together.
+    core_tls: ClientTLS | None = field(default=None, metadata=NOT_A_FLAG)
+    # The most completions one call may ask for (docs/operations.md).
+    max_n: int = field(
+        default=MAX_N,
+        metadata=flag(
+            "the most completions (n) one call may ask for, from 1 to the default (vLLM's limit); a larger n is "
+            "refused with INVALID_ARGUMENT (docs/operations.md)",
+            unit="completions",
+        ),
+    )
+    # The model's name to clients (vLLM's --served-model-name): GetModelInfo, metrics labels, spans; None: the model.
+    served_model_name: str | None = field(
+        default=None,
+        metadata=flag(
+            f"the name the model is reported by: {PUBLIC_MODEL_NAME}",
+            default_help="the model as given",
+            metavar="NAME",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")
