@@ -35,6 +35,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 format: setup
 	$(BIN)/ruff check --fix .
@@ -57,4 +58,4 @@ serve: setup
 	$(BIN)/splitserve serve --port $(PORT) $(MODEL_ARG)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .cache/mypy

@@ -101,9 +101,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     requests = workload.make_request_set(args.num_prompts, args.output_len, tokenizer, args.seed)
     name = args.name or f"{args.bench}-{args.preset if not args.model else model.name}"
     if args.bench == "throughput":
-        from benchmarks import throughput as bench
+        from benchmarks import throughput
 
-        report = bench.run(
+        report = throughput.run(
             model,
             requests,
             backends=[b.strip() for b in args.backends.split(",") if b.strip()],
@@ -112,14 +112,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             preemption_kv_fraction=args.preemption_kv_fraction or None,
             observability_repeats=args.observability_repeats,
         )
+        json_path, png_path = throughput.write_report(report, args.out, name)
+        text = throughput.format_report(report)
     else:
-        from benchmarks import serve as bench
+        from benchmarks import serve
 
         rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",") if r.strip()]
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
-        report = bench.run(model, requests, rates, args.core_args.split(), log_dir, args.repeats)
-    json_path, png_path = bench.write_report(report, args.out, name)
-    print(bench.format_report(report))
+        report = serve.run(model, requests, rates, args.core_args.split(), log_dir, args.repeats)
+        json_path, png_path = serve.write_report(report, args.out, name)
+        text = serve.format_report(report)
+    print(text)
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -26,7 +26,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 64, 16
 CASES = [(64, (64, 400)), (64, (512, 1536)), (8, (512, 1536))]
 
 
-def make_batch(num_reqs: int, lengths: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, ...]:
+def make_batch(
+    num_reqs: int, lengths: tuple[int, int], seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One decode token per request over a random cache: (query, key, value, kv_cache) and the metadata."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = torch.randint(lengths[0], lengths[1] + 1, (num_reqs,), generator=gen, dtype=torch.int32)

@@ -54,7 +54,7 @@ LIVENESS_POLL_S = 0.1
 TICK_S = 0.01
 # The core's settings (both deployments): a context long enough that max_tokens outlasts the deadline, and KV
 # blocks for the running children (preemption, should it come, only recomputes).
-CORE_CONFIG = {"max_model_len": 2048, "num_kv_blocks": 8192}
+CORE_CONFIG: dict[str, Any] = {"max_model_len": 2048, "num_kv_blocks": 8192}
 CORE_ARGS = [arg for name, value in CORE_CONFIG.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
 # Times reported as the median over the repeats; liveness as the worst over them.
 MEDIAN_FIELDS = ("add_s", "first_output_s", "abort_s")
@@ -243,7 +243,7 @@ async def _warm_up(address: str) -> None:
 
 async def inproc_one(llm: Any, n: int, settings: Settings) -> NResult:
     """One request of ``n`` through ``llm`` (an ``AsyncLLM`` with its core in this process)."""
-    from frontend_svc import SamplingParams
+    from frontend_svc import RequestOutputKind, SamplingParams
 
     result = NResult("in-process", n)
     deadline_s, max_wait_s = settings.deadline_s, settings.max_wait_s
@@ -265,7 +265,9 @@ async def inproc_one(llm: Any, n: int, settings: Settings) -> NResult:
         load = engine_core.get_load()
         return Load(load.num_running_reqs + load.num_waiting_reqs, load.num_free_kv_blocks, load.num_usable_kv_blocks)
 
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=settings.max_tokens, ignore_eos=True, output_kind="DELTA")
+    params = SamplingParams(
+        n=n, temperature=1.0, max_tokens=settings.max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     start = time.perf_counter()
 
     async def consume() -> None:

@@ -96,7 +96,7 @@ async def _call(address: str, method: str, text: str) -> str:
                 pass
             return "OK"
         except grpc.aio.AioRpcError as e:
-            return f"{e.code().name}: {e.details()[:90]}"
+            return f"{e.code().name}: {(e.details() or '')[:90]}"
 
 
 def run_case(server: stack.ServiceProcess, case: str, calls: list[tuple[str, str]]) -> CaseResult:

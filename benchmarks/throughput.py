@@ -86,6 +86,8 @@ def run_splitserve(
     """Wall seconds, token ids per request, and engine facts, after a two-request warm-up. ``observed``: with
     the core's Prometheus metrics and a span per request (exported in memory), as a traced server runs."""
     from frontend_svc import LLM, SamplingParams
+    from frontend_svc.inproc_client import InprocClient
+    from frontend_svc.input_processor import TokensPrompt
 
     llm = LLM(str(model), dtype=dtype, **core_config)
     provider = None
@@ -94,7 +96,7 @@ def run_splitserve(
         if observed:
             provider = _observe(llm, str(model), hook_s)
         params = SamplingParams(max_tokens=requests.output_len, ignore_eos=True, temperature=0.0)
-        prompts = [{"prompt_token_ids": p} for p in requests.prompts]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in requests.prompts]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), use_tqdm=False)
         engine = llm.llm_engine
         preemptions_before = engine.num_preemptions
@@ -104,7 +106,10 @@ def run_splitserve(
         wall = time.perf_counter() - start
         hooks = hook_s[0]
         info = engine.engine_info
-        core = engine.engine_core.engine_core  # the in-process EngineCore
+        client = engine.engine_core
+        if not isinstance(client, InprocClient):
+            raise TypeError(f"the core must run in this process, not behind {type(client).__name__}")
+        core = client.engine_core  # the in-process EngineCore
         kv_bytes = sum(t.numel() * t.element_size() for t in core.model_runner.kv_caches)
         facts = {
             "num_kv_blocks": info.num_kv_blocks,
@@ -229,20 +234,22 @@ def bfloat16_logprob_drift(model: Path, requests: RequestSet, num_requests: int 
     import numpy as np
 
     from frontend_svc import LLM, SamplingParams
+    from frontend_svc.input_processor import TokensPrompt
+    from frontend_svc.outputs import RequestOutput
 
-    prompts = [{"prompt_token_ids": p} for p in requests.prompts[:num_requests]]
+    def token_logprobs(output: RequestOutput) -> list[float]:
+        """Each prompt token's logprob given its prefix (the first token has none)."""
+        positions = output.prompt_logprobs or []  # asked for: a list as long as the prompt
+        pairs = zip(output.prompt_token_ids[1:], positions[1:], strict=True)
+        return [position[token].logprob for token, position in pairs if position is not None]
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in requests.prompts[:num_requests]]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     per_dtype = []
     for dtype in ("float32", "bfloat16"):
         with LLM(str(model), dtype=dtype) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        per_dtype.append(
-            [
-                position[token].logprob
-                for output in outputs
-                for token, position in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True)
-            ]
-        )
+        per_dtype.append([logprob for output in outputs for logprob in token_logprobs(output)])
     diff = np.abs(np.asarray(per_dtype[0]) - np.asarray(per_dtype[1]))
     return {
         "positions": len(diff),

@@ -27,8 +27,8 @@ def default_tokenizer_dir() -> Path | None:
     """The llama2 tokenizer the request set draws ids from: ``$SPLITSERVE_TOKENIZERS_DIR/llama2``, else the
     project's ``../shared/tokenizers/llama2``; None when neither exists (the builtin tokenizer is used)."""
     candidates = []
-    if envs.tokenizers_dir() is not None:
-        candidates.append(envs.tokenizers_dir() / "llama2")
+    if (tokenizers_dir := envs.tokenizers_dir()) is not None:
+        candidates.append(tokenizers_dir / "llama2")
     candidates.append(Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "llama2")
     return next((c for c in candidates if (c / "tokenizer_config.json").is_file()), None)
 

@@ -164,7 +164,8 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in eviction order; blocks reaching 0 become free. Unhashed ones
         go to the head (reused first), hashed ones to the tail (kept for prefix hits as long as possible)."""
-        unhashed, hashed = [], []
+        unhashed: list[KVCacheBlock] = []
+        hashed: list[KVCacheBlock] = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:

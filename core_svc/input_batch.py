@@ -7,6 +7,7 @@ step into the sampler's tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,7 @@ def build_sampling_metadata(
     params = [s.sampling_params for s in states]
     greedy = [p.is_greedy for p in params]
 
-    def per_row(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def per_row(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     top_k = [p.top_k if p.top_k > 0 and not g else vocab_size for p, g in zip(params, greedy, strict=True)]

@@ -177,7 +177,7 @@ class ModelRunner:
             targets = torch.tensor(
                 state.prompt_token_ids[first_position + 1 : first_position + 1 + count], device=self.device
             )
-            k = state.sampling_params.prompt_logprobs
+            k = state.sampling_params.prompt_logprobs or 0  # set: rows are made for wants_prompt_logprobs only
             k = self.vocab_size if k == -1 else k
             state.prompt_logprobs_parts.append(gather_logprobs(logprobs, targets, k, [k] * count))
         for state in inputs.sample_states:

@@ -74,7 +74,8 @@ class Scheduler:
             raise ValueError(f"{status!r} is not a finished status")
         ids = [request_ids] if isinstance(request_ids, str) else list(dict.fromkeys(request_ids))
         finished = [self.requests[i] for i in ids if i in self.requests]
-        running, waiting = set(), set()
+        running: set[Request] = set()
+        waiting: set[Request] = set()
         for request in finished:
             (running if request.status == RequestStatus.RUNNING else waiting).add(request)
         if running:

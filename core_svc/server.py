@@ -16,7 +16,9 @@ import asyncio
 import gc
 import logging
 import time
+from typing import Any
 
+import grpc
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
@@ -72,7 +74,7 @@ async def _serve(
     config: CoreConfig,
     state: CoreServerState,
     options: grpc_runtime.ServerOptions,
-    interceptors: list[object],
+    interceptors: list[grpc.aio.ServerInterceptor],
     registry: CollectorRegistry | None,
     tracer_provider: TracerProvider | None,
 ) -> int:
@@ -99,7 +101,8 @@ async def _serve(
     stop = asyncio.Event()
     grpc_runtime.on_termination(stop.set)
     load = grpc_runtime.run_in_daemon_thread(lambda: EngineCore(config))
-    done, _ = await asyncio.wait({load, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    waits: set[asyncio.Future[Any]] = {load, asyncio.ensure_future(stop.wait())}
+    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     if load not in done:
         await grpc_runtime.stop_server(server, health, 0)
         return 0

@@ -203,7 +203,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine core is not ready (loading or stopped)")
         if self.state.draining and not allow_draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine core is shutting down")
-        return engine_loop  # type: ignore[return-value]
+        return engine_loop
 
     @staticmethod
     async def _call(context: grpc.aio.ServicerContext, engine_loop: EngineLoop, fn: Callable[[EngineCore], T]) -> T:

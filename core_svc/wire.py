@@ -110,13 +110,16 @@ def outputs_to_pb(outputs: EngineCoreOutputs) -> pb.EngineCoreOutputs:
 
 
 def _output_to_pb(output: EngineCoreOutput) -> pb.EngineCoreOutput:
+    # protoc's .pyi types an enum field as the enum's class or name, not as the int it is on the wire.
+    finish_reason = int(output.finish_reason) if output.finish_reason is not None else 0
+    events = [pb.EngineCoreEvent(type=int(e.type), timestamp=e.timestamp) for e in output.events]  # type: ignore[arg-type]  # an int, as above
     msg = pb.EngineCoreOutput(
         request_id=output.request_id,
         new_token_ids=output.new_token_ids,
         new_logprobs=_logprobs_to_pb(output.new_logprobs),
         new_prompt_logprobs=_logprobs_to_pb(output.new_prompt_logprobs),
-        finish_reason=int(output.finish_reason) if output.finish_reason is not None else 0,
-        events=[pb.EngineCoreEvent(type=int(e.type), timestamp=e.timestamp) for e in output.events],
+        finish_reason=finish_reason,  # type: ignore[arg-type]  # an int, as above
+        events=events,
         num_cached_tokens=output.num_cached_tokens,
     )
     if isinstance(output.stop_reason, int):

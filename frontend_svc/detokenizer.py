@@ -33,7 +33,7 @@ everything goes out.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from frontend_svc.sampling_params import SamplingParams
@@ -91,7 +91,7 @@ class IncrementalDetokenizer:
         """Text for output token ``index``'s logprob; None without detokenization."""
         return None
 
-    def candidate_texts(self, index: int, token_ids: list[int]) -> list[str | None]:
+    def candidate_texts(self, index: int, token_ids: list[int]) -> Sequence[str | None]:
         """Texts for logprob candidates in place of output token ``index``; None without detokenization."""
         return [None] * len(token_ids)
 

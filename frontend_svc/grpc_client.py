@@ -67,7 +67,7 @@ class CoreConnection:
         deliver: Callable[[EngineCoreOutputs], None],
         on_change: Callable[[], None],
         reroute: Callable[[CoreConnection, EngineCoreRequest, EngineCoreOutput], None],
-        interceptors: list[object] | None = None,
+        interceptors: list[grpc.aio.ClientInterceptor] | None = None,
         tls: ChannelTLS | None = None,
     ) -> None:
         self.address = address
@@ -122,13 +122,13 @@ class CoreConnection:
             return grpc.aio.insecure_channel(
                 self.address,
                 options=self._options,
-                interceptors=self._interceptors,  # type: ignore[arg-type]
+                interceptors=self._interceptors,
             )
         return grpc.aio.secure_channel(
             self.address,
             self._tls.credentials,
             options=[*self._options, *self._tls.options],
-            interceptors=self._interceptors,  # type: ignore[arg-type]
+            interceptors=self._interceptors,
         )
 
     def send_add(self, requests: list[EngineCoreRequest], messages: list[pb.EngineCoreClientMessage]) -> None:

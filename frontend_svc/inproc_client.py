@@ -34,7 +34,8 @@ class InprocClient(EngineCoreClient):
 
         self._refused_error = RefusedError
         self._core_edge: InprocCore | None = InprocCore(model, **core_config)
-        self.engine_core = self._core_edge.engine_core  # the EngineCore itself, for introspection and tests
+        # The EngineCore itself, for introspection and tests (Any: core_svc is imported here only, lazily).
+        self.engine_core: Any = self._core_edge.engine_core
 
     def _edge(self) -> Any:
         if self._core_edge is None:

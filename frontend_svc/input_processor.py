@@ -118,10 +118,12 @@ class InputProcessor:
             self.check_text_length(prompt, "prompt", "the prompt")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_int_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
+            # The caller's dict, checked here. To mypy a TokensPrompt is a TextPrompt (it has every key of one).
+            fields: Mapping[str, Any] = prompt
+            if "prompt_token_ids" in fields:
+                return fields.get("prompt"), self._check_int_ids(fields["prompt_token_ids"])
+            if "prompt" in fields:
+                return self.tokenize(fields["prompt"])
             raise ValidationError("prompt", "a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
         if isinstance(prompt, list | tuple):
             return None, self._check_int_ids(prompt)

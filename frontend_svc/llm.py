@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, PromptType
@@ -101,11 +101,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, rendered with the tokenizer's chat template; sampling
         parameters, progress bar and priority as ``generate``."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = _as_conversation_list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
-            processor.render_chat(conversation, add_generation_prompt, chat_template)  # type: ignore[arg-type]
-            for conversation in conversations
+            processor.render_chat(conversation, add_generation_prompt, chat_template) for conversation in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm, priority)
 
@@ -190,8 +189,14 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
         return [prompts]
     prompt_list = list(prompts)
     if prompt_list and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt_list):
-        return [prompt_list]  # one prompt given as token ids
-    return prompt_list
+        return [cast(list[int], prompt_list)]  # one prompt given as token ids (the check above: all ints)
+    return cast(list[PromptType], prompt_list)  # not all ints: a list of prompts
+
+
+def _as_conversation_list(messages: list[ChatMessage] | Sequence[list[ChatMessage]]) -> list[list[ChatMessage]]:
+    if messages and isinstance(messages[0], dict):
+        return [cast(list[ChatMessage], messages)]  # one conversation: its items are messages
+    return list(cast(Sequence[list[ChatMessage]], messages))
 
 
 def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:

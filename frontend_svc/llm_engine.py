@@ -11,6 +11,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings, make_client
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
 from frontend_svc.errors import FrontendError, ValidationError
@@ -44,7 +45,8 @@ class EngineFrontend:
         generation_config: str = AUTO,
     ) -> None:
         configure_library_logging()  # before the core loads: its size and the KV cache's are logged at INFO
-        client = core_config.pop("engine_core_client", None)  # an already connected client (the servers use it)
+        # An already connected client (the servers use it).
+        client: EngineCoreClient | None = core_config.pop("engine_core_client", None)
         check_core_settings(core_address, core_config)  # before the tokenizer loads
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
         loaded = tokenizer is not None and not isinstance(tokenizer, str)

@@ -154,12 +154,12 @@ async def _serve(
             client: EngineCoreClient = GrpcCoreClient(
                 core_addresses, wait_ready_s=None, tracer_provider=provider, tls=frontend.core_tls
             )
-            client.add_availability_listener(set_serving)  # type: ignore[attr-defined]
+            client.add_availability_listener(set_serving)  # type: ignore[attr-defined]  # a GrpcCoreClient's
         else:
             client = make_client(str(resolve_model_path(model)), None, True, **core_config)
-            client.add_death_listener(on_core_death)  # type: ignore[attr-defined]
+            client.add_death_listener(on_core_death)  # type: ignore[attr-defined]  # an AsyncInprocClient's
             observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
-            client.observe_core(model_name, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]
+            client.observe_core(model_name, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]  # an AsyncInprocClient's
         stat_loggers: list[StatLogger] = []
         if registry is not None:
             stat_loggers.append(PrometheusStatLogger(registry, model_name, client.get_engine_info().max_model_len))
@@ -172,7 +172,8 @@ async def _serve(
         )
 
     starting = grpc_runtime.run_in_daemon_thread(build)
-    done, _ = await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    waits: set[asyncio.Future[Any]] = {starting, asyncio.ensure_future(stop.wait())}
+    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     if starting not in done:
         await grpc_runtime.stop_server(server, health, 0)
         return 0

@@ -213,11 +213,11 @@ class GenerationServicer(api_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is not ready: no engine core yet")
         if self.state.draining and not allow_draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
-        client = engine.engine_core  # type: ignore[union-attr]
+        client = engine.engine_core
         if not getattr(client, "is_available", lambda: True)():
             error = EngineDeadError("no engine core is reachable")
             await abort(context, error)
-        return engine  # type: ignore[return-value]
+        return engine
 
 
 def _text_size(messages: list[dict[str, Any]]) -> int:

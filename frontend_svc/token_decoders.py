@@ -138,10 +138,11 @@ class StreamDecoder(TokenDecoder):
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> None:
         super().__init__(skip_special_tokens)
+        from tokenizers import Tokenizer
         from tokenizers.decoders import DecodeStream
 
         self._decode_stream_class = DecodeStream
-        self.backend = tokenizer.backend_tokenizer
+        self.backend: Tokenizer = tokenizer.backend_tokenizer
         self.stream: Any = None
         self._added_tokens: dict[int, str] = {}  # added token id -> content, when spaces between them are off
         if not skip_special_tokens and not spaces_between_special_tokens:

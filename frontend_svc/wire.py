@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from frontend_svc.engine_types import (
@@ -181,7 +181,7 @@ def _finish_reason(value: int) -> FinishReason | None:
         return FinishReason.ERROR
 
 
-def _logprobs_from_pb(positions: object) -> list[PositionLogprobs]:
+def _logprobs_from_pb(positions: Iterable[pb.PositionLogprobs]) -> list[PositionLogprobs]:
     return [PositionLogprobs(list(p.token_ids), list(p.logprobs), p.rank) for p in positions]
 
 

@@ -29,7 +29,7 @@ def make_request(
     if prompt_token_ids is None:
         base = 100_000 * next(_prompt_base)
         prompt_token_ids = [base + i for i in range(num_tokens)]
-    sampling = SamplingParams(**{"eos_token_id": EOS_TOKEN_ID, **params})  # type: ignore[arg-type]
+    sampling = SamplingParams(**{"eos_token_id": EOS_TOKEN_ID, **params})  # type: ignore[arg-type]  # fields as keywords
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
@@ -56,7 +56,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold,
-        policy=policy,  # type: ignore[arg-type]
+        policy=policy,  # type: ignore[arg-type]  # a str, as the command line gives it
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, max_model_len, enable_caching))
 

@@ -42,7 +42,7 @@ def faulty_forward(mode: str, forward: Callable[..., Any]) -> Callable[..., Any]
 def inject(mode: str) -> None:
     from core_svc.models.llama import LlamaForCausalLM
 
-    LlamaForCausalLM.forward = faulty_forward(mode, LlamaForCausalLM.forward)  # type: ignore[method-assign]
+    LlamaForCausalLM.forward = faulty_forward(mode, LlamaForCausalLM.forward)  # type: ignore[method-assign]  # the fault
 
 
 if __name__ == "__main__":

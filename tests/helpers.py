@@ -57,7 +57,7 @@ class EngineResult:
 
 
 def make_engine(path: Path, **overrides: object) -> EngineCore:
-    return EngineCore(CoreConfig(model=str(path), **overrides))  # type: ignore[arg-type]
+    return EngineCore(CoreConfig(model=str(path), **overrides))  # type: ignore[arg-type]  # fields as keywords
 
 
 def run_engine(
@@ -79,9 +79,8 @@ def run_engine(
     while pending or engine.has_unfinished_requests():
         while pending and arrival_steps[pending[0]] <= step:
             i = pending.pop(0)
-            sampling = SamplingParams(
-                **{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": TOP_K, **params}
-            )  # type: ignore[arg-type]
+            fields = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": TOP_K, **params}
+            sampling = SamplingParams(**fields)  # type: ignore[arg-type]  # fields as keywords
             engine.add_request(Request(f"{prefix}{i}", list(prompts[i]), sampling))
         outputs = engine.step()
         step += 1

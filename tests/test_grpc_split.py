@@ -696,7 +696,7 @@ def test_reset_prefix_cache_turns_a_core_refusal_into_the_frontends_error():
 
     client = SimpleNamespace(connections=[SimpleNamespace(available=True, stub=StoppingCore())])
     with pytest.raises(EngineDeadError, match="^the engine core is shutting down$"):
-        asyncio.run(GrpcCoreClient._reset_prefix_cache(client))  # type: ignore[arg-type]
+        asyncio.run(GrpcCoreClient._reset_prefix_cache(client))  # type: ignore[arg-type]  # a stand-in for self
 
 
 def core_load(core_address: str) -> core_pb.EngineLoad:

@@ -500,7 +500,7 @@ def test_async_llm_dead_core_and_failed_output_handler_errors_name_no_python_cla
             async def failing() -> None:
                 raise RuntimeError("boom")
 
-            broken.engine_core.get_output_async = failing  # type: ignore[method-assign]
+            broken.engine_core.get_output_async = failing  # type: ignore[method-assign]  # the fault under test
             with pytest.raises(EngineDeadError) as failed:
                 async for _ in broken.generate([5, 6, 7], params, "q"):
                     pass

@@ -249,7 +249,7 @@ def core_request(**changes: object) -> EngineCoreRequest:
         "trace_headers": {},
     }
     fields.update(changes)
-    return EngineCoreRequest(**fields)  # type: ignore[arg-type]
+    return EngineCoreRequest(**fields)  # type: ignore[arg-type]  # fields as keywords
 
 
 @pytest.mark.parametrize(
@@ -283,10 +283,10 @@ def test_request_to_pb_names_a_sampling_field_it_cannot_convert(name, value):
     [
         (RequestOptions(priority=2**31), "priority"),
         (RequestOptions(arrival_time=float("nan")), "arrival_time"),
-        (RequestOptions(arrival_time="0"), "arrival_time"),  # type: ignore[arg-type]
-        (RequestOptions(cache_salt=b"salt"), "cache_salt"),  # type: ignore[arg-type]
+        (RequestOptions(arrival_time="0"), "arrival_time"),  # type: ignore[arg-type]  # wrong on purpose
+        (RequestOptions(cache_salt=b"salt"), "cache_salt"),  # type: ignore[arg-type]  # wrong on purpose
         (RequestOptions(cache_salt="\udfff"), "cache_salt"),
-        (RequestOptions(trace_headers=[("a", "b")]), "trace_headers"),  # type: ignore[arg-type]
+        (RequestOptions(trace_headers=[("a", "b")]), "trace_headers"),  # type: ignore[arg-type]  # wrong on purpose
         (RequestOptions(trace_headers={"a": "\ud800"}), "trace_headers['a']"),
     ],
 )

@@ -31,7 +31,7 @@ class Linear(nn.Linear):
     def prepack(self) -> None:
         """Reorder the weight for oneDNN and drop the dense copy (the packed one replaces it, not doubling it)."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        self.weight = None
+        self.register_parameter("weight", None)  # what ``self.weight = None`` does to a parameter, typed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
@@ -76,6 +76,9 @@ class RotaryEmbedding(nn.Module):
     ``inv_freq`` and ``attention_scaling`` come from transformers' RoPE initializers, so every rope_type they
     define with a position-independent frequency table (default, linear, llama3, yarn) matches exactly.
     """
+
+    cos: torch.Tensor  # [max_position, head_size], a buffer
+    sin: torch.Tensor  # [max_position, head_size], a buffer
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()

@@ -106,9 +106,9 @@ class GrpcErrorsInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
@@ -133,7 +133,9 @@ def _guarded_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
         return grpc.unary_stream_rpc_method_handler(_guarded(handler.unary_stream, method, False), parse, serialize)
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(_guarded(handler.stream_unary, method, True), parse, serialize)
-    return grpc.stream_stream_rpc_method_handler(_guarded(handler.stream_stream, method, True), parse, serialize)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(_guarded(handler.stream_stream, method, True), parse, serialize)
+    return handler  # no behavior to guard (grpc sets exactly one)
 
 
 def _tolerant_parser(parse: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:

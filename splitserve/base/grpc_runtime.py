@@ -117,13 +117,15 @@ def describe_transport(options: ServerOptions) -> str:
     return options.tls.describe() if options.tls is not None else "plaintext"
 
 
-def make_server(limits: MessageLimits | None = None, interceptors: Sequence[object] = ()) -> grpc.aio.Server:
+def make_server(
+    limits: MessageLimits | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+) -> grpc.aio.Server:
     """An asyncio server with ``limits`` (default: ``MessageLimits()``) and our keepalive; ``interceptors``
     (grpc.aio.ServerInterceptor: tracing, metrics) run on every call, in order, and then
     ``grpc_errors.GrpcErrorsInterceptor``: a request that does not parse is INVALID_ARGUMENT on every method."""
     return grpc.aio.server(
         options=(limits or MessageLimits()).options() + SERVER_KEEPALIVE_OPTIONS,
-        interceptors=[*interceptors, GrpcErrorsInterceptor()],  # type: ignore[list-item]
+        interceptors=[*interceptors, GrpcErrorsInterceptor()],
     )
 
 

@@ -40,11 +40,12 @@ async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoRe
         await context.abort(grpc_status_code(error), str(error))
 
 
-def field_violation(call: grpc.Call) -> Violation | None:
+def field_violation(call: grpc.Call | grpc.aio.AioRpcError) -> Violation | None:
     """The first ``BadRequest`` field violation in a failed call's status details; None when it has none (or
     details that do not match its status)."""
     try:
-        status = rpc_status.from_call(call)
+        # from_call reads only code(), details() and trailing_metadata(), which an AioRpcError has as a Call does.
+        status = rpc_status.from_call(call)  # type: ignore[arg-type]  # its stub names grpc.Call alone
     except ValueError:
         return None
     for detail in status.details if status is not None else ():

@@ -114,9 +114,9 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
         call = _CallRecord(self.handled, service, method)
         # grpc.aio runs each call (finding its handler, the interceptors after this one included, receiving its
@@ -142,9 +142,11 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(
                 _watched(handler.stream_unary, call), handler.request_deserializer, handler.response_serializer
             )
-        return grpc.stream_stream_rpc_method_handler(
-            _watched(handler.stream_stream, call), handler.request_deserializer, handler.response_serializer
-        )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _watched(handler.stream_stream, call), handler.request_deserializer, handler.response_serializer
+            )
+        return handler  # no behavior to watch (grpc sets exactly one)
 
 
 class _CallRecord:

@@ -12,7 +12,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
@@ -57,6 +57,7 @@ def remaining_s(deadline: float) -> float:
 
 class _ResponseHandler(ServerHandler):
     server_software = SERVER_NAME  # the Server header of every response; wsgiref's names its and Python's version
+    request_handler: WSGIRequestHandler  # wsgiref's back-pointer, for logging (set by its own handle as here)
 
 
 class _RequestHandler(WSGIRequestHandler):
@@ -64,10 +65,11 @@ class _RequestHandler(WSGIRequestHandler):
     the connection's start to the end of its response, and no request log."""
 
     server_version = SERVER_NAME
+    timeout: ClassVar[float] = DEFAULT_TIMEOUT_S  # set per server
 
     def setup(self) -> None:
         super().setup()
-        self.deadline = time.monotonic() + self.timeout  # type: ignore[operator]
+        self.deadline = time.monotonic() + self.timeout
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self.deadline))
 
     def version_string(self) -> str:  # the Server header of the errors BaseHTTPRequestHandler sends itself
@@ -83,9 +85,15 @@ class _RequestHandler(WSGIRequestHandler):
             if not self.parse_request():  # it has sent the error
                 return
             self.connection.settimeout(remaining_s(self.deadline))  # what is left bounds each write of the response
-            handler = _ResponseHandler(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)
-            handler.request_handler = self  # type: ignore[attr-defined]  # wsgiref's back-pointer, for logging
-            handler.run(self.server.get_app())  # type: ignore[attr-defined]
+            handler = _ResponseHandler(
+                self.rfile,
+                self.wfile,  # type: ignore[arg-type]  # typeshed's BufferedIOBase; wsgiref's own handle passes it too
+                self.get_stderr(),
+                self.get_environ(),
+                multithread=False,
+            )
+            handler.request_handler = self
+            handler.run(self.server.get_app())  # type: ignore[attr-defined]  # a _Server's (typeshed: any BaseServer)
         except OSError:  # its time is up (TimeoutError), or the client reset the connection: drop it
             self.close_connection = True
 

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Mapping
 
+import grpc
 from opentelemetry import propagate
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -150,7 +151,7 @@ def inject_headers(context: Context | None = None) -> dict[str, str]:
     return carrier
 
 
-def grpc_server_interceptors(provider: TracerProvider | None) -> list[object]:
+def grpc_server_interceptors(provider: TracerProvider | None) -> list[grpc.aio.ServerInterceptor]:
     """The OpenTelemetry gRPC server interceptor (a SERVER span per call but health checks and reflection,
     continuing the caller's context from its metadata), or nothing when tracing is off."""
     if provider is None:
@@ -160,7 +161,7 @@ def grpc_server_interceptors(provider: TracerProvider | None) -> list[object]:
     return [aio_server_interceptor(tracer_provider=provider, filter_=_traced_call())]
 
 
-def grpc_client_interceptors(provider: TracerProvider | None) -> list[object]:
+def grpc_client_interceptors(provider: TracerProvider | None) -> list[grpc.aio.ClientInterceptor]:
     """The OpenTelemetry gRPC client interceptors (a CLIENT span per call, its context in the call's
     metadata), or nothing when tracing is off."""
     if provider is None:

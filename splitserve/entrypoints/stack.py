@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,12 +51,11 @@ class StackTLS:
         Raises:
             ValueError: some of the three are given, not all.
         """
-        given = [value is not None for value in (keyfile, certfile, ca_certs)]
-        if not any(given):
+        if keyfile is None and certfile is None and ca_certs is None:
             return None
-        if not all(given):
+        if keyfile is None or certfile is None or ca_certs is None:
             raise ValueError("a TLS stack needs --ssl-keyfile, --ssl-certfile and --ssl-ca-certs")
-        return cls(certfile, keyfile, ca_certs)  # type: ignore[arg-type]
+        return cls(certfile, keyfile, ca_certs)
 
     def core_args(self) -> list[str]:
         return ["--ssl-keyfile", self.keyfile, "--ssl-certfile", self.certfile, "--ssl-ca-certs", self.ca_certs]
@@ -151,13 +151,13 @@ def start_service(
     launcher = launcher or [sys.executable, "-m", "splitserve.entrypoints.cli"]
     argv = [*launcher, *args, "--host", host, "--port", str(port)]
     log_path = None
-    stdout: int | object = subprocess.DEVNULL
+    stdout: int | IO[bytes] = subprocess.DEVNULL
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"
         stdout = log_path.open("wb")
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    process = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT, env=child_env)  # type: ignore[arg-type]
+    process = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT, env=child_env)
     return ServiceProcess(name, f"{host}:{port}", process, log_path, argv, service, tls)
 
 
