@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from core_svc.config import AttentionBackendName
 from kernels import AttentionMetadata, get_attention_backend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 64, 16
@@ -72,7 +73,9 @@ def time_backend(name: str, batch: tuple, repeats: int) -> float:
     return statistics.median(times)
 
 
-def engine_output_tokens_per_s(model: Path, backend: str, num_requests: int = 64, output_len: int = 64) -> float:
+def engine_output_tokens_per_s(
+    model: Path, backend: AttentionBackendName, num_requests: int = 64, output_len: int = 64
+) -> float:
     """Output tokens/s of an in-process engine core with ``backend`` on seeded random prompts of 64-400 tokens."""
     from core_svc.config import CoreConfig
     from core_svc.engine_core import EngineCore
@@ -104,7 +107,8 @@ def main() -> None:
         context = f"{lengths[0]}-{lengths[1]}"
         print(f"{num_reqs:>8} {context:>10} {kernel * 1e3:>10.2f} {reference * 1e3:>13.2f} {reference / kernel:>6.1f}")
     if args.model is not None:
-        kernel, reference = (engine_output_tokens_per_s(args.model, name) for name in ("cpu", "torch_ref"))
+        kernel = engine_output_tokens_per_s(args.model, "cpu")
+        reference = engine_output_tokens_per_s(args.model, "torch_ref")
         ratio = kernel / reference
         print(f"engine on {args.model}: output tok/s {kernel:.0f} (cpu), {reference:.0f} (torch_ref), {ratio:.1f}x")
 
