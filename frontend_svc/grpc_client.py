@@ -30,6 +30,7 @@ from frontend_svc.errors import EngineDeadError, ValidationError, error_from_cor
 from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
 from splitserve.base import grpc_runtime, tracing
 from splitserve.base.grpc_status import field_violation
+from splitserve.base.thread_handoff import ThreadToLoopQueue
 from splitserve.base.tls import ClientTLS
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
@@ -295,8 +296,8 @@ class GrpcCoreClient(EngineCoreClient):
         self._availability_listeners: list[Callable[[bool], None]] = []
         self._owner: dict[str, CoreConnection] = {}
         self._background: set[asyncio.Task[None]] = set()
-        self._caller_loop: asyncio.AbstractEventLoop | None = None
-        self._caller_queue: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        # Outputs for the event loop of the async caller (AsyncLLM); a sync caller (LLMEngine) never binds it.
+        self._outputs: ThreadToLoopQueue[EngineCoreOutputs] = ThreadToLoopQueue()
         self._pending_sync: list[EngineCoreOutputs] = []
         self._sync_event = threading.Event()
         self._lock = threading.Lock()
@@ -375,7 +376,7 @@ class GrpcCoreClient(EngineCoreClient):
         await self.add_requests_async([request])
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
-        self._bind_caller_loop()
+        self._outputs.bind()
         await asyncio.wrap_future(self._on_transport(self._add(requests)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -402,10 +403,7 @@ class GrpcCoreClient(EngineCoreClient):
             self._sync_event.wait(0.5)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        output = await self._bind_caller_loop().get()
-        if isinstance(output, BaseException):
-            raise output
-        return output
+        return await self._outputs.get()
 
     def reset_prefix_cache(self) -> bool:
         return self._on_transport(self._reset_prefix_cache()).result()
@@ -576,20 +574,13 @@ class GrpcCoreClient(EngineCoreClient):
             listener(available)
 
     def _post(self, item: EngineCoreOutputs | BaseException) -> None:
-        loop, queue = self._caller_loop, self._caller_queue
-        if loop is not None and queue is not None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+        """To the async caller's event loop; else (a sync caller) outputs to ``get_output``."""
+        if self._outputs.is_bound:
+            self._outputs.put_threadsafe(item)
         elif isinstance(item, EngineCoreOutputs):
             with self._lock:
                 self._pending_sync.append(item)
             self._sync_event.set()
-
-    def _bind_caller_loop(self) -> asyncio.Queue[EngineCoreOutputs | BaseException]:
-        loop = asyncio.get_running_loop()
-        if self._caller_queue is None or self._caller_loop is not loop:
-            self._caller_loop, self._caller_queue = loop, asyncio.Queue()
-        return self._caller_queue
 
 
 def _describe(error: Exception) -> str:
