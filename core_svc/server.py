@@ -25,7 +25,7 @@ from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.observability import observe_engine
-from core_svc.service import SERVICE_NAME, CoreServerState, EngineCoreServicer
+from core_svc.service import ENGINE_CORE_GRPC_SERVICE, CoreServerState, EngineCoreServicer
 from core_svc.startup import process_age_s
 from splitserve.base import grpc_runtime, metrics, tracing
 from splitserve.base.metrics_server import MetricsServer
@@ -50,7 +50,7 @@ async def serve_core(config: CoreConfig, options: grpc_runtime.ServerOptions, ad
         max_send_message_bytes=message_limits.send_bytes,
         admin=admin or AdminPolicy(),
     )
-    tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
+    tracer_provider = tracing.init_tracer_provider(tracing.CORE_TRACING_SERVICE_NAME)
     registry = metrics.make_registry() if options.metrics_port is not None else None
     interceptors = tracing.grpc_server_interceptors(tracer_provider)
     if registry is not None:
@@ -79,7 +79,7 @@ async def _serve(
     host, shutdown_timeout_s = options.host, options.shutdown_timeout_s
     server = grpc_runtime.make_server(options.message_limits, interceptors)
     pb_grpc.add_EngineCoreServicer_to_server(EngineCoreServicer(state), server)
-    health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
+    health = await grpc_runtime.add_health_and_reflection(server, [ENGINE_CORE_GRPC_SERVICE])
     bound = grpc_runtime.add_port(server, options)
     await server.start()
     logger.info(
@@ -126,7 +126,7 @@ async def _serve(
     engine_loop.on_death(on_death)
     engine_loop.start()
     state.engine_loop = engine_loop
-    await grpc_runtime.set_serving(health, [SERVICE_NAME], True)
+    await grpc_runtime.set_serving(health, [ENGINE_CORE_GRPC_SERVICE], True)
     age_s = process_age_s()
     logger.info(
         "splitserve core ready on %s:%d%s", host, bound, f", {age_s:.1f} s after its process started" if age_s else ""
@@ -134,7 +134,7 @@ async def _serve(
 
     await stop.wait()
     state.draining = True
-    await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
+    await grpc_runtime.set_serving(health, [ENGINE_CORE_GRPC_SERVICE], False)
     if failed:  # nothing to drain: the loop already ended every request (INTERNAL or UNAVAILABLE)
         logger.error(
             "the engine core is down (%s): NOT_SERVING; its requests have ended, exiting without a drain",

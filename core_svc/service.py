@@ -24,7 +24,7 @@ from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+ENGINE_CORE_GRPC_SERVICE = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
 T = TypeVar("T")
 
 

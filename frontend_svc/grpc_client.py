@@ -40,7 +40,7 @@ T = TypeVar("T")
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
 WAIT_LOG_INTERVAL_S = 10.0  # while the constructor waits for a first core, say so this often
-CORE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+ENGINE_CORE_GRPC_SERVICE = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
 # Requests converted to protobuf between yields to the event loop (about 1 ms of work).
 CONVERT_CHUNK_SIZE = 128
 
@@ -179,7 +179,7 @@ class CoreConnection:
     async def _watch_health(self, channel: grpc.aio.Channel) -> None:
         """Follow the core's grpc.health.v1 status: NOT_SERVING (draining) takes it out of routing."""
         try:
-            request = health_pb2.HealthCheckRequest(service=CORE_SERVICE_NAME)  # readiness: loaded, not draining
+            request = health_pb2.HealthCheckRequest(service=ENGINE_CORE_GRPC_SERVICE)  # readiness: loaded, not draining
             async for response in health_pb2_grpc.HealthStub(channel).Watch(request):
                 serving = response.status == health_pb2.HealthCheckResponse.SERVING
                 if serving != self.serving:

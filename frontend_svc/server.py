@@ -26,7 +26,7 @@ from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.config import FrontendConfig
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings, make_client
-from frontend_svc.service import SERVICE_NAME, FrontendServerState, GenerationServicer
+from frontend_svc.service import GENERATION_GRPC_SERVICE, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve.base import grpc_runtime, metrics, tracing
@@ -59,7 +59,7 @@ async def serve_frontend(
     """
     check_core_settings(core_addresses, core_config)
     frontend = frontend or FrontendConfig()
-    tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_SERVICE_NAME)
+    tracer_provider = tracing.init_tracer_provider(tracing.FRONTEND_TRACING_SERVICE_NAME)
     registry = metrics.make_registry() if options.metrics_port is not None else None
     metrics_server = None
     if registry is not None and options.metrics_port is not None:
@@ -111,7 +111,7 @@ async def _serve(
         frontend.core_tls.credentials()  # a file that cannot be read fails here, before anything listens
     server = grpc_runtime.make_server(options.message_limits, interceptors)
     api_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
-    health = await grpc_runtime.add_health_and_reflection(server, [SERVICE_NAME])
+    health = await grpc_runtime.add_health_and_reflection(server, [GENERATION_GRPC_SERVICE])
     bound = grpc_runtime.add_port(server, options)
     await server.start()
     where = ", ".join(core_addresses) if core_addresses else "in-process"
@@ -142,7 +142,7 @@ async def _serve(
             if available:
                 state.engine.refresh_engine_info()  # the core may have come back with other settings
             loop.call_soon_threadsafe(
-                lambda: loop.create_task(grpc_runtime.set_serving(health, [SERVICE_NAME], available))
+                lambda: loop.create_task(grpc_runtime.set_serving(health, [GENERATION_GRPC_SERVICE], available))
             )
 
     def build() -> AsyncLLM:
@@ -158,7 +158,7 @@ async def _serve(
         else:
             client = make_client(str(resolve_model_path(model)), None, True, **core_config)
             client.add_death_listener(on_core_death)  # type: ignore[attr-defined]
-            observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_SERVICE_NAME)
+            observability.core_tracer_provider = tracing.init_tracer_provider(tracing.CORE_TRACING_SERVICE_NAME)
             client.observe_core(model_name, registry, observability.core_tracer_provider)  # type: ignore[attr-defined]
         stat_loggers: list[StatLogger] = []
         if registry is not None:
@@ -188,12 +188,12 @@ async def _serve(
     gc.collect()
     gc.freeze()
     available = getattr(state.engine.engine_core, "is_available", lambda: True)()
-    await grpc_runtime.set_serving(health, [SERVICE_NAME], available)
+    await grpc_runtime.set_serving(health, [GENERATION_GRPC_SERVICE], available)
     logger.info("splitserve frontend ready on %s:%d", host, bound)
 
     await stop.wait()
     state.draining = True
-    await grpc_runtime.set_serving(health, [SERVICE_NAME], False)
+    await grpc_runtime.set_serving(health, [GENERATION_GRPC_SERVICE], False)
     if core_death:  # every request has its error on the way: the calls end as soon as they get it
         logger.error(
             "the in-process engine core is down (%s): NOT_SERVING; exiting once its %d call(s) have their errors",
