@@ -5,7 +5,7 @@ NOT_SERVING until the model is loaded and from SIGTERM on. On SIGTERM the core s
 lets in-flight requests finish for up to ``shutdown_timeout_s``, aborts what is left, and exits 0.
 
 A step whose model runner raises fails only its own requests (INTERNAL); the core keeps serving. If the engine
-dies (declared dead after ``max_consecutive_failed_steps`` failed steps in a row, or any fault outside the
+core dies (declared dead after ``max_consecutive_failed_steps`` failed steps in a row, or any fault outside the
 model runner), its requests end with UNAVAILABLE, readiness goes NOT_SERVING, and the process exits 1 without a
 drain, for its supervisor to restart it.
 """
@@ -20,7 +20,7 @@ from core_svc.admin import AdminPolicy
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
-from core_svc.observability import observe_engine
+from core_svc.observability import observe_engine_core
 from core_svc.service import ENGINE_CORE_GRPC_SERVICE, CoreServerState, EngineCoreServicer
 from core_svc.startup import process_age_s
 from splitserve.base import grpc_runtime, server_lifecycle, tracing
@@ -86,7 +86,7 @@ class _CoreServer(server_lifecycle.ServerHooks[EngineCore]):
 
     def loaded(self, engine_core: EngineCore) -> None:
         observability = self.observability
-        observe_engine(engine_core, self.config.model_name, observability.registry, observability.tracer_provider)
+        observe_engine_core(engine_core, self.config.model_name, observability.registry, observability.tracer_provider)
         self.engine_loop = EngineLoop(engine_core)
 
     def start(self, control: server_lifecycle.ServerControl) -> bool:

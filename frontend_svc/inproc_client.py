@@ -82,7 +82,7 @@ class AsyncInprocClient(InprocClient):
         self._death_lock = threading.Lock()
         self._death_listeners: list[Callable[[BaseException], None]] = []
         self.dead_error: BaseException | None = None  # why the core's engine loop died, once it has
-        self._edge().start_loop(self._sink, self._on_core_death)
+        self._edge().start_engine_loop(self._sink, self._on_core_death)
 
     def add_death_listener(self, listener: Callable[[BaseException], None]) -> None:
         """``listener(error)`` once, when the core's engine loop dies (declared dead, or any fault on its
@@ -127,7 +127,7 @@ class AsyncInprocClient(InprocClient):
 
     def shutdown(self) -> None:
         if self._core_edge is not None:
-            self._core_edge.stop_loop()
+            self._core_edge.stop_engine_loop()
         self._outputs.put_threadsafe(EngineDeadError("the engine core has been shut down"))
         super().shutdown()
 
@@ -137,7 +137,7 @@ class AsyncInprocClient(InprocClient):
     async def _wait(self, submit: Any) -> Any:
         """Submit a command to the core's thread and await it; refusals become the frontend's errors."""
         edge = self._edge()
-        if edge.loop_failed:
+        if edge.engine_loop_failed:
             raise EngineDeadError("the engine core has stopped")
         future: concurrent.futures.Future[Any] = submit(edge)
         try:
