@@ -289,8 +289,10 @@ class GrpcCoreClient(EngineCoreClient):
         targets = [CoreTarget.parse(a) for a in addresses]  # ValueError names a bad one
         self._tls = tls
         self._credentials = tls.credentials() if tls is not None else None
-        self._transport = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._transport.run_forever, name="splitserve-grpc-client", daemon=True)
+        self._transport_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._transport_loop.run_forever, name="splitserve-grpc-client", daemon=True
+        )
         self._thread.start()
         self._ready = threading.Event()
         self._availability_listeners: list[Callable[[bool], None]] = []
@@ -417,15 +419,15 @@ class GrpcCoreClient(EngineCoreClient):
         self._closed = True
         self._post(EngineDeadError("the engine-core client is closed"))
         self._sync_event.set()
-        if self._transport.is_running():
+        if self._transport_loop.is_running():
             self._on_transport(self._stop()).result(timeout=10)
-            self._transport.call_soon_threadsafe(self._transport.stop)
+            self._transport_loop.call_soon_threadsafe(self._transport_loop.stop)
         self._thread.join(timeout=10)
 
     # --- transport thread ---
 
     def _on_transport(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._transport)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._transport_loop)
 
     async def _start(self, targets: list[CoreTarget]) -> None:
         for target in targets:
