@@ -134,12 +134,12 @@ def _observe(llm: Any, model: str, hook_s: list[float]) -> Any:
     provider. The time the engine spends in the hooks (add, step, abort) is added to ``hook_s[0]``."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from core_svc.observability import observe_engine
+    from core_svc.observability import observe_engine_core
     from splitserve.base import metrics, tracing
 
     provider = tracing.init_tracer_provider("splitserve-bench", exporter=InMemorySpanExporter())
     core = llm.llm_engine.engine_core.engine_core
-    observe_engine(core, model, metrics.make_registry(), provider)
+    observe_engine_core(core, model, metrics.make_registry(), provider)
     tracker = core.stats_tracker
     for name in ("on_add", "on_step", "on_abort"):
         method = getattr(tracker, name)

@@ -16,7 +16,7 @@ from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError
-from core_svc.observability import observe_engine
+from core_svc.observability import observe_engine_core
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_error_to_pb, request_from_pb
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
@@ -38,7 +38,7 @@ def _refused(error: BaseException) -> RefusedError:
 
 
 class InprocCore:
-    """An ``EngineCore`` driven either step by step (``step``) or by an ``EngineLoop`` thread (``start_loop``).
+    """An ``EngineCore`` driven either step by step (``step``) or by an ``EngineLoop`` thread (``start_engine_loop``).
 
     Raises:
         ModelLoadError, ValueError: from the constructor, as ``EngineCore``.
@@ -46,7 +46,7 @@ class InprocCore:
 
     def __init__(self, model: str, **core_config: Any) -> None:
         self.engine_core = EngineCore(CoreConfig(model=model, **core_config))
-        self._loop: EngineLoop | None = None
+        self._engine_loop: EngineLoop | None = None
         self._client_index = 0
 
     # --- step by step (the caller's thread) ---
@@ -76,7 +76,7 @@ class InprocCore:
 
     # --- on the engine loop's thread ---
 
-    def start_loop(
+    def start_engine_loop(
         self, sink: Callable[[pb.EngineCoreOutputs], None], on_death: Callable[[BaseException], None]
     ) -> None:
         """Run the core on its own thread; ``sink`` gets every step's outputs (on that thread)."""
@@ -84,27 +84,27 @@ class InprocCore:
         def deliver(outputs: EngineCoreOutputs) -> None:
             sink(outputs_to_pb(outputs))
 
-        self._loop = EngineLoop(self.engine_core)
-        self._client_index = self._loop.register_client(deliver)
-        self._loop.on_death(on_death)
-        self._loop.start()
+        self._engine_loop = EngineLoop(self.engine_core)
+        self._client_index = self._engine_loop.register_client(deliver)
+        self._engine_loop.on_death(on_death)
+        self._engine_loop.start()
 
-    def stop_loop(self) -> None:
-        if self._loop is not None:
-            self._loop.stop()
+    def stop_engine_loop(self) -> None:
+        if self._engine_loop is not None:
+            self._engine_loop.stop()
 
     @property
-    def loop_failed(self) -> bool:
-        return self._loop is not None and self._loop.dead_error is not None
+    def engine_loop_failed(self) -> bool:
+        return self._engine_loop is not None and self._engine_loop.dead_error is not None
 
     def submit_add(self, requests: list[pb.EngineCoreRequest]) -> concurrent.futures.Future[None]:
         """All or none; the future fails with RefusedError. Cancelling it before it runs skips the add. The
         messages become ``Request``s on the engine's thread (16384 children take half a second: not the
         caller's event loop's)."""
-        return _translated(self._engine_loop().add_requests(self._client_index, requests, request_from_pb))
+        return _translated(self._running_engine_loop().add_requests(self._client_index, requests, request_from_pb))
 
     def submit_abort(self, request_ids: list[str]) -> concurrent.futures.Future[None]:
-        return _translated(self._engine_loop().abort_requests(request_ids))
+        return _translated(self._running_engine_loop().abort_requests(request_ids))
 
     def submit_observe(
         self, model_name: str, registry: CollectorRegistry | None, tracer_provider: TracerProvider | None
@@ -112,15 +112,17 @@ class InprocCore:
         """Add the core's Prometheus metrics (``registry``) and request spans (``tracer_provider``), on the
         engine's thread; None leaves either off."""
 
-        return self._engine_loop().call(lambda core: observe_engine(core, model_name, registry, tracer_provider))
+        return self._running_engine_loop().call(
+            lambda core: observe_engine_core(core, model_name, registry, tracer_provider)
+        )
 
     def submit_reset_prefix_cache(self) -> concurrent.futures.Future[bool]:
-        return _translated(self._engine_loop().call(lambda core: core.reset_prefix_cache()))
+        return _translated(self._running_engine_loop().call(lambda core: core.reset_prefix_cache()))
 
-    def _engine_loop(self) -> EngineLoop:
-        if self._loop is None:
+    def _running_engine_loop(self) -> EngineLoop:
+        if self._engine_loop is None:
             raise EngineUnavailableError("the engine loop is not running")
-        return self._loop
+        return self._engine_loop
 
 
 def _translated(future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:

@@ -11,14 +11,14 @@ from core_svc.metrics import CoreMetrics
 from core_svc.tracing import RequestTracer
 
 
-def observe_engine(
+def observe_engine_core(
     engine_core: EngineCore,
     model_name: str,
     registry: CollectorRegistry | None,
     tracer_provider: TracerProvider | None,
 ) -> None:
     """Register ``CoreMetrics`` in ``registry`` and emit request spans from ``tracer_provider``; None leaves
-    either off. Call it before the engine runs or on its thread."""
+    either off. Call it before the engine core runs or on its thread."""
     if registry is not None:
         engine_core.add_stats_sink(
             CoreMetrics(registry, model_name, engine_core.max_model_len, engine_core.config.max_num_batched_tokens)

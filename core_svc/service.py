@@ -19,11 +19,12 @@ from core_svc.request import FinishReason
 from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, outputs_to_pb_messages, request_from_pb
 from splitserve.base.grpc_errors import UndecodableRequestError, finish_reading
 from splitserve.base.grpc_status import abort
+from splitserve.base.thread_handoff import ThreadToLoopQueue
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+ENGINE_CORE_GRPC_SERVICE = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
 T = TypeVar("T")
 
 
@@ -40,7 +41,8 @@ class _ServerStopping:
     """The server stops: the stream ends now."""
 
 
-_Outbox = asyncio.Queue[pb.EngineCoreOutputs | _ReaderDone | _ServerStopping]
+# A stream's messages, from the engine thread (outputs) and from its own event loop (the reader, the server's stop).
+_Outbox = ThreadToLoopQueue[pb.EngineCoreOutputs | _ReaderDone | _ServerStopping]
 
 
 @dataclass
@@ -75,8 +77,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         its requests. At the server's stop (``CoreServerState.end_streams``) it ends with OK, and what it still has
         running is aborted."""
         engine_loop = await self._engine_loop(context)
-        event_loop = asyncio.get_running_loop()
-        outbox: _Outbox = asyncio.Queue()
+        outbox: _Outbox = ThreadToLoopQueue()
+        outbox.bind()
 
         def sink(outputs: EngineCoreOutputs) -> None:  # on the engine thread
             # One message over the send limit would end this stream and every request on it: split the step, and
@@ -84,8 +86,7 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
             messages, too_large = outputs_to_pb_messages(outputs, self.state.max_send_message_bytes)
             if too_large:
                 engine_loop.abort_requests(too_large, client_index)
-            for message in messages:
-                event_loop.call_soon_threadsafe(outbox.put_nowait, message)
+            outbox.put_threadsafe(*messages)
 
         client_index = engine_loop.register_client(sink)
         # Requests of this stream not yet finished, kept on this event loop in the order the outbox delivers:

@@ -22,7 +22,7 @@ class StartupPhase:
 class StartupTimes:
     """The engine core's start, phase by phase (``phase``), and the process's age when it began."""
 
-    before_engine_s: float | None = field(default_factory=lambda: process_age_s())  # None: unknown (no /proc)
+    before_engine_core_s: float | None = field(default_factory=lambda: process_age_s())  # None: unknown (no /proc)
     phases: list[StartupPhase] = field(default_factory=list)
 
     @contextlib.contextmanager
@@ -37,21 +37,22 @@ class StartupTimes:
             self.phases.append(phase)
 
     @property
-    def engine_s(self) -> float:
+    def engine_core_s(self) -> float:
         return sum(phase.seconds for phase in self.phases)
 
     def summary(self) -> str:
         """One line, e.g. ``engine core ready in 0.47 s (3.52 s since the process started, 3.05 s of it before the
-        engine: interpreter, imports, server setup): model files 0.00 s, kernel 0.00 s, model config 0.38 s,
-        weights 0.02 s (4.8 MiB), KV cache 0.07 s (0.250 GiB)``. In-process, the time before the engine includes
+        engine core: interpreter, imports, server setup): model files 0.00 s, kernel 0.00 s, model config 0.38 s,
+        weights 0.02 s (4.8 MiB), KV cache 0.07 s (0.250 GiB)``. In-process, the time before the engine core includes
         the frontend's start."""
         parts = ", ".join(f"{p.name} {p.seconds:.2f} s" + (f" ({p.note})" if p.note else "") for p in self.phases)
-        if self.before_engine_s is None:
-            return f"engine core ready in {self.engine_s:.2f} s: {parts}"
-        total = self.before_engine_s + self.engine_s
+        if self.before_engine_core_s is None:
+            return f"engine core ready in {self.engine_core_s:.2f} s: {parts}"
+        total = self.before_engine_core_s + self.engine_core_s
         return (
-            f"engine core ready in {self.engine_s:.2f} s ({total:.2f} s since the process started, "
-            f"{self.before_engine_s:.2f} s of it before the engine: interpreter, imports, server setup): {parts}"
+            f"engine core ready in {self.engine_core_s:.2f} s ({total:.2f} s since the process started, "
+            f"{self.before_engine_core_s:.2f} s of it before the engine core: interpreter, imports, server setup): "
+            f"{parts}"
         )
 
 

@@ -15,7 +15,7 @@ from frontend_svc.engine_types import EngineCoreRequest, SchedulerStats
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
-from frontend_svc.llm_engine import EngineFrontend
+from frontend_svc.llm_engine import LLMEngineBase
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -60,7 +60,7 @@ class _HandlerState:
         self.stat_loggers.remove(stat_logger)
 
 
-class AsyncLLM(EngineFrontend):
+class AsyncLLM(LLMEngineBase):
     """Asyncio engine: a background task turns core outputs into per-request outputs.
 
     Args: as ``LLMEngine`` (``generation_config`` too), and

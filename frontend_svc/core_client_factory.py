@@ -18,7 +18,7 @@ def check_core_settings(core_address: str | list[str] | None, core_config: dict[
     """
     if core_address and core_config:
         raise ValueError(
-            "engine settings apply to an in-process core; with core_address they are the core's own flags: "
+            "engine-core settings apply to an in-process core; with core_address they are the core's own flags: "
             + ", ".join(core_config)
         )
 

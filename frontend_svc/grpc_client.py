@@ -30,6 +30,7 @@ from frontend_svc.errors import EngineDeadError, ValidationError, error_from_cor
 from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
 from splitserve.base import grpc_runtime, tracing
 from splitserve.base.grpc_status import field_violation
+from splitserve.base.thread_handoff import ThreadToLoopQueue
 from splitserve.base.tls import ClientTLS
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
@@ -39,7 +40,7 @@ T = TypeVar("T")
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 0.1, 2.0
 LOG_INTERVAL_S = 30.0  # while a core stays unreachable, say so this often
 WAIT_LOG_INTERVAL_S = 10.0  # while the constructor waits for a first core, say so this often
-CORE_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
+ENGINE_CORE_GRPC_SERVICE = pb.DESCRIPTOR.services_by_name["EngineCore"].full_name
 # Requests converted to protobuf between yields to the event loop (about 1 ms of work).
 CONVERT_CHUNK_SIZE = 128
 
@@ -178,7 +179,7 @@ class CoreConnection:
     async def _watch_health(self, channel: grpc.aio.Channel) -> None:
         """Follow the core's grpc.health.v1 status: NOT_SERVING (draining) takes it out of routing."""
         try:
-            request = health_pb2.HealthCheckRequest(service=CORE_SERVICE_NAME)  # readiness: loaded, not draining
+            request = health_pb2.HealthCheckRequest(service=ENGINE_CORE_GRPC_SERVICE)  # readiness: loaded, not draining
             async for response in health_pb2_grpc.HealthStub(channel).Watch(request):
                 serving = response.status == health_pb2.HealthCheckResponse.SERVING
                 if serving != self.serving:
@@ -288,15 +289,17 @@ class GrpcCoreClient(EngineCoreClient):
         targets = [CoreTarget.parse(a) for a in addresses]  # ValueError names a bad one
         self._tls = tls
         self._credentials = tls.credentials() if tls is not None else None
-        self._transport = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._transport.run_forever, name="splitserve-grpc-client", daemon=True)
+        self._transport_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._transport_loop.run_forever, name="splitserve-grpc-client", daemon=True
+        )
         self._thread.start()
         self._ready = threading.Event()
         self._availability_listeners: list[Callable[[bool], None]] = []
         self._owner: dict[str, CoreConnection] = {}
         self._background: set[asyncio.Task[None]] = set()
-        self._caller_loop: asyncio.AbstractEventLoop | None = None
-        self._caller_queue: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        # Outputs for the event loop of the async caller (AsyncLLM); a sync caller (LLMEngine) never binds it.
+        self._outputs: ThreadToLoopQueue[EngineCoreOutputs] = ThreadToLoopQueue()
         self._pending_sync: list[EngineCoreOutputs] = []
         self._sync_event = threading.Event()
         self._lock = threading.Lock()
@@ -375,7 +378,7 @@ class GrpcCoreClient(EngineCoreClient):
         await self.add_requests_async([request])
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
-        self._bind_caller_loop()
+        self._outputs.bind()
         await asyncio.wrap_future(self._on_transport(self._add(requests)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -402,10 +405,7 @@ class GrpcCoreClient(EngineCoreClient):
             self._sync_event.wait(0.5)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        output = await self._bind_caller_loop().get()
-        if isinstance(output, BaseException):
-            raise output
-        return output
+        return await self._outputs.get()
 
     def reset_prefix_cache(self) -> bool:
         return self._on_transport(self._reset_prefix_cache()).result()
@@ -419,15 +419,15 @@ class GrpcCoreClient(EngineCoreClient):
         self._closed = True
         self._post(EngineDeadError("the engine-core client is closed"))
         self._sync_event.set()
-        if self._transport.is_running():
+        if self._transport_loop.is_running():
             self._on_transport(self._stop()).result(timeout=10)
-            self._transport.call_soon_threadsafe(self._transport.stop)
+            self._transport_loop.call_soon_threadsafe(self._transport_loop.stop)
         self._thread.join(timeout=10)
 
     # --- transport thread ---
 
     def _on_transport(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._transport)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._transport_loop)
 
     async def _start(self, targets: list[CoreTarget]) -> None:
         for target in targets:
@@ -576,20 +576,13 @@ class GrpcCoreClient(EngineCoreClient):
             listener(available)
 
     def _post(self, item: EngineCoreOutputs | BaseException) -> None:
-        loop, queue = self._caller_loop, self._caller_queue
-        if loop is not None and queue is not None:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+        """To the async caller's event loop; else (a sync caller) outputs to ``get_output``."""
+        if self._outputs.is_bound:
+            self._outputs.put_threadsafe(item)
         elif isinstance(item, EngineCoreOutputs):
             with self._lock:
                 self._pending_sync.append(item)
             self._sync_event.set()
-
-    def _bind_caller_loop(self) -> asyncio.Queue[EngineCoreOutputs | BaseException]:
-        loop = asyncio.get_running_loop()
-        if self._caller_queue is None or self._caller_loop is not loop:
-            self._caller_loop, self._caller_queue = loop, asyncio.Queue()
-        return self._caller_queue
 
 
 def _describe(error: Exception) -> str:

@@ -20,6 +20,7 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.wire import engine_info_from_pb, error_from_pb, outputs_from_pb, request_to_pb
+from splitserve.base.thread_handoff import ThreadToLoopQueue
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 # Requests converted to protobuf between yields to the event loop (about 1 ms of work).
@@ -78,12 +79,11 @@ class AsyncInprocClient(InprocClient):
 
     def __init__(self, model: str, **core_config: Any) -> None:
         super().__init__(model, **core_config)
-        self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outputs: ThreadToLoopQueue[EngineCoreOutputs] = ThreadToLoopQueue()
         self._death_lock = threading.Lock()
         self._death_listeners: list[Callable[[BaseException], None]] = []
         self.dead_error: BaseException | None = None  # why the core's engine loop died, once it has
-        self._edge().start_loop(self._sink, self._on_core_death)
+        self._edge().start_engine_loop(self._sink, self._on_core_death)
 
     def add_death_listener(self, listener: Callable[[BaseException], None]) -> None:
         """``listener(error)`` once, when the core's engine loop dies (declared dead, or any fault on its
@@ -103,7 +103,7 @@ class AsyncInprocClient(InprocClient):
         await self.add_requests_async([request])
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
-        self._bind_loop()
+        self._outputs.bind()
         messages = []
         for start in range(0, len(requests), CONVERT_CHUNK_SIZE):  # 16384 children: yield between chunks
             if start:
@@ -124,22 +124,13 @@ class AsyncInprocClient(InprocClient):
         return await self._wait(lambda edge: edge.submit_reset_prefix_cache())
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        output = await self._bind_loop().get()
-        if isinstance(output, BaseException):
-            raise output
-        return output
+        return await self._outputs.get()
 
     def shutdown(self) -> None:
         if self._core_edge is not None:
-            self._core_edge.stop_loop()
-        self._post(EngineDeadError("the engine core has been shut down"))
+            self._core_edge.stop_engine_loop()
+        self._outputs.put_threadsafe(EngineDeadError("the engine core has been shut down"))
         super().shutdown()
-
-    def _bind_loop(self) -> asyncio.Queue[EngineCoreOutputs | BaseException]:
-        loop = asyncio.get_running_loop()
-        if self._outputs is None or self._loop is not loop:
-            self._loop, self._outputs = loop, asyncio.Queue()
-        return self._outputs
 
     def _wait_sync(self, submit: Any) -> Any:
         return submit(self._edge()).result()
@@ -147,7 +138,7 @@ class AsyncInprocClient(InprocClient):
     async def _wait(self, submit: Any) -> Any:
         """Submit a command to the core's thread and await it; refusals become the frontend's errors."""
         edge = self._edge()
-        if edge.loop_failed:
+        if edge.engine_loop_failed:
             raise EngineDeadError("the engine core has stopped")
         future: concurrent.futures.Future[Any] = submit(edge)
         try:
@@ -156,18 +147,15 @@ class AsyncInprocClient(InprocClient):
             raise error_from_pb(e.error) from e
 
     def _sink(self, outputs: pb.EngineCoreOutputs) -> None:  # on the engine thread
-        self._post(outputs_from_pb(outputs))
+        self._outputs.put_threadsafe(outputs_from_pb(outputs))
 
     def _on_core_death(self, error: BaseException) -> None:  # on the engine thread
         # Its message, not its Python class: the engine loop has logged both, with the traceback.
-        self._post(EngineDeadError(f"the engine core failed: {error}" if str(error) else "the engine core failed"))
+        self._outputs.put_threadsafe(
+            EngineDeadError(f"the engine core failed: {error}" if str(error) else "the engine core failed")
+        )
         with self._death_lock:
             self.dead_error = error
             listeners = list(self._death_listeners)
         for listener in listeners:
             listener(error)
-
-    def _post(self, item: EngineCoreOutputs | BaseException) -> None:
-        loop, queue = self._loop, self._outputs
-        if loop is not None and queue is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -31,9 +31,10 @@ from splitserve.base.model_files import resolve_model_path
 MAX_REQUEST_ID_CHARS = 1024
 
 
-class EngineFrontend:
-    """What LLMEngine and AsyncLLM share: tokenizer, input and output processors, the model's default sampling
-    parameters, the core client, request fan-out, and release of the core when closed or garbage-collected."""
+class LLMEngineBase:
+    """What vLLM's two engines, LLMEngine and AsyncLLM, share: tokenizer, input and output processors, the model's
+    default sampling parameters, the core client (``engine_core``), request fan-out, and release of the core when
+    closed or garbage-collected. (vLLM has no such class; its ``EngineClient`` is AsyncLLM's serving protocol.)"""
 
     def __init__(
         self,
@@ -177,7 +178,7 @@ class EngineFrontend:
         self.output_processor.abort_requests([r.request_id for r in requests], internal=True)
 
 
-class LLMEngine(EngineFrontend):
+class LLMEngine(LLMEngineBase):
     """Synchronous engine: the caller drives it with ``step()``.
 
     Args:

@@ -87,7 +87,7 @@ class SamplingParams:
     Raises:
         ValidationError: from ``__post_init__`` for any value vLLM refuses or splitserve does not support; from
             ``verify`` for values that are wrong for the model (token ids outside the vocabulary, more logprobs
-            than the engine allows).
+            than the engine core allows).
     """
 
     n: int = 1

@@ -33,7 +33,7 @@ from splitserve.base.tracing import SpanAttributes, inject_headers
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 
-SERVICE_NAME = api.DESCRIPTOR.services_by_name["Generation"].full_name
+GENERATION_GRPC_SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 @dataclass

@@ -18,7 +18,7 @@ def test_engine_settings_with_core_address_are_refused_naming_them(checkpoint):
     with pytest.raises(ValueError) as refused:
         LLM(str(checkpoint("llama")), core_address="127.0.0.1:1", max_num_seqs=4, dtype="float32")
     assert str(refused.value) == (
-        "engine settings apply to an in-process core; with core_address they are the core's own flags: "
+        "engine-core settings apply to an in-process core; with core_address they are the core's own flags: "
         "max_num_seqs, dtype"
     )
 

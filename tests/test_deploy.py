@@ -37,7 +37,7 @@ from tests.metrics_helpers import sample, scrape
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 COMPOSE_FILES = [ROOT / "docker-compose.yml", ROOT / "docker-compose.gpu.yml", ROOT / "docker-compose.tls.yml"]
-CORE_SERVICE, FRONTEND_SERVICE = stack.CORE_SERVICE, stack.FRONTEND_SERVICE
+ENGINE_CORE_GRPC_SERVICE, GENERATION_GRPC_SERVICE = stack.ENGINE_CORE_GRPC_SERVICE, stack.GENERATION_GRPC_SERVICE
 K8S_VERSION = "1.33.0"
 # Variables the deployment files may set: ours (splitserve/base/envs.py), the standard OpenTelemetry ones, and the
 # Hugging Face hub's.
@@ -177,8 +177,8 @@ def test_kubernetes_commands_ports_and_probes_agree_with_the_cli(source):
     core_set = by_kind(docs, "StatefulSet", "splitserve-core")
     assert core_set["spec"]["serviceName"] == "splitserve-core"
     for name, kind, service in (
-        ("splitserve-core", "StatefulSet", CORE_SERVICE),
-        ("splitserve-frontend", "Deployment", FRONTEND_SERVICE),
+        ("splitserve-core", "StatefulSet", ENGINE_CORE_GRPC_SERVICE),
+        ("splitserve-frontend", "Deployment", GENERATION_GRPC_SERVICE),
     ):
         c = container(docs, kind, name)
         image = f"splitserve/{name.removeprefix('splitserve-')}"
@@ -270,8 +270,8 @@ def test_the_tls_component_mounts_one_secret_and_agrees_with_the_cli(overlay, tm
         kubernetes_validate_strict(doc)
     files = {"key": f"{TLS_DIR}/tls.key", "cert": f"{TLS_DIR}/tls.crt", "ca": f"{TLS_DIR}/ca.crt"}
     for name, kind, service, port in (
-        ("splitserve-core", "StatefulSet", CORE_SERVICE, 50061),
-        ("splitserve-frontend", "Deployment", FRONTEND_SERVICE, 50051),
+        ("splitserve-core", "StatefulSet", ENGINE_CORE_GRPC_SERVICE, 50061),
+        ("splitserve-frontend", "Deployment", GENERATION_GRPC_SERVICE, 50051),
     ):
         pod = by_kind(docs, kind, name)["spec"]["template"]["spec"]
         c = container(docs, kind, name)
@@ -383,7 +383,7 @@ def json_array(text: str) -> list[str]:
 
 @pytest.mark.parametrize("name", ["core", "frontend"])
 def test_images_and_compose_agree_with_the_cli(name):
-    service = CORE_SERVICE if name == "core" else FRONTEND_SERVICE
+    service = ENGINE_CORE_GRPC_SERVICE if name == "core" else GENERATION_GRPC_SERVICE
     dockerfile = dockerfile_instructions(ROOT / "docker" / f"{name}.Dockerfile")
     assert json_array(dockerfile["ENTRYPOINT"][0]) == ["splitserve"]
     cmd = json_array(dockerfile["CMD"][0])
@@ -515,7 +515,7 @@ def test_three_frontends_two_cores_as_the_manifests_start_them(model, reference,
         for ip in core_ips:
             processes.append(
                 stack.start_service(
-                    f"core-{ip}", server_args(core_args, replace), core_port, logs, CORE_SERVICE, ip, env
+                    f"core-{ip}", server_args(core_args, replace), core_port, logs, ENGINE_CORE_GRPC_SERVICE, ip, env
                 )
             )
         frontends = []

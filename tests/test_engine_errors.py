@@ -117,7 +117,11 @@ def test_bad_requests_fail_alone(checkpoint):
         (request("temp", [5], temperature=-1.0), InvalidRequestError, r"temperature: must be a finite number in \[0"),
         (request("topp", [5], top_p=0.0), InvalidRequestError, "top_p: must be in"),
         (request("stop", [5], stop_token_ids=[vocab + 3]), InvalidRequestError, r"stop_token_ids\[0\]"),
-        (request("lp", [5], logprobs=21), InvalidRequestError, r"logprobs: asked for 21; the engine allows at most 20"),
+        (
+            request("lp", [5], logprobs=21),
+            InvalidRequestError,
+            r"logprobs: asked for 21; the engine core allows at most 20",
+        ),
         (request("lpall", [5], prompt_logprobs=-1), InvalidRequestError, r"prompt_logprobs: asked for the whole vocab"),
         (request("allowed", [5], allowed_token_ids=[]), InvalidRequestError, "allowed_token_ids: must not be empty"),
         (request("good", [5]), InvalidRequestError, "already in use"),

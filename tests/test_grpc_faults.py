@@ -108,7 +108,12 @@ def faulty_split_stack(
     port = stack.free_port()
     launcher = [sys.executable, str(ROOT / "tests" / "faulty_core.py"), mode]
     core = stack.start_service(
-        f"core-{port}", ["core", "--model", model, *core_args], port, logs, stack.CORE_SERVICE, launcher=launcher
+        f"core-{port}",
+        ["core", "--model", model, *core_args],
+        port,
+        logs,
+        stack.ENGINE_CORE_GRPC_SERVICE,
+        launcher=launcher,
     )
     frontend = None
     try:
@@ -339,8 +344,8 @@ def test_sigterm_with_watches_and_streams_open_logs_no_error(model, logs):
 
         async def scenario() -> list[object]:
             watching = [asyncio.Event(), asyncio.Event()]
-            on_frontend = asyncio.create_task(_watch(frontend.address, stack.FRONTEND_SERVICE, watching[0]))
-            on_core = asyncio.create_task(_watch(core.address, stack.CORE_SERVICE, watching[1]))
+            on_frontend = asyncio.create_task(_watch(frontend.address, stack.GENERATION_GRPC_SERVICE, watching[0]))
+            on_core = asyncio.create_task(_watch(core.address, stack.ENGINE_CORE_GRPC_SERVICE, watching[1]))
             generating, connected = asyncio.Event(), asyncio.Event()
             generated = asyncio.create_task(generate_ids(frontend.address, list(range(10, 30)), 100, generating))
             direct = asyncio.create_task(_connect(core.address, 300, connected))
@@ -367,7 +372,7 @@ def test_sigterm_of_serve_with_a_watch_and_a_stream_open_logs_no_error(model, lo
 
         async def scenario() -> list[object]:
             watching, generating = asyncio.Event(), asyncio.Event()
-            watch = asyncio.create_task(_watch(server.address, stack.FRONTEND_SERVICE, watching))
+            watch = asyncio.create_task(_watch(server.address, stack.GENERATION_GRPC_SERVICE, watching))
             generated = asyncio.create_task(generate_ids(server.address, list(range(10, 30)), 100, generating))
             await watching.wait()
             await generating.wait()

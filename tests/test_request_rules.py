@@ -59,12 +59,12 @@ SHARED_RULES: list[tuple[dict[str, Any], int, str, str]] = [
     ({"prompt_logprobs": -3}, -1, "prompt_logprobs", "must be -1 (the whole vocabulary) or an integer >= 0, got -3"),
     ({"allowed_token_ids": []}, MAX_LOGPROBS, "allowed_token_ids", "must not be empty when given"),
     # Checks against the model.
-    ({"logprobs": 21}, MAX_LOGPROBS, "logprobs", "asked for 21; the engine allows at most 20 (max_logprobs)"),
+    ({"logprobs": 21}, MAX_LOGPROBS, "logprobs", "asked for 21; the engine core allows at most 20 (max_logprobs)"),
     (
         {"prompt_logprobs": -1},
         MAX_LOGPROBS,
         "prompt_logprobs",
-        "asked for the whole vocabulary (-1); the engine allows at most 20 (max_logprobs)",
+        "asked for the whole vocabulary (-1); the engine core allows at most 20 (max_logprobs)",
     ),
     ({"logprobs": 1001}, -1, "logprobs", "asked for 1001, more than the vocabulary (1000); -1 asks for all"),
     (

@@ -328,7 +328,7 @@ def tls_stack(model, pki, tmp_path_factory):
     core_args = ["core", "--model", model, "--ssl-keyfile", core_cert.keyfile, "--ssl-certfile", core_cert.certfile]
     core_args += ["--ssl-ca-certs", ca.ca_certs]
     core_client = ClientTLS(ca.ca_certs, client.certfile, client.keyfile, CORE_NAME)
-    core = stack.start_service("core", core_args, core_port, logs, stack.CORE_SERVICE, tls=core_client)
+    core = stack.start_service("core", core_args, core_port, logs, stack.ENGINE_CORE_GRPC_SERVICE, tls=core_client)
     frontend = None
     try:
         core.wait_serving()
@@ -423,10 +423,10 @@ def test_admin_rpcs_are_refused_and_the_frontend_says_why(tls_stack, pki, tmp_pa
 def test_splitserve_health_speaks_tls(tls_stack, pki, capsys):
     core, frontend = tls_stack
     ca, client = pki["ca"], pki["client"]
-    service = ["--service", stack.CORE_SERVICE]
+    service = ["--service", stack.ENGINE_CORE_GRPC_SERVICE]
     mtls = ["--ssl-ca-certs", ca.ca_certs, "--ssl-certfile", client.certfile, "--ssl-keyfile", client.keyfile]
     assert main(["health", "--address", core.address, *service, *mtls, "--ssl-server-name", CORE_NAME]) == 0
-    assert f"{core.address} {stack.CORE_SERVICE}: SERVING" in capsys.readouterr().out
+    assert f"{core.address} {stack.ENGINE_CORE_GRPC_SERVICE}: SERVING" in capsys.readouterr().out
     assert main(["health", "--address", core.address, *service, *mtls]) == 1  # its certificate names splitserve-core
     assert main(["health", "--address", core.address, *service, "--timeout", "1"]) == 1  # plaintext
     assert main(["health", "--address", frontend.address, "--ssl-ca-certs", ca.ca_certs]) == 0

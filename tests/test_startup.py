@@ -15,13 +15,13 @@ from tests.helpers import make_engine
 
 def test_summary_names_every_phase_with_its_note():
     times = StartupTimes(
-        before_engine_s=2.5, phases=[StartupPhase("kernel", 0.5), StartupPhase("weights", 1.0, "4.8 MiB")]
+        before_engine_core_s=2.5, phases=[StartupPhase("kernel", 0.5), StartupPhase("weights", 1.0, "4.8 MiB")]
     )
     assert times.summary() == (
-        "engine core ready in 1.50 s (4.00 s since the process started, 2.50 s of it before the engine: "
+        "engine core ready in 1.50 s (4.00 s since the process started, 2.50 s of it before the engine core: "
         "interpreter, imports, server setup): kernel 0.50 s, weights 1.00 s (4.8 MiB)"
     )
-    times.before_engine_s = None  # no /proc
+    times.before_engine_core_s = None  # no /proc
     assert times.summary() == "engine core ready in 1.50 s: kernel 0.50 s, weights 1.00 s (4.8 MiB)"
 
 

@@ -108,7 +108,7 @@ def model_violation(params: SamplingValues, vocab_size: int, max_logprobs: int) 
             continue
         if max_logprobs != -1 and (value == -1 or value > max_logprobs):
             asked = "the whole vocabulary (-1)" if value == -1 else value
-            return Violation(name, f"asked for {asked}; the engine allows at most {max_logprobs} (max_logprobs)")
+            return Violation(name, f"asked for {asked}; the engine core allows at most {max_logprobs} (max_logprobs)")
         if value > vocab_size:
             return Violation(name, f"asked for {value}, more than the vocabulary ({vocab_size}); -1 asks for all")
     for name in ("stop_token_ids", "allowed_token_ids"):

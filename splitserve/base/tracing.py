@@ -29,8 +29,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 logger = logging.getLogger(__name__)
 
-FRONTEND_SERVICE_NAME = "splitserve-frontend"
-CORE_SERVICE_NAME = "splitserve-core"
+FRONTEND_TRACING_SERVICE_NAME = "splitserve-frontend"
+CORE_TRACING_SERVICE_NAME = "splitserve-core"
 # At shutdown, how long the last spans may take to leave. An unreachable collector would otherwise hold the exit
 # for the OTLP exporter's retries (about 10 s, OTEL_EXPORTER_OTLP_TIMEOUT) after the server has stopped.
 SHUTDOWN_EXPORT_TIMEOUT_S = 2.0

@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.base.tls import ClientTLS, secure_or_insecure_channel
 
-CORE_SERVICE = "splitserve.engine.v1.EngineCore"
-FRONTEND_SERVICE = "splitserve.frontend.v1.Generation"
+ENGINE_CORE_GRPC_SERVICE = "splitserve.engine.v1.EngineCore"
+GENERATION_GRPC_SERVICE = "splitserve.frontend.v1.Generation"
 
 
 def free_port() -> int:
@@ -79,7 +79,7 @@ class ServiceProcess:
     process: subprocess.Popen[bytes]
     log_path: Path | None = None
     argv: list[str] = field(default_factory=list)
-    service: str = FRONTEND_SERVICE  # the gRPC service whose health is this process's readiness
+    service: str = GENERATION_GRPC_SERVICE  # the gRPC service whose health is this process's readiness
     tls: ClientTLS | None = None  # how to reach it: None, plaintext
 
     def channel(self) -> grpc.Channel:
@@ -138,7 +138,7 @@ def start_service(
     args: list[str],
     port: int,
     log_dir: Path | None,
-    service: str = FRONTEND_SERVICE,
+    service: str = GENERATION_GRPC_SERVICE,
     host: str = "127.0.0.1",
     env: dict[str, str] | None = None,
     launcher: Sequence[str] = (),
@@ -171,7 +171,9 @@ def start_core(
     """A core on loopback; with ``tls``, serving TLS and requiring the frontend's certificate."""
     port = port or free_port()
     args = ["core", "--model", model, *(tls.core_args() if tls else []), *extra_args]
-    return start_service(f"core-{port}", args, port, log_dir, CORE_SERVICE, tls=tls.client() if tls else None)
+    return start_service(
+        f"core-{port}", args, port, log_dir, ENGINE_CORE_GRPC_SERVICE, tls=tls.client() if tls else None
+    )
 
 
 def start_frontend(
