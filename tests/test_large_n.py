@@ -4,14 +4,18 @@ stays in the frontend or the core. Functional tests: no timing (``splitserve ben
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
+from core_svc.engine_core import EngineCore
 from frontend_svc import AsyncLLM, LLMEngine, RequestOutputKind, SamplingParams, ValidationError
 from frontend_svc.sampling_params import INT64_MAX
 from tests.conftest import real_or_builtin
 
 NUM_KV_BLOCKS = 257
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +27,36 @@ def model(tmp_path_factory):
     )
 
 
+def on_core_thread(engine: LLMEngine | AsyncLLM, fn: Callable[[EngineCore], T]) -> T:
+    """``fn(engine_core)`` where the core's state is whole: on its engine thread, between steps and after every
+    command queued before (an abort is applied there request by request), or here when no thread drives it."""
+    edge = engine.engine_core._edge()
+    engine_loop = edge._engine_loop
+    if engine_loop is None:  # LLMEngine: the caller's thread drives the core
+        return fn(edge.engine_core)
+    return engine_loop.call(fn).result(timeout=300)
+
+
+def core_leftovers(core: EngineCore) -> tuple[int, bool, int]:
+    return len(core.scheduler.requests), core.has_unfinished_requests(), core.scheduler.kv_cache_manager.num_free_blocks
+
+
+def unfinished(core: EngineCore) -> int:
+    return core.scheduler.get_num_unfinished_requests()
+
+
 def assert_nothing_left(engine: LLMEngine | AsyncLLM) -> None:
     processor = engine.output_processor
     assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids
-    core = engine.engine_core.engine_core
-    assert not core.scheduler.requests and not core.has_unfinished_requests()
-    assert core.scheduler.kv_cache_manager.num_free_blocks == NUM_KV_BLOCKS - 1
+    assert on_core_thread(engine, core_leftovers) == (0, False, NUM_KV_BLOCKS - 1)
 
 
 async def until_core_idle(engine: AsyncLLM) -> None:
     """The core's thread applies aborts between steps: wait for it (a hang guard, not a speed check)."""
-    core = engine.engine_core.engine_core
     for _ in range(600):
-        if not core.has_unfinished_requests() and not engine.output_processor.has_unfinished_requests():
-            return
+        if not on_core_thread(engine, EngineCore.has_unfinished_requests):
+            if not engine.output_processor.has_unfinished_requests():
+                return
         await asyncio.sleep(0.05)
 
 
@@ -160,8 +180,7 @@ def test_cancelling_a_4096_child_request_leaves_nothing(model, kind):
             if kind == RequestOutputKind.DELTA:
                 await asyncio.wait_for(started.wait(), 300)
             else:
-                core = engine.engine_core.engine_core
-                while core.scheduler.get_num_unfinished_requests() < 4096:  # every child is in the core
+                while on_core_thread(engine, unfinished) < 4096:  # every child is in the core
                     await asyncio.sleep(0.05)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
