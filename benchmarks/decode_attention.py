@@ -20,6 +20,7 @@ import torch
 
 from core_svc.config import AttentionBackendName
 from kernels import AttentionMetadata, get_attention_backend
+from splitserve.base import envs
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 64, 16
 # (requests, context lengths): the throughput workload's decode batch (mean context about 200 tokens), and
@@ -62,7 +63,7 @@ def make_batch(
 
 def time_backend(name: str, batch: tuple, repeats: int) -> float:
     """Median seconds of one forward (after one untimed call)."""
-    backend = get_attention_backend(name)
+    backend = get_attention_backend(name, "cpu", envs.kernel_dir())
     query, key, value, kv_cache, metadata = batch
     times = []
     for i in range(repeats + 1):

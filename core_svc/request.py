@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from core_svc.sampling_params import SamplingParams
-from splitserve.base.finish_reason import FinishReason
+from splitserve.base.wire_enums import EngineCoreEventType, FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -36,14 +36,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
-
-
-class EngineCoreEventType(enum.IntEnum):
-    """Values equal the wire enum ``splitserve.engine.v1.EngineCoreEventType``."""
-
-    QUEUED = 1
-    SCHEDULED = 2
-    PREEMPTED = 3
 
 
 @dataclass

@@ -16,7 +16,7 @@ def check_core_settings(core_address: str | list[str] | None, core_config: dict[
     Raises:
         ValueError: ``core_config`` is not empty while ``core_address`` is given, naming the settings.
     """
-    if core_address and core_config:
+    if core_address is not None and core_config:
         raise ValueError(
             "engine-core settings apply to an in-process core; with core_address they are the core's own flags: "
             + ", ".join(core_config)
@@ -33,13 +33,16 @@ def make_client(
     Raises:
         EngineDeadError: no core answered at ``core_address`` within ``SPLITSERVE_ENGINE_READY_TIMEOUT_S``
             seconds (default 60; the log says, at once and every 10 s, what it waits for).
-        ValueError: engine-core settings given with ``core_address`` (``check_core_settings``).
+        ValueError: engine-core settings given with ``core_address`` (``check_core_settings``), or a
+            ``core_address`` that names no core ("").
     """
     check_core_settings(core_address, core_config)
     if core_address is not None:
         from frontend_svc.grpc_client import GrpcCoreClient
 
         addresses = [a.strip() for a in core_address.split(",") if a.strip()]
+        if not addresses:
+            raise ValueError(f"core_address names no core: {core_address!r} (give host:port[,host:port...])")
         return GrpcCoreClient(addresses, wait_ready_s=envs.engine_ready_timeout_s())
     from frontend_svc.inproc_client import AsyncInprocClient, InprocClient
 

@@ -3,13 +3,12 @@ to and from the protobuf messages of ``splitserve.engine.v1``."""
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 from frontend_svc.errors import FrontendError
 from frontend_svc.sampling_params import SamplingParams
-from splitserve.base.finish_reason import FinishReason
+from splitserve.base.wire_enums import EngineCoreEventType, FinishReason
 
 
 @dataclass
@@ -22,14 +21,6 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)
     client_index: int = 0
-
-
-class EngineCoreEventType(enum.IntEnum):
-    """Values equal the wire enum ``splitserve.engine.v1.EngineCoreEventType``."""
-
-    QUEUED = 1
-    SCHEDULED = 2
-    PREEMPTED = 3
 
 
 @dataclass(frozen=True)

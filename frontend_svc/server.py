@@ -20,7 +20,7 @@ import grpc
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.config import FrontendConfig
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.core_client_factory import check_core_settings, make_client
+from frontend_svc.core_client_factory import check_core_settings
 from frontend_svc.service import GENERATION_GRPC_SERVICE, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
@@ -116,18 +116,22 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
         if self.core_addresses:
             from frontend_svc.grpc_client import GrpcCoreClient
 
-            client: EngineCoreClient = GrpcCoreClient(
+            grpc_client = GrpcCoreClient(
                 self.core_addresses,
                 wait_ready_s=None,
                 tracer_provider=self.observability.tracer_provider,
                 tls=self.frontend.core_tls,
             )
-            client.add_availability_listener(lambda available: self._availability_changed(control, available))  # type: ignore[attr-defined]  # a GrpcCoreClient's
+            grpc_client.add_availability_listener(lambda available: self._availability_changed(control, available))
+            client: EngineCoreClient = grpc_client
         else:
-            client = make_client(str(resolve_model_path(self.model)), None, True, **self.core_config)
-            client.add_death_listener(control.die)  # type: ignore[attr-defined]  # an AsyncInprocClient's
+            from frontend_svc.inproc_client import AsyncInprocClient
+
+            inproc_client = AsyncInprocClient(str(model_path), **self.core_config)
+            inproc_client.add_death_listener(control.die)
             core_tracer_provider = self.observability.start_tracer_provider(tracing.CORE_TRACING_SERVICE_NAME)
-            client.observe_core(self.model_name, registry, core_tracer_provider)  # type: ignore[attr-defined]  # an AsyncInprocClient's
+            inproc_client.observe_core(self.model_name, registry, core_tracer_provider)
+            client = inproc_client
         stat_loggers: list[StatLogger] = []
         if registry is not None:
             stat_loggers.append(PrometheusStatLogger(registry, self.model_name, client.get_engine_info().max_model_len))

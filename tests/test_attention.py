@@ -11,11 +11,12 @@ import torch
 from kernels import AttentionMetadata, get_attention_backend
 from kernels.attention import cpu_ops
 from kernels.attention.selector import FALLBACK_COST
+from splitserve.base import envs
 
 
 def _cpu_backend_available() -> bool:
     try:
-        cpu_ops.load()
+        cpu_ops.load(envs.kernel_dir())
     except RuntimeError:
         return False
     return True
@@ -90,7 +91,7 @@ def test_paged_attention_matches_dense(backend_name, dtype, window):
     key = torch.cat([k[cached:] for k, (cached, _) in zip(all_keys, requests, strict=True)])
     value = torch.cat([v[cached:] for v, (cached, _) in zip(all_values, requests, strict=True)])
 
-    backend = get_attention_backend(backend_name)
+    backend = get_attention_backend(backend_name, "cpu", envs.kernel_dir())
     assert backend.name == backend_name
     out = backend.forward(query, key, value, kv_cache, metadata, head_size**-0.5, window)
 
@@ -107,7 +108,7 @@ def test_paged_attention_matches_dense(backend_name, dtype, window):
 
 def test_unknown_backend_names_the_known_ones():
     with pytest.raises(ValueError, match="torch_ref"):
-        get_attention_backend("flash")
+        get_attention_backend("flash", "cpu", envs.kernel_dir())
 
 
 def test_auto_falls_back_to_the_reference_loudly_when_the_kernel_cannot_build(tmp_path, monkeypatch, caplog):
@@ -115,7 +116,7 @@ def test_auto_falls_back_to_the_reference_loudly_when_the_kernel_cannot_build(tm
     the measured cost and the fix; ``cpu`` asked for explicitly raises."""
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     build_dir = tmp_path / "kernels"
-    with caplog.at_level("WARNING", logger="kernels.attention.backend"):
+    with caplog.at_level("WARNING", logger="kernels.attention.selector"):
         backend = get_attention_backend("auto", "cpu", build_dir)
     assert backend.name == "torch_ref"
     [record] = caplog.records

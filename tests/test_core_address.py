@@ -21,6 +21,11 @@ def test_engine_settings_with_core_address_are_refused_naming_them(checkpoint):
         "engine-core settings apply to an in-process core; with core_address they are the core's own flags: "
         "max_num_seqs, dtype"
     )
+    # An empty address is an address given: its settings are refused too, and it names no core.
+    with pytest.raises(ValueError, match="with core_address they are the core's own flags: max_num_seqs"):
+        LLM(str(checkpoint("llama")), core_address="", max_num_seqs=4)
+    with pytest.raises(ValueError, match="core_address names no core: ' , '"):
+        LLM(str(checkpoint("llama")), core_address=" , ")
 
 
 def test_a_missing_model_folder_is_named(tmp_path):

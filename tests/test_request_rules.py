@@ -1,5 +1,5 @@
 """The request checks both services make, defined once (``splitserve.base.sampling_rules``,
-``splitserve.request_rules``): the frontend's ``ValidationError`` and the core's ``InvalidRequestError`` for the
+``splitserve.base.request_rules``): the frontend's ``ValidationError`` and the core's ``InvalidRequestError`` for the
 same bad value carry the same field and the same message; error classes state their gRPC status codes."""
 
 from __future__ import annotations

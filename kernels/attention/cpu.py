@@ -20,7 +20,7 @@ from kernels.attention.torch_ref import TorchRefAttentionBackend
 class CpuAttentionBackend(TorchRefAttentionBackend):
     name = "cpu"
 
-    def __init__(self, build_dir: Path | None = None) -> None:
+    def __init__(self, build_dir: Path) -> None:
         """Loads the kernel, compiling it first if ``build_dir`` has no binary for it (``cpu_ops.load``).
 
         Raises:

@@ -44,7 +44,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUILD_DIR = Path("~/.cache/splitserve/kernels")
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _LIBRARY_PREFIX = "splitserve_cpu_"
 # -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
@@ -56,25 +55,32 @@ _COMPILE_TIMEOUT_S = 900
 _ERROR_TAIL_LINES = 20
 
 
+INSTALL_A_COMPILER = (
+    "install a C++ compiler (g++, or set CXX to one) and restart, which builds the kernel once (about 20 s)"
+)
+
+
 class KernelBuildError(RuntimeError):
     """The kernel cannot be built or loaded. ``reason`` says why in one line (no compiler, the compile failed,
     the binary did not load); ``details``, also at the end of the message, the compiler's command and last lines
-    where there are some."""
+    where there are some; ``fix``, what to do about this reason."""
 
-    def __init__(self, reason: str, details: str = "") -> None:
+    def __init__(self, reason: str, details: str = "", fix: str = INSTALL_A_COMPILER) -> None:
         super().__init__(f"{reason}\n{details}" if details else reason)
         self.reason = reason
         self.details = details
+        self.fix = fix
 
 
-def load(build_dir: Path | None = None) -> Path:
+def load(build_dir: Path) -> Path:
     """Compile (the first time for this key) and load the kernels, registering ``torch.ops.splitserve_cpu.*``.
     Once per process and folder: a later call returns the first call's result, a failure included (a failed
     build costs seconds). The ops are registered once per process; a load from a second folder builds there if
     needed but keeps the first registration.
 
     Args:
-        build_dir: where binaries are kept (created when missing); default ``~/.cache/splitserve/kernels``.
+        build_dir: where binaries are kept (created when missing); the engine core passes
+            ``$SPLITSERVE_CACHE_DIR/kernels``.
 
     Returns:
         The loaded binary's path.
@@ -89,7 +95,7 @@ def load(build_dir: Path | None = None) -> Path:
     return result
 
 
-def build(build_dir: Path | None = None) -> tuple[Path, bool]:
+def build(build_dir: Path) -> tuple[Path, bool]:
     """Compile the kernels unless a binary for this key is already in ``build_dir``, without loading them (the
     ahead-of-time build, ``splitserve build-kernels``).
 
@@ -113,7 +119,10 @@ def build(build_dir: Path | None = None) -> tuple[Path, bool]:
                 return path, False
             _compile(spec, path)
     except OSError as e:
-        raise KernelBuildError(f"cannot write the CPU attention kernel into {build_dir}: {e}") from e
+        raise KernelBuildError(
+            f"cannot write the CPU attention kernel into {build_dir}: {e}",
+            fix=f"make {build_dir} writable, or set SPLITSERVE_CACHE_DIR to a writable folder, and restart",
+        ) from e
     return path, True
 
 
@@ -129,14 +138,16 @@ def _load(build_dir: Path) -> Path | KernelBuildError:
     try:
         torch.ops.load_library(str(path))
     except OSError as e:
-        return KernelBuildError(f"cannot load the CPU attention kernel {path}: {e}")
+        return KernelBuildError(
+            f"cannot load the CPU attention kernel {path}: {e}", fix=f"remove {path}, which is then built again"
+        )
     built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
     logger.info("loaded the CPU attention kernel from %s (built %s)", path, built)
     return path
 
 
-def _resolve(build_dir: Path | None) -> Path:
-    return (build_dir or DEFAULT_BUILD_DIR).expanduser().absolute()
+def _resolve(build_dir: Path) -> Path:
+    return build_dir.expanduser().absolute()
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,8 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
                 f"compiling {_SOURCE.name} failed (exit {result.returncode}); the compiler's last lines: "
                 f"{' | '.join(tail.splitlines()[-3:])}",
                 f"command: {shlex.join(command)}\n{tail}",
+                fix="read the compiler's output (logged below); set CXX to another C++ compiler (g++ 9 or newer) "
+                "and restart",
             )
         os.replace(tmp, path)
     finally:
@@ -228,7 +241,10 @@ def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=_COMPILE_TIMEOUT_S
         )
     except subprocess.TimeoutExpired as e:
-        raise KernelBuildError(f"compiling {_SOURCE.name} took more than {_COMPILE_TIMEOUT_S} s") from e
+        raise KernelBuildError(
+            f"compiling {_SOURCE.name} took more than {_COMPILE_TIMEOUT_S} s",
+            fix="build it ahead of time, when the machine is less busy (splitserve build-kernels), and restart",
+        ) from e
     except OSError as e:  # the compiler went away since its --version answered
         raise KernelBuildError(f"cannot run the C++ compiler {command[0]}: {e}") from e
 

@@ -26,10 +26,8 @@ FALLBACK_COST = (
 )
 
 
-def get_attention_backend(
-    name: str = "auto", device: torch.device | str = "cpu", build_dir: Path | None = None
-) -> AttentionBackend:
-    """Backend by name: ``cpu`` (compiled decode kernel, built on first use into ``build_dir``, see
+def get_attention_backend(name: str, device: torch.device | str, build_dir: Path) -> AttentionBackend:
+    """Backend by name on ``device``: ``cpu`` (compiled decode kernel, built on first use into ``build_dir``, see
     ``cpu_ops.load``), ``torch_ref`` (plain torch, runs anywhere), or ``auto``: ``cpu`` on CPU when its kernel
     builds and loads, else ``torch_ref`` with a WARNING giving the reason, what the reference costs and the fix.
 
@@ -47,21 +45,21 @@ def get_attention_backend(
     return TorchRefAttentionBackend()
 
 
-def _kernel_loads(build_dir: Path | None) -> bool:
+def _kernel_loads(build_dir: Path) -> bool:
     """Load the CPU kernel; on failure log why, what the reference backend costs, and the fix."""
     try:
         cpu_ops.load(build_dir)
         return True
     except cpu_ops.KernelBuildError as e:
-        reason, details = e.reason, e.details
+        reason, details, fix = e.reason, e.details, e.fix
     except Exception as e:  # anything else the load raised: the reference still serves correctly
-        reason, details = f"{type(e).__name__}: {e}", ""
+        reason, details, fix = f"{type(e).__name__}: {e}", "", cpu_ops.INSTALL_A_COMPILER
     logger.warning(
         "the CPU attention kernel is unavailable (%s), so attention runs on the slower reference backend "
-        "'torch_ref'. Cost: %s. Fix: install a C++ compiler (g++, or set CXX to one) and restart, which builds the "
-        "kernel once (about 20 s); or pass --attention-backend torch_ref to choose the reference.",
+        "'torch_ref'. Cost: %s. Fix: %s; or pass --attention-backend torch_ref to choose the reference.",
         reason,
         FALLBACK_COST,
+        fix,
     )
     if details:
         logger.warning("the CPU attention kernel's build: %s", details)

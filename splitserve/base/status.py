@@ -3,7 +3,7 @@
 Each error class of a service says its code in a ``status_code`` class attribute (``frontend_svc/errors.py``,
 ``core_svc/errors.py``); ``status_code_of`` reads it, and ``splitserve.base.grpc_status`` turns it into a
 gRPC status. A refusal of one field carries the field as data: ``FieldError`` (raised) or ``Violation`` (what a
-shared rule returns, ``splitserve.base.sampling_rules``, ``splitserve.request_rules``); on the wire it is the
+shared rule returns, ``splitserve.base.sampling_rules``, ``splitserve.base.request_rules``); on the wire it is the
 ``field`` of ``EngineCoreOutput.error`` and, in a gRPC status, a ``google.rpc.BadRequest`` field violation.
 """
 

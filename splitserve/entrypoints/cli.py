@@ -614,9 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``splitserve ARGV``; returns the exit status: 2 and one line on stderr for an error the user can fix
     (a bad flag, a model that cannot be found, a refused setting)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    from splitserve.base.logging_config import LOG_FORMAT
+
+    logging.basicConfig(level=envs.log_level(), format=LOG_FORMAT, stream=sys.stderr)
     from core_svc.errors import EngineError
     from frontend_svc.errors import FrontendError
     from splitserve.base.model_files import ModelNotFoundError

@@ -1,4 +1,5 @@
-"""Why a request finished, as both services name it (vLLM's ``FinishReason``)."""
+"""The engine wire's enums as both services use them: why a request finished (vLLM's ``FinishReason``) and what
+happened to it in the core (vLLM's ``EngineCoreEventType``)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,11 @@ class FinishReason(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name.lower()
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """Values equal the wire enum ``splitserve.engine.v1.EngineCoreEventType``."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
