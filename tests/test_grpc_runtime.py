@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.base import grpc_runtime, metrics
+from splitserve.base.status import FieldError
 
 
 def test_an_idle_client_with_the_advertised_keepalive_is_not_sent_away():
@@ -279,6 +280,8 @@ class _ErrorsServicer:
     async def raise_(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> bytes:
         if request.service == "set code":
             context.set_code(grpc.StatusCode.NOT_FOUND)
+        if request.service == "refusal":
+            raise FieldError("top_p", "must be in (0, 1], got 1.5")
         raise RuntimeError("a bug") if request.service != "no message" else ValueError()
 
     async def raise_streaming(
@@ -320,7 +323,7 @@ def test_calls_that_fail_outside_the_handlers_error_mapping(caplog):
         await server.start()
         answers = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            for service in ("", "set code", "no message"):
+            for service in ("", "set code", "no message", "refusal"):
                 call = channel.unary_unary("/test.Errors/Raise")(
                     health_pb2.HealthCheckRequest(service=service).SerializeToString()
                 )
@@ -351,6 +354,7 @@ def test_calls_that_fail_outside_the_handlers_error_mapping(caplog):
         (grpc.StatusCode.UNKNOWN, "unexpected error in the server: a bug"),
         (grpc.StatusCode.NOT_FOUND, "unexpected error in the server: a bug"),
         (grpc.StatusCode.UNKNOWN, "unexpected error in the server"),
+        (grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be in (0, 1], got 1.5"),  # a refusal keeps its code
         (grpc.StatusCode.UNKNOWN, "unexpected error in the server: a bug"),
         *[bad_stream] * 50,
         (grpc.StatusCode.OK, "2"),

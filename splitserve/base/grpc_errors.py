@@ -1,5 +1,5 @@
 """What both servers answer for a call that fails before or outside their own error mapping: a request message
-that does not parse, and an exception no handler caught. Imports grpc only.
+that does not parse, and an exception no handler caught. Imports grpc and ``splitserve.base`` only.
 
 grpc parses a request before the handler runs. A message that does not parse (a corrupt wire format, a string
 field that is not UTF-8) used to end the call with UNKNOWN "Unexpected <class
@@ -9,8 +9,10 @@ request parser that never raises, and ends such calls itself:
 
 - a request that does not parse: INVALID_ARGUMENT, "the request is not a valid splitserve.frontend.v1.GenerateRequest:
   String field had bad UTF-8" (on a request stream, "message 3 of the request stream is not a valid ...");
-- an exception a handler let through: UNKNOWN, "unexpected error in the server: <its message>", and the traceback
-  in the log. Python class names stay in the log.
+- one of our errors that states its status code (a refusal: ``status.status_code_of``) that a handler let through:
+  that code, as ``grpc_status.abort`` sends it (with a ``FieldError``'s field violation);
+- any other exception a handler let through: UNKNOWN, "unexpected error in the server: <its message>", and the
+  traceback in the log. Python class names stay in the log.
 
 A handler of a request stream reads the stream as ``ParsedRequests``: a message that does not parse raises
 ``UndecodableRequestError`` where the handler reads it. A handler that lets it through gets INVALID_ARGUMENT; one
@@ -29,7 +31,8 @@ from typing import Any, ClassVar
 
 import grpc
 
-from splitserve.base.status import StatusCode
+from splitserve.base import grpc_status
+from splitserve.base.status import StatusCode, status_code_of
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +166,10 @@ def _guarded(behavior: Callable[..., Any], method: str, request_streaming: bool)
             if request_streaming:
                 await finish_reading(requests)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if status_code_of(error) is not StatusCode.INTERNAL and not context.done():
+            # One of our errors, with its own code (a refusal), that its handler let through: answered as the
+            # handlers answer it (``grpc_status.abort``), not as a fault of the server.
+            await grpc_status.abort(context, error)
         logger.error("unexpected error in %s", method, exc_info=error)
         if context.done():  # its status went out already
             raise error
