@@ -13,7 +13,8 @@ from splitserve.base.config_args import NOT_A_FLAG, flag
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-AttentionBackendName = Literal["auto", "cpu", "torch_ref"]  # kernels.get_attention_backend
+AttentionBackendName = Literal["auto", "cpu", "torch_ref", "triton", "flash_attn"]  # kernels.get_attention_backend
+ATTENTION_BACKEND_NAMES = ("auto", "cpu", "torch_ref", "triton", "flash_attn")
 
 # KV cache budget when neither num_kv_blocks nor kv_cache_memory_gib is given. The cache is allocated zeroed,
 # so this much memory is touched at startup; it is capped at what max_num_seqs full-length sequences can use.
@@ -78,8 +79,20 @@ class CoreConfig:
         ),
     )
     attention_backend: AttentionBackendName = field(
-        default="auto", metadata=flag("auto: the compiled CPU kernel when it builds, else the torch reference")
+        default="auto",
+        metadata=flag(
+            "auto: on CPU the compiled CPU kernel when it builds, else torch_ref; on CUDA flash_attn when the "
+            "flash-attn package imports and fits the dtype and block size, else triton"
+        ),
     )
+    # vLLM's --gpu-memory-utilization: the KV cache gets what is left of this share of the GPU's memory after the
+    # weights and a profile run of the largest step. Ignored on CPU (--kv-cache-memory-gib sizes it there).
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=flag("share of the GPU's memory the core may use: weights, activations and KV cache (CUDA only)"),
+    )
+    # vLLM's --enforce-eager: no CUDA graphs; every step runs eagerly.
+    enforce_eager: bool = field(default=False, metadata=flag("never capture CUDA graphs: every step runs eagerly"))
     # Most logprobs / prompt_logprobs a request may ask for (vLLM's default 20).
     max_logprobs: int = field(default=20, metadata=flag("cap on logprobs per request; -1: no cap"))
     served_model_name: str | None = field(
@@ -119,8 +132,12 @@ class CoreConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "cpu", "torch_ref"):
-            raise ValueError(f"attention_backend must be auto, cpu or torch_ref, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}, got {self.attention_backend!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
 
