@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
+from core_svc.device import check_device
 from core_svc.errors import (
     EngineStepError,
     EngineUnavailableError,
@@ -37,12 +38,13 @@ from core_svc.errors import (
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, format_bytes, load_hf_config, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
+from core_svc.models.arch import ModelArchConfig
 from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
-from kernels import get_attention_backend
+from kernels import AttentionSpec, get_attention_backend
 from splitserve.base import envs
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
 from splitserve.base.sampling_rules import eos_and_stop_ids
@@ -83,21 +85,26 @@ class EngineCore:
     """Loads the model, sizes the KV cache, and runs steps.
 
     Raises:
+        DeviceUnavailableError: from the constructor, first, when the device is ``cuda`` and torch cannot use a GPU.
         ModelLoadError: from the constructor, when the checkpoint cannot be served.
-        ValueError: from the constructor, when max_model_len exceeds the model's, or the KV budget holds no block.
+        ValueError: from the constructor, when max_model_len exceeds the model's, the KV budget holds no block, or
+            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``).
     """
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
-        device = torch.device(config.device)
+        self.device = check_device(config.device)  # first: a machine without CUDA fails before anything slow
+        device = self.device
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         with self.startup.phase("model files"):
             self.model_path = resolve_model_path(config.model)  # a hub id is fetched here
-        with self.startup.phase("kernel"):
-            backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir())
         with self.startup.phase("model config"):
             hf_config = load_hf_config(self.model_path)
+            arch = ModelArchConfig.from_hf_config(hf_config)  # before the kernel: the backend must fit its dtype
+        with self.startup.phase("kernel"):
+            spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
+            backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
         with self.startup.phase("weights") as phase:
             loaded = load_model(self.model_path, hf_config, dtype, device, backend)
             phase.note = format_bytes(loaded.weights_bytes)

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from core_svc.errors import InvalidRequestError, LoRANotFoundError, ModelLoadError, RequestTooLargeError
 from core_svc.request import Request
@@ -446,3 +447,56 @@ def test_a_fault_is_described_by_its_message_not_its_class():
 
     assert fault_message(RuntimeError("CUDA error: an illegal memory access")) == "CUDA error: an illegal memory access"
     assert fault_message(AssertionError()) == "an error without a message; the core's log has its traceback"
+
+
+# --- the device -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only build of torch")
+def test_device_cuda_with_a_cpu_build_of_torch_fails_first(tmp_path):
+    """Before anything slow: the model is not even looked for (a missing one would raise ModelLoadError)."""
+    from core_svc.errors import DeviceUnavailableError
+
+    with pytest.raises(DeviceUnavailableError) as info:
+        make_engine(tmp_path / "not-looked-for", device="cuda")
+    assert str(info.value) == (
+        f"--device cuda: this torch ({torch.__version__}) is a CPU-only build (torch.version.cuda is None); install "
+        'torch\'s CUDA build for your driver (README.md, "Running on a GPU"), e.g. pip install torch --index-url '
+        "https://download.pytorch.org/whl/cu128"
+    )
+
+
+def test_device_cuda_with_no_gpu_visible_says_where_to_look(tmp_path, monkeypatch):
+    """A CUDA build that sees no GPU; which torch is installed and whether a GPU is visible can only be mocked."""
+    from core_svc.errors import DeviceUnavailableError
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(DeviceUnavailableError) as info:
+        make_engine(tmp_path / "not-looked-for", device="cuda")
+    message = str(info.value)
+    assert message.startswith(
+        f"--device cuda: torch {torch.__version__} is built for CUDA 12.8 but sees no GPU (CUDA_VISIBLE_DEVICES is "
+        "''). Check that nvidia-smi lists a GPU"
+    )
+    assert "docker run --gpus all" in message and "nvidia.com/gpu" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_splitserve_core_on_cuda_without_cuda_is_a_one_line_error(checkpoint):
+    """The real command, on this machine: exit 2, one line on stderr, no traceback, nothing started."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "splitserve.entrypoints.cli", "core", str(checkpoint("llama")), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    reason = "a CPU-only build" if torch.version.cuda is None else "sees no GPU"
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda: ") and reason in lines[0], result.stderr
+    assert result.stdout == ""
