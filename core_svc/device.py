@@ -1,4 +1,5 @@
-"""The device the core runs on: checked at startup, before anything slow, with the fix when torch cannot use it."""
+"""The device the core runs on: checked at startup, before anything slow, with the fix when torch cannot use it;
+its allocator's cache released after an out-of-memory step."""
 
 from __future__ import annotations
 
@@ -40,3 +41,10 @@ def check_device(name: str) -> torch.device:
             "run --gpus all / the NVIDIA Container Toolkit; a nvidia.com/gpu limit in Kubernetes)"
         )
     return device
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give the caching allocator's unused blocks back (``torch.cuda.empty_cache`` on CUDA; nothing on CPU), so
+    that the next step starts from what is really in use rather than from a fragmented cache."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -9,7 +9,9 @@ one batched forward cannot say which row failed, a retry would re-run seeded sam
 may already have advanced, and the usual faults (device errors, out of memory) either poison every later step
 or depend on the batch, not on one request. ``CoreConfig.max_consecutive_failed_steps`` failed steps in a row
 mean the engine itself is broken: the core is declared dead, every other request ends with
-``EngineUnavailableError`` (UNAVAILABLE), and ``step`` / ``add_request`` raise it from then on.
+``EngineUnavailableError`` (UNAVAILABLE), and ``step`` / ``add_request`` raise it from then on. The exception is
+running out of device memory: the step's requests end with ``StepOutOfMemoryError`` (RESOURCE_EXHAUSTED, naming
+the settings to lower), the allocator's cache is emptied, and the step does not count as a failed one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
-from core_svc.device import check_device
+from core_svc.device import check_device, release_cached_memory
 from core_svc.errors import (
     EngineStepError,
     EngineUnavailableError,
@@ -33,6 +35,7 @@ from core_svc.errors import (
     LoRANotFoundError,
     ProfileStateError,
     RequestTooLargeError,
+    StepOutOfMemoryError,
     fault_message,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
@@ -211,6 +214,9 @@ class EngineCore:
     def _fail_step(self, scheduler_output: SchedulerOutput, cause: Exception) -> EngineCoreOutputs:
         """The model runner raised ``cause`` running ``scheduler_output``: fail the step's requests, forget them
         in the runner; declare the core dead after too many failed steps in a row."""
+        # torch.cuda.OutOfMemoryError is torch.OutOfMemoryError (any device's) from torch 2.5 on; 2.4 has only this.
+        if isinstance(cause, torch.cuda.OutOfMemoryError):
+            return self._fail_step_out_of_memory(scheduler_output, cause)
         self.num_consecutive_failed_steps += 1
         failed_ids = list(scheduler_output.num_scheduled_tokens)
         limit = self.config.max_consecutive_failed_steps
@@ -235,6 +241,42 @@ class EngineCore:
             logger.critical("%s; ending the %d other request(s) with UNAVAILABLE", self.dead_error, len(others))
             outputs += self.scheduler.fail_requests(others, self.dead_error)
             self.model_runner.remove_requests(others)
+        return self.scheduler.make_outputs(outputs)
+
+    def _fail_step_out_of_memory(
+        self, scheduler_output: SchedulerOutput, cause: torch.cuda.OutOfMemoryError
+    ) -> EngineCoreOutputs:
+        """The device ran out of memory running ``scheduler_output``: its requests end with
+        ``StepOutOfMemoryError`` (RESOURCE_EXHAUSTED, naming the settings to lower), their blocks go back, the
+        allocator's cache is emptied, and the core goes on.
+
+        Not counted toward ``max_consecutive_failed_steps``: an out-of-memory depends on the batch (its tokens,
+        its sequences' lengths), not on a broken device, and the next batches are other ones (these requests are
+        gone); every later step that fits the memory succeeds. Killing the core would fail every other request
+        and the restarted core would meet the same load with the same settings.
+        """
+        failed_ids = list(scheduler_output.num_scheduled_tokens)
+        config = self.config
+        settings = (
+            f"lower --max-num-batched-tokens (now {config.max_num_batched_tokens}), --max-num-seqs (now "
+            f"{config.max_num_seqs}) or --gpu-memory-utilization (now {config.gpu_memory_utilization}) of the core"
+        )
+        logger.error(
+            "the device ran out of memory running a step of %d request(s) and %d tokens, which end with "
+            "RESOURCE_EXHAUSTED; the core goes on (not counted as a failed step). To avoid it, %s: %s",
+            len(failed_ids),
+            scheduler_output.total_num_scheduled_tokens,
+            settings,
+            ", ".join(failed_ids),
+            exc_info=cause,
+        )
+        error = StepOutOfMemoryError(
+            f"the engine core ran out of device memory running a step of {len(failed_ids)} request(s) and "
+            f"{scheduler_output.total_num_scheduled_tokens} tokens with this one; to avoid it, {settings}"
+        )
+        self.model_runner.remove_requests([*failed_ids, *scheduler_output.finished_req_ids])
+        outputs = self.scheduler.fail_step(scheduler_output, error)
+        release_cached_memory(self.device)
         return self.scheduler.make_outputs(outputs)
 
     @property

@@ -75,3 +75,11 @@ class DeviceUnavailableError(EngineError):
     Raised at startup, before the model is read; UNAVAILABLE (this core cannot serve)."""
 
     status_code: ClassVar[StatusCode] = StatusCode.UNAVAILABLE
+
+
+class StepOutOfMemoryError(EngineError):
+    """The device ran out of memory running a step (``torch.OutOfMemoryError``). Every request of that step ends
+    with it and the core goes on with the others: RESOURCE_EXHAUSTED, a limit of this core's settings, which the
+    message names (fewer tokens or sequences per step, or a smaller memory share)."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.RESOURCE_EXHAUSTED
