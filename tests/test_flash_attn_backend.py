@@ -52,17 +52,18 @@ def _attend(q, k_cache, v_cache, table, seqlen_k: int, scale: float, window_size
     seqlen_q, num_heads, _ = q.shape
     page = k_cache.shape[1]
     group = num_heads // k_cache.shape[2]
+    # The sequence's keys and values in position order, page by page: [seqlen_k, Hkv, D].
+    num_pages = -(seqlen_k // -page)
+    k_all = torch.cat([k_cache[int(table[p])] for p in range(num_pages)])[:seqlen_k].double()
+    v_all = torch.cat([v_cache[int(table[p])] for p in range(num_pages)])[:seqlen_k].double()
     out = torch.zeros(q.shape, dtype=torch.float64)
     left, _ = window_size
     for i in range(seqlen_q):
         pos = i + seqlen_k - seqlen_q
-        lo = 0 if left < 0 else max(pos - left, 0)
-        keys = list(range(lo, min(pos, seqlen_k - 1) + 1))
-        if not keys:
+        lo, hi = (0 if left < 0 else max(pos - left, 0)), min(pos, seqlen_k - 1)
+        if hi < lo:
             continue
-        blocks = [int(table[j // page]) for j in keys]
-        k = torch.stack([k_cache[b, j % page] for b, j in zip(blocks, keys, strict=True)]).double()  # [n, Hkv, D]
-        v = torch.stack([v_cache[b, j % page] for b, j in zip(blocks, keys, strict=True)]).double()
+        k, v = k_all[lo : hi + 1], v_all[lo : hi + 1]  # [n, Hkv, D]
         for h in range(num_heads):
             scores = (k[:, h // group] @ q[i, h].double()) * scale  # [n]
             weights = torch.exp(scores - scores.max())
