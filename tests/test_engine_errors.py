@@ -502,6 +502,17 @@ def test_splitserve_core_on_cuda_without_cuda_is_a_one_line_error(checkpoint):
     assert result.stdout == ""
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "x"]])
+def test_serve_and_generate_on_cuda_without_cuda_fail_before_the_model(tmp_path, capsys, command):
+    """The in-process core's commands check the device before looking for the model (which does not exist)."""
+    from splitserve.entrypoints.cli import main
+
+    assert main([*command, "--model", str(tmp_path / "missing"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cuda: ") and err.count("\n") == 1 and "missing" not in err
+
+
 # --- running out of device memory in a step --------------------------------------------------------------------
 
 
