@@ -97,8 +97,7 @@ class EngineCore:
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
-        self.device = check_device(config.device)  # first: a machine without CUDA fails before anything slow
-        device = self.device
+        self.device = device = check_device(config.device)  # first: without CUDA, fail before anything slow
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         with self.startup.phase("model files"):
             self.model_path = resolve_model_path(config.model)  # a hub id is fetched here
