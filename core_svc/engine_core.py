@@ -9,7 +9,9 @@ one batched forward cannot say which row failed, a retry would re-run seeded sam
 may already have advanced, and the usual faults (device errors, out of memory) either poison every later step
 or depend on the batch, not on one request. ``CoreConfig.max_consecutive_failed_steps`` failed steps in a row
 mean the engine itself is broken: the core is declared dead, every other request ends with
-``EngineUnavailableError`` (UNAVAILABLE), and ``step`` / ``add_request`` raise it from then on.
+``EngineUnavailableError`` (UNAVAILABLE), and ``step`` / ``add_request`` raise it from then on. The exception is
+running out of device memory: the step's requests end with ``StepOutOfMemoryError`` (RESOURCE_EXHAUSTED, naming
+the settings to lower), the allocator's cache is emptied, and the step does not count as a failed one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
+from core_svc.device import check_device, release_cached_memory
 from core_svc.errors import (
     EngineStepError,
     EngineUnavailableError,
@@ -32,17 +35,19 @@ from core_svc.errors import (
     LoRANotFoundError,
     ProfileStateError,
     RequestTooLargeError,
+    StepOutOfMemoryError,
     fault_message,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, format_bytes, load_hf_config, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner
+from core_svc.models.arch import ModelArchConfig
 from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
-from kernels import get_attention_backend
+from kernels import AttentionSpec, get_attention_backend
 from splitserve.base import envs
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
 from splitserve.base.sampling_rules import eos_and_stop_ids
@@ -83,21 +88,25 @@ class EngineCore:
     """Loads the model, sizes the KV cache, and runs steps.
 
     Raises:
+        DeviceUnavailableError: from the constructor, first, when the device is ``cuda`` and torch cannot use a GPU.
         ModelLoadError: from the constructor, when the checkpoint cannot be served.
-        ValueError: from the constructor, when max_model_len exceeds the model's, or the KV budget holds no block.
+        ValueError: from the constructor, when max_model_len exceeds the model's, the KV budget holds no block, or
+            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``).
     """
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
-        device = torch.device(config.device)
+        self.device = device = check_device(config.device)  # first: without CUDA, fail before anything slow
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         with self.startup.phase("model files"):
             self.model_path = resolve_model_path(config.model)  # a hub id is fetched here
-        with self.startup.phase("kernel"):
-            backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir())
         with self.startup.phase("model config"):
             hf_config = load_hf_config(self.model_path)
+            arch = ModelArchConfig.from_hf_config(hf_config)  # before the kernel: the backend must fit its dtype
+        with self.startup.phase("kernel"):
+            spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
+            backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
         with self.startup.phase("weights") as phase:
             loaded = load_model(self.model_path, hf_config, dtype, device, backend)
             phase.note = format_bytes(loaded.weights_bytes)
@@ -204,6 +213,9 @@ class EngineCore:
     def _fail_step(self, scheduler_output: SchedulerOutput, cause: Exception) -> EngineCoreOutputs:
         """The model runner raised ``cause`` running ``scheduler_output``: fail the step's requests, forget them
         in the runner; declare the core dead after too many failed steps in a row."""
+        # torch.cuda.OutOfMemoryError is torch.OutOfMemoryError (any device's) from torch 2.5 on; 2.4 has only this.
+        if isinstance(cause, torch.cuda.OutOfMemoryError):
+            return self._fail_step_out_of_memory(scheduler_output, cause)
         self.num_consecutive_failed_steps += 1
         failed_ids = list(scheduler_output.num_scheduled_tokens)
         limit = self.config.max_consecutive_failed_steps
@@ -228,6 +240,42 @@ class EngineCore:
             logger.critical("%s; ending the %d other request(s) with UNAVAILABLE", self.dead_error, len(others))
             outputs += self.scheduler.fail_requests(others, self.dead_error)
             self.model_runner.remove_requests(others)
+        return self.scheduler.make_outputs(outputs)
+
+    def _fail_step_out_of_memory(
+        self, scheduler_output: SchedulerOutput, cause: torch.cuda.OutOfMemoryError
+    ) -> EngineCoreOutputs:
+        """The device ran out of memory running ``scheduler_output``: its requests end with
+        ``StepOutOfMemoryError`` (RESOURCE_EXHAUSTED, naming the settings to lower), their blocks go back, the
+        allocator's cache is emptied, and the core goes on.
+
+        Not counted toward ``max_consecutive_failed_steps``: an out-of-memory depends on the batch (its tokens,
+        its sequences' lengths), not on a broken device, and the next batches are other ones (these requests are
+        gone); every later step that fits the memory succeeds. Killing the core would fail every other request
+        and the restarted core would meet the same load with the same settings.
+        """
+        failed_ids = list(scheduler_output.num_scheduled_tokens)
+        config = self.config
+        settings = (
+            f"lower --max-num-batched-tokens (now {config.max_num_batched_tokens}), --max-num-seqs (now "
+            f"{config.max_num_seqs}) or --gpu-memory-utilization (now {config.gpu_memory_utilization}) of the core"
+        )
+        logger.error(
+            "the device ran out of memory running a step of %d request(s) and %d tokens, which end with "
+            "RESOURCE_EXHAUSTED; the core goes on (not counted as a failed step). To avoid it, %s: %s",
+            len(failed_ids),
+            scheduler_output.total_num_scheduled_tokens,
+            settings,
+            ", ".join(failed_ids),
+            exc_info=cause,
+        )
+        error = StepOutOfMemoryError(
+            f"the engine core ran out of device memory running a step of {len(failed_ids)} request(s) and "
+            f"{scheduler_output.total_num_scheduled_tokens} tokens with this one; to avoid it, {settings}"
+        )
+        self.model_runner.remove_requests([*failed_ids, *scheduler_output.finished_req_ids])
+        outputs = self.scheduler.fail_step(scheduler_output, error)
+        release_cached_memory(self.device)
         return self.scheduler.make_outputs(outputs)
 
     @property

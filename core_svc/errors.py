@@ -68,3 +68,18 @@ def fault_message(error: BaseException) -> str:
     """What a status says of an exception the core did not raise on purpose (a fault of torch, a bug): its
     message, never its Python class, which the log has, with the traceback."""
     return str(error) or "an error without a message; the core's log has its traceback"
+
+
+class DeviceUnavailableError(EngineError):
+    """``--device cuda`` where torch cannot use a GPU: a CPU build of torch, or no GPU visible to the process.
+    Raised at startup, before the model is read; UNAVAILABLE (this core cannot serve)."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.UNAVAILABLE
+
+
+class StepOutOfMemoryError(EngineError):
+    """The device ran out of memory running a step (``torch.OutOfMemoryError``). Every request of that step ends
+    with it and the core goes on with the others: RESOURCE_EXHAUSTED, a limit of this core's settings, which the
+    message names (fewer tokens or sequences per step, or a smaller memory share)."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.RESOURCE_EXHAUSTED

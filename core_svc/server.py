@@ -4,7 +4,8 @@ Health: "" (liveness) is SERVING while the process runs; ``splitserve.engine.v1.
 NOT_SERVING until the model is loaded and from SIGTERM on. On SIGTERM the core stops admitting,
 lets in-flight requests finish for up to ``shutdown_timeout_s``, aborts what is left, and exits 0.
 
-A step whose model runner raises fails only its own requests (INTERNAL); the core keeps serving. If the engine
+A step whose model runner raises fails only its own requests (INTERNAL; RESOURCE_EXHAUSTED when the device ran
+out of memory, which never counts toward declaring the core dead); the core keeps serving. If the engine
 core dies (declared dead after ``max_consecutive_failed_steps`` failed steps in a row, or any fault outside the
 model runner), its requests end with UNAVAILABLE, readiness goes NOT_SERVING, and the process exits 1 without a
 drain, for its supervisor to restart it.

@@ -1,8 +1,7 @@
-# splitserve engine core. CPU by default; for GPUs, build on a CUDA image that already has torch:
-#   docker build -f docker/core.Dockerfile \
-#     --build-arg BASE_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime --build-arg TORCH_SPEC= .
-# (docker-compose.gpu.yml does this.) The CPU variant installs torch's CPU wheel and g++ for the CPU
-# attention kernel, which the image compiles for the build machine's CPU (see below).
+# splitserve engine core on CPUs; for NVIDIA GPUs, docker/core-cuda.Dockerfile (docker-compose.gpu.yml and the
+# k8s gpu overlay use it). This one installs torch's CPU wheel and g++ for the CPU attention kernel, which the
+# image compiles for the build machine's CPU (see below). BASE_IMAGE / TORCH_SPEC / TORCH_INDEX_URL pick another
+# Python image or torch build (TORCH_SPEC empty: the base image's torch).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 

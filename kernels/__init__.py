@@ -1,11 +1,12 @@
 """Attention and KV-store kernels behind one backend interface. Imports nothing of the project's.
 
 ``get_attention_backend(name)`` returns a backend: on CPU the default (``auto``) is ``cpu``, the compiled decode
-kernel, and ``torch_ref`` (plain torch, runs everywhere) when that kernel cannot be built. Other backends plug in
-through the same ``AttentionBackend`` interface.
+kernel, and ``torch_ref`` (plain torch, runs everywhere) when that kernel cannot be built; on CUDA ``flash_attn``
+(the optional flash-attn package) when it imports and fits the model's ``AttentionSpec``, else ``triton``. Other
+backends plug in through the same ``AttentionBackend`` interface.
 """
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata
-from kernels.attention.selector import get_attention_backend
+from kernels.attention.selector import AttentionSpec, get_attention_backend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "get_attention_backend"]

@@ -426,14 +426,74 @@ def test_images_and_compose_agree_with_the_cli(name):
     assert job["dns_sd_configs"][0] == {**job["dns_sd_configs"][0], "names": [name], "port": parsed.metrics_port}
 
 
+def dockerfile_args(instructions: dict[str, list[str]]) -> dict[str, str | None]:
+    """The ``ARG`` names of a Dockerfile, with their defaults (None: none)."""
+    args: dict[str, str | None] = {}
+    for arg in instructions["ARG"]:
+        name, _, default = arg.partition("=")
+        args[name] = yaml.safe_load(default) if default else None
+    return args
+
+
+def test_the_cuda_image_runs_the_core_on_a_gpu_with_its_kernels_kept():
+    """docker/core-cuda.Dockerfile: PyTorch's CUDA runtime image (its -devel twin only for flash-attn, off by
+    default), the core on cuda in bfloat16 with vLLM's memory share, Triton's cache on the models volume, and the
+    CPU image's ports, user and health check."""
+    cuda = dockerfile_instructions(ROOT / "docker" / "core-cuda.Dockerfile")
+    cpu = dockerfile_instructions(ROOT / "docker" / "core.Dockerfile")
+    for key in ("ENTRYPOINT", "EXPOSE", "USER", "HEALTHCHECK", "VOLUME"):
+        assert cuda[key] == cpu[key], key
+    cmd = parse(json_array(cuda["CMD"][0]))
+    assert (cmd.device, cmd.dtype, cmd.gpu_memory_utilization) == ("cuda", "bfloat16", 0.9)
+    differ = ("device", "dtype", "gpu_memory_utilization")
+    assert {k: v for k, v in vars(cmd).items() if k not in differ} == {
+        k: v for k, v in vars(parse(json_array(cpu["CMD"][0]))).items() if k not in differ
+    }
+    args = dockerfile_args(cuda)
+    base, devel = args["BASE_IMAGE"], args["DEVEL_IMAGE"]
+    assert isinstance(base, str) and isinstance(devel, str)
+    assert re.fullmatch(r"pytorch/pytorch:[0-9.]+-cuda[0-9.]+-cudnn[0-9]+-runtime", base), base
+    assert devel == base.removesuffix("-runtime") + "-devel"  # the same torch, CUDA and Python
+    assert args["FLASH_ATTN"] == 0
+    stages = dict(line.split(" AS ")[::-1] for line in cuda["FROM"] if " AS " in line)
+    assert stages == {
+        "flash-attn-1": "${DEVEL_IMAGE}",
+        "flash-attn-0": "${BASE_IMAGE}",
+        "wheels": "flash-attn-${FLASH_ATTN}",
+    }
+    assert cuda["FROM"][-1] == "${BASE_IMAGE}"  # the image itself: no compilers' image under it
+    env = dict(re.findall(r"([A-Z_]+)=(\S+)", " ".join(cuda["ENV"])))
+    volume = json_array(cuda["VOLUME"][0])[0]
+    assert env["TRITON_CACHE_DIR"].startswith(volume + "/") and env["SPLITSERVE_CACHE_DIR"] == volume
+    for variable in env:
+        assert variable.startswith(("PYTHON", "PIP_", "TRITON_")) or ENV_PATTERN.match(variable), variable
+
+
 def test_gpu_override_runs_the_core_on_cuda():
     override = yaml.safe_load(COMPOSE_FILES[1].read_text())["services"]["core"]
-    assert parse(override["command"]).device == "cuda"
+    assert override["build"]["dockerfile"] == "docker/core-cuda.Dockerfile"
+    cuda = dockerfile_instructions(ROOT / "docker" / "core-cuda.Dockerfile")
+    assert override["command"] == json_array(cuda["CMD"][0])  # what the CUDA image runs
+    assert set(override["build"]["args"]) <= set(dockerfile_args(cuda))
+    assert override["build"]["args"]["FLASH_ATTN"] == "${FLASH_ATTN:-0}"  # off unless asked for
     assert override["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert override["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1
     base = yaml.safe_load(COMPOSE_FILES[0].read_text())["services"]["core"]["command"]
-    assert {k: v for k, v in vars(parse(override["command"])).items() if k not in ("device", "dtype")} == {
-        k: v for k, v in vars(parse(base)).items() if k not in ("device", "dtype")
+    differ = ("device", "dtype", "gpu_memory_utilization")
+    assert {k: v for k, v in vars(parse(override["command"])).items() if k not in differ} == {
+        k: v for k, v in vars(parse(base)).items() if k not in differ
     }
+
+
+def test_the_kubernetes_gpu_overlay_runs_the_cuda_image_as_it_is_built():
+    docs = rendered("gpu")
+    core = container(docs, "StatefulSet", "splitserve-core")
+    assert core["image"] == "splitserve/core:0.1.0-cuda"
+    cuda = dockerfile_instructions(ROOT / "docker" / "core-cuda.Dockerfile")
+    assert core["args"] == json_array(cuda["CMD"][0])
+    assert core["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    tolerations = by_kind(docs, "StatefulSet", "splitserve-core")["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
 
 
 # --- the shapes as processes --------------------------------------------------------------------------------

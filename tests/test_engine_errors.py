@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from core_svc.errors import InvalidRequestError, LoRANotFoundError, ModelLoadError, RequestTooLargeError
 from core_svc.request import Request
@@ -446,3 +447,152 @@ def test_a_fault_is_described_by_its_message_not_its_class():
 
     assert fault_message(RuntimeError("CUDA error: an illegal memory access")) == "CUDA error: an illegal memory access"
     assert fault_message(AssertionError()) == "an error without a message; the core's log has its traceback"
+
+
+# --- the device -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only build of torch")
+def test_device_cuda_with_a_cpu_build_of_torch_fails_first(tmp_path):
+    """Before anything slow: the model is not even looked for (a missing one would raise ModelLoadError)."""
+    from core_svc.errors import DeviceUnavailableError
+
+    with pytest.raises(DeviceUnavailableError) as info:
+        make_engine(tmp_path / "not-looked-for", device="cuda")
+    assert str(info.value) == (
+        f"--device cuda: this torch ({torch.__version__}) is a CPU-only build (torch.version.cuda is None); install "
+        'torch\'s CUDA build for your driver (README.md, "Running on a GPU"), e.g. pip install torch --index-url '
+        "https://download.pytorch.org/whl/cu128"
+    )
+
+
+def test_device_cuda_with_no_gpu_visible_says_where_to_look(tmp_path, monkeypatch):
+    """A CUDA build that sees no GPU; which torch is installed and whether a GPU is visible can only be mocked."""
+    from core_svc.errors import DeviceUnavailableError
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(DeviceUnavailableError) as info:
+        make_engine(tmp_path / "not-looked-for", device="cuda")
+    message = str(info.value)
+    assert message.startswith(
+        f"--device cuda: torch {torch.__version__} is built for CUDA 12.8 but sees no GPU (CUDA_VISIBLE_DEVICES is "
+        "''). Check that nvidia-smi lists a GPU"
+    )
+    assert "docker run --gpus all" in message and "nvidia.com/gpu" in message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_splitserve_core_on_cuda_without_cuda_is_a_one_line_error(checkpoint):
+    """The real command, on this machine: exit 2, one line on stderr, no traceback, nothing started."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "splitserve.entrypoints.cli", "core", str(checkpoint("llama")), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    reason = "a CPU-only build" if torch.version.cuda is None else "sees no GPU"
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda: ") and reason in lines[0], result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "x"]])
+def test_serve_and_generate_on_cuda_without_cuda_fail_before_the_model(tmp_path, capsys, command):
+    """The in-process core's commands check the device before looking for the model (which does not exist)."""
+    from splitserve.entrypoints.cli import main
+
+    assert main([*command, "--model", str(tmp_path / "missing"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cuda: ") and err.count("\n") == 1 and "missing" not in err
+
+
+# --- running out of device memory in a step --------------------------------------------------------------------
+
+
+def out_of_memory_for_poisoned_batches(monkeypatch) -> None:
+    """Every forward whose batch holds a request whose prompt starts with POISON_TOKEN_ID raises
+    ``torch.OutOfMemoryError``, as the CUDA caching allocator does."""
+    from core_svc.models.llama import LlamaForCausalLM
+    from tests.faulty_core import POISON_TOKEN_ID
+
+    forward = LlamaForCausalLM.forward
+
+    def patched(self, input_ids, positions, *args):
+        if bool((input_ids[positions == 0] == POISON_TOKEN_ID).any()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return forward(self, input_ids, positions, *args)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", patched)
+
+
+def test_out_of_memory_fails_only_its_step_with_resource_exhausted_and_never_kills_the_core(checkpoint, monkeypatch):
+    """A step that runs out of memory ends its own requests with RESOURCE_EXHAUSTED naming the settings to lower;
+    their blocks come back; a request waiting meanwhile and later ones run as without the fault; and more such
+    steps in a row than max_consecutive_failed_steps leave the core alive."""
+    from splitserve.base.grpc_status import grpc_status_code as status_code
+    from tests.faulty_core import POISON_TOKEN_ID
+
+    a_prompt, c_prompt = list(range(20, 51)), list(range(100, 120))
+    p_prompt = [POISON_TOKEN_ID, *range(60, 99)]  # 40 tokens
+    reference = make_engine(checkpoint("llama"), num_kv_blocks=33)
+    c_alone, _ = generate_alone(reference, "c", c_prompt)
+    later_alone, _ = generate_alone(reference, "later", list(range(200, 230)))
+
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=33, max_num_seqs=2, max_consecutive_failed_steps=2)
+    kv = engine.scheduler.kv_cache_manager
+    out_of_memory_for_poisoned_batches(monkeypatch)
+    engine.add_request(request("a", a_prompt, **GREEDY))
+    engine.step()  # a's prefill
+    engine.add_request(request("p", p_prompt, **GREEDY))
+    engine.add_request(request("c", c_prompt, **GREEDY))  # waits: max_num_seqs=2
+    failed = engine.step()  # a's decode (1 token) and p's prefill (40) in one batch, out of memory
+    assert {o.request_id for o in failed.outputs} == {"a", "p"} == failed.finished_requests
+    for output in failed.outputs:
+        assert str(output.finish_reason) == "error" and output.new_token_ids == []
+        assert status_code(output.error).name == "RESOURCE_EXHAUSTED"
+        assert str(output.error) == (
+            "the engine core ran out of device memory running a step of 2 request(s) and 41 tokens with this one; "
+            "to avoid it, lower --max-num-batched-tokens (now 2048), --max-num-seqs (now 2) or "
+            "--gpu-memory-utilization (now 0.9) of the core"
+        )
+    assert engine.dead_error is None and engine.num_consecutive_failed_steps == 0
+    assert kv.num_free_blocks == 32 and not engine.model_runner.requests
+
+    c_tokens = []
+    while engine.has_unfinished_requests():
+        c_tokens += [t for o in engine.step().outputs for t in o.new_token_ids]
+    assert c_tokens == c_alone
+
+    # Three such steps in a row ((p0, p1), (p2, p3), p4: max_num_seqs=2), where two failed steps of another kind
+    # would end the core.
+    for i in range(5):
+        engine.add_request(request(f"p{i}", [POISON_TOKEN_ID, 5 + i, 6], **GREEDY))
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(sorted((o.request_id, status_code(o.error).name) for o in engine.step().outputs))
+    assert steps == [
+        [("p0", "RESOURCE_EXHAUSTED"), ("p1", "RESOURCE_EXHAUSTED")],
+        [("p2", "RESOURCE_EXHAUSTED"), ("p3", "RESOURCE_EXHAUSTED")],
+        [("p4", "RESOURCE_EXHAUSTED")],
+    ]
+    assert engine.dead_error is None and engine.num_consecutive_failed_steps == 0 and kv.num_free_blocks == 32
+    assert generate_alone(engine, "later", list(range(200, 230)))[0] == later_alone
+
+
+def test_out_of_memory_empties_the_allocators_cache_on_cuda_only(monkeypatch):
+    """torch.cuda.empty_cache can only be observed, on a machine without CUDA, by replacing it."""
+    from core_svc.device import release_cached_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    release_cached_memory(torch.device("cpu"))
+    assert calls == []
+    release_cached_memory(torch.device("cuda"))
+    assert calls == ["empty_cache"]

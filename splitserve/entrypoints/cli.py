@@ -50,6 +50,18 @@ def core_config_from_args(args: argparse.Namespace, model: str) -> Any:
     return CoreConfig(model=model, **config_kwargs_from_args(args, CoreConfig))
 
 
+def check_device_arg(args: argparse.Namespace) -> None:
+    """``--device cuda`` where torch cannot use a GPU fails here, before anything slow (the model, the demo, the
+    server), as a one-line error (``core_svc.device.check_device``; the engine core checks again).
+
+    Raises:
+        DeviceUnavailableError: a CPU build of torch, or no GPU visible; the message says which and the fix.
+    """
+    from core_svc.device import check_device
+
+    check_device(args.device)
+
+
 def resolve_model_arg(model: str | None, build_demo: bool = True) -> str:
     """MODEL or ``--model``, else ``SPLITSERVE_MODEL``, else the demo model (built on first use when
     ``build_demo``). A model given is checked at once (``model_files.check_model``): a local folder must exist and
@@ -137,6 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Bad flags fail before the model loads; the model's defaults can only be checked with it.
     check_generation_config(args.generation_config)
     sampling_params_with_defaults(explicit, {})
+    check_device_arg(args)
     prompts = args.prompt or ["Hello, my name is"]
     model = resolve_model_arg(args.model)
     with LLM(model, generation_config=args.generation_config, **core_kwargs_from_args(args)) as llm:
@@ -335,6 +348,7 @@ def cmd_core(args: argparse.Namespace) -> int:
         raise ValueError("--profile-dir is where StartProfile writes: it needs --enable-admin-rpcs")
     options = server_options_from_args(args)
     admin = AdminPolicy.enabled_with(args.profile_dir) if args.enable_admin_rpcs else AdminPolicy()
+    check_device_arg(args)
     config = core_config_from_args(args, resolve_model_arg(args.model))
     return asyncio.run(serve_core(config, options, admin))
 
@@ -383,6 +397,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     frontend = frontend_config_from_args(args)
     check_generation_config(frontend.generation_config)  # not only once the model has loaded
     options = server_options_from_args(args)
+    check_device_arg(args)
     # One --served-model-name: the in-process core's metrics report the model by the same name.
     core_config = {**core_kwargs_from_args(args), "served_model_name": frontend.served_model_name}
     return asyncio.run(serve_frontend(resolve_model_arg(args.model), None, options, frontend, **core_config))
