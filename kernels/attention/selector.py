@@ -1,11 +1,16 @@
 """Choosing an attention backend by name (as vLLM's ``vllm/attention/selector.py``): the interface lives in
 ``backend``, each backend in its own module, and only this module imports them all, so every file imports
 downward.
+
+``triton`` (``triton_attn``) is the GPU backend: Triton kernels (OpenAI's Python-embedded GPU kernel language,
+compiled on first use per shape class) for the KV write and for one-launch paged attention of mixed batches. Its
+module is imported only when it is chosen, so a CPU core never imports triton.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -17,7 +22,10 @@ from kernels.attention.torch_ref import TorchRefAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "cpu", "torch_ref")
+# The same names as core_svc.config.ATTENTION_BACKEND_NAMES (kernels may not import core_svc; a test compares them).
+BACKEND_NAMES = ("auto", "cpu", "torch_ref", "triton", "flash_attn")
+# Values of TRITON_INTERPRET that Triton reads as true.
+_TRUE_VALUES = ("1", "true", "yes", "on")
 # What falling back from the kernel to the reference costs, measured by ``python -m benchmarks.decode_attention
 # --model <small checkpoint>`` on 2 cores (docs/benchmarks.md#decode-attention-kernel-and-reference).
 FALLBACK_COST = (
@@ -28,21 +36,53 @@ FALLBACK_COST = (
 
 def get_attention_backend(name: str, device: torch.device | str, build_dir: Path) -> AttentionBackend:
     """Backend by name on ``device``: ``cpu`` (compiled decode kernel, built on first use into ``build_dir``, see
-    ``cpu_ops.load``), ``torch_ref`` (plain torch, runs anywhere), or ``auto``: ``cpu`` on CPU when its kernel
-    builds and loads, else ``torch_ref`` with a WARNING giving the reason, what the reference costs and the fix.
+    ``cpu_ops.load``), ``torch_ref`` (plain torch, runs anywhere), ``triton`` (Triton kernels: on CUDA, or on CPU
+    in Triton's interpreter when ``TRITON_INTERPRET=1``, slowly, for tests), or ``auto``: ``triton`` on CUDA;
+    on CPU ``cpu`` when its kernel builds and loads, else ``torch_ref`` with a WARNING giving the reason, what the
+    reference costs and the fix; ``torch_ref`` on other devices.
 
     Raises:
         ValueError: an unknown name.
         RuntimeError: ``cpu`` asked for explicitly and its kernel cannot be built or loaded
-            (``cpu_ops.KernelBuildError``, whose message ends with the compiler's output).
+            (``cpu_ops.KernelBuildError``, whose message ends with the compiler's output); ``triton`` on a device
+            it cannot run on, or without the triton package; ``flash_attn``, not available in this build.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+    device_type = torch.device(device).type
     if name == "auto":
-        name = "torch_ref" if torch.device(device).type != "cpu" or not _kernel_loads(build_dir) else "cpu"
+        if device_type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if device_type == "cpu" and _kernel_loads(build_dir) else "torch_ref"
+    if name == "triton":
+        return _triton_backend(torch.device(device))
+    if name == "flash_attn":
+        raise RuntimeError("the flash_attn attention backend is not available in this build; use triton on CUDA")
     if name == "cpu":
         return CpuAttentionBackend(build_dir)
     return TorchRefAttentionBackend()
+
+
+def _triton_backend(device: torch.device) -> AttentionBackend:
+    """The ``triton`` backend, importing triton only now.
+
+    Raises:
+        RuntimeError: ``device`` is not CUDA and ``TRITON_INTERPRET=1`` is not set, or triton cannot be imported.
+    """
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "").strip().lower() not in _TRUE_VALUES:
+        raise RuntimeError(
+            f"the triton attention backend needs a CUDA device, got {device}; or set TRITON_INTERPRET=1 to "
+            "interpret its kernels on CPU (slowly, for tests)"
+        )
+    try:
+        from kernels.attention.triton_attn import TritonAttentionBackend
+    except ImportError as e:
+        raise RuntimeError(
+            f"the triton attention backend needs the triton package, which cannot be imported ({e}); fix: "
+            "pip install triton"
+        ) from e
+    return TritonAttentionBackend(device)
 
 
 def _kernel_loads(build_dir: Path) -> bool:
