@@ -1,0 +1,273 @@
+"""The triton attention backend against the torch reference backend (the oracle): mixed batches of decodes, a fresh
+prefill and a chunk after a cached prefix ending mid-block, GQA, sliding windows, each head size, block size and
+dtype; the KV write bit for bit; padding rows of a CUDA-graph batch; the selector's rules; and the whole engine
+core token-exact with ``torch_ref``.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set by conftest.py
+before anything imports triton), which runs every program in Python: shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # a driver without a usable GPU: conftest.py saw nvidia-smi and left it unset
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the triton package is not installed (pip install triton)")
+
+from core_svc.config import ATTENTION_BACKEND_NAMES  # noqa: E402
+from kernels import AttentionMetadata, get_attention_backend  # noqa: E402
+from kernels.attention import selector  # noqa: E402
+from kernels.attention.cpu import CpuAttentionBackend  # noqa: E402
+from kernels.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
+from kernels.attention.triton_attn import TritonAttentionBackend, reshape_and_cache, unified_attention  # noqa: E402
+from kernels.attention.triton_kernels import INTERPRETED  # noqa: E402
+from tests.helpers import make_engine, run_engine  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+# (tokens already cached, tokens this step), decodes first as the model runner orders them: a decode over 40 cached
+# tokens (two 32-key tiles), a decode of a request's first token, a fresh 7-token prefill, and a 6-token chunk after
+# 19 cached tokens (mid-block for block sizes 16 and 32).
+REQUESTS = [(40, 1), (0, 1), (9, 1), (0, 7), (19, 6)]
+NUM_DECODES = 3
+# Against the float32 oracle on the same rounded inputs, so the tolerance is the kernel's own rounding: float32
+# only reorders sums; float16 rounds its probabilities for the P.V dot (as vLLM and flash-attention do) and its
+# output, 2^-11 relative each, so 2e-3 leaves about two ulps; bfloat16 rounds the output (2^-9 relative; the
+# interpreter may land one ulp off torch's rounding) and on a GPU its probabilities too, so 1e-2, about 2.5 ulps.
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@dataclasses.dataclass
+class Batch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_size]: unwritten slots NaN
+    metadata: AttentionMetadata
+
+
+def make_batch(
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> Batch:
+    """Random queries, keys and values; each request's cached tokens written in scattered blocks of a cache whose
+    every other slot is NaN (so a read the masks should have stopped shows in the output)."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = []
+    num_blocks = 1 + sum(-((cached + new) // -block_size) for cached, new in requests)
+    free_blocks = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the null block
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    slots, keys, values = [], [], []
+    for cached, new in requests:
+        seq_len = cached + new
+        table = [free_blocks.pop() for _ in range(-(seq_len // -block_size))]
+        tables.append(table)
+        request_slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        cached_kv = torch.randn(2, cached, num_kv_heads, head_size, generator=gen).to(dtype)
+        flat[:, request_slots[:cached]] = cached_kv
+        slots += request_slots[cached:]
+        keys.append(torch.randn(new, num_kv_heads, head_size, generator=gen).to(dtype))
+        values.append(torch.randn(new, num_kv_heads, head_size, generator=gen).to(dtype))
+    max_blocks = max(len(t) for t in tables) + 1  # a spare column of null blocks, as the model runner pads
+    block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    query_start_loc = [0]
+    for _, new in requests:
+        query_start_loc.append(query_start_loc[-1] + new)
+    seq_lens = [cached + new for cached, new in requests]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(new for _, new in requests),
+        max_seq_len=max(seq_lens),
+        num_decodes=sum(1 for _, new in requests if new == 1),
+    )
+    query = torch.randn(query_start_loc[-1], num_heads, head_size, generator=gen).to(dtype)
+    return Batch(query, torch.cat(keys), torch.cat(values), kv_cache, metadata)
+
+
+def graph_safe(metadata: AttentionMetadata) -> AttentionMetadata:
+    """The device tensors only: host-side fields poisoned, so a backend reading them fails or goes wrong."""
+    return dataclasses.replace(
+        metadata, query_start_loc_cpu=[], seq_lens_cpu=[], max_query_len=-1, max_seq_len=-1, num_decodes=-1
+    )
+
+
+def on_device(metadata: AttentionMetadata) -> AttentionMetadata:
+    tensors = ("slot_mapping", "query_start_loc", "seq_lens", "block_table")
+    return dataclasses.replace(metadata, **{name: getattr(metadata, name).to(DEVICE) for name in tensors})
+
+
+def reference(batch: Batch, scale: float, window: int | None) -> torch.Tensor:
+    """torch_ref in float32 on the same (rounded) inputs, over a cache whose unwritten slots are 0 (its gathers
+    read whole blocks, and a masked NaN would still poison its matmul)."""
+    kv_cache = batch.kv_cache.float().nan_to_num(0.0)
+    backend = TorchRefAttentionBackend()
+    return backend.forward(
+        batch.query.float(), batch.key.float(), batch.value.float(), kv_cache, batch.metadata, scale, window
+    )
+
+
+def run_triton(batch: Batch, scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, kv_cache after the write), from the triton backend given only graph-safe metadata."""
+    kv_cache = batch.kv_cache.to(DEVICE)
+    metadata = on_device(graph_safe(batch.metadata))
+    out = TritonAttentionBackend(DEVICE).forward(
+        batch.query.to(DEVICE), batch.key.to(DEVICE), batch.value.to(DEVICE), kv_cache, metadata, scale, window
+    )
+    return out.cpu(), kv_cache.cpu()
+
+
+def expected_cache(batch: Batch) -> torch.Tensor:
+    """The cache with the step's keys and values stored at their slots, by plain indexing."""
+    kv_cache = batch.kv_cache.clone()
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
+    flat[0, batch.metadata.slot_mapping] = batch.key
+    flat[1, batch.metadata.slot_mapping] = batch.value
+    return kv_cache
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes, so NaN slots compare equal to themselves."""
+    return t.contiguous().view(torch.uint8)
+
+
+# Each head size, block size, dtype and GQA ratio at least once, not their cross product (the interpreter is slow).
+CASES = [
+    # head_size, block_size, num_heads, num_kv_heads, dtype, sliding_window
+    pytest.param(64, 16, 8, 2, torch.float32, None, id="d64-b16-gqa4-f32"),
+    pytest.param(80, 32, 2, 2, torch.float16, None, id="d80-b32-mha-f16"),
+    pytest.param(96, 16, 6, 2, torch.bfloat16, 7, id="d96-b16-gqa3-bf16-window7"),
+    pytest.param(128, 32, 4, 1, torch.float32, 5, id="d128-b32-gqa4-f32-window5"),
+    pytest.param(64, 32, 4, 4, torch.bfloat16, None, id="d64-b32-mha-bf16"),
+    pytest.param(128, 16, 8, 2, torch.float16, 20, id="d128-b16-gqa4-f16-window20"),
+]
+
+
+@pytest.mark.parametrize(("head_size", "block_size", "num_heads", "num_kv_heads", "dtype", "window"), CASES)
+def test_mixed_batch_matches_the_reference(head_size, block_size, num_heads, num_kv_heads, dtype, window):
+    batch = make_batch(REQUESTS, num_heads, num_kv_heads, head_size, block_size, dtype)
+    scale = head_size**-0.5
+
+    out, kv_cache = run_triton(batch, scale, window)
+
+    assert out.shape == batch.query.shape and out.dtype == dtype
+    assert torch.equal(bits(kv_cache), bits(expected_cache(batch))), "the KV write is not bit for bit"
+    expected = reference(batch, scale, window)
+    tol = TOLERANCES[dtype]
+    starts = batch.metadata.query_start_loc_cpu
+    for i in range(len(REQUESTS)):
+        rows = slice(starts[i], starts[i + 1])
+        torch.testing.assert_close(out[rows].float(), expected[rows], atol=tol, rtol=tol, msg=f"request {i}")
+
+
+def test_padding_rows_of_a_graph_batch_give_zeros_and_write_nothing():
+    """A decode batch padded as a CUDA-graph batch is: padding rows have slot -1 (vLLM's PAD_SLOT_ID), seq_len 0
+    and a block table of null blocks. They store nothing and attend to nothing (zeros, never NaN), while the real
+    rows are unaffected."""
+    batch = make_batch([(21, 1), (3, 1)], 4, 2, 64, 16, torch.float32)
+    padded = make_batch([(21, 1), (3, 1), (0, 1), (0, 1)], 4, 2, 64, 16, torch.float32)
+    padded.query[:2], padded.key[:2], padded.value[:2] = batch.query, batch.key, batch.value
+    padded.kv_cache = torch.cat([batch.kv_cache, batch.kv_cache[:, :2]], dim=1)  # room for the pads' would-be slots
+    m = padded.metadata
+    m.slot_mapping = torch.cat([batch.metadata.slot_mapping, torch.tensor([-1, -1])])
+    m.seq_lens[2:] = 0
+    m.block_table = torch.cat([batch.metadata.block_table, torch.zeros(2, batch.metadata.block_table.shape[1])])
+    m.block_table = m.block_table.to(torch.int32)
+
+    out, kv_cache = run_triton(padded, 0.125, None)
+
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    unpadded_out, unpadded_cache = run_triton(batch, 0.125, None)
+    assert torch.equal(out[:2], unpadded_out)
+    assert torch.equal(bits(kv_cache[:, : batch.kv_cache.shape[1]]), bits(unpadded_cache))
+    assert torch.equal(
+        bits(kv_cache[:, batch.kv_cache.shape[1] :]), bits(padded.kv_cache[:, batch.kv_cache.shape[1] :])
+    )
+
+
+def test_bad_inputs_are_refused_by_name():
+    batch = make_batch([(0, 2)], 4, 2, 64, 16, torch.float32)
+    k_cache, v_cache = batch.kv_cache[0], batch.kv_cache[1]
+    with pytest.raises(ValueError, match=r"slot_mapping must be \[2\] int64, got \(2,\) torch.int32"):
+        reshape_and_cache(batch.key, batch.value, k_cache, v_cache, batch.metadata.slot_mapping.int())
+    with pytest.raises(ValueError, match="must share a dtype"):
+        reshape_and_cache(batch.key.half(), batch.value.half(), k_cache, v_cache, batch.metadata.slot_mapping)
+    m, out = batch.metadata, torch.empty_like(batch.query)
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+        q = batch.query[:, :3]
+        unified_attention(q, k_cache, v_cache, out[:, :3], m.query_start_loc, m.seq_lens, m.block_table, 1.0, None)
+    with pytest.raises(ValueError, match="seq_lens must be \\[1\\] int32, got \\(1,\\) torch.int64"):
+        args = (m.query_start_loc, m.seq_lens.long(), m.block_table)
+        unified_attention(batch.query, k_cache, v_cache, out, *args, 1.0, None)
+    with pytest.raises(ValueError, match="sliding_window must be None or >= 1, got 0"):
+        unified_attention(batch.query, k_cache, v_cache, out, m.query_start_loc, m.seq_lens, m.block_table, 1.0, 0)
+
+
+def test_selector_names_match_the_core_config():
+    assert selector.BACKEND_NAMES == ATTENTION_BACKEND_NAMES
+
+
+def test_only_the_triton_backend_is_cuda_graph_safe():
+    assert TritonAttentionBackend.supports_cuda_graphs is True
+    assert TorchRefAttentionBackend.supports_cuda_graphs is False
+    assert CpuAttentionBackend.supports_cuda_graphs is False
+
+
+def test_selector_picks_triton(tmp_path):
+    assert get_attention_backend("triton", DEVICE, tmp_path).name == "triton"
+    # auto on CUDA: constructing the backend touches no GPU, so this holds on a CPU-only machine too
+    assert get_attention_backend("auto", "cuda", tmp_path).name == "triton"
+    with pytest.raises(RuntimeError, match="flash_attn attention backend is not available"):
+        get_attention_backend("flash_attn", "cuda", tmp_path)
+
+
+def test_triton_on_cpu_needs_the_interpreter(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="needs a CUDA device, got cpu; or set TRITON_INTERPRET=1"):
+        get_attention_backend("triton", "cpu", tmp_path)
+
+
+def test_triton_without_the_package_names_the_fix(tmp_path, monkeypatch):
+    for name in ("kernels.attention.triton_attn", "kernels.attention.triton_kernels"):
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    with pytest.raises(RuntimeError, match="needs the triton package, which cannot be imported .*pip install triton"):
+        get_attention_backend("triton", "cuda", tmp_path)
+
+
+def test_engine_with_triton_gives_the_reference_tokens(checkpoint):
+    """A tiny Mistral (GQA 4:2, head size 16, a sliding window shorter than the prompts) through the whole engine
+    core: chunked prefill (chunks ending mid-block), a prefix-cache hit, then decodes; greedy tokens equal to the
+    same engine on torch_ref."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the engine runs on CPU here; the cuda tests cover the GPU engine")
+    path = checkpoint("mistral", config_overrides={"sliding_window": 24})
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 200, (36,), generator=gen).tolist()
+    prompts = [prefix + [5, 6, 7], prefix + [8, 9], torch.randint(3, 200, (30,), generator=gen).tolist()]
+    arrival_steps = [0, 4, 4]  # the second prompt arrives after the first's prefill: its blocks are cached
+    config = {"max_num_batched_tokens": 24, "block_size": 16, "num_kv_blocks": 32}
+
+    results = {}
+    for backend in ("torch_ref", "triton"):
+        engine = make_engine(path, attention_backend=backend, **config)
+        results[backend], _ = run_engine(engine, prompts, 3, arrival_steps)
+
+    assert results["triton"][1].num_cached_tokens == 32  # two full blocks of the shared prefix
+    assert [r.token_ids for r in results["triton"]] == [r.token_ids for r in results["torch_ref"]]
+    assert all(len(r.token_ids) == 3 for r in results["triton"])
