@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -216,6 +218,59 @@ def test_bad_inputs_are_refused_by_name():
         unified_attention(batch.query, k_cache, v_cache, out, *args, 1.0, None)
     with pytest.raises(ValueError, match="sliding_window must be None or >= 1, got 0"):
         unified_attention(batch.query, k_cache, v_cache, out, m.query_start_loc, m.seq_lens, m.block_table, 1.0, 0)
+
+
+# Compiles the kernels for an H100/H200 (sm_90) through ptxas to a cubin, without a GPU, with the launch constants
+# the backend would use: the interpreter runs the kernels' Python, not Triton's compiler, so this is what shows they
+# compile (loop-carried types, bfloat16 dots, constexpr branches). Run apart: this process decorated them for the
+# interpreter.
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.attention import triton_attn, triton_kernels
+
+    assert not triton_kernels.INTERPRETED
+    TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+    def compile_kernel(kernel, types, constants):
+        signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in kernel.arg_names}
+        constexprs = {(kernel.arg_names.index(n),): v for n, v in constants.items()}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+        return len(compiled.asm["cubin"])
+
+    # (dtype, num_heads, num_kv_heads, head_size, block_size, sliding_window): Qwen2.5-0.5B's layer (bfloat16
+    # tensor-core dots); float32's IEEE dots with GQA 4, a padded head size and a window
+    for dtype, num_heads, num_kv_heads, head_size, block_size, window in [
+        (torch.bfloat16, 14, 2, 64, 16, None),
+        (torch.float32, 4, 1, 80, 32, 7),
+    ]:
+        t = "*" + TYPES[dtype]
+        pointers = dict.fromkeys(["output_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], t)
+        pointers.update(block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32")
+        constants = triton_attn.unified_attention_constants(
+            num_heads, num_kv_heads, head_size, block_size, dtype, window
+        )
+        print("attention", dtype, compile_kernel(triton_kernels.unified_attention_kernel, pointers, constants))
+    pointers = dict.fromkeys(["key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"], "*bf16")
+    pointers["slot_mapping_ptr"] = "*i64"
+    constants = triton_attn.reshape_and_cache_constants(2, 64)
+    print("kv write", compile_kernel(triton_kernels.reshape_and_cache_kernel, pointers, constants))
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu_without_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 and all(int(line.rsplit(" ", 1)[1]) > 0 for line in lines), done.stdout
 
 
 def test_selector_names_match_the_core_config():

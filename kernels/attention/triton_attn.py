@@ -136,8 +136,7 @@ def reshape_and_cache(
         num_kv_heads,
         head_size,
         key_cache.shape[1],
-        NUM_KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
-        HEAD_SIZE_PADDED=triton.next_power_of_2(head_size),
+        **reshape_and_cache_constants(num_kv_heads, head_size),
     )
 
 
@@ -218,11 +217,8 @@ def unified_attention(
         )
     if num_tokens == 0:
         return
-    num_queries_per_kv = num_heads // num_kv_heads
-    # As vLLM: 16 rows (the smallest tl.dot M), or one query token's whole group when it has more heads.
-    block_m = max(_MIN_DOT_DIM, triton.next_power_of_2(num_queries_per_kv))
-    block_q = block_m // num_queries_per_kv
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    constants = unified_attention_constants(num_heads, num_kv_heads, head_size, block_size, query.dtype, sliding_window)
+    grid = (num_tokens // constants["BLOCK_Q"] + num_reqs, num_kv_heads)
     unified_attention_kernel[grid](
         output,
         query,
@@ -242,18 +238,39 @@ def unified_attention(
         key_cache.stride(2),
         block_table.stride(0),
         head_size,
-        NUM_QUERIES_PER_KV=num_queries_per_kv,
-        BLOCK_SIZE=block_size,
-        TILE_SIZE=_TILE_SIZE,
-        HEAD_SIZE_PADDED=max(_MIN_DOT_DIM, triton.next_power_of_2(head_size)),
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        SLIDING_WINDOW=sliding_window or 0,
-        # Why the interpreter upcasts bfloat16: see the module docstring.
-        DOT_F32=INTERPRETED and query.dtype == torch.bfloat16,
-        # TF32 would cost float32 about 3 decimal digits on a GPU: float32 serves correctness checks, not speed.
-        DOT_IEEE=query.dtype == torch.float32,
+        **constants,
     )
+
+
+def reshape_and_cache_constants(num_kv_heads: int, head_size: int) -> dict[str, int]:
+    """The ``tl.constexpr`` arguments of ``reshape_and_cache_kernel`` for keys of ``[*, num_kv_heads, head_size]``."""
+    return {
+        "NUM_KV_HEADS_PADDED": triton.next_power_of_2(num_kv_heads),
+        "HEAD_SIZE_PADDED": triton.next_power_of_2(head_size),
+    }
+
+
+def unified_attention_constants(
+    num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype, sliding_window: int | None
+) -> dict[str, int | bool]:
+    """The ``tl.constexpr`` arguments of ``unified_attention_kernel`` for one layer's shapes and dtype (one compiled
+    kernel per distinct result). ``BLOCK_M``: 16 rows (the smallest tl.dot M), or one query token's whole GQA group
+    when it has more heads, as vLLM's ``unified_attention``; ``BLOCK_Q``: the query tokens those rows hold."""
+    num_queries_per_kv = num_heads // num_kv_heads
+    block_m = max(_MIN_DOT_DIM, triton.next_power_of_2(num_queries_per_kv))
+    return {
+        "NUM_QUERIES_PER_KV": num_queries_per_kv,
+        "BLOCK_SIZE": block_size,
+        "TILE_SIZE": _TILE_SIZE,
+        "HEAD_SIZE_PADDED": max(_MIN_DOT_DIM, triton.next_power_of_2(head_size)),
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // num_queries_per_kv,
+        "SLIDING_WINDOW": sliding_window or 0,
+        # Why the interpreter upcasts bfloat16: see triton_kernels' docstring.
+        "DOT_F32": INTERPRETED and dtype == torch.bfloat16,
+        # TF32 would cost float32 about 3 decimal digits on a GPU: float32 serves correctness checks, not speed.
+        "DOT_IEEE": dtype == torch.float32,
+    }
 
 
 def _check_same_device(**tensors: torch.Tensor) -> None:

@@ -75,7 +75,9 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
     return left - 1
 
 
-@triton.jit
+# num_reqs changes every step: one compiled kernel for all its values, not one per specialization of it (1, multiples
+# of 16), since a compile in the middle of serving takes seconds.
+@triton.jit(do_not_specialize=["num_reqs"])
 def unified_attention_kernel(
     output_ptr,  # [num_tokens, num_heads, head_size]
     query_ptr,  # [num_tokens, num_heads, head_size]
