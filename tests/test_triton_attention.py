@@ -202,6 +202,23 @@ def test_padding_rows_of_a_graph_batch_give_zeros_and_write_nothing():
     )
 
 
+def test_an_empty_batch_launches_nothing():
+    kv_cache = torch.zeros(2, 2, 16, 2, 64, device=DEVICE)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.zeros(0, dtype=torch.int32, device=DEVICE),
+        block_table=torch.zeros(0, 1, dtype=torch.int32, device=DEVICE),
+        query_start_loc_cpu=[0],
+        seq_lens_cpu=[],
+        max_query_len=0,
+        max_seq_len=0,
+    )
+    empty = torch.zeros(0, 2, 64, device=DEVICE)
+    out = TritonAttentionBackend(DEVICE).forward(empty.repeat(1, 2, 1), empty, empty, kv_cache, metadata, 0.125, None)
+    assert out.shape == (0, 4, 64) and torch.equal(kv_cache, torch.zeros_like(kv_cache))
+
+
 def test_bad_inputs_are_refused_by_name():
     batch = make_batch([(0, 2)], 4, 2, 64, 16, torch.float32)
     k_cache, v_cache = batch.kv_cache[0], batch.kv_cache[1]

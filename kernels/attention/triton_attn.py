@@ -215,7 +215,7 @@ def unified_attention(
         raise ValueError(
             f"key and value caches must have the same strides, got {key_cache.stride()} and {value_cache.stride()}"
         )
-    if num_tokens == 0:
+    if num_tokens == 0 or num_reqs == 0:  # nothing to attend (and no request for a program to find)
         return
     constants = unified_attention_constants(num_heads, num_kv_heads, head_size, block_size, query.dtype, sliding_window)
     grid = (num_tokens // constants["BLOCK_Q"] + num_reqs, num_kv_heads)
