@@ -113,7 +113,9 @@ def reshape_and_cache(
             f"slot_mapping must be [{num_tokens}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
         )
     _check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
-    _check_last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    _check_last_dim_contiguous(
+        key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping
+    )
     if key_cache.stride() != value_cache.stride():
         raise ValueError(
             f"key and value caches must have the same strides, got {key_cache.stride()} and {value_cache.stride()}"
@@ -158,8 +160,11 @@ def unified_attention(
     ``seq_lens`` ``[num_reqs]`` int32 counts each request's tokens in the cache including this step's (already
     written), so its queries are at positions ``seq_len - query_len ..``; ``block_table`` ``[num_reqs,
     max_num_blocks_per_req]`` int32 maps each request's block index to a cache block. A query at position p sees
-    keys at positions k <= p and, with a window W, k > p - W (transformers' convention). A request with
-    ``seq_len`` 0 gets zeros. Scores are ``scale * q.k``; softmax runs online in float32.
+    keys at positions k <= p and, with a window W, k > p - W (transformers' convention). Scores are
+    ``scale * q.k``; softmax runs online in float32. The metadata's values live on the device and are not checked:
+    each ``seq_len`` is at least its request's query length, and each block-table row covers its ``seq_len``; a
+    request with ``seq_len`` 0 (a padding row of a CUDA-graph batch) gets zeros; rows past
+    ``query_start_loc[-1]`` are left as they are.
 
     As vLLM's ``unified_attention`` 2D kernel: a program per (block of BLOCK_Q query tokens of one request, KV
     head) holds the ``NUM_QUERIES_PER_KV`` query heads of that KV head, so each key is read once per group; the
@@ -209,7 +214,13 @@ def unified_attention(
         block_table=block_table,
     )
     _check_last_dim_contiguous(
-        query=query, output=output, key_cache=key_cache, value_cache=value_cache, block_table=block_table
+        query=query,
+        output=output,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=block_table,
     )
     if key_cache.stride() != value_cache.stride():
         raise ValueError(
