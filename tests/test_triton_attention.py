@@ -29,6 +29,7 @@ from kernels.attention.cpu import CpuAttentionBackend  # noqa: E402
 from kernels.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
 from kernels.attention.triton_attn import TritonAttentionBackend, reshape_and_cache, unified_attention  # noqa: E402
 from kernels.attention.triton_kernels import INTERPRETED  # noqa: E402
+from splitserve.base import envs  # noqa: E402
 from tests.helpers import make_engine, run_engine  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
@@ -312,6 +313,17 @@ def test_triton_on_cpu_needs_the_interpreter(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="needs a CUDA device, got cpu; or set TRITON_INTERPRET=1"):
         get_attention_backend("triton", "cpu", tmp_path)
+
+
+def test_a_cpu_core_never_imports_triton():
+    """The selector imports the triton backend only when it is chosen (a fresh process: this one has it)."""
+    check = (
+        "import sys; from kernels import get_attention_backend; "
+        f"get_attention_backend('auto', 'cpu', {str(envs.kernel_dir())!r}); "  # the kernel built by make setup
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'triton'], 'triton was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_triton_without_the_package_names_the_fix(tmp_path, monkeypatch):
