@@ -337,21 +337,27 @@ def test_triton_without_the_package_names_the_fix(tmp_path, monkeypatch):
 def test_engine_with_triton_gives_the_reference_tokens(checkpoint):
     """A tiny Mistral (GQA 4:2, head size 16, a sliding window shorter than the prompts) through the whole engine
     core: chunked prefill (chunks ending mid-block), a prefix-cache hit, then decodes; greedy tokens equal to the
-    same engine on torch_ref."""
+    same engine on torch_ref, and logprobs equal within float32 rounding."""
     if DEVICE.type != "cpu":
         pytest.skip("the engine runs on CPU here; the cuda tests cover the GPU engine")
-    path = checkpoint("mistral", config_overrides={"sliding_window": 24})
+    path = checkpoint("mistral", config_overrides={"sliding_window": 16})
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, 200, (36,), generator=gen).tolist()
-    prompts = [prefix + [5, 6, 7], prefix + [8, 9], torch.randint(3, 200, (30,), generator=gen).tolist()]
-    arrival_steps = [0, 4, 4]  # the second prompt arrives after the first's prefill: its blocks are cached
-    config = {"max_num_batched_tokens": 24, "block_size": 16, "num_kv_blocks": 32}
+    prefix = torch.randint(3, 200, (20,), generator=gen).tolist()
+    prompts = [prefix + [5, 6, 7], prefix + [8, 9], torch.randint(3, 200, (26,), generator=gen).tolist()]
+    arrival_steps = [0, 3, 3]  # the second prompt arrives after the first's prefill: its first block is cached
+    # 20-token steps: the first prompt's chunk ends mid-block, the second's prefill follows its cached block
+    config = {"max_num_batched_tokens": 20, "block_size": 16, "num_kv_blocks": 16}
 
     results = {}
     for backend in ("torch_ref", "triton"):
         engine = make_engine(path, attention_backend=backend, **config)
         results[backend], _ = run_engine(engine, prompts, 3, arrival_steps)
 
-    assert results["triton"][1].num_cached_tokens == 32  # two full blocks of the shared prefix
+    assert results["triton"][1].num_cached_tokens == 16  # the shared prefix's full block
     assert [r.token_ids for r in results["triton"]] == [r.token_ids for r in results["torch_ref"]]
+    # float32 throughout: the top-5 logprobs of every step agree to float32 rounding of the attention sums
+    for ours, ref in zip(results["triton"], results["torch_ref"], strict=True):
+        for step_ours, step_ref in zip(ours.logprobs, ref.logprobs, strict=True):
+            assert step_ours.keys() == step_ref.keys()
+            assert max(abs(step_ours[t] - step_ref[t]) for t in step_ref) < 1e-4
     assert all(len(r.token_ids) == 3 for r in results["triton"])
