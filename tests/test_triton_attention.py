@@ -27,7 +27,12 @@ from kernels import AttentionMetadata, get_attention_backend  # noqa: E402
 from kernels.attention import selector  # noqa: E402
 from kernels.attention.cpu import CpuAttentionBackend  # noqa: E402
 from kernels.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
-from kernels.attention.triton_attn import TritonAttentionBackend, reshape_and_cache, unified_attention  # noqa: E402
+from kernels.attention.triton_attn import (  # noqa: E402
+    TritonAttentionBackend,
+    num_kv_segments,
+    reshape_and_cache,
+    unified_attention,
+)
 from kernels.attention.triton_kernels import INTERPRETED  # noqa: E402
 from splitserve.base import envs  # noqa: E402
 from tests.helpers import make_engine, run_engine  # noqa: E402
@@ -178,6 +183,54 @@ def test_mixed_batch_matches_the_reference(head_size, block_size, num_heads, num
         torch.testing.assert_close(out[rows].float(), expected[rows], atol=tol, rtol=tol, msg=f"request {i}")
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dtype", "window"),
+    [
+        pytest.param(14, 2, torch.bfloat16, None, id="gqa7-bf16"),
+        pytest.param(8, 2, torch.float32, 20, id="gqa4-f32-window20"),
+    ],
+)
+def test_small_decode_batch_splits_the_keys_and_matches_the_reference(num_heads, num_kv_heads, dtype, window):
+    """Decodes only (one query token per request, by shape) in a batch too small to fill a GPU: split-KV, each
+    request's keys shared among segments (some empty) and the partial softmaxes reduced. Context lengths of 7 tiles
+    (more than the segments), under one tile, and a padding row with seq_len 0."""
+    requests = [(200, 1), (5, 1), (37, 1), (0, 1)]
+    batch = make_batch(requests, num_heads, num_kv_heads, 64, 16, dtype)
+    batch.metadata.seq_lens[3] = 0
+    batch.metadata.slot_mapping[3] = -1
+    assert num_kv_segments(len(requests), len(requests), num_kv_heads) > 1
+
+    out, kv_cache = run_triton(batch, 0.125, window)
+
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    m = batch.metadata  # the reference over the three real decodes alone
+    real = Batch(
+        batch.query[:3],
+        batch.key[:3],
+        batch.value[:3],
+        batch.kv_cache,
+        dataclasses.replace(
+            m,
+            slot_mapping=m.slot_mapping[:3],
+            query_start_loc=m.query_start_loc[:4],
+            seq_lens=m.seq_lens[:3],
+            block_table=m.block_table[:3],
+            query_start_loc_cpu=m.query_start_loc_cpu[:4],
+            seq_lens_cpu=m.seq_lens_cpu[:3],
+            num_decodes=3,
+        ),
+    )
+    expected = reference(real, 0.125, window)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out[:3].float(), expected, atol=tol, rtol=tol)
+
+
+def test_only_small_decode_batches_are_split():
+    assert num_kv_segments(num_tokens=8, num_reqs=8, num_kv_heads=2) > 1
+    assert num_kv_segments(num_tokens=9, num_reqs=8, num_kv_heads=2) == 1  # a prefill chunk among them
+    assert num_kv_segments(num_tokens=64, num_reqs=64, num_kv_heads=2) == 1  # 128 programs fill the GPU unsplit
+
+
 def test_padding_rows_of_a_graph_batch_give_zeros_and_write_nothing():
     """A decode batch padded as a CUDA-graph batch is: padding rows have slot -1 (vLLM's PAD_SLOT_ID), seq_len 0
     and a block table of null blocks. They store nothing and attend to nothing (zeros, never NaN), while the real
@@ -260,19 +313,25 @@ _COMPILE_SCRIPT = textwrap.dedent(
         compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
         return len(compiled.asm["cubin"])
 
-    # (dtype, num_heads, num_kv_heads, head_size, block_size, sliding_window): Qwen2.5-0.5B's layer (bfloat16
-    # tensor-core dots); float32's IEEE dots with GQA 4, a padded head size and a window
-    for dtype, num_heads, num_kv_heads, head_size, block_size, window in [
-        (torch.bfloat16, 14, 2, 64, 16, None),
-        (torch.float32, 4, 1, 80, 32, 7),
+    # (dtype, num_heads, num_kv_heads, head_size, block_size, sliding_window, batch as (num_tokens, num_reqs)):
+    # Qwen2.5-0.5B's layer (bfloat16 tensor-core dots) in a decode batch of 8, split-KV; float32's IEEE dots with
+    # GQA 4, a padded head size and a window, in a mixed batch
+    for dtype, num_heads, num_kv_heads, head_size, block_size, window, batch in [
+        (torch.bfloat16, 14, 2, 64, 16, None, (8, 8)),
+        (torch.float32, 4, 1, 80, 32, 7, (40, 3)),
     ]:
         t = "*" + TYPES[dtype]
         pointers = dict.fromkeys(["output_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"], t)
+        pointers.update(dict.fromkeys(["segment_max_ptr", "segment_sum_ptr", "segment_acc_ptr"], "*fp32"))
         pointers.update(block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32")
         constants = triton_attn.unified_attention_constants(
             num_heads, num_kv_heads, head_size, block_size, dtype, window
         )
+        constants["NUM_SEGMENTS"] = triton_attn.num_kv_segments(*batch, num_kv_heads)
         print("attention", dtype, compile_kernel(triton_kernels.unified_attention_kernel, pointers, constants))
+        if constants["NUM_SEGMENTS"] > 1:
+            reduce_constants = {k: constants[k] for k in ("NUM_SEGMENTS", "HEAD_SIZE_PADDED")}
+            print("reduce", compile_kernel(triton_kernels.reduce_segments_kernel, pointers, reduce_constants))
     pointers = dict.fromkeys(["key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"], "*bf16")
     pointers["slot_mapping_ptr"] = "*i64"
     constants = triton_attn.reshape_and_cache_constants(2, 64)
@@ -288,7 +347,7 @@ def test_kernels_compile_for_a_gpu_without_one(tmp_path):
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 3 and all(int(line.rsplit(" ", 1)[1]) > 0 for line in lines), done.stdout
+    assert len(lines) == 4 and all(int(line.rsplit(" ", 1)[1]) > 0 for line in lines), done.stdout
 
 
 def test_selector_names_match_the_core_config():
@@ -351,7 +410,7 @@ def test_engine_with_triton_gives_the_reference_tokens(checkpoint):
     results = {}
     for backend in ("torch_ref", "triton"):
         engine = make_engine(path, attention_backend=backend, **config)
-        results[backend], _ = run_engine(engine, prompts, 3, arrival_steps)
+        results[backend], _ = run_engine(engine, prompts, 2, arrival_steps)
 
     assert results["triton"][1].num_cached_tokens == 16  # the shared prefix's full block
     assert [r.token_ids for r in results["triton"]] == [r.token_ids for r in results["torch_ref"]]
@@ -360,4 +419,4 @@ def test_engine_with_triton_gives_the_reference_tokens(checkpoint):
         for step_ours, step_ref in zip(ours.logprobs, ref.logprobs, strict=True):
             assert step_ours.keys() == step_ref.keys()
             assert max(abs(step_ours[t] - step_ref[t]) for t in step_ref) < 1e-4
-    assert all(len(r.token_ids) == 3 for r in results["triton"])
+    assert all(len(r.token_ids) == 2 for r in results["triton"])

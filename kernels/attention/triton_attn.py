@@ -17,7 +17,12 @@ import torch
 import triton
 
 from kernels.attention.backend import AttentionMetadata
-from kernels.attention.triton_kernels import INTERPRETED, reshape_and_cache_kernel, unified_attention_kernel
+from kernels.attention.triton_kernels import (
+    INTERPRETED,
+    reduce_segments_kernel,
+    reshape_and_cache_kernel,
+    unified_attention_kernel,
+)
 
 # The smallest dimension tl.dot takes on a GPU (M, N and K of the MMA).
 _MIN_DOT_DIM = 16
@@ -25,6 +30,12 @@ _MIN_DOT_DIM = 16
 # each key's block through the block table), as vLLM's TILE_SIZE.
 _TILE_SIZE = 32
 _LOG2_E = 1.4426950408889634
+# Split-KV: programs per (query block, KV head) in a small decode batch, as vLLM's NUM_PAR_SOFTMAX_SEGMENTS (the
+# interpreter runs programs one after another, so there splitting only costs time: 4 still run the same code with
+# several segments, empty ones among them); and the programs below which a batch is split (about one per SM of an
+# H100/H200, 132 SMs).
+_NUM_SEGMENTS = 4 if INTERPRETED else 16
+_MIN_PROGRAMS_UNSPLIT = 128
 
 
 class TritonAttentionBackend:
@@ -229,7 +240,15 @@ def unified_attention(
     if num_tokens == 0 or num_reqs == 0:  # nothing to attend (and no request for a program to find)
         return
     constants = unified_attention_constants(num_heads, num_kv_heads, head_size, block_size, query.dtype, sliding_window)
-    grid = (num_tokens // constants["BLOCK_Q"] + num_reqs, num_kv_heads)
+    num_segments = num_kv_segments(num_tokens, num_reqs, num_kv_heads)
+    head_size_padded = constants["HEAD_SIZE_PADDED"]
+    if num_segments > 1:
+        segment_max = torch.empty(num_tokens, num_heads, num_segments, dtype=torch.float32, device=query.device)
+        segment_sum = torch.empty_like(segment_max)
+        segment_acc = torch.empty(*segment_max.shape, head_size_padded, dtype=torch.float32, device=query.device)
+    else:  # unused by the kernel
+        segment_max = segment_sum = segment_acc = output
+    grid = (num_tokens // constants["BLOCK_Q"] + num_reqs, num_kv_heads, num_segments)
     unified_attention_kernel[grid](
         output,
         query,
@@ -238,8 +257,12 @@ def unified_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        segment_max,
+        segment_sum,
+        segment_acc,
         scale * _LOG2_E,
         num_reqs,
+        num_heads,
         query.stride(0),
         query.stride(1),
         output.stride(0),
@@ -250,7 +273,32 @@ def unified_attention(
         block_table.stride(0),
         head_size,
         **constants,
+        NUM_SEGMENTS=num_segments,
     )
+    if num_segments > 1:
+        reduce_segments_kernel[(num_tokens, num_heads)](
+            output,
+            segment_max,
+            segment_sum,
+            segment_acc,
+            query_start_loc,
+            num_reqs,
+            num_heads,
+            output.stride(0),
+            output.stride(1),
+            head_size,
+            NUM_SEGMENTS=num_segments,
+            HEAD_SIZE_PADDED=head_size_padded,
+        )
+
+
+def num_kv_segments(num_tokens: int, num_reqs: int, num_kv_heads: int) -> int:
+    """How many programs share each query block's keys (split-KV, vLLM's 3D ``unified_attention`` kernel), from
+    shapes only: ``_NUM_SEGMENTS`` for a batch of one query token per request (decodes, by shape) too small to give
+    each SM of a large GPU a program of its own; else 1. Both paths compute the same attention."""
+    if num_tokens == num_reqs and num_reqs * num_kv_heads < _MIN_PROGRAMS_UNSPLIT:
+        return _NUM_SEGMENTS
+    return 1
 
 
 def reshape_and_cache_constants(num_kv_heads: int, head_size: int) -> dict[str, int]:

@@ -86,8 +86,12 @@ def unified_attention_kernel(
     block_table_ptr,  # [num_reqs, max_num_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    segment_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] float32 (NUM_SEGMENTS > 1 only)
+    segment_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] float32
+    segment_acc_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] float32
     scale_log2,  # float: softmax scale x log2(e), so the kernel can use exp2
     num_reqs,
+    num_heads,
     query_stride_token,
     query_stride_head,
     output_stride_token,
@@ -106,9 +110,11 @@ def unified_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     DOT_F32: tl.constexpr,  # upcast Q, K, V to float32 before the dots (the interpreter with bfloat16)
     DOT_IEEE: tl.constexpr,  # float32 dots in IEEE precision rather than TF32
+    NUM_SEGMENTS: tl.constexpr,  # 1: normalize into output; > 1: this program's share of the keys into segment_*
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
     query_start = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - query_start
@@ -142,6 +148,10 @@ def unified_attention_kernel(
     if SLIDING_WINDOW > 0:
         first_tile = tl.maximum(context_len + q_block_local * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_SIZE
     num_tiles = (key_end + TILE_SIZE - 1) // TILE_SIZE
+    if NUM_SEGMENTS > 1:  # split-KV: segment s takes the s-th of NUM_SEGMENTS equal runs of those tiles
+        tiles_per_segment = (num_tiles - first_tile + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        first_tile = first_tile + segment * tiles_per_segment
+        num_tiles = tl.minimum(first_tile + tiles_per_segment, num_tiles)
 
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of the scores, log2 units
     l = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator  # noqa: E741
@@ -190,12 +200,58 @@ def unified_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m = m_new
 
-    # A row that saw no key (a request with seq_len 0) has l = 0 and acc = 0: its output is 0, not NaN.
-    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    if NUM_SEGMENTS == 1:
+        # A row that saw no key (a request with seq_len 0) has l = 0 and acc = 0: its output is 0, not NaN.
+        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+        tl.store(
+            output_ptr + token[:, None] * output_stride_token + head[:, None] * output_stride_head + dims[None, :],
+            out.to(output_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+    else:  # an empty segment stores m = -inf, l = 0, acc = 0, which reduce_segments_kernel weighs 0
+        segment_index = (token * num_heads + head) * NUM_SEGMENTS + segment
+        tl.store(segment_max_ptr + segment_index, m, mask=row_mask)
+        tl.store(segment_sum_ptr + segment_index, l, mask=row_mask)
+        tl.store(
+            segment_acc_ptr + segment_index[:, None] * HEAD_SIZE_PADDED + dims[None, :], acc, mask=row_mask[:, None]
+        )
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def reduce_segments_kernel(
+    output_ptr,  # [num_tokens, num_heads, head_size]
+    segment_max_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] float32, running max per segment, log2 units
+    segment_sum_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS] float32, softmax denominator per segment
+    segment_acc_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_SIZE_PADDED] float32, unnormalized output
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_reqs,
+    num_heads,
+    output_stride_token,
+    output_stride_head,
+    head_size,
+    NUM_SEGMENTS: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+):
+    """One (token, query head): the segments' partial softmaxes rescaled to their common max and summed (vLLM's
+    ``reduce_segments``)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):  # a row past the batch's requests: no segments written
+        return
+    segments = tl.arange(0, NUM_SEGMENTS)
+    dims = tl.arange(0, HEAD_SIZE_PADDED)
+    index = (token * num_heads + head) * NUM_SEGMENTS + segments
+    m = tl.load(segment_max_ptr + index)
+    l = tl.load(segment_sum_ptr + index)  # noqa: E741
+    acc = tl.load(segment_acc_ptr + index[:, None] * HEAD_SIZE_PADDED + dims[None, :])
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0))  # 0 for empty segments
+    total = tl.sum(l * weight, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
-        output_ptr + token[:, None] * output_stride_token + head[:, None] * output_stride_head + dims[None, :],
+        output_ptr + token * output_stride_token + head * output_stride_head + dims,
         out.to(output_ptr.dtype.element_ty),
-        mask=q_mask,
+        mask=dims < head_size,
     )
 
 
