@@ -1,5 +1,6 @@
 """The ``triton`` attention backend: the KV write and the attention of a whole mixed batch (decodes and prefill
-chunks, with or without a cached prefix) in two Triton launches per layer, the kernels of ``triton_kernels``.
+chunks, with or without a cached prefix) in two Triton launches per layer (three for a small decode batch, whose
+keys are split among programs), the kernels of ``triton_kernels``.
 
 As vLLM's ``TritonAttentionBackend`` (``vllm/v1/attention/backends/triton_attn.py``) over its unified attention
 kernel. ``forward`` reads only device tensors of the metadata (``slot_mapping``, ``query_start_loc``, ``seq_lens``,
@@ -180,7 +181,9 @@ def unified_attention(
     As vLLM's ``unified_attention`` 2D kernel: a program per (block of BLOCK_Q query tokens of one request, KV
     head) holds the ``NUM_QUERIES_PER_KV`` query heads of that KV head, so each key is read once per group; the
     grid is ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)`` (each request wastes at most one block) and each
-    program finds its request by binary search over ``query_start_loc``.
+    program finds its request by binary search over ``query_start_loc``. A decode batch too small to fill a GPU
+    (``num_kv_segments``) also splits each block's keys among ``NUM_SEGMENTS`` programs, whose partial softmaxes a
+    second launch combines (vLLM's 3D kernel and ``reduce_segments``).
 
     Raises:
         ValueError: shapes, dtypes or devices that do not fit together, head counts that are not a multiple of

@@ -1,7 +1,7 @@
 """The ``@triton.jit`` code of the ``triton`` attention backend (launched by ``triton_attn``): the KV write (the
 role of vLLM's ``reshape_and_cache`` op) and the unified paged attention of a mixed batch of prefill chunks and
-decodes (the design of vLLM's ``vllm/attention/ops/triton_unified_attention.py``, its 2D kernel
-``kernel_unified_attention_2d``).
+decodes (the design of vLLM's ``vllm/attention/ops/triton_unified_attention.py``: its 2D kernel
+``kernel_unified_attention_2d``, and with ``NUM_SEGMENTS`` > 1 its split-KV 3D kernel and ``reduce_segments``).
 
 The kernels read lengths and block tables from device memory and their grids depend only on tensor shapes, so a
 decode batch can be captured in a CUDA graph and replayed with new ``seq_lens`` / ``block_table`` contents.
