@@ -1,7 +1,7 @@
 """The triton attention backend against the torch reference backend (the oracle): mixed batches of decodes, a fresh
 prefill and a chunk after a cached prefix ending mid-block, GQA, sliding windows, each head size, block size and
-dtype; the KV write bit for bit; padding rows of a CUDA-graph batch; the selector's rules; and the whole engine
-core token-exact with ``torch_ref``.
+dtype; small decode batches through split-KV; the KV write bit for bit; padding rows of a CUDA-graph batch; the
+kernels compiled for a GPU; the selector's rules; and the whole engine core token-exact with ``torch_ref``.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set by conftest.py
 before anything imports triton), which runs every program in Python: shapes stay tiny.
@@ -38,11 +38,10 @@ from splitserve.base import envs  # noqa: E402
 from tests.helpers import make_engine, run_engine  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
-# (tokens already cached, tokens this step), decodes first as the model runner orders them: a decode over 40 cached
-# tokens (two 32-key tiles), a decode of a request's first token, a fresh 7-token prefill, and a 6-token chunk after
-# 19 cached tokens (mid-block for block sizes 16 and 32).
+# (tokens already cached, tokens this step), decodes first as the model runner orders them: decodes after 40 cached
+# tokens (two 32-key tiles), none and 9, a fresh 7-token prefill, and a 6-token chunk after 19 cached tokens
+# (mid-block for block sizes 16 and 32).
 REQUESTS = [(40, 1), (0, 1), (9, 1), (0, 7), (19, 6)]
-NUM_DECODES = 3
 # Against the float32 oracle on the same rounded inputs, so the tolerance is the kernel's own rounding: float32
 # only reorders sums; float16 rounds its probabilities for the P.V dot (as vLLM and flash-attention do) and its
 # output, 2^-11 relative each, so 2e-3 leaves about two ulps; bfloat16 rounds the output (2^-9 relative; the
@@ -69,7 +68,7 @@ def make_batch(
     seed: int = 0,
 ) -> Batch:
     """Random queries, keys and values; each request's cached tokens written in scattered blocks of a cache whose
-    every other slot is NaN (so a read the masks should have stopped shows in the output)."""
+    unwritten slots are NaN (so a read the masks should have stopped shows in the output)."""
     gen = torch.Generator().manual_seed(seed)
     tables = []
     num_blocks = 1 + sum(-((cached + new) // -block_size) for cached, new in requests)
