@@ -39,6 +39,9 @@ class AttentionBackend(Protocol):
     """Stores new keys/values in the paged cache and computes causal attention over each request's cache."""
 
     name: str
+    # True when forward reads only device tensors of the metadata and launches work sized by tensor shapes alone,
+    # so a CUDA graph captured once replays correctly with new metadata contents (the CUDA graph runner reads it).
+    supports_cuda_graphs: bool
 
     def forward(
         self,

@@ -19,6 +19,7 @@ from kernels.attention.torch_ref import TorchRefAttentionBackend
 
 class CpuAttentionBackend(TorchRefAttentionBackend):
     name = "cpu"
+    supports_cuda_graphs = False
 
     def __init__(self, build_dir: Path) -> None:
         """Loads the kernel, compiling it first if ``build_dir`` has no binary for it (``cpu_ops.load``).

@@ -1,12 +1,17 @@
 """Choosing an attention backend by name (as vLLM's ``vllm/attention/selector.py``): the interface lives in
 ``backend``, each backend in its own module, and only this module imports them all, so every file imports
 downward.
+
+``triton`` (``triton_attn``) is the GPU backend: Triton kernels (OpenAI's Python-embedded GPU kernel language,
+compiled on first use per shape class) for the KV write and for one-launch paged attention of mixed batches. Its
+module is imported only when it is chosen, so a CPU core never imports triton.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +31,10 @@ from kernels.attention.torch_ref import TorchRefAttentionBackend
 
 logger = logging.getLogger(__name__)
 
+# The same names as core_svc.config.ATTENTION_BACKEND_NAMES (kernels may not import core_svc; a test compares them).
 BACKEND_NAMES = ("auto", "cpu", "torch_ref", "triton", "flash_attn")
+# Values of TRITON_INTERPRET that Triton reads as true.
+_TRUE_VALUES = ("1", "true", "yes", "on")
 # What falling back from the kernel to the reference costs, measured by ``python -m benchmarks.decode_attention
 # --model <small checkpoint>`` on 2 cores (docs/benchmarks.md#decode-attention-kernel-and-reference).
 FALLBACK_COST = (
@@ -50,17 +58,19 @@ def get_attention_backend(
 ) -> AttentionBackend:
     """Backend by name on ``device``: ``cpu`` (compiled decode kernel, built on first use into ``build_dir``, see
     ``cpu_ops.load``), ``torch_ref`` (plain torch, runs anywhere), ``flash_attn`` (the flash-attn package, CUDA
-    only, when ``spec`` fits it: ``flash_attn_backend.flash_attn_misfits``), ``triton``, or ``auto``: on CPU
-    ``cpu`` when its kernel builds and loads, else ``torch_ref`` with a WARNING giving the reason, what the
-    reference costs and the fix; on CUDA ``flash_attn`` when flash-attn imports and fits ``spec``, else ``triton``
-    (the choice and its reason logged at INFO); elsewhere ``torch_ref``.
+    only, when ``spec`` fits it: ``flash_attn_backend.flash_attn_misfits``), ``triton`` (Triton kernels: on CUDA,
+    or on CPU in Triton's interpreter when ``TRITON_INTERPRET=1``, slowly, for tests), or ``auto``: on CPU ``cpu``
+    when its kernel builds and loads, else ``torch_ref`` with a WARNING giving the reason, what the reference costs
+    and the fix; on CUDA ``flash_attn`` when flash-attn imports and fits ``spec``, else ``triton`` (the choice and
+    its reason logged at INFO); elsewhere ``torch_ref``.
 
     Raises:
         ValueError: an unknown name; ``flash_attn`` asked for explicitly where it cannot serve (not installed, not
             on CUDA, a dtype, block size, head size or GPU it does not support, no ``spec``), every reason given
             with its numbers and fix.
         RuntimeError: ``cpu`` asked for explicitly and its kernel cannot be built or loaded
-            (``cpu_ops.KernelBuildError``, whose message ends with the compiler's output).
+            (``cpu_ops.KernelBuildError``, whose message ends with the compiler's output); ``triton`` on a device
+            it cannot run on, or without the triton package.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
@@ -75,7 +85,7 @@ def get_attention_backend(
             raise ValueError(f"the flash_attn attention backend cannot serve here: {'; '.join(reasons)}")
         return FlashAttnBackend()
     if name == "triton":
-        raise ValueError("the triton attention backend is not built yet; pass --attention-backend torch_ref")
+        return _triton_backend(device)
     if name == "cpu":
         return CpuAttentionBackend(build_dir)
     return TorchRefAttentionBackend()
@@ -118,6 +128,27 @@ def flash_attn_unfit_reasons(device: torch.device, spec: AttentionSpec | None) -
         return ["the model's dtype, block size and head size were not given (AttentionSpec)"]
     capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
     return flash_attn_misfits(spec.dtype, spec.block_size, spec.head_size, capability)
+
+
+def _triton_backend(device: torch.device) -> AttentionBackend:
+    """The ``triton`` backend, importing triton only now.
+
+    Raises:
+        RuntimeError: ``device`` is not CUDA and ``TRITON_INTERPRET=1`` is not set, or triton cannot be imported.
+    """
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "").strip().lower() not in _TRUE_VALUES:
+        raise RuntimeError(
+            f"the triton attention backend needs a CUDA device, got {device}; or set TRITON_INTERPRET=1 to "
+            "interpret its kernels on CPU (slowly, for tests)"
+        )
+    try:
+        from kernels.attention.triton_attn import TritonAttentionBackend
+    except ImportError as e:
+        raise RuntimeError(
+            f"the triton attention backend needs the triton package, which cannot be imported ({e}); fix: "
+            "pip install triton"
+        ) from e
+    return TritonAttentionBackend(device)
 
 
 def _kernel_loads(build_dir: Path) -> bool:

@@ -63,6 +63,7 @@ def prefill_attention(
 
 class TorchRefAttentionBackend:
     name = "torch_ref"
+    supports_cuda_graphs = False  # loops over requests with the *_cpu lists
 
     def forward(
         self,
