@@ -170,11 +170,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     requests = workload.make_request_set(num_prompts, args.output_len, tokenizer, args.seed)
     name = args.name or f"{args.bench}-{args.preset if not args.model else model.name}"
     if args.bench == "throughput":
-        from benchmarks import throughput
+        from benchmarks import throughput, throughput_report
 
         report = throughput.run(model, requests, _throughput_settings(args))
-        json_path, png_path = throughput.write_report(report, args.out, name)
-        text = throughput.format_report(report)
+        json_path, png_path = throughput_report.write_report(report, args.out, name)
+        text = throughput_report.format_report(report)
     else:
         from benchmarks import serve
 

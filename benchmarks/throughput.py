@@ -11,7 +11,7 @@ device, measured in the same run (``device_limits.matmul_peak``).
 
 ``--device cuda`` runs every backend on the GPU, transformers in the dtype splitserve runs in (bfloat16 by
 default), and adds the single-request inter-token latency against the weight-read bound (``single_request``);
-the targets are then the issue's GPU ones (``GPU_TARGETS``).
+the targets are then the issue's GPU ones (``throughput_report.GPU_TARGETS``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 
 from benchmarks import single_request
 from benchmarks.device_limits import copy_bandwidth, matmul_peak
-from benchmarks.workload import Machine, ModelFlops, RequestSet, pyplot, write_json
+from benchmarks.hf_backends import run_hf_generate, run_hf_generate_batch
+from benchmarks.workload import Machine, ModelFlops, RequestSet
 
 logger = logging.getLogger(__name__)
 
@@ -216,17 +217,6 @@ def observability_cost(model: Path, requests: RequestSet, repeats: int) -> dict[
     return {"off_tok_s": off, "on_tok_s": on, "on_over_off": median_on / median_off, "hook_fraction": hook_fraction}
 
 
-def _load_hf(model: Path, dtype: str, device: str) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        model, dtype=getattr(torch, dtype), attn_implementation="sdpa", device_map=device
-    )
-    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens, as ignore_eos
-    return hf.eval()
-
-
 def _release(device: str) -> None:
     """Free what the last backend left: Python garbage and, on CUDA, the caching allocator's blocks, so the next
     backend sizes its KV cache from the whole GPU."""
@@ -235,79 +225,6 @@ def _release(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-
-
-def _hf_config(output_len: int) -> Any:
-    from transformers import GenerationConfig
-
-    return GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-
-def run_hf_generate(
-    model: Path, requests: RequestSet, dtype: str, batch_size: int, device: str = "cpu"
-) -> tuple[float, list[list[int]]]:
-    """transformers ``generate`` over static batches, left-padded with id 0 and masked."""
-    import torch
-
-    hf = _load_hf(model, dtype, device)
-
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=_hf_config(max_new_tokens))
-        return out[:, width:].tolist()
-
-    generate(requests.prompts[:2], 4)
-    start = time.perf_counter()
-    outputs: list[list[int]] = []
-    for i in range(0, len(requests.prompts), batch_size):
-        outputs += generate(requests.prompts[i : i + batch_size], requests.output_len)
-    return time.perf_counter() - start, outputs
-
-
-def run_hf_generate_batch(
-    model: Path, requests: RequestSet, dtype: str, device: str = "cpu"
-) -> tuple[float, list[list[int]]]:
-    """transformers ``generate_batch``: its continuous batching with paged attention, with its own defaults (on
-    CUDA: CUDA graphs, KV cache from 90% of free memory).
-
-    ``generate_batch`` sizes its manager for the requests it is given and, on CUDA, captures CUDA graphs before
-    it starts them (its warm-up): work before the first request, not part of it. So the timed run uses the
-    context manager ``generate_batch`` itself is built on, with the same workload hints, and times from
-    ``add_requests`` (after the warm-up) to the last result.
-
-    Raises:
-        RuntimeError: transformers' generation thread stopped before every request finished.
-    """
-    import torch
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    hf = _load_hf(model, dtype, device)
-    config = _hf_config(requests.output_len)
-    hints = WorkloadHints(
-        max_prompt_length=max(requests.prompt_lens),
-        max_generated_length=requests.output_len,
-        num_requests=len(requests.prompts),
-    )
-    with torch.inference_mode():
-        hf.generate_batch(requests.prompts[:2], generation_config=_hf_config(4), progress_bar=False)  # first use
-        with hf.continuous_batching_context_manager(
-            generation_config=config, block=True, timeout=5, workload_hints=hints
-        ) as manager:
-            start = time.perf_counter()
-            request_ids = manager.add_requests(inputs=requests.prompts, max_new_tokens=requests.output_len)
-            results: dict[str, Any] = {}
-            while len(results) < len(request_ids):
-                result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    results[result.request_id] = result
-                elif result is None and not manager.is_running():
-                    raise RuntimeError(f"generate_batch stopped after {len(results)} of {len(request_ids)} requests")
-            wall = time.perf_counter() - start
-    outputs = [list(results[request_id].generated_tokens) for request_id in request_ids]
-    return wall, outputs
 
 
 def bfloat16_logprob_drift(model: Path, requests: RequestSet, num_requests: int = 8) -> dict[str, float]:
@@ -480,147 +397,3 @@ def _public(r: BackendResult) -> dict[str, Any]:
     data = asdict(r)
     data["extra"] = {k: v for k, v in r.extra.items() if k != "outputs"}
     return data
-
-
-TARGETS = {
-    "mfu": 0.40,
-    "vs transformers generate_batch": 2.5,
-    "vs transformers generate": 3.0,
-    "bfloat16 over float32": 1.5,
-}
-# Issue 16's targets on a GPU: splitserve bfloat16 against transformers generate_batch on the same GPU (at least),
-# and the single-request ITL over the weight-read bound (at most; single_request.ITL_OVER_BOUND_TARGET).
-GPU_TARGETS = {
-    "vs transformers generate_batch": 5.0,
-    "ITL over weight-read bound": single_request.ITL_OVER_BOUND_TARGET,
-}
-
-
-@dataclass(frozen=True)
-class TargetCheck:
-    name: str
-    measured: float
-    wanted: float
-    at_most: bool  # the target is a ceiling (ITL over its bound), not a floor
-
-    @property
-    def met(self) -> bool:
-        return self.measured <= self.wanted if self.at_most else self.measured >= self.wanted
-
-    def line(self) -> str:
-        return (
-            f"target {self.name}: {self.measured:.2f} (want {'<=' if self.at_most else '>='} {self.wanted:.2f}) "
-            f"{'MET' if self.met else 'NOT MET'}"
-        )
-
-
-def check_targets(report: dict[str, Any]) -> list[TargetCheck]:
-    """Each target the report can speak to: the CPU ones, or on CUDA issue 16's (``GPU_TARGETS``)."""
-    if report.get("device") == "cuda":
-        return _gpu_targets(report)
-    rows = []
-    by_label = {r["label"]: r for r in report["results"]}
-    fp32 = by_label.get("splitserve float32")
-    bf16 = by_label.get("splitserve bfloat16")
-    if fp32:
-        rows.append(TargetCheck("splitserve float32 MFU", fp32["mfu"], TARGETS["mfu"], False))
-        for label, ratio in fp32["ratios"].items():
-            key = "vs transformers generate_batch" if "generate_batch" in label else "vs transformers generate"
-            rows.append(TargetCheck(f"splitserve float32 {key}", ratio, TARGETS[key], False))
-    if fp32 and bf16:
-        ratio = bf16["output_tok_s"] / fp32["output_tok_s"]
-        rows.append(TargetCheck("splitserve bfloat16 over float32", ratio, TARGETS["bfloat16 over float32"], False))
-    return rows
-
-
-def _gpu_targets(report: dict[str, Any]) -> list[TargetCheck]:
-    rows = []
-    ours = next((r for r in report["results"] if r["backend"] == "splitserve"), None)
-    ratio = ours["ratios"].get("transformers generate_batch") if ours else None
-    if ours and ratio is not None:
-        key = "vs transformers generate_batch"
-        rows.append(TargetCheck(f"{ours['label']} {key}", ratio, GPU_TARGETS[key], False))
-    latency = report.get("single_request")
-    if latency:
-        key = "ITL over weight-read bound"
-        rows.append(TargetCheck(f"single-request {key}", latency["itl_over_bound"], GPU_TARGETS[key], True))
-    return rows
-
-
-def format_report(report: dict[str, Any]) -> str:
-    peak, rs = report["matmul_peak_gflops"], report["request_set"]
-    machine = report["machine"]
-    gpu = machine.get("gpu")
-    on = (
-        f"GPU {gpu['name']} (capability {gpu['capability']}, {gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']})"
-        if gpu
-        else f"CPU {machine['cpu']} ({machine['cores']} cores; {' '.join(machine.get('cpu_flags', []))})"
-    )
-    lines = [
-        f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
-        f"{rs['output_len']} output tokens each",
-        f"on {on}; torch {machine['torch']}, triton {machine.get('triton')}, transformers {machine['transformers']}",
-        "matmul peak: " + ", ".join(f"{dt} {g:.0f} GFLOP/s" for dt, g in peak.items()),
-        f"{'backend':42} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'MFU':>6} {'MFU*':>6} {'match':>6}  "
-        "ratios",
-    ]
-    for r in report["results"]:
-        ratios = ", ".join(f"{v:.2f}x {k}" for k, v in r["ratios"].items())
-        match = "" if r["exact_match"] is None else f"{100 * r['exact_match']:.0f}%"
-        lines.append(
-            f"{r['label']:42} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
-            f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
-        )
-    lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
-    drift = report.get("bfloat16_logprob_drift")
-    if drift:
-        lines.append(
-            f"bfloat16 prompt logprobs vs float32 over {drift['positions']} positions: max |diff| "
-            f"{drift['max_abs_nats']:.3f}, p99 {drift['p99_abs_nats']:.3f}, mean {drift['mean_abs_nats']:.4f} nats"
-        )
-    cost = report.get("observability_cost")
-    if cost:
-        lines.append(
-            "observability (core metrics + a span per request) on / off: "
-            f"{cost['on_over_off']:.3f} (median of {len(cost['on_tok_s'])} alternating runs each; off: "
-            + ", ".join(f"{x:.0f}" for x in cost["off_tok_s"])
-            + " tok/s; on: "
-            + ", ".join(f"{x:.0f}" for x in cost["on_tok_s"])
-            + " tok/s)"
-        )
-        lines.append(
-            "engine time inside the observability hooks, per observed run: "
-            + ", ".join(f"{100 * x:.2f}%" for x in cost["hook_fraction"])
-        )
-    if report.get("single_request"):
-        lines += single_request.format_lines(report["single_request"])
-    lines += [check.line() for check in check_targets(report)]
-    return "\n".join(lines)
-
-
-def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
-    """``<name>.json`` and ``<name>.png`` (output tok/s and MFU per backend) in ``out_dir``; returns both paths."""
-    plt = pyplot()
-    json_path, png_path = write_json(report, out_dir, name)
-    results = report["results"]
-    labels = [r["label"] for r in results]
-    fig, (ax_tok, ax_mfu) = plt.subplots(1, 2, figsize=(12, 0.6 * len(labels) + 2), sharey=True)
-    ax_tok.barh(labels, [r["output_tok_s"] for r in results], color="tab:blue")
-    ax_tok.set_xlabel("output tokens / s")
-    ax_tok.invert_yaxis()
-    ax_mfu.barh(labels, [100 * r["mfu"] for r in results], color="tab:orange")
-    ax_mfu.set_xlabel("MFU, % of measured matmul peak")
-    gpu = report["machine"].get("gpu")
-    if not gpu:
-        ax_mfu.axvline(100 * TARGETS["mfu"], color="gray", linestyle="--", label="40% target")
-        ax_mfu.legend(loc="lower right")
-    rs = report["request_set"]
-    where = gpu["name"] if gpu else f"{report['torch_threads']} threads"
-    fig.suptitle(
-        f"{Path(report['model']).name}: {rs['num_requests']} requests, mean prompt {rs['prompt_len_mean']:.0f}, "
-        f"{rs['output_len']} output tokens; {where}"
-    )
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    return json_path, png_path

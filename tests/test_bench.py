@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks import single_request, throughput
+from benchmarks import single_request, throughput, throughput_report
 from benchmarks.device_limits import CopyBandwidth, MatmulPeak, copy_bandwidth, matmul_peak
 from benchmarks.single_request import decode_weight_bytes, weight_read_bound_s
 from benchmarks.workload import MATMUL_CPU_FLAGS, PROMPT_LEN_RANGE, ModelFlops, make_request_set
@@ -281,8 +281,8 @@ def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint):
     bound_ms = 1e3 * latency["weight_bytes"] / copy["bytes_per_s"]
     assert latency["weight_read_bound_ms"] == pytest.approx(bound_ms)
     assert latency["itl_over_bound"] == pytest.approx(latency["itl_median_ms"] / bound_ms)
-    assert [c.name for c in throughput.check_targets(report)] == ["splitserve float32 MFU"]
-    assert "single request (float32" in throughput.format_report(report)
+    assert [c.name for c in throughput_report.check_targets(report)] == ["splitserve float32 MFU"]
+    assert "single request (float32" in throughput_report.format_report(report)
 
 
 def test_gpu_report_targets_and_device_line():
@@ -301,13 +301,13 @@ def test_gpu_report_targets_and_device_line():
         "request_set": {"num_requests": 512, "prompt_len_mean": 140.0, "output_len": 128}, "results": [result],
         "single_request": None,
     }  # fmt: skip
-    checks = throughput.check_targets({**report, "single_request": latency})
+    checks = throughput_report.check_targets({**report, "single_request": latency})
     assert [(c.name, c.measured, c.wanted, c.met) for c in checks] == [
         ("splitserve bfloat16 vs transformers generate_batch", 6.0, 5.0, True),
         ("single-request ITL over weight-read bound", 12.0, 10.0, False),
     ]
     assert checks[1].line() == "target single-request ITL over weight-read bound: 12.00 (want <= 10.00) NOT MET"
-    text = throughput.format_report(report)
+    text = throughput_report.format_report(report)
     assert "on GPU NVIDIA H200 (capability 9.0, 140 GiB, CUDA 13.0); torch 2.11.0, triton 3.6.0" in text
     assert "target splitserve bfloat16 vs transformers generate_batch: 6.00 (want >= 5.00) MET" in text
     cuda = throughput.Settings.for_device("cuda", hf_batch_size=32)
