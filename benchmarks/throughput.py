@@ -152,15 +152,12 @@ def run_splitserve(
         if not isinstance(client, InprocClient):
             raise TypeError(f"the core must run in this process, not behind {type(client).__name__}")
         core = client.engine_core  # the in-process EngineCore
-        kv_bytes = sum(t.numel() * t.element_size() for t in core.model_runner.kv_caches)
         facts = {
             "num_kv_blocks": info.num_kv_blocks,
             "block_size": info.block_size,
             "kv_cache_tokens": info.kv_cache_tokens,
-            "kv_cache_bytes": kv_bytes,
-            "kv_bytes_per_token": kv_bytes // (info.num_kv_blocks * info.block_size),
+            **_runner_facts(core, info.num_kv_blocks * info.block_size),
             "num_preemptions": engine.num_preemptions - preemptions_before,
-            "attention_backend": core.model_runner.model.model.layers[0].self_attn.backend.name,
             "device": core.config.device,
             "enforce_eager": core.config.enforce_eager,
             "max_num_seqs": core.config.max_num_seqs,
@@ -172,6 +169,23 @@ def run_splitserve(
         llm.close()
         if provider is not None:
             provider.shutdown()
+
+
+def _runner_facts(core: Any, num_slots: int) -> dict[str, Any]:
+    """The KV cache's bytes (and per token slot) and the attention backend's name, read off the in-process core's
+    model runner; None where a runner keeps them elsewhere, so that a run of minutes never fails on a fact."""
+    runner = core.model_runner
+    caches = getattr(runner, "kv_caches", None)
+    kv_bytes = None if caches is None else sum(t.numel() * t.element_size() for t in caches)
+    try:
+        backend = runner.model.model.layers[0].self_attn.backend.name
+    except AttributeError:
+        backend = None
+    return {
+        "kv_cache_bytes": kv_bytes,
+        "kv_bytes_per_token": None if kv_bytes is None else kv_bytes // num_slots,
+        "attention_backend": backend,
+    }
 
 
 def _observe(llm: Any, model: str, hook_s: list[float]) -> Any:

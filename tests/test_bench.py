@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from benchmarks import single_request, throughput, throughput_report
 from benchmarks.device_limits import CopyBandwidth, MatmulPeak, copy_bandwidth, matmul_peak
 from benchmarks.single_request import decode_weight_bytes, weight_read_bound_s
-from benchmarks.workload import MATMUL_CPU_FLAGS, PROMPT_LEN_RANGE, ModelFlops, make_request_set
+from benchmarks.workload import MATMUL_CPU_FLAGS, PROMPT_LEN_RANGE, Machine, ModelFlops, make_request_set
 from splitserve.entrypoints.cli import main
 from splitserve.entrypoints.test_model import PRESET_TABLE
 
@@ -318,3 +318,26 @@ def test_gpu_report_targets_and_device_line():
         128,
     )
     assert cuda.preemption_kv_fraction is None and cuda.observability_repeats == 0
+
+
+def test_machine_names_the_gpu(monkeypatch):
+    """What a CUDA result records of its GPU, from torch.cuda's device queries (stubbed: no GPU here)."""
+    import types
+
+    import torch
+
+    props = types.SimpleNamespace(total_memory=150 * 2**30, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    gpu = Machine.current("cuda").gpu
+    assert gpu == {
+        "name": "NVIDIA H200",
+        "capability": "9.0",
+        "memory_gib": 150.0,
+        "multiprocessors": 132,
+        "cuda": "13.0",
+    }
+    assert Machine.current("cpu").gpu is None
