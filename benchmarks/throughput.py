@@ -241,7 +241,9 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def bfloat16_logprob_drift(model: Path, requests: RequestSet, num_requests: int = 8) -> dict[str, float]:
+def bfloat16_logprob_drift(
+    model: Path, requests: RequestSet, num_requests: int = 8, device: str = "cpu"
+) -> dict[str, float]:
     """How far bfloat16 logprobs are from float32's: prompt logprobs (each prompt token given its prefix, the
     same tokens for both dtypes, so no divergence compounds) of the first ``num_requests`` prompts, as the max,
     mean and 99th percentile of the absolute difference in nats."""
@@ -261,7 +263,7 @@ def bfloat16_logprob_drift(model: Path, requests: RequestSet, num_requests: int 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     per_dtype = []
     for dtype in ("float32", "bfloat16"):
-        with LLM(str(model), dtype=dtype) as llm:
+        with LLM(str(model), dtype=dtype, device=device) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         per_dtype.append([logprob for output in outputs for logprob in token_logprobs(output)])
     diff = np.abs(np.asarray(per_dtype[0]) - np.asarray(per_dtype[1]))
@@ -337,8 +339,8 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         r.mfu *= peaks[r.dtype] / peak[r.dtype]
     _compare(results)
     drift = None
-    if "splitserve" in settings.backends and {"float32", "bfloat16"} <= set(settings.dtypes) and device == "cpu":
-        drift = bfloat16_logprob_drift(model, requests)
+    if "splitserve" in settings.backends and {"float32", "bfloat16"} <= set(settings.dtypes):
+        drift = bfloat16_logprob_drift(model, requests, device=device)
         logger.info("bfloat16 prompt logprobs against float32: %s", drift)
     return {
         "benchmark": "throughput",
