@@ -7,12 +7,15 @@ import logging
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger(__name__)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from splitserve.entrypoints.test_model import ARCHS, PRESETS
+
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency, large n")
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -22,40 +25,26 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     ):
         p = kinds.add_parser(name, help=text)
         p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
-        p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-        p.add_argument("--preset", default="small", choices=["tiny", "small", "medium"])
+        p.add_argument("--arch", default="llama", choices=ARCHS)
+        p.add_argument("--preset", default="small", choices=PRESETS, help="qwen2.5-0.5b: Qwen2.5-0.5B's shape")
         p.add_argument(
             "--tokenizer",
             type=Path,
             default=None,
             help="tokenizer folder for the built checkpoint (default: the llama2 tokenizer when present, else builtin)",
         )
-        p.add_argument("--num-prompts", type=int, default=64 if name == "throughput" else 32)
+        p.add_argument(
+            "--num-prompts",
+            type=int,
+            default=None if name == "throughput" else 32,
+            help="requests in the set" + (" (default: 64 on CPU, 512 on CUDA)" if name == "throughput" else ""),
+        )
         p.add_argument("--output-len", type=int, default=128 if name == "throughput" else 64)
         p.add_argument("--seed", type=int, default=0, help="seed of the request set")
         p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
         p.add_argument("--name", default=None, help="file name stem (default: <benchmark>-<preset>)")
         if name == "throughput":
-            p.add_argument(
-                "--backends",
-                default="splitserve,hf-generate,hf-generate-batch",
-                help="comma-separated: splitserve, hf-generate, hf-generate-batch",
-            )
-            p.add_argument("--dtypes", default="float32,bfloat16", help="splitserve dtypes, comma-separated")
-            p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of transformers generate")
-            p.add_argument(
-                "--preemption-kv-fraction",
-                type=float,
-                default=0.25,
-                help="also run splitserve with a KV cache this fraction of the set's need (0: skip)",
-            )
-            p.add_argument(
-                "--observability-repeats",
-                type=int,
-                default=3,
-                help="runs of splitserve with tracing and metrics off and on, alternating, to measure their cost "
-                "(0: skip)",
-            )
+            _add_throughput_args(p)
         else:
             p.add_argument(
                 "--rates", default="1,inf", help="request rates per second, comma-separated; inf: all at once"
@@ -67,8 +56,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     p = kinds.add_parser("n", help="one request with a large n: add, first output, abort after a deadline, liveness")
     p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
-    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "medium"])
+    p.add_argument("--arch", default="llama", choices=ARCHS)
+    p.add_argument("--preset", default="tiny", choices=PRESETS)
     p.add_argument("--tokenizer", type=Path, default=None, help="as for the other benchmarks")
     p.add_argument("--ns", default="1024,4096,16384", help="values of n, comma-separated")
     p.add_argument("--deadline-s", type=float, default=10.0, help="the client's deadline (issue 13 used 10 s)")
@@ -81,6 +70,85 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--baseline", type=Path, default=None, help="an earlier bench n JSON to show beside this run")
     p.set_defaults(func=cmd_bench)
+
+
+def _add_throughput_args(p: argparse.ArgumentParser) -> None:
+    """The throughput benchmark's own flags; those whose default depends on the device default to None
+    (``throughput.Settings.for_device`` fills them)."""
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where every backend runs; cuda also measures the single-request ITL against the weight-read bound",
+    )
+    p.add_argument(
+        "--backends",
+        default="splitserve,hf-generate,hf-generate-batch",
+        help="comma-separated: splitserve, hf-generate, hf-generate-batch",
+    )
+    p.add_argument(
+        "--dtypes", default=None, help="splitserve dtypes, comma-separated (default: float32,bfloat16; cuda: bfloat16)"
+    )
+    p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
+    p.add_argument(
+        "--hf-batch-size", type=int, default=None, help="static batch size of transformers generate (16; cuda: 64)"
+    )
+    p.add_argument(
+        "--preemption-kv-fraction",
+        type=float,
+        default=None,
+        help="also run splitserve with a KV cache this fraction of the set's need (0: skip; default 0.25, cuda: 0)",
+    )
+    p.add_argument(
+        "--observability-repeats",
+        type=int,
+        default=None,
+        help="runs of splitserve with tracing and metrics off and on, alternating, to measure their cost "
+        "(0: skip; default 3, cuda: 0)",
+    )
+    p.add_argument(
+        "--single-request-output-len",
+        type=int,
+        default=None,
+        help="output tokens of the single-request ITL run against the weight-read bound (0: skip; default 0, "
+        "cuda: 128)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=None, help="splitserve's --max-num-seqs (default: the core's)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="splitserve's --gpu-memory-utilization on cuda (default: the core's)",
+    )
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="splitserve without CUDA graphs (default: with them, on cuda)"
+    )
+
+
+def _throughput_settings(args: argparse.Namespace) -> Any:
+    from benchmarks import throughput
+
+    def names(text: str | None) -> tuple[str, ...] | None:
+        return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
+
+    core_config: dict[str, Any] = {}
+    if args.max_num_seqs is not None:
+        core_config["max_num_seqs"] = args.max_num_seqs
+    if args.gpu_memory_utilization is not None:
+        core_config["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.enforce_eager:
+        core_config["enforce_eager"] = True
+    return throughput.Settings.for_device(
+        args.device,
+        backends=names(args.backends),
+        dtypes=names(args.dtypes),
+        hf_dtype=args.hf_dtype,
+        hf_batch_size=args.hf_batch_size,
+        preemption_kv_fraction=args.preemption_kv_fraction,
+        observability_repeats=args.observability_repeats,
+        single_request_output_len=args.single_request_output_len,
+        core_config=core_config,
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -98,22 +166,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "n":
         return _bench_n(args, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    requests = workload.make_request_set(args.num_prompts, args.output_len, tokenizer, args.seed)
+    num_prompts = args.num_prompts or (512 if getattr(args, "device", "cpu") == "cuda" else 64)
+    requests = workload.make_request_set(num_prompts, args.output_len, tokenizer, args.seed)
     name = args.name or f"{args.bench}-{args.preset if not args.model else model.name}"
     if args.bench == "throughput":
-        from benchmarks import throughput
+        from benchmarks import throughput, throughput_report
 
-        report = throughput.run(
-            model,
-            requests,
-            backends=[b.strip() for b in args.backends.split(",") if b.strip()],
-            dtypes=[d.strip() for d in args.dtypes.split(",") if d.strip()],
-            hf_batch_size=args.hf_batch_size,
-            preemption_kv_fraction=args.preemption_kv_fraction or None,
-            observability_repeats=args.observability_repeats,
-        )
-        json_path, png_path = throughput.write_report(report, args.out, name)
-        text = throughput.format_report(report)
+        report = throughput.run(model, requests, _throughput_settings(args))
+        json_path, png_path = throughput_report.write_report(report, args.out, name)
+        text = throughput_report.format_report(report)
     else:
         from benchmarks import serve
 

@@ -1,13 +1,13 @@
-"""What both benchmarks share: the seeded checkpoint, the seeded request set, model FLOPs, the machine's matmul
-peak, and a description of the machine and library versions."""
+"""What the benchmarks share: the seeded checkpoint, the seeded request set, model FLOPs, and a description of the
+machine (CPU and its flags, the GPU when one is used) and library versions. The device's measured limits (matmul
+peak, copy bandwidth) are in ``device_limits``."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,22 +119,20 @@ class ModelFlops:
         return sum(self.request_flops(n, requests.output_len, lm_head_on_every_token) for n in requests.prompt_lens)
 
 
-def matmul_peak_flops(dtype: str = "float32", sizes: tuple[int, ...] = (2048, 4096), trials: int = 5) -> float:
-    """The machine's matmul peak in FLOP/s: the best of ``trials`` timed ``torch.mm`` of two ``n x n`` matrices
-    (2 n^3 FLOPs) over each n in ``sizes``, on torch's current thread count. Large square products are where
-    MKL / oneDNN come closest to the hardware's limit; the best trial filters out a shared machine's noise."""
-    import torch
-
-    best = 0.0
-    for size in sizes:
-        a = torch.randn(size, size).to(getattr(torch, dtype))
-        b = torch.randn(size, size).to(getattr(torch, dtype))
-        torch.mm(a, b)  # warm up: thread pool, allocator, the library's kernel selection
-        for _ in range(trials):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * size**3 / (time.perf_counter() - start))
-    return best
+# The CPU flags that decide matmul speed (vector width, FMA, bf16 and int8 dot products, AMX tiles), as
+# /proc/cpuinfo spells them.
+MATMUL_CPU_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 @dataclass(frozen=True)
@@ -146,20 +144,43 @@ class Machine:
     python: str
     torch: str
     transformers: str
+    cpu_flags: list[str] = field(default_factory=list)  # those of MATMUL_CPU_FLAGS the CPU has
+    triton: str | None = None  # None: not installed
+    # device "cuda": name, capability ("9.0"), memory_gib, cuda (torch's CUDA version), multiprocessors
+    gpu: dict[str, Any] | None = None
 
     @classmethod
-    def current(cls) -> Machine:
+    def current(cls, device: str = "cpu") -> Machine:
+        """This machine; with ``device`` "cuda", also the current GPU (as ``torch.cuda`` names it)."""
+        import importlib.metadata
+
         import torch
         import transformers
 
         cpu = platform.processor() or platform.machine()
         try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+            fields = [line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line]
         except OSError:
-            pass
+            fields = []
+        names = [value.strip() for key, value in fields if key.strip() == "model name"]
+        flag_lists = [value.split() for key, value in fields if key.strip() == "flags"]
+        cpu = names[0] if names else cpu
+        flags = set(flag_lists[0]) if flag_lists else set()
+        try:
+            triton: str | None = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:
+            triton = None
+        gpu = None
+        if device == "cuda":
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            major, minor = torch.cuda.get_device_capability()
+            gpu = {
+                "name": torch.cuda.get_device_name(),
+                "capability": f"{major}.{minor}",
+                "memory_gib": props.total_memory / 2**30,
+                "multiprocessors": props.multi_processor_count,
+                "cuda": torch.version.cuda,
+            }
         return cls(
             cpu=cpu,
             cores=os.cpu_count() or 0,
@@ -168,6 +189,9 @@ class Machine:
             python=platform.python_version(),
             torch=torch.__version__,
             transformers=transformers.__version__,
+            cpu_flags=[f for f in MATMUL_CPU_FLAGS if f in flags],
+            triton=triton,
+            gpu=gpu,
         )
 
     def to_dict(self) -> dict[str, Any]:

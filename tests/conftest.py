@@ -69,6 +69,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return get
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``cuda`` where torch sees no CUDA device, saying so (torch is imported only when
+    such a test was collected)."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    reason = f"needs CUDA: torch.cuda.is_available() is False (torch {torch.__version__})"
+    for item in cuda_items:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
 def report_divergence(line: str) -> None:
     """Record a greedy divergence between splitserve and transformers for the end-of-run summary."""
     _DIVERGENCE_REPORT.append(line)

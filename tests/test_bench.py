@@ -1,5 +1,6 @@
-"""The benchmark machinery: FLOP counting by hand, the seeded request set, and both commands end to end on a tiny
-model (checking what they report, never how fast anything ran)."""
+"""The benchmark machinery: FLOP counting by hand, the seeded request set, the commands end to end on a tiny model
+(checking what they report, never how fast anything ran), the qwen2.5-0.5b preset's shape, and the GPU benchmark's
+device-independent parts (matmul peak, copy bandwidth, weight-read bound, single-request ITL) run on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.workload import PROMPT_LEN_RANGE, ModelFlops, make_request_set
+from benchmarks import single_request, throughput, throughput_report
+from benchmarks.device_limits import CopyBandwidth, MatmulPeak, copy_bandwidth, matmul_peak
+from benchmarks.single_request import decode_weight_bytes, weight_read_bound_s
+from benchmarks.workload import MATMUL_CPU_FLAGS, PROMPT_LEN_RANGE, Machine, ModelFlops, make_request_set
 from splitserve.entrypoints.cli import main
 from splitserve.entrypoints.test_model import PRESET_TABLE
 
@@ -144,3 +148,196 @@ def test_bench_n_reports_both_deployments_per_n(checkpoint, tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("split ", "in-process "))]
     assert "live max s" in out and rows == [["split", "8"], ["split", "32"], ["in-process", "8"], ["in-process", "32"]]
+
+
+def test_qwen25_preset_has_qwen25_05b_shape():
+    """The preset's config against Qwen2.5-0.5B's config.json; its parameter count, made on the meta device (no
+    weights), against the published 494,032,768, worked out by hand below."""
+    import torch
+    import transformers
+
+    from splitserve.entrypoints.test_model import build_config
+
+    config = build_config("qwen2", "qwen2.5-0.5b", 8192, 1, 2)  # a tokenizer of 8192: the preset's vocabulary wins
+    assert isinstance(config, transformers.Qwen2Config) and config.architectures == ["Qwen2ForCausalLM"]
+    shape = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads)
+    assert shape == (896, 24, 14, 2)
+    assert (config.head_dim, config.intermediate_size, config.vocab_size) == (64, 4864, 151936)
+    assert config.tie_word_embeddings is True and config.max_position_embeddings == 32768
+    assert config.rope_parameters["rope_theta"] == 1_000_000.0
+    assert PRESET_TABLE["qwen2.5-0.5b"].dtype == "bfloat16"
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+    # per layer: q 896x896 + 896 bias, k and v 896x128 + 128 bias each, o 896x896, MLP 3 x 896x4864, 2 norms of 896
+    per_layer = (896 * 896 + 896) + 2 * (896 * 128 + 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896
+    assert per_layer == 14_912_384
+    expected = 24 * per_layer + 896 + 151936 * 896  # + final norm + the embedding, tied to the LM head
+    assert sum(p.numel() for p in model.parameters()) == expected == 494_032_768
+
+
+def test_fixed_vocabulary_preset_pads_past_the_tokenizer(tmp_path, monkeypatch):
+    """A preset's fixed vocabulary (as qwen2.5-0.5b's 151936 over any tokenizer here) is written as is, with the
+    preset's tying, RoPE theta and dtype; one smaller than the tokenizer is refused before any weight is made.
+    Shown on tiny-sized copies of the preset, so no 1 GB checkpoint is built."""
+    import dataclasses
+
+    from safetensors import safe_open
+
+    from splitserve.entrypoints import test_model
+
+    tiny = PRESET_TABLE["tiny"]
+    fixed = {k: getattr(PRESET_TABLE["qwen2.5-0.5b"], k) for k in ("tie_word_embeddings", "rope_theta", "dtype")}
+    monkeypatch.setitem(test_model.PRESET_TABLE, "padded", dataclasses.replace(tiny, vocab_size=9000, **fixed))
+    monkeypatch.setitem(test_model.PRESET_TABLE, "short", dataclasses.replace(tiny, vocab_size=100))
+    monkeypatch.setattr(test_model, "PRESETS", (*test_model.PRESETS, "padded", "short"))
+    path = test_model.make_test_model(tmp_path / "padded", "qwen2", "padded")
+    config = json.loads((path / "config.json").read_text())
+    assert len(AutoTokenizer.from_pretrained(path)) < 9000 == config["vocab_size"]
+    assert config["tie_word_embeddings"] is True and config["rope_parameters"]["rope_theta"] == 1_000_000.0
+    with safe_open(path / "model.safetensors", "pt") as f:
+        embedding = f.get_tensor("model.embed_tokens.weight")
+        assert "lm_head.weight" not in f.keys()  # tied: saved once
+    assert tuple(embedding.shape) == (9000, 64) and str(embedding.dtype) == "torch.bfloat16"
+    with pytest.raises(ValueError, match="100 vocabulary rows, fewer than the tokenizer's"):
+        test_model.make_test_model(tmp_path / "short", "qwen2", "short")
+    assert not (tmp_path / "short" / "model.safetensors").exists()
+
+
+def test_device_limits_arithmetic_and_cpu_runs():
+    peak = MatmulPeak.from_timing("float32", "cpu", 1000, 0.5)
+    assert peak.flops_per_s == 4e9  # 2 x 1000^3 FLOPs in half a second
+    copy = CopyBandwidth.from_timing("cpu", 10**6, 1e-3)
+    assert copy.bytes_per_s == 2e9  # 1 MB read and 1 MB written in a millisecond
+    measured = matmul_peak("float32", "cpu", sizes=(32, 64), trials=2)
+    assert measured.size in (32, 64) and measured.flops_per_s == pytest.approx(2 * measured.size**3 / measured.best_s)
+    moved = copy_bandwidth("cpu", num_bytes=4 * 2**20, trials=2)
+    assert moved.num_bytes == 4 * 2**20 and moved.bytes_per_s == pytest.approx(2 * 4 * 2**20 / moved.best_s)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        copy_bandwidth("cpu", num_bytes=6)
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        matmul_peak("float32", "meta")
+
+
+def test_decode_weight_bytes_by_hand(checkpoint):
+    # tiny: hidden 64, intermediate 192, 4 layers, 4 query and 2 KV heads of 16
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 192 + 2 * 64  # q, k and v, o, MLP, two norms
+    llama = checkpoint("llama", "tiny")
+    vocab = json.loads((llama / "config.json").read_text())["vocab_size"]
+    # untied: the LM head is read whole each step, the input embedding one row (not counted)
+    llama_params = 4 * per_layer + 64 + 64 * vocab
+    assert decode_weight_bytes(llama, "float32") == 4 * llama_params
+    assert decode_weight_bytes(llama, "bfloat16") == 2 * llama_params
+    qwen3 = checkpoint("qwen3", "tiny")
+    vocab = json.loads((qwen3 / "config.json").read_text())["vocab_size"]
+    # tied: the embedding is the LM head, counted once; qwen3 adds q and k norms of 16 per layer
+    assert decode_weight_bytes(qwen3, "float32") == 4 * (4 * (per_layer + 2 * 16) + 64 + 64 * vocab)
+    bandwidth = CopyBandwidth.from_timing("cpu", 10**9, 0.5)  # 4 GB/s read + written
+    assert weight_read_bound_s(10**9, bandwidth) == 0.25
+
+
+def test_single_request_summary_by_hand():
+    bandwidth = CopyBandwidth.from_timing("cpu", 10**6, 1e-3)  # 2e9 bytes/s
+    setting = {"device": "cpu", "dtype": "float32", "cuda_graphs": False, "prompt_len": 5, "output_len": 4}
+    latency = single_request.summarize((0.02, [0.004, 0.006, 0.005]), 10**6, bandwidth, setting)
+    assert latency.ttft_ms == pytest.approx(20.0) and latency.itl_ms == pytest.approx([4.0, 6.0, 5.0])
+    assert (latency.itl_median_ms, latency.itl_mean_ms) == pytest.approx((5.0, 5.0))
+    assert latency.itl_p99_ms == pytest.approx(5.98)  # linear interpolation between 5 and 6 at 0.98
+    assert latency.weight_read_bound_ms == pytest.approx(0.5)  # 1e6 bytes at 2e9 bytes/s
+    assert latency.copy_bandwidth_gb_s == pytest.approx(2.0)
+    assert latency.itl_over_bound == pytest.approx(10.0) and latency.target_met  # at the target: met
+    slower = single_request.summarize((0.02, [0.004, 0.0051, 0.006]), 10**6, bandwidth, setting)
+    assert slower.itl_over_bound == pytest.approx(10.2) and not slower.target_met
+    with pytest.raises(ValueError, match="two output tokens"):
+        single_request.summarize((0.02, []), 10**6, bandwidth, setting)
+
+
+def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint):
+    """The device-independent parts of the GPU benchmark, run on CPU: the machine named with its CPU flags, the
+    single-request ITL measured at the core (one gap per token after the first) against the weight-read bound."""
+    path = checkpoint("llama", "tiny")
+    requests = make_request_set(2, 3, AutoTokenizer.from_pretrained(path), seed=0)
+    settings = throughput.Settings.for_device(
+        "cpu",
+        backends=("splitserve",),
+        dtypes=("float32",),
+        preemption_kv_fraction=0.0,
+        observability_repeats=0,
+        single_request_output_len=5,
+        matmul_sizes=(64,),
+        copy_bytes=4 * 2**20,
+    )
+    report = throughput.run(path, requests, settings)
+    assert report["device"] == "cpu" and report["machine"]["gpu"] is None
+    assert set(report["machine"]["cpu_flags"]) <= set(MATMUL_CPU_FLAGS)
+    [result] = report["results"]
+    assert result["label"] == "splitserve float32" and result["extra"]["device"] == "cpu"
+    latency = report["single_request"]
+    assert (latency["device"], latency["dtype"], latency["cuda_graphs"]) == ("cpu", "float32", False)
+    assert (latency["prompt_len"], latency["output_len"]) == (len(requests.prompts[0]), 5)
+    assert len(latency["itl_ms"]) == 4 and all(gap > 0 for gap in latency["itl_ms"])
+    assert latency["weight_bytes"] == decode_weight_bytes(path, "float32")
+    copy = latency["copy_bandwidth"]
+    assert copy["num_bytes"] == 4 * 2**20 and latency["copy_bandwidth_gb_s"] == pytest.approx(copy["bytes_per_s"] / 1e9)
+    bound_ms = 1e3 * latency["weight_bytes"] / copy["bytes_per_s"]
+    assert latency["weight_read_bound_ms"] == pytest.approx(bound_ms)
+    assert latency["itl_over_bound"] == pytest.approx(latency["itl_median_ms"] / bound_ms)
+    assert [c.name for c in throughput_report.check_targets(report)] == ["splitserve float32 MFU"]
+    assert "single request (float32" in throughput_report.format_report(report)
+
+
+def test_gpu_report_targets_and_device_line():
+    """On CUDA the targets are issue 16's: at least 5x transformers generate_batch, the single-request ITL at most
+    10x the weight-read bound; the report names the GPU."""
+    gpu = {"name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8, "cuda": "13.0", "multiprocessors": 132}
+    machine = {"cpu": "x", "cores": 16, "torch": "2.11.0", "transformers": "5.24.0", "triton": "3.6.0", "gpu": gpu}
+    result = {
+        "backend": "splitserve", "label": "splitserve bfloat16", "wall_s": 1.0, "output_tok_s": 6000.0,
+        "total_tok_s": 7000.0, "mfu": 0.1, "mfu_lm_head_every_token": 0.1, "exact_match": None,
+        "ratios": {"transformers generate_batch": 6.0, "transformers generate (batch 64)": 9.0},
+    }  # fmt: skip
+    latency = {"itl_over_bound": 12.0, "cuda_graphs": True}
+    report = {
+        "device": "cuda", "machine": machine, "model": "m", "matmul_peak_gflops": {"bfloat16": 7.9e5},
+        "request_set": {"num_requests": 512, "prompt_len_mean": 140.0, "output_len": 128}, "results": [result],
+        "single_request": None,
+    }  # fmt: skip
+    checks = throughput_report.check_targets({**report, "single_request": latency})
+    assert [(c.name, c.measured, c.wanted, c.met) for c in checks] == [
+        ("splitserve bfloat16 vs transformers generate_batch", 6.0, 5.0, True),
+        ("single-request ITL over weight-read bound", 12.0, 10.0, False),
+    ]
+    assert checks[1].line() == "target single-request ITL over weight-read bound: 12.00 (want <= 10.00) NOT MET"
+    text = throughput_report.format_report(report)
+    assert "on GPU NVIDIA H200 (capability 9.0, 140 GiB, CUDA 13.0); torch 2.11.0, triton 3.6.0" in text
+    assert "target splitserve bfloat16 vs transformers generate_batch: 6.00 (want >= 5.00) MET" in text
+    cuda = throughput.Settings.for_device("cuda", hf_batch_size=32)
+    assert (cuda.dtypes, cuda.hf_dtype, cuda.hf_batch_size, cuda.single_request_output_len) == (
+        ("bfloat16",),
+        "bfloat16",
+        32,
+        128,
+    )
+    assert cuda.preemption_kv_fraction is None and cuda.observability_repeats == 0
+
+
+def test_machine_names_the_gpu(monkeypatch):
+    """What a CUDA result records of its GPU, from torch.cuda's device queries (stubbed: no GPU here)."""
+    import types
+
+    import torch
+
+    props = types.SimpleNamespace(total_memory=150 * 2**30, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    gpu = Machine.current("cuda").gpu
+    assert gpu == {
+        "name": "NVIDIA H200",
+        "capability": "9.0",
+        "memory_gib": 150.0,
+        "multiprocessors": 132,
+        "cuda": "13.0",
+    }
+    assert Machine.current("cpu").gpu is None

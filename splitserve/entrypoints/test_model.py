@@ -21,7 +21,7 @@ from typing import Any
 from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-PRESETS = ("tiny", "small", "medium")
+PRESETS = ("tiny", "small", "medium", "qwen2.5-0.5b")
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
@@ -43,14 +43,36 @@ class Preset:
     num_key_value_heads: int
     max_position_embeddings: int
     sliding_window: int  # used by mistral only, small enough that long test prompts cross it
+    # None: the tokenizer's size. A fixed size may exceed it (rows no prompt uses, as Qwen2.5 pads 151665 tokens to
+    # 151936 rows); it may not be smaller.
+    vocab_size: int | None = None
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    tie_word_embeddings: bool | None = None  # None: tied for qwen3 only, so both paths are exercised
+    rope_theta: float | None = None  # None: transformers' default for the architecture
+    dtype: str = "float32"  # of the saved weights, unless make_test_model is given one
 
 
 # tiny: unit tests (~1M parameters with the builtin tokenizer); small: ~60M with a 32000 vocabulary;
-# medium: ~200M with a 32000 vocabulary.
+# medium: ~200M with a 32000 vocabulary. qwen2.5-0.5b: the shape of Qwen2.5-0.5B's config.json (494,032,768
+# parameters with arch qwen2), for GPU benchmarks; about 1 GB in bfloat16, never built by the test suite.
 PRESET_TABLE: dict[str, Preset] = {
     "tiny": Preset(64, 192, 4, 4, 2, 2048, 128),
     "small": Preset(512, 1408, 8, 8, 4, 4096, 1024),
     "medium": Preset(1024, 2816, 12, 16, 8, 4096, 2048),
+    "qwen2.5-0.5b": Preset(
+        896,
+        4864,
+        24,
+        14,
+        2,
+        32768,
+        4096,
+        vocab_size=151936,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        dtype="bfloat16",
+    ),
 }
 
 _ARCH_CLASSES = {
@@ -67,20 +89,21 @@ def make_test_model(
     preset: str = "tiny",
     tokenizer: Path | str | None = None,
     seed: int = 0,
-    dtype: str = "float32",
+    dtype: str | None = None,
     config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a seeded random checkpoint to ``out_dir`` and return its path.
 
     Args:
         arch: llama, mistral, qwen2 or qwen3.
-        preset: tiny, small or medium (sizes in ``PRESET_TABLE``).
+        preset: a name in ``PRESETS`` (sizes in ``PRESET_TABLE``).
         tokenizer: a folder with Hugging Face tokenizer files to copy; None trains the builtin tokenizer.
-        dtype: float32 or bfloat16, the dtype of the saved weights.
+        dtype: float32 or bfloat16, the dtype of the saved weights; None: the preset's.
         config_overrides: extra config fields (e.g. ``rope_parameters``), applied last.
 
     Raises:
-        ValueError: unknown arch, preset or dtype, or a tokenizer folder without tokenizer files.
+        ValueError: unknown arch, preset or dtype, a tokenizer folder without tokenizer files, or a tokenizer larger
+            than the preset's fixed vocabulary (checked before any weight is made).
     """
     import torch
     import transformers
@@ -90,6 +113,7 @@ def make_test_model(
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    dtype = dtype or PRESET_TABLE[preset].dtype
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     out = Path(out_dir)
@@ -103,6 +127,11 @@ def make_test_model(
     config = build_config(arch, preset, 0, None, None, config_overrides)
     config.save_pretrained(out)
     hf_tokenizer = AutoTokenizer.from_pretrained(out)
+    fixed_vocab_size = PRESET_TABLE[preset].vocab_size
+    if fixed_vocab_size is not None and fixed_vocab_size < len(hf_tokenizer):
+        raise ValueError(
+            f"preset {preset!r} has {fixed_vocab_size} vocabulary rows, fewer than the tokenizer's {len(hf_tokenizer)}"
+        )
     config = build_config(
         arch, preset, len(hf_tokenizer), hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id, config_overrides
     )
@@ -138,26 +167,29 @@ def build_config(
     eos_token_id: int | None,
     config_overrides: dict[str, Any] | None = None,
 ) -> Any:
-    """The transformers config of a test checkpoint (``PRESET_TABLE`` sizes, the tokenizer's vocabulary)."""
+    """The transformers config of a test checkpoint: ``PRESET_TABLE`` sizes, and ``vocab_size`` (the tokenizer's)
+    unless the preset fixes its own."""
     import transformers
 
     p = PRESET_TABLE[preset]
     config_class_name, model_class_name = _ARCH_CLASSES[arch]
     fields: dict[str, Any] = dict(
-        vocab_size=vocab_size,
+        vocab_size=p.vocab_size or vocab_size,
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_hidden_layers,
         num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads,
-        head_dim=p.hidden_size // p.num_attention_heads,
+        head_dim=p.head_dim or p.hidden_size // p.num_attention_heads,
         max_position_embeddings=p.max_position_embeddings,
         rms_norm_eps=1e-6,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=None,
-        tie_word_embeddings=arch == "qwen3",  # one tied architecture, so both paths are exercised
+        tie_word_embeddings=arch == "qwen3" if p.tie_word_embeddings is None else p.tie_word_embeddings,
     )
+    if p.rope_theta is not None:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": p.rope_theta}
     if arch == "mistral":
         fields["sliding_window"] = p.sliding_window
     fields.update(config_overrides or {})

@@ -1,0 +1,154 @@
+"""The throughput benchmark's report: its targets (the CPU ones, or issue 16's on a GPU), the printed summary, and
+the PNG."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import single_request
+from benchmarks.workload import pyplot, write_json
+
+TARGETS = {
+    "mfu": 0.40,
+    "vs transformers generate_batch": 2.5,
+    "vs transformers generate": 3.0,
+    "bfloat16 over float32": 1.5,
+}
+# Issue 16's targets on a GPU: splitserve bfloat16 against transformers generate_batch on the same GPU (at least),
+# and the single-request ITL over the weight-read bound (at most; single_request.ITL_OVER_BOUND_TARGET).
+GPU_TARGETS = {
+    "vs transformers generate_batch": 5.0,
+    "ITL over weight-read bound": single_request.ITL_OVER_BOUND_TARGET,
+}
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    name: str
+    measured: float
+    wanted: float
+    at_most: bool  # the target is a ceiling (ITL over its bound), not a floor
+
+    @property
+    def met(self) -> bool:
+        return self.measured <= self.wanted if self.at_most else self.measured >= self.wanted
+
+    def line(self) -> str:
+        return (
+            f"target {self.name}: {self.measured:.2f} (want {'<=' if self.at_most else '>='} {self.wanted:.2f}) "
+            f"{'MET' if self.met else 'NOT MET'}"
+        )
+
+
+def check_targets(report: dict[str, Any]) -> list[TargetCheck]:
+    """Each target the report can speak to: the CPU ones, or on CUDA issue 16's (``GPU_TARGETS``)."""
+    if report.get("device") == "cuda":
+        return _gpu_targets(report)
+    rows = []
+    by_label = {r["label"]: r for r in report["results"]}
+    fp32 = by_label.get("splitserve float32")
+    bf16 = by_label.get("splitserve bfloat16")
+    if fp32:
+        rows.append(TargetCheck("splitserve float32 MFU", fp32["mfu"], TARGETS["mfu"], False))
+        for label, ratio in fp32["ratios"].items():
+            key = "vs transformers generate_batch" if "generate_batch" in label else "vs transformers generate"
+            rows.append(TargetCheck(f"splitserve float32 {key}", ratio, TARGETS[key], False))
+    if fp32 and bf16:
+        ratio = bf16["output_tok_s"] / fp32["output_tok_s"]
+        rows.append(TargetCheck("splitserve bfloat16 over float32", ratio, TARGETS["bfloat16 over float32"], False))
+    return rows
+
+
+def _gpu_targets(report: dict[str, Any]) -> list[TargetCheck]:
+    rows = []
+    ours = next((r for r in report["results"] if r["backend"] == "splitserve"), None)
+    ratio = ours["ratios"].get("transformers generate_batch") if ours else None
+    if ours and ratio is not None:
+        key = "vs transformers generate_batch"
+        rows.append(TargetCheck(f"{ours['label']} {key}", ratio, GPU_TARGETS[key], False))
+    latency = report.get("single_request")
+    if latency:
+        key = "ITL over weight-read bound"
+        rows.append(TargetCheck(f"single-request {key}", latency["itl_over_bound"], GPU_TARGETS[key], True))
+    return rows
+
+
+def format_report(report: dict[str, Any]) -> str:
+    peak, rs = report["matmul_peak_gflops"], report["request_set"]
+    machine = report["machine"]
+    gpu = machine.get("gpu")
+    on = (
+        f"GPU {gpu['name']} (capability {gpu['capability']}, {gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']})"
+        if gpu
+        else f"CPU {machine['cpu']} ({machine['cores']} cores; {' '.join(machine.get('cpu_flags', []))})"
+    )
+    lines = [
+        f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
+        f"{rs['output_len']} output tokens each",
+        f"on {on}; torch {machine['torch']}, triton {machine.get('triton')}, transformers {machine['transformers']}",
+        "matmul peak: " + ", ".join(f"{dt} {g:.0f} GFLOP/s" for dt, g in peak.items()),
+        f"{'backend':42} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'MFU':>6} {'MFU*':>6} {'match':>6}  "
+        "ratios",
+    ]
+    for r in report["results"]:
+        ratios = ", ".join(f"{v:.2f}x {k}" for k, v in r["ratios"].items())
+        match = "" if r["exact_match"] is None else f"{100 * r['exact_match']:.0f}%"
+        lines.append(
+            f"{r['label']:42} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} {r['total_tok_s']:12.1f} "
+            f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
+        )
+    lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
+    drift = report.get("bfloat16_logprob_drift")
+    if drift:
+        lines.append(
+            f"bfloat16 prompt logprobs vs float32 over {drift['positions']} positions: max |diff| "
+            f"{drift['max_abs_nats']:.3f}, p99 {drift['p99_abs_nats']:.3f}, mean {drift['mean_abs_nats']:.4f} nats"
+        )
+    cost = report.get("observability_cost")
+    if cost:
+        lines.append(
+            "observability (core metrics + a span per request) on / off: "
+            f"{cost['on_over_off']:.3f} (median of {len(cost['on_tok_s'])} alternating runs each; off: "
+            + ", ".join(f"{x:.0f}" for x in cost["off_tok_s"])
+            + " tok/s; on: "
+            + ", ".join(f"{x:.0f}" for x in cost["on_tok_s"])
+            + " tok/s)"
+        )
+        lines.append(
+            "engine time inside the observability hooks, per observed run: "
+            + ", ".join(f"{100 * x:.2f}%" for x in cost["hook_fraction"])
+        )
+    if report.get("single_request"):
+        lines += single_request.format_lines(report["single_request"])
+    lines += [check.line() for check in check_targets(report)]
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:
+    """``<name>.json`` and ``<name>.png`` (output tok/s and MFU per backend) in ``out_dir``; returns both paths."""
+    plt = pyplot()
+    json_path, png_path = write_json(report, out_dir, name)
+    results = report["results"]
+    labels = [r["label"] for r in results]
+    fig, (ax_tok, ax_mfu) = plt.subplots(1, 2, figsize=(12, 0.6 * len(labels) + 2), sharey=True)
+    ax_tok.barh(labels, [r["output_tok_s"] for r in results], color="tab:blue")
+    ax_tok.set_xlabel("output tokens / s")
+    ax_tok.invert_yaxis()
+    ax_mfu.barh(labels, [100 * r["mfu"] for r in results], color="tab:orange")
+    ax_mfu.set_xlabel("MFU, % of measured matmul peak")
+    gpu = report["machine"].get("gpu")
+    if not gpu:
+        ax_mfu.axvline(100 * TARGETS["mfu"], color="gray", linestyle="--", label="40% target")
+        ax_mfu.legend(loc="lower right")
+    rs = report["request_set"]
+    where = gpu["name"] if gpu else f"{report['torch_threads']} threads"
+    fig.suptitle(
+        f"{Path(report['model']).name}: {rs['num_requests']} requests, mean prompt {rs['prompt_len_mean']:.0f}, "
+        f"{rs['output_len']} output tokens; {where}"
+    )
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return json_path, png_path
