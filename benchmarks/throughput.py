@@ -283,14 +283,15 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
 
     Raises:
         ValueError: an unknown backend.
-        RuntimeError: device cuda without a CUDA device; a backend generated other than ``output_len`` tokens per
-            request.
+        DeviceUnavailableError: device cuda where torch cannot use a GPU (``core_svc.device.check_device``).
+        RuntimeError: a backend generated other than ``output_len`` tokens per request.
     """
     import torch
 
+    from core_svc.device import check_device
+
     device = settings.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device cuda, but torch {torch.__version__} sees no CUDA device")
+    check_device(device)  # --device cuda where torch cannot use a GPU: the reason and its fix, before any work
     flops = ModelFlops.from_checkpoint(model)
     peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
