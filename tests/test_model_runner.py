@@ -205,3 +205,29 @@ def test_a_device_with_less_free_memory_than_requested_is_refused():
     check_free_memory(snapshot, 0.85)  # 68 GiB requested, 70 free
     with pytest.raises(ValueError, match=r"free memory on the device \(70\.00/80\.00 GiB\).*72\.00 GiB"):
         check_free_memory(snapshot, 0.9)
+
+
+def test_profile_run_forwards_the_largest_step_and_samples_every_row(checkpoint):
+    """max_num_batched_tokens 2048 but 8 requests of at most 96 tokens: 768 tokens in 8 prefills of 96, then the
+    sampler on 8 rows with top-k and top-p; without a KV cache the runner allocates none of its own."""
+    engine = graph_engine(checkpoint)
+    runner = engine.model_runner
+    runner.kv_caches = []
+    forwarded: list[tuple[int, list[int]]] = []
+    sampled_rows: list[tuple[int, bool, bool]] = []
+
+    def record_forward(module, args, output):
+        forwarded.append((args[0].shape[0], args[3].seq_lens_cpu))
+
+    sampler = runner.sampler
+
+    def record_sampler(logits, metadata):
+        sampled_rows.append((logits.shape[0], metadata.top_k is not None, metadata.top_p is not None))
+        return sampler(logits, metadata)
+
+    runner.model.register_forward_hook(record_forward)
+    runner.sampler = record_sampler  # type: ignore[assignment]  # a recording stand-in with the same call
+    runner.profile_run()
+    assert forwarded == [(768, [96] * 8)]
+    assert sampled_rows == [(8, True, True)]
+    assert runner.kv_caches == []
