@@ -3,6 +3,7 @@ buffers, and sampling without host syncs. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -40,7 +41,9 @@ PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 9, 40)]
 def test_kv_cache_is_sized_from_free_memory(checkpoint, caplog):
     """With 5% of the GPU requested, the KV cache takes what the weights and the profile run leave of it: torch
     holds at most the requested share afterwards, and no more than the measured non-KV memory less."""
+    gc.collect()  # engines of earlier tests
     torch.cuda.empty_cache()
+    reserved_before = torch.cuda.memory_reserved()
     free_bytes, total_bytes = torch.cuda.mem_get_info()
     utilization = 0.05
     if free_bytes < total_bytes * utilization:
@@ -54,7 +57,8 @@ def test_kv_cache_is_sized_from_free_memory(checkpoint, caplog):
     assert kv_bytes <= requested - weights_bytes
     # What is left besides weights and KV: a small model's activations and library workspaces, well under 1 GiB.
     assert kv_bytes > requested - weights_bytes - GIB
-    assert torch.cuda.memory_reserved() <= requested + 64 * 2**20  # the input buffers and the sampler's RNG
+    # torch's own growth stays within the share (rounding of the per-layer allocations aside).
+    assert torch.cuda.memory_reserved() - reserved_before <= requested + 64 * 2**20
     messages = [record.getMessage() for record in caplog.records]
     available = [m for m in messages if m.startswith("Available KV cache memory: ")]
     assert len(available) == 1
