@@ -231,3 +231,40 @@ def test_profile_run_forwards_the_largest_step_and_samples_every_row(checkpoint)
     assert forwarded == [(768, [96] * 8)]
     assert sampled_rows == [(8, True, True)]
     assert runner.kv_caches == []
+
+
+def test_engine_sizes_the_kv_cache_from_the_measured_profile(checkpoint, monkeypatch, caplog):
+    """The CUDA branch of the engine's KV sizing with the measurement stubbed (CPU has no CUDA memory to
+    measure): blocks are the budget over a block's bytes, logged as vLLM's line; a budget of no block is refused
+    with the numbers."""
+    from types import SimpleNamespace
+
+    from core_svc import gpu_memory
+
+    engine = graph_engine(checkpoint, num_kv_blocks=None)
+    arch = engine.model_runner.arch
+    bytes_per_block = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_size * 4 * 16  # float32
+    profile = MemoryProfile(
+        total_bytes=10 * GIB,
+        gpu_memory_utilization=0.5,
+        weights_bytes=GIB,
+        peak_activation_bytes=GIB // 2,
+        non_torch_increase_bytes=GIB // 4,
+    )  # 5 - 1 - 0.5 - 0.25 = 3.25 GiB
+    measured: list[object] = []
+
+    def fake_measure(device, profile_run, baseline, utilization):
+        measured.append((profile_run, baseline, utilization))
+        return profile
+
+    monkeypatch.setattr(gpu_memory, "measure_profile_run", fake_measure)
+    baseline = MemorySnapshot(10 * GIB, 10 * GIB, 0, 0, 0)
+    loaded = SimpleNamespace(arch=arch)
+    with caplog.at_level("INFO", logger="core_svc.engine_core"):
+        num_blocks = engine._num_kv_blocks(loaded, baseline)  # type: ignore[arg-type]  # only .arch is read
+    assert num_blocks == int(3.25 * GIB) // bytes_per_block
+    assert measured == [(engine.model_runner.profile_run, baseline, 0.9)]
+    assert "Available KV cache memory: 3.25 GiB" in caplog.messages
+    profile = MemoryProfile(10 * GIB, 0.5, 5 * GIB, GIB, 0)
+    with pytest.raises(ValueError, match=r"weights 5\.00 GiB, peak activations 1\.00 GiB.*KV cache -1\.00 GiB"):
+        engine._num_kv_blocks(loaded, baseline)  # type: ignore[arg-type]  # only .arch is read
