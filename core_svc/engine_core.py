@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
+from core_svc import gpu_memory
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
+from core_svc.cuda_graphs import CudaGraphCapturer
 from core_svc.device import check_device, release_cached_memory
 from core_svc.errors import (
     EngineStepError,
@@ -40,7 +42,7 @@ from core_svc.errors import (
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, format_bytes, load_hf_config, load_model, resolve_model_path
-from core_svc.model_runner import ModelRunner
+from core_svc.model_runner import ModelRunner, RunnerConfig
 from core_svc.models.arch import ModelArchConfig
 from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
@@ -107,6 +109,10 @@ class EngineCore:
         with self.startup.phase("kernel"):
             spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
             backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
+        # Device memory before the weights: what the KV budget is measured from on CUDA.
+        baseline = gpu_memory.MemorySnapshot.measure(device) if device.type == "cuda" else None
+        if baseline is not None and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
+            gpu_memory.check_free_memory(baseline, config.gpu_memory_utilization)
         with self.startup.phase("weights") as phase:
             loaded = load_model(self.model_path, hf_config, dtype, device, backend)
             phase.note = format_bytes(loaded.weights_bytes)
@@ -114,20 +120,20 @@ class EngineCore:
         self.vocab_size = loaded.arch.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = next(loaded.model.parameters()).dtype
-        self.num_kv_blocks = self._num_kv_blocks(loaded)
-        kv_cache_tokens = (self.num_kv_blocks - 1) * config.block_size
-        if kv_cache_tokens < self.max_model_len:
-            # vLLM refuses to start here; a small cache is useful on CPUs and in tests, so warn and let requests
-            # that could never fit fail with RESOURCE_EXHAUSTED (ModelInfo.kv_cache_tokens tells clients).
-            logger.warning(
-                "the KV cache holds %d tokens, fewer than max_model_len=%d: requests needing more are refused",
-                kv_cache_tokens,
-                self.max_model_len,
-            )
-        kv_cache_bytes = self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
+        self.model_runner = ModelRunner(
+            loaded,
+            RunnerConfig(
+                config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.seed
+            ),
+        )
         with self.startup.phase("KV cache") as phase:
-            self.model_runner = ModelRunner(loaded, self.num_kv_blocks, config.block_size, config.seed)
+            self.num_kv_blocks = self._num_kv_blocks(loaded, baseline)
+            kv_cache_bytes = self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
+            self.model_runner.initialize_kv_cache(self.num_kv_blocks)
             phase.note = format_bytes(kv_cache_bytes)
+        if device.type == "cuda" and not config.enforce_eager and getattr(backend, "supports_cuda_graphs", False):
+            with self.startup.phase("CUDA graphs"):
+                self.model_runner.capture_decode_graphs(CudaGraphCapturer(device))
         kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
         )
@@ -137,20 +143,7 @@ class EngineCore:
         self._stats: RequestStatsTracker | None = None  # set by the first add_stats_sink: metrics, tracing
         self.num_consecutive_failed_steps = 0  # steps whose model runner raised, since the last one that did not
         self.dead_error: EngineUnavailableError | None = None  # set once the core is declared dead
-        info = self.get_engine_info()
-        # Maximum concurrency as vLLM's get_max_concurrency_for_kv_cache_config: blocks over the blocks one request
-        # of max_model_len tokens needs (here without the null block, which holds no tokens).
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %s tokens (%s, %s); maximum concurrency for %s tokens per "
-            "request: %.2fx",
-            info.num_kv_blocks - 1,
-            info.block_size,
-            f"{info.kv_cache_tokens:,}",
-            format_bytes(kv_cache_bytes),
-            info.dtype,
-            f"{info.max_model_len:,}",
-            (info.num_kv_blocks - 1) / cdiv(info.max_model_len, info.block_size),
-        )
+        self._log_kv_cache_size(kv_cache_bytes)
         logger.info("%s", self.startup.summary())
 
     def add_request(self, request: Request) -> None:
@@ -355,19 +348,79 @@ class EngineCore:
             supports_lora=False,
         )
 
-    def _num_kv_blocks(self, loaded: LoadedModel) -> int:
+    def _num_kv_blocks(self, loaded: LoadedModel, baseline: gpu_memory.MemorySnapshot | None) -> int:
+        """KV blocks, the null block included: ``num_kv_blocks``, else ``kv_cache_memory_gib`` over a block's
+        bytes, else on CUDA what a profile run of the largest step leaves of ``gpu_memory_utilization``
+        (``core_svc.gpu_memory``; ``baseline`` was measured before the weights), else (CPU) the default budget
+        capped at what max_num_seqs full sequences use.
+
+        Raises:
+            ValueError: the budget holds fewer than two blocks (the null block and one).
+        """
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         bytes_per_block = loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
-        budget_gib = config.kv_cache_memory_gib or DEFAULT_KV_CACHE_MEMORY_GIB
-        num_blocks = int(budget_gib * 2**30 // bytes_per_block)
-        if config.kv_cache_memory_gib is None:
+        if config.kv_cache_memory_gib is not None:
+            budget_bytes, source = (
+                int(config.kv_cache_memory_gib * 2**30),
+                f"kv_cache_memory_gib={config.kv_cache_memory_gib}",
+            )
+        elif baseline is not None:
+            profile = gpu_memory.measure_profile_run(
+                self.model_runner.device,
+                self.model_runner.profile_run,
+                baseline,
+                config.gpu_memory_utilization,
+            )
+            logger.debug("memory profile: %s", profile.describe())
+            budget_bytes, source = profile.available_kv_cache_bytes, profile.describe()
+            logger.info("Available KV cache memory: %.2f GiB", budget_bytes / 2**30)
+        else:
+            budget_bytes = int(DEFAULT_KV_CACHE_MEMORY_GIB * 2**30)
+            source = f"the default {DEFAULT_KV_CACHE_MEMORY_GIB:g} GiB"
             # The default budget is only a ceiling: never more than max_num_seqs full sequences need.
-            num_blocks = min(num_blocks, config.max_num_seqs * cdiv(self.max_model_len, config.block_size) + 1)
+            budget_bytes = min(
+                budget_bytes,
+                (config.max_num_seqs * cdiv(self.max_model_len, config.block_size) + 1) * bytes_per_block,
+            )
+        num_blocks = gpu_memory.num_kv_blocks_for_budget(budget_bytes, bytes_per_block)
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory_gib={budget_gib} holds no KV block of {bytes_per_block} bytes")
+            raise ValueError(f"the KV cache budget ({source}) holds no KV block of {bytes_per_block} bytes")
         return num_blocks
+
+    def _log_kv_cache_size(self, kv_cache_bytes: int) -> None:
+        """vLLM's startup lines: the cache in tokens, and how many requests of max_model_len fit at once (as
+        vLLM's get_max_concurrency_for_kv_cache_config: usable blocks over the blocks one such request needs);
+        a WARNING instead when not even one fits."""
+        info = self.get_engine_info()
+        blocks_per_request = cdiv(info.max_model_len, info.block_size)
+        logger.info(
+            "%s KV cache size: %s tokens (%d blocks x %d tokens, %s, %s)",
+            self.model_runner.device.type.upper(),
+            f"{info.kv_cache_tokens:,}",
+            info.num_kv_blocks - 1,
+            info.block_size,
+            format_bytes(kv_cache_bytes),
+            info.dtype,
+        )
+        if info.kv_cache_tokens < info.max_model_len:
+            # vLLM refuses to start here; a small cache is useful on CPUs and in tests, so warn and let requests
+            # that could never fit fail with RESOURCE_EXHAUSTED (ModelInfo.kv_cache_tokens tells clients).
+            logger.warning(
+                "the KV cache holds %s tokens, fewer than max_model_len=%s: requests needing more are refused "
+                "(maximum concurrency for %s tokens per request: %.2fx)",
+                f"{info.kv_cache_tokens:,}",
+                f"{info.max_model_len:,}",
+                f"{info.max_model_len:,}",
+                (info.num_kv_blocks - 1) / blocks_per_request,
+            )
+        else:
+            logger.info(
+                "Maximum concurrency for %s tokens per request: %.2fx",
+                f"{info.max_model_len:,}",
+                (info.num_kv_blocks - 1) / blocks_per_request,
+            )
 
     def _validate(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:

@@ -7,9 +7,9 @@ step into the sampler's tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from core_svc.outputs import LogprobsLists
@@ -48,45 +48,76 @@ class CachedRequestState:
 def build_sampling_metadata(
     states: list[CachedRequestState], vocab_size: int, device: torch.device
 ) -> SamplingMetadata:
-    """Sampler inputs for ``states`` (row i = states[i]); per-row tensors only where some row needs them."""
+    """Sampler inputs for ``states`` (row i = states[i]); per-row tensors only where some row needs them.
+
+    Everything is built on the host (numpy) and reaches the device in a few non-blocking copies from pinned
+    memory on CUDA (vLLM v1's ``InputBatch`` keeps the same per-row arrays on the host); nothing here waits for
+    the device.
+    """
     params = [s.sampling_params for s in states]
     greedy = [p.is_greedy for p in params]
-
-    def per_row(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    to_device = _HostToDevice(device)
     top_k = [p.top_k if p.top_k > 0 and not g else vocab_size for p, g in zip(params, greedy, strict=True)]
     top_p = [p.top_p if not g else 1.0 for p, g in zip(params, greedy, strict=True)]
     min_p = [p.min_p if not g else 0.0 for p, g in zip(params, greedy, strict=True)]
+    temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+    has_penalties = any(p.has_penalties for p in params)
+    penalties = (
+        [[p.presence_penalty for p in params], [p.frequency_penalty for p in params]]
+        + [[p.repetition_penalty for p in params]]
+        if has_penalties
+        else []
+    )
+    # The float32 per-row fields in one array, one copy: temperature, top_p, min_p[, presence, frequency,
+    # repetition penalties].
+    floats = to_device(np.array([temperature, top_p, min_p, *penalties], dtype=np.float32))
+    # greedy (0/1) and top_k in one int64 array.
+    ints = to_device(np.array([greedy, top_k], dtype=np.int64))
     num_logprobs = [0 if p.logprobs is None else (vocab_size if p.logprobs == -1 else p.logprobs) for p in params]
     wants_logprobs = any(p.logprobs is not None for p in params)
     metadata = SamplingMetadata(
-        temperature=per_row([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]),
-        greedy=per_row(greedy, torch.bool),
+        temperature=floats[0],
+        greedy=ints[0].bool(),
         all_greedy=all(greedy),
-        top_k=per_row(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-        top_p=per_row(top_p) if any(p < 1.0 for p in top_p) else None,
-        min_p=per_row(min_p) if any(p > 0.0 for p in min_p) else None,
+        top_k=ints[1] if any(k < vocab_size for k in top_k) else None,
+        top_p=floats[1] if any(p < 1.0 for p in top_p) else None,
+        min_p=floats[2] if any(p > 0.0 for p in min_p) else None,
         generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
         max_num_logprobs=max(num_logprobs) if wants_logprobs else None,
         num_logprobs=num_logprobs,
     )
-    _add_logits_processors(metadata, states, vocab_size, device)
+    if has_penalties:
+        metadata.presence_penalty, metadata.frequency_penalty, metadata.repetition_penalty = floats[3:6]
+        metadata.output_token_counts, metadata.prompt_token_mask = _penalty_inputs(states, vocab_size, to_device)
+    _add_logits_processors(metadata, states, vocab_size, to_device)
     return metadata
 
 
+class _HostToDevice:
+    """numpy array -> tensor on ``device``: as is on CPU (no copy); on CUDA through pinned memory (torch's
+    caching host allocator, which keeps the block until the copy has read it) with a non-blocking copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+
 def _add_logits_processors(
-    metadata: SamplingMetadata, states: list[CachedRequestState], vocab_size: int, device: torch.device
+    metadata: SamplingMetadata, states: list[CachedRequestState], vocab_size: int, to_device: _HostToDevice
 ) -> None:
     params = [s.sampling_params for s in states]
-    num_rows = len(states)
     if any(p.allowed_token_ids is not None for p in params):
-        mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+        mask = np.zeros((len(states), vocab_size), dtype=np.bool_)
         for i, p in enumerate(params):
             if p.allowed_token_ids is not None:
                 mask[i] = True
                 mask[i, p.allowed_token_ids] = False
-        metadata.allowed_token_mask = mask
+        metadata.allowed_token_mask = to_device(mask)
     bias_rows, bias_ids, bias_values = [], [], []
     for i, p in enumerate(params):
         for token_id, bias in (p.logit_bias or {}).items():
@@ -94,11 +125,8 @@ def _add_logits_processors(
             bias_ids.append(token_id)
             bias_values.append(max(-100.0, min(100.0, bias)))
     if bias_rows:
-        metadata.logit_bias = (
-            torch.tensor(bias_rows, device=device),
-            torch.tensor(bias_ids, device=device),
-            torch.tensor(bias_values, dtype=torch.float32, device=device),
-        )
+        indices = to_device(np.array([bias_rows, bias_ids], dtype=np.int64))
+        metadata.logit_bias = (indices[0], indices[1], to_device(np.array(bias_values, dtype=np.float32)))
     min_rows, min_ids = [], []
     for i, (s, p) in enumerate(zip(states, params, strict=True)):
         if len(s.output_token_ids) < p.min_tokens:
@@ -109,20 +137,21 @@ def _add_logits_processors(
                 min_rows.append(i)
                 min_ids.append(token_id)
     if min_rows:
-        metadata.min_tokens_mask = (torch.tensor(min_rows, device=device), torch.tensor(min_ids, device=device))
-    if any(p.has_penalties for p in params):
-        counts = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
-        prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
-        for i, s in enumerate(states):
-            if s.sampling_params.has_penalties:
-                output_ids = s.output_token_ids
-                if output_ids:
-                    counts[i].index_add_(
-                        0, torch.tensor(output_ids, device=device), torch.ones(len(output_ids), device=device)
-                    )
-                prompt_mask[i, s.prompt_token_ids] = True
-        metadata.output_token_counts = counts
-        metadata.prompt_token_mask = prompt_mask
-        metadata.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
-        metadata.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)
-        metadata.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+        indices = to_device(np.array([min_rows, min_ids], dtype=np.int64))
+        metadata.min_tokens_mask = (indices[0], indices[1])
+
+
+def _penalty_inputs(
+    states: list[CachedRequestState], vocab_size: int, to_device: _HostToDevice
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``output_token_counts`` [num_rows, vocab_size] float32 and ``prompt_token_mask`` [num_rows, vocab_size]
+    bool; zero rows for requests without penalties."""
+    counts = np.zeros((len(states), vocab_size), dtype=np.float32)
+    prompt_mask = np.zeros((len(states), vocab_size), dtype=np.bool_)
+    for i, s in enumerate(states):
+        if s.sampling_params.has_penalties:
+            output_ids = s.output_token_ids
+            if output_ids:
+                counts[i] = np.bincount(output_ids, minlength=vocab_size)
+            prompt_mask[i, s.prompt_token_ids] = True
+    return to_device(counts), to_device(prompt_mask)

@@ -1,26 +1,47 @@
-"""Runs the model on one step's flattened batch and samples (vLLM v1 ``GPUModelRunner``, CPU-first).
+"""Runs the model on one step's flattened batch and samples (vLLM v1 ``GPUModelRunner``), on any device.
 
 All scheduled tokens of all requests (prefill chunks and decodes together) go through one forward with
-``positions``, ``slot_mapping``, ``block_table``, ``query_start_loc`` and ``seq_lens``; logits are computed
-only for rows that sample (and for prompt positions of requests that asked for prompt logprobs).
+``positions``, ``slot_mapping``, ``block_table``, ``query_start_loc`` and ``seq_lens``, which live in persistent
+buffers filled on the host and copied without blocking (``core_svc.input_buffers``); logits are computed only
+for rows that sample (and for prompt positions of requests that asked for prompt logprobs). Sampling runs on the
+device; the step's one host sync is the transfer of the sampled ids (with the logprobs, when asked). Decode-only
+steps replay CUDA graphs when they were captured (``core_svc.cuda_graphs``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture_sizes
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
+from core_svc.input_buffers import BufferLimits, InputBuffers
 from core_svc.model_loader import LoadedModel
 from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from core_svc.sampler import Sampler, gather_logprobs
+from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
+from core_svc.sampling_params import SamplingParams
 from kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The runner's limits (the scheduler never exceeds them) and its RNG seed."""
+
+    block_size: int  # tokens per KV block
+    max_num_seqs: int  # most requests in a step
+    max_num_batched_tokens: int  # most tokens in a step
+    max_model_len: int  # most tokens of a request
+    seed: int = 0  # seeds the generator of unseeded random sampling
+
+    @property
+    def max_num_blocks_per_req(self) -> int:
+        return -(self.max_model_len // -self.block_size)
 
 
 @dataclass
@@ -33,32 +54,102 @@ class StepInputs:
     sample_states: list[CachedRequestState]  # requests that sample this step, in row order
     sample_rows: torch.Tensor  # [num_sampling_reqs] int64, hidden row of each one's last token
     prompt_logprob_rows: dict[str, tuple[int, int, int]]  # request_id -> (first hidden row, first position, count)
+    graph_size: int | None = None  # the captured decode size this step replays (padded); None: eager
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV cache tensors and per-request runner state.
+    """Owns the model weights, the paged KV cache tensors, the persistent input buffers and per-request state.
+
+    The KV cache is allocated by ``initialize_kv_cache`` (after ``profile_run`` has measured what a step needs,
+    on CUDA); decode graphs by ``capture_decode_graphs``.
 
     Args:
-        loaded: the model from ``model_loader.load_model``.
-        num_kv_blocks: KV blocks including the null block 0.
-        block_size: tokens per block.
-        seed: seeds the generator of unseeded random sampling.
+        loaded: the model from ``model_loader.load_model``, on its device.
+        config: block size, the scheduler's limits, the seed.
     """
 
-    def __init__(self, loaded: LoadedModel, num_kv_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
         self.model = loaded.model
         self.arch = loaded.arch
+        self.config = config
         self.vocab_size = loaded.arch.vocab_size
-        self.block_size = block_size
+        self.block_size = config.block_size
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (2, num_kv_blocks, block_size, self.arch.num_key_value_heads, self.arch.head_size)
-        # Zeroed so the null block, which pads block tables, never holds NaN.
+        self.kv_caches: list[torch.Tensor] = []  # [2, num_kv_blocks, block_size, num_kv_heads, head_size] per layer
+        limits = BufferLimits(config.max_num_batched_tokens, config.max_num_seqs, config.max_num_blocks_per_req)
+        self.buffers = InputBuffers(limits, self.device)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def initialize_kv_cache(self, num_kv_blocks: int) -> None:
+        """Allocate ``num_kv_blocks`` blocks (the null block 0 included) per layer, zeroed so the null block,
+        which pads block tables, never holds NaN."""
+        shape = (2, num_kv_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_hidden_layers)
         ]
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
-        self.requests: dict[str, CachedRequestState] = {}
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step, for measuring its peak memory (vLLM's ``GPUModelRunner.profile_run``): a forward
+        of ``max_num_batched_tokens`` tokens (capped at ``max_num_seqs`` requests of ``max_model_len``) as
+        ``min(tokens, max_num_seqs)`` prefills of equal length (vLLM's ``_dummy_run``), then the logits and the
+        sampler, with top-k and top-p (its sort is the sampler's peak), on one row per request. Every token's
+        KV goes to slot 0; without a KV cache yet, a one-block cache stands in."""
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+        num_reqs = max(min(num_tokens, config.max_num_seqs), -(num_tokens // -config.max_model_len))
+        lengths = [num_tokens // num_reqs] * num_reqs
+        lengths[-1] += num_tokens % num_reqs
+        kv_caches = self.kv_caches
+        if not kv_caches:
+            shape = (2, 1, self.block_size, self.arch.num_key_value_heads, self.arch.head_size)
+            kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+        buffers = self.buffers
+        starts = np.cumsum([0, *lengths])
+        buffers.input_ids.np[:num_tokens] = 0
+        buffers.positions.np[:num_tokens] = np.concatenate([np.arange(n) for n in lengths])
+        buffers.slot_mapping.np[:num_tokens] = 0
+        buffers.query_start_loc.np[: num_reqs + 1] = starts
+        buffers.seq_lens.np[:num_reqs] = lengths
+        buffers.clear_block_table(0, 0)
+        buffers.block_table.np[:num_reqs] = 0
+        buffers.sample_rows.np[:num_reqs] = starts[1:] - 1
+        metadata = AttentionMetadata(
+            slot_mapping=buffers.slot_mapping.copy_to_device(num_tokens),
+            query_start_loc=buffers.query_start_loc.copy_to_device(num_reqs + 1),
+            seq_lens=buffers.seq_lens.copy_to_device(num_reqs),
+            block_table=buffers.block_table.copy_to_device(num_reqs),
+            query_start_loc_cpu=starts.tolist(),
+            seq_lens_cpu=lengths,
+            max_query_len=max(lengths),
+            max_seq_len=max(lengths),
+            num_decodes=sum(1 for n in lengths if n == 1),
+        )
+        input_ids = buffers.input_ids.copy_to_device(num_tokens)
+        positions = buffers.positions.copy_to_device(num_tokens)
+        hidden = self.model(input_ids, positions, kv_caches, metadata)
+        logits = self.model.compute_logits(hidden[buffers.sample_rows.copy_to_device(num_reqs)])
+        params = SamplingParams(temperature=1.0, top_k=self.vocab_size - 1, top_p=0.99)
+        states = [CachedRequestState(f"profile-{i}", [0], params, None, [], 0) for i in range(num_reqs)]
+        self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
+        _synchronize(self.device)
+
+    def capture_decode_graphs(self, capturer: GraphCapturer) -> None:
+        """Capture decode graphs at ``cuda_graph_capture_sizes`` (after ``initialize_kv_cache``); from then on
+        decode-only steps that fit replay them. ``CudaGraphCapturer`` on CUDA; ``EagerCapturer`` in CPU tests.
+
+        Raises:
+            RuntimeError: the KV cache is not allocated yet.
+        """
+        if not self.kv_caches:
+            raise RuntimeError("capture_decode_graphs needs the KV cache: call initialize_kv_cache first")
+        graphs = DecodeGraphs(cuda_graph_capture_sizes(self.config.max_num_seqs, self.config.max_num_batched_tokens))
+        with torch.inference_mode():
+            graphs.capture(self._decode_graph_forward, capturer)
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -67,21 +158,17 @@ class ModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        output = ModelRunnerOutput(sampled_token_ids={rid: [] for rid in scheduler_output.num_scheduled_tokens})
-        self._compute_prompt_logprobs(hidden, inputs, output)
+        if inputs.graph_size is not None and self.decode_graphs is not None:
+            hidden = self.decode_graphs.replay(inputs.graph_size)  # [graph_size, hidden]: rows past the step pad
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        prompt_logprobs = self._compute_prompt_logprobs(hidden, inputs)
+        sampler_output = None
         if inputs.sample_states:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             metadata = build_sampling_metadata(inputs.sample_states, self.vocab_size, self.device)
             sampler_output = self.sampler(logits, metadata)
-            for i, (state, token_id) in enumerate(
-                zip(inputs.sample_states, sampler_output.sampled_token_ids.tolist(), strict=True)
-            ):
-                state.token_ids.append(token_id)
-                output.sampled_token_ids[state.request_id] = [token_id]
-                if sampler_output.logprobs is not None and state.sampling_params.logprobs is not None:
-                    output.logprobs[state.request_id] = sampler_output.logprobs.slice(i, i + 1)
-        return output
+        return self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Drop the per-request state of ``request_ids``; unknown ids are ignored."""
@@ -113,32 +200,36 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
-        block_size = self.block_size
+        """Fill the host buffers, pad a decode-only step to its graph's size, copy to the device."""
+        block_size, buffers = self.block_size, self.buffers
         # Requests with one query token first: attention backends batch them as decodes (vLLM's reorder_batch).
         scheduled = sorted(scheduler_output.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
         num_decodes = sum(1 for _, num_tokens in scheduled if num_tokens == 1)
         num_reqs = len(scheduled)
-        max_blocks = max(len(self.requests[rid].block_ids) for rid, _ in scheduled)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        input_ids: list[int] = []
-        positions_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
+        states = [self.requests[request_id] for request_id, _ in scheduled]
+        buffers.clear_block_table(num_reqs, max(len(state.block_ids) for state in states))
+        block_table, input_ids = buffers.block_table.np, buffers.input_ids.np
+        positions, slot_mapping = buffers.positions.np, buffers.slot_mapping.np
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_states: list[CachedRequestState] = []
         sample_rows: list[int] = []
         prompt_logprob_rows: dict[str, tuple[int, int, int]] = {}
-        for i, (request_id, num_tokens) in enumerate(scheduled):
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
+        for i, (state, (request_id, num_tokens)) in enumerate(zip(states, scheduled, strict=True)):
+            start, row = state.num_computed_tokens, query_start_loc[-1]
             end = start + num_tokens
-            block_ids = np.asarray(state.block_ids, dtype=np.int64)
+            block_ids = state.block_ids
             block_table[i, : len(block_ids)] = block_ids
-            positions = np.arange(start, end, dtype=np.int64)
-            positions_parts.append(positions)
-            slot_parts.append(block_ids[positions // block_size] * block_size + positions % block_size)
-            input_ids.extend(state.token_ids[start:end])
-            row = query_start_loc[-1]
+            if num_tokens == 1:  # a decode: plain Python beats numpy for one token
+                positions[row] = start
+                slot_mapping[row] = block_ids[start // block_size] * block_size + start % block_size
+                input_ids[row] = state.token_ids[start]
+            else:
+                token_positions = np.arange(start, end, dtype=np.int64)
+                positions[row : row + num_tokens] = token_positions
+                blocks = block_table[i, token_positions // block_size].astype(np.int64)
+                slot_mapping[row : row + num_tokens] = blocks * block_size + token_positions % block_size
+                input_ids[row : row + num_tokens] = state.token_ids[start:end]
             if state.wants_prompt_logprobs and start < state.num_prompt_tokens - 1:
                 count = min(end, state.num_prompt_tokens - 1) - start
                 prompt_logprob_rows[request_id] = (row, start, count)
@@ -147,12 +238,21 @@ class ModelRunner:
             if end >= len(state.token_ids):
                 sample_states.append(state)
                 sample_rows.append(row + num_tokens - 1)
-        device = self.device
+        buffers.query_start_loc.np[: num_reqs + 1] = query_start_loc
+        buffers.seq_lens.np[:num_reqs] = seq_lens
+        buffers.sample_rows.np[: len(sample_rows)] = sample_rows
+        graph_size = None
+        if self.decode_graphs is not None and num_decodes == num_reqs:
+            graph_size = self.decode_graphs.padded_size(num_reqs)
+        num_rows = num_reqs if graph_size is None else graph_size  # requests (= tokens for decodes) copied
+        num_tokens = query_start_loc[-1] if graph_size is None else graph_size
+        if graph_size is not None:
+            buffers.pad_decode_rows(num_reqs, graph_size)
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table=torch.from_numpy(block_table).to(device),
+            slot_mapping=buffers.slot_mapping.copy_to_device(num_tokens),
+            query_start_loc=buffers.query_start_loc.copy_to_device(num_rows + 1),
+            seq_lens=buffers.seq_lens.copy_to_device(num_rows),
+            block_table=buffers.block_table.copy_to_device(num_rows),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)),
@@ -160,27 +260,81 @@ class ModelRunner:
             num_decodes=num_decodes,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.from_numpy(np.concatenate(positions_parts)).to(device),
+            input_ids=buffers.input_ids.copy_to_device(num_tokens),
+            positions=buffers.positions.copy_to_device(num_tokens),
             metadata=metadata,
             sample_states=sample_states,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            sample_rows=buffers.sample_rows.copy_to_device(len(sample_rows)),
             prompt_logprob_rows=prompt_logprob_rows,
+            graph_size=graph_size,
         )
 
-    def _compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, output: ModelRunnerOutput) -> None:
-        """Logprobs of prompt tokens 1..P-1 given their prefixes, accumulated over chunks and emitted in the step
-        that completes the prefill."""
+    def _decode_graph_forward(self, size: int) -> Callable[[], torch.Tensor]:
+        """Static inputs of the ``size`` decode graph, all pad rows for now, and its forward on them.
+
+        The metadata holds slices of the persistent device buffers, which each replayed step refills. Its
+        Python fields hold values valid for any replay: ``seq_lens_cpu`` and ``max_seq_len`` are
+        ``max_model_len``, ``num_decodes`` is ``size``; a graph-safe backend must not read them (they are not
+        the step's), and one that does (``torch_ref``) then covers every row's whole block table and masks by the
+        ``seq_lens`` tensor."""
+        buffers = self.buffers
+        buffers.query_start_loc.np[0] = 0
+        buffers.pad_decode_rows(0, size)
+        max_model_len = self.config.max_model_len
+        metadata = AttentionMetadata(
+            slot_mapping=buffers.slot_mapping.copy_to_device(size),
+            query_start_loc=buffers.query_start_loc.copy_to_device(size + 1),
+            seq_lens=buffers.seq_lens.copy_to_device(size),
+            block_table=buffers.block_table.copy_to_device(size),
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[max_model_len] * size,
+            max_query_len=1,
+            max_seq_len=max_model_len,
+            num_decodes=size,
+        )
+        input_ids = buffers.input_ids.copy_to_device(size)
+        positions = buffers.positions.copy_to_device(size)
+
+        def forward() -> torch.Tensor:
+            return self.model(input_ids, positions, self.kv_caches, metadata)
+
+        return forward
+
+    def _compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, LogprobsTensors]:
+        """Logprobs of this step's prompt tokens 1..P-1 given their prefixes, on the device, per request."""
+        parts: dict[str, LogprobsTensors] = {}
+        pin = self.device.type == "cuda"
         for request_id, (row, first_position, count) in inputs.prompt_logprob_rows.items():
             state = self.requests[request_id]
             logprobs = self.model.compute_logits(hidden[row : row + count]).log_softmax(dim=-1)
             targets = torch.tensor(
-                state.prompt_token_ids[first_position + 1 : first_position + 1 + count], device=self.device
-            )
+                state.prompt_token_ids[first_position + 1 : first_position + 1 + count], pin_memory=pin
+            ).to(self.device, non_blocking=True)
             k = state.sampling_params.prompt_logprobs or 0  # set: rows are made for wants_prompt_logprobs only
             k = self.vocab_size if k == -1 else k
-            state.prompt_logprobs_parts.append(gather_logprobs(logprobs, targets, k, [k] * count))
-        for state in inputs.sample_states:
+            parts[request_id] = gather_logprobs(logprobs, targets, k, [k] * count)
+        return parts
+
+    def _make_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        sampler_output: SamplerOutput | None,
+        prompt_logprobs: dict[str, LogprobsTensors],
+    ) -> ModelRunnerOutput:
+        """The step's one device-to-host transfer (sampled ids, logprobs, prompt logprobs; copies started
+        together, one sync), then the per-request bookkeeping on the host."""
+        sampled_host = logprobs_host = None
+        if sampler_output is not None:
+            sampled_host = sampler_output.sampled_token_ids.to("cpu", non_blocking=True)
+            if sampler_output.logprobs is not None:
+                logprobs_host = sampler_output.logprobs.to_host()
+        prompt_host = {request_id: part.to_host() for request_id, part in prompt_logprobs.items()}
+        _synchronize(self.device)
+        output = ModelRunnerOutput(sampled_token_ids={rid: [] for rid in scheduler_output.num_scheduled_tokens})
+        for request_id, part in prompt_host.items():
+            self.requests[request_id].prompt_logprobs_parts.append(part.tolists())
+        for state in inputs.sample_states:  # a request whose prefill completes emits its prompt logprobs
             if state.wants_prompt_logprobs:
                 parts = state.prompt_logprobs_parts
                 output.prompt_logprobs[state.request_id] = LogprobsLists(
@@ -189,3 +343,18 @@ class ModelRunner:
                     ranks=[rank for part in parts for rank in part.ranks],
                 )
                 parts.clear()
+        if sampled_host is None:
+            return output
+        logprobs = logprobs_host.tolists() if logprobs_host is not None else None
+        for i, (state, token_id) in enumerate(zip(inputs.sample_states, sampled_host.tolist(), strict=True)):
+            state.token_ids.append(token_id)
+            output.sampled_token_ids[state.request_id] = [token_id]
+            if logprobs is not None and state.sampling_params.logprobs is not None:
+                output.logprobs[state.request_id] = logprobs.slice(i, i + 1)
+        return output
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's current stream (the non-blocking copies to the host land by then); no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

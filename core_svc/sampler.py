@@ -41,9 +41,39 @@ class SamplingMetadata:
 
 
 @dataclass
+class LogprobsTensors:
+    """Logprobs of consecutive positions, still on the device (vLLM v1's ``LogprobsTensors``)."""
+
+    logprob_token_ids: torch.Tensor  # [num_rows, 1 + max_num_logprobs] int64: the chosen token, then the top ids
+    logprobs: torch.Tensor  # [num_rows, 1 + max_num_logprobs] float32, in the same order
+    ranks: torch.Tensor  # [num_rows] int64, 1-based rank of the chosen token
+    num_logprobs: list[int]  # [num_rows] top ids each row keeps (<= max_num_logprobs)
+
+    def to_host(self) -> LogprobsTensors:
+        """Start the copies to the host (pinned memory, not blocking when on CUDA); read the result only after
+        the device is synchronized."""
+        return LogprobsTensors(
+            logprob_token_ids=self.logprob_token_ids.to("cpu", non_blocking=True),
+            logprobs=self.logprobs.to("cpu", non_blocking=True),
+            ranks=self.ranks.to("cpu", non_blocking=True),
+            num_logprobs=self.num_logprobs,
+        )
+
+    def tolists(self) -> LogprobsLists:
+        """Python lists, row i trimmed to its chosen token and ``num_logprobs[i]`` top ids. Call it on host
+        tensors (on device ones each ``tolist`` is a host sync)."""
+        ids, values = self.logprob_token_ids.tolist(), self.logprobs.tolist()
+        return LogprobsLists(
+            logprob_token_ids=[row[: 1 + k] for row, k in zip(ids, self.num_logprobs, strict=True)],
+            logprobs=[row[: 1 + k] for row, k in zip(values, self.num_logprobs, strict=True)],
+            ranks=self.ranks.tolist(),
+        )
+
+
+@dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [num_rows] int64
-    logprobs: LogprobsLists | None  # one row per sampled token, when any row asked for logprobs
+    sampled_token_ids: torch.Tensor  # [num_rows] int64, on the logits' device
+    logprobs: LogprobsTensors | None  # one row per sampled token, when any row asked for logprobs
 
 
 class Sampler:
@@ -167,24 +197,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, max_num_logprobs: int, num_logprobs: list[int]
-) -> LogprobsLists:
-    """Row i: [token_ids[i], top num_logprobs[i] ids] with their logprobs, and token_ids[i]'s 1-based rank
-    (the number of tokens at least as likely, itself included).
+) -> LogprobsTensors:
+    """Row i: [token_ids[i], top max_num_logprobs ids] with their logprobs, and token_ids[i]'s 1-based rank
+    (the number of tokens at least as likely, itself included), on the logits' device, without a host sync (as
+    vLLM's ``Sampler.gather_logprobs``); ``LogprobsTensors.tolists`` keeps each row's ``num_logprobs[i]``.
 
     Args:
         logprobs: [num_rows, vocab_size] float32 log-probabilities.
         token_ids: [num_rows] int64 chosen tokens (sampled, or the actual next prompt token).
+        max_num_logprobs: top ids gathered per row (at least max(num_logprobs)).
+        num_logprobs: [num_rows] top ids each row keeps.
     """
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
     ranks = (logprobs >= chosen).sum(dim=1)  # ties share the worst rank, as vLLM's batched_count_greater_than
-    top_values, top_ids = logprobs.topk(max_num_logprobs, dim=1) if max_num_logprobs else (None, None)
-    ids_rows: list[list[int]] = []
-    value_rows: list[list[float]] = []
-    chosen_list = chosen.squeeze(1).tolist()
-    token_list = token_ids.tolist()
-    top_ids_list = top_ids.tolist() if top_ids is not None else None
-    top_values_list = top_values.tolist() if top_values is not None else None
-    for i, k in enumerate(num_logprobs):
-        ids_rows.append([token_list[i]] + (top_ids_list[i][:k] if top_ids_list and k else []))
-        value_rows.append([chosen_list[i]] + (top_values_list[i][:k] if top_values_list and k else []))
-    return LogprobsLists(logprob_token_ids=ids_rows, logprobs=value_rows, ranks=ranks.tolist())
+    ids, values = token_ids.unsqueeze(1), chosen
+    if max_num_logprobs:
+        top_values, top_ids = logprobs.topk(max_num_logprobs, dim=1)
+        ids, values = torch.cat((ids, top_ids), dim=1), torch.cat((values, top_values), dim=1)
+    return LogprobsTensors(logprob_token_ids=ids, logprobs=values, ranks=ranks, num_logprobs=num_logprobs)

@@ -108,7 +108,7 @@ def test_a_program_using_llm_sees_the_model_and_kv_cache_sizes_on_stderr(llama2_
     ).stderr
     lines = re.findall(r"^\S+ \S+ INFO (\S+: .*)$", stderr, flags=re.MULTILINE)
     loading = [line for line in lines if line.startswith("core_svc.model_loader: Model loading took ")]
-    kv_cache = [line for line in lines if line.startswith("core_svc.engine_core: KV cache: ")]
+    kv_cache = [line for line in lines if re.match(r"core_svc\.engine_core: (CPU KV cache|Maximum concurrency)", line)]
     num_parameters = json.loads((llama2_model / "splitserve_test_model.json").read_text())["num_parameters"]
     size = f"{num_parameters * 4 / 2**20:.2f} MiB ({num_parameters:,} parameters, float32)"  # float32: 4 bytes
     assert len(loading) == 1, stderr
@@ -119,8 +119,9 @@ def test_a_program_using_llm_sees_the_model_and_kv_cache_sizes_on_stderr(llama2_
     head_size = config["hidden_size"] // config["num_attention_heads"]
     kv_bytes = 65 * 16 * 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_size * 4
     assert kv_cache == [
-        f"core_svc.engine_core: KV cache: 64 blocks x 16 tokens = 1,024 tokens ({kv_bytes / 2**20:.2f} MiB, "
-        "float32); maximum concurrency for 100 tokens per request: 9.14x"
+        f"core_svc.engine_core: CPU KV cache size: 1,024 tokens (64 blocks x 16 tokens, {kv_bytes / 2**20:.2f} MiB, "
+        "float32)",
+        "core_svc.engine_core: Maximum concurrency for 100 tokens per request: 9.14x",
     ]
 
 

@@ -140,7 +140,8 @@ def test_logprobs_are_raw_with_rank_and_top_k():
     result = Sampler()(torch.tensor([LOGITS]), metadata)
     assert result.sampled_token_ids.item() == 5
     raw = np.log(softmax(LOGITS))  # before the bias: logprobs describe the model, not the processors
-    lp = result.logprobs
+    assert result.logprobs is not None
+    lp = result.logprobs.tolists()
     assert lp.logprob_token_ids == [[5, 0, 1, 2]]
     assert lp.logprobs[0] == pytest.approx([raw[5], raw[0], raw[1], raw[2]], abs=1e-6)
     assert lp.ranks == [6]
@@ -171,7 +172,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_whole_vocabulary_logprobs():
     params = SamplingParams(temperature=0.0, logprobs=-1)
     metadata = build_sampling_metadata([state(params)], VOCAB, torch.device("cpu"))
-    lp = Sampler()(torch.tensor([LOGITS]), metadata).logprobs
+    logprobs = Sampler()(torch.tensor([LOGITS]), metadata).logprobs
+    assert logprobs is not None
+    lp = logprobs.tolists()
     assert len(lp.logprob_token_ids[0]) == 1 + VOCAB
     assert math.fsum(math.exp(v) for v in lp.logprobs[0][1:]) == pytest.approx(1.0, abs=1e-5)
 
@@ -180,7 +183,7 @@ def test_rank_counts_ties_like_vllm():
     from core_svc.sampler import gather_logprobs
 
     logprobs = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
-    lists = gather_logprobs(logprobs, torch.tensor([2]), 1, [1])
+    lists = gather_logprobs(logprobs, torch.tensor([2]), 1, [1]).tolists()
     assert lists.ranks == [4]  # tokens at least as likely as token 2: itself, 0, 1 and 3
     assert lists.logprob_token_ids == [[2, 0]]
 
