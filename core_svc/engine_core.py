@@ -397,7 +397,7 @@ class EngineCore:
         blocks_per_request = cdiv(info.max_model_len, info.block_size)
         logger.info(
             "%s KV cache size: %s tokens (%d blocks x %d tokens, %s, %s)",
-            self.model_runner.device.type.upper(),
+            "GPU" if self.model_runner.device.type == "cuda" else "CPU",  # vLLM's words
             f"{info.kv_cache_tokens:,}",
             info.num_kv_blocks - 1,
             info.block_size,

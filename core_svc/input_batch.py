@@ -112,12 +112,15 @@ def _add_logits_processors(
 ) -> None:
     params = [s.sampling_params for s in states]
     if any(p.allowed_token_ids is not None for p in params):
-        mask = np.zeros((len(states), vocab_size), dtype=np.bool_)
-        for i, p in enumerate(params):
-            if p.allowed_token_ids is not None:
-                mask[i] = True
-                mask[i, p.allowed_token_ids] = False
-        metadata.allowed_token_mask = to_device(mask)
+        # Only the (row, id) pairs cross to the device, not a dense [rows, vocab] array.
+        limited_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        allowed = [(i, token_id) for i in limited_rows for token_id in params[i].allowed_token_ids or ()]
+        mask = torch.zeros((len(states), vocab_size), dtype=torch.bool, device=to_device.device)
+        mask[to_device(np.array(limited_rows, dtype=np.int64))] = True
+        if allowed:
+            indices = to_device(np.array(allowed, dtype=np.int64).T.copy())
+            mask[indices[0], indices[1]] = False
+        metadata.allowed_token_mask = mask
     bias_rows, bias_ids, bias_values = [], [], []
     for i, p in enumerate(params):
         for token_id, bias in (p.logit_bias or {}).items():
@@ -145,13 +148,23 @@ def _penalty_inputs(
     states: list[CachedRequestState], vocab_size: int, to_device: _HostToDevice
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``output_token_counts`` [num_rows, vocab_size] float32 and ``prompt_token_mask`` [num_rows, vocab_size]
-    bool; zero rows for requests without penalties."""
-    counts = np.zeros((len(states), vocab_size), dtype=np.float32)
-    prompt_mask = np.zeros((len(states), vocab_size), dtype=np.bool_)
+    bool, made on the device from the (row, id) pairs of the requests with penalties (only those cross from the
+    host, not dense [rows, vocab] arrays); zero rows for requests without penalties."""
+    output_pairs: list[tuple[int, int]] = []
+    prompt_pairs: list[tuple[int, int]] = []
     for i, s in enumerate(states):
         if s.sampling_params.has_penalties:
-            output_ids = s.output_token_ids
-            if output_ids:
-                counts[i] = np.bincount(output_ids, minlength=vocab_size)
-            prompt_mask[i, s.prompt_token_ids] = True
-    return to_device(counts), to_device(prompt_mask)
+            output_pairs.extend((i, token_id) for token_id in s.output_token_ids)
+            prompt_pairs.extend((i, token_id) for token_id in s.prompt_token_ids)
+    device = to_device.device
+    counts = torch.zeros((len(states), vocab_size), dtype=torch.float32, device=device)
+    prompt_mask = torch.zeros((len(states), vocab_size), dtype=torch.bool, device=device)
+    if output_pairs:
+        rows, ids = to_device(np.array(output_pairs, dtype=np.int64).T.copy())
+        counts.index_put_(
+            (rows, ids), torch.ones(len(output_pairs), dtype=torch.float32, device=device), accumulate=True
+        )
+    if prompt_pairs:
+        rows, ids = to_device(np.array(prompt_pairs, dtype=np.int64).T.copy())
+        prompt_mask[rows, ids] = True
+    return counts, prompt_mask

@@ -158,16 +158,22 @@ class ModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output)
-        if inputs.graph_size is not None and self.decode_graphs is not None:
-            hidden = self.decode_graphs.replay(inputs.graph_size)  # [graph_size, hidden]: rows past the step pad
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        prompt_logprobs = self._compute_prompt_logprobs(hidden, inputs)
-        sampler_output = None
-        if inputs.sample_states:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
-            metadata = build_sampling_metadata(inputs.sample_states, self.vocab_size, self.device)
-            sampler_output = self.sampler(logits, metadata)
+        try:
+            if inputs.graph_size is not None and self.decode_graphs is not None:
+                hidden = self.decode_graphs.replay(inputs.graph_size)  # [graph_size, hidden]: rows past the step pad
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+            prompt_logprobs = self._compute_prompt_logprobs(hidden, inputs)
+            sampler_output = None
+            if inputs.sample_states:
+                logits = self.model.compute_logits(hidden[inputs.sample_rows])
+                metadata = build_sampling_metadata(inputs.sample_states, self.vocab_size, self.device)
+                sampler_output = self.sampler(logits, metadata)
+        except BaseException:
+            # The step's non-blocking copies may still be reading the pinned host buffers, which the next step
+            # rewrites: let them finish before the failure leaves (the step that succeeds waits in _make_output).
+            _synchronize(self.device)
+            raise
         return self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:

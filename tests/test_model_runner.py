@@ -128,6 +128,25 @@ def test_padded_decode_replays_give_the_eager_tokens(checkpoint, num_reqs):
     assert capturer.replays == {padded: 7}
 
 
+def test_padded_decode_replays_under_the_triton_backend_give_its_eager_tokens(checkpoint):
+    """The backend that replays on CUDA (``triton``, interpreted here): reading only device tensors, its padded
+    replays (3 -> 4, pad rows on the null block) give the tokens of its own eager, unpadded steps."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    ]
+    prompts = prompts_of(3)
+    settings = {"attention_backend": "triton", "max_num_seqs": 4}  # graphs of 1, 2 and 4: fewer interpreted captures
+    eager = generate(graph_engine(checkpoint, **settings), prompts, params)
+    engine = graph_engine(checkpoint, **settings)
+    assert engine.model_runner.model.model.layers[0].self_attn.backend.supports_cuda_graphs
+    capturer = CountingCapturer()
+    engine.model_runner.capture_decode_graphs(capturer)
+    assert generate(engine, prompts, params) == eager
+    assert capturer.replays == {4: 3}
+
+
 def test_pad_rows_leave_real_requests_kv_blocks_alone(checkpoint):
     """In a replayed step of 3 requests padded to 4, the KV cache changes at the 3 requests' new slots and, at
     most, in the null block: nowhere else."""

@@ -134,6 +134,22 @@ def test_penalties_hand_worked():
     assert out == pytest.approx(expected, abs=1e-6)
 
 
+def test_row_processors_touch_only_their_own_rows():
+    """allowed_token_ids and penalties of one row leave the other rows' logits as they are."""
+    from core_svc.sampler import apply_logits_processors
+
+    limited = state(SamplingParams(temperature=0.0, allowed_token_ids=[3, 5]), "limited")
+    penalized = state(SamplingParams(temperature=0.0, presence_penalty=1.0), "penalized", prompt=[0], outputs=[2, 2])
+    plain = state(SamplingParams(temperature=0.0), "plain", prompt=[0], outputs=[2])
+    metadata = build_sampling_metadata([plain, limited, penalized], VOCAB, torch.device("cpu"))
+    out = apply_logits_processors(torch.tensor([LOGITS] * 3), metadata).tolist()
+    assert out[0] == pytest.approx(LOGITS)
+    assert [i for i, x in enumerate(out[1]) if x != float("-inf")] == [3, 5]
+    expected = list(LOGITS)
+    expected[2] -= 1.0  # presence: once, however often it occurred
+    assert out[2] == pytest.approx(expected)
+
+
 def test_logprobs_are_raw_with_rank_and_top_k():
     params = SamplingParams(temperature=0.0, logprobs=3, logit_bias={5: 10.0})
     metadata = build_sampling_metadata([state(params)], VOCAB, torch.device("cpu"))

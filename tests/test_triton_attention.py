@@ -231,9 +231,10 @@ def test_only_small_decode_batches_are_split():
 
 
 def test_padding_rows_of_a_graph_batch_give_zeros_and_write_nothing():
-    """A decode batch padded as a CUDA-graph batch is: padding rows have slot -1 (vLLM's PAD_SLOT_ID), seq_len 0
-    and a block table of null blocks. They store nothing and attend to nothing (zeros, never NaN), while the real
-    rows are unaffected."""
+    """A decode batch padded as vLLM pads its CUDA-graph batches: padding rows have slot -1 (vLLM's PAD_SLOT_ID),
+    seq_len 0 and a block table of null blocks (the model runner pads with rows on the null block instead, which
+    every backend handles unchanged: tests/test_model_runner.py). They store nothing and attend to nothing
+    (zeros, never NaN), while the real rows are unaffected."""
     batch = make_batch([(21, 1), (3, 1)], 4, 2, 64, 16, torch.float32)
     padded = make_batch([(21, 1), (3, 1), (0, 1), (0, 1)], 4, 2, 64, 16, torch.float32)
     padded.query[:2], padded.key[:2], padded.value[:2] = batch.query, batch.key, batch.value
