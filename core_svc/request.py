@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from core_svc.sampling_params import SamplingParams
@@ -45,13 +46,26 @@ class EngineCoreEvent:
 
 
 @dataclass(frozen=True)
+class MultiModalTensor:
+    """One processor output of a multimodal item (e.g. ``pixel_values`` ``[3, 336, 336]`` float32) as it crosses
+    the wire (``TensorData``): row-major, little-endian bytes; the model runner makes the tensor."""
+
+    dtype: str  # "float32", "float16", "bfloat16", "int64" or "int32"
+    shape: tuple[int, ...]
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class MultiModalFeature:
-    """Where a multimodal item sits in the prompt; only its identity matters to the KV cache."""
+    """A multimodal item of the prompt (vLLM ``MultiModalFeatureSpec``): where its placeholder tokens sit, its
+    content hash (``identifier``, vLLM's ``mm_hash``: the encoder cache's key and, for the KV cache, the item's
+    identity) and its processed inputs for the encoder (``data``, empty where only its identity matters)."""
 
     modality: str
     identifier: str  # content hash of the item
     offset: int  # index of its first placeholder token in the prompt
     length: int  # number of placeholder tokens
+    data: Mapping[str, MultiModalTensor] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from core_svc.engine_core import EngineInfo, EngineLoad
 from core_svc.errors import RequestTooLargeError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
-from core_svc.request import FinishReason, MultiModalFeature, Request
+from core_svc.request import FinishReason, MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
 from splitserve.base.proto_fields import set_optional_fields
 from splitserve.base.status import FieldError, status_code_of
@@ -41,7 +41,7 @@ def request_from_pb(msg: pb.EngineCoreRequest) -> Request:
         client_index=msg.client_index,
         lora_name=msg.lora_request.lora_name if msg.HasField("lora_request") else None,
         cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
-        mm_features=[MultiModalFeature(f.modality, f.identifier, f.offset, f.length) for f in msg.mm_features],
+        mm_features=[_mm_feature_from_pb(f) for f in msg.mm_features],
         trace_headers=dict(msg.trace_headers),
     )
 
@@ -194,3 +194,8 @@ def engine_load_to_pb(load: EngineLoad) -> pb.EngineLoad:
         num_usable_kv_blocks=load.num_usable_kv_blocks,
         kv_cache_usage=load.kv_cache_usage,
     )
+
+
+def _mm_feature_from_pb(msg: pb.MultiModalFeatureSpec) -> MultiModalFeature:
+    data = {name: MultiModalTensor(t.dtype, tuple(t.shape), t.data) for name, t in msg.data.items()}
+    return MultiModalFeature(msg.modality, msg.identifier, msg.offset, msg.length, data)
