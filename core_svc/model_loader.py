@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,17 +18,23 @@ import torch
 
 from core_svc.errors import ModelLoadError
 from core_svc.models.arch import ModelArchConfig
+from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
+from core_svc.models.llava import LlavaForConditionalGeneration
 from kernels import AttentionBackend
 from splitserve.base import model_files
 
 logger = logging.getLogger(__name__)
 
+# architecture -> model class; every other supported architecture is served by LlamaForCausalLM
+ModelClass = Callable[[ModelArchConfig, AttentionBackend, torch.dtype], ServedModel]
+MODEL_CLASSES: dict[str, ModelClass] = {"LlavaForConditionalGeneration": LlavaForConditionalGeneration}
+
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: ServedModel
     arch: ModelArchConfig
     path: Path
     eos_token_ids: list[int]  # generation_config's EOS ids first, else config.json's; may be empty
@@ -74,7 +81,7 @@ def load_model(
     arch = ModelArchConfig.from_hf_config(hf_config)
     dtype = dtype or arch.dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, dtype)
+        model = MODEL_CLASSES.get(arch.architecture, LlamaForCausalLM)(arch, backend, dtype)
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -131,7 +138,7 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+def _load_weights(model: ServedModel, files: list[Path]) -> None:
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -168,7 +175,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
 
 
 def _copy_into(
-    model: LlamaForCausalLM,
+    model: ServedModel,
     param: torch.nn.Parameter,
     param_name: str,
     shard: int | None,

@@ -6,7 +6,7 @@ what is supported, for anything our implementation would compute differently fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +28,11 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchFeatures] = {
     "MistralForCausalLM": ArchFeatures(qkv_bias=False, o_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
+    # Multimodal: the language model's features; its config is the checkpoint's text_config.
+    "LlavaForConditionalGeneration": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=False),
 }
+# Multimodal architectures -> the model_type their text_config must have (the language model we run for them).
+MULTIMODAL_TEXT_MODEL_TYPES: dict[str, tuple[str, ...]] = {"LlavaForConditionalGeneration": ("llama",)}
 # RoPE types whose frequency table does not depend on the sequence length (transformers' names).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -68,6 +72,12 @@ class ModelArchConfig:
     rope_inv_freq: torch.Tensor  # [head_size // 2] float32
     rope_attention_scaling: float
     dtype: torch.dtype  # the checkpoint's own dtype
+    image_token_id: int | None = None  # multimodal models: the image placeholder token; None: text only
+    hf_config: Any = field(default=None, compare=False, repr=False)  # the transformers config (vision settings)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_token_id is not None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArchConfig:
@@ -85,6 +95,17 @@ class ModelArchConfig:
             )
         if getattr(config, "quantization_config", None):
             raise ModelLoadError("quantized checkpoints (quantization_config) are not supported; use float weights")
+        top_config, image_token_id = config, None
+        if arch in MULTIMODAL_TEXT_MODEL_TYPES:
+            config = top_config.text_config
+            if config.model_type not in MULTIMODAL_TEXT_MODEL_TYPES[arch]:
+                raise ModelLoadError(
+                    f"{arch} with a {config.model_type!r} language model is not supported; supported: "
+                    f"{', '.join(MULTIMODAL_TEXT_MODEL_TYPES[arch])}"
+                )
+            image_token_id = getattr(top_config, "image_token_id", None)
+            if image_token_id is None:
+                image_token_id = top_config.image_token_index
         hidden_act = config.hidden_act
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelLoadError(f"hidden_act {hidden_act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
@@ -112,7 +133,7 @@ class ModelArchConfig:
             )
             for window in windows
         )
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(top_config, "dtype", None) or getattr(top_config, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         return cls(
@@ -127,12 +148,14 @@ class ModelArchConfig:
             rms_norm_eps=config.rms_norm_eps,
             hidden_act=hidden_act,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(top_config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
             layer_attention=layer_attention,
             rope_inv_freq=inv_freq,
             rope_attention_scaling=attention_scaling,
             dtype=dtype,
+            image_token_id=image_token_id,
+            hf_config=top_config,
         )
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
