@@ -140,7 +140,7 @@ class EngineCore:
         )
         model = loaded.model
         self.mm_model = model if isinstance(model, SupportsMultiModal) else None
-        max_tokens_per_mm_item = getattr(model, "num_image_tokens", 0) if self.mm_model is not None else 0
+        max_tokens_per_mm_item = self.mm_model.max_tokens_per_mm_item if self.mm_model is not None else 0
         self.scheduler = Scheduler(
             SchedulerConfig.from_core_config(config, self.max_model_len, max_tokens_per_mm_item), kv_cache_manager
         )

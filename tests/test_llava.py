@@ -218,3 +218,23 @@ def test_invalid_mm_features_are_refused(llava: Path, checkpoint: Any) -> None:
         assert expected in _refusal(engine, ids, features), expected
     text_model = make_engine(checkpoint("llama"), num_kv_blocks=16)
     assert "takes no multimodal input" in _refusal(text_model, [1, 2, 3], [replace(feature, offset=0, length=2)])
+
+
+def test_preemption_recomputes_image_requests(llava: Path) -> None:
+    # A KV cache too small for both requests at full length: one is preempted and recomputed (its image from
+    # the encoder cache or encoded again), with the same ids as transformers.
+    inputs = [_inputs(llava, PROMPT, [i]) for i in (0, 1)]
+    engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=20, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, (ids, features, _) in enumerate(inputs):
+        engine.add_request(Request(f"p{i}", ids, params, mm_features=features))
+    tokens: dict[str, list[int]] = {"p0": [], "p1": []}
+    num_preemptions = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        num_preemptions += outputs.scheduler_stats.num_preemptions if outputs.scheduler_stats else 0
+        for output in outputs.outputs:
+            tokens[output.request_id] += output.new_token_ids
+    assert num_preemptions > 0
+    for i, (ids, _, pixel_values) in enumerate(inputs):
+        assert tokens[f"p{i}"] == _hf_greedy(llava, ids, pixel_values)

@@ -43,6 +43,12 @@ class SupportsMultiModal(ServedModel):
         dtype, on its device (vLLM's ``embed_multimodal``). The feature passed ``mm_feature_violation``."""
         raise NotImplementedError
 
+    @property
+    def max_tokens_per_mm_item(self) -> int:
+        """Most placeholder tokens (embedding rows) one item can have: the encoder budget and cache are at least
+        this (vLLM's ``get_max_tokens_per_item``)."""
+        raise NotImplementedError
+
     def mm_feature_violation(self, feature: MultiModalFeature) -> str | None:
         """Why this model cannot take ``feature`` (modality, data keys, shapes, dtypes, placeholder count), as a
         message naming the field; None when it can. Placement in the prompt is checked by the engine core."""

@@ -214,6 +214,10 @@ class LlavaForConditionalGeneration(SupportsMultiModal):
         features = torch.cat(selected, dim=-1)[0]  # [num_image_tokens, vision_hidden * len(feature_layers)]
         return self.multi_modal_projector(features)
 
+    @property
+    def max_tokens_per_mm_item(self) -> int:
+        return self.num_image_tokens
+
     def mm_feature_violation(self, feature: MultiModalFeature) -> str | None:
         if feature.modality != "image":
             return f"modality {feature.modality!r} is not supported by LlavaForConditionalGeneration; it takes image"
