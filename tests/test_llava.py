@@ -106,6 +106,23 @@ def _run(engine: EngineCore, requests: list[tuple[list[int], list[MultiModalFeat
     return list(results.values())
 
 
+def test_checkpoint_and_processor_agree(llava: Path) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(llava)
+    processor = _processor(llava)
+    assert processor.tokenizer.convert_tokens_to_ids("<image>") == config.image_token_index
+    assert processor.image_processor.crop_size == {"height": 32, "width": 32} == {
+        "height": config.vision_config.image_size,
+        "width": config.vision_config.image_size,
+    }
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert text == "USER: <image>\nHi ASSISTANT:"
+    ids, [feature], _ = _inputs(llava, text, [1])
+    assert feature.length == config.image_seq_length == ids.count(config.image_token_index)
+
+
 PROMPT = "USER: <image>\nWhat is shown in this picture, in a few words? ASSISTANT:"
 
 

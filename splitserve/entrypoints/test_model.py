@@ -20,7 +20,8 @@ from typing import Any
 
 from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "llava")
+TEXT_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = (*TEXT_ARCHS, "llava")
 LLAVA_PRESETS = ("tiny", "small", "medium")
 PRESETS = ("tiny", "small", "medium", "qwen2.5-0.5b")
 _TOKENIZER_FILES = (
