@@ -18,6 +18,7 @@ from core_svc.engine_core import EngineCore
 from core_svc.errors import InvalidRequestError
 from core_svc.request import MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
+from splitserve.base.status import StatusCode
 from tests.conftest import real_or_builtin
 from tests.helpers import make_engine
 
@@ -112,10 +113,14 @@ def test_checkpoint_and_processor_agree(llava: Path) -> None:
     config = AutoConfig.from_pretrained(llava)
     processor = _processor(llava)
     assert processor.tokenizer.convert_tokens_to_ids("<image>") == config.image_token_index
-    assert processor.image_processor.crop_size == {"height": 32, "width": 32} == {
-        "height": config.vision_config.image_size,
-        "width": config.vision_config.image_size,
-    }
+    assert (
+        processor.image_processor.crop_size
+        == {"height": 32, "width": 32}
+        == {
+            "height": config.vision_config.image_size,
+            "width": config.vision_config.image_size,
+        }
+    )
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     assert text == "USER: <image>\nHi ASSISTANT:"
@@ -213,6 +218,7 @@ def _refusal(engine: EngineCore, ids: list[int], features: list[MultiModalFeatur
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(Request(f"bad-{id(features)}-{len(ids)}", ids, params, mm_features=features))
     assert info.value.field.startswith("mm_features")
+    assert info.value.status_code == StatusCode.INVALID_ARGUMENT
     return str(info.value)
 
 
