@@ -261,3 +261,36 @@ def test_preemption_recomputes_image_requests(llava: Path) -> None:
     assert num_preemptions > 0
     for i, (ids, _, pixel_values) in enumerate(inputs):
         assert tokens[f"p{i}"] == _hf_greedy(llava, ids, pixel_values)
+
+
+def test_image_request_through_the_core_edge(llava: Path) -> None:
+    # As a frontend sends it: protobuf in (core_svc.wire), protobuf out; a bad item refused with its field.
+    from core_svc.inproc import InprocCore, RefusedError
+    from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
+
+    ids, [feature], pixel_values = _inputs(llava, PROMPT, [2])
+    pixels = feature.data["pixel_values"]
+    item = pb.MultiModalFeatureSpec(
+        modality="image",
+        identifier=feature.identifier,
+        offset=feature.offset,
+        length=feature.length,
+        data={"pixel_values": pb.TensorData(dtype=pixels.dtype, shape=list(pixels.shape), data=pixels.data)},
+    )
+    params = pb.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    core = InprocCore(str(llava), attention_backend="torch_ref", num_kv_blocks=64)
+    core.add_request(
+        pb.EngineCoreRequest(request_id="ok", prompt_token_ids=ids, mm_features=[item], sampling_params=params)
+    )
+    tokens: list[int] = []
+    while core.engine_core.has_unfinished_requests():
+        for output in core.step().outputs:
+            tokens += output.new_token_ids
+    assert tokens == _hf_greedy(llava, ids, pixel_values)
+    item.data["pixel_values"].shape[:] = [3, 16, 64]
+    with pytest.raises(RefusedError) as info:
+        core.add_request(
+            pb.EngineCoreRequest(request_id="bad", prompt_token_ids=ids, mm_features=[item], sampling_params=params)
+        )
+    assert info.value.error.code == StatusCode.INVALID_ARGUMENT
+    assert info.value.error.field == "mm_features[0]"
