@@ -92,7 +92,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.decode_graphs: DecodeGraphs | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden_size] item embeddings
-        self.num_encoder_calls = 0  # embed_multimodal calls so far (items encoded)
+        self.num_encoder_calls = 0  # items encoded so far
 
     def initialize_kv_cache(self, num_kv_blocks: int) -> None:
         """Allocate ``num_kv_blocks`` blocks (the null block 0 included) per layer, zeroed so the null block,
@@ -201,21 +201,24 @@ class ModelRunner:
             self.requests.pop(request_id, None)
 
     def _execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
-        """Encode the items the scheduler scheduled and keep them in ``encoder_cache`` (vLLM's
+        """Encode the items the scheduler scheduled, in one batch, and keep them in ``encoder_cache`` (vLLM's
         ``_execute_mm_encoder``); an item another request already had encoded is not encoded again."""
+        pending: dict[str, MultiModalFeature] = {}
         for request_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
             features = self.requests[request_id].mm_features
             for i in input_ids:
-                feature = features[i]
-                if feature.identifier not in self.encoder_cache:
-                    self.encoder_cache[feature.identifier] = self._encode(feature)
+                if features[i].identifier not in self.encoder_cache:
+                    pending.setdefault(features[i].identifier, features[i])
+        if pending:
+            outputs = self._encode(list(pending.values()))
+            self.encoder_cache.update(zip(pending, outputs, strict=True))
 
-    def _encode(self, feature: MultiModalFeature) -> torch.Tensor:
-        """[feature.length, hidden_size] embeddings of one item."""
+    def _encode(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """[feature.length, hidden_size] embeddings of each item."""
         if not isinstance(self.model, SupportsMultiModal):
             raise TypeError(f"{type(self.model).__name__} takes no multimodal items")
-        self.num_encoder_calls += 1
-        return self.model.embed_multimodal(feature)
+        self.num_encoder_calls += len(features)
+        return self.model.embed_multimodal_batch(features)
 
     def _gather_mm_embeddings(self, scheduler_output: SchedulerOutput, inputs: StepInputs) -> torch.Tensor | None:
         """Token embeddings [num_tokens, hidden_size] (padded rows included) with each scheduled chunk's
@@ -238,7 +241,7 @@ class ModelRunner:
                 lo, hi = max(start, feature.offset), min(end, item_end)
                 embeddings = self.encoder_cache.get(feature.identifier)
                 if embeddings is None:  # a scheduling plan undone by a preemption this step: encode, uncached
-                    embeddings = self._encode(feature)
+                    [embeddings] = self._encode([feature])
                 parts.append(embeddings[lo - feature.offset : hi - feature.offset])
                 first_row = query_start_loc[i] + lo - start
                 rows.extend(range(first_row, first_row + hi - lo))

@@ -43,6 +43,11 @@ class SupportsMultiModal(ServedModel):
         dtype, on its device (vLLM's ``embed_multimodal``). The feature passed ``mm_feature_violation``."""
         raise NotImplementedError
 
+    def embed_multimodal_batch(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """``embed_multimodal`` of each feature, in order; a model overrides it to batch items of one shape
+        through its encoder in one call (vLLM batches a step's items by modality)."""
+        return [self.embed_multimodal(feature) for feature in features]
+
     @property
     def max_tokens_per_mm_item(self) -> int:
         """Most placeholder tokens (embedding rows) one item can have: the encoder budget and cache are at least

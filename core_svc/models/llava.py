@@ -204,15 +204,24 @@ class LlavaForConditionalGeneration(SupportsMultiModal):
     def embed_multimodal(self, feature: MultiModalFeature) -> torch.Tensor:
         """One image's embeddings [num_image_tokens, hidden_size] from its ``pixel_values`` [3, H, W]
         (transformers' ``LlavaModel.get_image_features``)."""
-        param = self.multi_modal_projector.linear_2.bias
+        return self.embed_multimodal_batch([feature])[0]
+
+    def embed_multimodal_batch(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Images (all of the tower's size, as ``mm_feature_violation`` ensures) through the tower in one batch:
+        [num_image_tokens, hidden_size] each."""
+        param = self.multi_modal_projector.linear_1.bias
         param = param if param is not None else self.language_model.model.norm.weight
-        pixel_values = wire_tensor_to_torch(feature.data["pixel_values"], param.device, param.dtype).unsqueeze(0)
+        pixel_values = torch.stack(
+            [wire_tensor_to_torch(f.data["pixel_values"], param.device, param.dtype) for f in features]
+        )  # [num_images, 3, H, W]
         states = self.vision_tower(pixel_values)
         selected = [states[i] for i in self.feature_layers]
         if self.select_strategy == "default":
             selected = [s[:, 1:] for s in selected]  # drop the CLS row
-        features = torch.cat(selected, dim=-1)[0]  # [num_image_tokens, vision_hidden * len(feature_layers)]
-        return self.multi_modal_projector(features)
+        rows = torch.cat(selected, dim=-1)  # [num_images, num_image_tokens, vision_hidden * len(feature_layers)]
+        num_images, num_tokens, width = rows.shape
+        embeddings = self.multi_modal_projector(rows.reshape(num_images * num_tokens, width))
+        return list(embeddings.view(num_images, num_tokens, -1).unbind(0))
 
     @property
     def max_tokens_per_mm_item(self) -> int:
