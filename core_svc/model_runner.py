@@ -108,8 +108,11 @@ class ModelRunner:
         of ``max_num_batched_tokens`` tokens (capped at ``max_num_seqs`` requests of ``max_model_len``) as
         ``min(tokens, max_num_seqs)`` prefills of equal length (vLLM's ``_dummy_run``), then the logits and the
         sampler, with top-k and top-p (its sort is the sampler's peak), on one row per request. Every token's
-        KV goes to slot 0; without a KV cache yet, a one-block cache stands in."""
+        KV goes to slot 0; without a KV cache yet, a one-block cache stands in. A multimodal model first encodes
+        as many largest items as one step's encoder budget holds (vLLM's ``_dummy_encoder_run`` /
+        ``profile_run``), kept alive through the forward as the encoder cache would be."""
         config = self.config
+        encoder_outputs = self._profile_encoder()
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
         num_reqs = max(min(num_tokens, config.max_num_seqs), -(num_tokens // -config.max_model_len))
         lengths = [num_tokens // num_reqs] * num_reqs
@@ -148,7 +151,17 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_k=self.vocab_size - 1, top_p=0.99)
         states = [CachedRequestState(f"profile-{i}", [0], params, None, [], 0) for i in range(num_reqs)]
         self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
+        del encoder_outputs
         _synchronize(self.device)
+
+    def _profile_encoder(self) -> list[torch.Tensor]:
+        """The profile run's encoder part: ``encoder_compute_budget // max_tokens_per_mm_item`` dummy items in one
+        batch (at least one); none for a text model."""
+        if not isinstance(self.model, SupportsMultiModal):
+            return []
+        item_rows = self.model.max_tokens_per_mm_item
+        budget = max(self.config.max_num_batched_tokens, item_rows)  # SchedulerConfig.encoder_compute_budget
+        return self.model.embed_multimodal_batch([self.model.dummy_mm_feature()] * (budget // item_rows))
 
     def capture_decode_graphs(self, capturer: GraphCapturer) -> None:
         """Capture decode graphs at ``cuda_graph_capture_sizes`` (after ``initialize_kv_cache``); from then on

@@ -294,3 +294,12 @@ def test_image_request_through_the_core_edge(llava: Path) -> None:
         )
     assert info.value.error.code == StatusCode.INVALID_ARGUMENT
     assert info.value.error.field == "mm_features[0]"
+
+
+def test_profile_run_encodes_a_full_encoder_budget(llava: Path) -> None:
+    engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64, max_num_batched_tokens=40)
+    runner = engine.model_runner
+    outputs = runner._profile_encoder()
+    assert [tuple(o.shape) for o in outputs] == [(16, 64), (16, 64)]  # 40 // 16 images of 16 rows
+    runner.profile_run()  # the forward and sampler after it, as on CUDA before sizing the KV cache
+    assert runner.num_encoder_calls == 0 and runner.encoder_cache == {}  # nothing of it is kept

@@ -54,6 +54,11 @@ class SupportsMultiModal(ServedModel):
         this (vLLM's ``get_max_tokens_per_item``)."""
         raise NotImplementedError
 
+    def dummy_mm_feature(self) -> MultiModalFeature:
+        """An item of ``max_tokens_per_mm_item`` rows with zero data, for the profile run (vLLM's dummy inputs
+        of ``MultiModalProfiler``); its offset is 0."""
+        raise NotImplementedError
+
     def mm_feature_violation(self, feature: MultiModalFeature) -> str | None:
         """Why this model cannot take ``feature`` (modality, data keys, shapes, dtypes, placeholder count), as a
         message naming the field; None when it can. Placement in the prompt is checked by the engine core."""

@@ -16,6 +16,7 @@ layout (``vision_tower.vision_model.*``), and transformers 5's module names (``m
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.models.layers import Linear
 from core_svc.models.llama import LlamaForCausalLM
 from core_svc.models.multimodal import FLOAT_DTYPES, wire_tensor_to_torch, wire_tensor_violation
-from core_svc.request import MultiModalFeature
+from core_svc.request import MultiModalFeature, MultiModalTensor
 from kernels import AttentionBackend, AttentionMetadata
 
 # checkpoint name prefix -> ours (transformers 5's layout first, then the older one, which maps to itself)
@@ -226,6 +227,11 @@ class LlavaForConditionalGeneration(SupportsMultiModal):
     @property
     def max_tokens_per_mm_item(self) -> int:
         return self.num_image_tokens
+
+    def dummy_mm_feature(self) -> MultiModalFeature:
+        shape = (self.num_channels, self.image_size, self.image_size)
+        pixels = MultiModalTensor("float32", shape, bytes(4 * math.prod(shape)))
+        return MultiModalFeature("image", "profile", 0, self.num_image_tokens, {"pixel_values": pixels})
 
     def mm_feature_violation(self, feature: MultiModalFeature) -> str | None:
         if feature.modality != "image":
