@@ -188,6 +188,17 @@ def test_prefix_cache_hit_and_no_false_hit(llava: Path) -> None:
     assert other == _hf_greedy(llava, other_ids, other_pixels) != first
 
 
+def test_prefix_cache_hit_ending_inside_the_image(llava: Path) -> None:
+    # 16-token blocks: the hit covers block 0, which holds the image's first rows; the rest of the image is
+    # computed from a slice of its embedding.
+    ids, features, pixel_values = _inputs(llava, "USER: <image>\nHi ASSISTANT:", [1])
+    engine = make_engine(llava, attention_backend="cpu", num_kv_blocks=64, enable_prefix_caching=True)
+    _run(engine, [(ids, features)])
+    [(again, cached)] = _run(engine, [(ids, features)])
+    assert features[0].offset < cached < features[0].offset + features[0].length
+    assert again == _hf_greedy(llava, ids, pixel_values)
+
+
 def test_encoder_cache_shared_then_freed(llava: Path) -> None:
     ids, features, _ = _inputs(llava, PROMPT, [2])
     engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64, enable_prefix_caching=False)
