@@ -354,3 +354,9 @@ def test_frontend_processes_images_without_torch(llava_dir: Path, qwen_dir: Path
     lines = result.stdout.splitlines()
     assert lines[-1] == "torch imported: False"
     assert "CLIPImageProcessorPil" in lines[0] and "Qwen2VLImageProcessorPil" in lines[1]
+
+
+def test_limit_mm_per_prompt_flag() -> None:
+    from splitserve.entrypoints.cli import main
+
+    assert main(["frontend", "--core", "localhost:1", "--limit-mm-per-prompt", "video=1"]) == 2
