@@ -177,6 +177,7 @@ class LLMEngineBase:
             request.priority,
             request.cache_salt,
             request.trace_headers,
+            mm_features=request.mm_features,  # each child carries its images: the core may serve children apart
         )
 
     def release_failed(self, requests: list[EngineCoreRequest]) -> None:

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import InputProcessor
+from frontend_svc.llm_engine import LLMEngine
 from frontend_svc.mm_processor import EncodedImage, load_mm_processor, parse_limit_mm_per_prompt
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.wire import chat_messages_from_api, generate_request_from_api, request_to_pb
@@ -90,24 +92,53 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def make_input_processor(path: Path, limits: dict[str, int] | None = None) -> InputProcessor:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    info = EngineInfo(
+def engine_info(path: Path, vocab_size: int) -> EngineInfo:
+    return EngineInfo(
         model=str(path),
         max_model_len=4096,
         block_size=16,
         num_kv_blocks=256,
         kv_cache_tokens=4096,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         eos_token_ids=(),
         max_num_seqs=8,
         max_num_batched_tokens=4096,
         max_logprobs=20,
         dtype="float32",
     )
-    return InputProcessor(tokenizer, info, load_mm_processor(path, tokenizer, limits))
+
+
+def make_input_processor(path: Path, limits: dict[str, int] | None = None) -> InputProcessor:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return InputProcessor(tokenizer, engine_info(path, len(tokenizer)), load_mm_processor(path, tokenizer, limits))
+
+
+class RecordingClient(EngineCoreClient):
+    """A core client that keeps what it is sent."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        self.added: list[EngineCoreRequest] = []
+
+    def get_engine_info(self) -> EngineInfo:
+        return self.info
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.added.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        pass
+
+    def get_output(self) -> EngineCoreOutputs:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def reset_prefix_cache(self) -> bool:  # pragma: no cover - unused
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +364,9 @@ sys.meta_path[:] = [_WithoutTorch(f) for f in sys.meta_path]
 from pathlib import Path
 from PIL import Image
 from transformers import AutoTokenizer
-from frontend_svc.engine_types import EngineInfo
+from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from frontend_svc.llm_engine import LLMEngine
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.mm_processor import load_mm_processor
 info = EngineInfo("m", 4096, 16, 256, 4096, 40000, (), 8, 4096, 20, "float32")
@@ -360,3 +393,25 @@ def test_limit_mm_per_prompt_flag() -> None:
     from splitserve.entrypoints.cli import main
 
     assert main(["frontend", "--core", "localhost:1", "--limit-mm-per-prompt", "video=1"]) == 2
+
+
+def test_engine_loads_the_processor_and_every_child_carries_the_images(llava_dir: Path, llava: InputProcessor) -> None:
+    client = RecordingClient(engine_info(llava_dir, len(llava.tokenizer)))
+    engine = LLMEngine(
+        str(llava_dir), tokenizer=llava.tokenizer, engine_core_client=client, limit_mm_per_prompt="image=1"
+    )
+    prompt = {"prompt": "<image> hi", "multi_modal_data": {"image": random_image(8)}}
+    engine.add_request("r", prompt, SamplingParams(n=2, max_tokens=1))
+    expected = run(llava, prompt)
+    assert [r.prompt_token_ids for r in client.added] == [expected.prompt_token_ids] * 2
+    for request in client.added:
+        (feature,) = request.mm_features
+        assert (feature.identifier, feature.offset, feature.length) == (
+            expected.mm_features[0].identifier,
+            expected.mm_features[0].offset,
+            LLAVA_TOKENS_PER_IMAGE,
+        )
+    with pytest.raises(ValidationError, match="--limit-mm-per-prompt image=1"):
+        engine.add_request(
+            "s", {"prompt": "<image><image>", "multi_modal_data": {"image": [random_image(8)] * 2}}, SamplingParams()
+        )
