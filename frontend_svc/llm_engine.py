@@ -6,6 +6,7 @@ OutputProcessor -> RequestOutputs, aborting in the core what stop strings ended.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import weakref
 from pathlib import Path
@@ -26,6 +27,8 @@ from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve.base.logging_config import configure_library_logging
 from splitserve.base.model_files import resolve_model_path
+
+logger = logging.getLogger(__name__)
 
 # Every output of a request carries its id, from the core on each step and to the caller on each streamed message:
 # a 15 MiB id made each of them 15 MiB. vLLM sets no limit; ids in use (UUIDs, OpenAI's) are tens of characters.
@@ -68,6 +71,8 @@ class LLMEngineBase:
         self.engine_info: EngineInfo = self.engine_core.get_engine_info()
         # The model's image processor, loaded once (None: a text-only model, whose image inputs are refused).
         mm_processor = load_mm_processor(model_path, self.tokenizer, mm_limits)
+        if mm_processor is not None:
+            logger.info(mm_processor.describe_limits(self.engine_info.max_receive_message_bytes))
         self.input_processor = InputProcessor(self.tokenizer, self.engine_info, mm_processor)
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -193,6 +193,34 @@ class MultiModalProcessor:
         )
 
     @property
+    def max_image_bytes(self) -> int | None:
+        """The largest float32 pixel tensor one image can make, in bytes: LLaVA's crop, 3 x H x W x 4; Qwen2-VL's
+        max_pixels (``size["longest_edge"]``) x 3 channels x temporal_patch_size x 4 (a still image's patches are
+        repeated temporal_patch_size times). None: not known for this image processor."""
+        image_processor = self.processor.image_processor
+        size = getattr(image_processor, "size", None)
+        temporal = getattr(image_processor, "temporal_patch_size", None)
+        if temporal is not None and getattr(size, "longest_edge", None):
+            return int(size.longest_edge) * 3 * int(temporal) * 4
+        crop = getattr(image_processor, "crop_size", None)
+        if getattr(image_processor, "do_center_crop", False) and getattr(crop, "height", None):
+            return int(crop.height) * int(crop.width) * 3 * 4
+        return None
+
+    def describe_limits(self, max_request_bytes: int) -> str:
+        """One line for the log: how many of the largest images fit in one request to the core
+        (``max_request_bytes``: its --max-receive-message-mib)."""
+        line = f"images: at most {self.image_limit} per prompt (--limit-mm-per-prompt)"
+        per_image = self.max_image_bytes
+        if per_image is None or not max_request_bytes:
+            return line
+        return (
+            f"{line}; the largest image is {per_image / 2**20:.1f} MiB of pixels, the engine core takes "
+            f"{max_request_bytes / 2**20:.1f} MiB per request (its --max-receive-message-mib): "
+            f"{max_request_bytes // per_image} such images fit in one request"
+        )
+
+    @property
     def image_limit(self) -> int:
         return self.limits.get(IMAGE, DEFAULT_LIMIT_PER_PROMPT)
 

@@ -415,3 +415,15 @@ def test_engine_loads_the_processor_and_every_child_carries_the_images(llava_dir
         engine.add_request(
             "s", {"prompt": "<image><image>", "multi_modal_data": {"image": [random_image(8)] * 2}}, SamplingParams()
         )
+
+
+def test_the_largest_image_on_the_wire(llava: InputProcessor, qwen: InputProcessor) -> None:
+    assert llava.mm_processor is not None and qwen.mm_processor is not None
+    assert llava.mm_processor.max_image_bytes == 3 * 56 * 56 * 4  # the crop, float32
+    # max_pixels 28 * 28 * 64: 256 patches of 3 x 2 x 14 x 14 float32 (a still image repeated twice in time).
+    assert qwen.mm_processor.max_image_bytes == 256 * 1176 * 4
+    line = qwen.mm_processor.describe_limits(16 * 2**20)
+    assert line.endswith(f"{16 * 2**20 // (256 * 1176 * 4)} such images fit in one request")
+    # The image that reaches max_pixels makes that many bytes.
+    request = run(qwen, {"prompt": f"{QWEN_IMAGE}", "multi_modal_data": {"image": random_image(9, 224, 224)}})
+    assert request.mm_features[0].data["pixel_values"].nbytes == 256 * 1176 * 4
