@@ -198,13 +198,14 @@ class MultiModalProcessor:
         max_pixels (``size["longest_edge"]``) x 3 channels x temporal_patch_size x 4 (a still image's patches are
         repeated temporal_patch_size times). None: not known for this image processor."""
         image_processor = self.processor.image_processor
-        size = getattr(image_processor, "size", None)
+        max_pixels = getattr(getattr(image_processor, "size", None), "longest_edge", None)
         temporal = getattr(image_processor, "temporal_patch_size", None)
-        if temporal is not None and getattr(size, "longest_edge", None):
-            return int(size.longest_edge) * 3 * int(temporal) * 4
+        if temporal is not None and max_pixels:
+            return int(max_pixels) * 3 * int(temporal) * 4
         crop = getattr(image_processor, "crop_size", None)
-        if getattr(image_processor, "do_center_crop", False) and getattr(crop, "height", None):
-            return int(crop.height) * int(crop.width) * 3 * 4
+        height, width = getattr(crop, "height", None), getattr(crop, "width", None)
+        if getattr(image_processor, "do_center_crop", False) and height and width:
+            return int(height) * int(width) * 3 * 4
         return None
 
     def describe_limits(self, max_request_bytes: int) -> str:

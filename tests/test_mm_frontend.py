@@ -3,6 +3,7 @@ own processors on the same text and images, item hashes, the errors, the wire, a
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -139,6 +140,16 @@ class RecordingClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         pass
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        self.added += requests
+
+    def abort_requests_nowait(self, request_ids: list[str]) -> None:
+        pass
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        await asyncio.Event().wait()  # no outputs: the test reads what was sent
+        raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
@@ -427,3 +438,37 @@ def test_the_largest_image_on_the_wire(llava: InputProcessor, qwen: InputProcess
     # The image that reaches max_pixels makes that many bytes.
     request = run(qwen, {"prompt": f"{QWEN_IMAGE}", "multi_modal_data": {"image": random_image(9, 224, 224)}})
     assert request.mm_features[0].data["pixel_values"].nbytes == 256 * 1176 * 4
+
+
+def test_async_llm_processes_images_off_the_event_loop(qwen_dir: Path, qwen: InputProcessor) -> None:
+    from frontend_svc.async_llm import AsyncLLM
+
+    images = [random_image(10, 56, 56), random_image(11, 84, 56)]
+    prompt = {"prompt": f"{QWEN_IMAGE}{QWEN_IMAGE}?", "multi_modal_data": {"image": images}}
+
+    async def add() -> list[EngineCoreRequest]:
+        client = RecordingClient(engine_info(qwen_dir, len(qwen.tokenizer)))
+        engine = AsyncLLM(str(qwen_dir), tokenizer=qwen.tokenizer, engine_core_client=client)
+        try:
+            await engine.add_request("r", prompt, SamplingParams(max_tokens=1))
+        finally:
+            engine.close()
+        return client.added
+
+    (request,) = asyncio.run(add())
+    ids, outputs = qwen_oracle(qwen_dir, str(prompt["prompt"]), images)
+    assert request.prompt_token_ids == ids
+    assert [f.data["image_grid_thw"].tolist() for f in request.mm_features] == outputs["image_grid_thw"].tolist()
+
+
+def test_qwen2_5_vl_uses_the_qwen2_vl_image_processor(qwen_dir: Path, qwen: InputProcessor, tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(qwen_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    qwen2_5 = make_input_processor(tmp_path)
+    prompt = {"prompt": f"{QWEN_IMAGE} x", "multi_modal_data": {"image": random_image(12, 70, 90)}}
+    expected, actual = run(qwen, prompt), run(qwen2_5, prompt)
+    assert actual.prompt_token_ids == expected.prompt_token_ids
+    # The model type is one of the settings hashed: the two models never share an encoder-cache entry.
+    assert actual.mm_features[0].identifier != expected.mm_features[0].identifier
