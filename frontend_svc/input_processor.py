@@ -155,14 +155,22 @@ class InputProcessor:
 
         A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
 
+        A message with images keeps its parts ({"type": "text"} and {"type": "image"}, as transformers'
+        processors' chat templates take them) and the result carries the images in order as
+        ``multi_modal_data`` (decoded and expanded by ``process_multimodal``); a multimodal model renders with its
+        processor's chat template when it has one.
+
         Raises:
-            ValidationError: a malformed message, a non-text content part, a tokenizer without a chat template,
-                or a rendered conversation too long to fit within max_model_len (refused before tokenizing).
+            ValidationError: a malformed message, a part neither text nor image, an image URL that is not a
+                data: URI, images for a text-only model, a tokenizer without a chat template, or a rendered
+                conversation too long to fit within max_model_len (refused before tokenizing).
         """
         if not isinstance(messages, list) or not messages:
             raise ValidationError("messages", "must be a non-empty list of {'role', 'content'} messages")
         images: list[Any] = []
         normalized = [self._check_message(i, m, images) for i, m in enumerate(messages)]
+        if images and self.mm_processor is None:
+            raise _no_images_error(_images_field(images))  # before a text model's template sees image parts
         if self.mm_processor is not None and chat_template is None:
             # A multimodal model's template is the processor's (chat_template.jinja beside
             # preprocessor_config.json) when it has one, as transformers' processor.apply_chat_template picks it;
@@ -259,11 +267,7 @@ class InputProcessor:
         if not images:
             return self._as_tokens_prompt(*self.tokenize(text_or_ids))
         if self.mm_processor is None:
-            raise ValidationError(
-                field,
-                f"this model takes no images (only {', '.join(sorted(SUPPORTED_MODEL_TYPES))} models do, by "
-                "config.json's model_type)",
-            )
+            raise _no_images_error(field)
         self.mm_processor.check_count(len(images), field)  # before the prompt is tokenized
         text, token_ids = self.tokenize(text_or_ids)
         token_ids, features = self.mm_processor.process(token_ids, images, field)
@@ -404,6 +408,14 @@ def _chat_image(part: dict[str, Any], field: str) -> Any:
     if not isinstance(url, str):
         raise ValidationError(f"{field}.image_url", "must be {'url': 'data:<mime type>;base64,...'}")
     return image_from_url(url, "", f"{field}.image_url")
+
+
+def _no_images_error(field: str) -> ValidationError:
+    return ValidationError(
+        field,
+        f"this model takes no images (only {', '.join(sorted(SUPPORTED_MODEL_TYPES))} models do, by config.json's "
+        "model_type)",
+    )
 
 
 def _images_of(mm_data: Any) -> list[Any]:
