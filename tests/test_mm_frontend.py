@@ -472,3 +472,30 @@ def test_qwen2_5_vl_uses_the_qwen2_vl_image_processor(qwen_dir: Path, qwen: Inpu
     assert actual.prompt_token_ids == expected.prompt_token_ids
     # The model type is one of the settings hashed: the two models never share an encoder-cache entry.
     assert actual.mm_features[0].identifier != expected.mm_features[0].identifier
+
+
+def test_a_request_over_the_cores_receive_limit_is_refused_before_sending(
+    llava_dir: Path, llava: InputProcessor
+) -> None:
+    import dataclasses
+
+    from frontend_svc.grpc_client import CoreConnection, add_messages
+
+    connection = CoreConnection("localhost:1", lambda outputs: None, lambda: None, lambda *args: None)
+    # 100 kB: two 56 px LLaVA images (2 x 37632 bytes of float32 pixels) fit, three do not.
+    connection.info = dataclasses.replace(
+        engine_info(llava_dir, len(llava.tokenizer)), max_receive_message_bytes=100_000
+    )
+    for num_images, fits in [(2, True), (3, False)]:
+        images = [random_image(20 + i) for i in range(num_images)]
+        request = run(llava, {"prompt": "<image>" * num_images, "multi_modal_data": {"image": images}})
+        messages = asyncio.run(add_messages([request]))
+        if fits:
+            connection.send_add([request], messages)
+            assert connection._outbox.get_nowait() is messages[0] and request.request_id in connection.in_flight
+            connection.in_flight.clear()
+            continue
+        with pytest.raises(ValidationError, match="more than the 100000 bytes it takes") as e:
+            connection.send_add([request], messages)
+        assert e.value.field == "request" and "fewer or smaller images" in e.value.description
+        assert connection._outbox.empty() and request.request_id not in connection.in_flight
