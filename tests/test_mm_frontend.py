@@ -17,14 +17,16 @@ import pytest
 from PIL import Image
 
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.llm_engine import LLMEngine
 from frontend_svc.mm_processor import EncodedImage, load_mm_processor, parse_limit_mm_per_prompt
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.wire import chat_messages_from_api, generate_request_from_api, request_to_pb
+from splitserve.base.wire_enums import FinishReason
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.conftest import real_or_builtin
 
 LLAVA_TEMPLATE = (
@@ -122,6 +124,8 @@ class RecordingClient(EngineCoreClient):
     def __init__(self, info: EngineInfo) -> None:
         self.info = info
         self.added: list[EngineCoreRequest] = []
+        self.finish_with: int | None = None
+        self.outputs: asyncio.Queue[EngineCoreOutputs] = asyncio.Queue()
 
     def get_engine_info(self) -> EngineInfo:
         return self.info
@@ -143,13 +147,16 @@ class RecordingClient(EngineCoreClient):
 
     async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         self.added += requests
+        if self.finish_with is not None:  # each request ends at once with this token
+            for request in requests:
+                output = EngineCoreOutput(request.request_id, [self.finish_with], finish_reason=FinishReason.LENGTH)
+                self.outputs.put_nowait(EngineCoreOutputs(outputs=[output]))
 
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
         pass
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        await asyncio.Event().wait()  # no outputs: the test reads what was sent
-        raise AssertionError("unreachable")
+        return await self.outputs.get()  # none unless finish_with: the test reads what was sent
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +383,7 @@ from pathlib import Path
 from PIL import Image
 from transformers import AutoTokenizer
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.llm_engine import LLMEngine
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.mm_processor import load_mm_processor
@@ -499,3 +506,50 @@ def test_a_request_over_the_cores_receive_limit_is_refused_before_sending(
             connection.send_add([request], messages)
         assert e.value.field == "request" and "fewer or smaller images" in e.value.description
         assert connection._outbox.empty() and request.request_id not in connection.in_flight
+
+
+def test_grpc_chat_with_an_image_part(llava_dir: Path, llava: InputProcessor) -> None:
+    """A Chat call built from the protos only, through the public servicer: the image part's data: URI reaches the
+    core as pixels in the request, the answer comes back."""
+    import grpc
+
+    from frontend_svc.async_llm import AsyncLLM
+    from frontend_svc.service import FrontendServerState, GenerationServicer
+
+    image = random_image(30)
+    part = api.ContentPart(image=api.Image(url=_data_uri(image)))
+    chat = api.ChatRequest(
+        messages=[api.ChatMessage(role="user", content=[part, api.ContentPart(text="What is it?")])],
+        sampling_params=api.SamplingParams(max_tokens=1),
+    )
+
+    async def scenario() -> tuple[list[api.GenerateResponse], list[EngineCoreRequest]]:
+        client = RecordingClient(engine_info(llava_dir, len(llava.tokenizer)))
+        client.finish_with = 5
+        engine = AsyncLLM(str(llava_dir), tokenizer=llava.tokenizer, engine_core_client=client)
+        server = grpc.aio.server()
+        state = FrontendServerState(model="m", tokenizer=llava.tokenizer, engine=engine)
+        api_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                responses = [r async for r in api_grpc.GenerationStub(channel).Chat(chat, timeout=30)]
+        finally:
+            await server.stop(None)
+            engine.close()
+        return responses, client.added
+
+    responses, (request,) = asyncio.run(scenario())
+    expected = run(
+        llava,
+        llava.render_chat(
+            [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}]
+        ),
+    )
+    assert list(responses[0].prompt_token_ids) == request.prompt_token_ids == expected.prompt_token_ids
+    assert responses[-1].finished and list(responses[-1].outputs[0].token_ids) == [5]
+    assert request.mm_features[0].identifier == expected.mm_features[0].identifier
+    np.testing.assert_array_equal(
+        request.mm_features[0].data["pixel_values"], expected.mm_features[0].data["pixel_values"]
+    )
