@@ -133,16 +133,17 @@ def decode_image(image: Any, field: str) -> Image.Image:
     if not image.data:
         raise ValidationError(image.field, "holds no image data")
     try:
-        with Image.open(io.BytesIO(image.data), formats=list(MIME_FORMATS.values())) as opened:
-            if opened.width * opened.height > MAX_IMAGE_PIXELS:
-                raise ValidationError(
-                    image.field,
-                    f"is {opened.width}x{opened.height} pixels, more than the {MAX_IMAGE_PIXELS} this server decodes",
-                )
-            opened.load()
-            return opened.copy() if opened.format == "GIF" else opened  # a GIF keeps its file open otherwise
+        # In memory (BytesIO): nothing to close. Only the header is read here; load() decodes.
+        opened = Image.open(io.BytesIO(image.data), formats=list(MIME_FORMATS.values()))
+        if opened.width * opened.height > MAX_IMAGE_PIXELS:
+            raise ValidationError(
+                image.field,
+                f"is {opened.width}x{opened.height} pixels, more than the {MAX_IMAGE_PIXELS} this server decodes",
+            )
+        opened.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValidationError(image.field, f"cannot be decoded as an image ({e})") from None
+    return opened
 
 
 def image_hash(image: Image.Image, settings: str) -> str:

@@ -316,6 +316,7 @@ def _data_uri(image: Image.Image) -> str:
     ("images", "field", "reason"),
     [
         ([api.Image(data=b"not an image", mime_type="image/png")], "images[0]", "cannot be decoded as an image"),
+        ([api.Image(data=png_bytes(random_image(0))[:300])], "images[0]", "cannot be decoded as an image"),  # cut
         ([api.Image(data=b"x", mime_type="text/plain")], "images[0].mime_type", "is not supported"),
         ([api.Image(url="https://example.com/a.png")], "images[0]", "URLs are not fetched"),
         ([api.Image(url="data:image/png;base64,@@@")], "images[0]", "base64 is not valid"),
