@@ -171,6 +171,13 @@ class InputProcessor:
         normalized = [self._check_message(i, m, images) for i, m in enumerate(messages)]
         if images and self.mm_processor is None:
             raise _no_images_error(_images_field(images))  # before a text model's template sees image parts
+        if images:
+            # Multimodal templates iterate over a message's parts (LLaVA's selects the image parts, then the text
+            # ones): every message of the conversation takes the parts form, as vLLM's "openai" content format.
+            normalized = [
+                {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
+                for m in normalized
+            ]
         if self.mm_processor is not None and chat_template is None:
             # A multimodal model's template is the processor's (chat_template.jinja beside
             # preprocessor_config.json) when it has one, as transformers' processor.apply_chat_template picks it;

@@ -40,6 +40,13 @@ QWEN_TEMPLATE = (
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# llava-hf/llava-1.5-7b-hf's template: it iterates every message's parts, images first.
+LLAVA_HF_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 # A 56 px CLIP crop in 14 px patches: 4 * 4 patches + 1 CLS, less the CLS ("default" feature selection): 16 tokens.
 LLAVA_TOKENS_PER_IMAGE = 16
@@ -554,3 +561,14 @@ def test_grpc_chat_with_an_image_part(llava_dir: Path, llava: InputProcessor) ->
     np.testing.assert_array_equal(
         request.mm_features[0].data["pixel_values"], expected.mm_features[0].data["pixel_values"]
     )
+
+
+def test_a_conversation_with_images_gives_every_message_parts(llava: InputProcessor) -> None:
+    image = random_image(31)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]},
+    ]
+    rendered = llava.render_chat(messages, chat_template=LLAVA_HF_TEMPLATE)
+    assert rendered["prompt"] == "Be brief. USER: <image>\nWhat? ASSISTANT:"
+    assert rendered["multi_modal_data"] == {"image": [image]}
