@@ -572,3 +572,27 @@ def test_a_conversation_with_images_gives_every_message_parts(llava: InputProces
     rendered = llava.render_chat(messages, chat_template=LLAVA_HF_TEMPLATE)
     assert rendered["prompt"] == "Be brief. USER: <image>\nWhat? ASSISTANT:"
     assert rendered["multi_modal_data"] == {"image": [image]}
+
+
+def test_the_core_reads_the_items_as_sent(qwen: InputProcessor) -> None:
+    """The contract with the core: its converter (``core_svc.wire``) reads back each item's place, hash and
+    tensors as the frontend made them."""
+    from core_svc.wire import request_from_pb
+
+    images = [random_image(40, 56, 56), random_image(41, 28, 84)]
+    request = run(qwen, {"prompt": f"{QWEN_IMAGE} and {QWEN_IMAGE}", "multi_modal_data": {"image": images}})
+    core_request = request_from_pb(request_to_pb(request))
+    assert core_request.prompt_token_ids == request.prompt_token_ids
+    for sent, received in zip(request.mm_features, core_request.mm_features, strict=True):
+        assert (received.modality, received.identifier, received.offset, received.length) == (
+            sent.modality,
+            sent.identifier,
+            sent.offset,
+            sent.length,
+        )
+        for key, array in sent.data.items():
+            tensor = received.data[key]
+            assert (tensor.dtype, tensor.shape) == (array.dtype.name, array.shape)
+            np.testing.assert_array_equal(
+                np.frombuffer(tensor.data, array.dtype.newbyteorder("<")).reshape(tensor.shape), array
+            )
