@@ -34,6 +34,7 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 MIME_FORMATS = {
     "image/png": "PNG",
     "image/jpeg": "JPEG",
+    "image/jpg": "JPEG",  # not registered, but common
     "image/webp": "WEBP",
     "image/gif": "GIF",
     "image/bmp": "BMP",
