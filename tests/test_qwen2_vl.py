@@ -1,0 +1,251 @@
+"""Qwen2-VL against transformers on the same seeded checkpoint, float32: the vision tower, M-RoPE positions, and
+the language model's logits over merged image embeddings through a paged KV cache (chunked prefill, then decode)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core_svc.model_loader import load_hf_config, load_model
+from core_svc.models.mrope import get_mrope_input_positions, mrope_decode_positions
+from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from core_svc.request import MultiModalFeature, MultiModalTensor
+from kernels import AttentionMetadata, get_attention_backend
+from tests.conftest import real_or_builtin
+
+BLOCK_SIZE = 4
+IMAGE_SIZES = [(50, 90), (120, 60), (30, 30)]  # (height, width): landscape, portrait, square below min_pixels
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """(path, transformers model, our model, image processor, tokenizer) of a tiny random Qwen2-VL."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers import Qwen2VLForConditionalGeneration as HFModel
+
+    from splitserve.entrypoints.test_model import make_test_model
+
+    path = make_test_model(tmp_path_factory.mktemp("qwen2_vl"), arch="qwen2_vl", tokenizer=real_or_builtin("llama2"))
+    hf = HFModel.from_pretrained(path, dtype=torch.float32).eval()
+    backend = get_attention_backend("torch_ref", "cpu", None)
+    ours = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), backend).model
+    assert isinstance(ours, Qwen2VLForConditionalGeneration)
+    return path, hf, ours, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def random_image(index: int) -> Image.Image:
+    height, width = IMAGE_SIZES[index]
+    pixels = np.random.RandomState(index).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def image_feature(processor, index: int, offset: int) -> MultiModalFeature:
+    """One image item as the frontend sends it: the processor's tensors for that image alone, as bytes."""
+    out = processor(images=[random_image(index)], return_tensors="np")
+    pixel_values = out["pixel_values"].astype(np.float32)
+    grid = out["image_grid_thw"][0].astype(np.int64)
+    return MultiModalFeature(
+        modality="image",
+        identifier=f"image-{index}",
+        offset=offset,
+        length=int(grid.prod()) // 4,
+        data={
+            "pixel_values": MultiModalTensor("float32", pixel_values.shape, pixel_values.tobytes()),
+            "image_grid_thw": MultiModalTensor("int64", grid.shape, grid.tobytes()),
+        },
+    )
+
+
+def build_prompt(vl, image_indices: list[int]) -> tuple[list[int], list[MultiModalFeature]]:
+    """Token ids of "<bos>Look: [<vision_start><image_pad>*n<vision_end> and]... what?" and its image items."""
+    _, hf, _, processor, tokenizer = vl
+    cfg = hf.config
+    ids = [tokenizer.bos_token_id, *tokenizer.encode("Look:", add_special_tokens=False)]
+    features = []
+    for index in image_indices:
+        ids.append(cfg.vision_start_token_id)
+        feature = image_feature(processor, index, len(ids))
+        ids += [cfg.image_token_id] * feature.length + [cfg.vision_end_token_id]
+        ids += tokenizer.encode(" and", add_special_tokens=False)
+        features.append(feature)
+    ids += tokenizer.encode(" what is it?", add_special_tokens=False)
+    return ids, features
+
+
+def hf_inputs(vl, ids: list[int], features: list[MultiModalFeature]) -> dict:
+    _, hf, _, processor, _ = vl
+    input_ids = torch.tensor([ids])
+    inputs: dict = {"input_ids": input_ids, "mm_token_type_ids": (input_ids == hf.config.image_token_id).int()}
+    if features:
+        out = processor(images=[random_image(int(f.identifier.split("-")[1])) for f in features], return_tensors="pt")
+        inputs |= {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    return inputs
+
+
+def test_checkpoint_files_load_with_transformers(vl):
+    path, hf, _, processor, tokenizer = vl
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    assert config["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<|image_pad|>") == hf.config.image_token_id
+    assert config["vision_start_token_id"] == tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    assert config["vision_end_token_id"] == tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    assert json.loads((path / "processor_config.json").read_text())["processor_class"] == "Qwen2VLProcessor"
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|vision_start|><|image_pad|><|vision_end|>What is it?" in text
+    grids = [processor(images=[random_image(i)])["image_grid_thw"][0] for i in range(len(IMAGE_SIZES))]
+    # min_pixels / max_pixels of the tiny preset: 4 to 16 merged tokens (16 to 64 patches of 14 x 14) per image.
+    assert [int(np.prod(g)) for g in grids] == [24, 32, 16]
+
+
+@pytest.mark.parametrize("image_indices", [[0], [0, 1], [1, 2, 0]])
+def test_vision_tower_matches_transformers(vl, image_indices):
+    _, hf, ours, processor, _ = vl
+    out = processor(images=[random_image(i) for i in image_indices], return_tensors="pt")
+    with torch.no_grad():
+        expected = hf.model.visual(out["pixel_values"], grid_thw=out["image_grid_thw"]).pooler_output
+        actual = ours.visual(out["pixel_values"], out["image_grid_thw"])
+    assert actual.shape == expected.shape == (int(out["image_grid_thw"].prod(-1).sum()) // 4, 64)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_embed_multimodal_is_the_items_rows_of_the_tower(vl):
+    _, hf, ours, processor, _ = vl
+    features = [image_feature(processor, i, 0) for i in (0, 1)]
+    out = processor(images=[random_image(0), random_image(1)], return_tensors="pt")
+    with torch.no_grad():
+        expected = hf.model.visual(out["pixel_values"], grid_thw=out["image_grid_thw"]).pooler_output
+        actual = torch.cat([ours.embed_multimodal(f) for f in features])
+    assert [f.length for f in features] == [6, 8]
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_embed_multimodal_rejects_a_wrong_placeholder_length(vl):
+    _, _, ours, processor, _ = vl
+    feature = image_feature(processor, 0, 0)
+    wrong = MultiModalFeature("image", "x", 0, feature.length + 1, feature.data)
+    with pytest.raises(ValueError, match="placeholder range has 7"):
+        ours.embed_multimodal(wrong)
+
+
+@pytest.mark.parametrize("image_indices", [[], [0], [1, 2]])
+def test_mrope_positions_match_get_rope_index(vl, image_indices):
+    _, hf, ours, _, _ = vl
+    ids, features = build_prompt(vl, image_indices)
+    inputs = hf_inputs(vl, ids, features)
+    expected, expected_delta = hf.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw")
+    )
+    positions, delta = ours.get_mrope_input_positions(len(ids), features)
+    assert positions.dtype == torch.int64
+    assert torch.equal(positions, expected[:, 0])
+    assert delta == int(expected_delta) == int(positions.max()) + 1 - len(ids)
+    assert (delta < 0) == bool(image_indices)
+
+
+def test_mrope_positions_of_a_hand_worked_prompt():
+    # 2 text tokens, a 2x3 merged grid (patch grid 1x4x6) at offset 2, then 1 text token.
+    positions, delta = get_mrope_input_positions(9, [(2, (1, 4, 6))], spatial_merge_size=2)
+    assert positions.tolist() == [
+        [0, 1, 2, 2, 2, 2, 2, 2, 5],
+        [0, 1, 2, 2, 2, 3, 3, 3, 5],
+        [0, 1, 2, 3, 4, 2, 3, 4, 5],
+    ]
+    assert delta == 6 - 9
+    assert mrope_decode_positions(delta, 9, 11).tolist() == [[6, 7]] * 3
+
+
+def test_mrope_positions_reject_overlapping_images():
+    with pytest.raises(ValueError, match="overlap"):
+        get_mrope_input_positions(20, [(2, (1, 4, 4)), (4, (1, 4, 4))], spatial_merge_size=2)
+
+
+def _metadata(start: int, end: int, num_blocks: int) -> AttentionMetadata:
+    """One request computing tokens start..end-1 over blocks 1..num_blocks (block 0 is the null block)."""
+    slots = [(1 + p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+        seq_lens=torch.tensor([end], dtype=torch.int32),
+        block_table=torch.arange(1, num_blocks + 1, dtype=torch.int32)[None],
+        query_start_loc_cpu=[0, end - start],
+        seq_lens_cpu=[end],
+        max_query_len=end - start,
+        max_seq_len=end,
+        num_decodes=int(end - start == 1),
+    )
+
+
+def _inputs_embeds(model, ids: list[int], features: list[MultiModalFeature], start: int, end: int) -> torch.Tensor:
+    """What the model runner feeds for tokens start..end-1: token embeddings with each image's rows over its
+    placeholder range (the part of it inside the chunk)."""
+    embeds = model.embed_input_ids(torch.tensor(ids[start:end]))
+    for feature in features:
+        lo, hi = max(start, feature.offset), min(end, feature.offset + feature.length)
+        if lo < hi:
+            embeds[lo - start : hi - start] = model.embed_multimodal(feature)[lo - feature.offset : hi - feature.offset]
+    return embeds
+
+
+@pytest.mark.parametrize("image_indices", [[0], [1, 0]])
+def test_logits_match_transformers_through_the_paged_cache(vl, image_indices):
+    """A prompt prefilled in two chunks (the cut inside the last image's placeholders), then one decode step at
+    position ``len + delta``: every row's logits equal transformers' on the same input_ids + pixel_values."""
+    _, hf, ours, _, _ = vl
+    ids, features = build_prompt(vl, image_indices)
+    with torch.no_grad():
+        expected = hf(**hf_inputs(vl, ids, features)).logits[0]
+    next_id = int(expected[-1].argmax())
+    with torch.no_grad():
+        expected_next = hf(**hf_inputs(vl, [*ids, next_id], features)).logits[0, -1]
+
+    cfg = ours.cfg
+    num_blocks = -(-(len(ids) + 1) // BLOCK_SIZE)
+    kv_caches = [
+        torch.zeros(2, num_blocks + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_size)
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    positions, delta = ours.get_mrope_input_positions(len(ids), features)
+    cut = features[-1].offset + 3
+    logits = []
+    with torch.no_grad():
+        for start, end in [(0, cut), (cut, len(ids))]:
+            embeds = _inputs_embeds(ours, ids, features, start, end)
+            hidden = ours(
+                torch.tensor(ids[start:end]),
+                positions[:, start:end],
+                kv_caches,
+                _metadata(start, end, num_blocks),
+                embeds,
+            )
+            logits.append(ours.compute_logits(hidden))
+        decode_positions = mrope_decode_positions(delta, len(ids), len(ids) + 1)
+        hidden = ours(
+            torch.tensor([next_id]), decode_positions, kv_caches, _metadata(len(ids), len(ids) + 1, num_blocks)
+        )
+        next_logits = ours.compute_logits(hidden)[0]
+    torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(next_logits, expected_next, atol=1e-4, rtol=0)
+
+
+def test_text_positions_would_not_match(vl):
+    """The logits test can fail: 1-D text positions in place of M-RoPE's move the logits far beyond its tolerance."""
+    _, hf, ours, _, _ = vl
+    ids, features = build_prompt(vl, [0])
+    with torch.no_grad():
+        expected = hf(**hf_inputs(vl, ids, features)).logits[0]
+    cfg = ours.cfg
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    kv_caches = [
+        torch.zeros(2, num_blocks + 1, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_size)
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    with torch.no_grad():
+        embeds = _inputs_embeds(ours, ids, features, 0, len(ids))
+        hidden = ours(torch.tensor(ids), torch.arange(len(ids)), kv_caches, _metadata(0, len(ids), num_blocks), embeds)
+    assert (ours.compute_logits(hidden) - expected).abs().max() > 1e-2
