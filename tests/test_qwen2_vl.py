@@ -16,6 +16,7 @@ from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from core_svc.request import MultiModalFeature, MultiModalTensor
 from kernels import AttentionMetadata, get_attention_backend
 from tests.conftest import real_or_builtin
+from tests.helpers import make_engine, run_engine
 
 BLOCK_SIZE = 4
 IMAGE_SIZES = [(50, 90), (120, 60), (30, 30)]  # (height, width): landscape, portrait, square below min_pixels
@@ -249,3 +250,18 @@ def test_text_positions_would_not_match(vl):
         embeds = _inputs_embeds(ours, ids, features, 0, len(ids))
         hidden = ours(torch.tensor(ids), torch.arange(len(ids)), kv_caches, _metadata(0, len(ids), num_blocks), embeds)
     assert (ours.compute_logits(hidden) - expected).abs().max() > 1e-2
+
+
+def test_engine_serves_text_prompts_as_transformers_generates(vl):
+    """Until the model runner feeds images and M-RoPE positions, a Qwen2-VL checkpoint serves text prompts: 1-D
+    positions are M-RoPE's for text (all three streams equal). Greedy ids equal transformers ``generate``."""
+    path, hf, _, _, _ = vl
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, hf.config.text_config.vocab_size, (n,), generator=generator).tolist() for n in (5, 40)]
+    results, _ = run_engine(make_engine(path), prompts, 16)
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
+            )
+        assert result.token_ids == out[0, len(prompt) :].tolist()
