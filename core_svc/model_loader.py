@@ -30,6 +30,7 @@ CausalLM = LlamaForCausalLM | Qwen2VLForConditionalGeneration
 # architecture (config.json's) -> our class, where it is not LlamaForCausalLM
 _MULTIMODAL_CLASSES: dict[str, type[Qwen2VLForConditionalGeneration]] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # the same code, its tower's options
 }
 
 

@@ -22,20 +22,36 @@ BLOCK_SIZE = 4
 IMAGE_SIZES = [(50, 90), (120, 60), (30, 30)]  # (height, width): landscape, portrait, square below min_pixels
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    """(path, transformers model, our model, image processor, tokenizer) of a tiny random Qwen2-VL."""
+_BUILT: dict[str, tuple] = {}
+
+
+def _build(arch: str, tmp_path_factory) -> tuple:
+    """(path, transformers model, our model, image processor, tokenizer) of a tiny random checkpoint of ``arch``."""
+    import transformers
     from transformers import AutoImageProcessor, AutoTokenizer
-    from transformers import Qwen2VLForConditionalGeneration as HFModel
 
     from splitserve.entrypoints.test_model import make_test_model
 
-    path = make_test_model(tmp_path_factory.mktemp("qwen2_vl"), arch="qwen2_vl", tokenizer=real_or_builtin("llama2"))
-    hf = HFModel.from_pretrained(path, dtype=torch.float32).eval()
-    backend = get_attention_backend("torch_ref", "cpu", None)
-    ours = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), backend).model
-    assert isinstance(ours, Qwen2VLForConditionalGeneration)
-    return path, hf, ours, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    if arch not in _BUILT:
+        path = make_test_model(tmp_path_factory.mktemp(arch), arch=arch, tokenizer=real_or_builtin("llama2"))
+        hf_class = getattr(transformers, json.loads((path / "config.json").read_text())["architectures"][0])
+        hf = hf_class.from_pretrained(path, dtype=torch.float32).eval()
+        backend = get_attention_backend("torch_ref", "cpu", None)
+        ours = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), backend).model
+        assert isinstance(ours, Qwen2VLForConditionalGeneration)
+        _BUILT[arch] = (path, hf, ours, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+    return _BUILT[arch]
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vl(request, tmp_path_factory):
+    """A tiny random Qwen2-VL, then Qwen2.5-VL (window attention in its tower): see ``_build``."""
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    return _build("qwen2_vl", tmp_path_factory)
 
 
 def random_image(index: int) -> Image.Image:
@@ -88,14 +104,16 @@ def hf_inputs(vl, ids: list[int], features: list[MultiModalFeature]) -> dict:
 
 
 def test_checkpoint_files_load_with_transformers(vl):
-    path, hf, _, processor, tokenizer = vl
+    path, hf, ours, processor, tokenizer = vl
     config = json.loads((path / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    assert config["architectures"] == [type(hf).__name__]
     assert config["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]
     assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<|image_pad|>") == hf.config.image_token_id
     assert config["vision_start_token_id"] == tokenizer.convert_tokens_to_ids("<|vision_start|>")
     assert config["vision_end_token_id"] == tokenizer.convert_tokens_to_ids("<|vision_end|>")
-    assert json.loads((path / "processor_config.json").read_text())["processor_class"] == "Qwen2VLProcessor"
+    processor_class = json.loads((path / "processor_config.json").read_text())["processor_class"]
+    assert processor_class == config["architectures"][0].replace("ForConditionalGeneration", "Processor")
+    assert (ours.vision_cfg.window_size is not None) == (processor_class == "Qwen2_5_VLProcessor")
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert "<|vision_start|><|image_pad|><|vision_end|>What is it?" in text
@@ -126,8 +144,8 @@ def test_embed_multimodal_is_the_items_rows_of_the_tower(vl):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
 
 
-def test_embed_multimodal_rejects_a_wrong_placeholder_length(vl):
-    _, _, ours, processor, _ = vl
+def test_embed_multimodal_rejects_a_wrong_placeholder_length(qwen2_vl):
+    _, _, ours, processor, _ = qwen2_vl
     feature = image_feature(processor, 0, 0)
     wrong = MultiModalFeature("image", "x", 0, feature.length + 1, feature.data)
     with pytest.raises(ValueError, match="placeholder range has 7"):
@@ -234,12 +252,12 @@ def test_logits_match_transformers_through_the_paged_cache(vl, image_indices):
     torch.testing.assert_close(next_logits, expected_next, atol=1e-4, rtol=0)
 
 
-def test_text_positions_would_not_match(vl):
+def test_text_positions_would_not_match(qwen2_vl):
     """The logits test can fail: 1-D text positions in place of M-RoPE's move the logits far beyond its tolerance."""
-    _, hf, ours, _, _ = vl
-    ids, features = build_prompt(vl, [0])
+    _, hf, ours, _, _ = qwen2_vl
+    ids, features = build_prompt(qwen2_vl, [0])
     with torch.no_grad():
-        expected = hf(**hf_inputs(vl, ids, features)).logits[0]
+        expected = hf(**hf_inputs(qwen2_vl, ids, features)).logits[0]
     cfg = ours.cfg
     num_blocks = -(-len(ids) // BLOCK_SIZE)
     kv_caches = [
@@ -252,10 +270,10 @@ def test_text_positions_would_not_match(vl):
     assert (ours.compute_logits(hidden) - expected).abs().max() > 1e-2
 
 
-def test_engine_serves_text_prompts_as_transformers_generates(vl):
+def test_engine_serves_text_prompts_as_transformers_generates(qwen2_vl):
     """Until the model runner feeds images and M-RoPE positions, a Qwen2-VL checkpoint serves text prompts: 1-D
     positions are M-RoPE's for text (all three streams equal). Greedy ids equal transformers ``generate``."""
-    path, hf, _, _, _ = vl
+    path, hf, _, _, _ = qwen2_vl
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, hf.config.text_config.vocab_size, (n,), generator=generator).tolist() for n in (5, 40)]
     results, _ = run_engine(make_engine(path), prompts, 16)
@@ -265,3 +283,17 @@ def test_engine_serves_text_prompts_as_transformers_generates(vl):
                 torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
             )
         assert result.token_ids == out[0, len(prompt) :].tolist()
+
+
+def test_vision_window_index_matches_transformers():
+    from transformers.vision_utils import get_vision_window_index
+
+    from core_svc.models.qwen2_vl import Qwen2VisionConfig, vision_window_index
+
+    cfg = Qwen2VisionConfig(2, 32, 64, "silu", 64, 2, 3, 14, 2, 2, 10000.0, True, True, 112, (1,))
+    # merged grids 2x3 (windows of 4x4 merged tokens: one partial), 10x6 (partial rows and columns), 8x8 (exact)
+    grid_thw = torch.tensor([[1, 4, 6], [2, 20, 12], [1, 16, 16]])
+    expected_index, expected_cu = get_vision_window_index(grid_thw, 2, window_size=112, patch_size=14)
+    index, cu_seqlens = vision_window_index(grid_thw, cfg)
+    assert torch.equal(index, expected_index)
+    assert cu_seqlens == expected_cu.tolist()

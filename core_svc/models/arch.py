@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchFeatures] = {
     "Qwen3ForCausalLM": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
     # Multimodal: the language model's features; its settings live in the config's text_config.
     "Qwen2VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
+    "Qwen2_5_VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
 }
 # RoPE types whose frequency table does not depend on the sequence length (transformers' names).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

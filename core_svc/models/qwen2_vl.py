@@ -1,8 +1,9 @@
-"""Qwen2-VL (``Qwen2VLForConditionalGeneration``): a ViT with 2-D rotary and a patch merger, and a Qwen2 decoder
-with M-RoPE, over a flattened batch with a paged KV cache.
+"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``): a ViT
+with 2-D rotary and a patch merger, and a Qwen2 decoder with M-RoPE, over a flattened batch with a paged KV cache.
 
 Follows transformers' ``models/qwen2_vl/modeling_qwen2_vl.py`` (``Qwen2VisionTransformerPretrainedModel``,
-``Qwen2VLTextModel``) and vLLM's ``model_executor/models/qwen2_vl.py``. Parameter names are the checkpoint's
+``Qwen2VLTextModel``) and ``models/qwen2_5_vl/modeling_qwen2_5_vl.py`` (window attention, RMSNorm, gated MLP in
+the tower), and vLLM's ``model_executor/models/qwen2_vl.py`` / ``qwen2_5_vl.py``. Parameter names are the checkpoint's
 (``visual.*``, ``model.*``, ``lm_head``) except the language model's fused q/k/v and gate/up, as in ``llama.py``.
 """
 
@@ -35,35 +36,61 @@ _TORCH_DTYPES = {
 
 @dataclass(frozen=True)
 class Qwen2VisionConfig:
-    """The vision tower's shape, from transformers' ``Qwen2VLVisionConfig``."""
+    """The vision tower's shape, from transformers' ``Qwen2VLVisionConfig`` or ``Qwen2_5_VLVisionConfig``.
+
+    Qwen2.5-VL's tower differs in data only: RMSNorm for LayerNorm, a gated MLP (gate/up/down with bias) for
+    fc1/fc2, and attention within windows of ``window_size`` pixels except in ``fullatt_block_indexes``.
+    """
 
     depth: int
     embed_dim: int
     hidden_size: int  # the language model's hidden size: the merger's output
     hidden_act: str
-    mlp_ratio: float
+    intermediate_size: int  # the blocks' MLP width
     num_heads: int
     in_channels: int
     patch_size: int
     spatial_merge_size: int
     temporal_patch_size: int
     rope_theta: float
+    rms_norm: bool  # Qwen2.5-VL: RMSNorm in the blocks and the merger; Qwen2-VL: LayerNorm
+    gated_mlp: bool  # Qwen2.5-VL: down(act(gate(x)) * up(x)); Qwen2-VL: fc2(act(fc1(x)))
+    window_size: int | None  # Qwen2.5-VL: side of an attention window in pixels; None: per-frame attention only
+    fullatt_block_indexes: tuple[int, ...]  # blocks that attend over the whole frame despite windows
 
     @classmethod
     def from_hf_config(cls, config: Any) -> Qwen2VisionConfig:
         rope = getattr(config, "rope_parameters", None) or {}
-        return cls(
+        common = dict(
             depth=config.depth,
-            embed_dim=config.embed_dim,
-            hidden_size=config.hidden_size,
             hidden_act=config.hidden_act,
-            mlp_ratio=config.mlp_ratio,
             num_heads=config.num_heads,
             in_channels=config.in_channels,
             patch_size=config.patch_size,
             spatial_merge_size=config.spatial_merge_size,
             temporal_patch_size=config.temporal_patch_size,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+        if getattr(config, "out_hidden_size", None) is not None:  # Qwen2.5-VL: hidden_size is the tower's width
+            return cls(
+                **common,
+                embed_dim=config.hidden_size,
+                hidden_size=config.out_hidden_size,
+                intermediate_size=config.intermediate_size,
+                rms_norm=True,
+                gated_mlp=True,
+                window_size=config.window_size,
+                fullatt_block_indexes=tuple(config.fullatt_block_indexes),
+            )
+        return cls(
+            **common,
+            embed_dim=config.embed_dim,
+            hidden_size=config.hidden_size,
+            intermediate_size=int(config.embed_dim * config.mlp_ratio),
+            rms_norm=False,
+            gated_mlp=False,
+            window_size=None,
+            fullatt_block_indexes=(),
         )
 
     @property
@@ -87,6 +114,35 @@ def vision_rotary_positions(grid_thw: torch.Tensor, spatial_merge_size: int) -> 
         hw = torch.stack([hpos.reshape(block).transpose(1, 2).flatten(), wpos.reshape(block).transpose(1, 2).flatten()])
         rows.append(hw.t().repeat(t, 1))
     return torch.cat(rows)
+
+
+def vision_window_index(grid_thw: torch.Tensor, cfg: Qwen2VisionConfig) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's attention windows over merged tokens (transformers' ``vision_utils.get_vision_window_index``,
+    vLLM's ``Qwen2_5_VisionTransformer.get_window_index``).
+
+    Each frame's merged grid ``(h // merge, w // merge)`` is cut into squares of
+    ``window_size // merge // patch_size`` merged tokens from the top left (the last row and column of windows
+    may be partial). Returns the merged-token order that lists the windows one after another (frame by frame,
+    windows row-major, tokens row-major within a window) ``[num_merged_tokens]`` int64, and the cumulative patch
+    counts at window boundaries ``[num_windows + 1]`` (empty windows dropped).
+    """
+    if cfg.window_size is None:
+        raise ValueError("vision_window_index needs a window_size")
+    side = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+    unit = cfg.spatial_merge_size**2
+    order: list[torch.Tensor] = []
+    cu_seqlens, first = [0], 0
+    for t, h, w in grid_thw.tolist():
+        grid_h, grid_w = h // cfg.spatial_merge_size, w // cfg.spatial_merge_size
+        index = torch.arange(first, first + t * grid_h * grid_w).view(t, grid_h, grid_w)
+        for frame in index:
+            for top in range(0, grid_h, side):
+                for left in range(0, grid_w, side):
+                    window = frame[top : top + side, left : left + side].flatten()
+                    order.append(window)
+                    cu_seqlens.append(cu_seqlens[-1] + len(window) * unit)
+        first += t * grid_h * grid_w
+    return torch.cat(order), cu_seqlens
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -119,24 +175,45 @@ class VisionAttention(nn.Module):
 
 
 class VisionMlp(nn.Module):
+    """Qwen2-VL: fc2(act(fc1(x)))."""
+
     def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-        self.fc1 = Linear(cfg.embed_dim, hidden, bias=True, dtype=dtype)
-        self.fc2 = Linear(hidden, cfg.embed_dim, bias=True, dtype=dtype)
+        self.fc1 = Linear(cfg.embed_dim, cfg.intermediate_size, bias=True, dtype=dtype)
+        self.fc2 = Linear(cfg.intermediate_size, cfg.embed_dim, bias=True, dtype=dtype)
         self.act = ACT2FN[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
+class VisionGatedMlp(nn.Module):
+    """Qwen2.5-VL: down(act(gate(x)) * up(x)), with biases, under the checkpoint's unfused names."""
+
+    def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.embed_dim, cfg.intermediate_size, bias=True, dtype=dtype)
+        self.up_proj = Linear(cfg.embed_dim, cfg.intermediate_size, bias=True, dtype=dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.embed_dim, bias=True, dtype=dtype)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _vision_norm(cfg: Qwen2VisionConfig, dtype: torch.dtype) -> nn.Module:
+    if cfg.rms_norm:
+        return RMSNorm(cfg.embed_dim, 1e-6, dtype)
+    return nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype)
+        self.norm1 = _vision_norm(cfg, dtype)
+        self.norm2 = _vision_norm(cfg, dtype)
         self.attn = VisionAttention(cfg, dtype)
-        self.mlp = VisionMlp(cfg, dtype)
+        self.mlp: nn.Module = VisionGatedMlp(cfg, dtype) if cfg.gated_mlp else VisionMlp(cfg, dtype)
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, rope)
@@ -173,7 +250,7 @@ class PatchMerger(nn.Module):
     def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.merged_dim = cfg.embed_dim * cfg.spatial_merge_size**2
-        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6, dtype=dtype)
+        self.ln_q = _vision_norm(cfg, dtype)
         self.mlp = nn.Sequential(
             Linear(self.merged_dim, self.merged_dim, bias=True, dtype=dtype),
             nn.GELU(),
@@ -224,10 +301,21 @@ class Qwen2VisionTransformer(nn.Module):
         frame_sizes = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
         cu_seqlens = [0, *frame_sizes.cumsum(0).tolist()]
         hidden = self.patch_embed(pixel_values)
-        rope = self.rope(grid_thw, hidden.device)
-        for block in self.blocks:
-            hidden = block(hidden, cu_seqlens, rope)
-        return self.merger(hidden)
+        cos, sin = self.rope(grid_thw, hidden.device)
+        if self.cfg.window_size is None:
+            for block in self.blocks:
+                hidden = block(hidden, cu_seqlens, (cos, sin))
+            return self.merger(hidden)
+        # Qwen2.5-VL: patches regrouped window by window (whole merge groups move), attention within each window
+        # but in the full-attention blocks, and the merged tokens put back in the processor's order.
+        window_index, cu_window_seqlens = vision_window_index(grid_thw, self.cfg)
+        unit = self.cfg.spatial_merge_size**2
+        order = (window_index[:, None] * unit + torch.arange(unit)).flatten().to(hidden.device)
+        hidden, rope = hidden[order], (cos[order], sin[order])
+        for i, block in enumerate(self.blocks):
+            full = i in self.cfg.fullatt_block_indexes
+            hidden = block(hidden, cu_seqlens if full else cu_window_seqlens, rope)
+        return self.merger(hidden)[torch.argsort(window_index).to(hidden.device)]
 
 
 class Qwen2VLTextModel(nn.Module):
@@ -276,8 +364,9 @@ def tensor_from_wire(item: MultiModalTensor) -> torch.Tensor:
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
-    """Serves ``Qwen2VLForConditionalGeneration`` checkpoints: images through ``embed_multimodal``, merged by the
-    model runner into ``inputs_embeds``; positions ``[3, num_tokens]`` (``uses_mrope``)."""
+    """Serves ``Qwen2VLForConditionalGeneration`` and ``Qwen2_5_VLForConditionalGeneration`` checkpoints: images
+    through ``embed_multimodal``, merged by the model runner into ``inputs_embeds``; positions ``[3, num_tokens]``
+    (``uses_mrope``; 1-D positions serve text-only batches, all three streams being equal there)."""
 
     uses_mrope = True
 

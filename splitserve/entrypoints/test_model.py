@@ -22,7 +22,7 @@ from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
 from splitserve.entrypoints.test_model_qwen2_vl import make_qwen2_vl_test_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # text-only
-MULTIMODAL_ARCHS = ("qwen2_vl",)  # their presets: test_model_qwen2_vl.VL_PRESET_TABLE
+MULTIMODAL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # their presets: test_model_qwen2_vl.VL_PRESET_TABLE
 ALL_ARCHS = ARCHS + MULTIMODAL_ARCHS
 PRESETS = ("tiny", "small", "medium", "qwen2.5-0.5b")
 _TOKENIZER_FILES = (
@@ -98,7 +98,7 @@ def make_test_model(
     """Write a seeded random checkpoint to ``out_dir`` and return its path.
 
     Args:
-        arch: llama, mistral, qwen2, qwen3, or qwen2_vl (Qwen2VLForConditionalGeneration with its image
+        arch: llama, mistral, qwen2, qwen3, or qwen2_vl / qwen2_5_vl (Qwen2-VL / Qwen2.5-VL with their image
             processor files; preset tiny only).
         preset: a name in ``PRESETS`` (sizes in ``PRESET_TABLE``).
         tokenizer: a folder with Hugging Face tokenizer files to copy; None trains the builtin tokenizer.
@@ -126,8 +126,8 @@ def make_test_model(
         save_builtin_tokenizer(out)
     else:
         _copy_tokenizer(Path(tokenizer), out)
-    if arch == "qwen2_vl":
-        model = make_qwen2_vl_test_model(out, preset, seed, dtype, _sharpen)
+    if arch in MULTIMODAL_ARCHS:
+        model = make_qwen2_vl_test_model(out, arch, preset, seed, dtype, _sharpen)
         _write_info(out, arch, preset, seed, dtype, model)
         return out
     # transformers picks the tokenizer class by the config's model_type too (Qwen2Tokenizer for qwen2/qwen3 adds

@@ -1,4 +1,4 @@
-"""Seeded random-weight Qwen2-VL checkpoints (``make-test-model --arch qwen2_vl``).
+"""Seeded random-weight Qwen2-VL and Qwen2.5-VL checkpoints (``make-test-model --arch qwen2_vl|qwen2_5_vl``).
 
 transformers' ``Qwen2VLConfig`` and ``Qwen2VLForConditionalGeneration`` saved with ``save_pretrained``, beside
 the processor's files as ``Qwen2VLProcessor.save_pretrained`` writes them: ``preprocessor_config.json``
@@ -31,6 +31,13 @@ CHAT_TEMPLATE = (
 )
 
 
+# arch -> (processor, config and model class names in transformers)
+_CLASSES = {
+    "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+}
+
+
 @dataclass(frozen=True)
 class VLPreset:
     hidden_size: int
@@ -55,14 +62,17 @@ VL_PRESET_TABLE: dict[str, VLPreset] = {
 
 def make_qwen2_vl_test_model(
     out: Path,
+    arch: str,
     preset: str,
     seed: int,
     dtype: str,
     sharpen: Callable[[Any, int], None],
 ) -> Any:
     """Add the vision tokens to the tokenizer already in ``out``, and write the processor files and a seeded
-    ``Qwen2VLForConditionalGeneration`` (weights in ``dtype``) to ``out``; returns the transformers model (for its
-    parameter count). ``sharpen(model, seed)`` rescales the fresh weights as for the text models.
+    ``Qwen2VLForConditionalGeneration`` (arch qwen2_vl) or ``Qwen2_5_VLForConditionalGeneration`` (qwen2_5_vl: its
+    tower with 2 x 2-token attention windows, block 1 of 2 attending fully) in ``dtype`` to ``out``; returns the
+    transformers model (for its parameter count). ``sharpen(model, seed)`` rescales the fresh weights as for the
+    text models.
 
     Raises:
         ValueError: a preset without a Qwen2-VL shape.
@@ -72,7 +82,7 @@ def make_qwen2_vl_test_model(
     from transformers import AutoTokenizer
 
     if preset not in VL_PRESET_TABLE:
-        raise ValueError(f"arch qwen2_vl has presets {', '.join(VL_PRESET_TABLE)}, not {preset!r}")
+        raise ValueError(f"arch {arch} has presets {', '.join(VL_PRESET_TABLE)}, not {preset!r}")
     p = VL_PRESET_TABLE[preset]
     hf_tokenizer = AutoTokenizer.from_pretrained(out)
     hf_tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
@@ -84,8 +94,26 @@ def make_qwen2_vl_test_model(
         min_pixels=p.min_pixels, max_pixels=p.max_pixels, patch_size=p.patch_size, merge_size=2, temporal_patch_size=2
     )
     image_processor.save_pretrained(out)
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2) + "\n")
-    config = transformers.Qwen2VLConfig(
+    processor_class, config_class, model_class = _CLASSES[arch]
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2) + "\n")
+    vision_config: dict[str, Any] = dict(
+        depth=p.vision_depth,
+        num_heads=p.vision_num_heads,
+        patch_size=p.patch_size,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    if arch == "qwen2_vl":
+        vision_config |= dict(embed_dim=p.vision_embed_dim, hidden_size=p.hidden_size, mlp_ratio=2)
+    else:
+        vision_config |= dict(
+            hidden_size=p.vision_embed_dim,
+            out_hidden_size=p.hidden_size,
+            intermediate_size=2 * p.vision_embed_dim,
+            window_size=2 * 2 * p.patch_size,  # windows of 2 x 2 merged tokens
+            fullatt_block_indexes=[p.vision_depth - 1],
+        )
+    config = getattr(transformers, config_class)(
         text_config=dict(
             vocab_size=len(hf_tokenizer),
             hidden_size=p.hidden_size,
@@ -99,24 +127,15 @@ def make_qwen2_vl_test_model(
             bos_token_id=hf_tokenizer.bos_token_id,
             eos_token_id=hf_tokenizer.eos_token_id,
         ),
-        vision_config=dict(
-            depth=p.vision_depth,
-            embed_dim=p.vision_embed_dim,
-            hidden_size=p.hidden_size,
-            num_heads=p.vision_num_heads,
-            mlp_ratio=2,
-            patch_size=p.patch_size,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
+        vision_config=vision_config,
         image_token_id=image_id,
         video_token_id=video_id,
         vision_start_token_id=start_id,
         vision_end_token_id=end_id,
     )
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    config.architectures = [model_class]
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(config)
+    model = getattr(transformers, model_class)(config)
     sharpen(model, seed)
     model = model.to(getattr(torch, dtype))
     model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
