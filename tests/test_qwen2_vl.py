@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from core_svc.model_loader import load_hf_config, load_model
-from core_svc.models.mrope import get_mrope_input_positions, mrope_decode_positions
+from core_svc.models.mrope import get_mrope_input_positions, mrope_decode_positions, mrope_positions
 from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from core_svc.request import MultiModalFeature, MultiModalTensor
 from kernels import AttentionMetadata, get_attention_backend
@@ -167,6 +167,35 @@ def test_mrope_positions_match_get_rope_index(vl, image_indices):
     assert (delta < 0) == bool(image_indices)
 
 
+def test_checkpoint_names_of_both_layouts_map_to_our_parameters(qwen2_vl):
+    """The saved layout (``visual.``, ``model.layers``) and transformers' in-memory one (``model.visual.``,
+    ``model.language_model.``) name the same parameters; q/k/v and gate/up of the decoder fill fused shards."""
+    ours = qwen2_vl[2]
+    for saved, in_memory, expected in [
+        (
+            "visual.blocks.0.attn.qkv.weight",
+            "model.visual.blocks.0.attn.qkv.weight",
+            ("visual.blocks.0.attn.qkv.weight", None),
+        ),
+        (
+            "model.layers.1.self_attn.k_proj.bias",
+            "model.language_model.layers.1.self_attn.k_proj.bias",
+            ("model.layers.1.self_attn.qkv_proj.bias", 1),
+        ),
+        (
+            "model.layers.0.mlp.up_proj.weight",
+            "model.language_model.layers.0.mlp.up_proj.weight",
+            ("model.layers.0.mlp.gate_up_proj.weight", 1),
+        ),
+        ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", ("model.embed_tokens.weight", None)),
+    ]:
+        assert ours.checkpoint_param_name(saved) == ours.checkpoint_param_name(in_memory) == expected
+        module_name, attribute = expected[0].rsplit(".", 1)
+        assert hasattr(
+            ours.get_submodule(module_name), attribute
+        )  # a prepacked Linear keeps its module, not its weight
+
+
 def test_mrope_positions_of_a_hand_worked_prompt():
     # 2 text tokens, a 2x3 merged grid (patch grid 1x4x6) at offset 2, then 1 text token.
     positions, delta = get_mrope_input_positions(9, [(2, (1, 4, 6))], spatial_merge_size=2)
@@ -177,6 +206,13 @@ def test_mrope_positions_of_a_hand_worked_prompt():
     ]
     assert delta == 6 - 9
     assert mrope_decode_positions(delta, 9, 11).tolist() == [[6, 7]] * 3
+
+
+def test_mrope_positions_of_a_span_across_prompt_and_outputs():
+    positions, delta = get_mrope_input_positions(9, [(2, (1, 4, 6))], spatial_merge_size=2)
+    assert torch.equal(mrope_positions(positions, delta, 3, 7), positions[:, 3:7])
+    assert mrope_positions(positions, delta, 7, 11).tolist() == [[2, 5, 6, 7], [3, 5, 6, 7], [4, 5, 6, 7]]
+    assert mrope_positions(positions, delta, 10, 11).tolist() == [[7]] * 3
 
 
 def test_mrope_positions_reject_overlapping_images():

@@ -108,3 +108,15 @@ def mrope_decode_positions(delta: int, start: int, end: int) -> torch.Tensor:
     """Positions ``[3, end - start]`` int64 of the tokens at sequence indices ``start..end-1`` past the prompt:
     ``index + delta`` in all three streams (vLLM's ``MRotaryEmbedding.get_next_input_positions``)."""
     return torch.arange(start + delta, end + delta).expand(3, -1).clone()
+
+
+def mrope_positions(prompt_positions: torch.Tensor, delta: int, start: int, end: int) -> torch.Tensor:
+    """Positions ``[3, end - start]`` int64 of a request's tokens ``start..end-1`` (a prefill chunk, a decode, or a
+    recompute after preemption that spans prompt and outputs): the prompt's own ``prompt_positions``
+    ``[3, prompt_len]`` where they reach, ``index + delta`` beyond (vLLM keeps the same per-request
+    ``mrope_positions`` and ``mrope_position_delta``)."""
+    prompt_len = prompt_positions.shape[1]
+    head = prompt_positions[:, start:end]
+    if end <= prompt_len:
+        return head
+    return torch.cat((head, mrope_decode_positions(delta, max(start, prompt_len), end)), dim=1)

@@ -413,12 +413,20 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self, prompt_len: int, mm_features: Sequence[MultiModalFeature]
     ) -> tuple[torch.Tensor, int]:
         """M-RoPE positions ``[3, prompt_len]`` int64 of a prompt and its ``mrope_position_delta``
-        (``mrope.get_mrope_input_positions`` over its image items' offsets and ``image_grid_thw``)."""
-        items = [
-            (f.offset, tuple(tensor_from_wire(f.data["image_grid_thw"]).reshape(3).tolist()))
-            for f in mm_features
-            if f.modality == "image"
-        ]
+        (``mrope.get_mrope_input_positions`` over its image items' offsets and ``image_grid_thw``). Computed once
+        per request, while its items still carry their data.
+
+        Raises:
+            ValueError: an image item without ``image_grid_thw``, or placeholder ranges that do not fit the grids.
+        """
+        items = []
+        for feature in mm_features:
+            if feature.modality != "image":
+                continue
+            if "image_grid_thw" not in feature.data:
+                raise ValueError(f"image item {feature.identifier} lacks image_grid_thw, which its positions need")
+            grid = tensor_from_wire(feature.data["image_grid_thw"]).reshape(3).tolist()
+            items.append((feature.offset, grid))
         return get_mrope_input_positions(prompt_len, items, self.vision_cfg.spatial_merge_size)
 
     def forward(
