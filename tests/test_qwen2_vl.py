@@ -333,3 +333,11 @@ def test_vision_window_index_matches_transformers():
     index, cu_seqlens = vision_window_index(grid_thw, cfg)
     assert torch.equal(index, expected_index)
     assert cu_seqlens == expected_cu.tolist()
+
+
+def test_make_test_model_refuses_a_preset_without_a_vl_shape_before_writing(tmp_path):
+    from splitserve.entrypoints.test_model import make_test_model
+
+    with pytest.raises(ValueError, match="presets tiny, not 'small'"):
+        make_test_model(tmp_path / "out", arch="qwen2_vl", preset="small")
+    assert not (tmp_path / "out").exists()

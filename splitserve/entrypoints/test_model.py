@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
-from splitserve.entrypoints.test_model_qwen2_vl import make_qwen2_vl_test_model
+from splitserve.entrypoints.test_model_qwen2_vl import VL_PRESET_TABLE, make_qwen2_vl_test_model
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # text-only
 MULTIMODAL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # their presets: test_model_qwen2_vl.VL_PRESET_TABLE
@@ -117,6 +117,8 @@ def make_test_model(
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ALL_ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if arch in MULTIMODAL_ARCHS and preset not in VL_PRESET_TABLE:
+        raise ValueError(f"arch {arch} has presets {', '.join(VL_PRESET_TABLE)}, not {preset!r}")
     dtype = dtype or PRESET_TABLE[preset].dtype
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
