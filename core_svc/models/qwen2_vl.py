@@ -151,7 +151,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionAttention(nn.Module):
-    """Full (non-causal) attention within each image, 2-D RoPE on q and k in float32."""
+    """Full (non-causal) attention within each span of ``cu_seqlens`` (a frame of an image, or a Qwen2.5-VL
+    window), one SDPA call per span as transformers' non-flash path; 2-D RoPE on q and k in float32."""
 
     def __init__(self, cfg: Qwen2VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -168,7 +169,7 @@ class VisionAttention(nn.Module):
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
         outs = []
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            # [1, heads, patches, head_size] per image
+            # [1, heads, span, head_size] per span
             qi, ki, vi = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
         return self.proj(torch.cat(outs).reshape(num_patches, -1))
