@@ -19,15 +19,24 @@ from core_svc.errors import ModelLoadError
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
+from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kernels import AttentionBackend
 from splitserve.base import model_files
 
 logger = logging.getLogger(__name__)
 
+# Our model classes; every one takes (arch, backend, dtype) and maps checkpoint names to its parameters.
+CausalLM = LlamaForCausalLM | Qwen2VLForConditionalGeneration
+# architecture (config.json's) -> our class, where it is not LlamaForCausalLM
+_MULTIMODAL_CLASSES: dict[str, type[Qwen2VLForConditionalGeneration]] = {
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # the same code, its tower's options
+}
+
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     arch: ModelArchConfig
     path: Path
     eos_token_ids: list[int]  # generation_config's EOS ids first, else config.json's; may be empty
@@ -73,8 +82,9 @@ def load_model(
     start = time.perf_counter()
     arch = ModelArchConfig.from_hf_config(hf_config)
     dtype = dtype or arch.dtype
+    model_class = _MULTIMODAL_CLASSES.get(arch.architecture, LlamaForCausalLM)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, dtype)
+        model = model_class(arch, backend, dtype)
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -131,7 +141,7 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+def _load_weights(model: CausalLM, files: list[Path]) -> None:
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -168,7 +178,7 @@ def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
 
 
 def _copy_into(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     param: torch.nn.Parameter,
     param_name: str,
     shard: int | None,

@@ -28,6 +28,9 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchFeatures] = {
     "MistralForCausalLM": ArchFeatures(qkv_bias=False, o_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
+    # Multimodal: the language model's features; its settings live in the config's text_config.
+    "Qwen2VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
+    "Qwen2_5_VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
 }
 # RoPE types whose frequency table does not depend on the sequence length (transformers' names).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -68,6 +71,10 @@ class ModelArchConfig:
     rope_inv_freq: torch.Tensor  # [head_size // 2] float32
     rope_attention_scaling: float
     dtype: torch.dtype  # the checkpoint's own dtype
+    # Multimodal checkpoints: M-RoPE's [temporal, height, width] frequency sections (sum head_size // 2), and
+    # transformers' vision sub-config (``config.vision_config``). None for text-only models.
+    mrope_section: tuple[int, ...] | None = None
+    vision_config: Any = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArchConfig:
@@ -85,6 +92,7 @@ class ModelArchConfig:
             )
         if getattr(config, "quantization_config", None):
             raise ModelLoadError("quantized checkpoints (quantization_config) are not supported; use float weights")
+        top_config, config = config, _language_config(config)
         hidden_act = config.hidden_act
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelLoadError(f"hidden_act {hidden_act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
@@ -112,7 +120,7 @@ class ModelArchConfig:
             )
             for window in windows
         )
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(top_config, "dtype", None) or getattr(top_config, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         return cls(
@@ -127,18 +135,36 @@ class ModelArchConfig:
             rms_norm_eps=config.rms_norm_eps,
             hidden_act=hidden_act,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(top_config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
             layer_attention=layer_attention,
             rope_inv_freq=inv_freq,
             rope_attention_scaling=attention_scaling,
             dtype=dtype,
+            mrope_section=_mrope_section(config, head_size),
+            vision_config=getattr(top_config, "vision_config", None),
         )
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V, all layers, for one token."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_size * element_size
+
+
+def _language_config(config: Any) -> Any:
+    """The language model's config: a multimodal config's ``text_config``, else the config itself."""
+    return getattr(config, "text_config", None) or config
+
+
+def _mrope_section(config: Any, head_size: int) -> tuple[int, ...] | None:
+    """M-RoPE sections from the RoPE parameters (Qwen2-VL), checked against the head size; None without."""
+    params = getattr(config, "rope_parameters", None) or {}
+    section = params.get("mrope_section")
+    if section is None:
+        return None
+    if len(section) != 3 or sum(section) != head_size // 2:
+        raise ModelLoadError(f"mrope_section {section} must be 3 sizes summing to head_size // 2 = {head_size // 2}")
+    return tuple(int(n) for n in section)
 
 
 def _feature(config: Any, value: bool | str) -> bool:

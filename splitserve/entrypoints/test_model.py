@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
+from splitserve.entrypoints.test_model_qwen2_vl import VL_PRESET_TABLE, make_qwen2_vl_test_model
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # text-only
+MULTIMODAL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # their presets: test_model_qwen2_vl.VL_PRESET_TABLE
+ALL_ARCHS = ARCHS + MULTIMODAL_ARCHS
 PRESETS = ("tiny", "small", "medium", "qwen2.5-0.5b")
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -95,7 +98,8 @@ def make_test_model(
     """Write a seeded random checkpoint to ``out_dir`` and return its path.
 
     Args:
-        arch: llama, mistral, qwen2 or qwen3.
+        arch: llama, mistral, qwen2, qwen3, or qwen2_vl / qwen2_5_vl (Qwen2-VL / Qwen2.5-VL with their image
+            processor files; preset tiny only).
         preset: a name in ``PRESETS`` (sizes in ``PRESET_TABLE``).
         tokenizer: a folder with Hugging Face tokenizer files to copy; None trains the builtin tokenizer.
         dtype: float32 or bfloat16, the dtype of the saved weights; None: the preset's.
@@ -109,10 +113,12 @@ def make_test_model(
     import transformers
     from transformers import AutoTokenizer
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    if arch not in ALL_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ALL_ARCHS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if arch in MULTIMODAL_ARCHS and preset not in VL_PRESET_TABLE:
+        raise ValueError(f"arch {arch} has presets {', '.join(VL_PRESET_TABLE)}, not {preset!r}")
     dtype = dtype or PRESET_TABLE[preset].dtype
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
@@ -122,6 +128,10 @@ def make_test_model(
         save_builtin_tokenizer(out)
     else:
         _copy_tokenizer(Path(tokenizer), out)
+    if arch in MULTIMODAL_ARCHS:
+        model = make_qwen2_vl_test_model(out, arch, preset, seed, dtype, _sharpen)
+        _write_info(out, arch, preset, seed, dtype, model)
+        return out
     # transformers picks the tokenizer class by the config's model_type too (Qwen2Tokenizer for qwen2/qwen3 adds
     # its own special token), so size the vocabulary by the tokenizer as loaded beside the final config.
     config = build_config(arch, preset, 0, None, None, config_overrides)
@@ -143,6 +153,11 @@ def make_test_model(
     model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
     model.generation_config.bos_token_id = hf_tokenizer.bos_token_id
     model.save_pretrained(out)
+    _write_info(out, arch, preset, seed, dtype, model)
+    return out
+
+
+def _write_info(out: Path, arch: str, preset: str, seed: int, dtype: str, model: Any) -> None:
     (out / "splitserve_test_model.json").write_text(
         json.dumps(
             {
@@ -156,7 +171,6 @@ def make_test_model(
         )
         + "\n"
     )
-    return out
 
 
 def build_config(
