@@ -11,8 +11,9 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
 from core_svc.models.llava import LlavaForConditionalGeneration
+from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kernels import AttentionBackend
 from splitserve.base import model_files
 
@@ -29,7 +31,11 @@ logger = logging.getLogger(__name__)
 
 # architecture -> model class; every other supported architecture is served by LlamaForCausalLM
 ModelClass = Callable[[ModelArchConfig, AttentionBackend, torch.dtype], ServedModel]
-MODEL_CLASSES: dict[str, ModelClass] = {"LlavaForConditionalGeneration": LlavaForConditionalGeneration}
+MODEL_CLASSES: dict[str, ModelClass] = {
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # the same code, its tower's options
+}
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,8 @@ def load_model(
     """
     start = time.perf_counter()
     arch = ModelArchConfig.from_hf_config(hf_config)
+    if arch.is_multimodal:
+        arch = replace(arch, image_processor=_image_processor_config(path))
     dtype = dtype or arch.dtype
     with torch.device("meta"):
         model = MODEL_CLASSES.get(arch.architecture, LlamaForCausalLM)(arch, backend, dtype)
@@ -118,6 +126,24 @@ def format_bytes(num_bytes: int) -> str:
     if num_bytes >= 2**30:
         return f"{num_bytes / 2**30:.2f} GiB"
     return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def _image_processor_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's ``preprocessor_config.json`` (a multimodal model's image size bounds); {} without one.
+
+    Raises:
+        ModelLoadError: the file is not a JSON object.
+    """
+    file = path / "preprocessor_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{file} is unreadable: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file} is not a JSON object")
+    return config
 
 
 def _weight_files(path: Path) -> list[Path]:

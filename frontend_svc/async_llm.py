@@ -107,7 +107,10 @@ class AsyncLLM(LLMEngineBase):
         if dead is not None:
             raise EngineDeadError(f"the engine core has failed: {dead}")
         self._ensure_output_handler()
-        if not isinstance(prompt, list | tuple) and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            # Images decode and resize on a worker thread, with the prompt's tokenizing.
+            prompt = await self.input_processor.process_multimodal_async(prompt)
+        elif not isinstance(prompt, list | tuple) and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             # Tokenizing a long text takes CPU time (not on the event loop) and memory (within the tokenize budget).
             text, token_ids = await self.input_processor.tokenize_async(prompt)
             prompt = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from frontend_svc.mm_processor import DEFAULT_LIMIT_PER_PROMPT, parse_limit_mm_per_prompt
 from frontend_svc.sampling_params import MAX_N
 from splitserve.base.config_args import NOT_A_FLAG, flag
 from splitserve.base.tls import ClientTLS
@@ -65,6 +66,18 @@ class FrontendConfig:
         ),
     )
 
+    # The most images one prompt may hold (vLLM's --limit-mm-per-prompt): "image=4" or '{"image": 4}'.
+    limit_mm_per_prompt: str | None = field(
+        default=None,
+        metadata=flag(
+            'the most images one prompt may hold, as vLLM\'s flag: image=N (or JSON {"image": N}); more are '
+            "refused with INVALID_ARGUMENT (docs/operations.md)",
+            default_help=f"image={DEFAULT_LIMIT_PER_PROMPT}, vLLM's",
+            metavar="image=N",
+        ),
+    )
+
     def __post_init__(self) -> None:
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")

@@ -5,10 +5,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from frontend_svc.errors import FrontendError
 from frontend_svc.sampling_params import SamplingParams
 from splitserve.base.wire_enums import EngineCoreEventType, FinishReason
+
+
+@dataclass(frozen=True)
+class MultiModalFeature:
+    """One processed multimodal item of a prompt (vLLM's ``MultiModalFeatureSpec``), as the core's
+    ``core_svc.request.MultiModalFeature``; ``frontend_svc.wire`` sends ``data`` as ``TensorData``."""
+
+    modality: str  # "image"
+    identifier: str  # the item's content hash (vLLM's mm_hash): keys the core's encoder cache and prefix cache
+    offset: int  # index of the item's first placeholder token in prompt_token_ids (vLLM's PlaceholderRange)
+    length: int  # number of placeholder tokens
+    # The processor's outputs for this item, numpy arrays: LLaVA "pixel_values" [3, H, W] float32; Qwen2-VL
+    # "pixel_values" [num_patches, C * T * P * P] float32 and "image_grid_thw" [3] int64.
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -21,6 +36,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     trace_headers: dict[str, str] = field(default_factory=dict)
     client_index: int = 0
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # in prompt order, ranges disjoint
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,8 @@ class CoreConnection:
                     "request",
                     f"is {message.ByteSize()} bytes on the wire to the engine core, more than the "
                     f"{limit} bytes it takes (its --max-receive-message-mib); shorten the prompt, "
-                    "allowed_token_ids, logit_bias, cache_salt or request_id",
+                    "allowed_token_ids, logit_bias, cache_salt or request_id, or send fewer or smaller images "
+                    "(their pixel tensors go with the request)",
                 )
         for request, message in zip(requests, messages, strict=True):
             self._outbox.put_nowait(message)

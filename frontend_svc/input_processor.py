@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from frontend_svc.chars_per_token import max_chars_per_token
-from frontend_svc.engine_types import EngineCoreRequest, EngineInfo
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, MultiModalFeature
 from frontend_svc.errors import ValidationError
+from frontend_svc.mm_processor import IMAGE, SUPPORTED_MODEL_TYPES, EncodedImage, MultiModalProcessor, image_from_url
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
 from frontend_svc.tokenize_budget import TokenizeBudget, utf8_size
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
@@ -75,11 +76,14 @@ def check_wire_string(value: Any, field: str) -> None:
 
 class TextPrompt(TypedDict, total=False):
     prompt: str
+    multi_modal_data: dict[str, Any]  # vLLM's: {"image": a PIL image or EncodedImage, or a list of them}
 
 
 class TokensPrompt(TypedDict, total=False):
     prompt_token_ids: list[int]
     prompt: str  # optional text, echoed in outputs
+    multi_modal_data: dict[str, Any]  # as TextPrompt's
+    mm_features: list[MultiModalFeature]  # set by ``process_multimodal``: prompt_token_ids are then expanded
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
@@ -96,9 +100,12 @@ MAX_BYTES_PER_TOKEN = 32
 class InputProcessor:
     """Validates requests against the model the core serves and builds core requests."""
 
-    def __init__(self, tokenizer: Any, engine_info: EngineInfo) -> None:
+    def __init__(
+        self, tokenizer: Any, engine_info: EngineInfo, mm_processor: MultiModalProcessor | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.info = engine_info
+        self.mm_processor = mm_processor  # None: a text-only model, images are refused
         # Characters one token covers at most (None: no sound bound for this tokenizer), computed once.
         self.max_chars_per_token = max_chars_per_token(tokenizer)
         self.budget = TokenizeBudget()  # what the server tokenizes at once (``tokenize_async``)
@@ -148,13 +155,34 @@ class InputProcessor:
 
         A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
 
+        A message with images keeps its parts ({"type": "text"} and {"type": "image"}, as transformers'
+        processors' chat templates take them) and the result carries the images in order as
+        ``multi_modal_data`` (decoded and expanded by ``process_multimodal``); a multimodal model renders with its
+        processor's chat template when it has one.
+
         Raises:
-            ValidationError: a malformed message, a non-text content part, a tokenizer without a chat template,
-                or a rendered conversation too long to fit within max_model_len (refused before tokenizing).
+            ValidationError: a malformed message, a part neither text nor image, an image URL that is not a
+                data: URI, images for a text-only model, a tokenizer without a chat template, or a rendered
+                conversation too long to fit within max_model_len (refused before tokenizing).
         """
         if not isinstance(messages, list) or not messages:
             raise ValidationError("messages", "must be a non-empty list of {'role', 'content'} messages")
-        normalized = [self._check_message(i, m) for i, m in enumerate(messages)]
+        images: list[Any] = []
+        normalized = [self._check_message(i, m, images) for i, m in enumerate(messages)]
+        if images and self.mm_processor is None:
+            raise _no_images_error(_images_field(images))  # before a text model's template sees image parts
+        if images:
+            # Multimodal templates iterate over a message's parts (LLaVA's selects the image parts, then the text
+            # ones): every message of the conversation takes the parts form, as vLLM's "openai" content format.
+            normalized = [
+                {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
+                for m in normalized
+            ]
+        if self.mm_processor is not None and chat_template is None:
+            # A multimodal model's template is the processor's (chat_template.jinja beside
+            # preprocessor_config.json) when it has one, as transformers' processor.apply_chat_template picks it;
+            # it renders {"type": "image"} parts.
+            chat_template = getattr(self.mm_processor.processor, "chat_template", None)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("messages", "the model's tokenizer has no chat template; pass chat_template")
         try:
@@ -165,7 +193,10 @@ class InputProcessor:
             raise ValidationError("messages", f"the chat template refused the conversation: {e}") from e
         self.check_text_length(text, "prompt", "the rendered conversation")
         # The rendered text already holds BOS and other special tokens: do not add them again.
-        return TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
+        prompt = TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
+        if images:
+            prompt["multi_modal_data"] = {IMAGE: images}
+        return prompt
 
     def process_inputs(
         self,
@@ -188,7 +219,12 @@ class InputProcessor:
         """
         options = options or RequestOptions()
         check_options(options)
+        prompt = self.process_multimodal(prompt)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
+        mm_features: list[MultiModalFeature] = []
+        if isinstance(prompt, dict):
+            processed: Mapping[str, Any] = prompt
+            mm_features = list(processed.get("mm_features", []))
         self._check_prompt(prompt_token_ids)
         resolved = params.clone()
         resolved.max_tokens = self._resolve_max_tokens(len(prompt_token_ids), params)
@@ -212,8 +248,59 @@ class InputProcessor:
             priority=options.priority,
             cache_salt=options.cache_salt,
             trace_headers=dict(options.trace_headers or {}),
+            mm_features=mm_features,
         )
         return request, prompt_text
+
+    def process_multimodal(self, prompt: PromptType) -> PromptType:
+        """A prompt with ``multi_modal_data`` as a ``TokensPrompt`` with its image placeholders expanded and its
+        ``mm_features`` (``MultiModalProcessor.process``); any other prompt as it is.
+
+        Raises:
+            ValidationError: naming the field ("images" of Generate, "messages" of Chat, else
+                "multi_modal_data"): a modality other than image, images for a text-only model, or as
+                ``MultiModalProcessor.process`` and ``tokenize``.
+        """
+        if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+            return prompt
+        fields: Mapping[str, Any] = prompt
+        images = _images_of(fields["multi_modal_data"])
+        field = _images_field(images)
+        text_or_ids = TokensPrompt()  # the prompt without its images, for ``tokenize`` to check
+        if "prompt" in fields:
+            text_or_ids["prompt"] = fields["prompt"]
+        if "prompt_token_ids" in fields:
+            text_or_ids["prompt_token_ids"] = fields["prompt_token_ids"]
+        if not images:
+            return self._as_tokens_prompt(*self.tokenize(text_or_ids))
+        if self.mm_processor is None:
+            raise _no_images_error(field)
+        self.mm_processor.check_count(len(images), field)  # before the prompt is tokenized
+        text, token_ids = self.tokenize(text_or_ids)
+        token_ids, features = self.mm_processor.process(token_ids, images, field)
+        result = self._as_tokens_prompt(text, token_ids)
+        result["mm_features"] = features
+        return result
+
+    async def process_multimodal_async(self, prompt: PromptType) -> PromptType:
+        """``process_multimodal`` on a worker thread (images decode and resize there), the prompt's text within
+        ``budget``.
+
+        Raises:
+            ValidationError: as ``process_multimodal``.
+        """
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        if isinstance(text, str):
+            self.check_text_length(text, "prompt", "the prompt")
+        size = utf8_size(text) if isinstance(text, str) else 0
+        return await self.budget.run(size, lambda: self.process_multimodal(prompt))
+
+    @staticmethod
+    def _as_tokens_prompt(text: str | None, token_ids: list[int]) -> TokensPrompt:
+        result = TokensPrompt(prompt_token_ids=token_ids)
+        if text is not None:
+            result["prompt"] = text
+        return result
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -283,7 +370,10 @@ class InputProcessor:
         return ids
 
     @staticmethod
-    def _check_message(index: int, message: Any) -> ChatMessage:
+    def _check_message(index: int, message: Any, images: list[Any]) -> ChatMessage:
+        """The message as the chat template takes it; its images are appended to ``images``. Text-only: its text
+        parts newline-joined into one string. With images: a list of {"type": "text", "text"} and
+        {"type": "image"} parts, as transformers' processors' chat templates take them."""
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValidationError(f"messages[{index}]", "must be a dict with 'role' and 'content'")
         content = message["content"]
@@ -291,14 +381,70 @@ class InputProcessor:
             return {"role": message["role"], "content": content}
         if not isinstance(content, list):
             raise ValidationError(f"messages[{index}].content", "must be text or a list of content parts")
-        texts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValidationError(
-                    f"messages[{index}].content[{j}]",
-                    f"only text parts are supported (multimodal input is not yet), got {kind!r}",
-                )
-            texts.append(part["text"])
+            field = f"messages[{index}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image_url", "image"):
+                images.append(_chat_image(part, field))
+                parts.append({"type": "image"})
+            else:
+                raise ValidationError(field, f"must be a text, image_url or image part, got {kind!r}")
+        if any(part["type"] == "image" for part in parts):
+            return {"role": message["role"], "content": parts}
         # Newline-joined, as vLLM's chat utils, llama.cpp and TensorRT-LLM join a message's text parts.
-        return {"role": message["role"], "content": "\n".join(texts)}
+        return {"role": message["role"], "content": "\n".join(part["text"] for part in parts)}
+
+
+def _chat_image(part: dict[str, Any], field: str) -> Any:
+    """The image of a chat content part: OpenAI's {"type": "image_url", "image_url": {"url": "data:..."}} (or the
+    url as a string), or {"type": "image", "image": a PIL image or EncodedImage}.
+
+    Raises:
+        ValidationError: naming ``field``: no image in it, or a URL that is not a data: URI (``image_from_url``).
+    """
+    if part["type"] == "image":
+        if "image" not in part:
+            raise ValidationError(field, "an image part needs 'image' (a PIL image or encoded bytes)")
+        image = part["image"]
+        return EncodedImage(image.data, image.mime_type, field) if isinstance(image, EncodedImage) else image
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise ValidationError(f"{field}.image_url", "must be {'url': 'data:<mime type>;base64,...'}")
+    return image_from_url(url, "", f"{field}.image_url")
+
+
+def _no_images_error(field: str) -> ValidationError:
+    return ValidationError(
+        field,
+        f"this model takes no images (only {', '.join(sorted(SUPPORTED_MODEL_TYPES))} models do, by config.json's "
+        "model_type)",
+    )
+
+
+def _images_of(mm_data: Any) -> list[Any]:
+    """The images of vLLM's ``multi_modal_data``: {"image": one image or a list of them}.
+
+    Raises:
+        ValidationError: not a dict, or a modality other than "image".
+    """
+    if not isinstance(mm_data, Mapping):
+        raise ValidationError(
+            "multi_modal_data", f"must be a dict like {{'image': [...]}}, got {type(mm_data).__name__}"
+        )
+    unknown = sorted(set(mm_data) - {IMAGE})
+    if unknown:
+        raise ValidationError("multi_modal_data", f"only 'image' inputs are supported, got {unknown}")
+    images = mm_data.get(IMAGE, [])
+    return list(images) if isinstance(images, list | tuple) else [images]
+
+
+def _images_field(images: list[Any]) -> str:
+    """Where the request held its images, for errors about them all: an ``EncodedImage`` knows ("images[0]" of
+    Generate, "messages[1].content[0]" of Chat: "images", "messages"); else vLLM's "multi_modal_data"."""
+    if images and isinstance(images[0], EncodedImage):
+        return images[0].field.split("[")[0]
+    return "multi_modal_data"

@@ -72,7 +72,8 @@ class LLM:
 
         Args:
             prompts: one prompt or a list; a prompt is text, a list of token ids, or a {"prompt"} /
-                {"prompt_token_ids"} dict.
+                {"prompt_token_ids"} dict, which may hold vLLM's ``"multi_modal_data": {"image": a PIL image or a
+                list of them}``, one per image placeholder of the prompt (``frontend_svc.mm_processor``).
             sampling_params: one for all prompts or one per prompt (default: ``get_default_sampling_params()``,
                 the model's generation-config defaults).
             use_tqdm: show vLLM's progress bar on stderr: "Processed prompts" (completions: n per prompt) with the
@@ -99,8 +100,11 @@ class LLM:
         add_generation_prompt: bool = True,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation or a list of them, rendered with the tokenizer's chat template; sampling
-        parameters, progress bar and priority as ``generate``."""
+        """Answer one conversation or a list of them, rendered with the tokenizer's chat template (a multimodal
+        model's processor template when it has one); a message's content is text or a list of parts:
+        {"type": "text", "text"}, OpenAI's {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
+        (URLs are not fetched) or {"type": "image", "image": a PIL image}. Sampling parameters, progress bar and
+        priority as ``generate``."""
         conversations = _as_conversation_list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [

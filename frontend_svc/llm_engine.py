@@ -6,6 +6,7 @@ OutputProcessor -> RequestOutputs, aborting in the core what stop strings ended.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import weakref
 from pathlib import Path
@@ -17,6 +18,7 @@ from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerSt
 from frontend_svc.errors import FrontendError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions, check_wire_string
+from frontend_svc.mm_processor import load_mm_processor, parse_limit_mm_per_prompt
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -25,6 +27,8 @@ from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve.base.logging_config import configure_library_logging
 from splitserve.base.model_files import resolve_model_path
+
+logger = logging.getLogger(__name__)
 
 # Every output of a request carries its id, from the core on each step and to the caller on each streamed message:
 # a 15 MiB id made each of them 15 MiB. vLLM sets no limit; ids in use (UUIDs, OpenAI's) are tens of characters.
@@ -48,6 +52,9 @@ class LLMEngineBase:
         configure_library_logging()  # before the core loads: its size and the KV cache's are logged at INFO
         # An already connected client (the servers use it).
         client: EngineCoreClient | None = core_config.pop("engine_core_client", None)
+        # The most images a prompt may hold (vLLM's limit_mm_per_prompt: {"image": N} or "image=N"): a frontend
+        # setting, not the core's.
+        mm_limits = parse_limit_mm_per_prompt(core_config.pop("limit_mm_per_prompt", None))
         check_core_settings(core_address, core_config)  # before the tokenizer loads
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
         loaded = tokenizer is not None and not isinstance(tokenizer, str)
@@ -62,7 +69,11 @@ class LLMEngineBase:
         # Releases the core's memory when this object is collected; close() runs it early. It must not hold self.
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
         self.engine_info: EngineInfo = self.engine_core.get_engine_info()
-        self.input_processor = InputProcessor(self.tokenizer, self.engine_info)
+        # The model's image processor, loaded once (None: a text-only model, whose image inputs are refused).
+        mm_processor = load_mm_processor(model_path, self.tokenizer, mm_limits)
+        if mm_processor is not None:
+            logger.info(mm_processor.describe_limits(self.engine_info.max_receive_message_bytes))
+        self.input_processor = InputProcessor(self.tokenizer, self.engine_info, mm_processor)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def get_tokenizer(self) -> Any:
@@ -171,6 +182,7 @@ class LLMEngineBase:
             request.priority,
             request.cache_salt,
             request.trace_headers,
+            mm_features=request.mm_features,  # each child carries its images: the core may serve children apart
         )
 
     def release_failed(self, requests: list[EngineCoreRequest]) -> None:
@@ -187,6 +199,8 @@ class LLMEngine(LLMEngineBase):
         tokenizer: a tokenizer folder, or a loaded transformers tokenizer (default: the model's).
         generation_config: where default sampling parameters come from: "auto" (the model's
             generation_config.json, as vLLM's default), "vllm" (none) or a folder.
+        limit_mm_per_prompt (keyword): the most images a prompt may hold, vLLM's {"image": N} or "image=N"
+            (default 999, vLLM's).
         **core_config: engine-core settings (``core_svc.config.CoreConfig`` fields: max_num_seqs,
             num_kv_blocks, dtype, ...), for the in-process core.
 

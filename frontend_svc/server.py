@@ -141,6 +141,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             stat_loggers=stat_loggers,
             generation_config=self.frontend.generation_config,
             engine_core_client=client,
+            limit_mm_per_prompt=self.frontend.limit_mm_per_prompt,
         )
 
     def _availability_changed(

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from frontend_svc.engine_types import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -15,11 +17,13 @@ from frontend_svc.engine_types import (
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
+    MultiModalFeature,
     PositionLogprobs,
     SchedulerStats,
 )
 from frontend_svc.errors import FrontendError, ValidationError, error_from_core
-from frontend_svc.input_processor import ChatMessage, TokensPrompt
+from frontend_svc.input_processor import ChatMessage, TextPrompt, TokensPrompt
+from frontend_svc.mm_processor import IMAGE, EncodedImage, image_from_url
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
 from splitserve.base.proto_fields import set_optional_fields
@@ -74,6 +78,30 @@ def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
     )
     if request.cache_salt is not None:
         msg.cache_salt = request.cache_salt
+    msg.mm_features.extend(mm_feature_to_pb(feature) for feature in request.mm_features)
+    return msg
+
+
+# numpy's name of each dtype TensorData carries ("bfloat16" has none in numpy: the processors never make it).
+_TENSOR_DTYPES = {"float32", "float16", "int64", "int32"}
+
+
+def mm_feature_to_pb(feature: MultiModalFeature) -> pb.MultiModalFeatureSpec:
+    """A multimodal item on the wire: each array of ``feature.data`` as ``TensorData`` (row-major,
+    little-endian bytes).
+
+    Raises:
+        ValueError: an array of a dtype TensorData does not carry (``request_to_pb`` names the field).
+    """
+    msg = pb.MultiModalFeatureSpec(
+        modality=feature.modality, identifier=feature.identifier, offset=feature.offset, length=feature.length
+    )
+    for key, array in feature.data.items():
+        dtype = np.dtype(array.dtype)
+        if dtype.name not in _TENSOR_DTYPES:
+            raise ValueError(f"{key} has dtype {dtype.name}, not one of {sorted(_TENSOR_DTYPES)}")
+        little = np.ascontiguousarray(array, dtype=dtype.newbyteorder("<"))
+        msg.data[key].CopyFrom(pb.TensorData(dtype=dtype.name, shape=list(little.shape), data=little.tobytes()))
     return msg
 
 
@@ -91,6 +119,11 @@ def _unsendable_field(request: EngineCoreRequest) -> str:
     ]
     if request.cache_salt is not None:
         candidates.append(("cache_salt", pb.EngineCoreRequest, {"cache_salt": request.cache_salt}))
+    for i, feature in enumerate(request.mm_features):
+        try:
+            mm_feature_to_pb(feature)
+        except (ValueError, TypeError, OverflowError):
+            return f"mm_features[{i}]"
     for name, message_class, kwargs in candidates:
         try:
             message_class(**kwargs)
@@ -239,26 +272,65 @@ def default_sampling_params_to_api(defaults: Mapping[str, Any]) -> api.SamplingP
     return api.SamplingParams(**defaults)
 
 
-def generate_request_from_api(msg: api.GenerateRequest) -> TokensPrompt | str:
-    """The prompt of a Generate call: text or token ids, exactly one of them."""
+def generate_request_from_api(msg: api.GenerateRequest) -> TokensPrompt | TextPrompt | str:
+    """The prompt of a Generate call: text or token ids, exactly one of them, with its images (still encoded:
+    the InputProcessor decodes them off the event loop) as vLLM's ``multi_modal_data``.
+
+    Raises:
+        ValidationError: both or neither of prompt and prompt_token_ids; an image URL that is not a data: URI.
+    """
     if msg.prompt and msg.prompt_token_ids:
         raise ValidationError("prompt", "give prompt or prompt_token_ids, not both")
+    prompt: TokensPrompt | TextPrompt
     if msg.prompt_token_ids:
-        return TokensPrompt(prompt_token_ids=list(msg.prompt_token_ids))
-    if not msg.prompt:
+        prompt = TokensPrompt(prompt_token_ids=list(msg.prompt_token_ids))
+    elif not msg.prompt:
         raise ValidationError("prompt", "is empty (set prompt or prompt_token_ids)")
-    return msg.prompt
+    elif not msg.images:
+        return msg.prompt
+    else:
+        prompt = TextPrompt(prompt=msg.prompt)
+    if msg.images:
+        prompt["multi_modal_data"] = {
+            IMAGE: [image_from_api(image, f"images[{i}]") for i, image in enumerate(msg.images)]
+        }
+    return prompt
+
+
+def image_from_api(msg: api.Image, field: str) -> EncodedImage:
+    """An ``Image`` message: its bytes, or its ``url`` (a data: URI, never fetched).
+
+    Raises:
+        ValidationError: naming ``field``: both or neither of data and url, a URL that is not a data: URI.
+    """
+    if msg.data and msg.url:
+        raise ValidationError(field, "give data or url, not both")
+    if msg.url:
+        return image_from_url(msg.url, msg.mime_type, field)
+    if not msg.data:
+        raise ValidationError(field, "holds no image: set data (with mime_type) or url (a data: URI)")
+    return EncodedImage(msg.data, msg.mime_type, field)
 
 
 def chat_messages_from_api(messages: Any) -> list[ChatMessage]:
-    """Chat messages as transformers' chat templates take them; image parts are kept for the InputProcessor to
-    refuse with a clear message."""
+    """Chat messages as the InputProcessor takes them: text parts, and image parts as {"type": "image", "image":
+    EncodedImage}.
+
+    Raises:
+        ValidationError: naming the part: an empty part, an image as ``image_from_api`` refuses it.
+    """
     converted: list[ChatMessage] = []
-    for message in messages:
+    for i, message in enumerate(messages):
         parts: list[dict[str, Any]] = []
-        for part in message.content:
+        for j, part in enumerate(message.content):
             kind = part.WhichOneof("part")
-            parts.append({"type": "text", "text": part.text} if kind == "text" else {"type": kind or "empty"})
+            field = f"messages[{i}].content[{j}]"
+            if kind == "text":
+                parts.append({"type": "text", "text": part.text})
+            elif kind == "image":
+                parts.append({"type": "image", "image": image_from_api(part.image, f"{field}.image")})
+            else:
+                raise ValidationError(field, "is empty: set text or image")
         converted.append({"role": message.role, "content": parts})
     return converted
 

@@ -186,6 +186,10 @@ CORE_FIELDS_WITHOUT_FLAGS = {"core": set(), "serve": {"served_model_name"}, "gen
 FRONTEND_COMMANDS = {"frontend": ["--core", "localhost:1"], "serve": []}
 
 
+# A valid non-default value of a string field with a format of its own.
+STRING_VALUES = {"limit_mm_per_prompt": "image=2"}
+
+
 def _non_default(field: dataclasses.Field, annotation: object) -> tuple[list[str], object]:
     """The arguments after a field's flag that give it a valid value other than its default, and that value."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -200,7 +204,7 @@ def _non_default(field: dataclasses.Field, annotation: object) -> tuple[list[str
         value = 0.5
     else:
         assert annotation is str, f"{field.name}: no value made for {annotation}"
-        value = "other"
+        value = STRING_VALUES.get(field.name, "other")
     return [str(value)], value
 
 

@@ -277,7 +277,15 @@ def test_bad_chat_input(services):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Chat(api.ChatRequest(messages=[image]), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "messages[0].content[0]" in info.value.details()
+        assert info.value.details().startswith("messages[0].content[0].image: URLs are not fetched")
+        # The test model is text-only (config.json's model_type "llama"): a well-formed image is refused too.
+        png = api.Image(
+            url="data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(api.GenerateRequest(prompt="<image>", images=[png]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("images: this model takes no images")
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Chat(api.ChatRequest(messages=[]), timeout=30))
         assert info.value.details().startswith("messages: ")

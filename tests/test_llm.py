@@ -168,8 +168,12 @@ def test_chat_renders_the_chat_template(llm):
         return_dict=False,
     )
     assert llm.chat(parts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].prompt_token_ids == joined
-    with pytest.raises(ValidationError, match=r"messages\[0\].content\[0\]: only text parts"):
+    with pytest.raises(ValidationError, match=r"messages\[0\].content\[0\].image_url: must be a data: URI"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    # A text-only model: an image, however well formed, is refused.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(ValidationError, match="messages: this model takes no images"):
+        llm.chat([{"role": "user", "content": [image]}], use_tqdm=False)
 
 
 def test_n_completions(llm):

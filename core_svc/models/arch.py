@@ -6,6 +6,7 @@ what is supported, for anything our implementation would compute differently fro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +31,15 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchFeatures] = {
     "Qwen3ForCausalLM": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
     # Multimodal: the language model's features; its config is the checkpoint's text_config.
     "LlavaForConditionalGeneration": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=False),
+    "Qwen2VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
+    "Qwen2_5_VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
 }
 # Multimodal architectures -> the model_type their text_config must have (the language model we run for them).
-MULTIMODAL_TEXT_MODEL_TYPES: dict[str, tuple[str, ...]] = {"LlavaForConditionalGeneration": ("llama",)}
+MULTIMODAL_TEXT_MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": ("llama",),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
+}
 # RoPE types whose frequency table does not depend on the sequence length (transformers' names).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
@@ -74,6 +81,12 @@ class ModelArchConfig:
     dtype: torch.dtype  # the checkpoint's own dtype
     image_token_id: int | None = None  # multimodal models: the image placeholder token; None: text only
     hf_config: Any = field(default=None, compare=False, repr=False)  # the transformers config (vision settings)
+    # Multimodal checkpoints: M-RoPE's [temporal, height, width] frequency sections (sum head_size // 2), and
+    # transformers' vision sub-config (``config.vision_config``). None for text-only models.
+    mrope_section: tuple[int, ...] | None = None
+    vision_config: Any = field(default=None, compare=False, repr=False)
+    # Multimodal checkpoints: their preprocessor_config.json (image size bounds), read by the loader; {} otherwise.
+    image_processor: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_multimodal(self) -> bool:
@@ -156,12 +169,25 @@ class ModelArchConfig:
             dtype=dtype,
             image_token_id=image_token_id,
             hf_config=top_config,
+            mrope_section=_mrope_section(config, head_size),
+            vision_config=getattr(top_config, "vision_config", None),
         )
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V, all layers, for one token."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_size * element_size
+
+
+def _mrope_section(config: Any, head_size: int) -> tuple[int, ...] | None:
+    """M-RoPE sections from the RoPE parameters (Qwen2-VL), checked against the head size; None without."""
+    params = getattr(config, "rope_parameters", None) or {}
+    section = params.get("mrope_section")
+    if section is None:
+        return None
+    if len(section) != 3 or sum(section) != head_size // 2:
+        raise ModelLoadError(f"mrope_section {section} must be 3 sizes summing to head_size // 2 = {head_size // 2}")
+    return tuple(int(n) for n in section)
 
 
 def _feature(config: Any, value: bool | str) -> bool:

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
+from splitserve.entrypoints.test_model_qwen2_vl import VL_PRESET_TABLE, make_qwen2_vl_test_model
 
 TEXT_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-ARCHS = (*TEXT_ARCHS, "llava")
+QWEN2_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # their presets: test_model_qwen2_vl.VL_PRESET_TABLE
+ARCHS = (*TEXT_ARCHS, "llava", *QWEN2_VL_ARCHS)
 LLAVA_PRESETS = ("tiny", "small", "medium")
 PRESETS = ("tiny", "small", "medium", "qwen2.5-0.5b")
 _TOKENIZER_FILES = (
@@ -97,9 +99,11 @@ def make_test_model(
     """Write a seeded random checkpoint to ``out_dir`` and return its path.
 
     Args:
-        arch: llama, mistral, qwen2, qwen3, or llava (``LlavaForConditionalGeneration``: a CLIP vision tower of
-            ``VISION_PRESET_TABLE``, an MLP projector and the preset's Llama, with a ``LlavaProcessor``).
-        preset: a name in ``PRESETS`` (sizes in ``PRESET_TABLE``); llava: tiny, small or medium.
+        arch: llama, mistral, qwen2, qwen3, llava (``LlavaForConditionalGeneration``: a CLIP vision tower of
+            ``VISION_PRESET_TABLE``, an MLP projector and the preset's Llama, with a ``LlavaProcessor``), or
+            qwen2_vl / qwen2_5_vl (Qwen2-VL / Qwen2.5-VL with their image processor files).
+        preset: a name in ``PRESETS`` (sizes in ``PRESET_TABLE``); llava: tiny, small or medium; qwen2_vl /
+            qwen2_5_vl: a name in ``VL_PRESET_TABLE`` (tiny).
         tokenizer: a folder with Hugging Face tokenizer files to copy; None trains the builtin tokenizer.
         dtype: float32 or bfloat16, the dtype of the saved weights; None: the preset's.
         config_overrides: extra config fields (e.g. ``rope_parameters``), applied last.
@@ -117,6 +121,8 @@ def make_test_model(
     if preset not in PRESETS or (arch == "llava" and preset not in LLAVA_PRESETS):
         choices = LLAVA_PRESETS if arch == "llava" else PRESETS
         raise ValueError(f"unknown preset {preset!r} for {arch}; choose from {', '.join(choices)}")
+    if arch in QWEN2_VL_ARCHS and preset not in VL_PRESET_TABLE:
+        raise ValueError(f"arch {arch} has presets {', '.join(VL_PRESET_TABLE)}, not {preset!r}")
     dtype = dtype or PRESET_TABLE[preset].dtype
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
@@ -128,6 +134,10 @@ def make_test_model(
         _copy_tokenizer(Path(tokenizer), out)
     if arch == "llava":
         return _make_llava(out, preset, seed, dtype)
+    if arch in QWEN2_VL_ARCHS:
+        model = make_qwen2_vl_test_model(out, arch, preset, seed, dtype, _sharpen)
+        _write_info(out, arch, preset, seed, dtype, model)
+        return out
     # transformers picks the tokenizer class by the config's model_type too (Qwen2Tokenizer for qwen2/qwen3 adds
     # its own special token), so size the vocabulary by the tokenizer as loaded beside the final config.
     config = build_config(arch, preset, 0, None, None, config_overrides)
@@ -149,6 +159,11 @@ def make_test_model(
     model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
     model.generation_config.bos_token_id = hf_tokenizer.bos_token_id
     model.save_pretrained(out)
+    _write_info(out, arch, preset, seed, dtype, model)
+    return out
+
+
+def _write_info(out: Path, arch: str, preset: str, seed: int, dtype: str, model: Any) -> None:
     (out / "splitserve_test_model.json").write_text(
         json.dumps(
             {
@@ -162,7 +177,6 @@ def make_test_model(
         )
         + "\n"
     )
-    return out
 
 
 def build_config(

@@ -1,0 +1,367 @@
+"""Images in, model inputs out (vLLM's multimodal processor, ``vllm/multimodal/processing.py``): decode each image,
+run the model's transformers processor on it (numpy outputs, no torch), expand each image placeholder of the prompt
+to the processor's number of tokens, and hash each item (vLLM's ``mm_hash``) for the core's encoder cache and
+prefix cache."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from frontend_svc.engine_types import MultiModalFeature
+from frontend_svc.errors import ValidationError
+
+logger = logging.getLogger(__name__)
+
+IMAGE = "image"
+# config.json model_type -> the model families the core runs images for (issue 17): LLaVA-1.5, Qwen2-VL,
+# Qwen2.5-VL. Another model type with images is text-only here: its image inputs are refused.
+SUPPORTED_MODEL_TYPES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl"})
+# vLLM v1's default --limit-mm-per-prompt for every modality (``MultiModalConfig.limit_per_prompt``).
+DEFAULT_LIMIT_PER_PROMPT = 999
+# The MIME types an encoded image may say (empty: any of these formats, told by its bytes) -> PIL's format name.
+MIME_FORMATS = {
+    "image/png": "PNG",
+    "image/jpeg": "JPEG",
+    "image/jpg": "JPEG",  # not registered, but common
+    "image/webp": "WEBP",
+    "image/gif": "GIF",
+    "image/bmp": "BMP",
+    "image/tiff": "TIFF",
+}
+# The number of pixels of one decoded image, beyond which it is refused before it is decoded (PIL's
+# DecompressionBombError bound, 2 * Image.MAX_IMAGE_PIXELS = 179 megapixels): a small file can claim a huge image.
+MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485)
+
+
+def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str, int]:
+    """``--limit-mm-per-prompt`` as vLLM takes it: ``image=4`` (``modality=N`` pairs, comma-separated) or JSON
+    (``{"image": 4}``), or a dict already; None: {} (999 each, vLLM v1's default).
+
+    Raises:
+        ValueError: another form, a modality other than image, a count that is not an integer >= 0.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"limit_mm_per_prompt: {value!r} is not valid JSON ({e})") from None
+        else:
+            pairs = [pair.partition("=") for pair in text.split(",") if pair.strip()]
+            if any(not sep for _, sep, _ in pairs):
+                raise ValueError(f"limit_mm_per_prompt: {value!r} is not modality=N[,modality=N] (image=4)")
+            try:
+                value = {key.strip(): int(count) for key, _, count in pairs}
+            except ValueError:
+                raise ValueError(f"limit_mm_per_prompt: {value!r}: each count must be an integer") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"limit_mm_per_prompt must map modalities to counts, got {type(value).__name__}")
+    limits: dict[str, int] = {}
+    for key, count in value.items():
+        if key != IMAGE:
+            raise ValueError(f"limit_mm_per_prompt: only 'image' is supported, got {key!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"limit_mm_per_prompt: {key} must be an integer >= 0, got {count!r}")
+        limits[key] = count
+    return limits
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image as a client sent it: encoded bytes (PNG, JPEG, ...) and their MIME type ("" when not told)."""
+
+    data: bytes
+    mime_type: str = ""
+    field: str = "images"  # where the request held it, for error messages: "images[0]", "messages[1].content[0]"
+
+
+def image_from_url(url: str, mime_type: str, field: str) -> EncodedImage:
+    """The image of a ``data:`` URI (RFC 2397, base64). The server never fetches URLs: it has no network access by
+    design.
+
+    Raises:
+        ValidationError: naming ``field``: an http(s) or other URL, a data URI that is not base64 or not valid.
+    """
+    if url.startswith(("http://", "https://")):
+        raise ValidationError(
+            field,
+            "URLs are not fetched (the server has no network access by design); pass the image bytes or a "
+            "data: URI (data:image/png;base64,...)",
+        )
+    if not url.startswith("data:"):
+        raise ValidationError(field, "must be a data: URI (data:image/png;base64,...); other URLs are not fetched")
+    header, sep, payload = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ValidationError(field, "a data: URI must be base64: data:<mime type>;base64,<data>")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValidationError(field, f"the data: URI's base64 is not valid ({e})") from None
+    return EncodedImage(data, header.removesuffix(";base64") or mime_type, field)
+
+
+def decode_image(image: Any, field: str) -> Image.Image:
+    """A PIL image from a PIL image or an ``EncodedImage``, fully decoded (so a truncated file fails here).
+
+    Raises:
+        ValidationError: naming ``field``: another type, a MIME type not in ``MIME_FORMATS``, bytes that are not an
+            image of those formats, or an image of more than ``MAX_IMAGE_PIXELS`` pixels.
+    """
+    if isinstance(image, Image.Image):
+        return image
+    if not isinstance(image, EncodedImage):
+        raise ValidationError(field, f"must be a PIL image or encoded image bytes, got {type(image).__name__}")
+    mime_type = image.mime_type.lower()
+    if mime_type and mime_type not in MIME_FORMATS:
+        raise ValidationError(
+            f"{image.field}.mime_type", f"{image.mime_type!r} is not supported; use one of {sorted(MIME_FORMATS)}"
+        )
+    if not image.data:
+        raise ValidationError(image.field, "holds no image data")
+    try:
+        # In memory (BytesIO): nothing to close. Only the header is read here; load() decodes.
+        opened = Image.open(io.BytesIO(image.data), formats=list(MIME_FORMATS.values()))
+        if opened.width * opened.height > MAX_IMAGE_PIXELS:
+            raise ValidationError(
+                image.field,
+                f"is {opened.width}x{opened.height} pixels, more than the {MAX_IMAGE_PIXELS} this server decodes",
+            )
+        opened.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValidationError(image.field, f"cannot be decoded as an image ({e})") from None
+    return opened
+
+
+def image_hash(image: Image.Image, settings: str) -> str:
+    """The item's content hash (vLLM's ``MultiModalHasher``: the decoded pixels, mode and size, and the settings
+    that change the processor's output), a sha256 hex digest.
+
+    Decoded pixels, not the file's bytes: one picture sent as PNG, as a data: URI or as a PIL image is one item
+    to the encoder cache. ``settings`` (``MultiModalProcessor.settings``) go in because the core's encoder cache
+    and prefix cache outlive a frontend: a frontend started with another preprocessor_config.json (another size,
+    max_pixels, mean/std) makes other tensors and tokens of the same picture, which must not share its entries.
+    """
+    digest = hashlib.sha256()
+    digest.update(settings.encode())
+    digest.update(f"\0{image.mode}\0{image.width}x{image.height}\0".encode())
+    if image.mode in ("P", "PA"):  # palette indices mean nothing without the palette and its transparency
+        digest.update(bytes(image.getpalette() or []))
+        digest.update(repr(image.info.get("transparency")).encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+class MultiModalProcessor:
+    """A model's transformers processor (``AutoProcessor``: LlavaProcessor, Qwen2VLProcessor), run on numpy
+    (``return_tensors="np"``), for the images of prompts.
+
+    Args:
+        processor: the loaded processor; its ``image_token`` / ``image_token_id`` is the prompt's placeholder
+            (LLaVA ``<image>``; Qwen2-VL ``<|image_pad|>``, between ``<|vision_start|>`` and ``<|vision_end|>``).
+        limits: modality -> the most items one prompt may hold (``--limit-mm-per-prompt``); unset: 999.
+    """
+
+    def __init__(self, processor: Any, model_type: str, limits: Mapping[str, int] | None = None) -> None:
+        self.processor = processor
+        self.model_type = model_type
+        self.image_token: str = processor.image_token
+        self.image_token_id: int = processor.image_token_id
+        self.limits = dict(limits or {})
+        # What changes the output for one picture (``image_hash``): the image processor's settings (size, crop,
+        # resample, rescale, normalization, min/max_pixels, patch and merge sizes) and the processor's own.
+        own = {
+            name: getattr(processor, name, None)
+            for name in ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens")
+        }
+        self.settings = json.dumps(
+            {"model_type": model_type, "image_processor": processor.image_processor.to_dict(), "processor": own},
+            sort_keys=True,
+            default=str,
+        )
+
+    @property
+    def max_image_bytes(self) -> int | None:
+        """The largest float32 pixel tensor one image can make, in bytes: LLaVA's crop, 3 x H x W x 4; Qwen2-VL's
+        max_pixels (``size["longest_edge"]``) x 3 channels x temporal_patch_size x 4 (a still image's patches are
+        repeated temporal_patch_size times). None: not known for this image processor."""
+        image_processor = self.processor.image_processor
+        max_pixels = getattr(getattr(image_processor, "size", None), "longest_edge", None)
+        temporal = getattr(image_processor, "temporal_patch_size", None)
+        if temporal is not None and max_pixels:
+            return int(max_pixels) * 3 * int(temporal) * 4
+        crop = getattr(image_processor, "crop_size", None)
+        height, width = getattr(crop, "height", None), getattr(crop, "width", None)
+        if getattr(image_processor, "do_center_crop", False) and height and width:
+            return int(height) * int(width) * 3 * 4
+        return None
+
+    def describe_limits(self, max_request_bytes: int) -> str:
+        """One line for the log: how many of the largest images fit in one request to the core
+        (``max_request_bytes``: its --max-receive-message-mib)."""
+        line = f"images: at most {self.image_limit} per prompt (--limit-mm-per-prompt)"
+        per_image = self.max_image_bytes
+        if per_image is None or not max_request_bytes:
+            return line
+        return (
+            f"{line}; the largest image is {per_image / 2**20:.1f} MiB of pixels, the engine core takes "
+            f"{max_request_bytes / 2**20:.1f} MiB per request (its --max-receive-message-mib): "
+            f"{max_request_bytes // per_image} such images fit in one request"
+        )
+
+    @property
+    def image_limit(self) -> int:
+        return self.limits.get(IMAGE, DEFAULT_LIMIT_PER_PROMPT)
+
+    def check_count(self, num_images: int, field: str) -> None:
+        """Raises ValidationError (naming ``field``): more images than ``--limit-mm-per-prompt`` allows."""
+        if num_images > self.image_limit:
+            raise ValidationError(
+                field,
+                f"has {num_images} images, more than the {self.image_limit} a prompt may hold "
+                f"(--limit-mm-per-prompt image={self.image_limit})",
+            )
+
+    def process(
+        self, prompt_token_ids: list[int], images: Sequence[Any], field: str
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Expand each image placeholder of the prompt to its item's tokens, as the model's processor expands
+        it in text (``processor.replace_image_token``), and return the items in prompt order.
+
+        Args:
+            prompt_token_ids: the tokenized prompt, one ``image_token_id`` per image.
+            images: PIL images or ``EncodedImage``, in placeholder order.
+            field: where the request held the images ("images", "multi_modal_data.image", "messages").
+
+        Returns:
+            The expanded token ids and one ``MultiModalFeature`` per image: ``offset`` / ``length`` its run of
+            placeholder tokens in those ids; ``data`` its slice of the image processor's numpy outputs (LLaVA
+            "pixel_values" [3, H, W] float32; Qwen2-VL "pixel_values" [grid_t * grid_h * grid_w, C * T * P * P]
+            float32 and "image_grid_thw" [3] int64, with grid_t * grid_h * grid_w / merge_size**2 tokens).
+
+        Raises:
+            ValidationError: naming ``field``: too many images, a count other than the prompt's placeholders, an
+                image that cannot be decoded or that the image processor refuses.
+        """
+        self.check_count(len(images), field)
+        ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        positions = np.flatnonzero(ids == self.image_token_id)
+        if len(positions) != len(images):
+            raise ValidationError(
+                field,
+                f"{len(images)} images for {len(positions)} image placeholders ({self.image_token!r}) in the "
+                "prompt; give one image per placeholder, in order",
+            )
+        if not images:
+            return prompt_token_ids, []
+        decoded = [decode_image(image, f"{field}[{i}]") for i, image in enumerate(images)]
+        try:
+            outputs = self.processor.image_processor(images=decoded, return_tensors="np")
+        except (ValueError, TypeError, OSError) as e:
+            raise ValidationError(field, f"the model's image processor refused an image ({e})") from None
+        counts = [self.processor.replace_image_token(outputs, i).count(self.image_token) for i in range(len(images))]
+        items = _split_items(outputs, len(images))
+        token_ids: list[int] = []
+        features: list[MultiModalFeature] = []
+        start = 0
+        for i, position in enumerate(positions.tolist()):
+            token_ids += prompt_token_ids[start:position]
+            features.append(
+                MultiModalFeature(IMAGE, image_hash(decoded[i], self.settings), len(token_ids), counts[i], items[i])
+            )
+            token_ids += [self.image_token_id] * counts[i]
+            start = position + 1
+        token_ids += prompt_token_ids[start:]
+        return token_ids, features
+
+
+def _split_items(outputs: Mapping[str, Any], num_items: int) -> list[dict[str, np.ndarray]]:
+    """Each item's slice of the image processor's batch outputs: with "image_grid_thw" (Qwen2-VL) "pixel_values"
+    holds the items' patches one after another ([sum of t * h * w, D]); otherwise every output is [num_items, ...]."""
+    grids = outputs.get("image_grid_thw")
+    sizes = np.prod(np.asarray(grids), axis=-1) if grids is not None else None
+    bounds = np.concatenate([[0], np.cumsum(sizes)]) if sizes is not None else None
+    items: list[dict[str, np.ndarray]] = []
+    for i in range(num_items):
+        item = {}
+        for key, value in outputs.items():
+            array = np.asarray(value)
+            if bounds is not None and key == "pixel_values":
+                item[key] = np.ascontiguousarray(array[bounds[i] : bounds[i + 1]])
+            else:
+                item[key] = np.ascontiguousarray(array[i])
+        items.append(item)
+    return items
+
+
+def load_mm_processor(
+    model_path: Path, tokenizer: Any, limits: Mapping[str, int] | None = None
+) -> MultiModalProcessor | None:
+    """The model's processor when config.json's ``model_type`` is one of ``SUPPORTED_MODEL_TYPES``; None for a
+    text-only model (its image inputs are refused). transformers picks the Pil/numpy image processor when
+    torchvision is not installed (the frontend's image has no torch); outputs are numpy either way.
+
+    LLaVA: ``AutoProcessor`` (LlavaProcessor). Qwen2-VL / Qwen2.5-VL: transformers' processor also loads its video
+    processor, which needs torch and torchvision, so its image half is used instead (``QwenVLImageProcessor``).
+
+    Raises:
+        ValueError: a supported model whose folder has no usable image processor (preprocessor_config.json or
+            processor_config.json) or whose tokenizer lacks the image token.
+    """
+    config_file = model_path / "config.json"
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return None
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    try:
+        if model_type == "llava":
+            processor: Any = AutoProcessor.from_pretrained(str(model_path))
+        else:
+            template_file = model_path / "chat_template.jinja"
+            template = template_file.read_text() if template_file.is_file() else None
+            image_processor = AutoImageProcessor.from_pretrained(str(model_path))
+            processor = QwenVLImageProcessor(image_processor, tokenizer, template)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"cannot load the {model_type} image processor from {model_path}: {e}") from e
+    logger.info("images: %s with %s", type(processor).__name__, type(processor.image_processor).__name__)
+    return MultiModalProcessor(processor, model_type, limits)
+
+
+class QwenVLImageProcessor:
+    """The image half of transformers' ``Qwen2VLProcessor`` / ``Qwen2_5_VLProcessor``
+    (``models/qwen2_vl/processing_qwen2_vl.py``), which cannot load without torchvision (its video processor):
+    the placeholder ``<|image_pad|>`` and its expansion to grid_t * grid_h * grid_w / merge_size**2 tokens.
+
+    Raises:
+        ValueError: from the constructor: the tokenizer does not know the image token.
+    """
+
+    def __init__(self, image_processor: Any, tokenizer: Any, chat_template: str | None) -> None:
+        self.image_processor = image_processor
+        # As Qwen2VLProcessor.__init__: the tokenizer's own image token when it names one.
+        self.image_token: str = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        if image_token_id is None or image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {self.image_token!r} token")
+        self.image_token_id: int = image_token_id
+        self.chat_template = chat_template
+
+    def replace_image_token(self, image_inputs: Mapping[str, Any], image_idx: int) -> str:
+        """The text the processor puts for image ``image_idx`` (as ``Qwen2VLProcessor.replace_image_token``)."""
+        merge_length = self.image_processor.merge_size**2
+        return self.image_token * int(np.prod(image_inputs["image_grid_thw"][image_idx]) // merge_length)
