@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from splitserve.entrypoints.test_model import ARCHS, PRESETS
+    from splitserve.entrypoints.test_model import PRESETS, TEXT_ARCHS
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency, large n")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -25,7 +25,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     ):
         p = kinds.add_parser(name, help=text)
         p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
-        p.add_argument("--arch", default="llama", choices=ARCHS)
+        p.add_argument("--arch", default="llama", choices=TEXT_ARCHS)
         p.add_argument("--preset", default="small", choices=PRESETS, help="qwen2.5-0.5b: Qwen2.5-0.5B's shape")
         p.add_argument(
             "--tokenizer",
@@ -56,7 +56,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     p = kinds.add_parser("n", help="one request with a large n: add, first output, abort after a deadline, liveness")
     p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
-    p.add_argument("--arch", default="llama", choices=ARCHS)
+    p.add_argument("--arch", default="llama", choices=TEXT_ARCHS)
     p.add_argument("--preset", default="tiny", choices=PRESETS)
     p.add_argument("--tokenizer", type=Path, default=None, help="as for the other benchmarks")
     p.add_argument("--ns", default="1024,4096,16384", help="values of n, comma-separated")

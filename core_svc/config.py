@@ -152,6 +152,21 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: SchedulingPolicy = "fcfs"
+    max_tokens_per_mm_item: int = 0  # the model's largest multimodal item, in placeholder tokens; 0: text only
+    max_num_encoder_input_tokens: int = 0  # vLLM's: encoder output rows per step; 0: max_num_batched_tokens
+    encoder_cache_size: int = 0  # vLLM's: encoder cache capacity in rows; 0: the encoder compute budget
+
+    @property
+    def encoder_compute_budget(self) -> int:
+        """Most encoder output rows (placeholder tokens) computed in one step (vLLM's ``compute_encoder_budget``):
+        ``max_num_encoder_input_tokens``, or the largest item when that is more, so that every item fits."""
+        return max(self.max_num_encoder_input_tokens or self.max_num_batched_tokens, self.max_tokens_per_mm_item)
+
+    @property
+    def encoder_cache_rows(self) -> int:
+        """The encoder cache's capacity in rows: ``encoder_cache_size``, at least the largest item; as vLLM,
+        the compute budget when unset."""
+        return max(self.encoder_cache_size or self.encoder_compute_budget, self.max_tokens_per_mm_item)
 
     def __post_init__(self) -> None:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -161,8 +176,11 @@ class SchedulerConfig:
             )
 
     @classmethod
-    def from_core_config(cls, config: CoreConfig, max_model_len: int) -> SchedulerConfig:
+    def from_core_config(
+        cls, config: CoreConfig, max_model_len: int, max_tokens_per_mm_item: int = 0
+    ) -> SchedulerConfig:
         return cls(
+            max_tokens_per_mm_item=max_tokens_per_mm_item,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,

@@ -44,6 +44,7 @@ from core_svc.kv_cache_manager import KVCacheManager, cdiv
 from core_svc.model_loader import LoadedModel, format_bytes, load_hf_config, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner, RunnerConfig
 from core_svc.models.arch import ModelArchConfig
+from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
@@ -137,7 +138,12 @@ class EngineCore:
         kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(SchedulerConfig.from_core_config(config, self.max_model_len), kv_cache_manager)
+        model = loaded.model
+        self.mm_model = model if isinstance(model, SupportsMultiModal) else None
+        max_tokens_per_mm_item = self.mm_model.max_tokens_per_mm_item if self.mm_model is not None else 0
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_core_config(config, self.max_model_len, max_tokens_per_mm_item), kv_cache_manager
+        )
         self._profiler: torch.profiler.profile | None = None
         self._profile_dir = Path(tempfile.gettempdir())
         self._stats: RequestStatsTracker | None = None  # set by the first add_stats_sink: metrics, tracing
@@ -435,6 +441,7 @@ class EngineCore:
         violation = prompt_violation(prompt, self.max_model_len, self.vocab_size, "prompt_token_ids")
         if violation is not None:
             raise InvalidRequestError.from_violation(violation)
+        self._validate_mm_features(request)
         request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
         max_tokens = request.sampling_params.max_tokens
         violation = max_tokens_violation(max_tokens, len(prompt), self.max_model_len)
@@ -449,6 +456,57 @@ class EngineCore:
                 f"{max_tokens} - 1), more than the whole cache "
                 f"holds ({num_usable_blocks * self.config.block_size} tokens)"
             )
+
+    def _validate_mm_features(self, request: Request) -> None:
+        """The request's multimodal items against the prompt and the model: none for a text-only model; each
+        range inside the prompt, in order and not overlapping, covering exactly the prompt's placeholder (image)
+        tokens; the item's data as the model takes it (``mm_feature_violation``); no item larger than the
+        encoder cache.
+
+        Raises:
+            InvalidRequestError: naming ``mm_features`` (and the item's index).
+        """
+        features = request.mm_features
+        image_token_id = self.model_runner.arch.image_token_id
+        if not features and image_token_id is None:
+            return
+        if features and self.mm_model is None:
+            raise InvalidRequestError("mm_features", f"the model {self.config.model_name!r} takes no multimodal input")
+        prompt = request.prompt_token_ids
+        covered = 0
+        previous_end = 0
+        for i, feature in enumerate(features):
+            name = f"mm_features[{i}]"
+            start, end = feature.offset, feature.offset + feature.length
+            if feature.length < 1 or start < 0 or end > len(prompt):
+                raise InvalidRequestError(
+                    name, f"placeholder range [{start}, {end}) is not inside the prompt of {len(prompt)} tokens"
+                )
+            if start < previous_end:
+                raise InvalidRequestError(
+                    name,
+                    f"placeholder range [{start}, {end}) overlaps or precedes the previous item's (ending at "
+                    f"{previous_end}); items go in prompt order",
+                )
+            previous_end = end
+            wrong = next((j for j in range(start, end) if prompt[j] != image_token_id), None)
+            if wrong is not None:
+                raise InvalidRequestError(
+                    name,
+                    f"prompt token {wrong} is {prompt[wrong]}, not the model's image token {image_token_id}, inside "
+                    f"the placeholder range [{start}, {end})",
+                )
+            covered += feature.length
+        num_placeholders = sum(1 for token_id in prompt if token_id == image_token_id)
+        if num_placeholders != covered:
+            raise InvalidRequestError(
+                "mm_features",
+                f"the prompt holds {num_placeholders} image tokens ({image_token_id}), the items cover {covered}",
+            )
+        for i, feature in enumerate(features):
+            violation = self.mm_model.mm_feature_violation(feature) if self.mm_model is not None else None
+            if violation is not None:
+                raise InvalidRequestError(f"mm_features[{i}]", violation)
 
 
 def _resolve_max_model_len(config: CoreConfig, loaded: LoadedModel) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from core_svc.outputs import LogprobsLists
+from core_svc.request import MultiModalFeature
 from core_svc.sampler import SamplingMetadata
 from core_svc.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class CachedRequestState:
     num_computed_tokens: int  # tokens in the KV cache before the current step
     token_ids: list[int] = field(init=False)  # prompt + sampled tokens
     prompt_logprobs_parts: list[LogprobsLists] = field(default_factory=list)  # accumulated over prefill chunks
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its multimodal items, by offset
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -10,25 +10,29 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from core_svc.errors import ModelLoadError
 from core_svc.models.arch import ModelArchConfig
+from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
+from core_svc.models.llava import LlavaForConditionalGeneration
 from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kernels import AttentionBackend
 from splitserve.base import model_files
 
 logger = logging.getLogger(__name__)
 
-# Our model classes; every one takes (arch, backend, dtype) and maps checkpoint names to its parameters.
-CausalLM = LlamaForCausalLM | Qwen2VLForConditionalGeneration
-# architecture (config.json's) -> our class, where it is not LlamaForCausalLM
-_MULTIMODAL_CLASSES: dict[str, type[Qwen2VLForConditionalGeneration]] = {
+# architecture -> model class; every other supported architecture is served by LlamaForCausalLM
+ModelClass = Callable[[ModelArchConfig, AttentionBackend, torch.dtype], ServedModel]
+MODEL_CLASSES: dict[str, ModelClass] = {
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,  # the same code, its tower's options
 }
@@ -36,7 +40,7 @@ _MULTIMODAL_CLASSES: dict[str, type[Qwen2VLForConditionalGeneration]] = {
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: CausalLM
+    model: ServedModel
     arch: ModelArchConfig
     path: Path
     eos_token_ids: list[int]  # generation_config's EOS ids first, else config.json's; may be empty
@@ -81,10 +85,11 @@ def load_model(
     """
     start = time.perf_counter()
     arch = ModelArchConfig.from_hf_config(hf_config)
+    if arch.is_multimodal:
+        arch = replace(arch, image_processor=_image_processor_config(path))
     dtype = dtype or arch.dtype
-    model_class = _MULTIMODAL_CLASSES.get(arch.architecture, LlamaForCausalLM)
     with torch.device("meta"):
-        model = model_class(arch, backend, dtype)
+        model = MODEL_CLASSES.get(arch.architecture, LlamaForCausalLM)(arch, backend, dtype)
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -123,6 +128,24 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
+def _image_processor_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's ``preprocessor_config.json`` (a multimodal model's image size bounds); {} without one.
+
+    Raises:
+        ModelLoadError: the file is not a JSON object.
+    """
+    file = path / "preprocessor_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{file} is unreadable: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file} is not a JSON object")
+    return config
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -141,7 +164,7 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: CausalLM, files: list[Path]) -> None:
+def _load_weights(model: ServedModel, files: list[Path]) -> None:
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -178,7 +201,7 @@ def _load_weights(model: CausalLM, files: list[Path]) -> None:
 
 
 def _copy_into(
-    model: CausalLM,
+    model: ServedModel,
     param: torch.nn.Parameter,
     param_name: str,
     shard: int | None,

@@ -6,6 +6,12 @@ buffers filled on the host and copied without blocking (``core_svc.input_buffers
 for rows that sample (and for prompt positions of requests that asked for prompt logprobs). Sampling runs on the
 device; the step's one host sync is the transfer of the sampled ids (with the logprobs, when asked). Decode-only
 steps replay CUDA graphs when they were captured (``core_svc.cuda_graphs``).
+
+Multimodal models (vLLM's ``GPUModelRunner._execute_mm_encoder`` / ``_gather_mm_embeddings``): the items the
+scheduler lists in ``scheduled_encoder_inputs`` are encoded (``embed_multimodal``) into ``encoder_cache``, keyed
+by identifier; for every scheduled chunk the slice of each overlapping item's embedding is scattered into the
+token embeddings at its placeholder rows, and the forward takes those ``inputs_embeds``. A step without
+placeholder rows runs as for a text model.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
 from core_svc.model_loader import LoadedModel
+from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from core_svc.request import MultiModalFeature
 from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
 from core_svc.sampling_params import SamplingParams
 from kernels import AttentionMetadata
@@ -51,6 +59,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
+    states: list[CachedRequestState]  # the step's requests in row order (their rows: query_start_loc_cpu)
     sample_states: list[CachedRequestState]  # requests that sample this step, in row order
     sample_rows: torch.Tensor  # [num_sampling_reqs] int64, hidden row of each one's last token
     prompt_logprob_rows: dict[str, tuple[int, int, int]]  # request_id -> (first hidden row, first position, count)
@@ -82,6 +91,8 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, CachedRequestState] = {}
         self.decode_graphs: DecodeGraphs | None = None
+        self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden_size] item embeddings
+        self.num_encoder_calls = 0  # items encoded so far
 
     def initialize_kv_cache(self, num_kv_blocks: int) -> None:
         """Allocate ``num_kv_blocks`` blocks (the null block 0 included) per layer, zeroed so the null block,
@@ -97,8 +108,11 @@ class ModelRunner:
         of ``max_num_batched_tokens`` tokens (capped at ``max_num_seqs`` requests of ``max_model_len``) as
         ``min(tokens, max_num_seqs)`` prefills of equal length (vLLM's ``_dummy_run``), then the logits and the
         sampler, with top-k and top-p (its sort is the sampler's peak), on one row per request. Every token's
-        KV goes to slot 0; without a KV cache yet, a one-block cache stands in."""
+        KV goes to slot 0; without a KV cache yet, a one-block cache stands in. A multimodal model first encodes
+        as many largest items as one step's encoder budget holds (vLLM's ``_dummy_encoder_run`` /
+        ``profile_run``), kept alive through the forward as the encoder cache would be."""
         config = self.config
+        encoder_outputs = self._profile_encoder()
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
         num_reqs = max(min(num_tokens, config.max_num_seqs), -(num_tokens // -config.max_model_len))
         lengths = [num_tokens // num_reqs] * num_reqs
@@ -106,7 +120,9 @@ class ModelRunner:
         kv_caches = self.kv_caches
         if not kv_caches:
             shape = (2, 1, self.block_size, self.arch.num_key_value_heads, self.arch.head_size)
-            kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+            kv_caches = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_hidden_layers)
+            ]
         buffers = self.buffers
         starts = np.cumsum([0, *lengths])
         buffers.input_ids.np[:num_tokens] = 0
@@ -135,7 +151,17 @@ class ModelRunner:
         params = SamplingParams(temperature=1.0, top_k=self.vocab_size - 1, top_p=0.99)
         states = [CachedRequestState(f"profile-{i}", [0], params, None, [], 0) for i in range(num_reqs)]
         self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
+        del encoder_outputs
         _synchronize(self.device)
+
+    def _profile_encoder(self) -> list[torch.Tensor]:
+        """The profile run's encoder part: ``encoder_compute_budget // max_tokens_per_mm_item`` dummy items in one
+        batch (at least one); none for a text model."""
+        if not isinstance(self.model, SupportsMultiModal):
+            return []
+        item_rows = self.model.max_tokens_per_mm_item
+        budget = max(self.config.max_num_batched_tokens, item_rows)  # SchedulerConfig.encoder_compute_budget
+        return self.model.embed_multimodal_batch([self.model.dummy_mm_feature()] * (budget // item_rows))
 
     def capture_decode_graphs(self, capturer: GraphCapturer) -> None:
         """Capture decode graphs at ``cuda_graph_capture_sizes`` (after ``initialize_kv_cache``); from then on
@@ -159,7 +185,13 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output)
         try:
-            if inputs.graph_size is not None and self.decode_graphs is not None:
+            inputs_embeds = None
+            if isinstance(self.model, SupportsMultiModal):
+                self._execute_mm_encoder(scheduler_output)
+                inputs_embeds = self._gather_mm_embeddings(scheduler_output, inputs)
+            if inputs_embeds is not None:  # eager: graphs embed ids themselves (padded rows included here)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs_embeds)
+            elif inputs.graph_size is not None and self.decode_graphs is not None:
                 hidden = self.decode_graphs.replay(inputs.graph_size)  # [graph_size, hidden]: rows past the step pad
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
@@ -181,8 +213,62 @@ class ModelRunner:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
 
+    def _execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
+        """Encode the items the scheduler scheduled, in one batch, and keep them in ``encoder_cache`` (vLLM's
+        ``_execute_mm_encoder``); an item another request already had encoded is not encoded again."""
+        pending: dict[str, MultiModalFeature] = {}
+        for request_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
+            features = self.requests[request_id].mm_features
+            for i in input_ids:
+                if features[i].identifier not in self.encoder_cache:
+                    pending.setdefault(features[i].identifier, features[i])
+        if pending:
+            outputs = self._encode(list(pending.values()))
+            self.encoder_cache.update(zip(pending, outputs, strict=True))
+
+    def _encode(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """[feature.length, hidden_size] embeddings of each item."""
+        if not isinstance(self.model, SupportsMultiModal):
+            raise TypeError(f"{type(self.model).__name__} takes no multimodal items")
+        self.num_encoder_calls += len(features)
+        return self.model.embed_multimodal_batch(features)
+
+    def _gather_mm_embeddings(self, scheduler_output: SchedulerOutput, inputs: StepInputs) -> torch.Tensor | None:
+        """Token embeddings [num_tokens, hidden_size] (padded rows included) with each scheduled chunk's
+        placeholder rows replaced by the exact slice of its items' embeddings (vLLM's ``_gather_mm_embeddings``:
+        a chunk may start or end inside an item). None when the step has no placeholder row."""
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        query_start_loc = inputs.metadata.query_start_loc_cpu
+        for i, state in enumerate(inputs.states):
+            if not state.mm_features:
+                continue
+            start = state.num_computed_tokens
+            end = start + scheduler_output.num_scheduled_tokens[state.request_id]
+            for feature in state.mm_features:
+                item_end = feature.offset + feature.length
+                if feature.offset >= end:
+                    break
+                if item_end <= start:
+                    continue
+                lo, hi = max(start, feature.offset), min(end, item_end)
+                embeddings = self.encoder_cache.get(feature.identifier)
+                if embeddings is None:  # a scheduling plan undone by a preemption this step: encode, uncached
+                    [embeddings] = self._encode([feature])
+                parts.append(embeddings[lo - feature.offset : hi - feature.offset])
+                first_row = query_start_loc[i] + lo - start
+                rows.extend(range(first_row, first_row + hi - lo))
+        if not parts:
+            return None
+        inputs_embeds = self.model.embed_input_ids(inputs.input_ids)
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        inputs_embeds[index] = torch.cat(parts).to(inputs_embeds.dtype)
+        return inputs_embeds
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         self.remove_requests(scheduler_output.finished_req_ids)
+        for identifier in scheduler_output.free_encoder_mm_hashes:
+            self.encoder_cache.pop(identifier, None)
         for new in scheduler_output.scheduled_new_reqs:
             seed = new.sampling_params.seed
             generator = None
@@ -195,6 +281,7 @@ class ModelRunner:
                 generator=generator,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                mm_features=list(new.mm_features),
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
@@ -269,6 +356,7 @@ class ModelRunner:
             input_ids=buffers.input_ids.copy_to_device(num_tokens),
             positions=buffers.positions.copy_to_device(num_tokens),
             metadata=metadata,
+            states=states,
             sample_states=sample_states,
             sample_rows=buffers.sample_rows.copy_to_device(len(sample_rows)),
             prompt_logprob_rows=prompt_logprob_rows,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from core_svc.request import EngineCoreEvent, FinishReason
+from core_svc.request import EngineCoreEvent, FinishReason, MultiModalFeature
 from core_svc.sampling_params import SamplingParams
 
 
@@ -21,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # its whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    mm_features: list[MultiModalFeature] = field(default_factory=list)  # its multimodal items, by offset
 
 
 @dataclass
@@ -44,6 +45,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # requests finished since the last step: the runner drops their state
     preempted_req_ids: set[str]  # requests preempted this step (the runner keeps their state; on resume they
     # come back in scheduled_cached_reqs with resumed_from_preemption and a whole new block table)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # request_id -> indices into
+    # its mm_features whose encoder outputs the runner computes (and caches by identifier) this step
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)  # identifiers whose cached encoder outputs
+    # the runner drops before this step (evicted by the EncoderCacheManager)
 
 
 @dataclass

@@ -4,7 +4,10 @@ Every request has ``num_computed_tokens`` and ``num_tokens``; each step hands ou
 ``{request_id: num_scheduled_tokens}`` under ``max_num_batched_tokens``, so prefill, chunked prefill and
 decode are the same case. Running requests are served first; when the KV cache is full the scheduler
 preempts by recompute (FCFS: the last running request; priority: the lowest priority, latest arrival).
-Waiting requests are admitted only in steps that preempted nothing. No torch, no grpc.
+Waiting requests are admitted only in steps that preempted nothing. Multimodal items are encoded under an
+encoder compute budget per step and an encoder cache (``EncoderCacheManager``), as vLLM's
+``_try_schedule_encoder_inputs``: a chunk that would need an item that does not fit is cut before the item.
+No torch, no grpc.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core_svc.config import SchedulerConfig
+from core_svc.encoder_cache_manager import EncoderCacheManager
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.outputs import (
     CachedRequestData,
@@ -31,6 +35,7 @@ class _StepPlan:
     """What ``schedule()`` has handed out so far in one step, filled by its phases."""
 
     token_budget: int  # tokens still to hand out this step, under max_num_batched_tokens
+    encoder_compute_budget: int  # encoder output rows still to hand out this step
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request_id -> tokens to compute
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # request_id -> ids of blocks allocated
     # this step, for each request of scheduled_running
@@ -38,6 +43,8 @@ class _StepPlan:
     scheduled_new: list[Request] = field(default_factory=list)  # admitted from waiting for the first time
     scheduled_resumed: list[Request] = field(default_factory=list)  # admitted again after a preemption
     preempted: list[Request] = field(default_factory=list)  # preempted this step, in order
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # request_id -> indices into
+    # its mm_features encoded this step
 
 
 class Scheduler:
@@ -52,6 +59,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.encoder_cache_manager = EncoderCacheManager(config.encoder_cache_rows)
         self.requests: dict[str, Request] = {}  # every unfinished request by id
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -104,7 +112,9 @@ class Scheduler:
         Running requests first (preempting when the KV cache is full), then waiting ones, only in a step that
         preempted nothing; each scheduled request's tokens then count as computed (optimistically).
         """
-        step = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        step = _StepPlan(
+            token_budget=self.config.max_num_batched_tokens, encoder_compute_budget=self.config.encoder_compute_budget
+        )
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -122,6 +132,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
+            if request.mm_features:
+                self._free_encoder_inputs(request)
             new_token_ids = model_runner_output.sampled_token_ids.get(request_id, [])
             kept: list[int] = []
             for token_id in new_token_ids:
@@ -165,6 +177,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 request.num_computed_tokens -= num_tokens
+        # The runner may not hold the outputs it was to encode: nobody may find them cached.
+        self.encoder_cache_manager.evict(self._encoder_identifiers(scheduler_output.scheduled_encoder_inputs))
         return self.fail_requests(list(scheduler_output.num_scheduled_tokens), error)
 
     def fail_requests(self, request_ids: list[str], error: Exception) -> list[EngineCoreOutput]:
@@ -213,12 +227,18 @@ class Scheduler:
         while req_index < len(self.running) and step.token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, step.token_budget)
+            encoder_inputs: list[int] = []
+            if request.mm_features and num_new_tokens:
+                encoder_inputs, num_new_tokens = self._try_schedule_encoder_inputs(
+                    request, request.num_computed_tokens, num_new_tokens, step
+                )
             if num_new_tokens == 0:
                 req_index += 1
                 continue
             new_block_ids, req_index = self._allocate_or_preempt(request, req_index, num_new_tokens, step)
             if new_block_ids is None:
                 break
+            self._allocate_encoder_inputs(request, encoder_inputs, step)
             step.scheduled_running.append(request)
             step.num_scheduled_tokens[request.request_id] = num_new_tokens
             step.new_block_ids[request.request_id] = new_block_ids
@@ -244,6 +264,10 @@ class Scheduler:
                 step.scheduled_running.remove(victim)
                 step.token_budget += step.num_scheduled_tokens.pop(victim.request_id)
                 del step.new_block_ids[victim.request_id]
+                refunded = {victim.request_id: step.scheduled_encoder_inputs.pop(victim.request_id, [])}
+                step.encoder_compute_budget += sum(victim.mm_features[i].length for i in refunded[victim.request_id])
+                # Never encoded: gone from the cache (a request that found them there encodes them itself).
+                self.encoder_cache_manager.evict(self._encoder_identifiers(refunded))
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is request:
@@ -260,10 +284,18 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new_tokens > step.token_budget:
                 break  # no skipping ahead: FCFS order holds
             num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, step.token_budget)
+            encoder_inputs: list[int] = []
+            if request.mm_features and num_new_tokens:
+                encoder_inputs, num_new_tokens = self._try_schedule_encoder_inputs(
+                    request, num_computed_tokens, num_new_tokens, step
+                )
+                if num_new_tokens == 0:
+                    break  # the encoder budget or cache is spent this step
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
             self.waiting.pop_request()
             self._admit(request, num_computed_tokens, step)
+            self._allocate_encoder_inputs(request, encoder_inputs, step)
             step.num_scheduled_tokens[request.request_id] = num_new_tokens
             step.token_budget -= num_new_tokens
 
@@ -289,6 +321,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
+                    mm_features=r.mm_features,
                 )
                 for r in step.scheduled_new
             ],
@@ -304,6 +337,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted},
+            scheduled_encoder_inputs=step.scheduled_encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -312,6 +347,69 @@ class Scheduler:
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
+
+    # --- multimodal items ----------------------------------------------------------------------------------
+
+    def _try_schedule_encoder_inputs(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, step: _StepPlan
+    ) -> tuple[list[int], int]:
+        """Which of ``request``'s items must be encoded for tokens [num_computed_tokens, + num_new_tokens), as
+        vLLM's ``Scheduler._try_schedule_encoder_inputs``: items wholly before the range are in the KV cache
+        (computed, or prefix-cache hits) and need nothing; cached ones are referenced; the others are encoded if
+        the step's encoder compute budget and the encoder cache hold them, and otherwise the range is cut before
+        the first that does not fit (to nothing when it starts inside it; without chunked prefill, to nothing).
+
+        Returns the indices to encode (allocated by ``_allocate_encoder_inputs`` once the KV slots fit) and the
+        possibly reduced ``num_new_tokens``.
+        """
+        encoder_inputs: list[int] = []
+        identifiers: set[str] = set()
+        num_rows = 0
+        budget = step.encoder_compute_budget
+        end = num_computed_tokens + num_new_tokens
+        for i, feature in enumerate(request.mm_features):  # sorted by offset (EngineCore checks)
+            if feature.offset >= end:
+                break
+            if feature.offset + feature.length <= num_computed_tokens:
+                continue
+            if self.encoder_cache_manager.check_and_update_cache(request, i) or feature.identifier in identifiers:
+                continue  # cached, or already encoded for an earlier item of this request this step
+            if not self.encoder_cache_manager.can_allocate(request, i, budget, num_rows):
+                num_new_tokens = max(0, feature.offset - num_computed_tokens)
+                if not self.config.enable_chunked_prefill:
+                    num_new_tokens = 0
+                break
+            encoder_inputs.append(i)
+            identifiers.add(feature.identifier)
+            num_rows += feature.length
+            budget -= feature.length
+        return encoder_inputs, num_new_tokens
+
+    def _allocate_encoder_inputs(self, request: Request, encoder_inputs: list[int], step: _StepPlan) -> None:
+        """Reserve the cache rows of the items scheduled for encoding; charge the step's encoder budget."""
+        for i in encoder_inputs:
+            self.encoder_cache_manager.allocate(request, i)
+            step.encoder_compute_budget -= request.mm_features[i].length
+        if encoder_inputs:
+            step.scheduled_encoder_inputs[request.request_id] = encoder_inputs
+
+    def _free_encoder_inputs(self, request: Request) -> None:
+        """Drop ``request``'s references to items whose placeholders are all computed (vLLM frees an item once
+        the request's computed tokens pass it); an identifier repeated in the prompt once every use is passed."""
+        num_computed = request.num_computed_tokens
+        needed = {f.identifier for f in request.mm_features if f.offset + f.length > num_computed}
+        for i in self.encoder_cache_manager.get_cached_input_ids(request):
+            if request.mm_features[i].identifier not in needed:
+                self.encoder_cache_manager.free_encoder_input(request, i)
+
+    def _encoder_identifiers(self, encoder_inputs: dict[str, list[int]]) -> list[str]:
+        """Identifiers of ``{request_id: item indices}`` of live requests."""
+        return [
+            self.requests[request_id].mm_features[i].identifier
+            for request_id, indices in encoder_inputs.items()
+            if request_id in self.requests
+            for i in indices
+        ]
 
     # --- helpers -------------------------------------------------------------------------------------------
 
@@ -333,6 +431,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV blocks (cached content stays reusable) and requeue first."""
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -360,6 +459,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self.finished_since_last_output.add(request.request_id)

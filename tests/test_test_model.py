@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.entrypoints.builtin_tokenizer import train_tokenizer
-from splitserve.entrypoints.test_model import ARCHS, build_config
+from splitserve.entrypoints.test_model import TEXT_ARCHS, build_config
 from tests.conftest import shared_tokenizer
 
 
@@ -23,7 +23,7 @@ def count_parameters(arch: str, preset: str, vocab_size: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TEXT_ARCHS)
 def test_preset_sizes(arch):
     # qwen3 checkpoints tie the LM head to the embedding: one vocab x hidden matrix fewer.
     small_min = 35e6 if arch == "qwen3" else 50e6

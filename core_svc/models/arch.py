@@ -6,7 +6,8 @@ what is supported, for anything our implementation would compute differently fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,9 +29,16 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchFeatures] = {
     "MistralForCausalLM": ArchFeatures(qkv_bias=False, o_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True),
-    # Multimodal: the language model's features; its settings live in the config's text_config.
+    # Multimodal: the language model's features; its config is the checkpoint's text_config.
+    "LlavaForConditionalGeneration": ArchFeatures(qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=False),
     "Qwen2VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
     "Qwen2_5_VLForConditionalGeneration": ArchFeatures(qkv_bias=True, o_bias=False, qk_norm=False),
+}
+# Multimodal architectures -> the model_type their text_config must have (the language model we run for them).
+MULTIMODAL_TEXT_MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": ("llama",),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl_text",),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl_text",),
 }
 # RoPE types whose frequency table does not depend on the sequence length (transformers' names).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -71,10 +79,18 @@ class ModelArchConfig:
     rope_inv_freq: torch.Tensor  # [head_size // 2] float32
     rope_attention_scaling: float
     dtype: torch.dtype  # the checkpoint's own dtype
+    image_token_id: int | None = None  # multimodal models: the image placeholder token; None: text only
+    hf_config: Any = field(default=None, compare=False, repr=False)  # the transformers config (vision settings)
     # Multimodal checkpoints: M-RoPE's [temporal, height, width] frequency sections (sum head_size // 2), and
     # transformers' vision sub-config (``config.vision_config``). None for text-only models.
     mrope_section: tuple[int, ...] | None = None
-    vision_config: Any = None
+    vision_config: Any = field(default=None, compare=False, repr=False)
+    # Multimodal checkpoints: their preprocessor_config.json (image size bounds), read by the loader; {} otherwise.
+    image_processor: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_token_id is not None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelArchConfig:
@@ -92,7 +108,17 @@ class ModelArchConfig:
             )
         if getattr(config, "quantization_config", None):
             raise ModelLoadError("quantized checkpoints (quantization_config) are not supported; use float weights")
-        top_config, config = config, _language_config(config)
+        top_config, image_token_id = config, None
+        if arch in MULTIMODAL_TEXT_MODEL_TYPES:
+            config = top_config.text_config
+            if config.model_type not in MULTIMODAL_TEXT_MODEL_TYPES[arch]:
+                raise ModelLoadError(
+                    f"{arch} with a {config.model_type!r} language model is not supported; supported: "
+                    f"{', '.join(MULTIMODAL_TEXT_MODEL_TYPES[arch])}"
+                )
+            image_token_id = getattr(top_config, "image_token_id", None)
+            if image_token_id is None:
+                image_token_id = top_config.image_token_index
         hidden_act = config.hidden_act
         if hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelLoadError(f"hidden_act {hidden_act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
@@ -141,6 +167,8 @@ class ModelArchConfig:
             rope_inv_freq=inv_freq,
             rope_attention_scaling=attention_scaling,
             dtype=dtype,
+            image_token_id=image_token_id,
+            hf_config=top_config,
             mrope_section=_mrope_section(config, head_size),
             vision_config=getattr(top_config, "vision_config", None),
         )
@@ -149,11 +177,6 @@ class ModelArchConfig:
         """Bytes of K and V, all layers, for one token."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_size * element_size
-
-
-def _language_config(config: Any) -> Any:
-    """The language model's config: a multimodal config's ``text_config``, else the config itself."""
-    return getattr(config, "text_config", None) or config
 
 
 def _mrope_section(config: Any, head_size: int) -> tuple[int, ...] | None:

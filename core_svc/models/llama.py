@@ -12,6 +12,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
+from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from kernels import AttentionBackend, AttentionMetadata
 
@@ -68,16 +69,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # input_ids, positions: [num_tokens] -> hidden [num_tokens, hidden_size]
-        hidden = self.embed_tokens(input_ids)
+        # input_ids, positions: [num_tokens]; inputs_embeds (given: used instead of input_ids' embeddings)
+        # [num_tokens, hidden_size] -> hidden [num_tokens, hidden_size]
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ServedModel):
     """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM checkpoints."""
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
@@ -95,8 +98,16 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, metadata)
+        """Final hidden states [num_tokens, hidden_size] of the flattened batch (``input_ids``, ``positions``:
+        [num_tokens] int64); ``inputs_embeds`` [num_tokens, hidden_size], when given, replaces the token
+        embeddings (multimodal models merge their items' embeddings into it)."""
+        return self.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: [num_tokens] int64 -> [num_tokens, hidden_size] (vLLM's ``embed_input_ids``)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""

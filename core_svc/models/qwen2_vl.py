@@ -19,12 +19,16 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
+from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.models.layers import Linear, RMSNorm
 from core_svc.models.llama import STACKED_PARAMS, DecoderLayer
 from core_svc.models.mrope import MRotaryEmbedding, get_mrope_input_positions
+from core_svc.models.multimodal import FLOAT_DTYPES, wire_tensor_violation
 from core_svc.request import MultiModalFeature, MultiModalTensor
 from kernels import AttentionBackend, AttentionMetadata
 
+# Qwen2VLImageProcessor's default bound on an image's resized width * height, where the checkpoint gives none
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 _TORCH_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -364,7 +368,7 @@ def tensor_from_wire(item: MultiModalTensor) -> torch.Tensor:
     return flat.view(item.shape)
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(SupportsMultiModal):
     """Serves ``Qwen2VLForConditionalGeneration`` and ``Qwen2_5_VLForConditionalGeneration`` checkpoints: images
     through ``embed_multimodal``, merged by the model runner into ``inputs_embeds``; positions ``[3, num_tokens]``
     (``uses_mrope``; 1-D positions serve text-only batches, all three streams being equal there)."""
@@ -380,6 +384,12 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.visual = Qwen2VisionTransformer(self.vision_cfg, dtype)
         self.model = Qwen2VLTextModel(cfg, backend, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype=dtype)
+        # The image processor resizes so that width * height <= max_pixels, both multiples of patch * merge: an
+        # image is at most max_pixels // (patch * merge)**2 tokens (vLLM's Qwen2VL get_max_image_tokens).
+        size = cfg.image_processor.get("size") or {}
+        max_pixels = size.get("longest_edge") or cfg.image_processor.get("max_pixels") or DEFAULT_MAX_PIXELS
+        unit = self.vision_cfg.patch_size * self.vision_cfg.spatial_merge_size
+        self._max_tokens_per_mm_item = max(1, int(max_pixels) // unit**2)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[num_tokens, hidden_size]`` of ``input_ids`` ``[num_tokens]``."""
@@ -409,6 +419,66 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             )
         pixel_values = tensor_from_wire(feature.data["pixel_values"]).to(device)
         return self.visual(pixel_values, grid_thw)
+
+    def embed_multimodal_batch(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Images of any sizes through the tower in one call (it attends within each image by ``cu_seqlens``):
+        ``[feature.length, hidden_size]`` each, as ``embed_multimodal``."""
+        if len(features) < 2:
+            return [self.embed_multimodal(feature) for feature in features]
+        for feature in features:
+            violation = self.mm_feature_violation(feature)
+            if violation is not None:
+                raise ValueError(f"image item {feature.identifier}: {violation}")
+        device = self.model.embed_tokens.weight.device
+        grids = torch.cat([tensor_from_wire(f.data["image_grid_thw"]).long().reshape(1, 3) for f in features])
+        pixel_values = torch.cat([tensor_from_wire(f.data["pixel_values"]) for f in features]).to(device)
+        embeddings = self.visual(pixel_values, grids)  # [sum of lengths, hidden_size]
+        return list(embeddings.split([f.length for f in features]))
+
+    @property
+    def max_tokens_per_mm_item(self) -> int:
+        return self._max_tokens_per_mm_item
+
+    def dummy_mm_feature(self) -> MultiModalFeature:
+        """An image of ``max_tokens_per_mm_item`` tokens: a merged grid 1 x n (patch grid 1 x merge x n * merge),
+        zero pixels."""
+        merge, num_tokens = self.vision_cfg.spatial_merge_size, self.max_tokens_per_mm_item
+        grid = (1, merge, num_tokens * merge)
+        shape = (num_tokens * merge * merge, self.vision_cfg.patch_dim)
+        data = {
+            "pixel_values": MultiModalTensor("float32", shape, bytes(4 * shape[0] * shape[1])),
+            "image_grid_thw": MultiModalTensor("int64", (3,), torch.tensor(grid, dtype=torch.int64).numpy().tobytes()),
+        }
+        return MultiModalFeature("image", "profile", 0, num_tokens, data)
+
+    def mm_feature_violation(self, feature: MultiModalFeature) -> str | None:
+        """An image item: ``image_grid_thw`` int64 ``[3]`` (or ``[1, 3]``) with h and w multiples of the merge
+        size, ``pixel_values`` ``[t * h * w, patch_dim]`` float, ``t * h * w // merge**2`` placeholder tokens, at
+        most ``max_tokens_per_mm_item``."""
+        if feature.modality != "image":
+            return f"modality {feature.modality!r} is not supported by Qwen2-VL; it takes image"
+        grid_tensor = feature.data.get("image_grid_thw")
+        grid_shape = (1, 3) if grid_tensor is not None and tuple(grid_tensor.shape) == (1, 3) else (3,)
+        violation = wire_tensor_violation("image_grid_thw", grid_tensor, grid_shape, ("int64",))
+        if violation is not None or grid_tensor is None:  # (None always has a violation)
+            return violation
+        t, h, w = tensor_from_wire(grid_tensor).reshape(3).tolist()
+        merge = self.vision_cfg.spatial_merge_size
+        if min(t, h, w) < 1 or h % merge or w % merge:
+            return f"data['image_grid_thw'] {[t, h, w]} must be positive, h and w multiples of {merge}"
+        pixels = feature.data.get("pixel_values")
+        violation = wire_tensor_violation("pixel_values", pixels, (t * h * w, self.vision_cfg.patch_dim), FLOAT_DTYPES)
+        if violation is not None:
+            return violation
+        num_tokens = t * h * w // merge**2
+        if feature.length != num_tokens:
+            return f"length {feature.length}: grid {[t, h, w]} makes {num_tokens} placeholder tokens"
+        if num_tokens > self.max_tokens_per_mm_item:
+            return (
+                f"length {feature.length}: larger than this model's largest image ({self.max_tokens_per_mm_item} "
+                f"tokens, its image processor's max_pixels)"
+            )
+        return None
 
     def get_mrope_input_positions(
         self, prompt_len: int, mm_features: Sequence[MultiModalFeature]

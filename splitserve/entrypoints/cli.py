@@ -477,11 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {splitserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from splitserve.entrypoints.test_model import ALL_ARCHS, PRESETS
+    from splitserve.entrypoints.test_model import ARCHS, PRESETS
 
     p = sub.add_parser("make-test-model", help="write a seeded random-weight Hugging Face checkpoint")
     p.add_argument("out", type=Path, help="the folder to write")
-    p.add_argument("--arch", default="llama", choices=ALL_ARCHS, help="architecture")
+    p.add_argument("--arch", default="llama", choices=ARCHS, help="architecture")
     p.add_argument("--preset", default="tiny", choices=PRESETS, help="size (qwen2.5-0.5b: Qwen2.5-0.5B's shape)")
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder to copy (default: builtin)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")

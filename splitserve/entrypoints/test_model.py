@@ -21,9 +21,10 @@ from typing import Any
 from splitserve.entrypoints.builtin_tokenizer import save_builtin_tokenizer
 from splitserve.entrypoints.test_model_qwen2_vl import VL_PRESET_TABLE, make_qwen2_vl_test_model
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # text-only
-MULTIMODAL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # their presets: test_model_qwen2_vl.VL_PRESET_TABLE
-ALL_ARCHS = ARCHS + MULTIMODAL_ARCHS
+TEXT_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+QWEN2_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # their presets: test_model_qwen2_vl.VL_PRESET_TABLE
+ARCHS = (*TEXT_ARCHS, "llava", *QWEN2_VL_ARCHS)
+LLAVA_PRESETS = ("tiny", "small", "medium")
 PRESETS = ("tiny", "small", "medium", "qwen2.5-0.5b")
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -98,9 +99,11 @@ def make_test_model(
     """Write a seeded random checkpoint to ``out_dir`` and return its path.
 
     Args:
-        arch: llama, mistral, qwen2, qwen3, or qwen2_vl / qwen2_5_vl (Qwen2-VL / Qwen2.5-VL with their image
-            processor files; preset tiny only).
-        preset: a name in ``PRESETS`` (sizes in ``PRESET_TABLE``).
+        arch: llama, mistral, qwen2, qwen3, llava (``LlavaForConditionalGeneration``: a CLIP vision tower of
+            ``VISION_PRESET_TABLE``, an MLP projector and the preset's Llama, with a ``LlavaProcessor``), or
+            qwen2_vl / qwen2_5_vl (Qwen2-VL / Qwen2.5-VL with their image processor files).
+        preset: a name in ``PRESETS`` (sizes in ``PRESET_TABLE``); llava: tiny, small or medium; qwen2_vl /
+            qwen2_5_vl: a name in ``VL_PRESET_TABLE`` (tiny).
         tokenizer: a folder with Hugging Face tokenizer files to copy; None trains the builtin tokenizer.
         dtype: float32 or bfloat16, the dtype of the saved weights; None: the preset's.
         config_overrides: extra config fields (e.g. ``rope_parameters``), applied last.
@@ -113,11 +116,12 @@ def make_test_model(
     import transformers
     from transformers import AutoTokenizer
 
-    if arch not in ALL_ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ALL_ARCHS)}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if arch in MULTIMODAL_ARCHS and preset not in VL_PRESET_TABLE:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    if preset not in PRESETS or (arch == "llava" and preset not in LLAVA_PRESETS):
+        choices = LLAVA_PRESETS if arch == "llava" else PRESETS
+        raise ValueError(f"unknown preset {preset!r} for {arch}; choose from {', '.join(choices)}")
+    if arch in QWEN2_VL_ARCHS and preset not in VL_PRESET_TABLE:
         raise ValueError(f"arch {arch} has presets {', '.join(VL_PRESET_TABLE)}, not {preset!r}")
     dtype = dtype or PRESET_TABLE[preset].dtype
     if dtype not in ("float32", "bfloat16"):
@@ -128,7 +132,9 @@ def make_test_model(
         save_builtin_tokenizer(out)
     else:
         _copy_tokenizer(Path(tokenizer), out)
-    if arch in MULTIMODAL_ARCHS:
+    if arch == "llava":
+        return _make_llava(out, preset, seed, dtype)
+    if arch in QWEN2_VL_ARCHS:
         model = make_qwen2_vl_test_model(out, arch, preset, seed, dtype, _sharpen)
         _write_info(out, arch, preset, seed, dtype, model)
         return out
@@ -233,3 +239,116 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
         raise ValueError(f"{src} holds no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
     for name in found:
         shutil.copy(src / name, out / name)
+
+
+# --- LLaVA-1.5 ------------------------------------------------------------------------------------------------
+
+LLAVA_IMAGE_TOKEN = "<image>"
+# LLaVA-1.5's conversation format (llava-hf's chat template): "USER: <image>\n{text} ASSISTANT:", images first.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class VisionPreset:
+    """A CLIP vision tower's sizes (``CLIPVisionConfig``); image_size is a multiple of patch_size."""
+
+    image_size: int  # pixels per side of the processed (resized, center-cropped) image
+    patch_size: int  # pixels per side of a patch: (image_size / patch_size)^2 image tokens
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+
+
+# tiny: 32 px, 8 px patches: 16 image tokens per image (LLaVA-1.5: 336 px, 14 px patches, 576 tokens).
+VISION_PRESET_TABLE: dict[str, VisionPreset] = {
+    "tiny": VisionPreset(32, 8, 32, 64, 2, 4),
+    "small": VisionPreset(56, 14, 128, 512, 4, 4),
+    "medium": VisionPreset(336, 14, 256, 1024, 6, 8),
+}
+
+
+def _make_llava(out: Path, preset: str, seed: int, dtype: str) -> Path:
+    """A random ``LlavaForConditionalGeneration`` (vision_feature_layer -2, select strategy "default", gelu
+    projector, as LLaVA-1.5) and its ``LlavaProcessor`` (``CLIPImageProcessor`` sized for the tower, the tokenizer
+    already in ``out`` with ``<image>`` added, LLaVA-1.5's chat template), so ``AutoProcessor`` loads it."""
+    import torch
+    import transformers
+    from transformers import AddedToken, AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(out)
+    hf_tokenizer.add_tokens([AddedToken(LLAVA_IMAGE_TOKEN, special=True, normalized=False)], special_tokens=True)
+    image_token_id = hf_tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN)
+    if not isinstance(image_token_id, int):
+        raise TypeError(f"the tokenizer maps {LLAVA_IMAGE_TOKEN} to {image_token_id!r}, not one id")
+    vision = VISION_PRESET_TABLE[preset]
+    num_image_tokens = (vision.image_size // vision.patch_size) ** 2  # the CLS token is dropped ("default")
+    text_config = build_config("llama", preset, len(hf_tokenizer), hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id)
+    vision_config = transformers.CLIPVisionConfig(
+        hidden_size=vision.hidden_size,
+        intermediate_size=vision.intermediate_size,
+        num_hidden_layers=vision.num_hidden_layers,
+        num_attention_heads=vision.num_attention_heads,
+        image_size=vision.image_size,
+        patch_size=vision.patch_size,
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-5,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=image_token_id,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        image_seq_length=num_image_tokens,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config)
+    _sharpen(model, seed)
+    with torch.no_grad():  # image embeddings as large as the (sharpened) token embeddings, so images matter
+        model.model.multi_modal_projector.linear_2.weight.mul_(25.0)
+    model = model.to(getattr(torch, dtype))
+    model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
+    model.generation_config.bos_token_id = hf_tokenizer.bos_token_id
+    model.save_pretrained(out)
+    image_processor = transformers.CLIPImageProcessorPil(  # PIL backend: no torchvision needed
+        size={"shortest_edge": vision.image_size},
+        crop_size={"height": vision.image_size, "width": vision.image_size},
+    )
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=hf_tokenizer,
+        patch_size=vision.patch_size,
+        vision_feature_select_strategy="default",
+        image_token=LLAVA_IMAGE_TOKEN,
+        num_additional_image_tokens=1,  # the CLS token, which "default" drops
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+    (out / "splitserve_test_model.json").write_text(
+        json.dumps(
+            {
+                "arch": "llava",
+                "preset": preset,
+                "seed": seed,
+                "dtype": dtype,
+                "num_parameters": sum(t.numel() for t in model.parameters()),
+                "image_token_id": image_token_id,
+                "image_seq_length": num_image_tokens,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return out
