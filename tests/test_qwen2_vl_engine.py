@@ -8,14 +8,18 @@ The tiny random model's greedy ids depend little on the image, so each sampled t
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from core_svc.cuda_graphs import EagerCapturer
 from core_svc.engine_core import EngineCore
-from core_svc.request import MultiModalFeature, Request
+from core_svc.errors import InvalidRequestError
+from core_svc.request import MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
 from tests.helpers import make_engine
 from tests.test_qwen2_vl import _build, build_prompt, hf_inputs
@@ -184,3 +188,49 @@ def test_profile_run_encodes_the_largest_images(qwen2_vl: tuple) -> None:
     assert [tuple(o.shape) for o in runner._profile_encoder()] == [(16, 64)] * 2  # 40 // 16 images
     runner.profile_run()
     assert runner.num_encoder_calls == 0 and runner.encoder_cache == {}
+
+
+def test_invalid_image_items_are_refused(qwen2_vl: tuple) -> None:
+    ids, [feature] = build_prompt(qwen2_vl, [0])
+    engine = _engine(qwen2_vl)
+    grid, pixels = feature.data["image_grid_thw"], feature.data["pixel_values"]
+    odd_grid = np.array([1, 3, 8], dtype=np.int64)  # h not a multiple of the merge size 2
+    big_grid = np.array([1, 8, 10], dtype=np.int64)  # 20 tokens, past the tiny preset's 16
+    cases = {
+        "data['image_grid_thw'] is missing": replace(feature, data={"pixel_values": pixels}),
+        "data['image_grid_thw'] has dtype": replace(
+            feature, data={**feature.data, "image_grid_thw": replace(grid, dtype="int32", data=grid.data[:12])}
+        ),
+        "multiples of 2": replace(
+            feature, data={**feature.data, "image_grid_thw": replace(grid, data=odd_grid.tobytes())}
+        ),
+        "data['pixel_values'] has shape": replace(
+            feature, data={**feature.data, "pixel_values": replace(pixels, shape=(pixels.shape[0] - 1, 1176))}
+        ),
+        "length 6: grid [1, 4, 8] makes 8 placeholder tokens": replace(
+            feature,
+            data={
+                "image_grid_thw": replace(grid, data=np.array([1, 4, 8], dtype=np.int64).tobytes()),
+                "pixel_values": MultiModalTensor("float32", (32, 1176), bytes(4 * 32 * 1176)),
+            },
+        ),
+        "is not supported by Qwen2-VL": replace(feature, modality="audio"),
+    }
+    big = MultiModalFeature(
+        "image",
+        "big",
+        feature.offset,
+        20,
+        {
+            "image_grid_thw": replace(grid, data=big_grid.tobytes()),
+            "pixel_values": MultiModalTensor("float32", (80, 1176), bytes(4 * 80 * 1176)),
+        },
+    )
+    big_ids = ids[: feature.offset] + [ids[feature.offset]] * 20 + ids[feature.offset + feature.length :]
+    requests = [(expected, ids, bad) for expected, bad in cases.items()]
+    requests.append(("larger than this model's largest image (16 tokens", big_ids, big))
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    for expected, prompt, bad in requests:
+        with pytest.raises(InvalidRequestError, match=re.escape(expected)) as info:
+            engine.add_request(Request(f"bad-{len(expected)}", prompt, params, mm_features=[bad]))
+        assert info.value.field == "mm_features[0]", expected
