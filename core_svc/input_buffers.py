@@ -39,9 +39,11 @@ class HostDeviceBuffer:
         return self.device[:num_rows]
 
     def copy_columns_to_device(self, num_columns: int) -> torch.Tensor:
-        """``copy_to_device`` of columns ``[:, :num_columns]`` of a 2-D buffer (M-RoPE's ``[3, tokens]``)."""
+        """``copy_to_device`` of columns ``[:, :num_columns]`` of a 2-D buffer (M-RoPE's ``[3, tokens]``), one
+        row at a time: each row's prefix is contiguous, so each copy reads the pinned rows in place."""
         if self.device is not self.host:
-            self.device[:, :num_columns].copy_(self.host[:, :num_columns], non_blocking=True)
+            for row in range(self.host.shape[0]):
+                self.device[row, :num_columns].copy_(self.host[row, :num_columns], non_blocking=True)
         return self.device[:, :num_columns]
 
 
