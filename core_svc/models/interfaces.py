@@ -18,7 +18,8 @@ from core_svc.request import MultiModalFeature
 
 class ServedModel(nn.Module):
     """A causal LM over a flattened batch. ``forward(input_ids, positions, kv_caches, metadata,
-    inputs_embeds=None) -> hidden [num_tokens, hidden_size]``; subclasses implement every method below."""
+    inputs_embeds=None) -> hidden [num_tokens, hidden_size]``; subclasses implement every method below
+    (``get_mrope_input_positions``: M-RoPE models only)."""
 
     # True: ``forward`` takes M-RoPE positions [3, num_tokens] and the model has ``get_mrope_input_positions``
     # (Qwen2-VL); the runner then keeps each request's prompt positions and delta.
