@@ -29,6 +29,10 @@ class CachedRequestState:
     token_ids: list[int] = field(init=False)  # prompt + sampled tokens
     prompt_logprobs_parts: list[LogprobsLists] = field(default_factory=list)  # accumulated over prefill chunks
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its multimodal items, by offset
+    # M-RoPE models: the prompt's positions [3, num_prompt_tokens] int64, and mrope_position_delta (tokens past
+    # the prompt sit at index + delta in all three streams); made once, at the first scheduling.
+    mrope_positions: np.ndarray | None = None
+    mrope_position_delta: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -38,6 +38,14 @@ class HostDeviceBuffer:
             self.device[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
         return self.device[:num_rows]
 
+    def copy_columns_to_device(self, num_columns: int) -> torch.Tensor:
+        """``copy_to_device`` of columns ``[:, :num_columns]`` of a 2-D buffer (M-RoPE's ``[3, tokens]``), one
+        row at a time: each row's prefix is contiguous, so each copy reads the pinned rows in place."""
+        if self.device is not self.host:
+            for row in range(self.host.shape[0]):
+                self.device[row, :num_columns].copy_(self.host[row, :num_columns], non_blocking=True)
+        return self.device[:, :num_columns]
+
 
 @dataclass(frozen=True)
 class BufferLimits:
@@ -46,13 +54,15 @@ class BufferLimits:
     max_num_batched_tokens: int  # rows of input_ids, positions, slot_mapping
     max_num_seqs: int  # rows of seq_lens, block_table, sample_rows (query_start_loc has one more)
     max_num_blocks_per_req: int  # cdiv(max_model_len, block_size): block_table's columns
+    uses_mrope: bool = False  # the model takes M-RoPE positions [3, num_tokens] (Qwen2-VL)
 
 
 class InputBuffers:
     """The step's flattened batch in persistent buffers: ``input_ids``, ``positions``, ``slot_mapping``
     ``[max_num_batched_tokens]`` int64; ``query_start_loc`` ``[max_num_seqs + 1]`` int32; ``seq_lens``
     ``[max_num_seqs]`` int32; ``block_table`` ``[max_num_seqs, max_num_blocks_per_req]`` int32 (0, the null
-    block, past each request's blocks); ``sample_rows`` ``[max_num_seqs]`` int64."""
+    block, past each request's blocks); ``sample_rows`` ``[max_num_seqs]`` int64; for an M-RoPE model,
+    ``mrope_positions`` ``[3, max_num_batched_tokens]`` int64 (what the model takes in place of ``positions``)."""
 
     def __init__(self, limits: BufferLimits, device: torch.device) -> None:
         self.limits = limits
@@ -64,6 +74,7 @@ class InputBuffers:
         self.seq_lens = HostDeviceBuffer((seqs,), torch.int32, device)
         self.block_table = HostDeviceBuffer((seqs, limits.max_num_blocks_per_req), torch.int32, device)
         self.sample_rows = HostDeviceBuffer((seqs,), torch.int64, device)
+        self.mrope_positions = HostDeviceBuffer((3, tokens), torch.int64, device) if limits.uses_mrope else None
         # Host block_table rows [:rows] x columns [:columns] may hold stale ids from an earlier step.
         self._dirty_rows = 0
         self._dirty_columns = 0
@@ -83,6 +94,8 @@ class InputBuffers:
         rows = slice(num_reqs, padded_size)
         self.input_ids.np[rows] = 0
         self.positions.np[rows] = 0
+        if self.mrope_positions is not None:
+            self.mrope_positions.np[:, rows] = 0
         self.slot_mapping.np[rows] = 0
         self.seq_lens.np[rows] = 1
         self.block_table.np[rows] = 0

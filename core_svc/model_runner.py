@@ -12,6 +12,12 @@ scheduler lists in ``scheduled_encoder_inputs`` are encoded (``embed_multimodal`
 by identifier; for every scheduled chunk the slice of each overlapping item's embedding is scattered into the
 token embeddings at its placeholder rows, and the forward takes those ``inputs_embeds``. A step without
 placeholder rows runs as for a text model.
+
+M-RoPE models (``uses_mrope``, Qwen2-VL; vLLM's ``GPUModelRunner._calc_mrope_positions``): a request's prompt
+positions ``[3, P]`` and ``mrope_position_delta`` are computed once, when it is first scheduled, and kept in its
+state (through preemption); each step's chunk takes its columns of them, and tokens past the prompt (decodes, a
+recompute after preemption) ``index + delta`` in all three streams. They fill the persistent
+``mrope_positions`` buffer ``[3, max_num_batched_tokens]``, which the decode graphs are captured on too.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class StepInputs:
     """One forward's inputs, and which hidden rows feed the sampler and prompt logprobs."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64; [3, num_tokens] for an M-RoPE model
     metadata: AttentionMetadata
     states: list[CachedRequestState]  # the step's requests in row order (their rows: query_start_loc_cpu)
     sample_states: list[CachedRequestState]  # requests that sample this step, in row order
@@ -86,7 +92,10 @@ class ModelRunner:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_caches: list[torch.Tensor] = []  # [2, num_kv_blocks, block_size, num_kv_heads, head_size] per layer
-        limits = BufferLimits(config.max_num_batched_tokens, config.max_num_seqs, config.max_num_blocks_per_req)
+        self.uses_mrope = self.model.uses_mrope
+        limits = BufferLimits(
+            config.max_num_batched_tokens, config.max_num_seqs, config.max_num_blocks_per_req, self.uses_mrope
+        )
         self.buffers = InputBuffers(limits, self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, CachedRequestState] = {}
@@ -127,6 +136,8 @@ class ModelRunner:
         starts = np.cumsum([0, *lengths])
         buffers.input_ids.np[:num_tokens] = 0
         buffers.positions.np[:num_tokens] = np.concatenate([np.arange(n) for n in lengths])
+        if buffers.mrope_positions is not None:
+            buffers.mrope_positions.np[:, :num_tokens] = buffers.positions.np[:num_tokens]
         buffers.slot_mapping.np[:num_tokens] = 0
         buffers.query_start_loc.np[: num_reqs + 1] = starts
         buffers.seq_lens.np[:num_reqs] = lengths
@@ -145,8 +156,7 @@ class ModelRunner:
             num_decodes=sum(1 for n in lengths if n == 1),
         )
         input_ids = buffers.input_ids.copy_to_device(num_tokens)
-        positions = buffers.positions.copy_to_device(num_tokens)
-        hidden = self.model(input_ids, positions, kv_caches, metadata)
+        hidden = self.model(input_ids, self._copy_positions(num_tokens), kv_caches, metadata)
         logits = self.model.compute_logits(hidden[buffers.sample_rows.copy_to_device(num_reqs)])
         params = SamplingParams(temperature=1.0, top_k=self.vocab_size - 1, top_p=0.99)
         states = [CachedRequestState(f"profile-{i}", [0], params, None, [], 0) for i in range(num_reqs)]
@@ -283,6 +293,10 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 mm_features=list(new.mm_features),
             )
+            if self.uses_mrope:  # now, while the items carry their data (image_grid_thw)
+                positions, delta = self.model.get_mrope_input_positions(len(new.prompt_token_ids), new.mm_features)
+                state = self.requests[new.request_id]
+                state.mrope_positions, state.mrope_position_delta = positions.numpy(), delta
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.request_id]
             if cached.resumed_from_preemption:
@@ -303,6 +317,7 @@ class ModelRunner:
         buffers.clear_block_table(num_reqs, max(len(state.block_ids) for state in states))
         block_table, input_ids = buffers.block_table.np, buffers.input_ids.np
         positions, slot_mapping = buffers.positions.np, buffers.slot_mapping.np
+        mrope_positions = buffers.mrope_positions.np if buffers.mrope_positions is not None else None
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_states: list[CachedRequestState] = []
@@ -323,6 +338,8 @@ class ModelRunner:
                 blocks = block_table[i, token_positions // block_size].astype(np.int64)
                 slot_mapping[row : row + num_tokens] = blocks * block_size + token_positions % block_size
                 input_ids[row : row + num_tokens] = state.token_ids[start:end]
+            if mrope_positions is not None:
+                _fill_mrope_positions(mrope_positions[:, row : row + num_tokens], state, start, end)
             if state.wants_prompt_logprobs and start < state.num_prompt_tokens - 1:
                 count = min(end, state.num_prompt_tokens - 1) - start
                 prompt_logprob_rows[request_id] = (row, start, count)
@@ -354,7 +371,7 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=buffers.input_ids.copy_to_device(num_tokens),
-            positions=buffers.positions.copy_to_device(num_tokens),
+            positions=self._copy_positions(num_tokens),
             metadata=metadata,
             states=states,
             sample_states=sample_states,
@@ -387,12 +404,18 @@ class ModelRunner:
             num_decodes=size,
         )
         input_ids = buffers.input_ids.copy_to_device(size)
-        positions = buffers.positions.copy_to_device(size)
+        positions = self._copy_positions(size)  # M-RoPE: the [3, size] columns of its buffer
 
         def forward() -> torch.Tensor:
             return self.model(input_ids, positions, self.kv_caches, metadata)
 
         return forward
+
+    def _copy_positions(self, num_tokens: int) -> torch.Tensor:
+        """The step's positions on the device: ``[num_tokens]``, or ``[3, num_tokens]`` for an M-RoPE model."""
+        if self.buffers.mrope_positions is not None:
+            return self.buffers.mrope_positions.copy_columns_to_device(num_tokens)
+        return self.buffers.positions.copy_to_device(num_tokens)
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, LogprobsTensors]:
         """Logprobs of this step's prompt tokens 1..P-1 given their prefixes, on the device, per request."""
@@ -446,6 +469,18 @@ class ModelRunner:
             if logprobs is not None and state.sampling_params.logprobs is not None:
                 output.logprobs[state.request_id] = logprobs.slice(i, i + 1)
         return output
+
+
+def _fill_mrope_positions(out: np.ndarray, state: CachedRequestState, start: int, end: int) -> None:
+    """Write the M-RoPE positions of ``state``'s tokens ``start..end-1`` into ``out`` ``[3, end - start]``: its
+    prompt positions where they reach, ``index + delta`` past the prompt (``mrope.mrope_positions``)."""
+    prompt_positions = state.mrope_positions
+    if prompt_positions is None:
+        raise RuntimeError(f"request {state.request_id} has no M-RoPE positions")
+    prompt_len = prompt_positions.shape[1]
+    split = min(max(start, prompt_len), end)  # first index past the prompt
+    out[:, : split - start] = prompt_positions[:, start:split]
+    out[:, split - start :] = np.arange(split, end) + state.mrope_position_delta
 
 
 def _synchronize(device: torch.device) -> None:

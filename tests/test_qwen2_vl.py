@@ -307,8 +307,8 @@ def test_text_positions_would_not_match(qwen2_vl):
 
 
 def test_engine_serves_text_prompts_as_transformers_generates(qwen2_vl):
-    """Until the model runner feeds images and M-RoPE positions, a Qwen2-VL checkpoint serves text prompts: 1-D
-    positions are M-RoPE's for text (all three streams equal). Greedy ids equal transformers ``generate``."""
+    """Text prompts through the engine: their M-RoPE positions are equal in all three streams, with delta 0.
+    Greedy ids equal transformers ``generate`` (image requests: ``test_qwen2_vl_engine.py``)."""
     path, hf, _, _, _ = qwen2_vl
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, hf.config.text_config.vocab_size, (n,), generator=generator).tolist() for n in (5, 40)]

@@ -8,6 +8,8 @@ placeholder positions before ``forward``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -16,7 +18,20 @@ from core_svc.request import MultiModalFeature
 
 class ServedModel(nn.Module):
     """A causal LM over a flattened batch. ``forward(input_ids, positions, kv_caches, metadata,
-    inputs_embeds=None) -> hidden [num_tokens, hidden_size]``; subclasses implement every method below."""
+    inputs_embeds=None) -> hidden [num_tokens, hidden_size]``; subclasses implement every method below
+    (``get_mrope_input_positions``: M-RoPE models only)."""
+
+    # True: ``forward`` takes M-RoPE positions [3, num_tokens] and the model has ``get_mrope_input_positions``
+    # (Qwen2-VL); the runner then keeps each request's prompt positions and delta.
+    uses_mrope: bool = False
+
+    def get_mrope_input_positions(
+        self, prompt_len: int, mm_features: Sequence[MultiModalFeature]
+    ) -> tuple[torch.Tensor, int]:
+        """M-RoPE models: a prompt's positions [3, prompt_len] int64 and its ``mrope_position_delta`` (positions
+        past the prompt are ``index + delta``), from its items' placement and data (vLLM's
+        ``SupportsMRoPE.get_mrope_input_positions``)."""
+        raise NotImplementedError
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: [num_tokens] int64 -> [num_tokens, hidden_size] (vLLM's ``embed_input_ids``)."""
