@@ -25,7 +25,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     ):
         p = kinds.add_parser(name, help=text)
         p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
-        p.add_argument("--arch", default="llama", choices=TEXT_ARCHS)
+        p.add_argument(
+            "--arch",
+            default=None,
+            choices=TEXT_ARCHS if name == "throughput" else (*TEXT_ARCHS, "llava"),
+            help="of the built checkpoint (default: llama; llava with --images-per-request)",
+        )
         p.add_argument("--preset", default="small", choices=PRESETS, help="qwen2.5-0.5b: Qwen2.5-0.5B's shape")
         p.add_argument(
             "--tokenizer",
@@ -52,6 +57,24 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--core-args", default="", help="extra flags for the core, e.g. '--max-num-seqs 64'")
             p.add_argument("--repeats", type=int, default=3, help="runs per deployment and rate, interleaved")
             p.add_argument("--log-dir", type=Path, default=None)
+            p.add_argument(
+                "--images-per-request",
+                type=int,
+                default=0,
+                help="the image workload: N PNG images per request on a LLaVA checkpoint (built: --arch llava), "
+                "and the frontend's preprocessing rate on one thread (0: text only)",
+            )
+            p.add_argument(
+                "--image-sizes",
+                default="320x240,640x480,1024x768",
+                help="WIDTHxHEIGHT of the images, comma-separated; the requests' images cycle through them",
+            )
+            p.add_argument(
+                "--preprocess-images",
+                type=int,
+                default=20,
+                help="images of each size for the preprocessing rate (with --images-per-request)",
+            )
         p.set_defaults(func=cmd_bench)
 
     p = kinds.add_parser("n", help="one request with a large n: add, first output, abort after a deadline, liveness")
@@ -162,13 +185,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tokenizer_dir = args.tokenizer or workload.default_tokenizer_dir()
         if tokenizer_dir is None:
             logger.warning("no llama2 tokenizer found (SPLITSERVE_TOKENIZERS_DIR): using the builtin tokenizer")
-        model = workload.bench_model_path(args.arch, args.preset, tokenizer_dir)
+        arch = args.arch or ("llava" if getattr(args, "images_per_request", 0) else "llama")
+        model = workload.bench_model_path(arch, args.preset, tokenizer_dir)
     if args.bench == "n":
         return _bench_n(args, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     num_prompts = args.num_prompts or (512 if getattr(args, "device", "cpu") == "cuda" else 64)
-    requests = workload.make_request_set(num_prompts, args.output_len, tokenizer, args.seed)
-    name = args.name or f"{args.bench}-{args.preset if not args.model else model.name}"
+    images_per_request = getattr(args, "images_per_request", 0)
+    if images_per_request:
+        from benchmarks import image_workload
+
+        sizes = image_workload.parse_image_sizes(args.image_sizes)
+        requests = image_workload.make_image_request_set(
+            num_prompts, args.output_len, tokenizer, images_per_request, sizes, args.seed
+        )
+    else:
+        requests = workload.make_request_set(num_prompts, args.output_len, tokenizer, args.seed)
+    kind = f"{args.bench}-images" if images_per_request else args.bench
+    name = args.name or f"{kind}-{args.preset if not args.model else model.name}"
     if args.bench == "throughput":
         from benchmarks import throughput, throughput_report
 
@@ -181,6 +215,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",") if r.strip()]
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
         report = serve.run(model, requests, rates, args.core_args.split(), log_dir, args.repeats)
+        if images_per_request:
+            report["preprocessing"] = image_workload.preprocess_rate(model, sizes, args.preprocess_images, args.seed)
         json_path, png_path = serve.write_report(report, args.out, name)
         text = serve.format_report(report)
     print(text)

@@ -6,6 +6,9 @@ token (TTFT), the gaps between streamed tokens (ITL; a message carrying k tokens
 interval), the time per output token after the first (TPOT) and the end-to-end latency. The wrapper runs the same
 rates against the split stack (core and frontend as separate processes) and against ``splitserve serve`` (core
 in-process), alternating between them run by run, and reports the split's cost as ratios.
+
+With ``--images-per-request N`` (``image_workload``) every request carries N PNG images through ``Generate``
+on a LLaVA checkpoint, new images every run, and the report adds the frontend's preprocessing rate on one thread.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from benchmarks.image_workload import with_fresh_images
 from benchmarks.workload import Machine, RequestSet, pyplot, write_json
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
@@ -43,10 +47,13 @@ class RequestTiming:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else math.nan
 
 
-async def _one(stub: api_grpc.GenerationStub, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
+async def _one(
+    stub: api_grpc.GenerationStub, prompt: list[int], images: list[bytes], output_len: int, timing: RequestTiming
+) -> None:
     request = api.GenerateRequest(
         prompt_token_ids=prompt,
         sampling_params=api.SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0),
+        images=[api.Image(data=data, mime_type="image/png") for data in images],
     )
     start = last = time.perf_counter()
     try:
@@ -73,14 +80,15 @@ async def send_all(address: str, requests: RequestSet, rate: float, seed: int = 
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(requests.prompts)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(requests.prompts))
     timings = [RequestTiming() for _ in requests.prompts]
+    images = requests.images or [[] for _ in requests.prompts]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = api_grpc.GenerationStub(channel)
         await channel.channel_ready()
         start = time.perf_counter()
         tasks = []
-        for prompt, gap, timing in zip(requests.prompts, gaps, timings, strict=True):
+        for prompt, prompt_images, gap, timing in zip(requests.prompts, images, gaps, timings, strict=True):
             await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(_one(stub, prompt, requests.output_len, timing)))
+            tasks.append(asyncio.create_task(_one(stub, prompt, prompt_images, requests.output_len, timing)))
         await asyncio.gather(*tasks)
         return timings, time.perf_counter() - start
 
@@ -120,15 +128,19 @@ def run_interleaved(
 ) -> dict[str, list[dict[str, Any]]]:
     """For each rate, ``repeats`` rounds in which every deployment runs the request set once, in turn, so a
     shared machine's drifting speed falls on all deployments alike."""
-    warmup = RequestSet(prompts=requests.prompts[:2], output_len=4, seed=requests.seed)
+    warmup = requests.head(2, output_len=4)
     for address in addresses.values():
         asyncio.run(send_all(address, warmup, math.inf))
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in addresses}
+    num_runs = 0
     for rate in rates:
         runs: dict[str, list[tuple[list[RequestTiming], float]]] = {name: [] for name in addresses}
         for round_index in range(repeats):
             for name, address in addresses.items():
-                runs[name].append(asyncio.run(send_all(address, requests, rate, seed=round_index)))
+                num_runs += 1
+                # Images: new ones every run (made before the clock starts), so each run encodes all of them.
+                run_requests = with_fresh_images(requests, num_runs) if requests.images else requests
+                runs[name].append(asyncio.run(send_all(address, run_requests, rate, seed=round_index)))
         for name in addresses:
             results[name].append(summarize(rate, runs[name]))
             r = results[name][-1]
@@ -147,7 +159,8 @@ def run(
     model: Path, requests: RequestSet, rates: list[float], core_args: list[str], log_dir: Path, repeats: int = 3
 ) -> dict[str, Any]:
     """Start the split stack (core and frontend processes) and ``splitserve serve`` (core in-process) with
-    ``core_args``, both at once (an idle stack costs memory only), and run ``run_interleaved`` on them."""
+    ``core_args``, both at once (an idle stack costs memory only), and run ``run_interleaved`` on them.
+    The caller adds ``preprocessing`` (``image_workload.preprocess_rate``) to an image workload's report."""
     from splitserve.entrypoints import stack
 
     processes: list[stack.ServiceProcess] = []
@@ -213,7 +226,12 @@ def format_report(report: dict[str, Any]) -> str:
     rs = report["request_set"]
     lines = [
         f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
-        f"{rs['output_len']} output tokens each",
+        f"{rs['output_len']} output tokens each"
+        + (
+            f", {rs['images_per_request']} PNG images each ({_sizes(rs['image_sizes'])}, cycling)"
+            if rs.get("images_per_request")
+            else ""
+        ),
         f"{'deployment':10} {'rate':>6} {'out tok/s':>10} {'TTFT p50/p90/p99 ms':>22} {'TPOT p50 ms':>12} "
         f"{'ITL p50/p99 ms':>16} {'e2e p50/p99 ms':>18} {'errors':>6}",
     ]
@@ -231,10 +249,21 @@ def format_report(report: dict[str, Any]) -> str:
             f"{c['ttft_p50_overhead_ms']:+.1f} ms, TPOT {c['tpot_p50_overhead_ms']:+.2f} ms, e2e "
             f"{c['e2e_p50_overhead_ms']:+.0f} ms"
         )
+    if (pre := report.get("preprocessing")) is not None:
+        by_size = ", ".join(f"{size} {rate:.0f}" for size, rate in pre["images_per_s_by_size"].items())
+        lines.append(
+            f"frontend preprocessing on one thread ({pre['processor']}: decode + hash + image processor): "
+            f"{pre['images_per_s']:.1f} images/s ({by_size}); {pre['cpu_s_per_image'] * 1000:.1f} CPU-ms per "
+            f"image, CPU/wall {pre['cpu_over_wall']:.2f}; CPU {report['machine']['cpu']}"
+        )
     for name, measured, wanted, met in check_targets(report):
         op = ">=" if "throughput" in name else "<="
         lines.append(f"target {name}: {measured:.3f} (want {op} {wanted:.2f}) {'MET' if met else 'NOT MET'}")
     return "\n".join(lines)
+
+
+def _sizes(sizes: list[list[int]]) -> str:
+    return ", ".join(f"{w}x{h}" for w, h in sizes)
 
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path, Path]:

@@ -41,11 +41,14 @@ def bench_model_path(arch: str, preset: str, tokenizer: Path | None, seed: int =
 
 @dataclass(frozen=True)
 class RequestSet:
-    """Seeded prompts of random token ids, each generating exactly ``output_len`` tokens (EOS ignored)."""
+    """Seeded prompts of random token ids, each generating exactly ``output_len`` tokens (EOS ignored); with the
+    image workload (``image_workload``), each prompt's encoded images in placeholder order."""
 
     prompts: list[list[int]]
     output_len: int
     seed: int
+    images: list[list[bytes]] = field(default_factory=list)  # request -> its PNGs; empty: text only
+    image_sizes: list[list[int]] = field(default_factory=list)  # the [width, height] the images cycle through
 
     @property
     def prompt_lens(self) -> list[int]:
@@ -63,7 +66,16 @@ class RequestSet:
             "prompt_len_max": int(lens.max()),
             "input_tokens": int(lens.sum()),
             "output_tokens": len(self.prompts) * self.output_len,
+            "images_per_request": len(self.images[0]) if self.images else 0,
+            "image_sizes": self.image_sizes,
+            "image_bytes": sum(len(image) for images in self.images for image in images),
         }
+
+    def head(self, num_requests: int, output_len: int) -> RequestSet:
+        """The first ``num_requests`` requests, with their images, generating ``output_len`` tokens (a warm-up)."""
+        return RequestSet(
+            self.prompts[:num_requests], output_len, self.seed, self.images[:num_requests], self.image_sizes
+        )
 
 
 def make_request_set(num_requests: int, output_len: int, tokenizer: Any, seed: int = 0) -> RequestSet:

@@ -4,14 +4,17 @@ device-independent parts (matmul peak, copy bandwidth, weight-read bound, single
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 import pytest
+from PIL import Image
 from transformers import AutoTokenizer
 
 from benchmarks import single_request, throughput, throughput_report
 from benchmarks.device_limits import CopyBandwidth, MatmulPeak, copy_bandwidth, matmul_peak
+from benchmarks.image_workload import make_image_request_set, with_fresh_images
 from benchmarks.single_request import decode_weight_bytes, weight_read_bound_s
 from benchmarks.workload import MATMUL_CPU_FLAGS, PROMPT_LEN_RANGE, Machine, ModelFlops, make_request_set
 from splitserve.entrypoints.cli import main
@@ -111,6 +114,50 @@ def test_bench_serve_runs_both_deployments(checkpoint, tmp_path, capsys):
     assert [c["rate"] for c in report["comparison"]] == [50.0, "inf"]
     out = capsys.readouterr().out
     assert "split vs in-process at inf" in out and "target split/in-process throughput" in out
+
+
+def test_image_request_set_is_seeded_llava_prompts(checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint("llava", "tiny"))
+    sizes = ((40, 30), (64, 48))
+    a = make_image_request_set(3, 4, tokenizer, 2, sizes, seed=1)
+    text = make_request_set(3, 4, tokenizer, seed=1)
+    # LLaVA-1.5's format around the text workload's ids: BOS, "USER: ", a placeholder per image, " ASSISTANT:".
+    head = tokenizer("USER: <image>\n<image>\n").input_ids
+    tail = tokenizer(" ASSISTANT:", add_special_tokens=False).input_ids
+    assert head[0] == tokenizer.bos_token_id and head.count(tokenizer.convert_tokens_to_ids("<image>")) == 2
+    for prompt, text_prompt, images in zip(a.prompts, text.prompts, a.images, strict=True):
+        assert prompt == head + text_prompt + tail and len(images) == 2
+    all_images = [image for images in a.images for image in images]
+    assert [Image.open(io.BytesIO(data)).size for data in all_images] == [(40, 30), (64, 48)] * 3
+    assert len(set(all_images)) == 6 and make_image_request_set(3, 4, tokenizer, 2, sizes, seed=1).images == a.images
+    fresh = with_fresh_images(a, 1)
+    assert fresh.prompts == a.prompts and not set(all_images) & {i for images in fresh.images for i in images}
+    assert a.summary()["images_per_request"] == 2 and a.summary()["image_sizes"] == [[40, 30], [64, 48]]
+
+
+def test_bench_serve_image_workload(checkpoint, tmp_path, capsys):
+    model = checkpoint("llava", "tiny")
+    code = main(
+        [
+            "bench", "serve", "--model", str(model), "--images-per-request", "1", "--image-sizes", "40x30,64x48",
+            "--preprocess-images", "2", "--num-prompts", "2", "--output-len", "3", "--rates", "inf",
+            "--repeats", "1", "--out", str(tmp_path), "--name", "i", "--log-dir", str(tmp_path / "logs"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "i.json").read_text())
+    rs = report["request_set"]
+    assert (rs["images_per_request"], rs["image_sizes"]) == (1, [[40, 30], [64, 48]])
+    for results in report["deployments"].values():
+        (r,) = results
+        assert (r["completed"], r["errors"], r["output_tokens"]) == (2, [], 6)
+        assert 0 < r["ttft_p50_ms"] <= r["e2e_p50_ms"]
+    pre = report["preprocessing"]
+    assert pre["processor"] == "CLIPImageProcessorPil" and pre["num_images_per_size"] == 2
+    assert set(pre["images_per_s_by_size"]) == {"40x30", "64x48"} and pre["images_per_s"] > 0
+    assert pre["cpu_s_per_image"] > 0 and report["machine"]["cpu"]
+    out = capsys.readouterr().out
+    assert "1 PNG images each (40x30, 64x48, cycling)" in out and "frontend preprocessing on one thread" in out
 
 
 @pytest.mark.slow
