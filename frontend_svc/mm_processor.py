@@ -43,6 +43,7 @@ MIME_FORMATS = {
 # The number of pixels of one decoded image, beyond which it is refused before it is decoded (PIL's
 # DecompressionBombError bound, 2 * Image.MAX_IMAGE_PIXELS = 179 megapixels): a small file can claim a huge image.
 MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485)
+_ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
 
 
 def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str, int]:
@@ -108,6 +109,8 @@ def image_from_url(url: str, mime_type: str, field: str) -> EncodedImage:
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise ValidationError(field, "a data: URI must be base64: data:<mime type>;base64,<data>")
+    # MIME-style base64 (RFC 2045) wraps its lines: ASCII whitespace is dropped, every other character validated.
+    payload = payload.translate(_ASCII_WHITESPACE)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -136,11 +139,14 @@ def decode_image(image: Any, field: str) -> Image.Image:
     try:
         # In memory (BytesIO): nothing to close. Only the header is read here; load() decodes.
         opened = Image.open(io.BytesIO(image.data), formats=list(MIME_FORMATS.values()))
-        if opened.width * opened.height > MAX_IMAGE_PIXELS:
-            raise ValidationError(
-                image.field,
-                f"is {opened.width}x{opened.height} pixels, more than the {MAX_IMAGE_PIXELS} this server decodes",
-            )
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValidationError(image.field, f"cannot be decoded as an image ({e})") from None
+    if opened.width * opened.height > MAX_IMAGE_PIXELS:  # outside the try: its own message, not "cannot be decoded"
+        raise ValidationError(
+            image.field,
+            f"is {opened.width}x{opened.height} pixels, more than the {MAX_IMAGE_PIXELS} this server decodes",
+        )
+    try:
         opened.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValidationError(image.field, f"cannot be decoded as an image ({e})") from None

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from frontend_svc import mm_processor
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
@@ -337,6 +338,31 @@ def test_bad_images_are_refused_naming_the_field(
     with pytest.raises(ValidationError) as e:
         run(llava, generate_request_from_api(api.GenerateRequest(prompt="<image>", images=images)))
     assert e.value.field == field and reason in e.value.description
+
+
+def test_a_too_large_image_is_refused_with_its_size(llava: InputProcessor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mm_processor, "MAX_IMAGE_PIXELS", 100)
+    image = api.Image(data=png_bytes(random_image(0)), mime_type="image/png")
+    with pytest.raises(ValidationError) as e:
+        run(llava, generate_request_from_api(api.GenerateRequest(prompt="<image>", images=[image])))
+    assert (e.value.field, e.value.description) == (
+        "images[0]",
+        "is 70x40 pixels, more than the 100 this server decodes",
+    )
+
+
+def test_line_wrapped_base64_data_uris_are_taken(llava: InputProcessor) -> None:
+    image = random_image(5)
+    encoded = base64.b64encode(png_bytes(image)).decode()
+    wrapped = "\r\n".join(encoded[i : i + 76] for i in range(0, len(encoded), 76))  # MIME's 76-character lines
+
+    def identifier(url: str) -> str:
+        request = api.GenerateRequest(prompt="<image>", images=[api.Image(url=url)])
+        return str(run(llava, generate_request_from_api(request)).mm_features[0].identifier)
+
+    assert identifier("data:image/png;base64," + wrapped + "\n") == identifier(_data_uri(image))
+    with pytest.raises(ValidationError, match="base64 is not valid"):
+        identifier("data:image/png;base64," + wrapped.replace("\r\n", "\u00a0", 1))  # not ASCII whitespace
 
 
 def test_count_errors(llava_dir: Path, llava: InputProcessor) -> None:
