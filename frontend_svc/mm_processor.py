@@ -46,6 +46,12 @@ MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485)
 _ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
 
 
+# transformers' image processor backend (``from_pretrained(backend=...)``, transformers 5). Left unset it takes the
+# torchvision one whenever torchvision is importable: that imports torch into the frontend and resizes with other
+# kernels, so the same picture would make other tensors under one item hash.
+IMAGE_PROCESSOR_BACKEND = "pil"
+
+
 def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str, int]:
     """``--limit-mm-per-prompt`` as vLLM takes it: ``image=4`` (``modality=N`` pairs, comma-separated) or JSON
     (``{"image": 4}``), or a dict already; None: {} (999 each, vLLM v1's default).
@@ -194,8 +200,15 @@ class MultiModalProcessor:
             name: getattr(processor, name, None)
             for name in ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens")
         }
+        # The class too: to_dict()'s image_processor_type names the base class whatever the backend, and another
+        # backend resizes differently.
         self.settings = json.dumps(
-            {"model_type": model_type, "image_processor": processor.image_processor.to_dict(), "processor": own},
+            {
+                "model_type": model_type,
+                "image_processor": processor.image_processor.to_dict(),
+                "image_processor_class": type(processor.image_processor).__name__,
+                "processor": own,
+            },
             sort_keys=True,
             default=str,
         )
@@ -318,8 +331,8 @@ def load_mm_processor(
     model_path: Path, tokenizer: Any, limits: Mapping[str, int] | None = None
 ) -> MultiModalProcessor | None:
     """The model's processor when config.json's ``model_type`` is one of ``SUPPORTED_MODEL_TYPES``; None for a
-    text-only model (its image inputs are refused). transformers picks the Pil/numpy image processor when
-    torchvision is not installed (the frontend's image has no torch); outputs are numpy either way.
+    text-only model (its image inputs are refused). The image processor is always the Pil/numpy one
+    (``IMAGE_PROCESSOR_BACKEND``, e.g. ``CLIPImageProcessorPil``, ``Qwen2VLImageProcessorPil``).
 
     LLaVA: ``AutoProcessor`` (LlavaProcessor). Qwen2-VL / Qwen2.5-VL: transformers' processor also loads its video
     processor, which needs torch and torchvision, so its image half is used instead (``QwenVLImageProcessor``).
@@ -336,11 +349,11 @@ def load_mm_processor(
 
     try:
         if model_type == "llava":
-            processor: Any = AutoProcessor.from_pretrained(str(model_path))
+            processor: Any = AutoProcessor.from_pretrained(str(model_path), backend=IMAGE_PROCESSOR_BACKEND)
         else:
             template_file = model_path / "chat_template.jinja"
             template = template_file.read_text() if template_file.is_file() else None
-            image_processor = AutoImageProcessor.from_pretrained(str(model_path))
+            image_processor = AutoImageProcessor.from_pretrained(str(model_path), backend=IMAGE_PROCESSOR_BACKEND)
             processor = QwenVLImageProcessor(image_processor, tokenizer, template)
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"cannot load the {model_type} image processor from {model_path}: {e}") from e

@@ -365,6 +365,32 @@ def test_line_wrapped_base64_data_uris_are_taken(llava: InputProcessor) -> None:
         identifier("data:image/png;base64," + wrapped.replace("\r\n", "\u00a0", 1))  # not ASCII whitespace
 
 
+def test_the_image_processor_is_the_pil_one_even_with_torchvision(
+    llava_dir: Path, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchvision "importable": transformers would pick its torchvision image processor unless told the backend.
+    # (Not installed here, so it would still fall back to Pil: the backend it was asked for is what is checked.)
+    from transformers import AutoTokenizer
+    from transformers.models.auto import image_processing_auto
+
+    resolve = image_processing_auto._resolve_backend
+    asked: list[str | None] = []
+
+    def spy(backend: str | None, use_fast: bool | None, base_class_name: str | None) -> str:
+        asked.append(backend)
+        return resolve(backend, use_fast, base_class_name)
+
+    monkeypatch.setattr(image_processing_auto, "is_torchvision_available", lambda: True)
+    monkeypatch.setattr(image_processing_auto, "_resolve_backend", spy)
+    for path, name in ((llava_dir, "CLIPImageProcessorPil"), (qwen_dir, "Qwen2VLImageProcessorPil")):
+        asked.clear()
+        loaded = load_mm_processor(path, AutoTokenizer.from_pretrained(str(path)))
+        assert loaded is not None
+        assert type(loaded.processor.image_processor).__name__ == name
+        assert asked and set(asked) == {"pil"}
+        assert json.loads(loaded.settings)["image_processor_class"] == name  # in the item hash
+
+
 def test_count_errors(llava_dir: Path, llava: InputProcessor) -> None:
     image = random_image(6)
     with pytest.raises(ValidationError, match="2 images for 1 image placeholders") as e:
