@@ -54,8 +54,6 @@ MAX_IMAGE_PIXELS = min(MAX_REQUEST_PIXELS, 2 * (Image.MAX_IMAGE_PIXELS or 89_478
 # Rows of a decoded image hashed at once (``image_hash``): a band's bytes, not the whole image's, are copied.
 HASH_BAND_ROWS = 64
 _ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
-
-
 # transformers' image processor backend (``from_pretrained(backend=...)``, transformers 5). Left unset it takes the
 # torchvision one whenever torchvision is importable: that imports torch into the frontend and resizes with other
 # kernels, so the same picture would make other tensors under one item hash.
