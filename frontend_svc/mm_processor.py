@@ -11,7 +11,8 @@ import hashlib
 import io
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,23 @@ MIME_FORMATS = {
     "image/bmp": "BMP",
     "image/tiff": "TIFF",
 }
-# The number of pixels of one decoded image, beyond which it is refused before it is decoded (PIL's
-# DecompressionBombError bound, 2 * Image.MAX_IMAGE_PIXELS = 179 megapixels): a small file can claim a huge image.
-MAX_IMAGE_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485)
+# The pixels one request's images may hold in all, read from their headers before any is decoded: a few KiB of
+# PNG can claim 13000 x 13000 pixels, and a 16 MiB request could otherwise hold dozens such (--limit-mm-per-prompt
+# is 999). Images are then decoded and processed one at a time, so the frontend's memory per request is bounded by
+# its largest image: 4 bytes a pixel decoded (RGBA) plus the image processor's float32 copies (12 bytes a pixel for
+# RGB), about 1 GiB at 64 megapixels. The models' own inputs are far smaller (Qwen2-VL's max_pixels is 12.8
+# megapixels, LLaVA-1.5 crops to 336 x 336): 64 megapixels is five 12-megapixel photos.
+MAX_REQUEST_PIXELS = 64_000_000
+# The pixels of one image, beyond which it is refused from its header: the request's budget, which is below PIL's
+# DecompressionBombError bound (2 * Image.MAX_IMAGE_PIXELS, 179 megapixels).
+MAX_IMAGE_PIXELS = min(MAX_REQUEST_PIXELS, 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485))
+# Rows of a decoded image hashed at once (``image_hash``): a band's bytes, not the whole image's, are copied.
+HASH_BAND_ROWS = 64
+_ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
+# transformers' image processor backend (``from_pretrained(backend=...)``, transformers 5). Left unset it takes the
+# torchvision one whenever torchvision is importable: that imports torch into the frontend and resizes with other
+# kernels, so the same picture would make other tensors under one item hash.
+IMAGE_PROCESSOR_BACKEND = "pil"
 
 
 def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str, int]:
@@ -108,6 +123,8 @@ def image_from_url(url: str, mime_type: str, field: str) -> EncodedImage:
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise ValidationError(field, "a data: URI must be base64: data:<mime type>;base64,<data>")
+    # MIME-style base64 (RFC 2045) wraps its lines: ASCII whitespace is dropped, every other character validated.
+    payload = payload.translate(_ASCII_WHITESPACE)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -115,36 +132,50 @@ def image_from_url(url: str, mime_type: str, field: str) -> EncodedImage:
     return EncodedImage(data, header.removesuffix(";base64") or mime_type, field)
 
 
-def decode_image(image: Any, field: str) -> Image.Image:
-    """A PIL image from a PIL image or an ``EncodedImage``, fully decoded (so a truncated file fails here).
+def open_image(image: Any, field: str) -> Image.Image:
+    """A PIL image from a PIL image or an ``EncodedImage``; encoded bytes are only opened (their header read: size
+    and mode known, pixels not decoded; ``load_image`` decodes).
 
     Raises:
         ValidationError: naming ``field``: another type, a MIME type not in ``MIME_FORMATS``, bytes that are not an
             image of those formats, or an image of more than ``MAX_IMAGE_PIXELS`` pixels.
     """
     if isinstance(image, Image.Image):
-        return image
-    if not isinstance(image, EncodedImage):
+        opened = image
+    elif not isinstance(image, EncodedImage):
         raise ValidationError(field, f"must be a PIL image or encoded image bytes, got {type(image).__name__}")
-    mime_type = image.mime_type.lower()
-    if mime_type and mime_type not in MIME_FORMATS:
-        raise ValidationError(
-            f"{image.field}.mime_type", f"{image.mime_type!r} is not supported; use one of {sorted(MIME_FORMATS)}"
-        )
-    if not image.data:
-        raise ValidationError(image.field, "holds no image data")
-    try:
-        # In memory (BytesIO): nothing to close. Only the header is read here; load() decodes.
-        opened = Image.open(io.BytesIO(image.data), formats=list(MIME_FORMATS.values()))
-        if opened.width * opened.height > MAX_IMAGE_PIXELS:
+    else:
+        field = image.field
+        mime_type = image.mime_type.lower()
+        if mime_type and mime_type not in MIME_FORMATS:
             raise ValidationError(
-                image.field,
-                f"is {opened.width}x{opened.height} pixels, more than the {MAX_IMAGE_PIXELS} this server decodes",
+                f"{field}.mime_type", f"{image.mime_type!r} is not supported; use one of {sorted(MIME_FORMATS)}"
             )
-        opened.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValidationError(image.field, f"cannot be decoded as an image ({e})") from None
+        if not image.data:
+            raise ValidationError(field, "holds no image data")
+        try:
+            # In memory (BytesIO): nothing to close. Only the header is read here.
+            opened = Image.open(io.BytesIO(image.data), formats=list(MIME_FORMATS.values()))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise ValidationError(field, f"cannot be decoded as an image ({e})") from None
+    if opened.width * opened.height > MAX_IMAGE_PIXELS:
+        raise ValidationError(
+            field, f"is {opened.width}x{opened.height} pixels, more than the {MAX_IMAGE_PIXELS} this server decodes"
+        )
     return opened
+
+
+def load_image(image: Image.Image, field: str) -> Image.Image:
+    """``image`` (from ``open_image``) fully decoded, so a truncated file fails here.
+
+    Raises:
+        ValidationError: naming ``field``: bytes that cannot be decoded.
+    """
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValidationError(field, f"cannot be decoded as an image ({e})") from None
+    return image
 
 
 def image_hash(image: Image.Image, settings: str) -> str:
@@ -155,6 +186,8 @@ def image_hash(image: Image.Image, settings: str) -> str:
     to the encoder cache. ``settings`` (``MultiModalProcessor.settings``) go in because the core's encoder cache
     and prefix cache outlive a frontend: a frontend started with another preprocessor_config.json (another size,
     max_pixels, mean/std) makes other tensors and tokens of the same picture, which must not share its entries.
+    The pixels are hashed ``HASH_BAND_ROWS`` rows at a time: the digest of ``image.tobytes()`` (raw rows one after
+    another), without its full copy.
     """
     digest = hashlib.sha256()
     digest.update(settings.encode())
@@ -162,7 +195,8 @@ def image_hash(image: Image.Image, settings: str) -> str:
     if image.mode in ("P", "PA"):  # palette indices mean nothing without the palette and its transparency
         digest.update(bytes(image.getpalette() or []))
         digest.update(repr(image.info.get("transparency")).encode())
-    digest.update(image.tobytes())
+    for top in range(0, image.height, HASH_BAND_ROWS):
+        digest.update(image.crop((0, top, image.width, min(top + HASH_BAND_ROWS, image.height))).tobytes())
     return digest.hexdigest()
 
 
@@ -188,8 +222,15 @@ class MultiModalProcessor:
             name: getattr(processor, name, None)
             for name in ("patch_size", "vision_feature_select_strategy", "num_additional_image_tokens")
         }
+        # The class too: to_dict()'s image_processor_type names the base class whatever the backend, and another
+        # backend resizes differently.
         self.settings = json.dumps(
-            {"model_type": model_type, "image_processor": processor.image_processor.to_dict(), "processor": own},
+            {
+                "model_type": model_type,
+                "image_processor": processor.image_processor.to_dict(),
+                "image_processor_class": type(processor.image_processor).__name__,
+                "processor": own,
+            },
             sort_keys=True,
             default=str,
         )
@@ -236,6 +277,17 @@ class MultiModalProcessor:
                 f"(--limit-mm-per-prompt image={self.image_limit})",
             )
 
+    @staticmethod
+    def check_pixels(images: Iterable[Image.Image], field: str) -> None:
+        """Raises ValidationError (naming ``field``): the images hold more than ``MAX_REQUEST_PIXELS`` in all."""
+        sizes = [image.width * image.height for image in images]
+        if sum(sizes) > MAX_REQUEST_PIXELS:
+            raise ValidationError(
+                field,
+                f"{len(sizes)} images of {sum(sizes)} pixels in all, more than the {MAX_REQUEST_PIXELS} one request "
+                "may hold; send fewer or smaller images",
+            )
+
     def process(
         self, prompt_token_ids: list[int], images: Sequence[Any], field: str
     ) -> tuple[list[int], list[MultiModalFeature]]:
@@ -254,8 +306,9 @@ class MultiModalProcessor:
             float32 and "image_grid_thw" [3] int64, with grid_t * grid_h * grid_w / merge_size**2 tokens).
 
         Raises:
-            ValidationError: naming ``field``: too many images, a count other than the prompt's placeholders, an
-                image that cannot be decoded or that the image processor refuses.
+            ValidationError: naming ``field``: too many images, a count other than the prompt's placeholders,
+                more than ``MAX_REQUEST_PIXELS`` in all (from the headers, before decoding), an image that cannot
+                be decoded or that the image processor refuses.
         """
         self.check_count(len(images), field)
         ids = np.asarray(prompt_token_ids, dtype=np.int64)
@@ -268,22 +321,25 @@ class MultiModalProcessor:
             )
         if not images:
             return prompt_token_ids, []
-        decoded = [decode_image(image, f"{field}[{i}]") for i, image in enumerate(images)]
-        try:
-            outputs = self.processor.image_processor(images=decoded, return_tensors="np")
-        except (ValueError, TypeError, OSError) as e:
-            raise ValidationError(field, f"the model's image processor refused an image ({e})") from None
-        counts = [self.processor.replace_image_token(outputs, i).count(self.image_token) for i in range(len(images))]
-        items = _split_items(outputs, len(images))
+        fields = [image.field if isinstance(image, EncodedImage) else f"{field}[{i}]" for i, image in enumerate(images)]
+        pending = deque(open_image(image, fields[i]) for i, image in enumerate(images))
+        self.check_pixels(pending, field)  # from the headers, before anything is decoded
         token_ids: list[int] = []
         features: list[MultiModalFeature] = []
         start = 0
         for i, position in enumerate(positions.tolist()):
+            # One image at a time, its decoded pixels dropped once processed and hashed: only its arrays are kept.
+            image = load_image(pending.popleft(), fields[i])
+            try:
+                outputs = self.processor.image_processor(images=[image], return_tensors="np")
+            except (ValueError, TypeError, OSError) as e:
+                raise ValidationError(field, f"the model's image processor refused an image ({e})") from None
+            count = self.processor.replace_image_token(outputs, 0).count(self.image_token)
+            identifier = image_hash(image, self.settings)
+            del image
             token_ids += prompt_token_ids[start:position]
-            features.append(
-                MultiModalFeature(IMAGE, image_hash(decoded[i], self.settings), len(token_ids), counts[i], items[i])
-            )
-            token_ids += [self.image_token_id] * counts[i]
+            features.append(MultiModalFeature(IMAGE, identifier, len(token_ids), count, _split_items(outputs, 1)[0]))
+            token_ids += [self.image_token_id] * count
             start = position + 1
         token_ids += prompt_token_ids[start:]
         return token_ids, features
@@ -312,8 +368,8 @@ def load_mm_processor(
     model_path: Path, tokenizer: Any, limits: Mapping[str, int] | None = None
 ) -> MultiModalProcessor | None:
     """The model's processor when config.json's ``model_type`` is one of ``SUPPORTED_MODEL_TYPES``; None for a
-    text-only model (its image inputs are refused). transformers picks the Pil/numpy image processor when
-    torchvision is not installed (the frontend's image has no torch); outputs are numpy either way.
+    text-only model (its image inputs are refused). The image processor is always the Pil/numpy one
+    (``IMAGE_PROCESSOR_BACKEND``, e.g. ``CLIPImageProcessorPil``, ``Qwen2VLImageProcessorPil``).
 
     LLaVA: ``AutoProcessor`` (LlavaProcessor). Qwen2-VL / Qwen2.5-VL: transformers' processor also loads its video
     processor, which needs torch and torchvision, so its image half is used instead (``QwenVLImageProcessor``).
@@ -330,11 +386,11 @@ def load_mm_processor(
 
     try:
         if model_type == "llava":
-            processor: Any = AutoProcessor.from_pretrained(str(model_path))
+            processor: Any = AutoProcessor.from_pretrained(str(model_path), backend=IMAGE_PROCESSOR_BACKEND)
         else:
             template_file = model_path / "chat_template.jinja"
             template = template_file.read_text() if template_file.is_file() else None
-            image_processor = AutoImageProcessor.from_pretrained(str(model_path))
+            image_processor = AutoImageProcessor.from_pretrained(str(model_path), backend=IMAGE_PROCESSOR_BACKEND)
             processor = QwenVLImageProcessor(image_processor, tokenizer, template)
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"cannot load the {model_type} image processor from {model_path}: {e}") from e

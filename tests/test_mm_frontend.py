@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 import json
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from frontend_svc import mm_processor
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from frontend_svc.errors import ValidationError
@@ -337,6 +341,127 @@ def test_bad_images_are_refused_naming_the_field(
     with pytest.raises(ValidationError) as e:
         run(llava, generate_request_from_api(api.GenerateRequest(prompt="<image>", images=images)))
     assert e.value.field == field and reason in e.value.description
+
+
+def test_a_too_large_image_is_refused_with_its_size(llava: InputProcessor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mm_processor, "MAX_IMAGE_PIXELS", 100)
+    image = api.Image(data=png_bytes(random_image(0)), mime_type="image/png")
+    with pytest.raises(ValidationError) as e:
+        run(llava, generate_request_from_api(api.GenerateRequest(prompt="<image>", images=[image])))
+    assert (e.value.field, e.value.description) == (
+        "images[0]",
+        "is 70x40 pixels, more than the 100 this server decodes",
+    )
+
+
+def test_line_wrapped_base64_data_uris_are_taken(llava: InputProcessor) -> None:
+    image = random_image(5)
+    encoded = base64.b64encode(png_bytes(image)).decode()
+    wrapped = "\r\n".join(encoded[i : i + 76] for i in range(0, len(encoded), 76))  # MIME's 76-character lines
+
+    def identifier(url: str) -> str:
+        request = api.GenerateRequest(prompt="<image>", images=[api.Image(url=url)])
+        return str(run(llava, generate_request_from_api(request)).mm_features[0].identifier)
+
+    assert identifier("data:image/png;base64," + wrapped + "\n") == identifier(_data_uri(image))
+    with pytest.raises(ValidationError, match="base64 is not valid"):
+        identifier("data:image/png;base64," + wrapped.replace("\r\n", "\u00a0", 1))  # not ASCII whitespace
+
+
+def test_the_image_processor_is_the_pil_one_even_with_torchvision(
+    llava_dir: Path, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchvision "importable": transformers would pick its torchvision image processor unless told the backend.
+    # (Not installed here, so it would still fall back to Pil: the backend it was asked for is what is checked.)
+    from transformers import AutoTokenizer
+    from transformers.models.auto import image_processing_auto
+
+    resolve = image_processing_auto._resolve_backend
+    asked: list[str | None] = []
+
+    def spy(backend: str | None, use_fast: bool | None, base_class_name: str | None) -> str:
+        asked.append(backend)
+        return resolve(backend, use_fast, base_class_name)
+
+    monkeypatch.setattr(image_processing_auto, "is_torchvision_available", lambda: True)
+    monkeypatch.setattr(image_processing_auto, "_resolve_backend", spy)
+    for path, name in ((llava_dir, "CLIPImageProcessorPil"), (qwen_dir, "Qwen2VLImageProcessorPil")):
+        asked.clear()
+        loaded = load_mm_processor(path, AutoTokenizer.from_pretrained(str(path)))
+        assert loaded is not None
+        assert type(loaded.processor.image_processor).__name__ == name
+        assert asked and set(asked) == {"pil"}
+        assert json.loads(loaded.settings)["image_processor_class"] == name  # in the item hash
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, IHDR (8-bit RGB) and an empty IDAT: what a request's few bytes can claim, no pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", b"")
+    )
+
+
+def test_a_request_over_the_pixel_budget_is_refused_from_the_headers(llava: InputProcessor) -> None:
+    # Two 6000 x 6000 images: each under the per-image cap, 72 megapixels together. Their headers alone are sent:
+    # the refusal comes before any decode (which would fail: no pixel data).
+    assert mm_processor.MAX_IMAGE_PIXELS <= mm_processor.MAX_REQUEST_PIXELS == 64_000_000
+    images = [api.Image(data=png_header(6000, 6000), mime_type="image/png")] * 2
+    with pytest.raises(ValidationError) as e:
+        run(llava, generate_request_from_api(api.GenerateRequest(prompt="<image><image>", images=images)))
+    assert e.value.field == "images"
+    assert e.value.description == (
+        "2 images of 72000000 pixels in all, more than the 64000000 one request may hold; send fewer or smaller images"
+    )
+    with pytest.raises(ValidationError) as e:  # one image over the cap: refused by its size, before decoding
+        request = api.GenerateRequest(prompt="<image>", images=[api.Image(data=png_header(9000, 8000))])
+        run(llava, generate_request_from_api(request))
+    assert (e.value.field, e.value.description) == (
+        "images[0]",
+        "is 9000x8000 pixels, more than the 64000000 this server decodes",
+    )
+
+
+@pytest.mark.parametrize(("name", "prompt"), [("llava", "<image> a <image>"), ("qwen", f"{QWEN_IMAGE} a {QWEN_IMAGE}")])
+def test_images_are_processed_one_at_a_time(
+    name: str, prompt: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    processor: InputProcessor = request.getfixturevalue(name)
+    image_processor = processor.mm_processor.processor.image_processor  # type: ignore[union-attr]
+    call = type(image_processor).__call__
+    batch_sizes: list[int] = []
+
+    def spy(self: Any, images: Any, **kwargs: Any) -> Any:
+        batch_sizes.append(len(images))
+        return call(self, images, **kwargs)
+
+    images = [random_image(7), random_image(8, 30, 50)]
+    monkeypatch.setattr(type(image_processor), "__call__", spy)
+    one_by_one = run(processor, {"prompt": prompt, "multi_modal_data": {"image": images}})
+    monkeypatch.undo()
+    assert batch_sizes == [1, 1]
+    batch = image_processor(images=images, return_tensors="np")  # the items are the batch's slices
+    expected = np.asarray(batch["pixel_values"])
+    pixel_values = np.concatenate([feature.data["pixel_values"] for feature in one_by_one.mm_features])
+    np.testing.assert_array_equal(pixel_values.reshape(expected.shape), expected)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "1", "P", "I;16"])
+def test_image_hash_is_the_digest_of_all_rows(mode: str) -> None:
+    # Hashed in bands of HASH_BAND_ROWS rows: the same digest as the whole image's bytes at once.
+    image = random_image(9, height=2 * mm_processor.HASH_BAND_ROWS + 5, width=33).convert(mode)
+    digest = hashlib.sha256(b"settings")
+    digest.update(f"\0{image.mode}\0{image.width}x{image.height}\0".encode())
+    if mode == "P":
+        digest.update(bytes(image.getpalette() or []))
+        digest.update(repr(image.info.get("transparency")).encode())
+    digest.update(image.tobytes())
+    assert mm_processor.image_hash(image, "settings") == digest.hexdigest()
 
 
 def test_count_errors(llava_dir: Path, llava: InputProcessor) -> None:
