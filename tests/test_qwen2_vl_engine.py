@@ -165,7 +165,7 @@ def test_mixed_batch_with_a_text_only_request(qwen2_vl: tuple) -> None:
     _assert_matches(results[2][0], _hf_greedy(qwen2_vl, text_ids[:-2], []))
 
 
-def test_decode_graphs_take_mrope_positions(qwen2_vl: tuple) -> None:
+def test_decode_graphs_take_mrope_positions(qwen2_vl: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     # Decode steps replay the captured graphs (EagerCapturer on CPU) on the [3, size] M-RoPE buffer columns.
     prompts = [build_prompt(qwen2_vl, images) for images in ([0], [1, 2])]
     engine = _engine(qwen2_vl)
@@ -174,7 +174,7 @@ def test_decode_graphs_take_mrope_positions(qwen2_vl: tuple) -> None:
     replays: list[int] = []
     assert runner.decode_graphs is not None
     replay = runner.decode_graphs.replay
-    runner.decode_graphs.replay = lambda size: replays.append(size) or replay(size)  # type: ignore[method-assign]
+    monkeypatch.setattr(runner.decode_graphs, "replay", lambda size: replays.append(size) or replay(size))
     results, _ = _run(engine, prompts)
     assert replays  # decodes went through the graphs
     for (ids, features), (ours, _) in zip(prompts, results, strict=True):
