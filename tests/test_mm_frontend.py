@@ -432,7 +432,7 @@ def test_images_are_processed_one_at_a_time(
     name: str, prompt: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     processor: InputProcessor = request.getfixturevalue(name)
-    image_processor = processor.mm_processor.processor.image_processor  # type: ignore[union-attr]
+    image_processor = processor.mm_processor.processor.image_processor  # type: ignore[union-attr]  # the fixture has a processor
     call = type(image_processor).__call__
     batch_sizes: list[int] = []
 
