@@ -289,9 +289,13 @@ class Scheduler:
                 encoder_inputs, num_new_tokens = self._try_schedule_encoder_inputs(
                     request, num_computed_tokens, num_new_tokens, step
                 )
-                if num_new_tokens == 0:
-                    break  # the encoder budget or cache is spent this step
+                if num_new_tokens == 0:  # the encoder budget or cache is spent this step
+                    self.encoder_cache_manager.free(request)
+                    break
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                # A waiting request holds no encoder cache references (preemption drops them): give back those
+                # the planning took, lest they pin rows a running request needs while this one waits for blocks.
+                self.encoder_cache_manager.free(request)
                 break
             self.waiting.pop_request()
             self._admit(request, num_computed_tokens, step)

@@ -121,3 +121,18 @@ def test_preemption_reuses_the_cached_item() -> None:
     assert scheduler.encoder_cache_manager.cached["x"] == set()
     output, _ = run_step(scheduler)
     assert output.num_scheduled_tokens == {"a": 12} and output.scheduled_encoder_inputs == {}
+
+
+def test_a_waiting_request_without_blocks_keeps_no_encoder_references() -> None:
+    scheduler = _scheduler(encoder_cache_size=16, num_blocks=11)  # room for one image; 40 tokens of KV
+    manager = scheduler.encoder_cache_manager
+    scheduler.add_request(_request("a", [(4, "x")], num_tokens=24))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert manager.cached["x"] == set()  # "x" cached, freeable
+    scheduler.add_request(make_request("hog", num_tokens=32, max_tokens=50))
+    scheduler.add_request(_request("b", [(4, "x")], num_tokens=24, base=1000))
+    output, _ = run_step(scheduler)
+    assert output.num_scheduled_tokens == {"hog": 32}  # "b" found no blocks
+    assert manager.cached["x"] == set() and "x" in manager.freeable  # and took no reference to "x"
+    assert manager.num_freeable_slots == manager.cache_size
