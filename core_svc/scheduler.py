@@ -178,7 +178,9 @@ class Scheduler:
             if request is not None:
                 request.num_computed_tokens -= num_tokens
         # The runner may not hold the outputs it was to encode: nobody may find them cached.
-        self.encoder_cache_manager.evict(self._encoder_identifiers(scheduler_output.scheduled_encoder_inputs))
+        # From the identifiers, not the requests: one aborted since this step was scheduled is gone from
+        # self.requests, yet its item must leave the cache all the same.
+        self.encoder_cache_manager.evict(scheduler_output.scheduled_encoder_mm_hashes)
         return self.fail_requests(list(scheduler_output.num_scheduled_tokens), error)
 
     def fail_requests(self, request_ids: list[str], error: Exception) -> list[EngineCoreOutput]:
@@ -342,6 +344,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted},
             scheduled_encoder_inputs=step.scheduled_encoder_inputs,
+            scheduled_encoder_mm_hashes=self._encoder_identifiers(step.scheduled_encoder_inputs),
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
 
@@ -407,11 +410,10 @@ class Scheduler:
                 self.encoder_cache_manager.free_encoder_input(request, i)
 
     def _encoder_identifiers(self, encoder_inputs: dict[str, list[int]]) -> list[str]:
-        """Identifiers of ``{request_id: item indices}`` of live requests."""
+        """Identifiers of ``{request_id: item indices}``, all of requests in ``self.requests``."""
         return [
             self.requests[request_id].mm_features[i].identifier
             for request_id, indices in encoder_inputs.items()
-            if request_id in self.requests
             for i in indices
         ]
 
