@@ -20,7 +20,7 @@ from core_svc.request import MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
 from splitserve.base.status import StatusCode
 from tests.conftest import real_or_builtin
-from tests.helpers import make_engine
+from tests.helpers import features_from_the_wire, make_engine
 
 MAX_TOKENS = 6
 # Solid colours and a gradient, of different sizes and aspect ratios (the processor resizes and crops them).
@@ -153,6 +153,17 @@ def test_two_images_in_one_prompt(llava: Path) -> None:
     engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64)
     [(ours, _)] = _run(engine, [(ids, features)])
     assert ours == _hf_greedy(llava, ids, pixel_values)
+
+
+def test_one_client_identifier_for_two_images_keys_nothing(llava: Path) -> None:
+    # A client reuses one identifier for other pixels: the core's own content hash keeps the encoder and prefix
+    # caches apart, and each request's ids are its own image's.
+    engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64)
+    inputs = [_inputs(llava, PROMPT, [i]) for i in (0, 1)]
+    requests = [(ids, features_from_the_wire(features, "same")) for ids, features, _ in inputs]
+    assert [tokens for tokens, _ in _run(engine, requests)] == [_hf_greedy(llava, ids, px) for ids, _, px in inputs]
+    assert requests[0][1][0].identifier != requests[1][1][0].identifier
+    assert engine.model_runner.num_encoder_calls == 2
 
 
 @pytest.mark.parametrize(("max_num_batched_tokens", "threshold"), [(7, 0), (64, 5)])
