@@ -76,6 +76,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # request_id -> one row per sampled token
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # request_id -> rows for prompt
     # tokens 1..num_prompt_tokens-1, given once, in the step that completes the prefill
+    failed_requests: dict[str, Exception] = field(default_factory=dict)  # request_id -> why the runner could not
+    # compute it this step (its sampled tokens, if any, are void); the other requests of the step are unaffected
 
 
 @dataclass

@@ -125,13 +125,19 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Append sampled tokens, apply stop checks, free finished requests, and build this step's outputs."""
+        """Append sampled tokens, apply stop checks, free finished requests, and build this step's outputs; a
+        request the runner failed alone (``failed_requests``) ends as in ``fail_requests``."""
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []  # in the step's order, so block ids are the same from run to run
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
+            if request_id in model_runner_output.failed_requests:
+                # As fail_step, for this request alone: its KV of this step is not to be found by a prefix hit.
+                request.num_computed_tokens -= scheduler_output.num_scheduled_tokens[request_id]
+                outputs += self.fail_requests([request_id], model_runner_output.failed_requests[request_id])
+                continue
             if request.mm_features:
                 self._free_encoder_inputs(request)
             new_token_ids = model_runner_output.sampled_token_ids.get(request_id, [])

@@ -166,6 +166,32 @@ def test_one_client_identifier_for_two_images_keys_nothing(llava: Path) -> None:
     assert engine.model_runner.num_encoder_calls == 2
 
 
+def test_an_item_of_the_wrong_number_of_rows_fails_its_request_alone(
+    llava: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64)
+    (good_ids, good, pixel_values), (bad_ids, bad, _) = [_inputs(llava, PROMPT, [i]) for i in (0, 1)]
+    encode = engine.model_runner._encode
+    monkeypatch.setattr(  # the encoder gives image 1 a row short of its placeholder run
+        engine.model_runner,
+        "_encode",
+        lambda features: [e[:-1] if f == bad[0] else e for f, e in zip(features, encode(features), strict=True)],
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("good", good_ids, params, mm_features=good))
+    engine.add_request(Request("bad", bad_ids, params, mm_features=bad))
+    tokens: dict[str, list[int]] = {"good": [], "bad": []}
+    errors: dict[str, Exception] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+            if output.error is not None:
+                errors[output.request_id] = output.error
+    assert tokens == {"good": _hf_greedy(llava, good_ids, pixel_values), "bad": []}
+    assert list(errors) == ["bad"] and "15 embedding rows for 16 placeholder tokens" in str(errors["bad"])
+    assert engine.num_consecutive_failed_steps == 0
+
+
 @pytest.mark.parametrize(("max_num_batched_tokens", "threshold"), [(7, 0), (64, 5)])
 def test_chunked_prefill_inside_an_image(llava: Path, max_num_batched_tokens: int, threshold: int) -> None:
     # Chunks of 7 (or 5) tokens start and end inside each 16-token placeholder run: exact slices are merged.
