@@ -9,7 +9,7 @@ the tower), and vLLM's ``model_executor/models/qwen2_vl.py`` / ``qwen2_5_vl.py``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,7 +353,7 @@ class Qwen2VLTextModel(nn.Module):
         return self.norm(hidden)
 
 
-def image_max_pixels(image_processor: dict[str, Any]) -> int:
+def image_max_pixels(image_processor: Mapping[str, Any]) -> int:
     """The largest image area in pixels of a preprocessor config: ``max_pixels`` when given, else
     ``size.longest_edge``, else the default; transformers' ``Qwen2VLImageProcessor`` lets ``max_pixels`` override
     ``size`` the same way."""
