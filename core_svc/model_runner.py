@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture_sizes
+from core_svc.errors import EngineStepError
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
 from core_svc.model_loader import LoadedModel
@@ -274,9 +275,10 @@ class ModelRunner:
                 if embeddings is None:  # a scheduling plan undone by a preemption this step: encode, uncached
                     [embeddings] = self._encode([feature])
                 if embeddings.shape[0] != feature.length:
-                    failed[state.request_id] = RuntimeError(
-                        f"multimodal item at offset {feature.offset} has {embeddings.shape[0]} embedding rows for "
-                        f"{feature.length} placeholder tokens"
+                    failed[state.request_id] = EngineStepError(
+                        "the engine core failed while running this request: the multimodal item at offset "
+                        f"{feature.offset} has {embeddings.shape[0]} embedding rows for {feature.length} "
+                        "placeholder tokens"
                     )
                     continue
                 parts.append(embeddings[lo - feature.offset : hi - feature.offset])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core_svc.engine_core import EngineCore
-from core_svc.errors import InvalidRequestError
+from core_svc.errors import EngineStepError, InvalidRequestError
 from core_svc.request import MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
 from splitserve.base.status import StatusCode
@@ -189,6 +189,7 @@ def test_an_item_of_the_wrong_number_of_rows_fails_its_request_alone(
                 errors[output.request_id] = output.error
     assert tokens == {"good": _hf_greedy(llava, good_ids, pixel_values), "bad": []}
     assert list(errors) == ["bad"] and "15 embedding rows for 16 placeholder tokens" in str(errors["bad"])
+    assert isinstance(errors["bad"], EngineStepError)  # INTERNAL
     assert engine.num_consecutive_failed_steps == 0
 
 
