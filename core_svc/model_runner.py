@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture_sizes
+from core_svc.errors import EngineStepError
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
 from core_svc.model_loader import LoadedModel
@@ -194,11 +195,12 @@ class ModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output)
+        failed: dict[str, Exception] = {}
         try:
             inputs_embeds = None
             if isinstance(self.model, SupportsMultiModal):
                 self._execute_mm_encoder(scheduler_output)
-                inputs_embeds = self._gather_mm_embeddings(scheduler_output, inputs)
+                inputs_embeds = self._gather_mm_embeddings(scheduler_output, inputs, failed)
             if inputs_embeds is not None:  # eager: graphs embed ids themselves (padded rows included here)
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs_embeds)
             elif inputs.graph_size is not None and self.decode_graphs is not None:
@@ -216,7 +218,9 @@ class ModelRunner:
             # rewrites: let them finish before the failure leaves (the step that succeeds waits in _make_output).
             _synchronize(self.device)
             raise
-        return self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
+        output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
+        output.failed_requests = failed
+        return output
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Drop the per-request state of ``request_ids``; unknown ids are ignored."""
@@ -243,10 +247,15 @@ class ModelRunner:
         self.num_encoder_calls += len(features)
         return self.model.embed_multimodal_batch(features)
 
-    def _gather_mm_embeddings(self, scheduler_output: SchedulerOutput, inputs: StepInputs) -> torch.Tensor | None:
+    def _gather_mm_embeddings(
+        self, scheduler_output: SchedulerOutput, inputs: StepInputs, failed: dict[str, Exception]
+    ) -> torch.Tensor | None:
         """Token embeddings [num_tokens, hidden_size] (padded rows included) with each scheduled chunk's
         placeholder rows replaced by the exact slice of its items' embeddings (vLLM's ``_gather_mm_embeddings``:
-        a chunk may start or end inside an item). None when the step has no placeholder row."""
+        a chunk may start or end inside an item). None when the step has no placeholder row.
+
+        A request with an item whose embeddings are not ``length`` rows goes into ``failed`` (request_id -> why)
+        and keeps its token embeddings: it alone fails, not the step."""
         rows: list[int] = []
         parts: list[torch.Tensor] = []
         query_start_loc = inputs.metadata.query_start_loc_cpu
@@ -265,6 +274,13 @@ class ModelRunner:
                 embeddings = self.encoder_cache.get(feature.identifier)
                 if embeddings is None:  # a scheduling plan undone by a preemption this step: encode, uncached
                     [embeddings] = self._encode([feature])
+                if embeddings.shape[0] != feature.length:
+                    failed[state.request_id] = EngineStepError(
+                        "the engine core failed while running this request: the multimodal item at offset "
+                        f"{feature.offset} has {embeddings.shape[0]} embedding rows for {feature.length} "
+                        "placeholder tokens"
+                    )
+                    continue
                 parts.append(embeddings[lo - feature.offset : hi - feature.offset])
                 first_row = query_start_loc[i] + lo - start
                 rows.extend(range(first_row, first_row + hi - lo))

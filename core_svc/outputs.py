@@ -47,6 +47,8 @@ class SchedulerOutput:
     # come back in scheduled_cached_reqs with resumed_from_preemption and a whole new block table)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # request_id -> indices into
     # its mm_features whose encoder outputs the runner computes (and caches by identifier) this step
+    scheduled_encoder_mm_hashes: list[str] = field(default_factory=list)  # identifiers of those items, in order:
+    # what a failed step evicts, even for a request aborted since
     free_encoder_mm_hashes: list[str] = field(default_factory=list)  # identifiers whose cached encoder outputs
     # the runner drops before this step (evicted by the EncoderCacheManager)
 
@@ -74,6 +76,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # request_id -> one row per sampled token
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # request_id -> rows for prompt
     # tokens 1..num_prompt_tokens-1, given once, in the step that completes the prefill
+    failed_requests: dict[str, Exception] = field(default_factory=dict)  # request_id -> why the runner could not
+    # compute it this step (its sampled tokens, if any, are void); the other requests of the step are unaffected
 
 
 @dataclass

@@ -125,13 +125,19 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Append sampled tokens, apply stop checks, free finished requests, and build this step's outputs."""
+        """Append sampled tokens, apply stop checks, free finished requests, and build this step's outputs; a
+        request the runner failed alone (``failed_requests``) ends as in ``fail_requests``."""
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []  # in the step's order, so block ids are the same from run to run
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
+            if request_id in model_runner_output.failed_requests:
+                # As fail_step, for this request alone: its KV of this step is not to be found by a prefix hit.
+                request.num_computed_tokens -= scheduler_output.num_scheduled_tokens[request_id]
+                outputs += self.fail_requests([request_id], model_runner_output.failed_requests[request_id])
+                continue
             if request.mm_features:
                 self._free_encoder_inputs(request)
             new_token_ids = model_runner_output.sampled_token_ids.get(request_id, [])
@@ -178,7 +184,9 @@ class Scheduler:
             if request is not None:
                 request.num_computed_tokens -= num_tokens
         # The runner may not hold the outputs it was to encode: nobody may find them cached.
-        self.encoder_cache_manager.evict(self._encoder_identifiers(scheduler_output.scheduled_encoder_inputs))
+        # From the identifiers, not the requests: one aborted since this step was scheduled is gone from
+        # self.requests, yet its item must leave the cache all the same.
+        self.encoder_cache_manager.evict(scheduler_output.scheduled_encoder_mm_hashes)
         return self.fail_requests(list(scheduler_output.num_scheduled_tokens), error)
 
     def fail_requests(self, request_ids: list[str], error: Exception) -> list[EngineCoreOutput]:
@@ -289,9 +297,13 @@ class Scheduler:
                 encoder_inputs, num_new_tokens = self._try_schedule_encoder_inputs(
                     request, num_computed_tokens, num_new_tokens, step
                 )
-                if num_new_tokens == 0:
-                    break  # the encoder budget or cache is spent this step
+                if num_new_tokens == 0:  # the encoder budget or cache is spent this step
+                    self.encoder_cache_manager.free(request)
+                    break
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                # A waiting request holds no encoder cache references (preemption drops them): give back those
+                # the planning took, lest they pin rows a running request needs while this one waits for blocks.
+                self.encoder_cache_manager.free(request)
                 break
             self.waiting.pop_request()
             self._admit(request, num_computed_tokens, step)
@@ -338,6 +350,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in step.preempted},
             scheduled_encoder_inputs=step.scheduled_encoder_inputs,
+            scheduled_encoder_mm_hashes=self._encoder_identifiers(step.scheduled_encoder_inputs),
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
 
@@ -403,11 +416,10 @@ class Scheduler:
                 self.encoder_cache_manager.free_encoder_input(request, i)
 
     def _encoder_identifiers(self, encoder_inputs: dict[str, list[int]]) -> list[str]:
-        """Identifiers of ``{request_id: item indices}`` of live requests."""
+        """Identifiers of ``{request_id: item indices}``, all of requests in ``self.requests``."""
         return [
             self.requests[request_id].mm_features[i].identifier
             for request_id, indices in encoder_inputs.items()
-            if request_id in self.requests
             for i in indices
         ]
 

@@ -7,6 +7,9 @@ protobuf types.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
+
 from core_svc.engine_core import EngineInfo, EngineLoad
 from core_svc.errors import RequestTooLargeError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
@@ -197,5 +200,26 @@ def engine_load_to_pb(load: EngineLoad) -> pb.EngineLoad:
 
 
 def _mm_feature_from_pb(msg: pb.MultiModalFeatureSpec) -> MultiModalFeature:
+    """The item with the core's own ``identifier`` (``mm_item_identifier``); the client's is ignored: the encoder
+    and prefix caches are keyed by it, so one identifier for different data would mix up items and their KV."""
     data = {name: MultiModalTensor(t.dtype, tuple(t.shape), t.data) for name, t in msg.data.items()}
-    return MultiModalFeature(msg.modality, msg.identifier, msg.offset, msg.length, data)
+    return MultiModalFeature(msg.modality, mm_item_identifier(msg.modality, data), msg.offset, msg.length, data)
+
+
+def mm_item_identifier(modality: str, data: Mapping[str, MultiModalTensor]) -> str:
+    """Hex sha256 of an item's content: its modality, then each tensor by name (sorted) with its name, dtype,
+    shape and bytes, every field length-prefixed so that no two items share an encoding."""
+    hasher = hashlib.sha256()
+
+    def update(field: bytes) -> None:
+        hasher.update(len(field).to_bytes(8, "little"))
+        hasher.update(field)
+
+    update(modality.encode())
+    for name in sorted(data):
+        tensor = data[name]
+        update(name.encode())
+        update(tensor.dtype.encode())
+        update(",".join(map(str, tensor.shape)).encode())
+        update(tensor.data)
+    return hasher.hexdigest()

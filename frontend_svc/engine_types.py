@@ -18,7 +18,7 @@ class MultiModalFeature:
     ``core_svc.request.MultiModalFeature``; ``frontend_svc.wire`` sends ``data`` as ``TensorData``."""
 
     modality: str  # "image"
-    identifier: str  # the item's content hash (vLLM's mm_hash): keys the core's encoder cache and prefix cache
+    identifier: str  # the item's content hash (vLLM's mm_hash); the core ignores it and hashes the item itself
     offset: int  # index of the item's first placeholder token in prompt_token_ids (vLLM's PlaceholderRange)
     length: int  # number of placeholder tokens
     # The processor's outputs for this item, numpy arrays: LLaVA "pixel_values" [3, H, W] float32; Qwen2-VL

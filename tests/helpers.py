@@ -10,7 +10,7 @@ import torch
 
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
-from core_svc.request import Request
+from core_svc.request import MultiModalFeature, Request
 from core_svc.sampling_params import SamplingParams
 
 TOP_K = 5
@@ -121,3 +121,21 @@ def first_divergence(ours: EngineResult, ref: Greedy, tolerance: float = 1e-3) -
         f"step {step}: logprobs differ beyond {tolerance}"
     )
     return f"step {step}: ours {a} ({our_lp[a]:.5f}) vs transformers {b} ({ref_lp[b].item():.5f})"
+
+
+def features_from_the_wire(features: list[MultiModalFeature], identifier: str) -> list[MultiModalFeature]:
+    """``features`` as the core parses them (``core_svc.wire``) from a client that sent each with ``identifier``."""
+    from core_svc.wire import request_from_pb
+    from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
+
+    items = [
+        pb.MultiModalFeatureSpec(
+            modality=f.modality,
+            identifier=identifier,
+            offset=f.offset,
+            length=f.length,
+            data={n: pb.TensorData(dtype=t.dtype, shape=list(t.shape), data=t.data) for n, t in f.data.items()},
+        )
+        for f in features
+    ]
+    return request_from_pb(pb.EngineCoreRequest(request_id="wire", prompt_token_ids=[0], mm_features=items)).mm_features

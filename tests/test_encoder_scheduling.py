@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from core_svc.config import SchedulerConfig
 from core_svc.kv_cache_manager import KVCacheManager
-from core_svc.request import MultiModalFeature, Request
+from core_svc.request import MultiModalFeature, Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from tests.factories import fake_model_output, make_request, run_step
 
@@ -121,3 +121,33 @@ def test_preemption_reuses_the_cached_item() -> None:
     assert scheduler.encoder_cache_manager.cached["x"] == set()
     output, _ = run_step(scheduler)
     assert output.num_scheduled_tokens == {"a": 12} and output.scheduled_encoder_inputs == {}
+
+
+def test_a_waiting_request_without_blocks_keeps_no_encoder_references() -> None:
+    scheduler = _scheduler(encoder_cache_size=16, num_blocks=11)  # room for one image; 40 tokens of KV
+    manager = scheduler.encoder_cache_manager
+    scheduler.add_request(_request("a", [(4, "x")], num_tokens=24))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert manager.cached["x"] == set()  # "x" cached, freeable
+    scheduler.add_request(make_request("hog", num_tokens=32, max_tokens=50))
+    scheduler.add_request(_request("b", [(4, "x")], num_tokens=24, base=1000))
+    output, _ = run_step(scheduler)
+    assert output.num_scheduled_tokens == {"hog": 32}  # "b" found no blocks
+    assert manager.cached["x"] == set() and "x" in manager.freeable  # and took no reference to "x"
+    assert manager.num_freeable_slots == manager.cache_size
+
+
+def test_a_failed_step_evicts_the_item_of_a_request_aborted_since() -> None:
+    scheduler = _scheduler(max_num_batched_tokens=12)
+    manager = scheduler.encoder_cache_manager
+    scheduler.add_request(_request("a", [(4, "x")], num_tokens=30))
+    output = scheduler.schedule()
+    assert output.scheduled_encoder_inputs == {"a": [0]}
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    scheduler.fail_step(output, RuntimeError("boom"))
+    assert "x" not in manager.cached  # the runner never stored it
+    assert manager.num_free_slots == manager.num_freeable_slots == manager.cache_size
+    scheduler.add_request(_request("b", [(4, "x")], num_tokens=30, base=1000))
+    output = scheduler.schedule()
+    assert output.scheduled_encoder_inputs == {"b": [0]}  # encoded again, inside the budget

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from core_svc.engine_core import EngineCore
-from core_svc.errors import InvalidRequestError
+from core_svc.errors import EngineStepError, InvalidRequestError
 from core_svc.request import MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
 from splitserve.base.status import StatusCode
 from tests.conftest import real_or_builtin
-from tests.helpers import make_engine
+from tests.helpers import features_from_the_wire, make_engine
 
 MAX_TOKENS = 6
 # Solid colours and a gradient, of different sizes and aspect ratios (the processor resizes and crops them).
@@ -153,6 +153,44 @@ def test_two_images_in_one_prompt(llava: Path) -> None:
     engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64)
     [(ours, _)] = _run(engine, [(ids, features)])
     assert ours == _hf_greedy(llava, ids, pixel_values)
+
+
+def test_one_client_identifier_for_two_images_keys_nothing(llava: Path) -> None:
+    # A client reuses one identifier for other pixels: the core's own content hash keeps the encoder and prefix
+    # caches apart, and each request's ids are its own image's.
+    engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64)
+    inputs = [_inputs(llava, PROMPT, [i]) for i in (0, 1)]
+    requests = [(ids, features_from_the_wire(features, "same")) for ids, features, _ in inputs]
+    assert [tokens for tokens, _ in _run(engine, requests)] == [_hf_greedy(llava, ids, px) for ids, _, px in inputs]
+    assert requests[0][1][0].identifier != requests[1][1][0].identifier
+    assert engine.model_runner.num_encoder_calls == 2
+
+
+def test_an_item_of_the_wrong_number_of_rows_fails_its_request_alone(
+    llava: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64)
+    (good_ids, good, pixel_values), (bad_ids, bad, _) = [_inputs(llava, PROMPT, [i]) for i in (0, 1)]
+    encode = engine.model_runner._encode
+    monkeypatch.setattr(  # the encoder gives image 1 a row short of its placeholder run
+        engine.model_runner,
+        "_encode",
+        lambda features: [e[:-1] if f == bad[0] else e for f, e in zip(features, encode(features), strict=True)],
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("good", good_ids, params, mm_features=good))
+    engine.add_request(Request("bad", bad_ids, params, mm_features=bad))
+    tokens: dict[str, list[int]] = {"good": [], "bad": []}
+    errors: dict[str, Exception] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            tokens[output.request_id] += output.new_token_ids
+            if output.error is not None:
+                errors[output.request_id] = output.error
+    assert tokens == {"good": _hf_greedy(llava, good_ids, pixel_values), "bad": []}
+    assert list(errors) == ["bad"] and "15 embedding rows for 16 placeholder tokens" in str(errors["bad"])
+    assert isinstance(errors["bad"], EngineStepError)  # INTERNAL
+    assert engine.num_consecutive_failed_steps == 0
 
 
 @pytest.mark.parametrize(("max_num_batched_tokens", "threshold"), [(7, 0), (64, 5)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def test_request_from_pb_applies_vllm_defaults_and_keeps_every_field():
     )
     assert (request.client_index, request.cache_salt, request.lora_name) == (2, "s", "ad")
     assert request.trace_headers == {"traceparent": "00-abc-def-01"}
-    assert request.mm_features[0].identifier == "h" and request.mm_features[0].offset == 1
+    assert request.mm_features[0].identifier != "h" and request.mm_features[0].offset == 1  # see the next test
     assert request_from_pb(pb.EngineCoreRequest(request_id="x", prompt_token_ids=[1])).cache_salt is None
     # allowed_token_ids index every step's logits: repeats are dropped once, here (a client sent 4M copies).
     repeated = pb.EngineCoreRequest(sampling_params=pb.SamplingParams(allowed_token_ids=[8, 3] * 1000 + [5]))
@@ -132,3 +133,27 @@ def test_outputs_to_pb():
     assert b.finish_reason == pb.FINISH_REASON_UNSPECIFIED and b.WhichOneof("stop_reason") is None
     assert msg.scheduler_stats.num_preemptions == 2 and msg.scheduler_stats.kv_cache_usage == 0.25
     assert list(msg.finished_requests) == ["a", "z"] and msg.timestamp == 99.0
+
+
+def _identifier(client_identifier: str = "h", modality: str = "image", **tensors: pb.TensorData) -> str:
+    spec = pb.MultiModalFeatureSpec(modality=modality, identifier=client_identifier, offset=1, length=2, data=tensors)
+    request = request_from_pb(pb.EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2, 3], mm_features=[spec]))
+    return request.mm_features[0].identifier
+
+
+def test_the_core_hashes_each_item_itself() -> None:
+    # sha256 over the modality, then each tensor by name: name, dtype, shape, bytes, each length-prefixed.
+    pixels = pb.TensorData(dtype="float32", shape=[1, 2], data=bytes(8))
+    fields = [b"image", b"pixel_values", b"float32", b"1,2", bytes(8)]
+    expected = hashlib.sha256(b"".join(len(f).to_bytes(8, "little") + f for f in fields)).hexdigest()
+    assert _identifier("h", pixel_values=pixels) == _identifier("other", pixel_values=pixels) == expected
+    grid = pb.TensorData(dtype="int64", shape=[3], data=bytes(24))
+    assert _identifier(pixel_values=pixels, grid=grid) == _identifier(grid=grid, pixel_values=pixels)
+    different = [
+        _identifier(modality="video", pixel_values=pixels),
+        _identifier(pixels=pixels),
+        _identifier(pixel_values=pb.TensorData(dtype="int32", shape=[1, 2], data=bytes(8))),
+        _identifier(pixel_values=pb.TensorData(dtype="float32", shape=[2, 1], data=bytes(8))),
+        _identifier(pixel_values=pb.TensorData(dtype="float32", shape=[1, 2], data=bytes(7) + b"\x01")),
+    ]
+    assert len({expected, *different}) == 1 + len(different)

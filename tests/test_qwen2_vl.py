@@ -12,7 +12,7 @@ from PIL import Image
 
 from core_svc.model_loader import load_hf_config, load_model
 from core_svc.models.mrope import get_mrope_input_positions, mrope_decode_positions, mrope_positions
-from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration, image_max_pixels
 from core_svc.request import MultiModalFeature, MultiModalTensor
 from kernels import AttentionMetadata, get_attention_backend
 from tests.conftest import real_or_builtin
@@ -341,3 +341,13 @@ def test_make_test_model_refuses_a_preset_without_a_vl_shape_before_writing(tmp_
     with pytest.raises(ValueError, match="presets tiny, not 'small'"):
         make_test_model(tmp_path / "out", arch="qwen2_vl", preset="small")
     assert not (tmp_path / "out").exists()
+
+
+def test_max_pixels_overrides_size_longest_edge_as_in_transformers():
+    from transformers import Qwen2VLImageProcessor
+
+    config = {"size": {"shortest_edge": 3136, "longest_edge": 12544}, "max_pixels": 1568, "min_pixels": 3136}
+    theirs = Qwen2VLImageProcessor(**config)
+    assert image_max_pixels(config) == theirs.size["longest_edge"] == 1568
+    assert image_max_pixels({"size": {"shortest_edge": 3136, "longest_edge": 12544}}) == 12544
+    assert image_max_pixels({}) == 28 * 28 * 1280

@@ -21,7 +21,7 @@ from core_svc.engine_core import EngineCore
 from core_svc.errors import InvalidRequestError
 from core_svc.request import MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
-from tests.helpers import make_engine
+from tests.helpers import features_from_the_wire, make_engine
 from tests.test_qwen2_vl import _build, build_prompt, hf_inputs
 
 MAX_TOKENS = 6
@@ -120,6 +120,17 @@ def test_two_images_of_different_sizes_in_one_prompt(qwen2_vl: tuple) -> None:
     assert [f.length for f in features] == [8, 6]  # portrait 4 x 2 merged tokens, landscape 2 x 3
     [(ours, _)], _ = _run(_engine(qwen2_vl), [(ids, features)])
     _assert_matches(ours, _hf_greedy(qwen2_vl, ids, features))
+
+
+def test_one_client_identifier_for_images_of_different_sizes(qwen2_vl: tuple) -> None:
+    # A client reuses one identifier for items of different lengths, in one prompt and across two requests: the
+    # core hashes each item itself, so no step fails on a cached item of another length, and none is shared.
+    two, one = build_prompt(qwen2_vl, [1, 0]), build_prompt(qwen2_vl, [2])
+    engine = _engine(qwen2_vl)
+    results, _ = _run(engine, [(ids, features_from_the_wire(features, "same")) for ids, features in (two, one)])
+    for (ours, _), (ids, features) in zip(results, (two, one), strict=True):
+        _assert_matches(ours, _hf_greedy(qwen2_vl, ids, features))
+    assert engine.model_runner.num_encoder_calls == 3
 
 
 def test_chunked_prefill_inside_an_image(qwen2_vl: tuple) -> None:

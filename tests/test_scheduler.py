@@ -327,6 +327,26 @@ def test_fail_step_ends_only_its_requests_and_uncaches_what_its_forward_was_to_w
     assert [o.new_token_ids for o in outputs.outputs] == [[100]]
 
 
+def test_a_request_the_runner_failed_ends_alone_and_uncaches_its_step():
+    scheduler = make_scheduler(num_blocks=11)  # block_size 16
+    kv = scheduler.kv_cache_manager
+    scheduler.add_request(make_request("ok", num_tokens=20, max_tokens=5, ignore_eos=True))
+    scheduler.add_request(bad := make_request("bad", num_tokens=40, max_tokens=5, ignore_eos=True))
+    output = scheduler.schedule()
+    model_output = fake_model_output(scheduler, output)
+    error = RuntimeError("rows")
+    model_output.failed_requests = {"bad": error}
+    outputs = scheduler.update_from_output(output, model_output)
+    assert [(o.request_id, o.finish_reason, o.new_token_ids, o.error) for o in outputs.outputs] == [
+        ("ok", None, [100], None),
+        ("bad", FinishReason.ERROR, [], error),
+    ]
+    assert bad.status == RequestStatus.FINISHED_ERROR and outputs.finished_requests == {"bad"}
+    assert [r.request_id for r in scheduler.running] == ["ok"]
+    # Its blocks, cached at allocation for the tokens this step failed to compute, are not found again.
+    assert kv.get_computed_blocks(make_request("probe", prompt_token_ids=[*bad.prompt_token_ids, 0]))[1] == 0
+
+
 def test_requests_that_stop_in_one_step_free_their_blocks_in_the_steps_order():
     """Block ids are the same from run to run: stopped requests are freed in the step's order (they were kept in
     a set of requests, whose order followed memory addresses). Without prefix caching each freed block goes to the

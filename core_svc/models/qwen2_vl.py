@@ -9,7 +9,7 @@ the tower), and vLLM's ``model_executor/models/qwen2_vl.py`` / ``qwen2_5_vl.py``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,6 +353,14 @@ class Qwen2VLTextModel(nn.Module):
         return self.norm(hidden)
 
 
+def image_max_pixels(image_processor: Mapping[str, Any]) -> int:
+    """The largest image area in pixels of a preprocessor config: ``max_pixels`` when given, else
+    ``size.longest_edge``, else the default; transformers' ``Qwen2VLImageProcessor`` lets ``max_pixels`` override
+    ``size`` the same way."""
+    size = image_processor.get("size") or {}
+    return int(image_processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS)
+
+
 def tensor_from_wire(item: MultiModalTensor) -> torch.Tensor:
     """The tensor of a ``MultiModalTensor`` (row-major little-endian bytes), on the CPU.
 
@@ -386,8 +394,7 @@ class Qwen2VLForConditionalGeneration(SupportsMultiModal):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype=dtype)
         # The image processor resizes so that width * height <= max_pixels, both multiples of patch * merge: an
         # image is at most max_pixels // (patch * merge)**2 tokens (vLLM's Qwen2VL get_max_image_tokens).
-        size = cfg.image_processor.get("size") or {}
-        max_pixels = size.get("longest_edge") or cfg.image_processor.get("max_pixels") or DEFAULT_MAX_PIXELS
+        max_pixels = image_max_pixels(cfg.image_processor)
         unit = self.vision_cfg.patch_size * self.vision_cfg.spatial_merge_size
         self._max_tokens_per_mm_item = max(1, int(max_pixels) // unit**2)
 
