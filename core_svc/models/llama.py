@@ -121,15 +121,25 @@ class LlamaForCausalLM(ServedModel):
             return None
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: the embedding is the head
-        for fragment, (fused, shard) in STACKED_PARAMS.items():
-            if fragment in name:
-                return name.replace(fragment, fused), shard
-        return name, None
+        return fused_param_name(name)
 
     def shard_sizes(self, fused_name: str) -> list[int]:
         """Output rows of each shard of a fused parameter, in shard order."""
-        cfg = self.cfg
-        if ".qkv_proj." in fused_name:
-            q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
-            return [q, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        return fused_shard_sizes(self.cfg, fused_name)
+
+
+def fused_param_name(name: str) -> tuple[str, int | None]:
+    """A decoder tensor's name in our fused layout, with its shard index (``STACKED_PARAMS``), or as it is."""
+    for fragment, (fused, shard) in STACKED_PARAMS.items():
+        if fragment in name:
+            return name.replace(fragment, fused), shard
+    return name, None
+
+
+def fused_shard_sizes(cfg: ModelArchConfig, fused_name: str) -> list[int]:
+    """Output rows of each shard of a fused decoder parameter (``qkv_proj``: q, k, v; ``gate_up_proj``), in
+    shard order."""
+    if ".qkv_proj." in fused_name:
+        q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
+        return [q, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]

@@ -21,7 +21,7 @@ from transformers.activations import ACT2FN
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.models.layers import Linear, RMSNorm
-from core_svc.models.llama import STACKED_PARAMS, DecoderLayer
+from core_svc.models.llama import DecoderLayer, fused_param_name, fused_shard_sizes
 from core_svc.models.mrope import MRotaryEmbedding, get_mrope_input_positions
 from core_svc.models.multimodal import FLOAT_DTYPES, wire_tensor_violation
 from core_svc.request import MultiModalFeature, MultiModalTensor
@@ -541,15 +541,9 @@ class Qwen2VLForConditionalGeneration(SupportsMultiModal):
         if name == "lm_head.weight" and self.lm_head is None:
             return None
         if name.startswith("model."):
-            for fragment, (fused, shard) in STACKED_PARAMS.items():
-                if fragment in name:
-                    return name.replace(fragment, fused), shard
+            return fused_param_name(name)
         return name, None
 
     def shard_sizes(self, fused_name: str) -> list[int]:
         """Output rows of each shard of a fused parameter, in shard order."""
-        cfg = self.cfg
-        if ".qkv_proj." in fused_name:
-            q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
-            return [q, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        return fused_shard_sizes(self.cfg, fused_name)
