@@ -84,7 +84,8 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         chat_template=LLAVA_TEMPLATE,
     )
     processor.save_pretrained(str(path))
-    (path / "config.json").write_text(json.dumps({"model_type": "llava", "image_token_index": 32000}))
+    image_token_index = tokenizer.convert_tokens_to_ids("<image>")  # 32000 with llama2's tokenizer
+    (path / "config.json").write_text(json.dumps({"model_type": "llava", "image_token_index": image_token_index}))
     return path
 
 
@@ -193,7 +194,8 @@ def test_llava_matches_the_processor(llava_dir: Path, llava: InputProcessor) -> 
     request = run(llava, {"prompt": text, "multi_modal_data": {"image": images}})
     oracle = AutoProcessor.from_pretrained(str(llava_dir))(text=text, images=images, return_tensors="np")
     assert request.prompt_token_ids == oracle["input_ids"][0].tolist()
-    image_positions = np.flatnonzero(oracle["input_ids"][0] == 32000)
+    image_token_index = json.loads((llava_dir / "config.json").read_text())["image_token_index"]
+    image_positions = np.flatnonzero(oracle["input_ids"][0] == image_token_index)
     assert len(image_positions) == 2 * LLAVA_TOKENS_PER_IMAGE
     for i, feature in enumerate(request.mm_features):
         assert (feature.modality, feature.length) == ("image", LLAVA_TOKENS_PER_IMAGE)
@@ -247,7 +249,8 @@ def test_token_id_prompts_expand_as_text_prompts(llava: InputProcessor) -> None:
     ids = llava.tokenizer(text).input_ids
     from_ids = run(llava, {"prompt_token_ids": ids, "multi_modal_data": {"image": images[0]}})
     assert from_ids.prompt_token_ids == from_text.prompt_token_ids
-    assert from_ids.mm_features[0].offset == from_text.mm_features[0].offset == ids.index(32000)
+    image_token = llava.tokenizer.convert_tokens_to_ids("<image>")
+    assert from_ids.mm_features[0].offset == from_text.mm_features[0].offset == ids.index(image_token)
 
 
 def test_identifier_is_the_picture_and_settings(llava: InputProcessor, qwen: InputProcessor) -> None:
