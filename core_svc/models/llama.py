@@ -52,14 +52,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        rotary: RotaryEmbedding | None = None,
+    ) -> None:
+        """``rotary``: the RoPE table (``tables(positions)``); None: ``RotaryEmbedding`` of ``cfg`` (Qwen2-VL
+        passes its M-RoPE one)."""
         super().__init__()
         # An empty weight given (the checkpoint fills it) so that nn.Embedding skips its random init: on the meta
         # device that init imports torch._dynamo, about 0.8 s of a core's start, for values never used.
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         # One RoPE table shared by every layer (a buffer, not a parameter).
-        self.rotary = RotaryEmbedding(cfg.rope_inv_freq, cfg.rope_attention_scaling, cfg.max_position_embeddings, dtype)
+        self.rotary = rotary or RotaryEmbedding(
+            cfg.rope_inv_freq, cfg.rope_attention_scaling, cfg.max_position_embeddings, dtype
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

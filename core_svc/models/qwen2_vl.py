@@ -21,7 +21,7 @@ from transformers.activations import ACT2FN
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.models.layers import Linear, RMSNorm
-from core_svc.models.llama import DecoderLayer, fused_param_name, fused_shard_sizes
+from core_svc.models.llama import LlamaModel, fused_param_name, fused_shard_sizes
 from core_svc.models.mrope import MRotaryEmbedding, get_mrope_input_positions
 from core_svc.models.multimodal import FLOAT_DTYPES, wire_tensor_violation
 from core_svc.request import MultiModalFeature, MultiModalTensor
@@ -323,36 +323,6 @@ class Qwen2VisionTransformer(nn.Module):
         return self.merger(hidden)[torch.argsort(window_index).to(hidden.device)]
 
 
-class Qwen2VLTextModel(nn.Module):
-    """The Qwen2 decoder (``llama.DecoderLayer`` with q/k/v bias) under M-RoPE."""
-
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        if cfg.mrope_section is None:
-            raise ValueError("Qwen2-VL needs rope_parameters.mrope_section in its text_config")
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # filled by the checkpoint
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
-        self.rotary = MRotaryEmbedding(
-            cfg.rope_inv_freq, cfg.rope_attention_scaling, cfg.max_position_embeddings, dtype, cfg.mrope_section
-        )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # inputs_embeds [num_tokens, hidden_size], positions [3, num_tokens] -> hidden [num_tokens, hidden_size]
-        hidden = inputs_embeds
-        rope = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata)
-        return self.norm(hidden)
-
-
 def image_max_pixels(image_processor: Mapping[str, Any]) -> int:
     """The largest image area in pixels of a preprocessor config: ``max_pixels`` when given, else
     ``size.longest_edge``, else the default; transformers' ``Qwen2VLImageProcessor`` lets ``max_pixels`` override
@@ -390,7 +360,12 @@ class Qwen2VLForConditionalGeneration(SupportsMultiModal):
         self.cfg = cfg
         self.vision_cfg = Qwen2VisionConfig.from_hf_config(cfg.vision_config)
         self.visual = Qwen2VisionTransformer(self.vision_cfg, dtype)
-        self.model = Qwen2VLTextModel(cfg, backend, dtype)
+        if cfg.mrope_section is None:
+            raise ValueError("Qwen2-VL needs rope_parameters.mrope_section in its text_config")
+        rotary = MRotaryEmbedding(
+            cfg.rope_inv_freq, cfg.rope_attention_scaling, cfg.max_position_embeddings, dtype, cfg.mrope_section
+        )
+        self.model = LlamaModel(cfg, backend, dtype, rotary)  # the Qwen2 decoder under M-RoPE
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype=dtype)
         # The image processor resizes so that width * height <= max_pixels, both multiples of patch * merge: an
         # image is at most max_pixels // (patch * merge)**2 tokens (vLLM's Qwen2VL get_max_image_tokens).
@@ -520,7 +495,7 @@ class Qwen2VLForConditionalGeneration(SupportsMultiModal):
         ``[num_tokens, hidden_size]``."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
-        return self.model(inputs_embeds, positions, kv_caches, metadata)
+        return self.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
