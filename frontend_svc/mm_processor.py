@@ -22,15 +22,13 @@ from PIL import Image
 
 from frontend_svc.engine_types import MultiModalFeature
 from frontend_svc.errors import ValidationError
+from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, IMAGE
 
 logger = logging.getLogger(__name__)
 
-IMAGE = "image"
 # config.json model_type -> the model families the core runs images for (issue 17): LLaVA-1.5, Qwen2-VL,
 # Qwen2.5-VL. Another model type with images is text-only here: its image inputs are refused.
 SUPPORTED_MODEL_TYPES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl"})
-# vLLM v1's default --limit-mm-per-prompt for every modality (``MultiModalConfig.limit_per_prompt``).
-DEFAULT_LIMIT_PER_PROMPT = 999
 # The MIME types an encoded image may say (empty: any of these formats, told by its bytes) -> PIL's format name.
 MIME_FORMATS = {
     "image/png": "PNG",
@@ -58,42 +56,6 @@ _ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
 # torchvision one whenever torchvision is importable: that imports torch into the frontend and resizes with other
 # kernels, so the same picture would make other tensors under one item hash.
 IMAGE_PROCESSOR_BACKEND = "pil"
-
-
-def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str, int]:
-    """``--limit-mm-per-prompt`` as vLLM takes it: ``image=4`` (``modality=N`` pairs, comma-separated) or JSON
-    (``{"image": 4}``), or a dict already; None: {} (999 each, vLLM v1's default).
-
-    Raises:
-        ValueError: another form, a modality other than image, a count that is not an integer >= 0.
-    """
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("{"):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"limit_mm_per_prompt: {value!r} is not valid JSON ({e})") from None
-        else:
-            pairs = [pair.partition("=") for pair in text.split(",") if pair.strip()]
-            if any(not sep for _, sep, _ in pairs):
-                raise ValueError(f"limit_mm_per_prompt: {value!r} is not modality=N[,modality=N] (image=4)")
-            try:
-                value = {key.strip(): int(count) for key, _, count in pairs}
-            except ValueError:
-                raise ValueError(f"limit_mm_per_prompt: {value!r}: each count must be an integer") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"limit_mm_per_prompt must map modalities to counts, got {type(value).__name__}")
-    limits: dict[str, int] = {}
-    for key, count in value.items():
-        if key != IMAGE:
-            raise ValueError(f"limit_mm_per_prompt: only 'image' is supported, got {key!r}")
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"limit_mm_per_prompt: {key} must be an integer >= 0, got {count!r}")
-        limits[key] = count
-    return limits
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, Engin
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.llm_engine import LLMEngine
-from frontend_svc.mm_processor import EncodedImage, load_mm_processor, parse_limit_mm_per_prompt
+from frontend_svc.mm_processor import EncodedImage, load_mm_processor
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.wire import chat_messages_from_api, generate_request_from_api, request_to_pb
+from splitserve.base.mm_limits import parse_limit_mm_per_prompt
 from splitserve.base.wire_enums import FinishReason
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
