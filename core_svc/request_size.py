@@ -1,6 +1,7 @@
 """How large a request message the core takes when ``--max-receive-message-mib`` is not given: the text part's
 16 MiB (``grpc_runtime.DEFAULT_MAX_RECEIVE_MESSAGE_BYTES``: an ``EngineCoreRequest`` of a 1M-token prompt is
-about 5 MiB) plus the float32 pixel tensors of the most images one request can carry to this model.
+about 5 MiB) plus the float32 pixel tensors of the most images one request can carry to this model. Plain
+arithmetic on JSON files: ``core_svc/server.py`` applies it to the gRPC server (``model_message_limits``).
 
 Why here, from the model folder's JSON files, and not from the loaded model: the gRPC server's receive limit is
 fixed when the server is made, and the core listens (health NOT_SERVING) while its weights load. config.json and
@@ -16,18 +17,13 @@ tokens) times the largest item's bytes per placeholder token (every image token 
 from __future__ import annotations
 
 import json
-import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core_svc.config import CoreConfig
 from core_svc.models.qwen2_vl import image_max_pixels
-from splitserve.base import model_files
-from splitserve.base.grpc_runtime import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MessageLimits
-
-logger = logging.getLogger(__name__)
 
 # What an item costs on the wire besides its pixels: its identifier (64 hex digits), modality, tensor names,
 # dtypes and shapes, placeholder range and Qwen2-VL's image_grid_thw (24 bytes); about 200 bytes, rounded up.
@@ -87,16 +83,17 @@ def image_item_size(
     return None
 
 
-def model_receive_limit(model_path: Path, config: CoreConfig) -> ReceiveLimit:
+def model_receive_limit(model_path: Path, config: CoreConfig, text_bytes: int, max_message_bytes: int) -> ReceiveLimit:
     """The receive limit for the model at ``model_path`` (a folder holding config.json) served with ``config``
-    (its ``limit_mm_per_prompt`` and ``max_model_len``): 16 MiB for a text model; for an image model 16 MiB plus
-    the images one request can carry (the module docstring), capped at gRPC's largest message (2 GiB - 1).
+    (its ``limit_mm_per_prompt`` and ``max_model_len``): ``text_bytes`` (the servers' default,
+    ``grpc_runtime.DEFAULT_MAX_RECEIVE_MESSAGE_BYTES``) for a text model; for an image model that plus the images
+    one request can carry (the module docstring), capped at ``max_message_bytes`` (gRPC's largest, 2 GiB - 1).
 
     Raises:
         ValueError: config.json or preprocessor_config.json is not a JSON object.
     """
     hf_config = _json_object(model_path / "config.json")
-    base = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES
+    base = text_bytes
     item = image_item_size(
         hf_config.get("model_type"), hf_config, _json_object(model_path / "preprocessor_config.json")
     )
@@ -107,7 +104,8 @@ def model_receive_limit(model_path: Path, config: CoreConfig) -> ReceiveLimit:
     text_config = hf_config.get("text_config") or {}
     max_model_len = config.max_model_len or text_config.get("max_position_embeddings")
     max_model_len = max_model_len or hf_config.get("max_position_embeddings")
-    pixel_bytes, why = by_count, f"{limit} images (--limit-mm-per-prompt) of at most {_mib(item.max_bytes)}"
+    images = f"{limit} image{'' if limit == 1 else 's'}"
+    pixel_bytes, why = by_count, f"{images} (--limit-mm-per-prompt) of at most {_mib(item.max_bytes)}"
     if max_model_len:
         room = int(max_model_len) - 1
         # Every placeholder token belongs to an item, and an item is at least one token.
@@ -118,28 +116,9 @@ def model_receive_limit(model_path: Path, config: CoreConfig) -> ReceiveLimit:
                 f"the pixels of {room} image tokens (max_model_len - 1) at {item.bytes_per_token} bytes a token "
                 f"(images of at most {_mib(item.max_bytes)}, {item.max_tokens} tokens)"
             )
-    receive_bytes = min(base + pixel_bytes, MAX_MESSAGE_BYTES)
+    receive_bytes = min(base + pixel_bytes, max_message_bytes)
     capped = ", capped at gRPC's largest message" if receive_bytes < base + pixel_bytes else ""
     return ReceiveLimit(receive_bytes, f"{_mib(base)} of text and {_mib(pixel_bytes)} of float32 pixels: {why}{capped}")
-
-
-def sized_message_limits(config: CoreConfig, limits: MessageLimits) -> MessageLimits:
-    """``limits`` with the receive limit of ``model_receive_limit`` for ``config.model`` (for a hub id its config
-    files are fetched first, without the weights), logged with why; for ``splitserve core`` without
-    ``--max-receive-message-mib``.
-
-    Raises:
-        ModelNotFoundError: the model's files cannot be had (``model_files.resolve_model_path``).
-        ValueError: its config.json or preprocessor_config.json is not a JSON object.
-    """
-    limit = model_receive_limit(model_files.resolve_model_path(config.model, weights=False), config)
-    logger.info(
-        "receive limit %d bytes (%s), from the model: %s; --max-receive-message-mib sets another",
-        limit.receive_bytes,
-        _mib(limit.receive_bytes),
-        limit.reason,
-    )
-    return replace(limits, receive_bytes=limit.receive_bytes)
 
 
 def _json_object(file: Path) -> dict[str, Any]:

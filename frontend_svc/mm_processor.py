@@ -262,14 +262,14 @@ class MultiModalProcessor:
 
     def describe_limits(self, max_request_bytes: int) -> str:
         """One line for the log: how many of the largest images fit in one request to the core
-        (``max_request_bytes``: its --max-receive-message-mib)."""
+        (``max_request_bytes``: its receive limit)."""
         line = f"images: at most {self.image_limit} per prompt (--limit-mm-per-prompt)"
         per_image = self.max_image_bytes
         if per_image is None or not max_request_bytes:
             return line
         return (
             f"{line}; the largest image is {per_image / 2**20:.1f} MiB of pixels, the engine core takes "
-            f"{max_request_bytes / 2**20:.1f} MiB per request (its --max-receive-message-mib): "
+            f"{max_request_bytes / 2**20:.1f} MiB per request (its receive limit): "
             f"{max_request_bytes // per_image} such images fit in one request"
         )
 

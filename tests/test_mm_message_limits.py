@@ -20,6 +20,7 @@ from core_svc.config import CoreConfig
 from core_svc.request_size import model_receive_limit
 from frontend_svc import LLM, SamplingParams
 from frontend_svc.outputs import RequestOutput
+from splitserve.base.grpc_runtime import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, MAX_MESSAGE_BYTES
 from splitserve.entrypoints import stack
 from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as core_grpc
@@ -208,4 +209,5 @@ def test_the_receive_limit_is_sized_from_the_models_files(
     if preprocessor:
         (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     core_config = CoreConfig(model=str(tmp_path), limit_mm_per_prompt=limit, max_model_len=max_model_len)
-    assert model_receive_limit(tmp_path, core_config).receive_bytes == expected
+    limit = model_receive_limit(tmp_path, core_config, DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
+    assert limit.receive_bytes == expected

@@ -1,7 +1,7 @@
 """``--limit-mm-per-prompt`` (vLLM's flag, an engine argument there too): the most items of each modality one
 prompt may hold. Both services read it: the frontend refuses a prompt with more images before processing them, the
 core refuses a request with more items and sizes its default gRPC receive limit for that many of its model's
-largest items (``core_svc/request_size.py``)."""
+largest items (``core_svc/request_size.py``, ``core_svc/server.py``)."""
 
 from __future__ import annotations
 

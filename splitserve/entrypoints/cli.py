@@ -359,9 +359,9 @@ def cmd_core(args: argparse.Namespace) -> int:
     check_device_arg(args)
     config = core_config_from_args(args, resolve_model_arg(args.model))
     if args.max_receive_message_mib is None:  # sized for the model's images; the flag, when given, wins
-        from core_svc.request_size import sized_message_limits
+        from core_svc.server import model_message_limits
 
-        options = dataclasses.replace(options, message_limits=sized_message_limits(config, options.message_limits))
+        options = dataclasses.replace(options, message_limits=model_message_limits(config, options.message_limits))
     return asyncio.run(serve_core(config, options, admin))
 
 
