@@ -794,7 +794,7 @@ def test_a_second_image_request_waits_for_the_budget(qwen_dir: Path) -> None:
     charge = _image_charge(text, image, qwen_dir)
     processor.budget = TokenizeBudget(budget_bytes=charge + charge // 2)  # one such request at a time
     in_use_at_start, release, started = _blocking_process(processor)
-    prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+    prompt: Any = {"prompt": text, "multi_modal_data": {"image": image}}
 
     async def scenario() -> list[Any]:
         loop = asyncio.get_running_loop()
@@ -824,7 +824,7 @@ def test_an_image_request_cancelled_while_waiting_leaves_the_line(qwen_dir: Path
     charge = _image_charge(text, image, qwen_dir)
     processor.budget = TokenizeBudget(budget_bytes=charge + charge // 2)
     in_use_at_start, release, started = _blocking_process(processor)
-    prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+    prompt: Any = {"prompt": text, "multi_modal_data": {"image": image}}
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()

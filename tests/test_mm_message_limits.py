@@ -69,7 +69,9 @@ def expected(model: str, image_png: bytes) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         image = Image.open(io.BytesIO(image_png))
         [output] = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, params, use_tqdm=False)
-        image_token_id = llm.llm_engine.input_processor.mm_processor.image_token_id
+        mm_processor = llm.llm_engine.input_processor.mm_processor
+        assert mm_processor is not None
+        image_token_id = mm_processor.image_token_id
     assert output.prompt_token_ids.count(image_token_id) == NUM_IMAGE_TOKENS
     assert len(output.outputs[0].token_ids) == MAX_TOKENS
     return output.outputs[0].token_ids
@@ -158,6 +160,17 @@ def test_a_request_over_an_explicit_limit_is_refused_and_the_others_go_on(
     assert after.outputs[0].token_ids == during.outputs[0].token_ids
 
 
+def test_the_python_api_gives_its_limit_to_the_in_process_core(model: str) -> None:
+    """``LLM(limit_mm_per_prompt=...)``: the frontend refuses more images, and the in-process core (which sizes
+    nothing: no message crosses a wire) refuses more items on its own."""
+    with LLM(model, num_kv_blocks=80, max_model_len=MAX_MODEL_LEN, limit_mm_per_prompt="image=1") as llm:
+        mm_processor = llm.llm_engine.input_processor.mm_processor
+        core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # the in-process client's
+        assert mm_processor is not None and mm_processor.image_limit == 1
+        assert core.config.image_limit == 1
+        assert llm.llm_engine.engine_info.max_receive_message_bytes == 0
+
+
 @pytest.mark.parametrize(
     ("model_type", "config", "preprocessor", "limit", "max_model_len", "expected"),
     [
@@ -209,5 +222,5 @@ def test_the_receive_limit_is_sized_from_the_models_files(
     if preprocessor:
         (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     core_config = CoreConfig(model=str(tmp_path), limit_mm_per_prompt=limit, max_model_len=max_model_len)
-    limit = model_receive_limit(tmp_path, core_config, DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
-    assert limit.receive_bytes == expected
+    sized = model_receive_limit(tmp_path, core_config, DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
+    assert sized.receive_bytes == expected
