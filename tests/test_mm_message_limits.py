@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +64,21 @@ def image_png() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def expected(model: str, image_png: bytes) -> list[int]:
-    """The in-process answer (no gRPC, no limit) to the large-image prompt."""
-    with LLM(model, num_kv_blocks=80, max_model_len=MAX_MODEL_LEN) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        image = Image.open(io.BytesIO(image_png))
-        [output] = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, params, use_tqdm=False)
-        mm_processor = llm.llm_engine.input_processor.mm_processor
-        assert mm_processor is not None
-        image_token_id = mm_processor.image_token_id
-    assert output.prompt_token_ids.count(image_token_id) == NUM_IMAGE_TOKENS
+def llm(model: str) -> Iterator[LLM]:
+    """The model in-process (no gRPC, no message limit), one image a prompt."""
+    with LLM(model, num_kv_blocks=80, max_model_len=MAX_MODEL_LEN, limit_mm_per_prompt="image=1") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def expected(llm: LLM, image_png: bytes) -> list[int]:
+    """The in-process answer to the large-image prompt."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    image = Image.open(io.BytesIO(image_png))
+    [output] = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image}}, params, use_tqdm=False)
+    mm_processor = llm.llm_engine.input_processor.mm_processor
+    assert mm_processor is not None
+    assert output.prompt_token_ids.count(mm_processor.image_token_id) == NUM_IMAGE_TOKENS
     assert len(output.outputs[0].token_ids) == MAX_TOKENS
     return output.outputs[0].token_ids
 
@@ -160,15 +166,14 @@ def test_a_request_over_an_explicit_limit_is_refused_and_the_others_go_on(
     assert after.outputs[0].token_ids == during.outputs[0].token_ids
 
 
-def test_the_python_api_gives_its_limit_to_the_in_process_core(model: str) -> None:
+def test_the_python_api_gives_its_limit_to_the_in_process_core(llm: LLM) -> None:
     """``LLM(limit_mm_per_prompt=...)``: the frontend refuses more images, and the in-process core (which sizes
     nothing: no message crosses a wire) refuses more items on its own."""
-    with LLM(model, num_kv_blocks=80, max_model_len=MAX_MODEL_LEN, limit_mm_per_prompt="image=1") as llm:
-        mm_processor = llm.llm_engine.input_processor.mm_processor
-        core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # the in-process client's
-        assert mm_processor is not None and mm_processor.image_limit == 1
-        assert core.config.image_limit == 1
-        assert llm.llm_engine.engine_info.max_receive_message_bytes == 0
+    mm_processor = llm.llm_engine.input_processor.mm_processor
+    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]  # the in-process client's
+    assert mm_processor is not None and mm_processor.image_limit == 1
+    assert core.config.image_limit == 1
+    assert llm.llm_engine.engine_info.max_receive_message_bytes == 0
 
 
 @pytest.mark.parametrize(
