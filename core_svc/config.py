@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from splitserve.base.config_args import NOT_A_FLAG, flag
+from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, image_limit, parse_limit_mm_per_prompt
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -104,12 +105,31 @@ class CoreConfig:
         ),
     )
 
+    # vLLM's --limit-mm-per-prompt, an engine argument there too: the core refuses a request with more items, and
+    # without --max-receive-message-mib sizes its gRPC receive limit for that many of its model's largest images.
+    limit_mm_per_prompt: str | None = field(
+        default=None,
+        metadata=flag(
+            'the most images one request may hold, as vLLM\'s flag: image=N (or JSON {"image": N}); more are '
+            "refused with INVALID_ARGUMENT, and the default --max-receive-message-mib makes room for N of the "
+            "model's largest images (docs/operations.md)",
+            default_help=f"image={DEFAULT_LIMIT_PER_PROMPT}, vLLM's",
+            metavar="image=N",
+        ),
+    )
+
+    @property
+    def image_limit(self) -> int:
+        """The most images one request may hold (``limit_mm_per_prompt``; 999 when unset)."""
+        return image_limit(parse_limit_mm_per_prompt(self.limit_mm_per_prompt))
+
     @property
     def model_name(self) -> str:
         """The name the core reports its model by: ``served_model_name``, else ``model`` as given."""
         return self.served_model_name or self.model
 
     def __post_init__(self) -> None:
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:

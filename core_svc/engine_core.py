@@ -458,10 +458,10 @@ class EngineCore:
             )
 
     def _validate_mm_features(self, request: Request) -> None:
-        """The request's multimodal items against the prompt and the model: none for a text-only model; each
-        range inside the prompt, in order and not overlapping, covering exactly the prompt's placeholder (image)
-        tokens; the item's data as the model takes it (``mm_feature_violation``); no item larger than the
-        encoder cache.
+        """The request's multimodal items against the prompt and the model: none for a text-only model; at most
+        ``--limit-mm-per-prompt`` of them; each range inside the prompt, in order and not overlapping, covering
+        exactly the prompt's placeholder (image) tokens; the item's data as the model takes it
+        (``mm_feature_violation``); no item larger than the encoder cache.
 
         Raises:
             InvalidRequestError: naming ``mm_features`` (and the item's index).
@@ -472,6 +472,13 @@ class EngineCore:
             return
         if features and self.mm_model is None:
             raise InvalidRequestError("mm_features", f"the model {self.config.model_name!r} takes no multimodal input")
+        limit = self.config.image_limit
+        if len(features) > limit:
+            raise InvalidRequestError(
+                "mm_features",
+                f"has {len(features)} images, more than the {limit} a prompt may hold "
+                f"(the engine core's --limit-mm-per-prompt image={limit})",
+            )
         prompt = request.prompt_token_ids
         covered = 0
         previous_end = 0

@@ -14,6 +14,7 @@ drain, for its supervisor to restart it.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import grpc
 
@@ -22,9 +23,10 @@ from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.observability import observe_engine_core
+from core_svc.request_size import model_receive_limit
 from core_svc.service import ENGINE_CORE_GRPC_SERVICE, CoreServerState, EngineCoreServicer
 from core_svc.startup import process_age_s
-from splitserve.base import grpc_runtime, server_lifecycle, tracing
+from splitserve.base import grpc_runtime, model_files, server_lifecycle, tracing
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,30 @@ async def serve_core(config: CoreConfig, options: grpc_runtime.ServerOptions, ad
         tracing.CORE_TRACING_SERVICE_NAME,
         lambda observability: _CoreServer(config, options, admin or AdminPolicy(), observability),
     )
+
+
+def model_message_limits(config: CoreConfig, limits: grpc_runtime.MessageLimits) -> grpc_runtime.MessageLimits:
+    """``limits`` with the receive limit sized for ``config.model``'s images (``request_size.model_receive_limit``;
+    for a hub id its config files are fetched first, without the weights), logged with why: for ``splitserve
+    core`` without ``--max-receive-message-mib``. Before the server is made, which fixes its limit.
+
+    Raises:
+        ModelNotFoundError: the model's files cannot be had (``model_files.resolve_model_path``).
+        ValueError: its config.json or preprocessor_config.json is not a JSON object.
+    """
+    limit = model_receive_limit(
+        model_files.resolve_model_path(config.model, weights=False),
+        config,
+        grpc_runtime.DEFAULT_MAX_RECEIVE_MESSAGE_BYTES,
+        grpc_runtime.MAX_MESSAGE_BYTES,
+    )
+    logger.info(
+        "receive limit %d bytes (%.1f MiB), from the model: %s; --max-receive-message-mib sets another",
+        limit.receive_bytes,
+        limit.receive_bytes / 2**20,
+        limit.reason,
+    )
+    return replace(limits, receive_bytes=limit.receive_bytes)
 
 
 class _CoreServer(server_lifecycle.ServerHooks[EngineCore]):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from frontend_svc.mm_processor import DEFAULT_LIMIT_PER_PROMPT, parse_limit_mm_per_prompt
 from frontend_svc.sampling_params import MAX_N
 from splitserve.base.config_args import NOT_A_FLAG, flag
+from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, parse_limit_mm_per_prompt
 from splitserve.base.tls import ClientTLS
 
 # Where a frontend (or ``serve``) reports --served-model-name.

@@ -145,7 +145,7 @@ class CoreConnection:
                 raise ValidationError(
                     "request",
                     f"is {message.ByteSize()} bytes on the wire to the engine core, more than the "
-                    f"{limit} bytes it takes (its --max-receive-message-mib); shorten the prompt, "
+                    f"{limit} bytes it takes (its receive limit, --max-receive-message-mib); shorten the prompt, "
                     "allowed_token_ids, logit_bias, cache_salt or request_id, or send fewer or smaller images "
                     "(their pixel tensors go with the request)",
                 )

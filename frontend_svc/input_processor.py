@@ -14,7 +14,7 @@ from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, MultiModalF
 from frontend_svc.errors import ValidationError
 from frontend_svc.mm_processor import IMAGE, SUPPORTED_MODEL_TYPES, EncodedImage, MultiModalProcessor, image_from_url
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
-from frontend_svc.tokenize_budget import TokenizeBudget, utf8_size
+from frontend_svc.tokenize_budget import TokenizeBudget, budget_bytes_of_memory, utf8_size
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
 from splitserve.base.sampling_rules import eos_and_stop_ids
 
@@ -293,7 +293,23 @@ class InputProcessor:
         if isinstance(text, str):
             self.check_text_length(text, "prompt", "the prompt")
         size = utf8_size(text) if isinstance(text, str) else 0
+        size += budget_bytes_of_memory(self.preprocess_memory_bytes(prompt))
         return await self.budget.run(size, lambda: self.process_multimodal(prompt))
+
+    def preprocess_memory_bytes(self, prompt: PromptType) -> int:
+        """The memory processing the prompt's images takes (``MultiModalProcessor.preprocess_memory_bytes``, from
+        their headers), for the budget; 0 when there are none or when they are refused (``process_multimodal``
+        then says why, in its own order of checks).
+        """
+        if self.mm_processor is None or not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+            return 0
+        try:
+            images = _images_of(prompt["multi_modal_data"])
+            field = _images_field(images)
+            self.mm_processor.check_count(len(images), field)  # before opening 999+ headers
+            return self.mm_processor.preprocess_memory_bytes(images, field)
+        except ValidationError:
+            return 0
 
     @staticmethod
     def _as_tokens_prompt(text: str | None, token_ids: list[int]) -> TokensPrompt:

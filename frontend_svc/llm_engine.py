@@ -18,7 +18,7 @@ from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerSt
 from frontend_svc.errors import FrontendError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions, check_wire_string
-from frontend_svc.mm_processor import load_mm_processor, parse_limit_mm_per_prompt
+from frontend_svc.mm_processor import load_mm_processor
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -26,6 +26,7 @@ from frontend_svc.sampling_params import SamplingParams, sampling_params_with_de
 from frontend_svc.stats import IterationStats
 from frontend_svc.tokenizer import load_tokenizer
 from splitserve.base.logging_config import configure_library_logging
+from splitserve.base.mm_limits import parse_limit_mm_per_prompt
 from splitserve.base.model_files import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -52,13 +53,16 @@ class LLMEngineBase:
         configure_library_logging()  # before the core loads: its size and the KV cache's are logged at INFO
         # An already connected client (the servers use it).
         client: EngineCoreClient | None = core_config.pop("engine_core_client", None)
-        # The most images a prompt may hold (vLLM's limit_mm_per_prompt: {"image": N} or "image=N"): a frontend
-        # setting, not the core's.
-        mm_limits = parse_limit_mm_per_prompt(core_config.pop("limit_mm_per_prompt", None))
+        # The most images a prompt may hold (vLLM's limit_mm_per_prompt: {"image": N} or "image=N"): the frontend
+        # refuses more before processing them; an in-process core is given it too (a remote core has its own flag).
+        limit_mm_per_prompt = core_config.pop("limit_mm_per_prompt", None)
+        mm_limits = parse_limit_mm_per_prompt(limit_mm_per_prompt)
         check_core_settings(core_address, core_config)  # before the tokenizer loads
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
         loaded = tokenizer is not None and not isinstance(tokenizer, str)
         in_process = client is None and core_address is None  # only then does this process need the weights
+        if in_process and limit_mm_per_prompt is not None:
+            core_config["limit_mm_per_prompt"] = limit_mm_per_prompt
         model_path = resolve_model_path(model, weights=in_process) if in_process or not loaded else Path(model)
         self.tokenizer = tokenizer if loaded else load_tokenizer(tokenizer or model_path)
         # {field: value} from the model's generation config: unset request fields take them (vLLM's

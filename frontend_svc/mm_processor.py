@@ -22,15 +22,13 @@ from PIL import Image
 
 from frontend_svc.engine_types import MultiModalFeature
 from frontend_svc.errors import ValidationError
+from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, IMAGE
 
 logger = logging.getLogger(__name__)
 
-IMAGE = "image"
 # config.json model_type -> the model families the core runs images for (issue 17): LLaVA-1.5, Qwen2-VL,
 # Qwen2.5-VL. Another model type with images is text-only here: its image inputs are refused.
 SUPPORTED_MODEL_TYPES = frozenset({"llava", "qwen2_vl", "qwen2_5_vl"})
-# vLLM v1's default --limit-mm-per-prompt for every modality (``MultiModalConfig.limit_per_prompt``).
-DEFAULT_LIMIT_PER_PROMPT = 999
 # The MIME types an encoded image may say (empty: any of these formats, told by its bytes) -> PIL's format name.
 MIME_FORMATS = {
     "image/png": "PNG",
@@ -51,6 +49,9 @@ MAX_REQUEST_PIXELS = 64_000_000
 # The pixels of one image, beyond which it is refused from its header: the request's budget, which is below PIL's
 # DecompressionBombError bound (2 * Image.MAX_IMAGE_PIXELS, 179 megapixels).
 MAX_IMAGE_PIXELS = min(MAX_REQUEST_PIXELS, 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485))
+# Memory that preprocessing one image takes per pixel of it as decoded, before resizing: PIL's decoded pixels (RGB and
+# RGBA take 4 bytes a pixel) and the image processor's float32 RGB copy (12). Images are processed one at a time.
+PREPROCESS_BYTES_PER_PIXEL = 16
 # Rows of a decoded image hashed at once (``image_hash``): a band's bytes, not the whole image's, are copied.
 HASH_BAND_ROWS = 64
 _ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
@@ -58,42 +59,6 @@ _ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
 # torchvision one whenever torchvision is importable: that imports torch into the frontend and resizes with other
 # kernels, so the same picture would make other tensors under one item hash.
 IMAGE_PROCESSOR_BACKEND = "pil"
-
-
-def parse_limit_mm_per_prompt(value: str | Mapping[str, int] | None) -> dict[str, int]:
-    """``--limit-mm-per-prompt`` as vLLM takes it: ``image=4`` (``modality=N`` pairs, comma-separated) or JSON
-    (``{"image": 4}``), or a dict already; None: {} (999 each, vLLM v1's default).
-
-    Raises:
-        ValueError: another form, a modality other than image, a count that is not an integer >= 0.
-    """
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("{"):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"limit_mm_per_prompt: {value!r} is not valid JSON ({e})") from None
-        else:
-            pairs = [pair.partition("=") for pair in text.split(",") if pair.strip()]
-            if any(not sep for _, sep, _ in pairs):
-                raise ValueError(f"limit_mm_per_prompt: {value!r} is not modality=N[,modality=N] (image=4)")
-            try:
-                value = {key.strip(): int(count) for key, _, count in pairs}
-            except ValueError:
-                raise ValueError(f"limit_mm_per_prompt: {value!r}: each count must be an integer") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"limit_mm_per_prompt must map modalities to counts, got {type(value).__name__}")
-    limits: dict[str, int] = {}
-    for key, count in value.items():
-        if key != IMAGE:
-            raise ValueError(f"limit_mm_per_prompt: only 'image' is supported, got {key!r}")
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"limit_mm_per_prompt: {key} must be an integer >= 0, got {count!r}")
-        limits[key] = count
-    return limits
 
 
 @dataclass(frozen=True)
@@ -251,16 +216,60 @@ class MultiModalProcessor:
             return int(height) * int(width) * 3 * 4
         return None
 
+    def item_bytes(self, width: int, height: int) -> int:
+        """The bytes of the tensors the image processor makes of a ``width`` x ``height`` image: Qwen2-VL its
+        resized pixels (transformers' ``smart_resize``, as the processor resizes) at 3 x temporal_patch_size float32
+        values each, and image_grid_thw (3 int64); LLaVA its crop, 3 x H x W float32; otherwise float32 RGB at the
+        image's size.
+
+        Raises:
+            ValueError: a size the image processor refuses (Qwen2-VL: an aspect ratio over 200).
+        """
+        image_processor = self.processor.image_processor
+        temporal = getattr(image_processor, "temporal_patch_size", None)
+        size = getattr(image_processor, "size", None)
+        min_pixels, max_pixels = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
+        if temporal is not None and min_pixels and max_pixels:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+            factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+            resized_height, resized_width = smart_resize(height, width, factor, int(min_pixels), int(max_pixels))
+            return resized_height * resized_width * 3 * int(temporal) * 4 + 3 * 8
+        crop = getattr(image_processor, "crop_size", None)
+        crop_height, crop_width = getattr(crop, "height", None), getattr(crop, "width", None)
+        if getattr(image_processor, "do_center_crop", False) and crop_height and crop_width:
+            return int(crop_height) * int(crop_width) * 3 * 4
+        return width * height * 3 * 4
+
+    def preprocess_memory_bytes(self, images: Sequence[Any], field: str) -> int:
+        """The memory ``process`` takes at its peak for ``images``, estimated from their headers alone (PIL opens an
+        image without decoding it): the largest image decoded and processed (``PREPROCESS_BYTES_PER_PIXEL`` a pixel;
+        images are processed one at a time) and every item's tensors (``item_bytes``), kept until the request is
+        sent.
+
+        Raises:
+            ValidationError: naming the image: as ``open_image``, or a size the image processor refuses.
+        """
+        peak = kept = 0
+        for image, image_field in zip(images, _image_fields(images, field), strict=True):
+            opened = open_image(image, image_field)
+            peak = max(peak, PREPROCESS_BYTES_PER_PIXEL * opened.width * opened.height)
+            try:
+                kept += self.item_bytes(opened.width, opened.height)
+            except ValueError as e:
+                raise ValidationError(image_field, f"the model's image processor refused an image ({e})") from None
+        return peak + kept
+
     def describe_limits(self, max_request_bytes: int) -> str:
         """One line for the log: how many of the largest images fit in one request to the core
-        (``max_request_bytes``: its --max-receive-message-mib)."""
+        (``max_request_bytes``: its receive limit)."""
         line = f"images: at most {self.image_limit} per prompt (--limit-mm-per-prompt)"
         per_image = self.max_image_bytes
         if per_image is None or not max_request_bytes:
             return line
         return (
             f"{line}; the largest image is {per_image / 2**20:.1f} MiB of pixels, the engine core takes "
-            f"{max_request_bytes / 2**20:.1f} MiB per request (its --max-receive-message-mib): "
+            f"{max_request_bytes / 2**20:.1f} MiB per request (its receive limit): "
             f"{max_request_bytes // per_image} such images fit in one request"
         )
 
@@ -321,7 +330,7 @@ class MultiModalProcessor:
             )
         if not images:
             return prompt_token_ids, []
-        fields = [image.field if isinstance(image, EncodedImage) else f"{field}[{i}]" for i, image in enumerate(images)]
+        fields = _image_fields(images, field)
         pending = deque(open_image(image, fields[i]) for i, image in enumerate(images))
         self.check_pixels(pending, field)  # from the headers, before anything is decoded
         token_ids: list[int] = []
@@ -343,6 +352,11 @@ class MultiModalProcessor:
             start = position + 1
         token_ids += prompt_token_ids[start:]
         return token_ids, features
+
+
+def _image_fields(images: Sequence[Any], field: str) -> list[str]:
+    """Where the request held each image, for errors: an ``EncodedImage`` knows; otherwise ``field[i]``."""
+    return [image.field if isinstance(image, EncodedImage) else f"{field}[{i}]" for i, image in enumerate(images)]
 
 
 def _split_items(outputs: Mapping[str, Any], num_items: int) -> list[dict[str, np.ndarray]]:

@@ -3,6 +3,10 @@ Hugging Face tokenizers: the ids, offsets and token strings of the encoding), an
 up to n tokens (byte-level and byte-fallback tokenizers), so a few large texts tokenized at once could take
 gigabytes. ``TokenizeBudget`` runs tokenizations on its own threads while the text they hold together fits in a
 budget of bytes; the others wait their turn, first come first served.
+
+Image preprocessing runs on the same threads and is charged to the same budget, its estimated memory converted at
+``MEMORY_BYTES_PER_TEXT_BYTE`` (``budget_bytes_of_memory``): text and images compete for the same memory, and one
+line keeps them first come first served with no second budget to wait for while holding the first.
 """
 
 from __future__ import annotations
@@ -19,11 +23,20 @@ T = TypeVar("T")
 # (3 bytes per token). Ordinary prompts (kilobytes) never wait for each other; a text larger than the budget
 # waits until it can run alone.
 DEFAULT_BUDGET_BYTES = 4 * 2**20
+# Memory that a byte of the budget stands for when work other than tokenizing is charged to it: tokenizing takes
+# about 100 to 200 bytes of memory per byte of text (docs/operations.md), the low end taken, so the 4 MiB budget is
+# 512 MiB of image preprocessing at once.
+MEMORY_BYTES_PER_TEXT_BYTE = 128
 
 
 def utf8_size(text: str) -> int:
     """``text``'s size in UTF-8 bytes (O(1) for ASCII text, whose size CPython knows)."""
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def budget_bytes_of_memory(memory_bytes: int) -> int:
+    """The budget bytes charged for work estimated to take ``memory_bytes`` of memory (rounded up)."""
+    return -(-max(memory_bytes, 0) // MEMORY_BYTES_PER_TEXT_BYTE)
 
 
 class TokenizeBudget:
@@ -40,6 +53,11 @@ class TokenizeBudget:
         self.in_use_bytes = 0
         self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Calls waiting for their turn (a cancelled one leaves the line at once)."""
+        return len(self._waiting)
 
     async def run(self, num_bytes: int, fn: Callable[[], T]) -> T:
         """``fn()`` on a worker thread, once ``num_bytes`` (the text's UTF-8 size) fit in the budget beside what

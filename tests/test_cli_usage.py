@@ -174,15 +174,21 @@ def test_help_shows_units(monkeypatch):
         assert "(default: 1 GiB, capped at what --max-num-seqs" in entries["--kv-cache-memory-gib"], command
     for command in ("core", "serve", "frontend"):
         entries = _help_entries(parsers[f"splitserve {command}"].format_help())
-        assert "(default: 16 MiB)" in entries["--max-receive-message-mib"], command
+        receive = "(default: 16 MiB, plus room for --limit-mm-per-prompt" if command == "core" else "(default: 16 MiB)"
+        assert receive in entries["--max-receive-message-mib"], command
         assert "(default: 30.0 s)" in entries["--shutdown-timeout"], command
     frontend = _help_entries(parsers["splitserve frontend"].format_help())
     assert f"(default: {MAX_N} completions)" in frontend["--max-n"]
 
 
 # The config fields each command gives no flag of its own: generate's --seed is each request's sampling seed and it
-# reports no model name; serve's --served-model-name is the frontend's (and reaches its in-process core too).
-CORE_FIELDS_WITHOUT_FLAGS = {"core": set(), "serve": {"served_model_name"}, "generate": {"seed", "served_model_name"}}
+# reports no model name; serve's --served-model-name and --limit-mm-per-prompt are the frontend's (and reach its
+# in-process core too).
+CORE_FIELDS_WITHOUT_FLAGS = {
+    "core": set(),
+    "serve": {"served_model_name", "limit_mm_per_prompt"},
+    "generate": {"seed", "served_model_name"},
+}
 FRONTEND_COMMANDS = {"frontend": ["--core", "localhost:1"], "serve": []}
 
 

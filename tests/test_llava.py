@@ -300,6 +300,20 @@ def test_invalid_mm_features_are_refused(llava: Path, checkpoint: Any) -> None:
     assert "takes no multimodal input" in _refusal(text_model, [1, 2, 3], [replace(feature, offset=0, length=2)])
 
 
+def test_more_images_than_the_cores_limit_are_refused(llava: Path) -> None:
+    """The core's own --limit-mm-per-prompt (a client of the core other than our frontend, or a frontend started
+    with another limit): a request with more items is INVALID_ARGUMENT naming the limit; as many are taken."""
+    ids, features, _ = _inputs(llava, "USER: <image> and <image>? ASSISTANT:", [0, 1])
+    limited = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64, limit_mm_per_prompt="image=1")
+    message = _refusal(limited, ids, features)
+    assert message == (
+        "mm_features: has 2 images, more than the 1 a prompt may hold (the engine core's --limit-mm-per-prompt image=1)"
+    )
+    enough = make_engine(llava, attention_backend="torch_ref", num_kv_blocks=64, limit_mm_per_prompt='{"image": 2}')
+    enough.add_request(Request("two", ids, SamplingParams(temperature=0.0, max_tokens=2), mm_features=features))
+    assert enough.scheduler.get_num_unfinished_requests() == 1
+
+
 def test_preemption_recomputes_image_requests(llava: Path) -> None:
     # A KV cache too small for both requests at full length: one is preempted and recomputed (its image from
     # the encoder cache or encoded again), with the same ids as transformers.

@@ -11,6 +11,7 @@ import json
 import struct
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,10 @@ from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, Engin
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import InputProcessor
 from frontend_svc.llm_engine import LLMEngine
-from frontend_svc.mm_processor import EncodedImage, load_mm_processor, parse_limit_mm_per_prompt
+from frontend_svc.mm_processor import EncodedImage, load_mm_processor
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.wire import chat_messages_from_api, generate_request_from_api, request_to_pb
+from splitserve.base.mm_limits import parse_limit_mm_per_prompt
 from splitserve.base.wire_enums import FinishReason
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
@@ -512,6 +514,7 @@ def test_limit_mm_per_prompt_refused(value: str) -> None:
 
 TORCHLESS_SCRIPT = """
 import sys
+import threading
 sys.path.insert(0, {tests!r})
 from torchless import _WithoutTorch
 sys.meta_path[:] = [_WithoutTorch(f) for f in sys.meta_path]
@@ -722,3 +725,125 @@ def test_the_core_reads_the_items_as_sent(qwen: InputProcessor) -> None:
     assert len({f.identifier for f in core_request.mm_features}) == 2
     again = request_from_pb(request_to_pb(run(qwen, {"prompt": QWEN_IMAGE, "multi_modal_data": {"image": images[1:]}})))
     assert again.mm_features[0].identifier == core_request.mm_features[1].identifier
+
+
+def test_preprocess_memory_is_estimated_from_the_headers(
+    llava_dir: Path, llava: InputProcessor, qwen_dir: Path, qwen: InputProcessor
+) -> None:
+    """The budget's estimate of an image request: the largest image at 16 bytes a decoded pixel (decoded RGBA and
+    the processor's float32 RGB copy) plus every item's tensors, which equal the model's own processor's."""
+    from transformers import AutoProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    images = [random_image(50, 90, 30), random_image(51, 61, 117)]
+    encoded = [EncodedImage(png_bytes(image), "image/png", f"images[{i}]") for i, image in enumerate(images)]
+    peak = 16 * max(image.width * image.height for image in images)
+    llava_oracle = AutoProcessor.from_pretrained(str(llava_dir))
+    llava_kept = sum(
+        llava_oracle(text="<image>", images=[image], return_tensors="np")["pixel_values"].astype(np.float32).nbytes
+        for image in images
+    )
+    qwen_oracle = Qwen2VLImageProcessorPil.from_pretrained(str(qwen_dir))
+    qwen_outputs = [qwen_oracle(images=[image], return_tensors="np") for image in images]
+    qwen_kept = sum(o["pixel_values"].astype(np.float32).nbytes + 3 * 8 for o in qwen_outputs)
+    assert llava.mm_processor is not None and qwen.mm_processor is not None
+    assert llava.mm_processor.preprocess_memory_bytes(encoded, "images") == peak + llava_kept
+    assert qwen.mm_processor.preprocess_memory_bytes(encoded, "images") == peak + qwen_kept
+    # A size the processor refuses is named before anything waits or decodes.
+    with pytest.raises(ValidationError, match="aspect ratio must be smaller than 200") as e:
+        qwen.mm_processor.preprocess_memory_bytes([random_image(52, 1, 300)], "images")
+    assert e.value.field == "images[0]"
+
+
+def _blocking_process(processor: InputProcessor) -> tuple[list[int], threading.Event, list[threading.Event]]:
+    """Make ``processor``'s image processing wait for ``release`` (set by the test); returns the budget bytes in
+    use as each call started, ``release``, and an event set as each of the first two calls starts."""
+    assert processor.mm_processor is not None
+    mm = processor.mm_processor
+    original = mm.process
+    in_use_at_start: list[int] = []
+    release = threading.Event()
+    started = [threading.Event(), threading.Event()]
+
+    def process(prompt_token_ids: list[int], images: Any, field: str) -> Any:
+        in_use_at_start.append(processor.budget.in_use_bytes)  # read on the worker thread: a snapshot
+        started[len(in_use_at_start) - 1].set()
+        release.wait(30)
+        return original(prompt_token_ids, images, field)
+
+    mm.process = process  # type: ignore[method-assign]  # instrumented for this test's processor only
+    return in_use_at_start, release, started
+
+
+def _image_charge(text: str, image: Image.Image, qwen_dir: Path) -> int:
+    """What an image prompt is charged, computed apart: its text's bytes, and its images' memory at 128 bytes a
+    budget byte (rounded up): 16 bytes a decoded pixel plus the processor's tensors."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    outputs = Qwen2VLImageProcessorPil.from_pretrained(str(qwen_dir))(images=[image], return_tensors="np")
+    memory = 16 * image.width * image.height + outputs["pixel_values"].astype(np.float32).nbytes + 3 * 8
+    return len(text.encode()) - (-memory // 128)
+
+
+def test_a_second_image_request_waits_for_the_budget(qwen_dir: Path) -> None:
+    from frontend_svc.tokenize_budget import TokenizeBudget
+
+    processor = make_input_processor(qwen_dir)
+    text = f"{QWEN_IMAGE} x"
+    image = random_image(60, 120, 150)
+    charge = _image_charge(text, image, qwen_dir)
+    processor.budget = TokenizeBudget(budget_bytes=charge + charge // 2)  # one such request at a time
+    in_use_at_start, release, started = _blocking_process(processor)
+    prompt: Any = {"prompt": text, "multi_modal_data": {"image": image}}
+
+    async def scenario() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(processor.process_multimodal_async(prompt))
+        assert await loop.run_in_executor(None, started[0].wait, 30)
+        second = asyncio.ensure_future(processor.process_multimodal_async(prompt))
+        await asyncio.sleep(0)  # the second reaches the budget's line
+        assert processor.budget.num_waiting == 1 and processor.budget.in_use_bytes == charge
+        assert not started[1].is_set()
+        release.set()
+        results = [await first, await second]
+        assert processor.budget.in_use_bytes == 0 and processor.budget.num_waiting == 0
+        return results
+
+    first, second = asyncio.run(scenario())
+    assert in_use_at_start == [charge, charge]  # the second started alone, once the first gave its bytes back
+    assert first["prompt_token_ids"] == second["prompt_token_ids"]
+    assert [f.identifier for f in first["mm_features"]] == [f.identifier for f in second["mm_features"]]
+
+
+def test_an_image_request_cancelled_while_waiting_leaves_the_line(qwen_dir: Path) -> None:
+    from frontend_svc.tokenize_budget import TokenizeBudget
+
+    processor = make_input_processor(qwen_dir)
+    text = f"{QWEN_IMAGE} x"
+    image = random_image(61, 120, 150)
+    charge = _image_charge(text, image, qwen_dir)
+    processor.budget = TokenizeBudget(budget_bytes=charge + charge // 2)
+    in_use_at_start, release, started = _blocking_process(processor)
+    prompt: Any = {"prompt": text, "multi_modal_data": {"image": image}}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(processor.process_multimodal_async(prompt))
+        assert await loop.run_in_executor(None, started[0].wait, 30)
+        waiting = asyncio.ensure_future(processor.process_multimodal_async(prompt))
+        await asyncio.sleep(0)
+        assert processor.budget.num_waiting == 1
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # Out of the line, holding nothing: only the running request's bytes are in use.
+        assert processor.budget.num_waiting == 0 and processor.budget.in_use_bytes == charge
+        release.set()
+        await first
+        assert processor.budget.in_use_bytes == 0
+        # The bytes are all there for the next one, which starts at once.
+        await processor.process_multimodal_async(prompt)
+        assert processor.budget.in_use_bytes == 0
+
+    asyncio.run(scenario())
+    assert in_use_at_start == [charge, charge]

@@ -126,6 +126,9 @@ def frontend_config_from_args(args: argparse.Namespace, core_tls: Any = None) ->
 
 # ``CoreConfig`` fields ``generate`` has no flag for: its --seed is each request's sampling seed; no metrics name.
 GENERATE_CORE_FIELDS_NOT_FLAGS = ("seed", "served_model_name")
+# An unset --max-receive-message-mib: grpc_runtime.DEFAULT_MAX_RECEIVE_MESSAGE_BYTES in MiB (grpc is imported only
+# by the commands that serve); a core serving an image model sizes it for its images (core_svc/request_size.py).
+DEFAULT_RECEIVE_MIB = 16
 
 # ``generate``'s sampling flags that default to the model's generation config when not given.
 DEFAULTABLE_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
@@ -236,15 +239,17 @@ def _output_json(prompt: str, output: Any) -> dict[str, Any]:
     return {"prompt": prompt, "prompt_token_ids": output.prompt_token_ids, "outputs": completions}
 
 
-def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+def add_server_args(parser: argparse.ArgumentParser, default_port: int, receive_default: str | None = None) -> None:
+    """The flags both servers take. ``receive_default``: what an unset ``--max-receive-message-mib`` means, for
+    its help (None: 16 MiB)."""
     parser.add_argument("--host", default="0.0.0.0", help="the address to listen on")
     parser.add_argument("--port", type=int, default=default_port, help="the gRPC port; 0: a free one")
     parser.add_argument(
         "--max-receive-message-mib",
         type=_message_mib,
-        default=16,
+        default=None,
         help="largest gRPC message taken (requests); a larger one is refused unread with RESOURCE_EXHAUSTED "
-        "(default: %(default)s MiB)",
+        f"(default: {receive_default or f'{DEFAULT_RECEIVE_MIB} MiB'})",
     )
     parser.add_argument(
         "--max-send-message-mib",
@@ -335,7 +340,10 @@ def message_limits_from_args(args: argparse.Namespace) -> Any:
     """The server's ``grpc_runtime.MessageLimits`` from ``--max-receive-message-mib`` / ``--max-send-message-mib``."""
     from splitserve.base.grpc_runtime import MessageLimits
 
-    return MessageLimits.from_mib(args.max_receive_message_mib, args.max_send_message_mib)
+    receive_mib = args.max_receive_message_mib
+    return MessageLimits.from_mib(
+        DEFAULT_RECEIVE_MIB if receive_mib is None else receive_mib, args.max_send_message_mib
+    )
 
 
 def cmd_core(args: argparse.Namespace) -> int:
@@ -350,6 +358,10 @@ def cmd_core(args: argparse.Namespace) -> int:
     admin = AdminPolicy.enabled_with(args.profile_dir) if args.enable_admin_rpcs else AdminPolicy()
     check_device_arg(args)
     config = core_config_from_args(args, resolve_model_arg(args.model))
+    if args.max_receive_message_mib is None:  # sized for the model's images; the flag, when given, wins
+        from core_svc.server import model_message_limits
+
+        options = dataclasses.replace(options, message_limits=model_message_limits(config, options.message_limits))
     return asyncio.run(serve_core(config, options, admin))
 
 
@@ -398,8 +410,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_generation_config(frontend.generation_config)  # not only once the model has loaded
     options = server_options_from_args(args)
     check_device_arg(args)
-    # One --served-model-name: the in-process core's metrics report the model by the same name.
-    core_config = {**core_kwargs_from_args(args), "served_model_name": frontend.served_model_name}
+    # One --served-model-name: the in-process core's metrics report the model by the same name; one
+    # --limit-mm-per-prompt, checked by the frontend and the core alike.
+    core_config = {
+        **core_kwargs_from_args(args),
+        "served_model_name": frontend.served_model_name,
+        "limit_mm_per_prompt": frontend.limit_mm_per_prompt,
+    }
     return asyncio.run(serve_frontend(resolve_model_arg(args.model), None, options, frontend, **core_config))
 
 
@@ -518,7 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("core", help="the engine core as a gRPC server")
     add_model_args(p)
     add_config_args(p, CoreConfig)
-    add_server_args(p, 50061)
+    add_server_args(
+        p, 50061, f"{DEFAULT_RECEIVE_MIB} MiB, plus room for --limit-mm-per-prompt of an image model's largest images"
+    )
     p.add_argument(
         "--enable-admin-rpcs",
         action="store_true",
@@ -559,8 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="the public gRPC API with the engine core in-process")
     add_model_args(p)
-    # --served-model-name is the frontend's, and the in-process core's too (cmd_serve).
-    add_config_args(p, CoreConfig, exclude=("served_model_name",))
+    # --served-model-name and --limit-mm-per-prompt are the frontend's, and the in-process core's too (cmd_serve).
+    add_config_args(p, CoreConfig, exclude=("served_model_name", "limit_mm_per_prompt"))
     add_server_args(p, 50051)
     add_config_args(p, FrontendConfig)
     p.set_defaults(func=cmd_serve)
