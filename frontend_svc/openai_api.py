@@ -129,15 +129,22 @@ def _validation_response(errors: Sequence[Any]) -> JSONResponse:
     """A body pydantic refused: 400 naming the first offending field (``messages[0].content``) as
     ``"<field>: <pydantic's message>"``."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
-    loc = [part for part in first.get("loc", ()) if part != "body"]
+    # A union's errors name the alternative tried (``prompt``, ``str``): the field is what the client sent.
+    loc = [part for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     if first.get("type") == "json_invalid":
         field, message = "body", f"is not valid JSON: {first.get('msg')}"
     else:
         field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or "body"
-        # A union's errors name the alternative tried (``prompt.str``): the field is what the client sent.
-        field = field.split(".list[")[0].split(".str")[0].split(".int")[0]
         message = str(first.get("msg", "invalid value"))
     return JSONResponse(error_body(f"{field}: {message}", "invalid_request_error", field, "invalid_value"), 400)
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Whether a pydantic error location part names a union's alternative (``str``, ``list[int]``), not a field."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-")))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
 
 
 class _OpenAIApi:
@@ -440,7 +447,7 @@ def _chunk_object(request: SamplingRequest) -> str:
 
 
 def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 async def _merge(

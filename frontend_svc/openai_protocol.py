@@ -210,4 +210,6 @@ def request_field(field: str, request: SamplingRequest) -> str:
             return "max_completion_tokens"
         if field == "prompt":
             return "messages"
+    elif field.startswith("prompt_token_ids"):  # the prompt as token ids, as the client sent them
+        return field.replace("prompt_token_ids", "prompt", 1)
     return field
