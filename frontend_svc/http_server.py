@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Generator
 from typing import Any
 
@@ -17,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from frontend_svc.openai_api import make_app
 from frontend_svc.openai_responses import error_body
 from frontend_svc.service import FrontendServerState
+from splitserve.base.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 # How long connections still open when the HTTP server stops (after the frontend's drain) get to finish.
@@ -80,10 +82,17 @@ async def _no_receive() -> Message:
 
 class HttpServer:
     """uvicorn on ``host:port`` (0: any free port) serving ``make_app(state, api_key)``; bodies up to
-    ``max_body_bytes``."""
+    ``max_body_bytes``; HTTPS with ``tls`` (the gRPC server's ``--ssl-*`` files: client certificates required
+    when it has a CA)."""
 
     def __init__(
-        self, state: FrontendServerState, host: str, port: int, api_key: str | None, max_body_bytes: int
+        self,
+        state: FrontendServerState,
+        host: str,
+        port: int,
+        api_key: str | None,
+        max_body_bytes: int,
+        tls: ServerTLS | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -94,7 +103,13 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            ssl_keyfile=tls.keyfile if tls is not None else None,
+            ssl_certfile=tls.certfile if tls is not None else None,
+            ssl_ca_certs=tls.ca_certs if tls is not None else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if tls is not None and tls.ca_certs else ssl.CERT_NONE,
         )
+        if tls is not None:
+            config.load()  # the SSL context, from the files (an unreadable one raises here, before anything serves)
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 

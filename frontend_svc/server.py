@@ -86,6 +86,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
         self.observability = observability
         # The largest HTTP request body taken: the gRPC API's receive limit.
         self.max_request_bytes = options.message_limits.receive_bytes
+        self.tls = options.tls  # the HTTP API's too
         self.http_server: HttpServer | None = None
         self.model_name = frontend.served_model_name or model
         self.state = FrontendServerState(
@@ -105,10 +106,11 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             return
         http_host = frontend.http_host if frontend.http_host is not None else host
         self.http_server = HttpServer(
-            self.state, http_host, frontend.http_port, frontend.api_key, self.max_request_bytes
+            self.state, http_host, frontend.http_port, frontend.api_key, self.max_request_bytes, self.tls
         )
         port = await self.http_server.start()
-        logger.info("splitserve frontend serving the OpenAI-compatible HTTP API on http://%s:%d", http_host, port)
+        scheme = "https" if self.tls is not None else "http"
+        logger.info("splitserve frontend serving the OpenAI-compatible HTTP API on %s://%s:%d", scheme, http_host, port)
 
     async def close_listeners(self) -> None:
         if self.http_server is not None:
