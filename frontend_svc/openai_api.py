@@ -435,7 +435,11 @@ class _Generation:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     def chunk(self, object_type: str, choices: list[Any]) -> dict[str, Any]:
-        return envelope(self.request_id, object_type, self.created, self.state.model, choices)
+        """A stream's chunk; with ``continuous_usage_stats``, the usage so far in it."""
+        chunk = envelope(self.request_id, object_type, self.created, self.state.model, choices)
+        if self.request.continuous_usage:
+            chunk["usage"] = self.usage.body()
+        return chunk
 
     async def aclose(self) -> None:
         if self._merged is not None:

@@ -29,6 +29,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False  # a last chunk with the request's usage (and no choices)
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far too
 
 
 class SamplingRequest(_Strict):
@@ -105,6 +106,10 @@ class SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
