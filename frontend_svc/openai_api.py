@@ -10,27 +10,25 @@ client that goes away (mid-stream, or while waiting for a whole completion) abor
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 import splitserve
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
 from frontend_svc.input_processor import PromptType
+from frontend_svc.openai_generation import HTTP_STATUS, Generation, named, named_async, until_disconnect
 from frontend_svc.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    SamplingRequest,
     TokenizeRequest,
-    request_field,
 )
 from frontend_svc.openai_responses import (
     CompletionLogprobs,
@@ -42,28 +40,16 @@ from frontend_svc.openai_responses import (
     envelope,
     error_body,
 )
-from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, text_size
 from frontend_svc.tokenize_budget import utf8_size
 from splitserve.base.api_key import ApiKeyInterceptor
 from splitserve.base.request_rules import token_ids_violation
-from splitserve.base.status import StatusCode, status_code_of
+from splitserve.base.status import status_code_of
 
 T = TypeVar("T")
-# The HTTP status of each error kind (the gRPC code its class states), with OpenAI's error type and code.
-HTTP_STATUS: dict[StatusCode, tuple[int, str, str | None]] = {
-    StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-    StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
-    StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    StatusCode.RESOURCE_EXHAUSTED: (413, "invalid_request_error", "request_too_large"),
-    StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),
-    StatusCode.INTERNAL: (500, "server_error", None),
-    StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
-}
 # Paths any caller may ask without the API key: probes, as gRPC health is open.
 OPEN_PATHS = frozenset({"/health", "/version"})
-SSE_DONE = "data: [DONE]\n\n"
 
 
 class _UnauthenticatedError(Exception):
@@ -180,13 +166,13 @@ class _OpenAIApi:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         engine = self._engine()
         self._check_model(body.model)
-        params, prompts = _named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
+        params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
-        generation = _Generation(self.state, engine, request_id, body, params, prompt_list)
+        generation = Generation(self.state, engine, request_id, body, params, prompt_list)
         if body.stream:
             return await generation.stream(request, self._completion_events)
-        outputs = await _until_disconnect(request, generation.collect())
+        outputs = await until_disconnect(request, generation.collect())
         usage = UsageCounter()
         choices = []
         for prompt_index, output in sorted(outputs.items()):
@@ -202,7 +188,7 @@ class _OpenAIApi:
         response["usage"] = usage.body()
         return JSONResponse(response)
 
-    async def _completion_events(self, generation: _Generation) -> AsyncIterator[dict[str, Any]]:
+    async def _completion_events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
         params, engine = generation.params, generation.engine
         logprobs_by_choice: dict[int, CompletionLogprobs] = {}
         async for prompt_index, output in generation.outputs():
@@ -222,7 +208,7 @@ class _OpenAIApi:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         engine = self._engine()
         self._check_model(body.model)
-        params = _named(body, lambda: self._sampling_params(body, engine))
+        params = named(body, lambda: self._sampling_params(body, engine))
         if body.chat_template is not None and not self.state.trust_request_chat_template:
             raise ValidationError(
                 "chat_template",
@@ -230,7 +216,7 @@ class _OpenAIApi:
             )
         messages = body.messages_for_template()
         input_processor = engine.input_processor
-        prompt: PromptType = await _named_async(
+        prompt: PromptType = await named_async(
             body,
             input_processor.budget.run(
                 text_size(messages),
@@ -238,10 +224,10 @@ class _OpenAIApi:
             ),
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = _Generation(self.state, engine, request_id, body, params, [prompt])
+        generation = Generation(self.state, engine, request_id, body, params, [prompt])
         if body.stream:
             return await generation.stream(request, self._chat_events)
-        outputs = await _until_disconnect(request, generation.collect())
+        outputs = await until_disconnect(request, generation.collect())
         output = outputs[0]
         usage = UsageCounter()
         choices = []
@@ -253,7 +239,7 @@ class _OpenAIApi:
         response["usage"] = usage.body()
         return JSONResponse(response)
 
-    async def _chat_events(self, generation: _Generation) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
         request, tokenizer = generation.request, generation.engine.tokenizer
         if not isinstance(request, ChatCompletionRequest):
             raise TypeError("chat events need a chat request")
@@ -335,205 +321,6 @@ class _OpenAIApi:
         if not _core_available(engine):
             raise EngineDeadError("no engine core is reachable")
         return engine
-
-
-class _Generation:
-    """The engine requests of one API request (one per prompt), their outputs merged, counted in the frontend's
-    active calls (a drain waits for them), and the chunk envelope of its stream."""
-
-    def __init__(
-        self,
-        state: FrontendServerState,
-        engine: AsyncLLM,
-        request_id: str,
-        request: SamplingRequest,
-        params: SamplingParams,
-        prompts: list[PromptType],
-    ) -> None:
-        self.state = state
-        self.engine = engine
-        self.request_id = request_id
-        self.request = request
-        self.params = params
-        self.prompts = prompts
-        self.created = int(time.time())
-        self.usage = UsageCounter()
-        self._merged: AsyncGenerator[tuple[int, RequestOutput], None] | None = None
-        self._first: tuple[int, RequestOutput] | None = None
-
-    async def start(self) -> None:
-        """Queue the requests and wait for the first output: a refused request raises here, before any response
-        has started.
-
-        Raises:
-            FrontendError: the request was refused (a ValidationError names the field as the client sent it).
-        """
-        suffix = len(self.prompts) > 1
-        generators = [
-            self.engine.generate(
-                prompt,
-                self.params,
-                f"{self.request_id}-{i}" if suffix else self.request_id,
-                priority=self.request.priority,
-            )
-            for i, prompt in enumerate(self.prompts)
-        ]
-        self._merged = _merge(generators)
-        try:
-            self._first = await _named_async(self.request, anext(self._merged))
-        except BaseException:
-            await self._merged.aclose()
-            raise
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as they come, from the first on."""
-        if self._merged is None or self._first is None:
-            raise RuntimeError("start() first")
-        yield self._first
-        async for item in self._merged:
-            yield item
-
-    async def collect(self) -> dict[int, RequestOutput]:
-        """Each prompt's final output (the requests are FINAL_ONLY)."""
-        self.state.active_calls += 1
-        try:
-            await self.start()
-            return {prompt_index: output async for prompt_index, output in self.outputs()}
-        finally:
-            self.state.active_calls -= 1
-            await self.aclose()
-
-    async def stream(
-        self, request: Request, events: Callable[[_Generation], AsyncIterator[dict[str, Any]]]
-    ) -> StreamingResponse:
-        """Server-sent events of ``events``' chunks, the usage chunk (``stream_options.include_usage``), then
-        ``data: [DONE]``. An error after the first output ends the stream with an error event."""
-        self.state.active_calls += 1
-        try:
-            await _until_disconnect(request, self.start())
-        except BaseException:
-            self.state.active_calls -= 1
-            raise
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for chunk in events(self):
-                    yield _sse(chunk)
-                if self.request.include_usage:
-                    usage_chunk = self.chunk(str(_chunk_object(self.request)), [])
-                    usage_chunk["usage"] = self.usage.body()
-                    yield _sse(usage_chunk)
-            except FrontendError as e:
-                status, error_type, code = HTTP_STATUS[status_code_of(e)]
-                param = e.field if isinstance(e, ValidationError) else None
-                yield _sse(error_body(str(e), error_type, param, code))
-            finally:
-                self.state.active_calls -= 1
-                await self.aclose()
-            yield SSE_DONE
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    def chunk(self, object_type: str, choices: list[Any]) -> dict[str, Any]:
-        """A stream's chunk; with ``continuous_usage_stats``, the usage so far in it."""
-        chunk = envelope(self.request_id, object_type, self.created, self.state.model, choices)
-        if self.request.continuous_usage:
-            chunk["usage"] = self.usage.body()
-        return chunk
-
-    async def aclose(self) -> None:
-        if self._merged is not None:
-            await self._merged.aclose()
-
-
-def _chunk_object(request: SamplingRequest) -> str:
-    return "chat.completion.chunk" if isinstance(request, ChatCompletionRequest) else "text_completion"
-
-
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def _merge(
-    generators: list[AsyncGenerator[RequestOutput, None]],
-) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """The outputs of several requests as they come, as (index of the generator, output). Closing the merge (or
-    an error in one) cancels them all, which aborts them in the core."""
-    if len(generators) == 1:
-        try:
-            async for output in generators[0]:
-                yield 0, output
-        finally:
-            await generators[0].aclose()
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, generator: AsyncGenerator[RequestOutput, None]) -> None:
-        try:
-            async for output in generator:
-                queue.put_nowait((index, output, None))
-            queue.put_nowait((index, None, None))
-        except Exception as e:
-            queue.put_nowait((index, None, e))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is None:
-                remaining -= 1
-                continue
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """``work``, cancelled if the client disconnects first (vLLM's ``with_cancellation``): the request it queued
-    is aborted in the core. Raises EngineDeadError (never sent: the client is gone) when it was cancelled."""
-    task = asyncio.ensure_future(work)
-    disconnected = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnected.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise EngineDeadError("the client disconnected")
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _named(request: SamplingRequest, make: Callable[[], T]) -> T:
-    """``make()``, its ValidationError naming the field as the client sent it (``request_field``)."""
-    try:
-        return make()
-    except ValidationError as e:
-        raise _renamed(request, e) from None
-
-
-async def _named_async(request: SamplingRequest, work: Awaitable[T]) -> T:
-    try:
-        return await work
-    except ValidationError as e:
-        raise _renamed(request, e) from None
-
-
-def _renamed(request: SamplingRequest, error: ValidationError) -> ValidationError:
-    field = request_field(error.field, request)
-    return error if field == error.field else ValidationError(field, error.description)
 
 
 def _core_available(engine: AsyncLLM) -> bool:
