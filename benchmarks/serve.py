@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,6 +229,7 @@ def run_http(
     if requests.images:
         raise ValueError("--api http measures text prompts only (images go through chat's image_url parts)")
     processes: list[stack.ServiceProcess] = []
+    load_before = os.getloadavg()  # the machine may be shared: the report says how busy it was
     try:
         core = stack.start_core(str(model), log_dir, core_args)
         processes.append(core)
@@ -246,6 +248,7 @@ def run_http(
         "api": "http",
         "model": str(model),
         "machine": Machine.current().to_dict(),
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},  # 1, 5, 15 min
         "request_set": requests.summary(),
         "core_args": core_args,
         "repeats": repeats,
@@ -331,6 +334,13 @@ def check_targets(report: dict[str, Any]) -> list[tuple[str, float, float, bool]
 def format_report(report: dict[str, Any]) -> str:
     rs = report["request_set"]
     lines = [
+        f"CPU {report['machine']['cpu']} ({report['machine']['cores']} cores)"
+        + (
+            f", load average {report['load_average']['before'][0]:.1f} before, "
+            f"{report['load_average']['after'][0]:.1f} after (1 min)"
+            if "load_average" in report
+            else ""
+        ),
         f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
         f"{rs['output_len']} output tokens each"
         + (
