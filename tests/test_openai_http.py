@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from typing import Any
 
@@ -429,5 +430,35 @@ def test_without_a_core_health_and_requests_are_503_and_the_key_is_required(mode
         assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 401
         keyed = httpx.post(f"{base_url}/v1/completions", json=body, headers={"authorization": "Bearer k3y"})
         assert keyed.status_code == 503 and keyed.json()["error"]["code"] == "service_unavailable"
+        assert httpx.get(f"{base_url}/version").status_code == 200  # open, as /health
+    finally:
+        assert frontend.stop() == 0  # SIGTERM while it waits for a core: the HTTP server stops with it
+
+
+def test_sigterm_drains_an_http_stream_then_both_servers_stop(services, model, tmp_path):
+    """A second frontend on the module's core: SIGTERM while a stream runs; the stream still gets all its tokens
+    and [DONE], /health answers 503 meanwhile, and the process exits 0."""
+    core, _, _ = services
+    http_port = stack.free_port()
+    frontend = stack.start_frontend(model, [core.address], tmp_path, ["--http-port", str(http_port)])
+    base_url = f"http://127.0.0.1:{http_port}"
+    try:
+        frontend.wait_serving()
+        body = {"prompt": PROMPTS[0], "stream": True, "temperature": 0.0, "max_tokens": 600, **NO_EOS}
+        body["stream_options"] = {"include_usage": True}
+        payloads = []
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    payloads.append(line.removeprefix("data: "))
+                    break
+            frontend.process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert httpx.get(f"{base_url}/health", timeout=10).status_code == 503
+            payloads += [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 600
+        assert frontend.process.wait(60) == 0
     finally:
         frontend.stop()
