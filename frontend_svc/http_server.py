@@ -13,6 +13,7 @@ from collections.abc import Generator
 from typing import Any
 
 import uvicorn
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend_svc.openai_api import make_app
@@ -33,8 +34,9 @@ class _Server(uvicorn.Server):
 
 
 class BodyLimit:
-    """ASGI wrapper that refuses a request body larger than ``max_bytes`` with 413 (an OpenAI error body), by its
-    Content-Length before it is read, or as it arrives: the gRPC API's receive limit, over HTTP."""
+    """ASGI wrapper that refuses a request body larger than ``max_bytes`` with 413 (an OpenAI error body): by its
+    Content-Length before it is read, else as it arrives (a chunked body is read here, then handed on whole).
+    The gRPC API's receive limit, over HTTP."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -48,32 +50,35 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._refuse(send)
             return
+        chunks: list[bytes] = []
         received = 0
-
-        async def counted() -> Message:
-            nonlocal received
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLargeError()
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away before its request was whole
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > self.max_bytes:
+                await self._refuse(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        whole: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLargeError:
-            await self._refuse(send)
+        async def replay() -> Message:
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # from now on: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        from fastapi.responses import JSONResponse
-
         message = f"the request body is larger than this server takes ({self.max_bytes} bytes)"
         response = JSONResponse(error_body(message, "invalid_request_error", None, "request_too_large"), 413)
         await response({"type": "http"}, _no_receive, send)
-
-
-class _TooLargeError(Exception):
-    pass
 
 
 async def _no_receive() -> Message:

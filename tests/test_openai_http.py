@@ -25,6 +25,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Tell me a story"}]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 NO_EOS = {"ignore_eos": True}
+MAX_BODY_MIB = 2  # the frontend's --max-receive-message-mib: the HTTP API's body limit too
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def services(model, tmp_path_factory):
     try:
         core.wait_serving()
         http_port = stack.free_port()
-        frontend = stack.start_frontend(model, [core.address], logs, ["--http-port", str(http_port)])
+        limit = ["--max-receive-message-mib", str(MAX_BODY_MIB)]
+        frontend = stack.start_frontend(model, [core.address], logs, ["--http-port", str(http_port), *limit])
         frontend.wait_serving()
         yield core, frontend, f"http://127.0.0.1:{http_port}"
     finally:
@@ -357,6 +359,19 @@ def test_bad_values_are_400_naming_the_field(services, endpoint, fields, field):
     error = response.json()["error"]
     assert error["param"] == field and error["type"] == "invalid_request_error"
     assert error["message"].startswith(f"{field}: ")
+
+
+def test_a_body_over_the_receive_limit_is_413_and_the_server_goes_on(services):
+    _, _, base_url = services
+    body = {"prompt": "x" * (MAX_BODY_MIB * 2**20 + 1), "max_tokens": 2}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(  # no Content-Length: counted as it arrives
+        f"{base_url}/v1/completions", content=iter([json.dumps(body).encode()]), timeout=60
+    )
+    assert chunked.status_code == 413
+    ok = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
 def test_the_official_client_reads_a_400_and_a_404(client):
