@@ -58,6 +58,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--repeats", type=int, default=3, help="runs per deployment and rate, interleaved")
             p.add_argument("--log-dir", type=Path, default=None)
             p.add_argument(
+                "--api",
+                choices=("grpc", "http"),
+                default="grpc",
+                help="grpc: the split stack against the in-process core, through gRPC; http: one split stack "
+                "through its OpenAI-compatible HTTP API against its gRPC API (default: grpc)",
+            )
+            p.add_argument(
                 "--images-per-request",
                 type=int,
                 default=0,
@@ -202,6 +209,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         requests = workload.make_request_set(num_prompts, args.output_len, tokenizer, args.seed)
     kind = f"{args.bench}-images" if images_per_request else args.bench
+    if getattr(args, "api", "grpc") == "http":
+        kind = f"{kind}-http"
     name = args.name or f"{kind}-{args.preset if not args.model else model.name}"
     if args.bench == "throughput":
         from benchmarks import throughput, throughput_report
@@ -214,7 +223,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         rates = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",") if r.strip()]
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
-        report = serve.run(model, requests, rates, args.core_args.split(), log_dir, args.repeats)
+        run = serve.run_http if args.api == "http" else serve.run
+        report = run(model, requests, rates, args.core_args.split(), log_dir, args.repeats)
         if images_per_request:
             report["preprocessing"] = image_workload.preprocess_rate(model, sizes, args.preprocess_images, args.seed)
         json_path, png_path = serve.write_report(report, args.out, name)

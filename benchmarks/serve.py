@@ -7,6 +7,11 @@ interval), the time per output token after the first (TPOT) and the end-to-end l
 rates against the split stack (core and frontend as separate processes) and against ``splitserve serve`` (core
 in-process), alternating between them run by run, and reports the split's cost as ratios.
 
+With ``--api http`` the same frontend is measured through both of its APIs instead: gRPC ``Generate`` and the
+OpenAI-compatible HTTP API (``/v1/completions``, streamed as server-sent events, read with the official ``openai``
+client; vLLM's ``continuous_usage_stats`` gives each chunk's token count), at the same rates, alternating run by
+run, and the report gives HTTP over gRPC as ratios.
+
 With ``--images-per-request N`` (``image_workload``) every request carries N PNG images through ``Generate``
 on a LLaVA checkpoint, new images every run, and the report adds the frontend's preprocessing rate on one thread.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,13 +80,50 @@ async def _one(
         timing.error = f"{e.code().name}: {e.details()}"
 
 
+async def _one_http(client: Any, model: str, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
+    """As ``_one``, through the OpenAI-compatible API: a streamed completion of the token-id prompt."""
+    import openai
+
+    start = last = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=output_len,
+            temperature=0.0,
+            stream=True,
+            # vLLM's extra: every chunk carries the usage so far, hence its token count.
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            total = chunk.usage.completion_tokens if chunk.usage is not None else timing.output_tokens
+            new = total - timing.output_tokens
+            if new > 0:
+                if timing.output_tokens == 0:
+                    timing.ttft = now - start
+                else:
+                    timing.itl += [(now - last) / new] * new
+                timing.output_tokens = total
+                last = now
+        timing.e2e = time.perf_counter() - start
+        if timing.output_tokens != output_len:
+            timing.error = f"ended after {timing.output_tokens} of {output_len} tokens"
+    except openai.APIError as e:
+        timing.error = f"{type(e).__name__}: {e}"
+
+
 async def send_all(address: str, requests: RequestSet, rate: float, seed: int = 0) -> tuple[list[RequestTiming], float]:
     """Send every request at Poisson arrivals of ``rate`` per second (math.inf: all at once); return each
-    request's timing and the wall seconds from the first send to the last response."""
+    request's timing and the wall seconds from the first send to the last response. ``address``: a gRPC
+    ``host:port``, or the HTTP API's ``http://host:port`` (text prompts only)."""
     rng = np.random.default_rng(seed)
     gaps = np.zeros(len(requests.prompts)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(requests.prompts))
     timings = [RequestTiming() for _ in requests.prompts]
     images = requests.images or [[] for _ in requests.prompts]
+    if address.startswith("http"):
+        return await _send_all_http(address, requests, gaps, timings)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = api_grpc.GenerationStub(channel)
         await channel.channel_ready()
@@ -89,6 +132,27 @@ async def send_all(address: str, requests: RequestSet, rate: float, seed: int = 
         for prompt, prompt_images, gap, timing in zip(requests.prompts, images, gaps, timings, strict=True):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(_one(stub, prompt, prompt_images, requests.output_len, timing)))
+        await asyncio.gather(*tasks)
+        return timings, time.perf_counter() - start
+
+
+async def _send_all_http(
+    base_url: str, requests: RequestSet, gaps: np.ndarray, timings: list[RequestTiming]
+) -> tuple[list[RequestTiming], float]:
+    import httpx2
+    import openai
+
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # no line per request
+    # One connection per request in flight, as many as the gRPC channel multiplexes streams.
+    limits = httpx2.Limits(max_connections=len(requests.prompts), max_keepalive_connections=len(requests.prompts))
+    http_client = openai.DefaultAsyncHttpxClient(limits=limits, timeout=600)
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", http_client=http_client) as client:
+        (model,) = (await client.models.list()).data  # the name it serves the model by
+        start = time.perf_counter()
+        tasks = []
+        for prompt, gap, timing in zip(requests.prompts, gaps, timings, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(_one_http(client, model.id, prompt, requests.output_len, timing)))
         await asyncio.gather(*tasks)
         return timings, time.perf_counter() - start
 
@@ -155,6 +219,44 @@ def run_interleaved(
     return results
 
 
+def run_http(
+    model: Path, requests: RequestSet, rates: list[float], core_args: list[str], log_dir: Path, repeats: int = 3
+) -> dict[str, Any]:
+    """Start the split stack with the frontend's HTTP API on, and run ``run_interleaved`` on its two APIs: "grpc"
+    (``Generate``) and "http" (``/v1/completions``), the same frontend, core and requests."""
+    from splitserve.entrypoints import stack
+
+    if requests.images:
+        raise ValueError("--api http measures text prompts only (images go through chat's image_url parts)")
+    processes: list[stack.ServiceProcess] = []
+    load_before = os.getloadavg()  # the machine may be shared: the report says how busy it was
+    try:
+        core = stack.start_core(str(model), log_dir, core_args)
+        processes.append(core)
+        core.wait_serving()
+        http_port = stack.free_port()
+        frontend = stack.start_frontend(str(model), [core.address], log_dir, ["--http-port", str(http_port)])
+        processes.append(frontend)
+        frontend.wait_serving()
+        addresses = {"grpc": frontend.address, "http": f"http://127.0.0.1:{http_port}"}
+        deployments = run_interleaved(addresses, requests, rates, repeats)
+    finally:
+        for process in reversed(processes):
+            process.stop()
+    return {
+        "benchmark": "serve",
+        "api": "http",
+        "model": str(model),
+        "machine": Machine.current().to_dict(),
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},  # 1, 5, 15 min
+        "request_set": requests.summary(),
+        "core_args": core_args,
+        "repeats": repeats,
+        "deployments": deployments,
+        "comparison": compare(deployments, "http", "grpc"),
+    }
+
+
 def run(
     model: Path, requests: RequestSet, rates: list[float], core_args: list[str], log_dir: Path, repeats: int = 3
 ) -> dict[str, Any]:
@@ -190,14 +292,18 @@ def run(
     }
 
 
-def compare(deployments: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per rate: split throughput over in-process, and the split's added median TTFT, TPOT and e2e (ms)."""
+def compare(
+    deployments: dict[str, list[dict[str, Any]]], measured: str = "split", baseline: str = "inproc"
+) -> list[dict[str, Any]]:
+    """Per rate: ``measured``'s throughput over ``baseline``'s, its median TTFT over the baseline's, and what it
+    adds to the median TTFT, TPOT and e2e (ms)."""
     rows = []
-    for split, inproc in zip(deployments["split"], deployments["inproc"], strict=True):
+    for split, inproc in zip(deployments[measured], deployments[baseline], strict=True):
         rows.append(
             {
                 "rate": split["rate"],
                 "throughput_ratio": split["output_tok_s"] / inproc["output_tok_s"],
+                "ttft_p50_ratio": split["ttft_p50_ms"] / inproc["ttft_p50_ms"],
                 "ttft_p50_overhead_ms": split["ttft_p50_ms"] - inproc["ttft_p50_ms"],
                 "tpot_p50_overhead_ms": split["tpot_p50_ms"] - inproc["tpot_p50_ms"],
                 "e2e_p50_overhead_ms": split["e2e_p50_ms"] - inproc["e2e_p50_ms"],
@@ -207,8 +313,11 @@ def compare(deployments: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
 
 
 def check_targets(report: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
-    """Split throughput at saturation >= 90% of in-process; median TTFT overhead at the lowest rate <= 5 ms."""
-    rows = []
+    """Split throughput at saturation >= 90% of in-process; median TTFT overhead at the lowest rate <= 5 ms.
+    None for ``--api http`` (a comparison of two APIs, not a target)."""
+    rows: list[tuple[str, float, float, bool]] = []
+    if report.get("api") == "http":
+        return rows
     comparison = report["comparison"]
     saturated = [c for c in comparison if c["rate"] == "inf"]
     if saturated:
@@ -225,6 +334,13 @@ def check_targets(report: dict[str, Any]) -> list[tuple[str, float, float, bool]
 def format_report(report: dict[str, Any]) -> str:
     rs = report["request_set"]
     lines = [
+        f"CPU {report['machine']['cpu']} ({report['machine']['cores']} cores)"
+        + (
+            f", load average {report['load_average']['before'][0]:.1f} before, "
+            f"{report['load_average']['after'][0]:.1f} after (1 min)"
+            if "load_average" in report
+            else ""
+        ),
         f"model {report['model']}, {rs['num_requests']} requests, prompt mean {rs['prompt_len_mean']:.0f} tokens, "
         f"{rs['output_len']} output tokens each"
         + (
@@ -243,10 +359,12 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{r['itl_p50_ms']:8.1f}/{r['itl_p99_ms']:7.1f} {r['e2e_p50_ms']:9.0f}/{r['e2e_p99_ms']:8.0f} "
                 f"{len(r['errors']):6d}"
             )
+    names = "HTTP vs gRPC" if report.get("api") == "http" else "split vs in-process"
     for c in report["comparison"]:
         lines.append(
-            f"split vs in-process at {c['rate']}: throughput {c['throughput_ratio']:.3f}x, median TTFT "
-            f"{c['ttft_p50_overhead_ms']:+.1f} ms, TPOT {c['tpot_p50_overhead_ms']:+.2f} ms, e2e "
+            f"{names} at {c['rate']}: throughput {c['throughput_ratio']:.3f}x, median TTFT "
+            f"{c['ttft_p50_ratio']:.3f}x ("
+            f"{c['ttft_p50_overhead_ms']:+.1f} ms), TPOT {c['tpot_p50_overhead_ms']:+.2f} ms, e2e "
             f"{c['e2e_p50_overhead_ms']:+.0f} ms"
         )
     if (pre := report.get("preprocessing")) is not None:
@@ -271,7 +389,7 @@ def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path
     plt = pyplot()
     json_path, png_path = write_json(report, out_dir, name)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"split": "-", "inproc": "--"}
+    styles = {"split": "-", "inproc": "--", "grpc": "--", "http": "-"}
     for deployment, results in report["deployments"].items():
         for i, r in enumerate(results):
             for ax, metric in zip(axes, ("ttft", "e2e"), strict=True):

@@ -25,10 +25,10 @@ USER splitserve
 VOLUME ["/models"]
 
 # gRPC (public API) and Prometheus metrics.
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400
 # Readiness: some core is reachable and the frontend is not draining.
 HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=3 \
     CMD ["splitserve", "health", "--address", "127.0.0.1:50051", "--service", "splitserve.frontend.v1.Generation"]
 ENTRYPOINT ["splitserve"]
 CMD ["frontend", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400", "--core", "dns:///core:50061", \
-     "--shutdown-timeout", "30"]
+     "--shutdown-timeout", "30", "--http-port", "8000"]

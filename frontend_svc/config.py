@@ -77,7 +77,25 @@ class FrontendConfig:
         ),
     )
 
+    # The OpenAI-compatible HTTP API's port (frontend_svc/openai_api.py); None: no HTTP API.
+    http_port: int | None = field(
+        default=None,
+        metadata=flag(
+            "also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+            "/tokenize, /detokenize, /health, /version) on this port, over the same engine",
+            default_help="no HTTP API",
+            metavar="PORT",
+        ),
+    )
+    # Where the HTTP API listens; None: the gRPC server's --host.
+    http_host: str | None = field(
+        default=None,
+        metadata=flag("the HTTP API's address", default_help="the same as --host", metavar="HOST"),
+    )
+
     def __post_init__(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")

@@ -21,6 +21,7 @@ from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.config import FrontendConfig
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings
+from frontend_svc.http_server import HttpServer
 from frontend_svc.service import GENERATION_GRPC_SERVICE, FrontendServerState, GenerationServicer
 from frontend_svc.stat_logger import PrometheusStatLogger, StatLogger
 from frontend_svc.tokenizer import load_tokenizer
@@ -58,7 +59,7 @@ async def serve_frontend(
         options,
         tracing.FRONTEND_TRACING_SERVICE_NAME,
         lambda observability: _FrontendServer(
-            model, core_addresses, frontend or FrontendConfig(), core_config, observability
+            model, core_addresses, frontend or FrontendConfig(), core_config, observability, options
         ),
     )
 
@@ -73,6 +74,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
         frontend: FrontendConfig,
         core_config: dict[str, Any],
         observability: server_lifecycle.ServerObservability,
+        options: grpc_runtime.ServerOptions,
     ) -> None:
         # The API key after tracing and metrics: the calls it refuses are traced and counted too.
         api_key = [ApiKeyInterceptor(frontend.api_key)] if frontend.api_key is not None else []
@@ -82,6 +84,10 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
         self.frontend = frontend
         self.core_config = core_config
         self.observability = observability
+        # The largest HTTP request body taken: the gRPC API's receive limit.
+        self.max_request_bytes = options.message_limits.receive_bytes
+        self.tls = options.tls  # the HTTP API's too
+        self.http_server: HttpServer | None = None
         self.model_name = frontend.served_model_name or model
         self.state = FrontendServerState(
             model=self.model_name,
@@ -92,6 +98,24 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             self.state.tracer = observability.tracer_provider.get_tracer("splitserve.frontend")
         if frontend.core_tls is not None:
             frontend.core_tls.credentials()  # a file that cannot be read fails here, before anything listens
+
+    async def open_listeners(self, host: str) -> None:
+        """The OpenAI-compatible HTTP API, when ``--http-port`` is given (its requests are counted in the drain)."""
+        frontend = self.frontend
+        if frontend.http_port is None:
+            return
+        http_host = frontend.http_host if frontend.http_host is not None else host
+        self.http_server = HttpServer(
+            self.state, http_host, frontend.http_port, frontend.api_key, self.max_request_bytes, self.tls
+        )
+        port = await self.http_server.start()
+        scheme = "https" if self.tls is not None else "http"
+        logger.info("splitserve frontend serving the OpenAI-compatible HTTP API on %s://%s:%d", scheme, http_host, port)
+
+    async def close_listeners(self) -> None:
+        if self.http_server is not None:
+            await self.http_server.stop()
+            self.http_server = None
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         api_grpc.add_GenerationServicer_to_server(GenerationServicer(self.state), server)

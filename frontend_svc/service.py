@@ -81,7 +81,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
             # Rendering runs the template and tokenizes: CPU work, kept off the event loop, within the tokenize budget.
             messages = chat_messages_from_api(request.messages)
             prompt = await engine.input_processor.budget.run(
-                _text_size(messages),
+                text_size(messages),
                 lambda: engine.input_processor.render_chat(messages, add_generation_prompt, chat_template),
             )
         except FrontendError as e:
@@ -220,7 +220,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         return engine
 
 
-def _text_size(messages: list[dict[str, Any]]) -> int:
+def text_size(messages: list[dict[str, Any]]) -> int:
     """The UTF-8 size of a conversation's texts (``chat_messages_from_api``'s messages)."""
     size = 0
     for message in messages:

@@ -116,6 +116,29 @@ def test_bench_serve_runs_both_deployments(checkpoint, tmp_path, capsys):
     assert "split vs in-process at inf" in out and "target split/in-process throughput" in out
 
 
+def test_bench_serve_api_http_measures_both_apis_of_one_frontend(checkpoint, tmp_path, capsys):
+    model = checkpoint("llama", "tiny")
+    code = main(
+        [
+            "bench", "serve", "--api", "http", "--model", str(model), "--num-prompts", "4", "--output-len", "5",
+            "--rates", "inf", "--repeats", "1", "--out", str(tmp_path), "--name", "h",
+            "--log-dir", str(tmp_path / "logs"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "h.json").read_text())
+    assert report["api"] == "http" and set(report["deployments"]) == {"grpc", "http"}
+    for results in report["deployments"].values():
+        (r,) = results  # one run of 4 requests x 5 tokens, each token counted from the stream
+        assert (r["runs"], r["completed"], r["errors"], r["output_tokens"]) == (1, 4, [], 20)
+        assert 0 < r["ttft_p50_ms"] <= r["e2e_p50_ms"]
+    (row,) = report["comparison"]
+    grpc_run, http_run = report["deployments"]["grpc"][0], report["deployments"]["http"][0]
+    assert row["throughput_ratio"] == http_run["output_tok_s"] / grpc_run["output_tok_s"]
+    assert row["ttft_p50_ratio"] == http_run["ttft_p50_ms"] / grpc_run["ttft_p50_ms"]
+    assert "HTTP vs gRPC at inf" in capsys.readouterr().out
+
+
 def test_image_request_set_is_seeded_llava_prompts(checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint("llava", "tiny"))
     sizes = ((40, 30), (64, 48))

@@ -157,10 +157,12 @@ def test_the_kubernetes_check_can_fail():
 
 
 def check_server(args: list[str], ports: dict[str, int], service: str, probes: dict | None = None) -> None:
-    """A server's arguments parse, and its gRPC and metrics ports are the ones declared (and probed)."""
+    """A server's arguments parse, and its gRPC, metrics and (a frontend's) HTTP ports are the ones declared (and
+    probed)."""
     parsed = parse(args)
     assert args[0] in ("core", "frontend")
-    assert ports == {"grpc": parsed.port, "metrics": parsed.metrics_port}
+    http = {"http": parsed.http_port} if args[0] == "frontend" else {}
+    assert ports == {"grpc": parsed.port, "metrics": parsed.metrics_port, **http}
     if probes is not None:
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             probe = probes[kind]["grpc"]
@@ -389,7 +391,8 @@ def test_images_and_compose_agree_with_the_cli(name):
     cmd = json_array(dockerfile["CMD"][0])
     parsed = parse(cmd)
     exposed = {int(p) for p in dockerfile["EXPOSE"][0].split()}
-    assert exposed == {parsed.port, parsed.metrics_port}
+    http_ports = {parsed.http_port} if name == "frontend" else set()
+    assert exposed == {parsed.port, parsed.metrics_port, *http_ports}
     assert dockerfile["USER"] == ["splitserve"]  # not root
     health = json_array(dockerfile["HEALTHCHECK"][0].split("CMD", 1)[1])
     check = parse(health[1:])
@@ -408,7 +411,8 @@ def test_images_and_compose_agree_with_the_cli(name):
     published = [p for p in entry.get("ports", [])]
     exposed_compose = {int(p) for p in entry.get("expose", [])}
     if name == "frontend":
-        assert published == [f"50051-50059:{parsed.port}"]  # one host port per replica under --scale
+        # One host port per replica under --scale, for each API.
+        assert published == [f"50051-50059:{parsed.port}", f"8000-8008:{parsed.http_port}"]
         assert compose["services"]["frontend"]["depends_on"]["core"]["condition"] == "service_healthy"
         core_cmd = compose["services"]["core"]["command"]
         assert flag(cmd, "--core") == f"dns:///core:{parse(core_cmd).port}"

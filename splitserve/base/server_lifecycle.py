@@ -160,6 +160,13 @@ class ServerHooks(abc.ABC, Generic[T]):
     def stopped(self) -> None:  # noqa: B027 (a hook that may do nothing)
         """After the gRPC server has stopped."""
 
+    async def open_listeners(self, host: str) -> None:  # noqa: B027 (a hook that may do nothing)
+        """Other listeners beside the gRPC port (the frontend's HTTP API), once it is bound; ``host`` is the gRPC
+        server's. They serve from the same event loop; what they answer follows the server's state."""
+
+    async def close_listeners(self) -> None:  # noqa: B027 (a hook that may do nothing)
+        """Stop what ``open_listeners`` opened: after the gRPC server has stopped, or when the server ends early."""
+
 
 async def serve_until_stopped(
     options: grpc_runtime.ServerOptions,
@@ -191,7 +198,25 @@ async def _serve(
     port = grpc_runtime.add_port(server, options)
     await server.start()
     hooks.log_listening(options.host, port, grpc_runtime.describe_transport(options))
+    try:
+        await hooks.open_listeners(options.host)
+    except BaseException:  # a port in use: nothing serves, the error goes to the command line
+        await hooks.close_listeners()
+        await grpc_runtime.stop_server(server, health, 0)
+        raise
+    try:
+        return await _serve_loaded(options, hooks, server, health, port)
+    finally:
+        await hooks.close_listeners()
 
+
+async def _serve_loaded(
+    options: grpc_runtime.ServerOptions,
+    hooks: ServerHooks[T],
+    server: grpc.aio.Server,
+    health: grpc_runtime.HealthServicer,
+    port: int,
+) -> int:
     control = ServerControl(health, hooks.readiness_service)
     grpc_runtime.on_termination(control.stop.set)
     load = grpc_runtime.run_in_daemon_thread(lambda: hooks.load(control))

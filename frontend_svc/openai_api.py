@@ -1,0 +1,327 @@
+"""The OpenAI-compatible HTTP API (vLLM's ``vllm/entrypoints/openai/api_server.py`` routes) over the frontend's
+``AsyncLLM``: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (server-sent events when streaming,
+ending with ``data: [DONE]``), vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` (readiness) and ``/version``.
+
+Errors are OpenAI's bodies (``openai_responses.error_body``) with the status each error class's gRPC code maps
+to (``HTTP_STATUS``): a refused field is 400 naming it in ``param``, an unknown model 404, no core ready 503. A
+client that goes away (mid-stream, or while waiting for a whole completion) aborts its requests in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+import splitserve
+from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
+from frontend_svc.input_processor import PromptType
+from frontend_svc.openai_generation import HTTP_STATUS, Generation, named, named_async, until_disconnect
+from frontend_svc.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from frontend_svc.openai_responses import (
+    CompletionLogprobs,
+    UsageCounter,
+    chat_choice,
+    chat_chunk_choice,
+    chat_logprobs,
+    completion_choice,
+    envelope,
+    error_body,
+)
+from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.service import FrontendServerState, text_size
+from frontend_svc.tokenize_budget import utf8_size
+from splitserve.base.api_key import ApiKeyInterceptor
+from splitserve.base.request_rules import token_ids_violation
+from splitserve.base.status import status_code_of
+
+T = TypeVar("T")
+# Paths any caller may ask without the API key: probes, as gRPC health is open.
+OPEN_PATHS = frozenset({"/health", "/version"})
+
+
+class _UnauthenticatedError(Exception):
+    """A call without the API key (401)."""
+
+
+class UnknownModelError(NotFoundError):
+    """A request named a model this server does not serve: 404 with OpenAI's ``model_not_found``."""
+
+
+def make_app(state: FrontendServerState, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application over ``state`` (the gRPC servicer's: the same engine, drain flag and call count).
+    With ``api_key``, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>`` (401 otherwise)."""
+    key_check = ApiKeyInterceptor(api_key) if api_key is not None else None
+
+    async def check_key(request: Request) -> None:
+        if key_check is not None and request.url.path not in OPEN_PATHS:
+            if not key_check.is_authorized([("authorization", request.headers.get("authorization", ""))]):
+                raise _UnauthenticatedError()
+
+    app = FastAPI(
+        title="splitserve",
+        version=str(splitserve.__version__),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        dependencies=[Depends(check_key)],
+    )
+    api = _OpenAIApi(state)
+
+    @app.exception_handler(_UnauthenticatedError)
+    async def unauthenticated(request: Request, error: _UnauthenticatedError) -> JSONResponse:
+        message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+        return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"), 401)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        return _validation_response(error.errors())
+
+    @app.exception_handler(FrontendError)
+    async def refused(request: Request, error: FrontendError) -> JSONResponse:
+        return error_response(error)
+
+    app.get("/health")(api.health)
+    app.get("/version")(api.version)
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions", response_model=None)(api.completions)
+    app.post("/v1/chat/completions", response_model=None)(api.chat_completions)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
+    return app
+
+
+def error_response(error: FrontendError) -> JSONResponse:
+    status, error_type, code = HTTP_STATUS[status_code_of(error)]
+    param = error.field if isinstance(error, ValidationError) else None
+    if isinstance(error, UnknownModelError):
+        param, code = "model", "model_not_found"
+    return JSONResponse(error_body(str(error), error_type, param, code), status)
+
+
+def _validation_response(errors: Sequence[Any]) -> JSONResponse:
+    """A body pydantic refused: 400 naming the first offending field (``messages[0].content``) as
+    ``"<field>: <pydantic's message>"``."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+    # A union's errors name the alternative tried (``prompt``, ``str``): the field is what the client sent.
+    loc = [part for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
+    if first.get("type") == "json_invalid":
+        field, message = "body", f"is not valid JSON: {first.get('msg')}"
+    else:
+        field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or "body"
+        message = str(first.get("msg", "invalid value"))
+    return JSONResponse(error_body(f"{field}: {message}", "invalid_request_error", field, "invalid_value"), 400)
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Whether a pydantic error location part names a union's alternative (``str``, ``list[int]``), not a field."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or part.startswith(("list[", "dict[", "function-")))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+class _OpenAIApi:
+    """The routes' handlers."""
+
+    def __init__(self, state: FrontendServerState) -> None:
+        self.state = state
+        self.created = int(time.time())
+
+    async def health(self) -> Response:
+        """200 while a core is ready and the frontend not draining, else 503 (gRPC readiness, over HTTP)."""
+        engine = self.state.engine
+        ready = engine is not None and not self.state.draining and _core_available(engine)
+        return Response(status_code=200 if ready else 503)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": str(splitserve.__version__)}
+
+    async def models(self) -> dict[str, Any]:
+        engine = self._engine(allow_draining=True)
+        model = {
+            "id": self.state.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "splitserve",
+            "root": self.state.model,
+            "parent": None,
+            "max_model_len": engine.engine_info.max_model_len,
+            "permission": [],
+        }
+        return {"object": "list", "data": [model]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        engine = self._engine()
+        self._check_model(body.model)
+        params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        prompt_list: list[PromptType] = list(prompts)
+        generation = Generation(self.state, engine, request_id, body, params, prompt_list)
+        if body.stream:
+            return await generation.stream(request, self._completion_events)
+        outputs = await until_disconnect(request, generation.collect())
+        usage = UsageCounter()
+        choices = []
+        for prompt_index, output in sorted(outputs.items()):
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                usage.add(
+                    prompt_index, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids)
+                )
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer).body(completion)
+                choices.append(completion_choice(prompt_index * params.n + completion.index, completion, logprobs))
+        response = envelope(request_id, "text_completion", int(time.time()), self.state.model, choices)
+        response["usage"] = usage.body()
+        return JSONResponse(response)
+
+    async def _completion_events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
+        params, engine = generation.params, generation.engine
+        logprobs_by_choice: dict[int, CompletionLogprobs] = {}
+        async for prompt_index, output in generation.outputs():
+            for completion in output.outputs:
+                index = prompt_index * params.n + completion.index
+                generation.usage.add(
+                    prompt_index, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids)
+                )
+                if not (completion.text or completion.token_ids or completion.finish_reason):
+                    continue
+                logprobs = None
+                if params.logprobs is not None:
+                    state = logprobs_by_choice.setdefault(index, CompletionLogprobs(params.logprobs, engine.tokenizer))
+                    logprobs = state.body(completion)
+                yield generation.chunk("text_completion", [completion_choice(index, completion, logprobs)])
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        engine = self._engine()
+        self._check_model(body.model)
+        params = named(body, lambda: self._sampling_params(body, engine))
+        if body.chat_template is not None and not self.state.trust_request_chat_template:
+            raise ValidationError(
+                "chat_template",
+                "per-request chat templates are off; start the frontend with --trust-request-chat-template",
+            )
+        messages = body.messages_for_template()
+        input_processor = engine.input_processor
+        prompt: PromptType = await named_async(
+            body,
+            input_processor.budget.run(
+                text_size(messages),
+                lambda: input_processor.render_chat(messages, body.add_generation_prompt, body.chat_template),
+            ),
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generation = Generation(self.state, engine, request_id, body, params, [prompt])
+        if body.stream:
+            return await generation.stream(request, self._chat_events)
+        outputs = await until_disconnect(request, generation.collect())
+        output = outputs[0]
+        usage = UsageCounter()
+        choices = []
+        for completion in sorted(output.outputs, key=lambda c: c.index):
+            usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
+            logprobs = chat_logprobs(completion, body.top_logprobs or 0, engine.tokenizer) if body.logprobs else None
+            choices.append(chat_choice(completion.index, completion, logprobs))
+        response = envelope(request_id, "chat.completion", int(time.time()), self.state.model, choices)
+        response["usage"] = usage.body()
+        return JSONResponse(response)
+
+    async def _chat_events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
+        request, tokenizer = generation.request, generation.engine.tokenizer
+        if not isinstance(request, ChatCompletionRequest):
+            raise TypeError("chat events need a chat request")
+        # The role first, for every choice, as OpenAI's and vLLM's streams start.
+        roles = [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(request.n)]
+        yield generation.chunk("chat.completion.chunk", roles)
+        async for _, output in generation.outputs():
+            for completion in output.outputs:
+                generation.usage.add(
+                    0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids)
+                )
+                if not (completion.text or completion.token_ids or completion.finish_reason):
+                    continue
+                logprobs = chat_logprobs(completion, request.top_logprobs or 0, tokenizer) if request.logprobs else None
+                choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
+                yield generation.chunk("chat.completion.chunk", [choice])
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or rendered messages."""
+        engine = self._engine(allow_draining=True)
+        self._check_model(body.model)
+        input_processor = engine.input_processor
+        if (body.prompt is None) == (body.messages is None):
+            raise ValidationError("prompt", "give prompt or messages, exactly one of them")
+        if body.messages is not None:
+            messages = body.messages
+            rendered = await input_processor.budget.run(
+                text_size(messages), lambda: input_processor.render_chat(messages, body.add_generation_prompt)
+            )
+            token_ids = list(rendered.get("prompt_token_ids", []))
+        else:
+            text = body.prompt or ""
+            input_processor.check_text_length(text, "prompt", "the prompt")
+            token_ids = await input_processor.budget.run(
+                utf8_size(text),
+                lambda: list(engine.tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids),
+            )
+        response: dict[str, Any] = {
+            "count": len(token_ids),
+            "max_model_len": engine.engine_info.max_model_len,
+            "tokens": token_ids,
+        }
+        if body.return_token_strs:
+            response["token_strs"] = engine.tokenizer.convert_ids_to_tokens(token_ids)
+        return response
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's: ``{"prompt": text}`` of token ids."""
+        engine = self._engine(allow_draining=True)
+        self._check_model(body.model)
+        if len(body.tokens) > engine.engine_info.max_model_len:
+            raise ValidationError(
+                "tokens",
+                f"has {len(body.tokens)} ids, more than any sequence of this model has "
+                f"(max_model_len={engine.engine_info.max_model_len})",
+            )
+        violation = token_ids_violation("tokens", body.tokens, len(engine.tokenizer))
+        if violation is not None:
+            raise ValidationError.from_violation(violation)
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
+
+    def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
+        body.check_unsupported()
+        params = body.to_sampling_params(engine.default_sampling_params)
+        if params.n > self.state.max_n:
+            raise ValidationError("n", f"must be at most {self.state.max_n} on this server (--max-n), got {params.n}")
+        return params
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.state.model:
+            raise UnknownModelError(f"The model `{model}` does not exist; this server serves `{self.state.model}`")
+
+    def _engine(self, allow_draining: bool = False) -> AsyncLLM:
+        engine = self.state.engine
+        if engine is None:
+            raise EngineDeadError("the frontend is not ready: no engine core yet")
+        if self.state.draining and not allow_draining:
+            raise EngineDeadError("the frontend is shutting down")
+        if not _core_available(engine):
+            raise EngineDeadError("no engine core is reachable")
+        return engine
+
+
+def _core_available(engine: AsyncLLM) -> bool:
+    return bool(getattr(engine.engine_core, "is_available", lambda: True)())

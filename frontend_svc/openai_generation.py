@@ -1,0 +1,236 @@
+"""One API request's engine requests (one per prompt) for the OpenAI-compatible HTTP API: started before any
+response (a refusal is an error response, not a broken stream), their outputs merged, counted in the frontend's
+active calls, streamed as server-sent events, and aborted in the core when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
+from frontend_svc.input_processor import PromptType
+from frontend_svc.openai_protocol import ChatCompletionRequest, SamplingRequest, request_field
+from frontend_svc.openai_responses import UsageCounter, envelope, error_body
+from frontend_svc.outputs import RequestOutput
+from frontend_svc.sampling_params import SamplingParams
+from frontend_svc.service import FrontendServerState
+from splitserve.base.status import StatusCode, status_code_of
+
+T = TypeVar("T")
+# The HTTP status of each error kind (the gRPC code its class states), with OpenAI's error type and code.
+HTTP_STATUS: dict[StatusCode, tuple[int, str, str | None]] = {
+    StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
+    StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    StatusCode.RESOURCE_EXHAUSTED: (413, "invalid_request_error", "request_too_large"),
+    StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),
+    StatusCode.INTERNAL: (500, "server_error", None),
+    StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+}
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class Generation:
+    """The engine requests of one API request (one per prompt), their outputs merged, counted in the frontend's
+    active calls (a drain waits for them), and the chunk envelope of its stream."""
+
+    def __init__(
+        self,
+        state: FrontendServerState,
+        engine: AsyncLLM,
+        request_id: str,
+        request: SamplingRequest,
+        params: SamplingParams,
+        prompts: list[PromptType],
+    ) -> None:
+        self.state = state
+        self.engine = engine
+        self.request_id = request_id
+        self.request = request
+        self.params = params
+        self.prompts = prompts
+        self.created = int(time.time())
+        self.usage = UsageCounter()
+        self._merged: AsyncGenerator[tuple[int, RequestOutput], None] | None = None
+        self._first: tuple[int, RequestOutput] | None = None
+
+    async def start(self) -> None:
+        """Queue the requests and wait for the first output: a refused request raises here, before any response
+        has started.
+
+        Raises:
+            FrontendError: the request was refused (a ValidationError names the field as the client sent it).
+        """
+        suffix = len(self.prompts) > 1
+        generators = [
+            self.engine.generate(
+                prompt,
+                self.params,
+                f"{self.request_id}-{i}" if suffix else self.request_id,
+                priority=self.request.priority,
+            )
+            for i, prompt in enumerate(self.prompts)
+        ]
+        self._merged = merge(generators)
+        try:
+            self._first = await named_async(self.request, anext(self._merged))
+        except BaseException:
+            await self._merged.aclose()
+            raise
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come, from the first on."""
+        if self._merged is None or self._first is None:
+            raise RuntimeError("start() first")
+        yield self._first
+        async for item in self._merged:
+            yield item
+
+    async def collect(self) -> dict[int, RequestOutput]:
+        """Each prompt's final output (the requests are FINAL_ONLY)."""
+        self.state.active_calls += 1
+        try:
+            await self.start()
+            return {prompt_index: output async for prompt_index, output in self.outputs()}
+        finally:
+            self.state.active_calls -= 1
+            await self.aclose()
+
+    async def stream(
+        self, request: Request, events: Callable[[Generation], AsyncIterator[dict[str, Any]]]
+    ) -> StreamingResponse:
+        """Server-sent events of ``events``' chunks, the usage chunk (``stream_options.include_usage``), then
+        ``data: [DONE]``. An error after the first output ends the stream with an error event."""
+        self.state.active_calls += 1
+        try:
+            await until_disconnect(request, self.start())
+        except BaseException:
+            self.state.active_calls -= 1
+            raise
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for chunk in events(self):
+                    yield _sse(chunk)
+                if self.request.include_usage:
+                    usage_chunk = self.chunk(str(_chunk_object(self.request)), [])
+                    usage_chunk["usage"] = self.usage.body()
+                    yield _sse(usage_chunk)
+            except FrontendError as e:
+                status, error_type, code = HTTP_STATUS[status_code_of(e)]
+                param = e.field if isinstance(e, ValidationError) else None
+                yield _sse(error_body(str(e), error_type, param, code))
+            finally:
+                self.state.active_calls -= 1
+                await self.aclose()
+            yield SSE_DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def chunk(self, object_type: str, choices: list[Any]) -> dict[str, Any]:
+        """A stream's chunk; with ``continuous_usage_stats``, the usage so far in it."""
+        chunk = envelope(self.request_id, object_type, self.created, self.state.model, choices)
+        if self.request.continuous_usage:
+            chunk["usage"] = self.usage.body()
+        return chunk
+
+    async def aclose(self) -> None:
+        if self._merged is not None:
+            await self._merged.aclose()
+
+
+def _chunk_object(request: SamplingRequest) -> str:
+    return "chat.completion.chunk" if isinstance(request, ChatCompletionRequest) else "text_completion"
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def merge(
+    generators: list[AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """The outputs of several requests as they come, as (index of the generator, output). Closing the merge (or
+    an error in one) cancels them all, which aborts them in the core."""
+    if len(generators) == 1:
+        try:
+            async for output in generators[0]:
+                yield 0, output
+        finally:
+            await generators[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, generator: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for output in generator:
+                queue.put_nowait((index, output, None))
+            queue.put_nowait((index, None, None))
+        except Exception as e:
+            queue.put_nowait((index, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client disconnects first (vLLM's ``with_cancellation``): the request it queued
+    is aborted in the core. Raises EngineDeadError (never sent: the client is gone) when it was cancelled."""
+    task = asyncio.ensure_future(work)
+    disconnected = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise EngineDeadError("the client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def named(request: SamplingRequest, make: Callable[[], T]) -> T:
+    """``make()``, its ValidationError naming the field as the client sent it (``request_field``)."""
+    try:
+        return make()
+    except ValidationError as e:
+        raise _renamed(request, e) from None
+
+
+async def named_async(request: SamplingRequest, work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except ValidationError as e:
+        raise _renamed(request, e) from None
+
+
+def _renamed(request: SamplingRequest, error: ValidationError) -> ValidationError:
+    field = request_field(error.field, request)
+    return error if field == error.field else ValidationError(field, error.description)

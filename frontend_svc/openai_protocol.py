@@ -1,0 +1,220 @@
+"""The OpenAI-compatible HTTP API's request bodies (pydantic models, as vLLM's
+``vllm/entrypoints/openai/protocol.py``) and their sampling parameters.
+
+Fields and defaults are OpenAI's, plus vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``, ...). Types are checked
+strictly (a string is not a number); the ranges are ``SamplingParams``'s, whose ``ValidationError`` names the
+field as the client sent it (``request_field``). Fields OpenAI defines that splitserve does not implement are
+refused by name, never ignored; unknown fields are ignored, as vLLM ignores them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from frontend_svc.errors import ValidationError
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
+
+# vLLM's (and OpenAI's) default max_tokens of the legacy completions API; chat takes all the room left.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    # strict: a JSON string is never a number nor a bool; an integer is still a float (pydantic's strict JSON rule).
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False  # a last chunk with the request's usage (and no choices)
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far too
+
+
+class SamplingRequest(_Strict):
+    """The fields completions and chat share: the model, streaming and the sampling parameters."""
+
+    model: str | None = None  # None: the one served
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # ignored, as vLLM ignores it
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int = 0  # vLLM's: lower is served first under the core's priority policy
+    # OpenAI's fields splitserve does not implement: refused when set (``check_unsupported``)
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+
+    # The SamplingParams fields taken as they are, when the client sets them.
+    _DIRECT = (
+        "n",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "stop_token_ids",
+        "best_of",
+    )
+
+    def check_unsupported(self) -> None:
+        """Raises ValidationError naming a field OpenAI defines that this server does not implement, when set."""
+        if self.stream_options is not None and not self.stream:
+            raise ValidationError("stream_options", "is only allowed with stream=true")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValidationError("response_format", "only {'type': 'text'} is supported (no structured output)")
+        if self.tools or self.functions:
+            raise ValidationError("tools" if self.tools else "functions", "tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise ValidationError("tool_choice", "tool calling is not supported")
+
+    def explicit_sampling_fields(self) -> dict[str, Any]:
+        """The ``SamplingParams`` keyword arguments the client set (others take the model's defaults)."""
+        return {name: getattr(self, name) for name in self._DIRECT if getattr(self, name) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: a prompt (text, token ids, or a batch of either) to continue."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # the sampled token's logprob and this many most likely ones, per position
+    echo: bool = False  # not implemented: refused when true
+    suffix: str | None = None  # not implemented: refused when set
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one text or token-id list per prompt.
+
+        Raises:
+            ValidationError: an empty batch.
+        """
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValidationError("prompt", "must not be empty")
+        if all(isinstance(p, int) for p in prompt):
+            return [[p for p in prompt if isinstance(p, int)]]
+        return [p for p in prompt if not isinstance(p, int)]
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise ValidationError("echo", "echoing the prompt is not supported")
+        if self.suffix is not None:
+            raise ValidationError("suffix", "suffixes are not supported")
+
+    def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """Raises ValidationError naming the field as sent."""
+        explicit = self.explicit_sampling_fields()
+        explicit["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if self.logprobs is not None:
+            explicit["logprobs"] = self.logprobs
+        explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        return sampling_params_with_defaults(explicit, defaults)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: a conversation, rendered with the model's chat template."""
+
+    # Checked by the InputProcessor's render_chat, which names the message and part (``messages[1].content[0]``).
+    messages: list[dict[str, Any]]
+    logprobs: bool = False  # the sampled tokens' logprobs
+    top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position too
+    max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; wins over it
+    add_generation_prompt: bool = True  # vLLM's extra
+    chat_template: str | None = None  # vLLM's extra: needs --trust-request-chat-template
+
+    def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """Raises ValidationError naming the field as sent."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValidationError("top_logprobs", "needs logprobs=true")
+        explicit = self.explicit_sampling_fields()
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is not None:
+            explicit["max_tokens"] = max_tokens
+        if self.logprobs:
+            explicit["logprobs"] = self.top_logprobs or 0
+        explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        return sampling_params_with_defaults(explicit, defaults)
+
+    def messages_for_template(self) -> list[dict[str, Any]]:
+        """The messages as ``render_chat`` takes them: a null content (an assistant turn that called tools) is
+        empty text, and only role and content are kept."""
+        messages: list[dict[str, Any]] = []
+        for message in self.messages:
+            if isinstance(message, dict) and message.get("content", "") is None:
+                message = {**message, "content": ""}
+            messages.append(message)
+        return messages
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # for a prompt: the tokenizer's BOS and the like
+    add_generation_prompt: bool = True  # for messages
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+def request_field(field: str, request: SamplingRequest) -> str:
+    """The field a ``ValidationError`` about ``SamplingParams`` (or the prompt) names, as the client sent it:
+    chat's ``top_logprobs`` and ``max_completion_tokens``, chat's rendered prompt as ``messages``."""
+    if isinstance(request, ChatCompletionRequest):
+        if field == "logprobs":
+            return "top_logprobs"
+        if field == "max_tokens" and request.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        if field == "prompt":
+            return "messages"
+    elif field.startswith("prompt_token_ids"):  # the prompt as token ids, as the client sent them
+        return field.replace("prompt_token_ids", "prompt", 1)
+    return field

@@ -1,0 +1,153 @@
+"""The OpenAI-compatible HTTP API's response bodies, built from ``RequestOutput`` as vLLM's
+``serving_completion.py`` / ``serving_chat.py`` build them: completions (``text_completion``), chat completions
+(``chat.completion`` and ``chat.completion.chunk``), their logprobs, usage and error bodies. Plain dicts, ready for
+JSON; no I/O here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_svc.outputs import CompletionOutput, Logprob
+
+# A logprob of -inf (a token the sampler could never pick) as JSON can carry it, as vLLM clamps it.
+MIN_LOGPROB = -9999.0
+
+
+def error_body(message: str, error_type: str, param: str | None, code: int | str | None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+@dataclass
+class UsageCounter:
+    """Token counts of one API request (all its prompts and their n completions): each prompt once, every
+    completion's tokens. Streamed outputs are deltas, so completion tokens add up as they come."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    _prompts_seen: set[int] = field(default_factory=set)
+
+    def add(self, prompt_index: int, num_prompt_tokens: int, num_cached_tokens: int, new_tokens: int) -> None:
+        if prompt_index not in self._prompts_seen:
+            self._prompts_seen.add(prompt_index)
+            self.prompt_tokens += num_prompt_tokens
+        self.completion_tokens += new_tokens
+        self.cached_tokens = max(self.cached_tokens, num_cached_tokens)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB) if not math.isnan(logprob) else MIN_LOGPROB
+
+
+def _token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
+    """The token as vLLM shows it in logprobs: its text in context, else the tokenizer's decoding of it alone."""
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return str(tokenizer.decode([token_id]))
+
+
+def _top(position: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The ``num`` most likely tokens of a position, by rank (the sampled token is among them only if it ranks)."""
+    ranked = sorted(((i, lp) for i, lp in position.items() if lp.rank is not None), key=lambda item: item[1].rank or 0)
+    return ranked[:num]
+
+
+@dataclass
+class CompletionLogprobs:
+    """The legacy completions API's logprobs of one choice (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``); ``text_offset`` counts characters of the choice's text, across a stream's chunks."""
+
+    num_top: int  # the request's ``logprobs``
+    tokenizer: Any
+    text_offset: int = 0
+
+    def body(self, completion: CompletionOutput) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        top_logprobs: list[dict[str, float]] = []
+        offsets: list[int] = []
+        for token_id, position in zip(completion.token_ids, completion.logprobs or [], strict=False):
+            sampled = position[token_id]
+            text = _token_text(token_id, sampled, self.tokenizer)
+            tokens.append(text)
+            token_logprobs.append(_clamped(sampled.logprob))
+            # The sampled token, and the most likely ones (vLLM's dict: text -> logprob).
+            top = {text: _clamped(sampled.logprob)}
+            for top_id, lp in _top(position, self.num_top):
+                top.setdefault(_token_text(top_id, lp, self.tokenizer), _clamped(lp.logprob))
+            top_logprobs.append(top)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+
+def chat_logprobs(completion: CompletionOutput, num_top: int, tokenizer: Any) -> dict[str, Any]:
+    """The chat API's logprobs of one choice: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``,
+    ``top_logprobs`` the ``num_top`` most likely tokens of each position."""
+
+    def entry(token_id: int, logprob: Logprob) -> dict[str, Any]:
+        text = _token_text(token_id, logprob, tokenizer)
+        return {"token": text, "logprob": _clamped(logprob.logprob), "bytes": list(text.encode())}
+
+    content = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs or [], strict=False):
+        item = entry(token_id, position[token_id])
+        item["top_logprobs"] = [entry(top_id, lp) for top_id, lp in _top(position, num_top)]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_choice(index: int, completion: CompletionOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    """A ``text_completion`` choice (whole or a stream's chunk): vLLM's fields, ``stop_reason`` included."""
+    return {
+        "index": index,
+        "text": completion.text,
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+
+
+def chat_choice(index: int, completion: CompletionOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    """A ``chat.completion`` choice: the assistant's message."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": completion.text},
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+
+
+def chat_chunk_choice(
+    index: int, delta: dict[str, Any], completion: CompletionOutput | None, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` choice: a ``delta`` (the role first, then content) and, last, the reason."""
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason if completion is not None else None,
+        "stop_reason": completion.stop_reason if completion is not None else None,
+    }
+
+
+def envelope(request_id: str, object_type: str, created: int, model: str, choices: list[Any]) -> dict[str, Any]:
+    """The fields every completion object and chunk has."""
+    return {"id": request_id, "object": object_type, "created": created, "model": model, "choices": choices}

@@ -1,0 +1,479 @@
+"""The OpenAI-compatible HTTP API of a split stack (a core process and a frontend process serving both APIs),
+called with the official ``openai`` client and, for what it cannot send, plain HTTP. The right values come from
+the same frontend's gRPC API (greedy text, seeded samples, logprobs) and from the tokenizer itself (usage)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from typing import Any
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+
+from splitserve.entrypoints import stack
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
+from tests.conftest import real_or_builtin
+from tests.test_grpc_split import CORE_ARGS, NUM_KV_BLOCKS, core_load, generate, joined, wait_core_empty
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+NO_EOS = {"ignore_eos": True}
+MAX_BODY_MIB = 2  # the frontend's --max-receive-message-mib: the HTTP API's body limit too
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from splitserve.entrypoints.test_model import make_test_model
+
+    return str(
+        make_test_model(tmp_path_factory.mktemp("http-model"), "llama", "tiny", tokenizer=real_or_builtin("llama2"))
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module")
+def services(model, tmp_path_factory):
+    """One core and one frontend serving gRPC and HTTP; yields (core, frontend, the HTTP base URL)."""
+    logs = tmp_path_factory.mktemp("http-logs")
+    core = stack.start_core(model, logs, CORE_ARGS)
+    frontend = None
+    try:
+        core.wait_serving()
+        http_port = stack.free_port()
+        limit = ["--max-receive-message-mib", str(MAX_BODY_MIB)]
+        frontend = stack.start_frontend(model, [core.address], logs, ["--http-port", str(http_port), *limit])
+        frontend.wait_serving()
+        yield core, frontend, f"http://127.0.0.1:{http_port}"
+    finally:
+        for process in [frontend, core]:
+            if process is not None:
+                process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(services, model):
+    _, _, base_url = services
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def grpc_greedy(address: str, prompt: str, max_tokens: int = 12, **fields: Any) -> list[api.GenerateResponse]:
+    params = api.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **fields)
+    return asyncio.run(generate(address, prompt, params))
+
+
+def grpc_chat(address: str, messages: list[dict[str, str]], params: api.SamplingParams) -> list[api.GenerateResponse]:
+    request = api.ChatRequest(
+        messages=[api.ChatMessage(role=m["role"], content=[api.ContentPart(text=m["content"])]) for m in messages],
+        sampling_params=params,
+    )
+    with grpc.insecure_channel(address) as channel:
+        return list(api_grpc.GenerationStub(channel).Chat(request, timeout=60))
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The rendered conversation's token ids, by transformers itself."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def test_greedy_completions_equal_the_grpc_apis_and_usage_counts_the_tokens(services, client, tokenizer):
+    _, frontend, _ = services
+    for prompt in PROMPTS:
+        expected_text, expected_ids = joined(grpc_greedy(frontend.address, prompt))
+        response = client.completions.create(model=frontend_model(client), prompt=prompt, extra_body=NO_EOS, **GREEDY)
+        assert response.id.startswith("cmpl-") and response.object == "text_completion"
+        assert abs(response.created - time.time()) < 60
+        (choice,) = response.choices
+        assert (choice.index, choice.text, choice.finish_reason) == (0, expected_text, "length")
+        assert response.usage is not None
+        assert response.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
+        assert response.usage.completion_tokens == len(expected_ids) == 12
+        assert response.usage.total_tokens == response.usage.prompt_tokens + 12
+
+
+def frontend_model(client: openai.OpenAI) -> str:
+    (model,) = client.models.list().data
+    return model.id
+
+
+def test_models_lists_the_served_model(client, model):
+    (listed,) = client.models.list().data
+    assert listed.id == model and listed.object == "model" and listed.owned_by == "splitserve"
+
+
+def test_streamed_completion_is_the_same_text_then_usage_then_done(services, tokenizer):
+    _, frontend, base_url = services
+    prompt = PROMPTS[0]
+    expected_text, _ = joined(grpc_greedy(frontend.address, prompt))
+    body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, **GREEDY, **NO_EOS}
+    events = sse_events(base_url, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == expected_text
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": len(tokenizer(prompt).input_ids),
+        "completion_tokens": 12,
+        "total_tokens": len(tokenizer(prompt).input_ids) + 12,
+    }
+
+
+def sse_events(base_url: str, path: str, body: dict[str, Any]) -> list[str]:
+    """The ``data:`` payloads of a server-sent event stream."""
+    with httpx.stream("POST", base_url + path, json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_chat_equals_the_grpc_chat_streamed_or_not(services, client, tokenizer):
+    _, frontend, _ = services
+    expected_text, expected_ids = joined(
+        grpc_chat(frontend.address, CHAT, api.SamplingParams(ignore_eos=True, **GREEDY))
+    )
+    response = client.chat.completions.create(model=frontend_model(client), messages=CHAT, extra_body=NO_EOS, **GREEDY)
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    (choice,) = response.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected_text
+    assert choice.finish_reason == "length"
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == len(chat_prompt_ids(tokenizer, CHAT))
+    assert response.usage.completion_tokens == len(expected_ids) == 12
+
+    stream = client.chat.completions.create(
+        model=frontend_model(client),
+        messages=CHAT,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+        **GREEDY,
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == response.usage.prompt_tokens
+
+
+def test_n2_seeded_samples_equal_the_grpc_apis(services, client):
+    _, frontend, _ = services
+    params = api.SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    responses = asyncio.run(generate(frontend.address, PROMPTS[1], params))
+    expected: dict[int, tuple[str, int]] = {0: ("", 0), 1: ("", 0)}
+    for r in responses:
+        for c in r.outputs:
+            text, count = expected[c.index]
+            expected[c.index] = (text + c.text, count + len(c.token_ids))
+    assert expected[0][0] != expected[1][0]  # two samples, not one twice
+    response = client.completions.create(
+        model=frontend_model(client), prompt=PROMPTS[1], n=2, temperature=1.0, seed=11, max_tokens=10, extra_body=NO_EOS
+    )
+    assert {c.index: c.text for c in response.choices} == {i: expected[i][0] for i in (0, 1)}
+    assert response.usage is not None and response.usage.completion_tokens == expected[0][1] + expected[1][1] == 20
+
+    streamed = client.completions.create(
+        model=frontend_model(client),
+        prompt=PROMPTS[1],
+        n=2,
+        temperature=1.0,
+        seed=11,
+        max_tokens=10,
+        stream=True,
+        extra_body=NO_EOS,
+    )
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {i: expected[i][0] for i in (0, 1)}
+
+
+def grpc_logprobs(responses: list[api.GenerateResponse]) -> list[dict[int, tuple[float, int]]]:
+    """Per position: token id -> (logprob, rank), from the gRPC API."""
+    return [
+        {e.token_id: (e.logprob, e.rank) for e in position.entries}
+        for r in responses
+        for position in r.outputs[0].logprobs
+    ]
+
+
+def test_completion_logprobs_equal_the_grpc_apis(services, client, tokenizer):
+    _, frontend, _ = services
+    responses = grpc_greedy(frontend.address, PROMPTS[0], max_tokens=6, logprobs=3)
+    _, ids = joined(responses)
+    expected = grpc_logprobs(responses)
+    response = client.completions.create(
+        model=frontend_model(client), prompt=PROMPTS[0], logprobs=3, extra_body=NO_EOS, temperature=0.0, max_tokens=6
+    )
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs == pytest.approx([expected[i][t][0] for i, t in enumerate(ids)], abs=1e-6)
+    assert logprobs.tokens is not None and len(logprobs.tokens) == 6
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    for position, top in zip(expected, logprobs.top_logprobs, strict=True):
+        ranked = sorted((rank, lp) for lp, rank in position.values() if rank <= 3)
+        assert sorted(top.values(), reverse=True) == pytest.approx([lp for _, lp in ranked], abs=1e-6)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+
+
+def test_chat_logprobs_equal_the_grpc_apis(services, client):
+    _, frontend, _ = services
+    params = api.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    responses = grpc_chat(frontend.address, CHAT, params)
+    _, ids = joined(responses)
+    expected = grpc_logprobs(responses)
+    response = client.chat.completions.create(
+        model=frontend_model(client),
+        messages=CHAT,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=0.0,
+        max_tokens=5,
+        extra_body=NO_EOS,
+    )
+    content = response.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([expected[i][t][0] for i, t in enumerate(ids)], abs=1e-6)
+    for position, entry in zip(expected, content, strict=True):
+        ranked = [lp for lp, rank in sorted(position.values(), key=lambda v: v[1]) if rank <= 2]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(ranked, abs=1e-6)
+    assert "".join(c.token for c in content) == response.choices[0].message.content
+
+
+def test_stop_strings_end_the_text_as_the_grpc_api(services, client):
+    _, frontend, _ = services
+    full, _ = joined(grpc_greedy(frontend.address, PROMPTS[0], max_tokens=20))
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected_cut = full[: full.index(stop)]
+    for include in (False, True):
+        response = client.completions.create(
+            model=frontend_model(client),
+            prompt=PROMPTS[0],
+            stop=[stop],
+            temperature=0.0,
+            max_tokens=20,
+            extra_body={**NO_EOS, "include_stop_str_in_output": include},
+        )
+        (choice,) = response.choices
+        assert choice.text == (expected_cut + stop if include else expected_cut)
+        assert choice.finish_reason == "stop"
+        assert choice.model_extra is not None and choice.model_extra["stop_reason"] == stop
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_cores_request(services):
+    """n = 32 long samples need more KV blocks than the core has (it preempts): minutes of work, unless the
+    disconnect aborts them all."""
+    core, _, base_url = services
+    body = {"prompt": PROMPTS[0], "stream": True, "n": 32, "temperature": 1.0, "max_tokens": 900, **NO_EOS}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+        received = 0
+        for line in response.iter_lines():
+            received += line.startswith("data: ")
+            if received == 50:
+                assert core_load(core.address).num_running_reqs == 32
+                break  # closing the lines' iterator closes the connection
+    start = time.monotonic()
+    load = wait_core_empty(core.address)
+    assert (load.num_running_reqs, load.num_waiting_reqs, load.num_free_kv_blocks) == (0, 0, NUM_KV_BLOCKS - 1)
+    assert time.monotonic() - start < 30
+
+
+# (endpoint, body, the field the 400 names): every field's bad value.
+BAD_FIELDS = [
+    ("completions", {"temperature": -1.0}, "temperature"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"top_p": 0.0}, "top_p"),
+    ("completions", {"top_k": -2}, "top_k"),
+    ("completions", {"min_p": 1.5}, "min_p"),
+    ("completions", {"n": 0}, "n"),
+    ("completions", {"n": 2, "temperature": 0.0}, "n"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": 2000}, "max_tokens"),
+    ("completions", {"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("completions", {"presence_penalty": 3.0}, "presence_penalty"),
+    ("completions", {"frequency_penalty": -3.0}, "frequency_penalty"),
+    ("completions", {"repetition_penalty": 0.0}, "repetition_penalty"),
+    ("completions", {"logprobs": 50}, "logprobs"),
+    ("completions", {"logprobs": -1}, "logprobs"),
+    ("completions", {"stop": ["ok", ""]}, "stop[1]"),
+    ("completions", {"stop": 7}, "stop"),
+    ("completions", {"seed": "x"}, "seed"),
+    ("completions", {"logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ("completions", {"logit_bias": {"10000000": 1.0}}, "logit_bias"),
+    ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
+    ("completions", {"skip_special_tokens": 1}, "skip_special_tokens"),
+    ("completions", {"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": [[]]}, "prompt"),
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [5, 10**6]}, "prompt[1]"),
+    ("completions", {"prompt": [[5], [1.5]]}, "prompt"),
+    ("completions", {"prompt": "x" * 1_000_000}, "prompt"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": [{"content": "no role"}]}, "messages[0]"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content[0]"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat", {"max_tokens": 0}, "max_tokens"),
+    ("chat", {"temperature": 5.0}, "temperature"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "field"), BAD_FIELDS)
+def test_bad_values_are_400_naming_the_field(services, endpoint, fields, field):
+    _, _, base_url = services
+    body = {"prompt": "hi"} if endpoint == "completions" else {"messages": CHAT}
+    body = {**body, "max_tokens": 2, **fields}
+    if "max_completion_tokens" in fields:
+        del body["max_tokens"]
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    response = httpx.post(base_url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{field}: ")
+
+
+def test_a_body_over_the_receive_limit_is_413_and_the_server_goes_on(services):
+    _, _, base_url = services
+    body = {"prompt": "x" * (MAX_BODY_MIB * 2**20 + 1), "max_tokens": 2}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(  # no Content-Length: counted as it arrives
+        f"{base_url}/v1/completions", content=iter([json.dumps(body).encode()]), timeout=60
+    )
+    assert chunked.status_code == 413
+    ok = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_official_client_reads_a_400_and_a_404(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=frontend_model(client), prompt="hi", max_tokens=2, temperature=-1.0)
+    assert bad.value.param == "temperature" and bad.value.status_code == 400
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+
+
+def test_an_image_part_goes_the_grpc_chats_way(services):
+    """The test model is text-only: a well-formed data: URI image part is refused as the gRPC Chat refuses it."""
+    _, _, base_url = services
+    png = (
+        "data:image/png;base64,"
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    )
+    part = {"type": "image_url", "image_url": {"url": png}}
+    content = [{"type": "text", "text": "what is it?"}, part]
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "this model takes no images" in response.json()["error"]["message"]
+    part["image_url"] = {"url": "http://example.com/cat.png"}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    assert response.json()["error"]["param"] == "messages[0].content[1].image_url"
+
+
+def test_tokenize_detokenize_health_and_version(services, tokenizer, model):
+    import splitserve
+
+    _, _, base_url = services
+    text = "Hello world, again"
+    ids = list(tokenizer(text).input_ids)
+    tokenized = httpx.post(f"{base_url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert tokenized == {
+        "count": len(ids),
+        "max_model_len": 1024,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids),
+    }
+    no_special = httpx.post(f"{base_url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert no_special["tokens"] == list(tokenizer(text, add_special_tokens=False).input_ids)
+    chat = httpx.post(f"{base_url}/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == chat_prompt_ids(tokenizer, CHAT)
+    assert httpx.post(f"{base_url}/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    bad = httpx.post(f"{base_url}/detokenize", json={"tokens": [1, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    assert httpx.get(f"{base_url}/version").json() == {"version": splitserve.__version__}
+
+
+def test_without_a_core_health_and_requests_are_503_and_the_key_is_required(model, tmp_path):
+    """A frontend whose core is not there yet: /health 503, requests 503 (with the key), 401 without it."""
+    http_port = stack.free_port()
+    frontend = stack.start_frontend(
+        model, [f"127.0.0.1:{stack.free_port()}"], tmp_path, ["--http-port", str(http_port), "--api-key", "k3y"]
+    )
+    base_url = f"http://127.0.0.1:{http_port}"
+    try:
+        for _ in range(600):  # until it listens (a minute at most)
+            try:
+                health = httpx.get(f"{base_url}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert health.status_code == 503
+        body = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 401
+        keyed = httpx.post(f"{base_url}/v1/completions", json=body, headers={"authorization": "Bearer k3y"})
+        assert keyed.status_code == 503 and keyed.json()["error"]["code"] == "service_unavailable"
+        assert httpx.get(f"{base_url}/version").status_code == 200  # open, as /health
+    finally:
+        assert frontend.stop() == 0  # SIGTERM while it waits for a core: the HTTP server stops with it
+
+
+def test_sigterm_drains_an_http_stream_then_both_servers_stop(services, model, tmp_path):
+    """A second frontend on the module's core: SIGTERM while a stream runs; the stream still gets all its tokens
+    and [DONE], /health answers 503 meanwhile, and the process exits 0."""
+    core, _, _ = services
+    http_port = stack.free_port()
+    frontend = stack.start_frontend(model, [core.address], tmp_path, ["--http-port", str(http_port)])
+    base_url = f"http://127.0.0.1:{http_port}"
+    try:
+        frontend.wait_serving()
+        body = {"prompt": PROMPTS[0], "stream": True, "temperature": 0.0, "max_tokens": 400, **NO_EOS}
+        body["stream_options"] = {"include_usage": True}
+        payloads = []
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    payloads.append(line.removeprefix("data: "))
+                    break
+            frontend.process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)  # the signal handled: draining
+            assert httpx.get(f"{base_url}/health", timeout=10).status_code == 503
+            payloads += [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 400
+        assert frontend.process.wait(60) == 0
+    finally:
+        frontend.stop()
