@@ -48,12 +48,15 @@ PHASES = (
 
 
 def _timed(table: dict[str, float], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` adding its wall seconds to ``table[key]`` and its process CPU seconds to ``table["cpu:" + key]``."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             return fn(*args, **kwargs)
         finally:
             table[key] += time.perf_counter() - start
+            table["cpu:" + key] += time.process_time() - cpu
 
     return wrapper
 
@@ -86,12 +89,12 @@ def instrument(core: Any) -> dict[str, float]:
     return table
 
 
-def breakdown(table: dict[str, float], num_steps: int) -> dict[str, float]:
-    """ms per step of each of ``PHASES`` from an ``instrument`` table summed over ``num_steps`` steps: the
-    measured parts as they are, and by difference ``forward_rest`` (forward less linear and attention),
-    ``sampling`` (the runner's step less its other measured parts) and ``step_rest`` (the step less the
-    scheduler and the runner)."""
-    ms = {key: 1e3 * value / num_steps for key, value in table.items()}
+def breakdown(table: dict[str, float], num_steps: int, prefix: str = "") -> dict[str, float]:
+    """ms per step of each of ``PHASES`` from an ``instrument`` table summed over ``num_steps`` steps (its wall
+    times; ``prefix`` "cpu:": its CPU times): the measured parts as they are, and by difference ``forward_rest``
+    (forward less linear and attention), ``sampling`` (the runner's step less its other measured parts) and
+    ``step_rest`` (the step less the scheduler and the runner)."""
+    ms = {key.removeprefix(prefix): 1e3 * value / num_steps for key, value in table.items() if key.startswith(prefix)}
 
     def get(key: str) -> float:
         return ms.get(key, 0.0)
@@ -163,6 +166,7 @@ def measure(model: Path, dtype: str, prompt: list[int], output_len: int) -> dict
         "cpu_ms_per_token": 1e3 * cpu_s / len(step_s),
         "step_ms": [1e3 * s for s in step_s],
         "breakdown_ms": breakdown(table, len(profiled_step_s)),
+        "breakdown_cpu_ms": breakdown(table, len(profiled_step_s), "cpu:"),
         "profiled_ms_per_token": 1e3 * statistics.median(profiled_step_s),
         "profiled_ms_per_token_mean": 1e3 * statistics.fmean(profiled_step_s),
         "tokens": tokens,
@@ -195,22 +199,31 @@ def run_child(
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One tree's runs: the median over runs of ms per output token, CPU ms per token and each breakdown part."""
+    """One tree's runs: the median over runs of ms per output token, CPU ms per token and each breakdown part
+    (wall and CPU)."""
     return {
         "ms_per_token": statistics.median(r["ms_per_token"] for r in runs),
         "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs),
-        "breakdown_ms": {k: statistics.median(r["breakdown_ms"][k] for r in runs) for k in PHASES},
+        **{
+            key: {k: statistics.median(r[key][k] for r in runs) for k in PHASES}
+            for key in ("breakdown_ms", "breakdown_cpu_ms")
+        },
     }
 
 
 def format_table(summaries: dict[str, dict[str, Any]]) -> list[str]:
-    """A line per tree: ms per output token, CPU ms per token, then the breakdown's parts (ms per step)."""
+    """Two lines per tree: ms per output token and CPU ms per token, then the breakdown's parts in ms per step,
+    wall then CPU."""
     short = {"forward_rest": "fwd rest", "step_rest": "step rest", "lm_head": "LM head"}
-    header = f"{'tree':<14}{'ms/token':>9}{'CPU ms':>8} " + "".join(f"{short.get(k, k):>10}" for k in PHASES)
+    header = f"{'tree':<14}{'ms/token':>9}{'CPU ms':>8} {'per step':<9}" + "".join(
+        f"{short.get(k, k):>10}" for k in PHASES
+    )
     lines = [header]
     for label, s in summaries.items():
-        parts = "".join(f"{s['breakdown_ms'][k]:>10.3f}" for k in PHASES)
-        lines.append(f"{label:<14}{s['ms_per_token']:>9.2f}{s['cpu_ms_per_token']:>8.2f} {parts}")
+        for kind, key in (("wall", "breakdown_ms"), ("CPU", "breakdown_cpu_ms")):
+            parts = "".join(f"{s[key][k]:>10.3f}" for k in PHASES)
+            head = f"{label:<14}{s['ms_per_token']:>9.2f}{s['cpu_ms_per_token']:>8.2f}" if kind == "wall" else " " * 31
+            lines.append(f"{head} {kind:<9}{parts}")
     return lines
 
 
@@ -285,15 +298,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     json_path, png_path = write_json(report, args.out, args.name or f"decode-profile-{args.preset}")
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3 + 0.4 * len(summaries)))
-    left = np.zeros(len(summaries))
-    for phase in PHASES:
-        widths = np.array([s["breakdown_ms"][phase] for s in summaries.values()])
-        ax.barh(list(summaries), widths, left=left, label=phase)
-        left += widths
-    ax.set_xlabel("ms per decode step (instrumented pass)")
-    ax.set_title(f"one request's decode step, {args.dtype}")
-    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4 + 0.8 * len(summaries)), sharex=True)
+    for ax, (kind, key) in zip(axes, (("wall", "breakdown_ms"), ("CPU", "breakdown_cpu_ms")), strict=True):
+        left = np.zeros(len(summaries))
+        for phase in PHASES:
+            widths = np.array([s[key][phase] for s in summaries.values()])
+            ax.barh(list(summaries), widths, left=left, label=phase)
+            left += widths
+        ax.set_title(f"one request's decode step, {args.dtype}: {kind} ms per step (instrumented pass)", fontsize=9)
+    axes[-1].legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     fig.tight_layout()
     fig.savefig(png_path)
     print(f"wrote {json_path} and {png_path}")

@@ -31,7 +31,9 @@ def test_breakdown_by_hand():
         "lm_head": 0.004,
         "output": 0.0002,
     }
+    table |= {"cpu:" + key: value / 2 for key, value in table.items()}  # half the wall time on the CPU
     parts = breakdown(table, 2)
+    assert breakdown(table, 2, "cpu:") == pytest.approx({key: value / 2 for key, value in parts.items()})
     expected = {
         "schedule": 0.5,
         "inputs": 0.3,
@@ -51,14 +53,22 @@ def test_breakdown_by_hand():
 
 def test_summary_takes_medians_over_runs():
     runs = [
-        {"ms_per_token": t, "cpu_ms_per_token": t / 2, "breakdown_ms": dict.fromkeys(PHASES, t / 10)}
+        {
+            "ms_per_token": t,
+            "cpu_ms_per_token": t / 2,
+            "breakdown_ms": dict.fromkeys(PHASES, t / 10),
+            "breakdown_cpu_ms": dict.fromkeys(PHASES, t / 20),
+        }
         for t in (10.0, 30.0, 20.0)
     ]
     summary = summarize(runs)
     assert (summary["ms_per_token"], summary["cpu_ms_per_token"]) == (20.0, 10.0)
     assert summary["breakdown_ms"] == dict.fromkeys(PHASES, 2.0)
-    [header, line] = format_table({"after": summary})
-    assert header.split()[:4] == ["tree", "ms/token", "CPU", "ms"] and line.split()[:3] == ["after", "20.00", "10.00"]
+    assert summary["breakdown_cpu_ms"] == dict.fromkeys(PHASES, 1.0)
+    [header, wall, cpu] = format_table({"after": summary})
+    assert header.split()[:4] == ["tree", "ms/token", "CPU", "ms"]
+    assert wall.split()[:4] == ["after", "20.00", "10.00", "wall"] and wall.split()[4:] == ["2.000"] * len(PHASES)
+    assert cpu.split() == ["CPU"] + ["1.000"] * len(PHASES)
 
 
 def _greedy_reference(path: Path, prompt: list[int], output_len: int) -> list[int]:
@@ -80,6 +90,7 @@ def test_measure_times_every_decode_step_and_keeps_the_tokens(checkpoint):
     assert len(result["step_ms"]) == output_len - 1  # the prefill step gives the first token and is left out
     parts = result["breakdown_ms"]
     assert list(parts) == list(PHASES) and all(parts[k] > 0 for k in ("linear", "attention", "lm_head", "schedule"))
+    assert list(result["breakdown_cpu_ms"]) == list(PHASES)
     # the parts add up to the instrumented step, which lies inside the time around it
     assert 0 < sum(parts.values()) <= result["profiled_ms_per_token_mean"]
 
