@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 # Parts of a decode step, in the order they run; ms per step each (the breakdown's keys).
 PHASES = (
@@ -81,7 +81,7 @@ def instrument(core: Any) -> dict[str, float]:
     backends = set()
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":
-            module.forward = _timed(table, "linear", module.forward)
+            module.forward = _timed(table, "linear", module.forward)  # type: ignore[method-assign]  # this instance
         backend = getattr(module, "backend", None)
         if backend is not None and id(backend) not in backends:
             backends.add(id(backend))
@@ -150,12 +150,14 @@ def measure(model: Path, dtype: str, prompt: list[int], output_len: int) -> dict
     KV cache of the blocks one request needs (its size does not change a decode step's work)."""
     import torch
 
-    from core_svc.config import CoreConfig
+    from core_svc.config import CoreConfig, DType
     from core_svc.engine_core import EngineCore
 
     load_before = os.getloadavg()
     num_kv_blocks = -(-(len(prompt) + output_len) // 16) + 1  # + the null block
-    core = EngineCore(CoreConfig(model=str(model), dtype=dtype, block_size=16, num_kv_blocks=num_kv_blocks))
+    core = EngineCore(
+        CoreConfig(model=str(model), dtype=cast(DType, dtype), block_size=16, num_kv_blocks=num_kv_blocks)
+    )
     decode(core, "warmup", prompt[:16], 8)
     tokens, step_s, cpu_s = decode(core, "plain", prompt, output_len)
     table = instrument(core)
