@@ -33,9 +33,27 @@ class CachedRequestState:
     # the prompt sit at index + delta in all three streams); made once, at the first scheduling.
     mrope_positions: np.ndarray | None = None
     mrope_position_delta: int = 0
+    # Greedy with nothing else reading or changing its logits (logprobs, logits processors, penalties); min_tokens
+    # is checked per step by samples_by_argmax.
+    is_plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        p = self.sampling_params
+        self.is_plain_greedy = (
+            p.is_greedy
+            and p.logprobs is None
+            and p.allowed_token_ids is None
+            and not p.logit_bias
+            and not p.has_penalties
+        )
+
+    @property
+    def samples_by_argmax(self) -> bool:
+        """Its next token is the argmax of its logits, as the sampler would find it: plain greedy, and min_tokens
+        (which masks stop ids until reached) reached."""
+        p = self.sampling_params
+        return self.is_plain_greedy and len(self.token_ids) - self.num_prompt_tokens >= p.min_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

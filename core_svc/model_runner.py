@@ -37,7 +37,7 @@ from core_svc.model_loader import LoadedModel
 from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from core_svc.request import MultiModalFeature
-from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
+from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, argmax, gather_logprobs
 from core_svc.sampling_params import SamplingParams
 from kernels import AttentionMetadata
 
@@ -211,8 +211,7 @@ class ModelRunner:
             sampler_output = None
             if inputs.sample_states:
                 logits = self.model.compute_logits(hidden[inputs.sample_rows])
-                metadata = build_sampling_metadata(inputs.sample_states, self.vocab_size, self.device)
-                sampler_output = self.sampler(logits, metadata)
+                sampler_output = self._sample(logits, inputs.sample_states)
         except BaseException:
             # The step's non-blocking copies may still be reading the pinned host buffers, which the next step
             # rewrites: let them finish before the failure leaves (the step that succeeds waits in _make_output).
@@ -221,6 +220,14 @@ class ModelRunner:
         output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
         output.failed_requests = failed
         return output
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
+        """One token per row of ``logits`` ``[len(states), vocab_size]``. When every row samples by argmax
+        (``samples_by_argmax``: a greedy batch without logprobs, logits processors or penalties, e.g. one chat
+        request), the sampler would only take the argmax: take it without building the sampler's per-row tensors."""
+        if all(state.samples_by_argmax for state in states):
+            return SamplerOutput(sampled_token_ids=argmax(logits), logprobs=None)
+        return self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Drop the per-request state of ``request_ids``; unknown ids are ignored."""

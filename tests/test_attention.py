@@ -44,16 +44,25 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_po
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
+# (tokens already cached, tokens this step) per request; decodes first, as the model runner orders them
+STEPS = {
+    # three decodes (one with no cached token), a fresh prefill and a prefill chunk over cached tokens
+    "mixed": [(9, 1), (0, 1), (22, 1), (0, 7), (6, 5)],
+    "decodes": [(9, 1), (0, 1), (22, 1)],  # decode-only: the CPU kernel writes the KV itself
+    "one decode": [(22, 1)],  # a single request: the CPU kernel runs without an OpenMP region
+}
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_dense(backend_name, dtype, window):
-    """Three decodes (one of them with a single cached token), a fresh prefill and a prefill chunk over cached
-    tokens, with GQA, scattered blocks, and a block size that does not divide the lengths."""
+@pytest.mark.parametrize("step", list(STEPS))
+def test_paged_attention_matches_dense(backend_name, dtype, window, step):
+    """Each kind of step (``STEPS``) with GQA, scattered blocks, and a block size that does not divide the
+    lengths."""
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head_size, block_size, num_blocks = 8, 2, 32, 4, 64
-    # (tokens already cached, tokens this step); decodes first, as the model runner orders them
-    requests = [(9, 1), (0, 1), (22, 1), (0, 7), (6, 5)]
+    requests = STEPS[step]
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
     free_blocks = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # block 0 is the null block
     all_keys, all_values, tables, slots = [], [], [], []
@@ -85,7 +94,7 @@ def test_paged_attention_matches_dense(backend_name, dtype, window):
         seq_lens_cpu=seq_lens,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        num_decodes=3,
+        num_decodes=sum(1 for _, new in requests if new == 1),
     )
     query = torch.randn(query_start_loc[-1], num_heads, head_size, generator=gen).to(dtype)
     key = torch.cat([k[cached:] for k, (cached, _) in zip(all_keys, requests, strict=True)])
@@ -93,7 +102,11 @@ def test_paged_attention_matches_dense(backend_name, dtype, window):
 
     backend = get_attention_backend(backend_name, "cpu", envs.kernel_dir())
     assert backend.name == backend_name
-    out = backend.forward(query, key, value, kv_cache, metadata, head_size**-0.5, window)
+    # key and value as the model passes them: views into one fused projection output, rows not contiguous
+    fused = torch.cat((key, value), dim=1)
+    out = backend.forward(
+        query, fused[:, :num_kv_heads], fused[:, num_kv_heads:], kv_cache, metadata, head_size**-0.5, window
+    )
 
     assert out.shape == query.shape and out.dtype == dtype
     atol = 1e-5 if dtype == torch.float32 else 2e-2

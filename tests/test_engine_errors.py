@@ -195,16 +195,17 @@ GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 
 
 def inject_fault(monkeypatch, engine, where: str, mode: str = "poison") -> None:
-    """Make the forward (``where="forward"``) or the sampler (``"sampler"``) raise for batches with a poison
-    request (a prompt starting with POISON_TOKEN_ID), or for every batch (``mode="broken"``)."""
+    """Make the forward (``where="forward"``) or the sampling (``"sampler"``: the runner's ``_sample``, the
+    sampler or, for plain greedy rows, the argmax) raise for batches with a poison request (a prompt starting
+    with POISON_TOKEN_ID), or for every batch (``mode="broken"``)."""
+    from core_svc.model_runner import ModelRunner
     from core_svc.models.llama import LlamaForCausalLM
-    from core_svc.sampler import Sampler
     from tests.faulty_core import FAULT_MESSAGE, POISON_TOKEN_ID, faulty_forward
 
     if where == "forward":
         monkeypatch.setattr(LlamaForCausalLM, "forward", faulty_forward(mode, LlamaForCausalLM.forward))
         return
-    sample = Sampler.__call__
+    sample = ModelRunner._sample
 
     def faulty_sample(self, *args, **kwargs):
         states = engine.model_runner.requests.values()
@@ -212,7 +213,7 @@ def inject_fault(monkeypatch, engine, where: str, mode: str = "poison") -> None:
             raise RuntimeError(FAULT_MESSAGE)
         return sample(self, *args, **kwargs)
 
-    monkeypatch.setattr(Sampler, "__call__", faulty_sample)
+    monkeypatch.setattr(ModelRunner, "_sample", faulty_sample)
 
 
 def generate_alone(engine, request_id: str, prompt: list[int]) -> tuple[list[int], int]:

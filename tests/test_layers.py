@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_svc.models.layers import Linear, RotaryEmbedding, apply_rotary, prepack_linear_weights
+from core_svc.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, prepack_linear_weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,3 +47,22 @@ def test_rotary_equals_transformers_rotate_half_bit_for_bit():
     cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
     rotate_half = torch.cat((-x[..., head_size // 2 :], x[..., : head_size // 2]), dim=-1)
     assert torch.equal(apply_rotary(x, *rotary.tables(positions)), x * cos + rotate_half * sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rms_norm_equals_transformers_bit_for_bit(dtype, num_tokens):
+    """float32 goes through torch's rms_norm, other dtypes through the op-by-op path: both equal transformers'
+    LlamaRMSNorm exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden_size, eps = 512, 1e-6
+    weight = torch.randn(hidden_size, generator=gen).to(dtype)
+    x = (3 * torch.randn(num_tokens, hidden_size, generator=gen)).to(dtype)
+    ours = RMSNorm(hidden_size, eps, dtype)
+    reference = LlamaRMSNorm(hidden_size, eps).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        reference.weight.copy_(weight)
+        assert torch.equal(ours(x), reference(x))

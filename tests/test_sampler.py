@@ -119,6 +119,28 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert Sampler()(logits, metadata).sampled_token_ids.item() == 0  # with ignore_eos, EOS is an ordinary token
 
 
+def test_only_plain_greedy_rows_skip_the_sampler():
+    """``samples_by_argmax`` (the model runner then takes the argmax without the sampler) holds exactly for
+    greedy rows whose logits nothing else reads or changes; each other case would make the sampler's token or
+    output differ from the raw argmax."""
+    greedy = SamplingParams(temperature=0.0)
+    assert state(greedy).samples_by_argmax
+    assert state(SamplingParams(temperature=0.0, min_tokens=2, eos_token_id=0), outputs=[7, 7]).samples_by_argmax
+    others = [
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.0, logit_bias={6: 10.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[3, 5]),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+    ]
+    for params in others:
+        assert not state(params).samples_by_argmax, params
+    # min_tokens masks stop ids until reached: one output of two is not enough
+    assert not state(SamplingParams(temperature=0.0, min_tokens=2, eos_token_id=0), outputs=[7]).samples_by_argmax
+
+
 def test_penalties_hand_worked():
     # prompt has token 0; outputs are [1, 1, 3]
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)

@@ -65,6 +65,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
+        if input_dtype == torch.float32 and x.dtype == self.weight.dtype:
+            # torch's rms_norm runs the same ops (pow, mean, add, rsqrt, mul, mul) in one call from C++: the same
+            # values bit for bit in float32, without six Python-level dispatches per norm. In other dtypes it rounds
+            # elsewhere than transformers (it casts back after the weight's product, not before).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(input_dtype)

@@ -3,7 +3,9 @@ which reads each request's keys and values in place from its blocks; KV writes a
 ``torch_ref``.
 
 The reference backend's decode gathers every request's blocks into a padded copy, so its cost grows with the
-longest sequence in the batch times the batch size; the kernel reads only what each request has.
+longest sequence in the batch times the batch size; the kernel reads only what each request has. A decode-only step
+(every row one request's one new token: the whole of single-request decoding) writes its keys and values and attends
+in one kernel call per layer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,35 @@ class CpuAttentionBackend(TorchRefAttentionBackend):
             cpu_ops.KernelBuildError: the kernel cannot be built or loaded.
         """
         cpu_ops.load(build_dir)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        # query: [num_tokens, num_heads, head_size] -> same shape
+        if metadata.num_decodes != query.shape[0]:  # prefill chunks in the step: KV write and prefill as torch_ref
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        cpu_ops.decode_attention_with_kv_write(
+            output,
+            query.contiguous(),
+            key,
+            value,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.slot_mapping,
+            metadata.block_table,
+            metadata.seq_lens,
+            scale,
+            sliding_window,
+        )
+        return output
 
     def _decode(
         self,

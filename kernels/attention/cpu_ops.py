@@ -283,3 +283,30 @@ def paged_decode_attention(
     torch.ops.splitserve_cpu.paged_decode_attention(
         out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window or 0
     )
+
+
+def decode_attention_with_kv_write(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """``paged_decode_attention`` of a decode-only batch after storing each request's new key and value in its slot:
+    one call per layer in place of the KV write's index copies and the attention.
+
+    Args:
+        key, value: ``[num_reqs, num_kv_heads, head_size]``, the cache's dtype, contiguous within each head (a view
+            of a fused q/k/v projection is fine).
+        slot_mapping: ``[>= num_reqs]`` int64, the slot of each request's new token.
+        the rest: as ``paged_decode_attention``.
+    """
+    torch.ops.splitserve_cpu.decode_attention_with_kv_write(
+        out, query, key, value, key_cache, value_cache, slot_mapping, block_table, seq_lens, scale, sliding_window or 0
+    )

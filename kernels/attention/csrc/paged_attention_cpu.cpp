@@ -3,7 +3,9 @@
 // The algorithm is vLLM's paged_attention_v1 (Kwon et al. 2023, "Efficient Memory Management for Large Language
 // Model Serving with PagedAttention") laid out for CPU threads: one work item per request, whose keys and values are
 // read in place, slot by slot, once for all query heads (GQA maps query head i to KV head i / (num_heads / num_kv_heads)).
-// Scores and accumulators are float32 whatever the cache dtype.
+// Scores and accumulators are float32 whatever the cache dtype. A batch of one request runs on the calling thread:
+// an OpenMP region for a single work item only adds a fork and a barrier, which on a busy machine waits for a
+// descheduled thread (milliseconds per call).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -42,7 +44,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
   // One work item per request: its cache rows ([num_kv_heads, head_size] per slot) are read front to back once.
   // Dynamic scheduling: sequence lengths are long-tailed, so equal static shares of requests are not equal work.
-#pragma omp parallel num_threads(at::get_num_threads())
+  // No more threads than requests, and no parallel region at all for one.
+  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_reqs)));
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     std::vector<float> q(num_heads * head_size), acc(num_heads * head_size), scores;
 #pragma omp for schedule(dynamic, 1)
@@ -115,10 +119,55 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   });
 }
 
+// paged_decode_attention of a decode-only batch, after storing each request's new key and value ([num_reqs,
+// num_kv_heads, head_size], any row stride) in its slot_mapping slot (int64): one call per layer for what would
+// otherwise be the KV write's index copies and the attention.
+template <typename scalar_t>
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+              const at::Tensor& slot_mapping) {
+  const int64_t num_reqs = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
+  const int64_t row = num_kv_heads * head_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  scalar_t* k_cache = key_cache.data_ptr<scalar_t>();
+  scalar_t* v_cache = value_cache.data_ptr<scalar_t>();
+  const scalar_t* k = key.data_ptr<scalar_t>();
+  const scalar_t* v = value.data_ptr<scalar_t>();
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      std::copy_n(k + r * key.stride(0) + h * key.stride(1), head_size, k_cache + slots[r] * row + h * head_size);
+      std::copy_n(v + r * value.stride(0) + h * value.stride(1), head_size, v_cache + slots[r] * row + h * head_size);
+    }
+  }
+}
+
+void decode_attention_with_kv_write(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
+                                    const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                    const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key and value: [num_reqs, num_kv_heads, head_size]");
+  TORCH_CHECK(key.size(0) == query.size(0) && key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "key and value need a row per request and the cache's heads and head size");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be contiguous within a head");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "key, value and cache must share a dtype");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.size(0) >= key.size(0),
+              "slot_mapping: contiguous int64, a slot per request");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "decode_attention_with_kv_write", [&] {
+    write_kv<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
+  });
+  paged_decode_attention(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale, int sliding_window) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.def("decode_attention_with_kv_write(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
+        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
+        "float scale, int sliding_window) -> ()");
+  m.impl("decode_attention_with_kv_write", c10::DispatchKey::CPU, &decode_attention_with_kv_write);
 }
