@@ -52,10 +52,10 @@ MAX_IMAGE_PIXELS = min(MAX_REQUEST_PIXELS, 2 * (Image.MAX_IMAGE_PIXELS or 89_478
 # The memory preprocessing one image takes at its peak, by phase (``MultiModalProcessor.preprocess_peak_bytes``),
 # measured with scripts/measure_preprocess_memory.py (ru_maxrss of a fresh process around one call, a 4032 x 3024
 # JPEG, transformers 5 Pil processors; docs/operations.md, "Memory"):
-# - Resizing, per decoded pixel: PIL's decoded RGB (4 bytes a pixel), the processor's uint8 numpy copy (3), its
-#   channels-first copy (3) and the PIL image it resizes (4). Measured 13.65 bytes a pixel (LLaVA-1.5's
-#   CLIPImageProcessorPil: 158.7 MiB) and 14.22 (Qwen2VLImageProcessorPil at its default max_pixels 1003520,
-#   resizing to 964320 pixels: 165.4 MiB); 15 taken.
+# - Resizing, per decoded pixel (as we read transformers' Pil path): PIL's decoded RGB (4 bytes a pixel), its
+#   uint8 numpy copy (3), its channels-first copy (3) and the PIL image it resizes (4). Measured 13.65 bytes a pixel
+#   (LLaVA-1.5's CLIPImageProcessorPil: 158.7 MiB) and 14.22 (Qwen2VLImageProcessorPil at its default max_pixels
+#   1003520, resizing to 964320 pixels: 165.4 MiB); 15 taken.
 PREPROCESS_RESIZE_BYTES_PER_DECODED_PIXEL = 15
 # - Qwen2-VL's float32 phase, per resized pixel, beside the decoded image (4 bytes a pixel, still held): rescaled and
 #   normalized float32 copies and the patchified rows before they are concatenated, 40 bytes, besides the 24 bytes
@@ -342,12 +342,12 @@ class MultiModalProcessor:
         per_image = self.max_image_bytes
         if per_image is None or not max_request_bytes:
             return line
-        by_bytes = max_request_bytes // per_image
-        by_tokens = (max_model_len - 1) // self.max_image_tokens
+        tokens = self.max_image_tokens  # LLaVA: one small image processed to count them
+        by_bytes, by_tokens = max_request_bytes // per_image, (max_model_len - 1) // tokens
         fit = min(by_bytes, by_tokens, limit)
         why = (
             f"by its bytes {by_bytes}, by the prompt's {max_model_len - 1} tokens "
-            f"(max_model_len - 1, {self.max_image_tokens} an image) {by_tokens}"
+            f"(max_model_len - 1, {tokens} an image) {by_tokens}"
         )
         return (
             f"{line}; the largest image is {per_image / 2**20:.1f} MiB of pixels, the engine core takes "
