@@ -106,13 +106,15 @@ class CoreConfig:
     )
 
     # vLLM's --limit-mm-per-prompt, an engine argument there too: the core refuses a request with more items, and
-    # without --max-receive-message-mib sizes its gRPC receive limit for that many of its model's largest images.
+    # without --max-receive-message-mib sizes its gRPC receive limit for at most that many of its model's largest
+    # images (fewer when the prompt's max_model_len - 1 tokens hold fewer: ``request_size``). The help is shared
+    # by core and generate (which has no receive limit), so it names no server flag.
     limit_mm_per_prompt: str | None = field(
         default=None,
         metadata=flag(
             'the most images one request may hold, as vLLM\'s flag: image=N (or JSON {"image": N}); more are '
-            "refused with INVALID_ARGUMENT, and the default --max-receive-message-mib makes room for N of the "
-            "model's largest images (docs/operations.md)",
+            "refused with INVALID_ARGUMENT; a core server also tells it to its frontends and sizes its default "
+            "receive limit by it (docs/operations.md)",
             default_help=f"image={DEFAULT_LIMIT_PER_PROMPT}, vLLM's",
             metavar="image=N",
         ),

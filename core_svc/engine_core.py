@@ -85,6 +85,7 @@ class EngineInfo:
     max_num_batched_tokens: int
     max_logprobs: int  # -1: no cap
     supports_lora: bool
+    image_limit_per_prompt: int  # the most images one prompt may hold (--limit-mm-per-prompt image=N)
 
 
 class EngineCore:
@@ -352,6 +353,7 @@ class EngineCore:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_logprobs=self.config.max_logprobs,
             supports_lora=False,
+            image_limit_per_prompt=self.config.image_limit,
         )
 
     def _num_kv_blocks(self, loaded: LoadedModel, baseline: gpu_memory.MemorySnapshot | None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from core_svc.errors import ModelLoadError
+from core_svc.image_processor_config import QWEN2_VL_MODEL_TYPES, read_image_processor_config
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
@@ -86,7 +87,7 @@ def load_model(
     start = time.perf_counter()
     arch = ModelArchConfig.from_hf_config(hf_config)
     if arch.is_multimodal:
-        arch = replace(arch, image_processor=_image_processor_config(path))
+        arch = replace(arch, image_processor=_image_processor_config(path, getattr(hf_config, "model_type", None)))
     dtype = dtype or arch.dtype
     with torch.device("meta"):
         model = MODEL_CLASSES.get(arch.architecture, LlamaForCausalLM)(arch, backend, dtype)
@@ -128,22 +129,22 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
-def _image_processor_config(path: Path) -> dict[str, Any]:
-    """The checkpoint's ``preprocessor_config.json`` (a multimodal model's image size bounds); {} without one.
+def _image_processor_config(path: Path, model_type: str | None) -> dict[str, Any]:
+    """The checkpoint's image processor settings (``read_image_processor_config``: processor_config.json's
+    "image_processor", else preprocessor_config.json, as the frontend's transformers processor reads them); {}
+    without either. Qwen2-VL's image size bounds are checked here, so a bad one names its file.
 
     Raises:
-        ModelLoadError: the file is not a JSON object.
+        ModelLoadError: a file that is not a JSON object; Qwen2-VL: "size" not a JSON object or a bound not a
+            positive integer, naming the file and key.
     """
-    file = path / "preprocessor_config.json"
-    if not file.is_file():
-        return {}
     try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{file} is unreadable: {e}") from e
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{file} is not a JSON object")
-    return config
+        config = read_image_processor_config(path)
+        if model_type in QWEN2_VL_MODEL_TYPES:
+            config.max_pixels()
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    return dict(config.settings)
 
 
 def _weight_files(path: Path) -> list[Path]:

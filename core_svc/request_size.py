@@ -1,12 +1,14 @@
 """How large a request message the core takes when ``--max-receive-message-mib`` is not given: the text part's
 16 MiB (``grpc_runtime.DEFAULT_MAX_RECEIVE_MESSAGE_BYTES``: an ``EngineCoreRequest`` of a 1M-token prompt is
-about 5 MiB) plus the float32 pixel tensors of the most images one request can carry to this model. Plain
-arithmetic on JSON files: ``core_svc/server.py`` applies it to the gRPC server (``model_message_limits``).
+about 5 MiB) plus the float32 pixel tensors of the most images one request can carry to this model. Arithmetic on
+the model folder's configs: ``core_svc/server.py`` applies it to the gRPC server (``model_message_limits``).
 
-Why here, from the model folder's JSON files, and not from the loaded model: the gRPC server's receive limit is
-fixed when the server is made, and the core listens (health NOT_SERVING) while its weights load. config.json and
-preprocessor_config.json are all it takes: the item's tensor shape follows from the vision config and the image
-processor's bounds, as the frontend's processor makes it (``frontend_svc/mm_processor.py``), and the model's
+Why here, from the model folder's config files, and not from the loaded model: the gRPC server's receive limit is
+fixed when the server is made, and the core listens (health NOT_SERVING) while its weights load. config.json (read
+by transformers' ``AutoConfig``, whose config classes give the defaults it leaves out, as the core's models get
+them) and the image processor settings (``core_svc/image_processor_config.py``, read as the frontend's processor
+reads them) are all it takes: the item's tensor shape follows from the vision config and the image processor's
+bounds, as the frontend's processor makes it (``frontend_svc/mm_processor.py``), and the model's
 ``mm_feature_violation`` refuses any larger item.
 
 The images one request can carry are bounded twice, and the smaller bound is taken: ``--limit-mm-per-prompt``
@@ -23,19 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from core_svc.config import CoreConfig
-from core_svc.models.qwen2_vl import image_max_pixels
+from core_svc.image_processor_config import QWEN2_VL_MODEL_TYPES, ImageProcessorConfig, read_image_processor_config
+from core_svc.models.qwen2_vl import DEFAULT_MAX_PIXELS
 
 # What an item costs on the wire besides its pixels: its identifier (64 hex digits), modality, tensor names,
 # dtypes and shapes, placeholder range and Qwen2-VL's image_grid_thw (24 bytes); about 200 bytes, rounded up.
 ITEM_OVERHEAD_BYTES = 1024
 FLOAT32_BYTES = 4  # the frontend sends pixel values as float32
-# transformers' defaults where a config leaves them out (CLIPVisionConfig image_size / patch_size, Qwen2-VL's
-# vision config temporal_patch_size / spatial_merge_size / patch_size).
-CLIP_DEFAULT_IMAGE_SIZE = 224
-CLIP_DEFAULT_PATCH_SIZE = 32
-QWEN2_VL_DEFAULT_TEMPORAL_PATCH_SIZE = 2
-QWEN2_VL_DEFAULT_MERGE_SIZE = 2
-QWEN2_VL_DEFAULT_PATCH_SIZE = 14
+IMAGE_MODEL_TYPES = ("llava", *QWEN2_VL_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -55,32 +52,41 @@ class ReceiveLimit:
     reason: str
 
 
-def image_item_size(
-    model_type: str | None, config: dict[str, Any], preprocessor: dict[str, Any]
-) -> ImageItemSize | None:
-    """The largest image item of a model (config.json and preprocessor_config.json as dicts); None for a model
-    that takes no images. LLaVA: its CLIP crop, [3, image_size, image_size] float32, (image_size / patch_size)**2
-    tokens. Qwen2-VL / Qwen2.5-VL: max_pixels (``image_max_pixels``) // (patch_size * merge_size)**2 tokens, each
-    of (patch_size * merge_size)**2 pixels at 3 * temporal_patch_size float32 values a pixel (a still image's
-    patch is repeated temporal_patch_size times): 18816 bytes a token.
+def image_item_size(hf_config: Any, image_processor: ImageProcessorConfig, source: str) -> ImageItemSize | None:
+    """The largest image item of a model (its transformers config, ``AutoConfig``, whose config classes fill in
+    the defaults a config.json leaves out, as the core's models read them; and its image processor settings,
+    ``read_image_processor_config``); None for a model that takes no images. ``source`` names config.json for
+    errors. LLaVA: its CLIP crop, [3, image_size, image_size] float32, (image_size / patch_size)**2 tokens.
+    Qwen2-VL / Qwen2.5-VL: max_pixels (``ImageProcessorConfig.max_pixels``) // (patch_size * merge_size)**2
+    tokens, each of (patch_size * merge_size)**2 pixels at 3 * temporal_patch_size float32 values a pixel (a still
+    image's patch is repeated temporal_patch_size times): 18816 bytes a token.
+
+    Raises:
+        ValueError: naming the file and key: a vision setting or image size bound that is not a positive integer,
+            or a preprocessor "size" that is not a JSON object (Qwen2-VL).
     """
-    vision = config.get("vision_config") or {}
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in IMAGE_MODEL_TYPES:
+        return None
+    vision = getattr(hf_config, "vision_config", None)
+
+    def setting(key: str) -> int:
+        value = getattr(vision, key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{source}: 'vision_config.{key}' must be a positive integer, got {value!r}")
+        return value
+
     if model_type == "llava":
-        image_size = int(vision.get("image_size", CLIP_DEFAULT_IMAGE_SIZE))
-        patch_size = int(vision.get("patch_size", CLIP_DEFAULT_PATCH_SIZE))
+        image_size, patch_size = setting("image_size"), setting("patch_size")
         max_bytes, max_tokens = 3 * image_size**2 * FLOAT32_BYTES, max(1, (image_size // patch_size) ** 2)
         return ImageItemSize(max_bytes, max_tokens, math.ceil(max_bytes / max_tokens))
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        temporal = int(vision.get("temporal_patch_size", QWEN2_VL_DEFAULT_TEMPORAL_PATCH_SIZE))
-        unit = int(vision.get("patch_size", QWEN2_VL_DEFAULT_PATCH_SIZE)) * int(
-            vision.get("spatial_merge_size", QWEN2_VL_DEFAULT_MERGE_SIZE)
-        )
-        # The processor resizes to width * height <= max_pixels, both multiples of unit: whole tokens of unit**2
-        # pixels, each 3 * temporal float32 values a pixel.
-        max_tokens = max(1, image_max_pixels(preprocessor) // unit**2)
-        bytes_per_token = unit**2 * 3 * temporal * FLOAT32_BYTES
-        return ImageItemSize(max_tokens * bytes_per_token, max_tokens, bytes_per_token)
-    return None
+    temporal = setting("temporal_patch_size")
+    unit = setting("patch_size") * setting("spatial_merge_size")
+    # The processor resizes to width * height <= max_pixels, both multiples of unit: whole tokens of unit**2
+    # pixels, each 3 * temporal float32 values a pixel.
+    max_tokens = max(1, (image_processor.max_pixels() or DEFAULT_MAX_PIXELS) // unit**2)
+    bytes_per_token = unit**2 * 3 * temporal * FLOAT32_BYTES
+    return ImageItemSize(max_tokens * bytes_per_token, max_tokens, bytes_per_token)
 
 
 def model_receive_limit(model_path: Path, config: CoreConfig, text_bytes: int, max_message_bytes: int) -> ReceiveLimit:
@@ -90,20 +96,25 @@ def model_receive_limit(model_path: Path, config: CoreConfig, text_bytes: int, m
     one request can carry (the module docstring), capped at ``max_message_bytes`` (gRPC's largest, 2 GiB - 1).
 
     Raises:
-        ValueError: config.json or preprocessor_config.json is not a JSON object.
+        ValueError: config.json unreadable by transformers, an image processor config that is not a JSON object,
+            or a vision setting or image bound of the wrong type (``image_item_size``), naming the file and key.
     """
-    hf_config = _json_object(model_path / "config.json")
+    config_file = model_path / "config.json"
     base = text_bytes
-    item = image_item_size(
-        hf_config.get("model_type"), hf_config, _json_object(model_path / "preprocessor_config.json")
-    )
+    if _json_object(config_file).get("model_type") not in IMAGE_MODEL_TYPES:
+        return ReceiveLimit(base, f"{_mib(base)} for a text model's requests")
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
+    except Exception as e:  # transformers raises many kinds: OSError, ValueError, strict-dataclass validation errors
+        raise ValueError(f"{config_file} cannot be read as a transformers config: {' '.join(str(e).split())}") from e
+    item = image_item_size(hf_config, read_image_processor_config(model_path), str(config_file))
     if item is None:
         return ReceiveLimit(base, f"{_mib(base)} for a text model's requests")
     limit = config.image_limit
     by_count = limit * (item.max_bytes + ITEM_OVERHEAD_BYTES)
-    text_config = hf_config.get("text_config") or {}
-    max_model_len = config.max_model_len or text_config.get("max_position_embeddings")
-    max_model_len = max_model_len or hf_config.get("max_position_embeddings")
+    max_model_len = config.max_model_len or getattr(hf_config.get_text_config(), "max_position_embeddings", None)
     images = f"{limit} image{'' if limit == 1 else 's'}"
     pixel_bytes, why = by_count, f"{images} (--limit-mm-per-prompt) of at most {_mib(item.max_bytes)}"
     if max_model_len:

@@ -56,7 +56,8 @@ def model_message_limits(config: CoreConfig, limits: grpc_runtime.MessageLimits)
 
     Raises:
         ModelNotFoundError: the model's files cannot be had (``model_files.resolve_model_path``).
-        ValueError: its config.json or preprocessor_config.json is not a JSON object.
+        ValueError: its config.json or image processor config unreadable, or a vision setting or image size bound
+            of the wrong type, naming the file and key (``request_size.model_receive_limit``).
     """
     limit = model_receive_limit(
         model_files.resolve_model_path(config.model, weights=False),

@@ -186,6 +186,7 @@ def engine_info_to_pb(info: EngineInfo, max_receive_message_bytes: int = 0) -> p
         max_logprobs=info.max_logprobs,
         supports_lora=info.supports_lora,
         max_receive_message_bytes=max_receive_message_bytes,
+        image_limit_per_prompt=info.image_limit_per_prompt,
     )
 
 

@@ -108,3 +108,4 @@ class EngineInfo:
     max_logprobs: int
     dtype: str
     max_receive_message_bytes: int = 0  # the core server's largest request message (0: no limit told)
+    image_limit_per_prompt: int | None = None  # the core's --limit-mm-per-prompt image=N (None: not told)

@@ -3,6 +3,7 @@ templates, checks against the model, and EOS / generation-config stop ids folded
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Mapping
@@ -275,7 +276,8 @@ class InputProcessor:
             return self._as_tokens_prompt(*self.tokenize(text_or_ids))
         if self.mm_processor is None:
             raise _no_images_error(field)
-        self.mm_processor.check_count(len(images), field)  # before the prompt is tokenized
+        # Before the prompt is tokenized; within the core's limit too.
+        self.mm_processor.check_count(len(images), field, self.info.image_limit_per_prompt)
         text, token_ids = self.tokenize(text_or_ids)
         token_ids, features = self.mm_processor.process(token_ids, images, field)
         result = self._as_tokens_prompt(text, token_ids)
@@ -283,33 +285,39 @@ class InputProcessor:
         return result
 
     async def process_multimodal_async(self, prompt: PromptType) -> PromptType:
-        """``process_multimodal`` on a worker thread (images decode and resize there), the prompt's text within
-        ``budget``.
+        """``process_multimodal`` on a worker thread (images decode and resize there), the prompt's text and its
+        images' estimated memory (``preprocess_memory_bytes``) within ``budget``. The estimate reads every image's
+        header on a thread of its own (``asyncio.to_thread``: up to 999 headers take a few hundred milliseconds,
+        which would stall every other stream on the event loop), before the budget is taken.
 
         Raises:
-            ValidationError: as ``process_multimodal``.
+            ValidationError: as ``process_multimodal``; a bad image (any of them, the last too) before anything is
+                decoded or waits for the budget.
         """
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(text, str):
             self.check_text_length(text, "prompt", "the prompt")
         size = utf8_size(text) if isinstance(text, str) else 0
-        size += budget_bytes_of_memory(self.preprocess_memory_bytes(prompt))
+        size += budget_bytes_of_memory(await asyncio.to_thread(self.preprocess_memory_bytes, prompt))
         return await self.budget.run(size, lambda: self.process_multimodal(prompt))
 
     def preprocess_memory_bytes(self, prompt: PromptType) -> int:
         """The memory processing the prompt's images takes (``MultiModalProcessor.preprocess_memory_bytes``, from
-        their headers), for the budget; 0 when there are none or when they are refused (``process_multimodal``
-        then says why, in its own order of checks).
+        their headers), for the budget; 0 when there are none or the model takes none (``process_multimodal``
+        then says why).
+
+        Raises:
+            ValidationError: naming the field: more images than ``--limit-mm-per-prompt`` (before any header is
+                read), or an image refused from its header (``MultiModalProcessor.check_headers``). A refused
+                image is never charged 0 and processed after the others: the request is refused whole, here.
         """
         if self.mm_processor is None or not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
             return 0
-        try:
-            images = _images_of(prompt["multi_modal_data"])
-            field = _images_field(images)
-            self.mm_processor.check_count(len(images), field)  # before opening 999+ headers
-            return self.mm_processor.preprocess_memory_bytes(images, field)
-        except ValidationError:
-            return 0
+        images = _images_of(prompt["multi_modal_data"])
+        field = _images_field(images)
+        # Before opening 999+ headers.
+        self.mm_processor.check_count(len(images), field, self.info.image_limit_per_prompt)
+        return self.mm_processor.preprocess_memory_bytes(images, field)
 
     @staticmethod
     def _as_tokens_prompt(text: str | None, token_ids: list[int]) -> TokensPrompt:

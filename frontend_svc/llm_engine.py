@@ -76,7 +76,21 @@ class LLMEngineBase:
         # The model's image processor, loaded once (None: a text-only model, whose image inputs are refused).
         mm_processor = load_mm_processor(model_path, self.tokenizer, mm_limits)
         if mm_processor is not None:
-            logger.info(mm_processor.describe_limits(self.engine_info.max_receive_message_bytes))
+            info = self.engine_info
+            logger.info(
+                mm_processor.describe_limits(
+                    info.max_receive_message_bytes, info.max_model_len, info.image_limit_per_prompt
+                )
+            )
+            if info.image_limit_per_prompt is not None and info.image_limit_per_prompt != mm_processor.image_limit:
+                # Requests are refused at the smaller limit (check_count); said once here, as the flags differ.
+                logger.warning(
+                    "images: --limit-mm-per-prompt image=%d here, image=%d on the engine core: prompts are held to "
+                    "image=%d",
+                    mm_processor.image_limit,
+                    info.image_limit_per_prompt,
+                    min(mm_processor.image_limit, info.image_limit_per_prompt),
+                )
         self.input_processor = InputProcessor(self.tokenizer, self.engine_info, mm_processor)
         self.output_processor = OutputProcessor(self.tokenizer)
 

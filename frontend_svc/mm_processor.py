@@ -42,16 +42,27 @@ MIME_FORMATS = {
 # The pixels one request's images may hold in all, read from their headers before any is decoded: a few KiB of
 # PNG can claim 13000 x 13000 pixels, and a 16 MiB request could otherwise hold dozens such (--limit-mm-per-prompt
 # is 999). Images are then decoded and processed one at a time, so the frontend's memory per request is bounded by
-# its largest image: 4 bytes a pixel decoded (RGBA) plus the image processor's float32 copies (12 bytes a pixel for
-# RGB), about 1 GiB at 64 megapixels. The models' own inputs are far smaller (Qwen2-VL's max_pixels is 12.8
+# its largest image (``MultiModalProcessor.preprocess_peak_bytes``: about 15 bytes a decoded pixel, 0.9 GiB at 64
+# megapixels) plus the items' tensors. The models' own inputs are far smaller (Qwen2-VL's max_pixels is 12.8
 # megapixels, LLaVA-1.5 crops to 336 x 336): 64 megapixels is five 12-megapixel photos.
 MAX_REQUEST_PIXELS = 64_000_000
 # The pixels of one image, beyond which it is refused from its header: the request's budget, which is below PIL's
 # DecompressionBombError bound (2 * Image.MAX_IMAGE_PIXELS, 179 megapixels).
 MAX_IMAGE_PIXELS = min(MAX_REQUEST_PIXELS, 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485))
-# Memory that preprocessing one image takes per pixel of it as decoded, before resizing: PIL's decoded pixels (RGB and
-# RGBA take 4 bytes a pixel) and the image processor's float32 RGB copy (12). Images are processed one at a time.
-PREPROCESS_BYTES_PER_PIXEL = 16
+# The memory preprocessing one image takes at its peak, by phase (``MultiModalProcessor.preprocess_peak_bytes``),
+# measured with scripts/measure_preprocess_memory.py (ru_maxrss of a fresh process around one call, a 4032 x 3024
+# JPEG, transformers 5 Pil processors; docs/operations.md, "Memory"):
+# - Resizing, per decoded pixel (as we read transformers' Pil path): PIL's decoded RGB (4 bytes a pixel), its
+#   uint8 numpy copy (3), its channels-first copy (3) and the PIL image it resizes (4). Measured 13.65 bytes a pixel
+#   (LLaVA-1.5's CLIPImageProcessorPil: 158.7 MiB) and 14.22 (Qwen2VLImageProcessorPil at its default max_pixels
+#   1003520, resizing to 964320 pixels: 165.4 MiB); 15 taken.
+PREPROCESS_RESIZE_BYTES_PER_DECODED_PIXEL = 15
+# - Qwen2-VL's float32 phase, per resized pixel, beside the decoded image (4 bytes a pixel, still held): rescaled and
+#   normalized float32 copies and the patchified rows before they are concatenated, 40 bytes, besides the 24 bytes
+#   a pixel the item keeps (``item_bytes``). Measured: 782.0 MiB at max_pixels 12845056, no downscale (67.25 bytes a
+#   pixel: 4 decoded + 63.25); 4 + 40 + 24 = 68 taken. LLaVA's float copies are of its 336 x 336 crop: negligible.
+DECODED_BYTES_PER_PIXEL = 4
+QWEN2_VL_FLOAT_BYTES_PER_RESIZED_PIXEL = 40
 # Rows of a decoded image hashed at once (``image_hash``): a band's bytes, not the whole image's, are copied.
 HASH_BAND_ROWS = 64
 _ASCII_WHITESPACE = str.maketrans("", "", " \t\n\r\f\v")
@@ -216,69 +227,152 @@ class MultiModalProcessor:
             return int(height) * int(width) * 3 * 4
         return None
 
-    def item_bytes(self, width: int, height: int) -> int:
-        """The bytes of the tensors the image processor makes of a ``width`` x ``height`` image: Qwen2-VL its
-        resized pixels (transformers' ``smart_resize``, as the processor resizes) at 3 x temporal_patch_size float32
-        values each, and image_grid_thw (3 int64); LLaVA its crop, 3 x H x W float32; otherwise float32 RGB at the
-        image's size.
+    def resized_pixels(self, width: int, height: int) -> int | None:
+        """The pixels Qwen2-VL's processor resizes a ``width`` x ``height`` image to (transformers'
+        ``smart_resize``, as the processor resizes); None for another image processor.
 
         Raises:
-            ValueError: a size the image processor refuses (Qwen2-VL: an aspect ratio over 200).
+            ValueError: a size the image processor refuses (an aspect ratio over 200).
         """
         image_processor = self.processor.image_processor
         temporal = getattr(image_processor, "temporal_patch_size", None)
         size = getattr(image_processor, "size", None)
         min_pixels, max_pixels = getattr(size, "shortest_edge", None), getattr(size, "longest_edge", None)
-        if temporal is not None and min_pixels and max_pixels:
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+        if temporal is None or not min_pixels or not max_pixels:
+            return None
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-            factor = int(image_processor.patch_size) * int(image_processor.merge_size)
-            resized_height, resized_width = smart_resize(height, width, factor, int(min_pixels), int(max_pixels))
-            return resized_height * resized_width * 3 * int(temporal) * 4 + 3 * 8
+        factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+        resized_height, resized_width = smart_resize(height, width, factor, int(min_pixels), int(max_pixels))
+        return resized_height * resized_width
+
+    def item_bytes(self, width: int, height: int) -> int:
+        """The bytes of the tensors the image processor makes of a ``width`` x ``height`` image: Qwen2-VL its
+        resized pixels (``resized_pixels``) at 3 x temporal_patch_size float32 values each, and image_grid_thw (3
+        int64); LLaVA its crop, 3 x H x W float32; otherwise float32 RGB at the image's size.
+
+        Raises:
+            ValueError: a size the image processor refuses (Qwen2-VL: an aspect ratio over 200).
+        """
+        image_processor = self.processor.image_processor
+        resized = self.resized_pixels(width, height)
+        if resized is not None:
+            return resized * 3 * int(image_processor.temporal_patch_size) * 4 + 3 * 8
         crop = getattr(image_processor, "crop_size", None)
         crop_height, crop_width = getattr(crop, "height", None), getattr(crop, "width", None)
         if getattr(image_processor, "do_center_crop", False) and crop_height and crop_width:
             return int(crop_height) * int(crop_width) * 3 * 4
         return width * height * 3 * 4
 
-    def preprocess_memory_bytes(self, images: Sequence[Any], field: str) -> int:
-        """The memory ``process`` takes at its peak for ``images``, estimated from their headers alone (PIL opens an
-        image without decoding it): the largest image decoded and processed (``PREPROCESS_BYTES_PER_PIXEL`` a pixel;
-        images are processed one at a time) and every item's tensors (``item_bytes``), kept until the request is
-        sent.
+    def preprocess_peak_bytes(self, width: int, height: int) -> int:
+        """The memory decoding and processing a ``width`` x ``height`` image takes at its peak, besides the tensors
+        kept (``item_bytes``): the larger of its resize phase (``PREPROCESS_RESIZE_BYTES_PER_DECODED_PIXEL``) and,
+        for Qwen2-VL, its float32 phase (the decoded image and ``QWEN2_VL_FLOAT_BYTES_PER_RESIZED_PIXEL`` a
+        resized pixel). Constants measured by scripts/measure_preprocess_memory.py.
 
         Raises:
-            ValidationError: naming the image: as ``open_image``, or a size the image processor refuses.
+            ValueError: a size the image processor refuses (Qwen2-VL: an aspect ratio over 200).
         """
-        peak = kept = 0
-        for image, image_field in zip(images, _image_fields(images, field), strict=True):
-            opened = open_image(image, image_field)
-            peak = max(peak, PREPROCESS_BYTES_PER_PIXEL * opened.width * opened.height)
+        decoded = width * height
+        peak = PREPROCESS_RESIZE_BYTES_PER_DECODED_PIXEL * decoded
+        resized = self.resized_pixels(width, height)
+        if resized is not None:
+            peak = max(peak, DECODED_BYTES_PER_PIXEL * decoded + QWEN2_VL_FLOAT_BYTES_PER_RESIZED_PIXEL * resized)
+        return peak
+
+    def preprocess_memory_bytes(self, images: Sequence[Any], field: str) -> int:
+        """The memory ``process`` takes at its peak for ``images``, estimated from their headers alone (PIL opens an
+        image without decoding it): the largest image decoded and processed (``preprocess_peak_bytes``; images are
+        processed one at a time) and every item's tensors (``item_bytes``), kept until the request is sent.
+
+        Raises:
+            ValidationError: naming the image: as ``check_headers``. Every image is checked, the last as the
+                first, so a request is refused whole before it is charged or anything is decoded.
+        """
+        checked = self.check_headers(images, field)
+        return max((peak for _, _, peak in checked), default=0) + sum(kept for _, kept, _ in checked)
+
+    def check_headers(self, images: Sequence[Any], field: str) -> list[tuple[Image.Image, int, int]]:
+        """Every image opened from its header (nothing decoded), with its item's bytes (``item_bytes``) and its
+        preprocessing peak (``preprocess_peak_bytes``), after checking them all: each decodable as far as its
+        header, within ``MAX_IMAGE_PIXELS``, all within ``MAX_REQUEST_PIXELS``, and each of a size the image
+        processor takes.
+
+        Raises:
+            ValidationError: naming the image (``images[3]``), or ``field`` for the pixels in all: as
+                ``open_image``, ``check_pixels``, or a size the image processor refuses (Qwen2-VL: an aspect
+                ratio over 200).
+        """
+        fields = _image_fields(images, field)
+        opened = [open_image(image, fields[i]) for i, image in enumerate(images)]
+        self.check_pixels(opened, field)
+        checked: list[tuple[Image.Image, int, int]] = []
+        for image, image_field in zip(opened, fields, strict=True):
             try:
-                kept += self.item_bytes(opened.width, opened.height)
+                kept = self.item_bytes(image.width, image.height)
+                peak = self.preprocess_peak_bytes(image.width, image.height)
             except ValueError as e:
                 raise ValidationError(image_field, f"the model's image processor refused an image ({e})") from None
-        return peak + kept
+            checked.append((image, kept, peak))
+        return checked
 
-    def describe_limits(self, max_request_bytes: int) -> str:
-        """One line for the log: how many of the largest images fit in one request to the core
-        (``max_request_bytes``: its receive limit)."""
-        line = f"images: at most {self.image_limit} per prompt (--limit-mm-per-prompt)"
+    @property
+    def max_image_tokens(self) -> int:
+        """The placeholder tokens of the largest image: Qwen2-VL max_pixels // (patch_size * merge_size)**2 (its
+        resize keeps width * height <= max_pixels in whole tokens); otherwise the count the processor gives an
+        image of its crop size (LLaVA: every image is the crop)."""
+        image_processor = self.processor.image_processor
+        max_pixels = getattr(getattr(image_processor, "size", None), "longest_edge", None)
+        if getattr(image_processor, "temporal_patch_size", None) is not None and max_pixels:
+            unit = int(image_processor.patch_size) * int(image_processor.merge_size)
+            return max(1, int(max_pixels) // unit**2)
+        crop = getattr(image_processor, "crop_size", None)
+        width, height = int(getattr(crop, "width", None) or 1), int(getattr(crop, "height", None) or 1)
+        outputs = image_processor(images=[Image.new("RGB", (width, height))], return_tensors="np")
+        return self.processor.replace_image_token(outputs, 0).count(self.image_token)
+
+    def describe_limits(self, max_request_bytes: int, max_model_len: int, core_limit: int | None) -> str:
+        """One line for the log: the images one prompt may hold (the smaller of this frontend's and the core's
+        ``--limit-mm-per-prompt``) and how many of the largest fit in one request to the core: within its receive
+        limit (``max_request_bytes``, which also holds the text) and within the prompt's max_model_len - 1 tokens,
+        the smaller count, as the core sizes its receive limit (``core_svc/request_size.py``)."""
+        limit = self.image_limit if core_limit is None else min(self.image_limit, core_limit)
+        flag = "--limit-mm-per-prompt" if limit == self.image_limit else "the engine core's --limit-mm-per-prompt"
+        line = f"images: at most {limit} per prompt ({flag})"
         per_image = self.max_image_bytes
         if per_image is None or not max_request_bytes:
             return line
+        tokens = self.max_image_tokens  # LLaVA: one small image processed to count them
+        by_bytes, by_tokens = max_request_bytes // per_image, (max_model_len - 1) // tokens
+        fit = min(by_bytes, by_tokens, limit)
+        why = (
+            f"by its bytes {by_bytes}, by the prompt's {max_model_len - 1} tokens "
+            f"(max_model_len - 1, {tokens} an image) {by_tokens}"
+        )
         return (
             f"{line}; the largest image is {per_image / 2**20:.1f} MiB of pixels, the engine core takes "
-            f"{max_request_bytes / 2**20:.1f} MiB per request (its receive limit): "
-            f"{max_request_bytes // per_image} such images fit in one request"
+            f"{max_request_bytes / 2**20:.1f} MiB per request (its receive limit): {fit} such images fit in one "
+            f"request ({why})"
         )
 
     @property
     def image_limit(self) -> int:
         return self.limits.get(IMAGE, DEFAULT_LIMIT_PER_PROMPT)
 
-    def check_count(self, num_images: int, field: str) -> None:
-        """Raises ValidationError (naming ``field``): more images than ``--limit-mm-per-prompt`` allows."""
+    def check_count(self, num_images: int, field: str, core_limit: int | None = None) -> None:
+        """Refuse more images than the smaller of this frontend's ``--limit-mm-per-prompt`` and the connected
+        core's (``core_limit``, its ``EngineInfo.image_limit_per_prompt``; None: not told): the core would refuse
+        them after they were all preprocessed and sent, so the frontend refuses first and names whose flag it is.
+
+        Raises:
+            ValidationError: naming ``field`` and the flag.
+        """
+        if core_limit is not None and core_limit < self.image_limit and num_images > core_limit:
+            raise ValidationError(
+                field,
+                f"has {num_images} images, more than the {core_limit} a prompt may hold on the engine core "
+                f"(the core's --limit-mm-per-prompt image={core_limit})",
+            )
         if num_images > self.image_limit:
             raise ValidationError(
                 field,
@@ -331,8 +425,9 @@ class MultiModalProcessor:
         if not images:
             return prompt_token_ids, []
         fields = _image_fields(images, field)
-        pending = deque(open_image(image, fields[i]) for i, image in enumerate(images))
-        self.check_pixels(pending, field)  # from the headers, before anything is decoded
+        # Every header checked before the first image is decoded: one bad image at the end refuses the request
+        # before the others take time and memory.
+        pending = deque(image for image, _, _ in self.check_headers(images, field))
         token_ids: list[int] = []
         features: list[MultiModalFeature] = []
         start = 0

@@ -24,8 +24,9 @@ T = TypeVar("T")
 # waits until it can run alone.
 DEFAULT_BUDGET_BYTES = 4 * 2**20
 # Memory that a byte of the budget stands for when work other than tokenizing is charged to it: tokenizing takes
-# about 100 to 200 bytes of memory per byte of text (docs/operations.md), the low end taken, so the 4 MiB budget is
-# 512 MiB of image preprocessing at once.
+# about 100 to 200 bytes of memory per byte of text (docs/operations.md), the low end taken. Image requests running
+# together under the 4 MiB budget are estimated at 512 MiB at most; one estimated at more runs alone (``run``), so
+# the peak is the larger of 512 MiB and the largest single request (docs/operations.md, "Preprocessing at once").
 MEMORY_BYTES_PER_TEXT_BYTE = 128
 
 

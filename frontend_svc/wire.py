@@ -232,6 +232,7 @@ def engine_info_from_pb(msg: pb.EngineInfo) -> EngineInfo:
         max_logprobs=msg.max_logprobs,
         dtype=msg.dtype,
         max_receive_message_bytes=msg.max_receive_message_bytes,
+        image_limit_per_prompt=msg.image_limit_per_prompt if msg.HasField("image_limit_per_prompt") else None,
     )
 
 

@@ -174,8 +174,12 @@ def test_help_shows_units(monkeypatch):
         assert "(default: 1 GiB, capped at what --max-num-seqs" in entries["--kv-cache-memory-gib"], command
     for command in ("core", "serve", "frontend"):
         entries = _help_entries(parsers[f"splitserve {command}"].format_help())
-        receive = "(default: 16 MiB, plus room for --limit-mm-per-prompt" if command == "core" else "(default: 16 MiB)"
-        assert receive in entries["--max-receive-message-mib"], command
+        entry = entries["--max-receive-message-mib"]
+        if command == "core":  # argparse may wrap inside a flag's name: the words around it
+            assert "(default: 16 MiB, plus room for an image model's pixels: the smaller of" in entry
+            assert "of its largest images and max_model_len - 1 image tokens)" in entry
+        else:
+            assert "(default: 16 MiB)" in entry, command
         assert "(default: 30.0 s)" in entries["--shutdown-timeout"], command
     frontend = _help_entries(parsers["splitserve frontend"].format_help())
     assert f"(default: {MAX_N} completions)" in frontend["--max-n"]
@@ -262,3 +266,13 @@ def test_a_config_value_out_of_range_is_one_line_and_status_2(capsys, monkeypatc
     assert capsys.readouterr().err == f"error: max_n must be in [1, {MAX_N}], got 0\n"
     assert main(["core", "--max-num-seqs", "0"]) == 2
     assert capsys.readouterr().err == "error: max_num_seqs must be at least 1, got 0\n"
+
+
+def test_generate_help_names_no_flag_it_lacks(monkeypatch):
+    """generate has no gRPC server: its help (``--limit-mm-per-prompt``'s, shared with core) names no receive limit
+    flag; core's says the limit is told to frontends."""
+    monkeypatch.setenv("COLUMNS", "200")
+    parsers = dict(_subparsers(build_parser()))
+    assert "--max-receive-message-mib" not in parsers["splitserve generate"].format_help()
+    core = _help_entries(parsers["splitserve core"].format_help())
+    assert "tells it to its frontends and sizes its default receive limit" in core["--limit-mm-per-prompt"]

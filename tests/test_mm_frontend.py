@@ -12,7 +12,9 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,9 @@ from frontend_svc.mm_processor import EncodedImage, load_mm_processor
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.wire import chat_messages_from_api, generate_request_from_api, request_to_pb
 from splitserve.base.mm_limits import parse_limit_mm_per_prompt
+from splitserve.base.status import StatusCode
 from splitserve.base.wire_enums import FinishReason
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.conftest import real_or_builtin
@@ -515,9 +519,11 @@ def test_limit_mm_per_prompt_refused(value: str) -> None:
 TORCHLESS_SCRIPT = """
 import sys
 import threading
+import time
 sys.path.insert(0, {tests!r})
 from torchless import _WithoutTorch
 sys.meta_path[:] = [_WithoutTorch(f) for f in sys.meta_path]
+from collections.abc import Callable
 from pathlib import Path
 from PIL import Image
 from transformers import AutoTokenizer
@@ -579,8 +585,19 @@ def test_the_largest_image_on_the_wire(llava: InputProcessor, qwen: InputProcess
     assert llava.mm_processor.max_image_bytes == 3 * 56 * 56 * 4  # the crop, float32
     # max_pixels 28 * 28 * 64: 256 patches of 3 x 2 x 14 x 14 float32 (a still image repeated twice in time).
     assert qwen.mm_processor.max_image_bytes == 256 * 1176 * 4
-    line = qwen.mm_processor.describe_limits(16 * 2**20)
-    assert line.endswith(f"{16 * 2**20 // (256 * 1176 * 4)} such images fit in one request")
+    # 16 MiB holds 13 of them by bytes; 4095 tokens of prompt room hold 63 of 64 tokens each; the limit is 999.
+    line = qwen.mm_processor.describe_limits(16 * 2**20, 4096, None)
+    assert line.startswith("images: at most 999 per prompt (--limit-mm-per-prompt);")
+    by_bytes, by_tokens = 16 * 2**20 // (256 * 1176 * 4), 4095 // 64
+    assert line.endswith(
+        f": {min(by_bytes, by_tokens)} such images fit in one request (by its bytes {by_bytes}, by the prompt's "
+        f"4095 tokens (max_model_len - 1, 64 an image) {by_tokens})"
+    )
+    # A smaller prompt room is the bound; the core's smaller --limit-mm-per-prompt is named.
+    line = qwen.mm_processor.describe_limits(16 * 2**20, 129, 1)
+    assert line.startswith("images: at most 1 per prompt (the engine core's --limit-mm-per-prompt);")
+    assert ": 1 such images fit in one request (by its bytes 13, by the prompt's 128 tokens" in line
+    assert llava.mm_processor.max_image_tokens == LLAVA_TOKENS_PER_IMAGE
     # The image that reaches max_pixels makes that many bytes.
     request = run(qwen, {"prompt": f"{QWEN_IMAGE}", "multi_modal_data": {"image": random_image(9, 224, 224)}})
     assert request.mm_features[0].data["pixel_values"].nbytes == 256 * 1176 * 4
@@ -730,25 +747,33 @@ def test_the_core_reads_the_items_as_sent(qwen: InputProcessor) -> None:
 def test_preprocess_memory_is_estimated_from_the_headers(
     llava_dir: Path, llava: InputProcessor, qwen_dir: Path, qwen: InputProcessor
 ) -> None:
-    """The budget's estimate of an image request: the largest image at 16 bytes a decoded pixel (decoded RGBA and
-    the processor's float32 RGB copy) plus every item's tensors, which equal the model's own processor's."""
+    """The budget's estimate of an image request: the largest image's preprocessing peak plus every item's tensors,
+    which equal the model's own processor's. The peak (measured, docs/operations.md "Memory"): LLaVA 15 bytes a
+    decoded pixel; Qwen2-VL the larger of that and 4 bytes a decoded pixel plus 40 a resized one."""
     from transformers import AutoProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     images = [random_image(50, 90, 30), random_image(51, 61, 117)]
     encoded = [EncodedImage(png_bytes(image), "image/png", f"images[{i}]") for i, image in enumerate(images)]
-    peak = 16 * max(image.width * image.height for image in images)
     llava_oracle = AutoProcessor.from_pretrained(str(llava_dir))
     llava_kept = sum(
         llava_oracle(text="<image>", images=[image], return_tensors="np")["pixel_values"].astype(np.float32).nbytes
         for image in images
     )
+    llava_peak = max(15 * image.width * image.height for image in images)
     qwen_oracle = Qwen2VLImageProcessorPil.from_pretrained(str(qwen_dir))
     qwen_outputs = [qwen_oracle(images=[image], return_tensors="np") for image in images]
     qwen_kept = sum(o["pixel_values"].astype(np.float32).nbytes + 3 * 8 for o in qwen_outputs)
+    # A still image's grid is [1, h / 14, w / 14]: its resized pixels are the grid's patches of 14 x 14.
+    resized = [int(np.prod(o["image_grid_thw"])) * 14 * 14 for o in qwen_outputs]
+    qwen_peak = max(
+        max(15 * image.width * image.height, 4 * image.width * image.height + 40 * pixels)
+        for image, pixels in zip(images, resized, strict=True)
+    )
+    assert 4 * 117 * 61 + 40 * resized[1] > 15 * 117 * 61  # for these small images the float phase is the peak
     assert llava.mm_processor is not None and qwen.mm_processor is not None
-    assert llava.mm_processor.preprocess_memory_bytes(encoded, "images") == peak + llava_kept
-    assert qwen.mm_processor.preprocess_memory_bytes(encoded, "images") == peak + qwen_kept
+    assert llava.mm_processor.preprocess_memory_bytes(encoded, "images") == llava_peak + llava_kept
+    assert qwen.mm_processor.preprocess_memory_bytes(encoded, "images") == qwen_peak + qwen_kept
     # A size the processor refuses is named before anything waits or decodes.
     with pytest.raises(ValidationError, match="aspect ratio must be smaller than 200") as e:
         qwen.mm_processor.preprocess_memory_bytes([random_image(52, 1, 300)], "images")
@@ -777,12 +802,24 @@ def _blocking_process(processor: InputProcessor) -> tuple[list[int], threading.E
 
 def _image_charge(text: str, image: Image.Image, qwen_dir: Path) -> int:
     """What an image prompt is charged, computed apart: its text's bytes, and its images' memory at 128 bytes a
-    budget byte (rounded up): 16 bytes a decoded pixel plus the processor's tensors."""
+    budget byte (rounded up): Qwen2-VL's preprocessing peak (the larger of 15 bytes a decoded pixel and 4 a decoded
+    pixel plus 40 a resized one) plus the processor's tensors."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     outputs = Qwen2VLImageProcessorPil.from_pretrained(str(qwen_dir))(images=[image], return_tensors="np")
-    memory = 16 * image.width * image.height + outputs["pixel_values"].astype(np.float32).nbytes + 3 * 8
+    decoded, resized = image.width * image.height, int(np.prod(outputs["image_grid_thw"])) * 14 * 14
+    peak = max(15 * decoded, 4 * decoded + 40 * resized)
+    memory = peak + outputs["pixel_values"].astype(np.float32).nbytes + 3 * 8
     return len(text.encode()) - (-memory // 128)
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait on the event loop until ``condition()`` holds (a worker thread's work, seen from the loop)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the condition did not come true")
+        await asyncio.sleep(0.001)
 
 
 def test_a_second_image_request_waits_for_the_budget(qwen_dir: Path) -> None:
@@ -801,7 +838,7 @@ def test_a_second_image_request_waits_for_the_budget(qwen_dir: Path) -> None:
         first = asyncio.ensure_future(processor.process_multimodal_async(prompt))
         assert await loop.run_in_executor(None, started[0].wait, 30)
         second = asyncio.ensure_future(processor.process_multimodal_async(prompt))
-        await asyncio.sleep(0)  # the second reaches the budget's line
+        await _until(lambda: processor.budget.num_waiting == 1)  # its estimate (a thread) done, it is in line
         assert processor.budget.num_waiting == 1 and processor.budget.in_use_bytes == charge
         assert not started[1].is_set()
         release.set()
@@ -831,8 +868,7 @@ def test_an_image_request_cancelled_while_waiting_leaves_the_line(qwen_dir: Path
         first = asyncio.ensure_future(processor.process_multimodal_async(prompt))
         assert await loop.run_in_executor(None, started[0].wait, 30)
         waiting = asyncio.ensure_future(processor.process_multimodal_async(prompt))
-        await asyncio.sleep(0)
-        assert processor.budget.num_waiting == 1
+        await _until(lambda: processor.budget.num_waiting == 1)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -847,3 +883,102 @@ def test_an_image_request_cancelled_while_waiting_leaves_the_line(qwen_dir: Path
 
     asyncio.run(scenario())
     assert in_use_at_start == [charge, charge]
+
+
+def _qwen_images_bad_last() -> list[Any]:
+    """Three good PNGs and, last, one whose aspect ratio (300:1) Qwen2-VL's smart_resize refuses: a request that
+    must be refused whole, before the good ones are decoded."""
+    good = [api.Image(data=png_bytes(random_image(70 + i, 60, 80)), mime_type="image/png") for i in range(3)]
+    return [*good, api.Image(data=png_bytes(random_image(74, 1, 300)), mime_type="image/png")]
+
+
+def _spy_decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The fields of the images decoded (``mm_processor.load_image``) from here on."""
+    decoded: list[str] = []
+    load = mm_processor.load_image
+
+    def spy(image: Image.Image, field: str) -> Image.Image:
+        decoded.append(field)
+        return load(image, field)
+
+    monkeypatch.setattr(mm_processor, "load_image", spy)
+    return decoded
+
+
+def test_a_bad_last_image_refuses_the_request_before_anything_is_decoded(
+    qwen: InputProcessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoded = _spy_decodes(monkeypatch)
+    request = generate_request_from_api(api.GenerateRequest(prompt=QWEN_IMAGE * 4, images=_qwen_images_bad_last()))
+    # The budget's estimate refuses it (never a charge of 0), before the budget is taken.
+    with pytest.raises(ValidationError, match="aspect ratio must be smaller than 200") as e:
+        asyncio.run(qwen.process_multimodal_async(request))
+    assert (e.value.field, e.value.status_code) == ("images[3]", StatusCode.INVALID_ARGUMENT)
+    assert decoded == [] and qwen.budget.in_use_bytes == 0
+    # Called directly, the processor checks every header before the first decode too.
+    with pytest.raises(ValidationError, match="aspect ratio must be smaller than 200") as e:
+        qwen.process_multimodal(request)
+    assert e.value.field == "images[3]"
+    assert decoded == []
+    # Without the bad image the same request decodes every image, once.
+    request["multi_modal_data"]["image"] = request["multi_modal_data"]["image"][:3]
+    request["prompt"] = QWEN_IMAGE * 3
+    asyncio.run(qwen.process_multimodal_async(request))
+    assert decoded == ["images[0]", "images[1]", "images[2]"]
+
+
+def test_the_estimate_reads_the_headers_off_the_event_loop(qwen: InputProcessor) -> None:
+    threads: list[str] = []
+    estimate = qwen.preprocess_memory_bytes
+
+    def spy(prompt: Any) -> int:
+        threads.append(threading.current_thread().name)
+        return estimate(prompt)
+
+    prompt = {"prompt": QWEN_IMAGE, "multi_modal_data": {"image": random_image(75)}}
+
+    async def scenario() -> Any:
+        loop_thread = threading.current_thread().name
+        qwen.preprocess_memory_bytes = spy  # type: ignore[method-assign]  # this test's processor only
+        try:
+            return loop_thread, await qwen.process_multimodal_async(prompt)
+        finally:
+            del qwen.preprocess_memory_bytes
+
+    loop_thread, result = asyncio.run(scenario())
+    assert len(threads) == 1 and threads[0] != loop_thread
+    assert len(result["mm_features"]) == 1
+
+
+def test_the_smaller_of_the_frontends_and_the_cores_image_limits_is_refused(
+    qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    from core_svc.engine_core import EngineInfo as CoreEngineInfo
+    from core_svc.wire import engine_info_to_pb
+    from frontend_svc.wire import engine_info_from_pb
+
+    # The wire carries the core's limit; a core that does not tell it (unset field) is None, not 0 ("no images").
+    core_info = CoreEngineInfo("m", 4096, 16, 256, 4080, "float32", 100, [2], 8, 4096, 20, False, 0)
+    assert engine_info_from_pb(engine_info_to_pb(core_info)).image_limit_per_prompt == 0
+    assert engine_info_from_pb(core_pb.EngineInfo(model="m")).image_limit_per_prompt is None
+    decoded = _spy_decodes(monkeypatch)
+    processor = make_input_processor(qwen_dir, {"image": 3})
+    two = {"prompt": QWEN_IMAGE * 2, "multi_modal_data": {"image": [random_image(80), random_image(81)]}}
+    four = {"prompt": QWEN_IMAGE * 4, "multi_modal_data": {"image": [random_image(80)] * 4}}
+    processor.info = dataclasses.replace(processor.info, image_limit_per_prompt=1)
+    for prompt in (two, four):
+        with pytest.raises(ValidationError) as e:
+            asyncio.run(processor.process_multimodal_async(prompt))
+        assert e.value.field == "multi_modal_data"
+        assert e.value.description == (
+            f"has {len(prompt['multi_modal_data']['image'])} images, more than the 1 a prompt may hold on the "
+            "engine core (the core's --limit-mm-per-prompt image=1)"
+        )
+    # The frontend's own limit, when it is the smaller, names its own flag.
+    processor.info = dataclasses.replace(processor.info, image_limit_per_prompt=999)
+    with pytest.raises(ValidationError, match=r"more than the 3 a prompt may hold \(--limit-mm-per-prompt image=3\)"):
+        processor.process_multimodal(four)
+    assert decoded == []
+    assert len(processor.process_multimodal(two)["mm_features"]) == 2

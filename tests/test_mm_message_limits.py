@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,15 +138,27 @@ def test_a_request_over_an_explicit_limit_is_refused_and_the_others_go_on(
     from frontend_svc.async_llm import AsyncLLM
     from frontend_svc.errors import ValidationError
 
-    core = stack.start_core(model, tmp_path, [*CORE_ARGS, "--max-receive-message-mib", "8"])
+    core = stack.start_core(
+        model, tmp_path, [*CORE_ARGS, "--max-receive-message-mib", "8", "--limit-mm-per-prompt", "image=1"]
+    )
 
     async def final(engine: AsyncLLM, prompt: Any, request_id: str) -> RequestOutput:
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         return [output async for output in engine.generate(prompt, params, request_id)][-1]
 
     async def scenario() -> tuple[ValidationError, RequestOutput, RequestOutput]:
-        engine = AsyncLLM(model, core_address=core.address)
+        engine = AsyncLLM(model, core_address=core.address)  # its own --limit-mm-per-prompt: 999
         try:
+            # The core's smaller image limit, told in EngineInfo, refuses two images here, before preprocessing.
+            assert engine.engine_info.image_limit_per_prompt == 1
+            two = {"prompt": PROMPT * 2, "multi_modal_data": {"image": [Image.new("RGB", (28, 28))] * 2}}
+            with pytest.raises(ValidationError) as too_many:
+                await final(engine, two, "two")
+            assert (too_many.value.field, too_many.value.description) == (
+                "multi_modal_data",
+                "has 2 images, more than the 1 a prompt may hold on the engine core (the core's "
+                "--limit-mm-per-prompt image=1)",
+            )
             running = asyncio.ensure_future(final(engine, "Hello there", "during"))
             large = {"prompt": PROMPT, "multi_modal_data": {"image": Image.open(io.BytesIO(image_png))}}
             with pytest.raises(ValidationError) as refused:
@@ -174,6 +187,7 @@ def test_the_python_api_gives_its_limit_to_the_in_process_core(llm: LLM) -> None
     assert mm_processor is not None and mm_processor.image_limit == 1
     assert core.config.image_limit == 1
     assert llm.llm_engine.engine_info.max_receive_message_bytes == 0
+    assert llm.llm_engine.engine_info.image_limit_per_prompt == 1  # told through EngineInfo as over gRPC
 
 
 @pytest.mark.parametrize(
@@ -212,6 +226,9 @@ def test_the_python_api_gives_its_limit_to_the_in_process_core(llm: LLM) -> None
             4096,
             16 * MIB + 4095 * 2352 + 999 * 1024,
         ),
+        # No vision_config: LlavaConfig's own (a 336 px crop in 14 px patches, as the core's model builds it), not
+        # CLIPVisionConfig's 224 / 32.
+        ("llava", {"text_config": {}}, {}, None, 4096, 16 * MIB + 4095 * 2352 + 999 * 1024),
     ],
 )
 def test_the_receive_limit_is_sized_from_the_models_files(
@@ -229,3 +246,99 @@ def test_the_receive_limit_is_sized_from_the_models_files(
     core_config = CoreConfig(model=str(tmp_path), limit_mm_per_prompt=limit, max_model_len=max_model_len)
     sized = model_receive_limit(tmp_path, core_config, DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
     assert sized.receive_bytes == expected
+
+
+def _qwen_image_processor_folder(path: Path, layout: str, max_pixels: int) -> Path:
+    """A Qwen2-VL folder whose image processor settings are in preprocessor_config.json ("preprocessor") or nested
+    in processor_config.json's "image_processor" (transformers 5's processor ``save_pretrained``: "nested")."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "text_config": {}}))
+    settings = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=max_pixels).to_dict()
+    if layout == "preprocessor":
+        (path / "preprocessor_config.json").write_text(json.dumps(settings))
+    else:
+        (path / "processor_config.json").write_text(json.dumps({"image_processor": settings}))
+    return path
+
+
+def test_both_image_processor_layouts_give_the_frontends_bounds(tmp_path: Path) -> None:
+    """The core's receive limit and its largest image (``mm_feature_violation``'s bound) come from the settings the
+    frontend's processor loads, whichever file holds them."""
+    from transformers import AutoImageProcessor
+
+    from core_svc.model_loader import _image_processor_config
+    from core_svc.models.qwen2_vl import image_max_pixels
+    from frontend_svc.mm_processor import IMAGE_PROCESSOR_BACKEND
+
+    max_pixels = 28 * 28 * 300
+    core_config = CoreConfig(model=str(tmp_path), limit_mm_per_prompt="image=2", max_model_len=4096)
+    limits = []
+    for layout in ("preprocessor", "nested"):
+        path = _qwen_image_processor_folder(tmp_path / layout, layout, max_pixels)
+        frontend = AutoImageProcessor.from_pretrained(str(path), backend=IMAGE_PROCESSOR_BACKEND)
+        assert frontend.size["longest_edge"] == max_pixels
+        # The core's largest image: 300 tokens, as the frontend's processor makes of an image at max_pixels.
+        assert image_max_pixels(_image_processor_config(path, "qwen2_vl")) == max_pixels
+        largest = frontend(images=[Image.new("RGB", (28 * 20, 28 * 15))], return_tensors="np")
+        assert int(np.prod(largest["image_grid_thw"])) // 4 == max_pixels // 28**2 == 300
+        limit = model_receive_limit(path, core_config, DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
+        limits.append(limit.receive_bytes)
+    # Two images of 300 tokens (fewer than 4095 of room), 18816 bytes a token, 1 KiB each besides.
+    assert limits == [16 * MIB + 2 * (300 * 18816 + 1024)] * 2
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config", "files", "message"),
+    [
+        (
+            "llava",
+            {"vision_config": {"patch_size": None}},
+            {},
+            "config.json: 'vision_config.patch_size' must be a positive integer, got None",
+        ),
+        (
+            "llava",
+            {"vision_config": {"image_size": None}},
+            {},
+            "config.json: 'vision_config.image_size' must be a positive integer, got None",
+        ),
+        ("qwen2_vl", {"vision_config": {"patch_size": None}}, {}, "cannot be read as a transformers config: "),
+        (
+            "qwen2_vl",
+            {},
+            {"preprocessor_config.json": {"size": 448}},
+            "preprocessor_config.json: 'size' must be a JSON object such as {\"longest_edge\": ...}, got 448",
+        ),
+        (
+            "qwen2_vl",
+            {},
+            {"processor_config.json": {"image_processor": {"max_pixels": "many"}}},
+            "processor_config.json [image_processor]: 'max_pixels' must be a positive integer, got 'many'",
+        ),
+    ],
+)
+def test_a_bad_vision_or_image_processor_setting_is_a_one_line_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model_type: str,
+    config: dict[str, Any],
+    files: dict[str, Any],
+    message: str,
+) -> None:
+    from splitserve.entrypoints.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **config}))
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    assert main(["core", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {tmp_path}/") and message in line and "Traceback" not in err
+    if files:  # the model loader reads the same settings, with the same error
+        from core_svc.errors import ModelLoadError
+        from core_svc.model_loader import _image_processor_config
+
+        with pytest.raises(ModelLoadError, match=re.escape(message)):
+            _image_processor_config(tmp_path, model_type)

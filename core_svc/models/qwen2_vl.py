@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from core_svc.image_processor_config import ImageProcessorConfig
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.models.layers import Linear, RMSNorm
@@ -323,12 +324,14 @@ class Qwen2VisionTransformer(nn.Module):
         return self.merger(hidden)[torch.argsort(window_index).to(hidden.device)]
 
 
-def image_max_pixels(image_processor: Mapping[str, Any]) -> int:
-    """The largest image area in pixels of a preprocessor config: ``max_pixels`` when given, else
-    ``size.longest_edge``, else the default; transformers' ``Qwen2VLImageProcessor`` lets ``max_pixels`` override
-    ``size`` the same way."""
-    size = image_processor.get("size") or {}
-    return int(image_processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS)
+def image_max_pixels(image_processor: Mapping[str, Any], source: str = "the image processor settings") -> int:
+    """The largest image area in pixels of an image processor's settings (``source`` names where they were read,
+    for errors): ``ImageProcessorConfig.max_pixels``, else transformers' default.
+
+    Raises:
+        ValueError: naming ``source`` and the key: "size" not a JSON object, a bound not a positive integer.
+    """
+    return ImageProcessorConfig(image_processor, source).max_pixels() or DEFAULT_MAX_PIXELS
 
 
 def tensor_from_wire(item: MultiModalTensor) -> torch.Tensor:

@@ -536,7 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_config_args(p, CoreConfig)
     add_server_args(
-        p, 50061, f"{DEFAULT_RECEIVE_MIB} MiB, plus room for --limit-mm-per-prompt of an image model's largest images"
+        p,
+        50061,
+        f"{DEFAULT_RECEIVE_MIB} MiB, plus room for an image model's pixels: the smaller of --limit-mm-per-prompt of "
+        "its largest images and max_model_len - 1 image tokens",
     )
     p.add_argument(
         "--enable-admin-rpcs",
