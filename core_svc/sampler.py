@@ -141,9 +141,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     vocab_size = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]  # [len(rows), vocab_size]
-    logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # xgrammar is imported on the first constrained request: a co
 
 logger = logging.getLogger(__name__)
 
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)  # the C++ logger's time and source line
+
 
 @dataclass
 class GrammarOutput:
@@ -182,7 +184,8 @@ class StructuredOutputManager:
                 return compiler.compile_grammar(choice_as_grammar(params.choice or []))
             return compiler.compile_grammar(spec)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse and compile errors
-            raise InvalidRequestError(f"{FIELD}.{kind}", f"does not compile: {e}") from None
+            reason = _LOG_PREFIX.sub("", str(e)).strip()  # "[10:18:32] /project/cpp/regex_converter.cc:94: ..."
+            raise InvalidRequestError(f"{FIELD}.{kind}", f"does not compile: {reason}") from None
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
