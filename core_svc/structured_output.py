@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # xgrammar is imported on the first constrained request: a co
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 512  # compiled grammars kept for reuse
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)  # the C++ logger's time and source line
 
@@ -82,7 +85,9 @@ class StructuredOutputManager:
         self._max_workers = max_workers
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
-        self._compiled: dict[tuple[str, str, bool], Future[xgr.CompiledGrammar]] = {}  # key -> compilation
+        # key -> compilation, least recently used first; at most MAX_CACHED_GRAMMARS (a server sees any number of
+        # distinct schemas; a matcher holds its own reference to its grammar, so eviction frees only the cache's)
+        self._compiled: OrderedDict[tuple[str, str, bool], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._ready = threading.Condition()  # notified when any compilation ends
         self._failed: list[tuple[Request, BaseException]] = []  # requests whose constraint did not compile
         self._failed_lock = threading.Lock()
@@ -159,6 +164,9 @@ class StructuredOutputManager:
                 self._executor = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
             future = self._executor.submit(self._compile_now, params)
             self._compiled[key] = future
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
         return future
 
     def _compile_now(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

@@ -349,3 +349,30 @@ def test_the_core_refuses_two_constraints_naming_the_field(model):
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(Request("two", [5, 6], params))
     assert info.value.field == "structured_outputs"
+
+
+def test_grammars_are_compiled_once_per_key_and_the_cache_is_bounded(model, monkeypatch):
+    from core_svc import structured_output
+
+    engine = make_engine(model)
+    manager = engine.structured_output_manager
+    compiled: list[tuple[str, str, bool]] = []
+    compile_now = manager._compile_now
+
+    def counted(params):
+        compiled.append(params.key)
+        return compile_now(params)
+
+    monkeypatch.setattr(manager, "_compile_now", counted)
+    monkeypatch.setattr(structured_output, "MAX_CACHED_GRAMMARS", 2)
+    regexes = ["a+", "a+", "b+", "c+", "a+"]  # "a+" is evicted by "b+" and "c+", then compiled again
+    requests = []
+    for i, regex in enumerate(regexes):
+        request = Request(f"r{i}", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex=regex)))
+        manager.grammar_init(request)
+        assert request.structured_output is not None
+        request.structured_output.future.result(timeout=30)
+        requests.append(request)
+    assert [key[1] for key in compiled] == ["a+", "b+", "c+", "a+"]
+    # Each request has its own matcher, even on one compiled grammar.
+    assert requests[0].structured_output.grammar is not requests[1].structured_output.grammar
