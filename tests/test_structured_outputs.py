@@ -376,3 +376,50 @@ def test_grammars_are_compiled_once_per_key_and_the_cache_is_bounded(model, monk
     assert [key[1] for key in compiled] == ["a+", "b+", "c+", "a+"]
     # Each request has its own matcher, even on one compiled grammar.
     assert requests[0].structured_output.grammar is not requests[1].structured_output.grammar
+
+
+class ScriptedGrammar:
+    """Accepts the ids in ``allowed``; terminates once it accepted ``stop_id``."""
+
+    def __init__(self, allowed: set[int], stop_id: int) -> None:
+        self.allowed, self.stop_id, self.terminated = allowed, stop_id, False
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id not in self.allowed:
+            return False
+        self.terminated = token_id == self.stop_id
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+
+def test_scheduler_skips_requests_waiting_for_their_grammar_and_keeps_their_order():
+    from concurrent.futures import Future
+
+    from core_svc.structured_output_request import StructuredOutputRequest
+    from tests.factories import make_request, make_scheduler, run_step
+
+    scheduler = make_scheduler()
+    waiting = [make_request("so-1"), make_request("so-2")]
+    futures = []
+    for request in waiting:
+        future: Future = Future()
+        request.structured_output = StructuredOutputRequest(StructuredOutputsParams(regex="a"), future)
+        request.status = RequestStatus.WAITING_FOR_FSM
+        futures.append(future)
+        scheduler.add_request(request)
+    scheduler.add_request(make_request("free"))
+    scheduler_output, _ = run_step(scheduler)
+    assert list(scheduler_output.num_scheduled_tokens) == ["free"]
+    assert [r.request_id for r in scheduler.waiting] == ["so-1", "so-2"]
+    futures[1].set_result(ScriptedGrammar({100, 7}, stop_id=7))
+    scheduler_output, _ = run_step(scheduler, {"so-2": 100})
+    assert list(scheduler_output.num_scheduled_tokens) == ["free", "so-2"]
+    assert [r.request_id for r in scheduler.waiting] == ["so-1"]
+    # The grammar accepted its stop id: finished STOP; a token it refuses: ERROR.
+    futures[0].set_result(ScriptedGrammar({100}, stop_id=7))
+    scheduler_output, outputs = run_step(scheduler, {"so-2": 7, "so-1": 5})
+    by_id = {o.request_id: o for o in outputs.outputs}  # type: ignore[attr-defined]  # EngineCoreOutputs
+    assert str(by_id["so-2"].finish_reason) == "stop"
+    assert str(by_id["so-1"].finish_reason) == "error" and "not allowed" in str(by_id["so-1"].error)
