@@ -94,6 +94,23 @@ def test_bad_constraints_are_refused_naming_the_field(value, field, words):
     assert words in info.value.description
 
 
+def test_the_frontend_checks_constraints_without_torch():
+    """llguidance, not xgrammar (whose import pulls torch), compiles in the frontend: after checking a schema, a
+    regex and a grammar, neither torch nor xgrammar is imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from frontend_svc import SamplingParams, StructuredOutputsParams as S\n"
+        "for so in (S(json={'type': 'object'}), S(regex='[a-z]+'), S(grammar='root ::= \"a\"')):\n"
+        "    SamplingParams(structured_outputs=so)\n"
+        "print(sorted(m for m in ('torch', 'xgrammar') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_dict_of_fields_is_taken_as_vllm_takes_it():
     params = SamplingParams(structured_outputs={"regex": "[a-z]+", "disable_any_whitespace": True})
     assert params.structured_outputs == StructuredOutputsParams(regex="[a-z]+", disable_any_whitespace=True)
