@@ -196,12 +196,23 @@ class StructuredOutputManager:
             raise InvalidRequestError(f"{FIELD}.{kind}", f"does not compile: {reason}") from None
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
+        """The compiler, with the tokenizer info built on first use.
+
+        Raises:
+            InvalidRequestError: the checkpoint's tokenizer cannot be loaded (vLLM refuses structured outputs
+                without a tokenizer too).
+        """
         with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+                except (OSError, ValueError) as e:  # no tokenizer files beside the weights
+                    raise InvalidRequestError(
+                        FIELD, f"needs the model's tokenizer, which this core cannot load from {self.model_path}: {e}"
+                    ) from None
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
                 )

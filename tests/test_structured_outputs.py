@@ -450,3 +450,20 @@ def test_scheduler_skips_requests_waiting_for_their_grammar_and_keeps_their_orde
     by_id = {o.request_id: o for o in outputs.outputs}  # type: ignore[attr-defined]  # EngineCoreOutputs
     assert str(by_id["so-2"].finish_reason) == "stop"
     assert str(by_id["so-1"].finish_reason) == "error" and "not allowed" in str(by_id["so-1"].error)
+
+
+def test_a_core_without_the_models_tokenizer_refuses_constraints(model, tmp_path):
+    """The weights without tokenizer files: a constrained request fails with INVALID_ARGUMENT saying why."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(model / name, bare / name)
+    engine = make_engine(bare)
+    engine.add_request(Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a+"))))
+    errors = []
+    while engine.has_unfinished_requests():
+        errors += [o.error for o in engine.step().outputs if o.error is not None]
+    assert len(errors) == 1 and isinstance(errors[0], InvalidRequestError)
+    assert errors[0].field == "structured_outputs" and "tokenizer" in errors[0].description
