@@ -152,10 +152,6 @@ class StructuredOutputManager:
             grammar.fill_bitmask(bitmask, i)
         return GrammarOutput([request_id for request_id, _ in rows], bitmask)
 
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-
     def _compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         key = params.key
         future = self._compiled.get(key)
