@@ -37,9 +37,9 @@ from core_svc.model_loader import LoadedModel
 from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from core_svc.request import MultiModalFeature
-from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, apply_token_bitmask, gather_logprobs
+from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
 from core_svc.sampling_params import SamplingParams
-from core_svc.structured_output import GrammarOutput
+from core_svc.structured_output import GrammarOutput, apply_grammar_bitmask
 from kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,8 @@ class ModelRunner:
             if inputs.sample_states:
                 logits = self.model.compute_logits(hidden[inputs.sample_rows])
                 if grammar_output is not None:
-                    logits = self._apply_grammar_bitmask(logits, inputs.sample_states, grammar_output)
+                    sample_ids = [state.request_id for state in inputs.sample_states]
+                    apply_grammar_bitmask(logits, sample_ids, grammar_output)
                 metadata = build_sampling_metadata(inputs.sample_states, self.vocab_size, self.device)
                 sampler_output = self.sampler(logits, metadata)
         except BaseException:
@@ -227,17 +228,6 @@ class ModelRunner:
         output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
         output.failed_requests = failed
         return output
-
-    def _apply_grammar_bitmask(
-        self, logits: torch.Tensor, sample_states: list[CachedRequestState], grammar_output: GrammarOutput
-    ) -> torch.Tensor:
-        """Forbidden tokens of each constrained row to -inf (vLLM's ``apply_grammar_bitmask``): the bitmask's
-        rows follow ``grammar_output.request_ids``, the logits' rows ``sample_states`` (decodes first)."""
-        row_of = {state.request_id: i for i, state in enumerate(sample_states)}
-        rows = [row_of[request_id] for request_id in grammar_output.request_ids]
-        bitmask = grammar_output.bitmask.to(self.device, non_blocking=True)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return apply_token_bitmask(logits, bitmask, index)
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Drop the per-request state of ``request_ids``; unknown ids are ignored."""

@@ -129,21 +129,6 @@ def argmax(x: torch.Tensor, chunk: int = 128) -> torch.Tensor:
     return index
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Set to -inf the logits a grammar bitmask forbids (xgrammar's ``apply_token_bitmask_inplace``, in plain
-    torch). Returns new logits.
-
-    Args:
-        logits: [num_rows, vocab_size] float32.
-        bitmask: [len(rows), ceil(vocab_size / 32)] int32; bit j % 32 of word j // 32 set: token j allowed.
-        rows: [len(rows)] int64, the logits row of each bitmask row.
-    """
-    vocab_size = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]  # [len(rows), vocab_size]
-    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
-
-
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """allowed_token_ids, logit_bias, min_tokens, then penalties. Returns new logits [num_rows, vocab_size]."""
     needs_copy = any(

@@ -6,7 +6,7 @@ the engine loop's thread: the request waits in ``WAITING_FOR_FSM`` (the schedule
 ready, while the other requests keep stepping. Compiled grammars are cached by (kind, spec), so n > 1 children
 and repeated schemas compile once; each request then gets its own ``GrammarMatcher``. Each step the manager fills
 one bitmask row per constrained request that samples (``grammar_bitmask``); the model runner sets the logits of
-the tokens a row forbids to -inf before sampling (``core_svc.sampler.apply_token_bitmask``). EOS is allowed only
+the tokens a row forbids to -inf before sampling (``apply_grammar_bitmask``). EOS is allowed only
 where the grammar is complete (the stop tokens of the tokenizer info are the model's EOS ids).
 
 The tokenizer info is built once, on the first constrained request, from the checkpoint's tokenizer files
@@ -49,6 +49,24 @@ class GrammarOutput:
 
     request_ids: list[str]  # row i of bitmask is request_ids[i]'s
     bitmask: torch.Tensor  # [len(request_ids), ceil(vocab_size / 32)] int32; bit j of a row: token j allowed
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, row_request_ids: list[str], grammar_output: GrammarOutput) -> None:
+    """Set to -inf, in place, the logits each constrained row's grammar forbids (vLLM's ``apply_grammar_bitmask``,
+    with xgrammar's ``apply_token_bitmask_inplace``: its C++ loop on CPU, its kernel on CUDA).
+
+    Args:
+        logits: [num_rows, vocab_size] float32, on the device.
+        row_request_ids: [num_rows] the request of each logits row (the runner's order: decodes first).
+        grammar_output: the bitmask rows, in ``grammar_output.request_ids``' order.
+    """
+    import xgrammar as xgr
+
+    row_of = {request_id: i for i, request_id in enumerate(row_request_ids)}
+    rows = [row_of[request_id] for request_id in grammar_output.request_ids]
+    bitmask = torch.full((logits.shape[0], grammar_output.bitmask.shape[1]), -1, dtype=torch.int32)  # all allowed
+    bitmask[rows] = grammar_output.bitmask
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
 
 class XgrammarGrammar:

@@ -13,8 +13,8 @@ import torch
 
 from core_svc.errors import InvalidRequestError
 from core_svc.request import Request, RequestStatus
-from core_svc.sampler import apply_token_bitmask
 from core_svc.sampling_params import SamplingParams as CoreSamplingParams
+from core_svc.structured_output import GrammarOutput, apply_grammar_bitmask
 from frontend_svc import LLM, SamplingParams, StructuredOutputsParams, ValidationError
 from tests.conftest import real_or_builtin
 from tests.helpers import make_engine
@@ -125,16 +125,17 @@ def test_a_dict_of_fields_is_taken_as_vllm_takes_it():
     assert params.structured_outputs == StructuredOutputsParams(regex="[a-z]+", disable_any_whitespace=True)
 
 
-def test_the_bitmask_masks_exactly_the_cleared_bits():
-    """Against a per-bit loop over the packed words (little-endian bits within each int32 word)."""
+def test_the_bitmask_masks_exactly_the_cleared_bits_of_each_requests_row():
+    """Against a per-bit loop over the packed words (little-endian bits within each int32 word), with the
+    bitmask's rows in another order than the logits' (the runner puts decodes first)."""
     gen = torch.Generator().manual_seed(0)
     vocab_size = 70  # three words, the last one partly used
     logits = torch.randn((4, vocab_size), generator=gen)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64).to(torch.int32)
-    rows = torch.tensor([3, 1])
-    out = apply_token_bitmask(logits, bitmask, rows)
+    out = logits.clone()
+    apply_grammar_bitmask(out, ["a", "b", "c", "d"], GrammarOutput(["d", "b"], bitmask))
     expected = logits.clone()
-    for i, row in enumerate(rows.tolist()):
+    for i, row in enumerate([3, 1]):
         for token in range(vocab_size):
             word = int(bitmask[i, token // 32]) & 0xFFFFFFFF
             if not (word >> (token % 32)) & 1:
