@@ -153,6 +153,12 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager", action="store_true", help="splitserve without CUDA graphs (default: with them, on cuda)"
     )
+    p.add_argument(
+        "--structured-outputs",
+        action="store_true",
+        help="instead: splitserve alone, every request unconstrained against every other one under a JSON schema "
+        "(benchmarks/structured_outputs.py)",
+    )
 
 
 def _throughput_settings(args: argparse.Namespace) -> Any:
@@ -212,6 +218,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "api", "grpc") == "http":
         kind = f"{kind}-http"
     name = args.name or f"{kind}-{args.preset if not args.model else model.name}"
+    if args.bench == "throughput" and args.structured_outputs:
+        from benchmarks import structured_outputs
+
+        report = structured_outputs.run(model, requests)
+        json_path = structured_outputs.write_report(
+            report, args.out, args.name or f"throughput-structured-{args.preset}"
+        )
+        print(structured_outputs.format_report(report))
+        print(f"wrote {json_path}")
+        return 0
     if args.bench == "throughput":
         from benchmarks import throughput, throughput_report
 

@@ -45,11 +45,12 @@ from core_svc.model_loader import LoadedModel, format_bytes, load_hf_config, loa
 from core_svc.model_runner import ModelRunner, RunnerConfig
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import SupportsMultiModal
-from core_svc.outputs import EngineCoreOutputs, SchedulerOutput, SchedulerStats
+from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
 from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
+from core_svc.structured_output import StructuredOutputManager
 from kernels import AttentionSpec, get_attention_backend
 from splitserve.base import envs
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
@@ -145,6 +146,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig.from_core_config(config, self.max_model_len, max_tokens_per_mm_item), kv_cache_manager
         )
+        self.structured_output_manager = StructuredOutputManager(self.model_path, self.vocab_size, self.eos_token_ids)
         self._profiler: torch.profiler.profile | None = None
         self._profile_dir = Path(tempfile.gettempdir())
         self._stats: RequestStatsTracker | None = None  # set by the first add_stats_sink: metrics, tracing
@@ -176,6 +178,7 @@ class EngineCore:
             request.sampling_params = dataclasses.replace(
                 params, eos_token_id=eos_token_id, stop_token_ids=stop_token_ids
             )
+        self.structured_output_manager.grammar_init(request)  # compiles off this thread: WAITING_FOR_FSM
         self.scheduler.add_request(request)
         if self._stats is not None:
             self._stats.on_add(request)
@@ -198,16 +201,29 @@ class EngineCore:
         """
         if self.dead_error is not None:
             raise self.dead_error
+        grammar_failures = self._fail_grammar_failures()
         scheduler_output = self.scheduler.schedule()
         try:
-            model_runner_output = self.model_runner.execute_model(scheduler_output)
+            grammar_output = self.structured_output_manager.grammar_bitmask(self.scheduler.requests, scheduler_output)
+            model_runner_output = self.model_runner.execute_model(scheduler_output, grammar_output)
         except Exception as e:
             outputs = self._fail_step(scheduler_output, e)
         else:
             self.num_consecutive_failed_steps = 0
             outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs.outputs[:0] = grammar_failures
+        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_unfinished_requests():
+            self.structured_output_manager.wait_for_grammar(0.01)  # all wait for grammars: do not spin
         if self._stats is not None:
             self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
+        return outputs
+
+    def _fail_grammar_failures(self) -> list[EngineCoreOutput]:
+        """End the requests whose constraint did not compile (INVALID_ARGUMENT with xgrammar's reason)."""
+        outputs: list[EngineCoreOutput] = []
+        for request, error in self.structured_output_manager.take_failed():
+            if isinstance(error, Exception):
+                outputs += self.scheduler.fail_requests([request.request_id], error)
         return outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput, cause: Exception) -> EngineCoreOutputs:

@@ -39,6 +39,7 @@ from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from core_svc.request import MultiModalFeature
 from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, argmax, gather_logprobs
 from core_svc.sampling_params import SamplingParams
+from core_svc.structured_output import GrammarOutput, apply_grammar_bitmask
 from kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -189,8 +190,11 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Forward the scheduled tokens, sample for requests whose known tokens are all computed."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Forward the scheduled tokens, sample for requests whose known tokens are all computed; the rows of
+        ``grammar_output`` (structured outputs) are masked by their grammar bitmask before sampling."""
         self._update_states(scheduler_output)
         if not scheduler_output.total_num_scheduled_tokens:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -211,6 +215,9 @@ class ModelRunner:
             sampler_output = None
             if inputs.sample_states:
                 logits = self.model.compute_logits(hidden[inputs.sample_rows])
+                if grammar_output is not None:
+                    sample_ids = [state.request_id for state in inputs.sample_states]
+                    apply_grammar_bitmask(logits, sample_ids, grammar_output)
                 sampler_output = self._sample(logits, inputs.sample_states)
         except BaseException:
             # The step's non-blocking copies may still be reading the pinned host buffers, which the next step

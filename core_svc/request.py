@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from core_svc.sampling_params import SamplingParams
+from core_svc.structured_output_request import StructuredOutputRequest
 from splitserve.base.wire_enums import EngineCoreEventType, FinishReason
 
 
@@ -15,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status after PREEMPTED is finished."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is compiling (vLLM's name)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -93,6 +95,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
     events: list[EngineCoreEvent] = field(default_factory=list)  # drained into each output
+    structured_output: StructuredOutputRequest | None = None  # set by StructuredOutputManager.grammar_init
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

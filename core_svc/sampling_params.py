@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from core_svc.errors import InvalidRequestError
 from splitserve.base.sampling_rules import model_violation, range_violation
+from splitserve.base.structured_outputs import StructuredOutputsParams, structured_outputs_violation
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -37,6 +38,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     eos_token_id: int | None = None  # None: the model's EOS, filled in by the engine core
+    structured_outputs: StructuredOutputsParams | None = None  # the output's constraint (compiled by the core)
 
     @property
     def is_greedy(self) -> bool:
@@ -55,5 +57,7 @@ class SamplingParams:
             InvalidRequestError: naming the field (``field``), its value and the allowed range.
         """
         violation = range_violation(self) or model_violation(self, vocab_size, max_logprobs)
+        if violation is None and self.structured_outputs is not None:
+            violation = structured_outputs_violation(self.structured_outputs)
         if violation is not None:
             raise InvalidRequestError.from_violation(violation)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from core_svc.config import SchedulerConfig
 from core_svc.encoder_cache_manager import EncoderCacheManager
+from core_svc.errors import EngineStepError
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.outputs import (
     CachedRequestData,
@@ -142,10 +143,12 @@ class Scheduler:
                 self._free_encoder_inputs(request)
             new_token_ids = model_runner_output.sampled_token_ids.get(request_id, [])
             kept: list[int] = []
+            error: Exception | None = None
             for token_id in new_token_ids:
                 request.append_output_token_id(token_id)
                 kept.append(token_id)
-                if self._check_stop(request):
+                error = self._advance_grammar(request, token_id)
+                if error is not None or self._check_stop(request):
                     stopped.append(request)
                     break
             prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
@@ -162,6 +165,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     events=request.take_events(),
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    error=error,
                 )
             )
         if stopped:
@@ -285,8 +289,15 @@ class Scheduler:
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """Admit waiting requests in queue order while budget, ``max_num_seqs`` and free blocks last; the first
         that does not fit ends the phase (no skipping ahead). Prefix-cache hits count as computed."""
+        waiting_for_fsm: list[Request] = []  # skipped: their grammar is still compiling (vLLM skips them too)
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                so = request.structured_output
+                if so is None or not so.is_ready or so.error is not None:  # a failed one: the engine core ends it
+                    waiting_for_fsm.append(self.waiting.pop_request())
+                    continue
+                request.status = RequestStatus.WAITING
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new_tokens > step.token_budget:
@@ -310,6 +321,8 @@ class Scheduler:
             self._allocate_encoder_inputs(request, encoder_inputs, step)
             step.num_scheduled_tokens[request.request_id] = num_new_tokens
             step.token_budget -= num_new_tokens
+        for request in reversed(waiting_for_fsm):
+            self.waiting.prepend_request(request)
 
     def _admit(self, request: Request, num_computed_tokens: int, step: _StepPlan) -> None:
         """Move a request taken off the waiting queue to running, new or resumed after a preemption."""
@@ -454,6 +467,8 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """Stop checks after one appended token, in vLLM's order: EOS (unless ignore_eos), stop token ids (both
         only once min_tokens outputs exist), then length (max_tokens or max_model_len). Sets the status."""
+        if request.status == RequestStatus.FINISHED_STOPPED:  # its grammar terminated
+            return True
         params = request.sampling_params
         last_token_id = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens:
@@ -468,6 +483,25 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+    def _advance_grammar(self, request: Request, token_id: int) -> Exception | None:
+        """Feed a sampled token to the request's grammar matcher: a token the grammar refuses (the mask let none
+        through, e.g. min_tokens masked the only allowed EOS) ends the request with FINISHED_ERROR (vLLM's
+        rule); a matcher that terminated (a stop token accepted where the grammar is complete) ends it with
+        FINISHED_STOPPED. Returns the error, if any."""
+        so = request.structured_output
+        if so is None:
+            return None
+        grammar = so.grammar
+        if not grammar.accept_token(token_id):
+            request.status = RequestStatus.FINISHED_ERROR
+            return EngineStepError(
+                f"the engine core failed while running this request: token {token_id} is not allowed by its "
+                "structured_outputs constraint here"
+            )
+        if grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+        return None
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -17,11 +17,14 @@ from core_svc.request import FinishReason, MultiModalFeature, MultiModalTensor, 
 from core_svc.sampling_params import SamplingParams
 from splitserve.base.proto_fields import set_optional_fields
 from splitserve.base.status import FieldError, status_code_of
+from splitserve.base.structured_outputs import StructuredOutputsParams
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 
 def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields take vLLM's defaults (the dataclass defaults)."""
+    optional = set_optional_fields(msg)
+    optional.pop("structured_outputs", None)
     return SamplingParams(
         min_tokens=msg.min_tokens,
         stop_token_ids=list(dict.fromkeys(msg.stop_token_ids)),
@@ -30,7 +33,22 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(dict.fromkeys(msg.allowed_token_ids)) or None,  # each step indexes with them
-        **set_optional_fields(msg),
+        structured_outputs=(
+            structured_outputs_from_pb(msg.structured_outputs) if msg.HasField("structured_outputs") else None
+        ),
+        **optional,
+    )
+
+
+def structured_outputs_from_pb(msg: pb.StructuredOutputsParams) -> StructuredOutputsParams:
+    """The constraint as sent; its shape (exactly one field) is checked by ``SamplingParams.validate``."""
+    return StructuredOutputsParams(
+        json=msg.json if msg.HasField("json") else None,
+        json_object=msg.json_object or None,
+        regex=msg.regex if msg.HasField("regex") else None,
+        choice=list(msg.choice) or None,
+        grammar=msg.grammar if msg.HasField("grammar") else None,
+        disable_any_whitespace=msg.disable_any_whitespace,
     )
 
 

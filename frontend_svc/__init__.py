@@ -11,6 +11,7 @@ from frontend_svc.llm import LLM
 from frontend_svc.llm_engine import LLMEngine
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from splitserve.base.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -25,5 +26,6 @@ __all__ = [
     "RequestOutputKind",
     "RequestTooLargeError",
     "SamplingParams",
+    "StructuredOutputsParams",
     "ValidationError",
 ]

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.errors import ValidationError
+from frontend_svc.structured_outputs import check_structured_outputs, structured_outputs_from_value
 from splitserve.base.sampling_rules import INT32_MAX, INT64_MIN, model_violation, range_violation
 from splitserve.base.sampling_rules import INT64_MAX as INT64_MAX  # the seed's range, for callers
+from splitserve.base.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "bad_words": "is not supported yet; logit_bias can ban single tokens",
     "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it (vLLM moved this "
     "option out of SamplingParams, to tokenization_kwargs)",
-    "structured_outputs": "structured outputs (guided decoding) are not supported yet",
-    "guided_decoding": "structured outputs (guided decoding, now structured_outputs in vLLM) are not supported yet",
+    "guided_decoding": "was renamed structured_outputs (vLLM): pass a StructuredOutputsParams there",
     "extra_args": "would have no effect: it carries arguments for custom logits processors, and splitserve runs none",
     "flat_logprobs": "is not supported: logprobs come as one dict per position",
     "logprob_token_ids": "is not supported yet: logprobs gives the top-k of each position",
@@ -113,6 +114,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # The output's constraint: a JSON schema, any JSON object, a regex, a choice of strings or an EBNF grammar
+    # (a dict of its fields is taken too); checked here, compiled by the engine core.
+    structured_outputs: StructuredOutputsParams | None = None
     # The model's default max_tokens (generation config max_new_tokens), used when max_tokens is None and
     # capped to the room left within max_model_len.
     default_max_tokens: int | None = None
@@ -121,7 +125,6 @@ class SamplingParams:
     logits_processors: Any = field(default=None, repr=False)
     bad_words: list[str] | None = field(default=None, repr=False)
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
-    structured_outputs: Any = field(default=None, repr=False)
     guided_decoding: Any = field(default=None, repr=False)
     extra_args: dict[str, Any] | None = field(default=None, repr=False)
     flat_logprobs: bool = field(default=False, repr=False)
@@ -229,6 +232,8 @@ class SamplingParams:
         self.output_kind = _output_kind(self.output_kind)
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = structured_outputs_from_value(self.structured_outputs)
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s; using %s", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
@@ -265,6 +270,8 @@ class SamplingParams:
         for i, stop in enumerate(self.stop or []):
             _require(isinstance(stop, str), f"stop[{i}]", f"must be a string, got {stop!r}")
             _require(stop != "", f"stop[{i}]", "must not be an empty string")
+        if self.structured_outputs is not None:
+            check_structured_outputs(self.structured_outputs)
         _require(
             not (self.stop and not self.detokenize),
             "stop",

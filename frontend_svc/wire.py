@@ -27,6 +27,7 @@ from frontend_svc.mm_processor import IMAGE, EncodedImage, image_from_url
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
 from splitserve.base.proto_fields import set_optional_fields
+from splitserve.base.structured_outputs import StructuredOutputsParams
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 
@@ -67,6 +68,8 @@ def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
         value = getattr(params, name)
         if value is not None:
             setattr(sampling, name, value)
+    if params.structured_outputs is not None:
+        sampling.structured_outputs.CopyFrom(structured_outputs_to_pb(params.structured_outputs))
     msg = pb.EngineCoreRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
@@ -80,6 +83,34 @@ def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
         msg.cache_salt = request.cache_salt
     msg.mm_features.extend(mm_feature_to_pb(feature) for feature in request.mm_features)
     return msg
+
+
+def structured_outputs_to_pb(params: StructuredOutputsParams) -> pb.StructuredOutputsParams:
+    """The constraint on the core's wire; a JSON schema as its JSON text (``spec``)."""
+    msg = pb.StructuredOutputsParams(
+        json_object=bool(params.json_object),
+        choice=list(params.choice or []),
+        disable_any_whitespace=params.disable_any_whitespace,
+    )
+    if params.json is not None:
+        msg.json = params.spec
+    if params.regex is not None:
+        msg.regex = params.regex
+    if params.grammar is not None:
+        msg.grammar = params.grammar
+    return msg
+
+
+def structured_outputs_from_api(msg: api.StructuredOutputsParams) -> StructuredOutputsParams:
+    """The public API's constraint (``SamplingParams`` checks it: exactly one field, and that it compiles)."""
+    return StructuredOutputsParams(
+        json=msg.json if msg.HasField("json") else None,
+        json_object=msg.json_object or None,
+        regex=msg.regex if msg.HasField("regex") else None,
+        choice=list(msg.choice) or None,
+        grammar=msg.grammar if msg.HasField("grammar") else None,
+        disable_any_whitespace=msg.disable_any_whitespace,
+    )
 
 
 # numpy's name of each dtype TensorData carries ("bfloat16" has none in numpy: the processors never make it).
@@ -111,8 +142,13 @@ def _unsendable_field(request: EngineCoreRequest) -> str:
     candidates: list[tuple[str, Any, dict[str, Any]]] = [
         (f.name, pb.SamplingParams, {f.name: getattr(params, f.name)})
         for f in pb.SamplingParams.DESCRIPTOR.fields
-        if getattr(params, f.name, None) is not None
+        if getattr(params, f.name, None) is not None and f.name != "structured_outputs"
     ]
+    if params.structured_outputs is not None:
+        try:
+            structured_outputs_to_pb(params.structured_outputs)
+        except (ValueError, TypeError, OverflowError):
+            return "structured_outputs"
     candidates += [
         (name, pb.EngineCoreRequest, {name: getattr(request, name)})
         for name in ("request_id", "prompt_token_ids", "arrival_time", "priority", "trace_headers", "client_index")
@@ -250,6 +286,8 @@ def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any
     """Unset fields take the model's defaults (``defaults``, from its generation config), then vLLM's. Raises
     ValidationError naming the field for any refused value."""
     kwargs = set_optional_fields(msg)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_api(msg.structured_outputs)
     if msg.max_tokens_unlimited:
         if msg.HasField("max_tokens"):
             raise ValidationError("max_tokens", "set max_tokens or max_tokens_unlimited, not both")

@@ -26,6 +26,7 @@ _API_NAMES = (
     "RequestOutputKind",
     "RequestTooLargeError",
     "SamplingParams",
+    "StructuredOutputsParams",
     "ValidationError",
 )
 

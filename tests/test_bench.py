@@ -93,6 +93,30 @@ def test_bench_throughput_reports_every_backend(checkpoint, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_bench_throughput_structured_outputs_reports_both_runs(checkpoint, tmp_path, capsys):
+    model = checkpoint("llama", "tiny")
+    code = main(
+        [
+            "bench", "throughput", "--structured-outputs", "--model", str(model), "--num-prompts", "4",
+            "--output-len", "6", "--out", str(tmp_path), "--name", "so",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "so.json").read_text())
+    assert set(report["runs"]) == {"none", "half-json"}
+    for r in report["runs"]["none"]:
+        assert (r["output_tokens"], r["constrained_requests"]) == (24, 0)
+        assert r["output_tok_s"] == pytest.approx(24 / r["wall_s"])
+    for r in report["runs"]["half-json"]:
+        # Requests 0 and 2 under the schema: six tokens cannot hold a whole document, so they end by length.
+        assert (r["output_tokens"], r["constrained_requests"], r["constrained_valid_json"]) == (24, 2, 0)
+    best = report["best_output_tok_s"]
+    assert report["half_json_over_none"] == pytest.approx(best["half-json"] / best["none"])
+    assert len(report["load_average_before"]) == 3 and report["machine"]["cpu"]
+    assert "best half-json / none output tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_bench_serve_runs_both_deployments(checkpoint, tmp_path, capsys):
     model = checkpoint("llama", "tiny")
     code = main(

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import time
 
 import grpc
@@ -197,6 +198,36 @@ WIRE_ERRORS = [
     # Every output carries the id: a 15 MiB id made each streamed message 15 MiB.
     (dict(prompt="hi", request_id="r" * 1025), "request_id"),
     (dict(prompt="hi", sampling_params=api.SamplingParams(stop=["s"] * 1025)), "stop"),
+    # Structured outputs: checked by the frontend (llguidance) before any core sees them.
+    (
+        dict(prompt="hi", sampling_params=api.SamplingParams(structured_outputs=api.StructuredOutputsParams())),
+        "structured_outputs",
+    ),
+    (
+        dict(
+            prompt="hi",
+            sampling_params=api.SamplingParams(
+                structured_outputs=api.StructuredOutputsParams(regex="a+", choice=["b"])
+            ),
+        ),
+        "structured_outputs",
+    ),
+    (
+        dict(
+            prompt="hi",
+            sampling_params=api.SamplingParams(
+                structured_outputs=api.StructuredOutputsParams(json='{"type": "strin"}')
+            ),
+        ),
+        "structured_outputs.json",
+    ),
+    (
+        dict(
+            prompt="hi",
+            sampling_params=api.SamplingParams(structured_outputs=api.StructuredOutputsParams(regex="a[b")),
+        ),
+        "structured_outputs.regex",
+    ),
 ]
 
 
@@ -252,6 +283,40 @@ def test_bad_top_p_reads_the_same_from_the_frontend_and_from_the_core(services):
     assert output.finish_reason == core_pb.FINISH_REASON_ERROR
     assert (output.error.code, output.error.field) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "top_p")
     assert output.error.message == info.value.details() == "top_p: must be in (0, 1], got 0.0"
+
+
+def test_structured_outputs_through_the_split_stack(services):
+    """A JSON schema and a regex through Generate: the outputs parse and match; a regex the frontend lets through
+    but xgrammar refuses, sent to the core directly, fails with INVALID_ARGUMENT naming the field."""
+    core, (frontend, _) = services
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}, "n": {"type": "integer", "maximum": 9}}}
+    schema["required"] = ["k", "n"]
+    so = api.StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True)
+    params = api.SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so)
+    text, _ = joined(asyncio.run(generate(frontend.address, "Hello", params)))
+    document = json.loads(text)
+    assert document["k"] in ("x", "y") and isinstance(document["n"], int) and document["n"] <= 9
+    params = api.SamplingParams(
+        temperature=1.0, seed=3, max_tokens=30, structured_outputs=api.StructuredOutputsParams(regex="[0-9]{3}-ab")
+    )
+    text, _ = joined(asyncio.run(generate(frontend.address, "Hello", params)))
+    assert re.fullmatch("[0-9]{3}-ab", text)
+    add = core_pb.EngineCoreRequest(
+        request_id="bad-regex",
+        prompt_token_ids=[5, 6],
+        sampling_params=core_pb.SamplingParams(structured_outputs=core_pb.StructuredOutputsParams(regex="a(b")),
+    )
+    with grpc.insecure_channel(core.address) as channel:
+        messages = list(
+            core_grpc.EngineCoreStub(channel).Connect(iter([core_pb.EngineCoreClientMessage(add=add)]), timeout=30)
+        )
+    output = next(o for m in messages for o in m.outputs)
+    assert output.finish_reason == core_pb.FINISH_REASON_ERROR
+    assert (output.error.code, output.error.field) == (
+        grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        "structured_outputs.regex",
+    )
+    assert "does not compile" in output.error.message
 
 
 def test_a_raw_core_client_request_stops_on_the_models_eos(services):

@@ -1,0 +1,102 @@
+"""``StructuredOutputsParams`` (vLLM ``vllm/sampling_params.py``): the one constraint a request's output must
+satisfy, shared by both services. Exactly one of ``json`` (a JSON schema), ``json_object``, ``regex``,
+``choice`` or ``grammar`` (EBNF, xgrammar's dialect of GBNF) is set; ``disable_any_whitespace`` (vLLM's option)
+makes JSON compact.
+
+The shape rules (exactly one, non-empty, JSON that parses) live here so both services refuse the same requests
+in the same words (``structured_outputs_violation``); whether the constraint compiles is the grammar backend's
+say (the frontend asks llguidance, ``frontend_svc/structured_outputs.py``; the core compiles with xgrammar,
+``core_svc/structured_output.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.base.status import Violation
+
+FIELD = "structured_outputs"
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """The output constraint; exactly one field is set (``json_object`` counts when True).
+
+    ``json`` is a JSON schema, as a dict or its JSON text; ``choice`` a list of strings, one of which is the
+    whole output; ``grammar`` an EBNF grammar whose start rule is ``root``.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False  # json, json_object: no whitespace between tokens (vLLM's option)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set (call after ``structured_outputs_violation`` returned None)."""
+        return next(name for name in KINDS if _is_set(getattr(self, name)))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the schema's JSON, the regex, the grammar, the choices as a JSON list, "" for
+        json_object. With ``kind``, the key of a compiled grammar."""
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if kind == "choice":
+            return json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        value = getattr(self, kind)
+        return str(value)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, spec, disable_any_whitespace): the compiled-grammar cache key."""
+        return self.kind, self.spec, self.disable_any_whitespace
+
+
+def structured_outputs_violation(params: StructuredOutputsParams) -> Violation | None:
+    """The first shape rule ``params`` breaks, as vLLM's ``StructuredOutputsParams.__post_init__`` and
+    ``_validate_structured_outputs``: exactly one constraint; json_object only True; json a dict or a string that
+    parses as a JSON object; regex a non-empty string without NUL; grammar non-empty; choice a non-empty list of
+    strings."""
+    set_fields = [name for name in KINDS if _is_set(getattr(params, name))]
+    if len(set_fields) != 1:
+        got = ", ".join(set_fields) if set_fields else "none"
+        return Violation(FIELD, f"needs exactly one of {', '.join(KINDS)}; got {got}")
+    kind = set_fields[0]
+    name = f"{FIELD}.{kind}"
+    value = getattr(params, kind)
+    if kind == "json_object":
+        return None if value is True else Violation(name, f"must be true when set, got {value!r}")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                return Violation(name, f"is not valid JSON: {e}")
+        if not isinstance(value, dict):
+            return Violation(name, f"must be a JSON schema object, got {type(value).__name__}")
+        return None
+    if kind == "choice":
+        if not isinstance(value, list | tuple) or not value:
+            return Violation(name, "must be a non-empty list of strings")
+        for i, choice in enumerate(value):
+            if not isinstance(choice, str) or not choice:
+                return Violation(f"{name}[{i}]", f"must be a non-empty string, got {choice!r}")
+        return None
+    if not isinstance(value, str) or not value.strip():
+        return Violation(name, f"must be a non-empty string, got {value!r}")
+    if "\x00" in value:
+        return Violation(name, "must not contain a NUL character")
+    return None
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and value is not False and value != "" and value != [] and value != {}
