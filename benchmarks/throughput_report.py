@@ -15,7 +15,9 @@ TARGETS = {
     "vs transformers generate_batch": 2.5,
     "vs transformers generate": 3.0,
     "bfloat16 over float32": 1.5,
+    "vs a CPU peer at float32": 2.0,  # issue 18: CTranslate2 float32 and llama.cpp f32, batch throughput
 }
+PEER_FLOAT32_LABELS = ("ctranslate2 float32", "llama.cpp f32")
 # Issue 16's targets on a GPU: splitserve bfloat16 against transformers generate_batch on the same GPU (at least),
 # and the single-request ITL over the weight-read bound (at most; single_request.ITL_OVER_BOUND_TARGET).
 GPU_TARGETS = {
@@ -53,6 +55,13 @@ def check_targets(report: dict[str, Any]) -> list[TargetCheck]:
     if fp32:
         rows.append(TargetCheck("splitserve float32 MFU", fp32["mfu"], TARGETS["mfu"], False))
         for label, ratio in fp32["ratios"].items():
+            if label in PEER_FLOAT32_LABELS:
+                rows.append(
+                    TargetCheck(f"splitserve float32 vs {label}", ratio, TARGETS["vs a CPU peer at float32"], False)
+                )
+                continue
+            if not label.startswith("transformers"):
+                continue
             key = "vs transformers generate_batch" if "generate_batch" in label else "vs transformers generate"
             rows.append(TargetCheck(f"splitserve float32 {key}", ratio, TARGETS[key], False))
     if fp32 and bf16:
@@ -120,6 +129,8 @@ def format_report(report: dict[str, Any]) -> str:
             "engine time inside the observability hooks, per observed run: "
             + ", ".join(f"{100 * x:.2f}%" for x in cost["hook_fraction"])
         )
+    for backend, reason in (report.get("skipped") or {}).items():
+        lines.append(f"skipped {backend}: {reason}")
     if report.get("single_request"):
         lines += single_request.format_lines(report["single_request"])
     lines += [check.line() for check in check_targets(report)]
