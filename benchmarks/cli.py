@@ -142,6 +142,18 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads of every backend (default: the cores this process may use: affinity and cgroup quota)",
     )
     p.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run splitserve float32 alone and beside N busy processes on its cores, with the OpenMP "
+        "runtime's default wait policy and with passive waiting (0: skip)",
+    )
+    p.add_argument("--contend-num-prompts", type=int, default=16, help="requests of each contention run")
+    p.add_argument(
+        "--contend-timeout-s", type=float, default=600.0, help="a contention run still going then is stopped"
+    )
+    p.add_argument(
         "--dtypes", default=None, help="splitserve dtypes, comma-separated (default: float32,bfloat16; cuda: bfloat16)"
     )
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
@@ -204,6 +216,9 @@ def _throughput_settings(args: argparse.Namespace) -> Any:
         single_request_output_len=args.single_request_output_len,
         core_config=core_config,
         num_threads=args.num_threads,
+        contend=args.contend,
+        contend_num_prompts=args.contend_num_prompts,
+        contend_timeout_s=args.contend_timeout_s,
     )
 
 

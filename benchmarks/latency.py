@@ -72,7 +72,8 @@ def _splitserve(model: Path, dtype: str, num_threads: int, max_len: int) -> Call
     from core_svc.engine_core import EngineCore
 
     # A KV cache for one request, not the 1 GiB default: every engine of the run is loaded at once.
-    config = CoreConfig(model=str(model), dtype=dtype, num_threads=num_threads, num_kv_blocks=max_len // 16 + 2)
+    fields: dict[str, Any] = {"dtype": dtype, "num_threads": num_threads, "num_kv_blocks": max_len // 16 + 2}
+    config = CoreConfig(model=str(model), **fields)  # validates dtype
     core = EngineCore(config)
     counter = itertools.count()
 

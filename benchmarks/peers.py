@@ -264,7 +264,7 @@ def load_peer(model: Path, peer: str, precision: str, num_threads: int, max_cont
         import ctranslate2
 
         tokenizer = AutoTokenizer.from_pretrained(model)
-        strings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        strings = [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
         path = convert_ctranslate2(model, precision)
         handle = ctranslate2.Generator(
             str(path), device="cpu", compute_type=precision, intra_threads=num_threads, inter_threads=1

@@ -53,6 +53,9 @@ class Settings:
     matmul_sizes: tuple[int, ...] | None = None  # None: device_limits.DEFAULT_MATMUL_SIZES
     copy_bytes: int | None = None  # None: device_limits.DEFAULT_COPY_BYTES
     num_threads: int | None = None  # CPU threads of every backend; None: the cores this process may use
+    contend: int = 0  # busy competitor processes for the contention runs (``contention``); 0: skip
+    contend_num_prompts: int = 16  # the set's first requests, for each contention run
+    contend_timeout_s: float = 600.0  # a contention run still going then is stopped and reported as such
 
     @classmethod
     def for_device(cls, device: str, **overrides: Any) -> Settings:
@@ -348,6 +351,14 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     latency = None
     if settings.single_request_output_len:
         latency = _single_request(model, requests, settings, core_config)
+    contended = None
+    if settings.contend:
+        from benchmarks import contention
+
+        head = requests.head(settings.contend_num_prompts, requests.output_len)
+        options = {"competitors": settings.contend, "num_threads": num_threads, "timeout_s": settings.contend_timeout_s}
+        logger.info("running splitserve float32 alone and beside %d busy processes, per wait policy", settings.contend)
+        contended = contention.run(model, head.prompts, head.output_len, options)
     # The peak again, after the runs: a shared machine's speed drifts; MFU is over the higher of the two.
     peaks_after = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peaks}
     peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
@@ -375,6 +386,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         "observability_cost": observability,
         "single_request": latency,
         "skipped": skipped,
+        "contention": contended,
     }
 
 

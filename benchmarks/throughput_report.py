@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import single_request
+from benchmarks import contention, single_request
 from benchmarks.workload import pyplot, write_json
 
 TARGETS = {
@@ -129,6 +129,8 @@ def format_report(report: dict[str, Any]) -> str:
             "engine time inside the observability hooks, per observed run: "
             + ", ".join(f"{100 * x:.2f}%" for x in cost["hook_fraction"])
         )
+    if report.get("contention"):
+        lines += contention.format_lines(report["contention"])
     for backend, reason in (report.get("skipped") or {}).items():
         lines.append(f"skipped {backend}: {reason}")
     if report.get("single_request"):
