@@ -85,6 +85,7 @@ def run_one(
         "cores": len(cores),
         "competitor_cpu_share": taken / (wall * len(cores)),
         "wall_s": wall,
+        "load_average": list(os.getloadavg()),  # at the end of the run
     }
     if done is None:
         return result | {"output_tok_s": None, "note": f"did not finish in {timeout_s:.0f} s"}

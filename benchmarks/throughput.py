@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -300,6 +301,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
 
     device = settings.device
     check_device(device)  # --device cuda where torch cannot use a GPU: the reason and its fix, before any work
+    load_before = list(os.getloadavg())  # the machine is shared: how busy it was, beside the results
     flops = ModelFlops.from_checkpoint(model)
     peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
@@ -377,6 +379,8 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         "machine": Machine.current(device).to_dict(),
         "torch_threads": torch.get_num_threads(),
         "num_threads": num_threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_before_after": [load_before, list(os.getloadavg())],
         "request_set": requests.summary(),
         "model_flops": asdict(flops),
         "matmul_peak_gflops": {dt: p / 1e9 for dt, p in peak.items()},

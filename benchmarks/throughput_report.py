@@ -98,6 +98,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{rs['output_len']} output tokens each",
         f"on {on}; torch {machine['torch']}, triton {machine.get('triton')}, transformers {machine['transformers']}",
         "matmul peak: " + ", ".join(f"{dt} {g:.0f} GFLOP/s" for dt, g in peak.items()),
+        *_load_line(report),
         f"{'backend':42} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'MFU':>6} {'MFU*':>6} {'match':>6}  "
         "ratios",
     ]
@@ -165,3 +166,15 @@ def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return json_path, png_path
+
+
+def _load_line(report: dict[str, Any]) -> list[str]:
+    """The load average before and after (the machine is shared) and the threads, when the report has them."""
+    if "load_average_before_after" not in report:
+        return []
+    before, after = report["load_average_before_after"]
+    return [
+        f"{report['num_threads']} threads per backend, OMP_WAIT_POLICY={report.get('omp_wait_policy')}; load average "
+        f"(1/5/15 min) {before[0]:.2f}/{before[1]:.2f}/{before[2]:.2f} before, "
+        f"{after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f} after"
+    ]
