@@ -199,8 +199,8 @@ class PeerEngine:
         return f"{self.peer} {self.precision}"
 
     def generate_batch(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
-        """Greedy ``output_len`` tokens for each prompt: CTranslate2 batches them all in one call; llama-cpp-python's
-        ``Llama`` holds one sequence, so llama.cpp runs them one after another."""
+        """Greedy ``output_len`` tokens for each prompt, all at once: CTranslate2 in one ``generate_batch`` call;
+        llama.cpp one sequence per prompt in one context (``llama_cpp_batch``), as llama-server's parallel slots."""
         if self.peer == "ctranslate2":
             results = self.handle.generate_batch(
                 [self._strings(p) for p in prompts],
@@ -212,7 +212,7 @@ class PeerEngine:
                 suppress_sequences=self._suppress(),
             )
             return [list(r.sequences_ids[0]) for r in results]
-        return [[token for token, _ in self.stream(p, output_len)] for p in prompts]
+        return llama_cpp_batch(self.handle, prompts, output_len)
 
     def stream(self, prompt: list[int], output_len: int) -> Iterator[tuple[int, float]]:
         """Each greedy token of one request and ``time.perf_counter()`` when it came, ``output_len`` of them."""
@@ -284,3 +284,69 @@ def load_peer(model: Path, peer: str, precision: str, num_threads: int, max_cont
         logits_all=False,
     )
     return PeerEngine(peer, precision, handle, eos_id, [])
+
+
+def llama_cpp_batch(
+    llm: Any, prompts: list[list[int]], output_len: int, max_batch_tokens: int = 2048
+) -> list[list[int]]:
+    """Greedy ``output_len`` tokens for every prompt at once on llama.cpp, through its C API (llama-cpp-python's
+    ``Llama`` decodes one sequence): a context of its own on ``llm``'s model with one sequence id per prompt in a
+    unified KV cache sized for them all; prompts prefilled up to ``max_batch_tokens`` tokens per ``llama_decode``
+    (logits of each prompt's last token only), then one decode call per step with one token of every sequence,
+    as llama-server's continuous batching does with one slot per request.
+
+    Raises:
+        RuntimeError: llama.cpp could not make the context or a decode call failed.
+    """
+    import ctypes
+
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+    num_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = sum(len(p) + output_len for p in prompts) + 16
+    params.n_batch = params.n_ubatch = max(max_batch_tokens, len(prompts))
+    params.n_seq_max = len(prompts)
+    params.kv_unified = True
+    params.n_threads = params.n_threads_batch = llm.context_params.n_threads
+    ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
+    if ctx is None:
+        raise RuntimeError(f"llama.cpp could not make a context of {params.n_ctx} tokens for {len(prompts)} sequences")
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+    outputs: list[list[int]] = [[] for _ in prompts]
+
+    def decode(rows: list[tuple[int, int, int, bool]]) -> None:
+        """One ``llama_decode`` of (sequence, position, token, wants logits) rows; appends each wanted argmax."""
+        for i, (seq, pos, token, wants) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = int(wants)
+        batch.n_tokens = len(rows)
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        for i, (seq, _, _, wants) in enumerate(rows):
+            if wants:
+                logits = llama_cpp.llama_get_logits_ith(ctx, i)
+                row = np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(num_vocab,))
+                outputs[seq].append(int(row.argmax()))
+
+    try:
+        pending: list[tuple[int, int, int, bool]] = []
+        for seq, prompt in enumerate(prompts):
+            rows = [(seq, pos, token, pos == len(prompt) - 1) for pos, token in enumerate(prompt)]
+            if pending and len(pending) + len(rows) > params.n_batch:
+                decode(pending)
+                pending = []
+            pending += rows  # a prompt longer than a batch is split across decode calls
+            while len(pending) > params.n_batch:
+                decode(pending[: params.n_batch])
+                pending = pending[params.n_batch :]
+        if pending:
+            decode(pending)
+        for step in range(1, output_len):
+            decode([(seq, len(p) + step - 1, outputs[seq][-1], True) for seq, p in enumerate(prompts)])
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+    return outputs

@@ -409,8 +409,7 @@ def _peer_runs(
         start = time.perf_counter()
         outputs = engine.generate_batch(requests.prompts, requests.output_len)
         wall = time.perf_counter() - start
-        mode = "one request at a time" if peer == "llama.cpp" else "one batch"
-        extra = {"num_threads": num_threads, "precision": precision, "mode": mode}
+        extra = {"num_threads": num_threads, "precision": precision}
         results.append(_result(peer, "float32", engine.label, requests, outputs, wall, flops, peak, **extra))
         del engine
         gc.collect()

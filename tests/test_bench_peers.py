@@ -147,3 +147,38 @@ def test_llama_cpp_decodes_the_converted_checkpoint_as_transformers(llama2_check
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
     engine = peers.PeerEngine("llama.cpp", "f32", llm, 2, [])
     assert [token for token, _ in engine.stream(prompt, 8)] == expected
+    # Batched (one sequence per prompt in one context), each prompt decodes as it does alone.
+    with torch.inference_mode():
+        short = hf.generate(torch.tensor([prompt[:4]]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert engine.generate_batch([prompt, prompt[:4]], 8) == [expected, short[0, 4:].tolist()]
+
+
+def test_latency_run_interleaves_engines_and_summarizes_each(checkpoint):
+    from transformers import AutoTokenizer
+
+    path = checkpoint("llama", "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    settings = latency.Settings(
+        prompt_lens=(8, 20), output_len=4, repeats=3, dtypes=("float32",), engines=("splitserve",), num_threads=1
+    )
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        report = latency.run(path, tokenizer, settings)
+    finally:
+        torch.set_num_threads(threads)  # latency.run sets this process's threads
+    prompts = latency.prompts_for(tokenizer, (8, 20), seed=0)
+    assert [len(prompts[8]), len(prompts[20])] == [8, 20]
+    assert not set(prompts[20]) & set(tokenizer.all_special_ids)
+    assert [(r["engine"], r["prompt_len"]) for r in report["rows"]] == [
+        ("splitserve float32", 8),
+        ("splitserve float32", 20),
+    ]
+    for row in report["rows"]:
+        assert len(row["ttft_ms"]) == len(row["ms_per_token"]) == 3
+        assert row["ms_per_token_p50"] == sorted(row["ms_per_token"])[1]
+        assert row["ttft_p90_ms"] == pytest.approx(float(np.percentile(row["ttft_ms"], 90)))
+    assert report["skipped"] == {} and report["num_threads"] == 1
+    text = latency.format_report(report)
+    assert "splitserve float32" in text and "1.00x, 1.00x" in text
