@@ -133,6 +133,7 @@ def test_wait_policy_passive_unless_the_user_set_one():
         prepare_openmp_env({}, "spin", torch_loaded=False)
 
 
+@pytest.mark.slow  # a whole `splitserve generate` process on one CPU: 5-20 s depending on the machine's load
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
 def test_a_core_process_pinned_to_one_cpu_computes_with_one_passive_thread(checkpoint):
     """A real ``splitserve generate`` (in-process core) started on one CPU of the machine, with no thread or wait
