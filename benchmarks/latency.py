@@ -6,7 +6,8 @@ engine on every prompt length in turn (interleaved, so the shared machine's drif
 A request is a seeded prompt of exactly ``prompt_len`` random ordinary token ids, decoded greedily for
 ``output_len`` tokens (EOS ignored or suppressed). TTFT: from handing the prompt over to the first token id;
 ms per output token: the gaps between consecutive tokens, ``(last - first) / (output_len - 1)``, i.e. decode only.
-splitserve is timed at its in-process ``EngineCore`` (no detokenization), as the peers are at their token ids.
+splitserve is timed at its in-process ``EngineCore`` (no detokenization), as the peers are at their token ids,
+with prefix caching off: the repeats send the same prompts, and every engine prefills each one whole.
 """
 
 from __future__ import annotations
@@ -71,8 +72,14 @@ def _splitserve(model: Path, dtype: str, num_threads: int, max_len: int) -> Call
     from core_svc.config import CoreConfig
     from core_svc.engine_core import EngineCore
 
-    # A KV cache for one request, not the 1 GiB default: every engine of the run is loaded at once.
-    fields: dict[str, Any] = {"dtype": dtype, "num_threads": num_threads, "num_kv_blocks": max_len // 16 + 2}
+    # A KV cache for one request, not the 1 GiB default: every engine of the run is loaded at once. No prefix
+    # caching: each repeat sends the same prompt, and a cache hit would skip the prefill the peers all do.
+    fields: dict[str, Any] = {
+        "dtype": dtype,
+        "num_threads": num_threads,
+        "num_kv_blocks": max_len // 16 + 2,
+        "enable_prefix_caching": False,
+    }
     config = CoreConfig(model=str(model), **fields)  # validates dtype
     core = EngineCore(config)
     counter = itertools.count()
