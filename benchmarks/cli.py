@@ -84,6 +84,31 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
             )
         p.set_defaults(func=cmd_bench)
 
+    p = kinds.add_parser("latency", help="one request at a time: TTFT and ms per output token against the CPU peers")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
+    p.add_argument("--arch", default="llama", choices=TEXT_ARCHS)
+    p.add_argument("--preset", default="small", choices=PRESETS)
+    p.add_argument("--tokenizer", type=Path, default=None, help="as for the other benchmarks")
+    p.add_argument("--prompt-lens", default="128,512", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5, help="runs of every engine and prompt length, interleaved")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="splitserve dtypes, comma-separated")
+    p.add_argument(
+        "--engines",
+        default="splitserve,transformers,ctranslate2,llama.cpp",
+        help="comma-separated; ctranslate2 and llama.cpp need the bench extra (skipped with the reason without it)",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of every engine (default: the cores this process may use: affinity and cgroup quota)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
+    p.add_argument("--name", default=None, help="file name stem (default: latency-<preset>)")
+    p.set_defaults(func=cmd_bench)
+
     p = kinds.add_parser("n", help="one request with a large n: add, first output, abort after a deadline, liveness")
     p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
     p.add_argument("--arch", default="llama", choices=TEXT_ARCHS)
@@ -114,7 +139,26 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backends",
         default="splitserve,hf-generate,hf-generate-batch",
-        help="comma-separated: splitserve, hf-generate, hf-generate-batch",
+        help="comma-separated: splitserve, hf-generate, hf-generate-batch, ctranslate2, llama.cpp (the last two "
+        "need the bench extra; skipped with the reason without it)",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of every backend (default: the cores this process may use: affinity and cgroup quota)",
+    )
+    p.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run splitserve float32 alone and beside N busy processes on its cores, with the OpenMP "
+        "runtime's default wait policy and with passive waiting (0: skip)",
+    )
+    p.add_argument("--contend-num-prompts", type=int, default=16, help="requests of each contention run")
+    p.add_argument(
+        "--contend-timeout-s", type=float, default=600.0, help="a contention run still going then is stopped"
     )
     p.add_argument(
         "--dtypes", default=None, help="splitserve dtypes, comma-separated (default: float32,bfloat16; cuda: bfloat16)"
@@ -184,6 +228,10 @@ def _throughput_settings(args: argparse.Namespace) -> Any:
         observability_repeats=args.observability_repeats,
         single_request_output_len=args.single_request_output_len,
         core_config=core_config,
+        num_threads=args.num_threads,
+        contend=args.contend,
+        contend_num_prompts=args.contend_num_prompts,
+        contend_timeout_s=args.contend_timeout_s,
     )
 
 
@@ -202,6 +250,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model = workload.bench_model_path(arch, args.preset, tokenizer_dir)
     if args.bench == "n":
         return _bench_n(args, model)
+    if args.bench == "latency":
+        return _bench_latency(args, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     num_prompts = args.num_prompts or (512 if getattr(args, "device", "cpu") == "cuda" else 64)
     images_per_request = getattr(args, "images_per_request", 0)
@@ -266,5 +316,31 @@ def _bench_n(args: argparse.Namespace, model: Path) -> int:
     name = args.name or f"n-{args.preset if not args.model else model.name}"
     json_path, png_path = large_n.write_report(report, args.out, name)
     print(large_n.format_report(report))
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _bench_latency(args: argparse.Namespace, model: Path) -> int:
+    from transformers import AutoTokenizer
+
+    from benchmarks import latency
+    from splitserve.base import cpu_threads
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    settings = latency.Settings(
+        prompt_lens=tuple(int(n) for n in names(args.prompt_lens)),
+        output_len=args.output_len,
+        repeats=args.repeats,
+        dtypes=names(args.dtypes),
+        engines=names(args.engines),
+        num_threads=cpu_threads.detect_threads(args.num_threads).num_threads,
+        seed=args.seed,
+    )
+    report = latency.run(model, AutoTokenizer.from_pretrained(model), settings)
+    name = args.name or f"latency-{args.preset if not args.model else model.name}"
+    json_path, png_path = latency.write_report(report, args.out, name)
+    print(latency.format_report(report))
     print(f"wrote {json_path} and {png_path}")
     return 0

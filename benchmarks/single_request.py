@@ -124,8 +124,8 @@ def measure(
     config = CoreConfig(model=str(model), **core_config)
     core = EngineCore(config)
     try:
-        _decode(core, "warmup", prompt[:16], 8)
-        timing = _decode(core, "single", prompt, output_len)
+        decode_timing(core, "warmup", prompt[:16], 8)
+        timing = decode_timing(core, "single", prompt, output_len)
         dtype = str(core.dtype).removeprefix("torch.")
         setting = {
             "device": config.device,
@@ -143,7 +143,7 @@ def measure(
             torch.cuda.empty_cache()
 
 
-def _decode(core: Any, request_id: str, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
+def decode_timing(core: Any, request_id: str, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
     """TTFT and the gaps between consecutive tokens, in seconds, of one request run alone through ``core``."""
     from core_svc.request import Request
     from core_svc.sampling_params import SamplingParams

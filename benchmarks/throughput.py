@@ -4,7 +4,10 @@ Backends run one after another in this process, on the same checkpoint, requests
 - ``splitserve``: ``LLM.generate`` with the core in-process (frontend work included: detokenization, outputs);
 - ``hf-generate``: transformers ``generate`` in static, left-padded batches of ``--hf-batch-size`` requests in
   request order;
-- ``hf-generate-batch``: transformers ``generate_batch`` (continuous batching over a paged KV cache).
+- ``hf-generate-batch``: transformers ``generate_batch`` (continuous batching over a paged KV cache);
+- ``ctranslate2``, ``llama.cpp``: the CPU engines users pick instead, each converted from the same checkpoint
+  (``peers``), in float32 and int8 (CTranslate2) and f32 and f16 (llama.cpp); skipped, with the reason in the
+  report, when their packages (the ``bench`` extra) are not installed.
 All decode greedily and generate exactly ``output_len`` tokens per request (EOS ignored). Model FLOP utilization
 (MFU) is model FLOPs (``workload.ModelFlops``) per second over the ``torch.mm`` peak of the same dtype on the same
 device, measured in the same run (``device_limits.matmul_peak``).
@@ -18,19 +21,21 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import single_request
+from benchmarks import peers, single_request
 from benchmarks.device_limits import copy_bandwidth, matmul_peak
 from benchmarks.hf_backends import run_hf_generate, run_hf_generate_batch
 from benchmarks.workload import Machine, ModelFlops, RequestSet
+from splitserve.base import cpu_threads
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("splitserve", "hf-generate", "hf-generate-batch")
+BACKENDS = ("splitserve", "hf-generate", "hf-generate-batch", *peers.PEERS)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,10 @@ class Settings:
     core_config: dict[str, Any] = field(default_factory=dict)  # more CoreConfig fields for splitserve
     matmul_sizes: tuple[int, ...] | None = None  # None: device_limits.DEFAULT_MATMUL_SIZES
     copy_bytes: int | None = None  # None: device_limits.DEFAULT_COPY_BYTES
+    num_threads: int | None = None  # CPU threads of every backend; None: the cores this process may use
+    contend: int = 0  # busy competitor processes for the contention runs (``contention``); 0: skip
+    contend_num_prompts: int = 16  # the set's first requests, for each contention run
+    contend_timeout_s: float = 600.0  # a contention run still going then is stopped and reported as such
 
     @classmethod
     def for_device(cls, device: str, **overrides: Any) -> Settings:
@@ -292,13 +301,25 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
 
     device = settings.device
     check_device(device)  # --device cuda where torch cannot use a GPU: the reason and its fix, before any work
+    load_before = list(os.getloadavg())  # the machine is shared: how busy it was, beside the results
     flops = ModelFlops.from_checkpoint(model)
     peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     logger.info("matmul peak: %s", ", ".join(f"{dt} {p / 1e9:.0f} GFLOP/s" for dt, p in peaks.items()))
-    core_config = {"device": device, **settings.core_config}
+    num_threads = cpu_threads.detect_threads(settings.num_threads).num_threads
+    torch.set_num_threads(num_threads)  # transformers' too
+    core_config = {"device": device, "num_threads": num_threads, **settings.core_config}
     results: list[BackendResult] = []
+    skipped: dict[str, str] = {}  # backend -> why it did not run
     for backend in settings.backends:
+        if backend in peers.PEERS:
+            reason = peers.missing_reason(backend)
+            if reason is not None:
+                logger.warning("skipping %s: %s", backend, reason)
+                skipped[backend] = reason
+            else:
+                results += _peer_runs(model, requests, backend, num_threads, flops, peaks["float32"])
+            continue
         for dtype in settings.dtypes if backend == "splitserve" else [settings.hf_dtype]:
             logger.info("running %s (%s) on %d requests on %s", backend, dtype, len(requests.prompts), device)
             if backend == "splitserve":
@@ -332,6 +353,14 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     latency = None
     if settings.single_request_output_len:
         latency = _single_request(model, requests, settings, core_config)
+    contended = None
+    if settings.contend:
+        from benchmarks import contention
+
+        head = requests.head(settings.contend_num_prompts, requests.output_len)
+        options = {"competitors": settings.contend, "num_threads": num_threads, "timeout_s": settings.contend_timeout_s}
+        logger.info("running splitserve float32 alone and beside %d busy processes, per wait policy", settings.contend)
+        contended = contention.run(model, head.prompts, head.output_len, options)
     # The peak again, after the runs: a shared machine's speed drifts; MFU is over the higher of the two.
     peaks_after = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peaks}
     peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
@@ -349,6 +378,9 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         "device": device,
         "machine": Machine.current(device).to_dict(),
         "torch_threads": torch.get_num_threads(),
+        "num_threads": num_threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_before_after": [load_before, list(os.getloadavg())],
         "request_set": requests.summary(),
         "model_flops": asdict(flops),
         "matmul_peak_gflops": {dt: p / 1e9 for dt, p in peak.items()},
@@ -357,7 +389,32 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         "bfloat16_logprob_drift": drift,
         "observability_cost": observability,
         "single_request": latency,
+        "skipped": skipped,
+        "contention": contended,
     }
+
+
+def _peer_runs(
+    model: Path, requests: RequestSet, peer: str, num_threads: int, flops: ModelFlops, peak: float
+) -> list[BackendResult]:
+    """``peer`` in each of its precisions (``peers.PEER_PRECISIONS``) on the whole set, after a two-request warm-up;
+    MFU over the float32 matmul peak (the peers' int8 and f16 paths compute in other units, so it is a ratio of
+    work done, not of their own peak)."""
+    results = []
+    max_context = max(requests.prompt_lens) + requests.output_len + 1
+    for precision in peers.PEER_PRECISIONS[peer]:
+        logger.info("running %s %s on %d requests, %d threads", peer, precision, len(requests.prompts), num_threads)
+        engine = peers.load_peer(model, peer, precision, num_threads, max_context)
+        engine.generate_batch(requests.prompts[:2], 4)
+        start = time.perf_counter()
+        outputs = engine.generate_batch(requests.prompts, requests.output_len)
+        wall = time.perf_counter() - start
+        extra = {"num_threads": num_threads, "precision": precision}
+        results.append(_result(peer, "float32", engine.label, requests, outputs, wall, flops, peak, **extra))
+        del engine
+        gc.collect()
+        logger.info("  %.1f output tok/s", results[-1].output_tok_s)
+    return results
 
 
 def _preemption_run(

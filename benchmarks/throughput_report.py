@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import single_request
+from benchmarks import contention, single_request
 from benchmarks.workload import pyplot, write_json
 
 TARGETS = {
@@ -15,7 +15,9 @@ TARGETS = {
     "vs transformers generate_batch": 2.5,
     "vs transformers generate": 3.0,
     "bfloat16 over float32": 1.5,
+    "vs a CPU peer at float32": 2.0,  # issue 18: CTranslate2 float32 and llama.cpp f32, batch throughput
 }
+PEER_FLOAT32_LABELS = ("ctranslate2 float32", "llama.cpp f32")
 # Issue 16's targets on a GPU: splitserve bfloat16 against transformers generate_batch on the same GPU (at least),
 # and the single-request ITL over the weight-read bound (at most; single_request.ITL_OVER_BOUND_TARGET).
 GPU_TARGETS = {
@@ -53,6 +55,13 @@ def check_targets(report: dict[str, Any]) -> list[TargetCheck]:
     if fp32:
         rows.append(TargetCheck("splitserve float32 MFU", fp32["mfu"], TARGETS["mfu"], False))
         for label, ratio in fp32["ratios"].items():
+            if label in PEER_FLOAT32_LABELS:
+                rows.append(
+                    TargetCheck(f"splitserve float32 vs {label}", ratio, TARGETS["vs a CPU peer at float32"], False)
+                )
+                continue
+            if not label.startswith("transformers"):
+                continue
             key = "vs transformers generate_batch" if "generate_batch" in label else "vs transformers generate"
             rows.append(TargetCheck(f"splitserve float32 {key}", ratio, TARGETS[key], False))
     if fp32 and bf16:
@@ -89,6 +98,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{rs['output_len']} output tokens each",
         f"on {on}; torch {machine['torch']}, triton {machine.get('triton')}, transformers {machine['transformers']}",
         "matmul peak: " + ", ".join(f"{dt} {g:.0f} GFLOP/s" for dt, g in peak.items()),
+        *_load_line(report),
         f"{'backend':42} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'MFU':>6} {'MFU*':>6} {'match':>6}  "
         "ratios",
     ]
@@ -120,6 +130,10 @@ def format_report(report: dict[str, Any]) -> str:
             "engine time inside the observability hooks, per observed run: "
             + ", ".join(f"{100 * x:.2f}%" for x in cost["hook_fraction"])
         )
+    if report.get("contention"):
+        lines += contention.format_lines(report["contention"])
+    for backend, reason in (report.get("skipped") or {}).items():
+        lines.append(f"skipped {backend}: {reason}")
     if report.get("single_request"):
         lines += single_request.format_lines(report["single_request"])
     lines += [check.line() for check in check_targets(report)]
@@ -152,3 +166,15 @@ def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return json_path, png_path
+
+
+def _load_line(report: dict[str, Any]) -> list[str]:
+    """The load average before and after (the machine is shared) and the threads, when the report has them."""
+    if "load_average_before_after" not in report:
+        return []
+    before, after = report["load_average_before_after"]
+    return [
+        f"{report['num_threads']} threads per backend, OMP_WAIT_POLICY={report.get('omp_wait_policy')}; load average "
+        f"(1/5/15 min) {before[0]:.2f}/{before[1]:.2f}/{before[2]:.2f} before, "
+        f"{after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f} after"
+    ]

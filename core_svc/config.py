@@ -96,6 +96,16 @@ class CoreConfig:
     enforce_eager: bool = field(default=False, metadata=flag("never capture CUDA graphs: every step runs eagerly"))
     # Most logprobs / prompt_logprobs a request may ask for (vLLM's default 20).
     max_logprobs: int = field(default=20, metadata=flag("cap on logprobs per request; -1: no cap"))
+    # The compute threads (torch.set_num_threads); None: the cores this process may use, from its CPU affinity and
+    # cgroup quota (splitserve.base.cpu_threads), or OMP_NUM_THREADS when set.
+    num_threads: int | None = field(
+        default=None,
+        metadata=flag(
+            "CPU threads for the model's compute",
+            default_help="OMP_NUM_THREADS, else the cores this process may use (CPU affinity and cgroup quota)",
+            metavar="N",
+        ),
+    )
     served_model_name: str | None = field(
         default=None,
         metadata=flag(
@@ -150,6 +160,8 @@ class CoreConfig:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

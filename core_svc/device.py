@@ -8,6 +8,7 @@ import os
 import torch
 
 from core_svc.errors import DeviceUnavailableError
+from splitserve.base import cpu_threads
 
 INSTALL_CUDA_TORCH = (
     'install torch\'s CUDA build for your driver (README.md, "Running on a GPU"), e.g. pip install torch '
@@ -48,3 +49,19 @@ def release_cached_memory(device: torch.device) -> None:
     that the next step starts from what is really in use rather than from a fragmented cache."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def set_compute_threads(num_threads: int | None) -> str:
+    """Give torch ``num_threads`` compute threads, or when None the cores this process may use (CPU affinity and
+    cgroup quota; ``OMP_NUM_THREADS`` when set: ``splitserve.base.cpu_threads``); returns the choice, its reason and
+    the OpenMP wait policy in words, for the startup log.
+
+    Raises:
+        ValueError: ``num_threads`` below 1.
+    """
+    choice = cpu_threads.detect_threads(num_threads)
+    torch.set_num_threads(choice.num_threads)
+    return (
+        f"CPU threads: {torch.get_num_threads()} ({choice.reason}); OpenMP wait policy: "
+        f"{cpu_threads.wait_policy_text(os.environ)}"
+    )

@@ -29,7 +29,7 @@ import torch
 from core_svc import gpu_memory
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
 from core_svc.cuda_graphs import CudaGraphCapturer
-from core_svc.device import check_device, release_cached_memory
+from core_svc.device import check_device, release_cached_memory, set_compute_threads
 from core_svc.errors import (
     EngineStepError,
     EngineUnavailableError,
@@ -103,6 +103,7 @@ class EngineCore:
         self.config = config
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
         self.device = device = check_device(config.device)  # first: without CUDA, fail before anything slow
+        logger.info("%s", set_compute_threads(config.num_threads))
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         with self.startup.phase("model files"):
             self.model_path = resolve_model_path(config.model)  # a hub id is fetched here

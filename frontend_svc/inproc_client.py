@@ -31,6 +31,10 @@ class InprocClient(EngineCoreClient):
     """Owns an engine core in this process."""
 
     def __init__(self, model: str, **core_config: Any) -> None:
+        from splitserve.base import cpu_threads, envs
+
+        # Before core_svc imports torch, whose OpenMP runtime reads its wait policy once, when loaded.
+        cpu_threads.prepare_process(envs.omp_wait_policy())
         from core_svc.inproc import InprocCore, RefusedError
 
         self._refused_error = RefusedError

@@ -76,3 +76,10 @@ def api_key() -> str | None:
     """SPLITSERVE_API_KEY: the default of a frontend's ``--api-key`` (vLLM's VLLM_API_KEY). An environment variable
     (from a Kubernetes Secret, say) keeps the key out of the process list, where a flag's value shows."""
     return os.environ.get("SPLITSERVE_API_KEY")  # set but empty is an error, not "no key" (``api_key.check_api_key``)
+
+
+def omp_wait_policy() -> str:
+    """SPLITSERVE_OMP_WAIT_POLICY, default passive: how the core's OpenMP threads wait between parallel regions
+    (``splitserve.base.cpu_threads``). passive sets OMP_WAIT_POLICY=PASSIVE unless it is set; runtime leaves the
+    OpenMP runtime's own default (spinning), to compare against."""
+    return os.environ.get("SPLITSERVE_OMP_WAIT_POLICY", "passive").strip().lower() or "passive"

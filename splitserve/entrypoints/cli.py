@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from splitserve.base import envs
+from splitserve.base import cpu_threads, envs
 from splitserve.base.config_args import add_config_args, config_kwargs_from_args
 from splitserve.entrypoints.health import cmd_health
 
@@ -661,6 +661,13 @@ def main(argv: list[str] | None = None) -> int:
     from splitserve.base.logging_config import LOG_FORMAT
 
     logging.basicConfig(level=envs.log_level(), format=LOG_FORMAT, stream=sys.stderr)
+    # Before any subcommand imports torch: its OpenMP runtime reads the wait policy once, when it is loaded.
+    try:
+        wait_policy = cpu_threads.prepare_process(envs.omp_wait_policy())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logger.debug("OpenMP wait policy: %s", wait_policy)
     from core_svc.errors import EngineError
     from frontend_svc.errors import FrontendError
     from splitserve.base.model_files import ModelNotFoundError

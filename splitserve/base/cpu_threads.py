@@ -1,0 +1,204 @@
+"""How many CPU threads the core computes with, and how its OpenMP threads wait between parallel regions.
+
+Threads: the cores this process may use, which on a shared host or in a container is not ``os.cpu_count()`` (the
+host's count). It is the smaller of the CPU affinity (``os.sched_getaffinity``: taskset, cpusets, Kubernetes'
+static CPU manager) and the cgroup's CPU quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``:
+Docker's ``--cpus``, Kubernetes' CPU limit), rounded down and at least 1. Rounded down because the threads of one
+OpenMP region finish together: with a quota of 1.5 cores, two threads exhaust it two thirds into each period and
+both wait out the rest (CFS throttling), while one thread never is throttled (as Go's automaxprocs rounds down).
+``--num-threads`` (``CoreConfig.num_threads``) overrides it, then ``OMP_NUM_THREADS``.
+
+Wait policy: by default an OpenMP runtime keeps the threads of a finished region spinning for a while (GNU
+libgomp: 300,000 spins; Intel's: ``KMP_BLOCKTIME`` 200 ms) so the next region starts without a wake-up. On cores
+that another process also wants, the spinning threads take the time that process (or this process's own other
+threads) needed, and a step stretches from tens to hundreds of milliseconds (issue 18: 790 ms against 83 ms per
+batch-1 step under one competing process). So the core asks for passive waiting: ``OMP_WAIT_POLICY=PASSIVE``
+(libgomp and Intel's runtime both read it), which the runtime reads once, when it is loaded: when torch is first
+imported. ``prepare_openmp_env`` therefore runs in the command line's ``main`` before any subcommand imports
+torch. A variable the user set wins; ``SPLITSERVE_OMP_WAIT_POLICY=runtime`` keeps the runtime's own default (for
+comparison: ``splitserve bench throughput --contend``).
+
+This module imports nothing heavy: the command line calls it before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+
+# What SPLITSERVE_OMP_WAIT_POLICY may say: passive (the default), or runtime (leave the OpenMP runtime's own).
+WAIT_POLICIES = ("passive", "runtime")
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """A cgroup's CPU bandwidth limit: ``quota_us`` of CPU time per ``period_us`` of wall time."""
+
+    quota_us: int
+    period_us: int
+    source: str  # the file it was read from
+
+    @property
+    def cores(self) -> float:
+        return self.quota_us / self.period_us
+
+
+def _cgroup_paths(proc_self_cgroup: Path) -> tuple[str | None, dict[str, str]]:
+    """This process's cgroup v2 path (the ``0::`` line) and its v1 paths by controller (``cpu`` -> ``/docker/x``)."""
+    try:
+        lines = proc_self_cgroup.read_text().splitlines()
+    except OSError:
+        return None, {}
+    v2: str | None = None
+    v1: dict[str, str] = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        for controller in controllers.split(","):
+            if controller:
+                v1[controller] = path
+    return v2, v1
+
+
+def _ancestors(root: Path, path: str) -> list[Path]:
+    """``root/a/b``, ``root/a``, ``root`` for ``/a/b``: a quota anywhere above the process's cgroup applies too. In a
+    container the process's path often names the host's hierarchy, not the namespace's, so the folders that do
+    not exist are skipped and ``root`` (the container's own cgroup, as mounted) is always looked at."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    return [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _read_v2(folder: Path) -> CpuQuota | None:
+    """``cpu.max``: ``"$MAX $PERIOD"``, ``max`` for no limit."""
+    try:
+        fields = (folder / "cpu.max").read_text().split()
+    except OSError:
+        return None
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    return CpuQuota(int(fields[0]), int(fields[1]), str(folder / "cpu.max"))
+
+
+def _read_v1(folder: Path) -> CpuQuota | None:
+    """``cpu.cfs_quota_us`` (-1 for no limit) over ``cpu.cfs_period_us``."""
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text().strip())
+        period = int((folder / "cpu.cfs_period_us").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return CpuQuota(quota, period, str(folder / "cpu.cfs_quota_us"))
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_self_cgroup: Path = PROC_SELF_CGROUP) -> CpuQuota | None:
+    """The tightest CPU quota over this process's cgroup and its ancestors, v2 (``root/<path>/cpu.max``) or v1
+    (``root/cpu,cpuacct/<path>/cpu.cfs_quota_us``, or under ``root/cpu``); None when there is none, or no cgroup
+    file can be read (not Linux)."""
+    v2_path, v1_paths = _cgroup_paths(proc_self_cgroup)
+    found: list[CpuQuota] = []
+    if v2_path is not None:
+        found += [q for folder in _ancestors(root, v2_path) if (q := _read_v2(folder)) is not None]
+    if "cpu" in v1_paths:
+        for mount in ("cpu,cpuacct", "cpuacct,cpu", "cpu"):
+            if (root / mount).is_dir():
+                folders = _ancestors(root / mount, v1_paths["cpu"])
+                found += [q for folder in folders if (q := _read_v1(folder)) is not None]
+                break
+    return min(found, key=lambda q: q.cores, default=None)
+
+
+def affinity_cpus() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``; ``os.cpu_count()`` where there is no such call)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The core's compute threads and why."""
+
+    num_threads: int
+    reason: str  # e.g. "--num-threads 1", "2 CPUs in the affinity mask, cgroup quota 1.00 CPUs (cpu.max)"
+
+
+def usable_cores(num_affinity_cpus: int, quota: CpuQuota | None) -> int:
+    """The cores this process may keep busy: the affinity count, capped by the quota rounded down, at least 1."""
+    if quota is None:
+        return max(1, num_affinity_cpus)
+    return max(1, min(num_affinity_cpus, math.floor(quota.cores)))
+
+
+def choose_threads(
+    num_threads: int | None,
+    environ: MutableMapping[str, str],
+    num_affinity_cpus: int,
+    quota: CpuQuota | None,
+) -> ThreadChoice:
+    """``num_threads`` when given (``--num-threads``), else a valid ``OMP_NUM_THREADS``, else ``usable_cores``.
+
+    Raises:
+        ValueError: ``num_threads`` below 1.
+    """
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        return ThreadChoice(num_threads, f"--num-threads {num_threads}")
+    value = environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) >= 1:
+        return ThreadChoice(int(value), f"OMP_NUM_THREADS={value}")
+    cores = usable_cores(num_affinity_cpus, quota)
+    quota_text = "no cgroup CPU quota" if quota is None else f"cgroup quota {quota.cores:.2f} CPUs ({quota.source})"
+    return ThreadChoice(cores, f"{num_affinity_cpus} CPUs in the affinity mask, {quota_text}")
+
+
+def detect_threads(num_threads: int | None = None) -> ThreadChoice:
+    """``choose_threads`` for this process: its environment, affinity and cgroup quota."""
+    return choose_threads(num_threads, os.environ, affinity_cpus(), cgroup_cpu_quota())
+
+
+def prepare_openmp_env(environ: MutableMapping[str, str], policy: str, torch_loaded: bool) -> str:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` unless the user set it or ``policy`` is ``runtime``; returns
+    the policy in words, for the startup log. ``torch_loaded``: torch (and so its OpenMP runtime) was imported
+    before, so a variable set now would not be read: none is set, and the words say why.
+
+    Raises:
+        ValueError: ``policy`` not one of ``WAIT_POLICIES``.
+    """
+    if policy not in WAIT_POLICIES:
+        raise ValueError(f"SPLITSERVE_OMP_WAIT_POLICY must be one of {', '.join(WAIT_POLICIES)}, got {policy!r}")
+    if "OMP_WAIT_POLICY" in environ:
+        return f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']} (set by the user)"
+    if policy == "runtime":
+        return "the OpenMP runtime's default (spinning; SPLITSERVE_OMP_WAIT_POLICY=runtime)"
+    if torch_loaded:  # the runtime has read its environment: setting it now would only mislead the logs
+        return "the OpenMP runtime's default: torch was imported before splitserve could set OMP_WAIT_POLICY=PASSIVE"
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "OMP_WAIT_POLICY=PASSIVE (set by splitserve: waiting threads sleep rather than spin)"
+
+
+def prepare_process(policy: str) -> str:
+    """``prepare_openmp_env`` for this process (call it before importing torch); the policy in words."""
+    return prepare_openmp_env(os.environ, policy, "torch" in sys.modules)
+
+
+def wait_policy_text(environ: MutableMapping[str, str]) -> str:
+    """The wait policy this process's OpenMP runtime was given, from its environment, for the startup log."""
+    if "OMP_WAIT_POLICY" in environ:
+        return f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']}"
+    if "GOMP_SPINCOUNT" in environ or "KMP_BLOCKTIME" in environ:
+        spin = {k: environ[k] for k in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in environ}
+        return ", ".join(f"{k}={v}" for k, v in spin.items())
+    return "the OpenMP runtime's default (spinning)"

@@ -1,0 +1,184 @@
+"""The CPU peers of the benchmarks (``benchmarks.peers``: the GGUF conversion read back with the gguf package,
+llama.cpp against transformers when llama-cpp-python is installed, the reason a missing peer is skipped), the
+latency benchmark's arithmetic, the contention benchmark's fair share, and the peer targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import latency, peers
+from benchmarks.contention import expected_share
+from benchmarks.throughput_report import check_targets
+from tests.conftest import shared_tokenizer
+
+
+def test_expected_share_by_hand():
+    assert expected_share(num_threads=2, num_cores=2, num_competitors=1) == pytest.approx(2 / 3)  # 2 of 3 threads
+    assert expected_share(num_threads=1, num_cores=2, num_competitors=1) == 1.0  # a core each
+    assert expected_share(num_threads=1, num_cores=1, num_competitors=1) == 0.5
+    assert expected_share(num_threads=2, num_cores=2, num_competitors=2) == 0.5
+    # 4 threads on 2 cores use 2 cores alone; beside 1 competitor they get 4/5 of 2 cores: 0.8 of what they had.
+    assert expected_share(num_threads=4, num_cores=2, num_competitors=1) == pytest.approx(0.8)
+
+
+def test_timing_from_arrivals():
+    ttft, per_token = latency.timing_from_arrivals(10.0, [10.5, 10.6, 10.8])
+    assert ttft == pytest.approx(0.5)
+    assert per_token == pytest.approx(0.15)  # (10.8 - 10.5) / 2 gaps
+    with pytest.raises(ValueError, match="at least two tokens, got 1"):
+        latency.timing_from_arrivals(0.0, [1.0])
+
+
+def test_permute_for_ggml_rope_pairs_each_half_with_the_other():
+    # Two heads of size 4, one input column: rows 0..7. Within a head, rotate-half pairs (0, 2) and (1, 3); GGML
+    # wants each pair adjacent: 0, 2, 1, 3.
+    weight = np.arange(8, dtype=np.float32).reshape(8, 1)
+    assert peers.permute_for_ggml_rope(weight, num_heads=2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_a_missing_peer_is_named_with_its_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
+    assert peers.missing_reason("llama.cpp") == "llama-cpp-python not installed (pip install -e '.[bench]')"
+    with pytest.raises(ValueError, match="unknown peer 'vllm'"):
+        peers.missing_reason("vllm")
+
+
+def test_peer_targets_are_checked_against_float32_peers_only():
+    report = {
+        "results": [
+            {
+                "label": "splitserve float32",
+                "mfu": 0.5,
+                "output_tok_s": 100.0,
+                "ratios": {
+                    "transformers generate (batch 16)": 3.5,
+                    "ctranslate2 float32": 2.5,
+                    "ctranslate2 int8": 1.0,
+                    "llama.cpp f32": 1.5,
+                },
+            }
+        ]
+    }
+    lines = [check.line() for check in check_targets(report)]
+    assert lines == [
+        "target splitserve float32 MFU: 0.50 (want >= 0.40) MET",
+        "target splitserve float32 vs transformers generate: 3.50 (want >= 3.00) MET",
+        "target splitserve float32 vs ctranslate2 float32: 2.50 (want >= 2.00) MET",
+        "target splitserve float32 vs llama.cpp f32: 1.50 (want >= 2.00) NOT MET",
+    ]
+
+
+@pytest.fixture(scope="module")
+def llama2_checkpoint(checkpoint):
+    return checkpoint("llama", tokenizer=shared_tokenizer("llama2"))
+
+
+@pytest.mark.parametrize("file_type", ["f32", "f16"])
+def test_gguf_conversion_reads_back(llama2_checkpoint, tmp_path, file_type):
+    gguf = pytest.importorskip("gguf", reason="the gguf package (bench extra) is not installed")
+    from safetensors.numpy import load_file
+
+    model = llama2_checkpoint
+    config = json.loads((model / "config.json").read_text())
+    path = peers.write_llama_gguf(model, tmp_path / "model.gguf", file_type)
+    reader = gguf.GGUFReader(path)
+
+    def value(key: str):
+        return reader.get_field(key).contents()
+
+    assert value("general.architecture") == "llama"
+    assert value("llama.block_count") == config["num_hidden_layers"]
+    assert value("llama.embedding_length") == config["hidden_size"]
+    assert value("llama.attention.head_count") == config["num_attention_heads"]
+    assert value("llama.attention.head_count_kv") == config["num_key_value_heads"]
+    assert value("llama.feed_forward_length") == config["intermediate_size"]
+    assert value("general.file_type") == (0 if file_type == "f32" else 1)  # ALL_F32, MOSTLY_F16
+    tokens = value("tokenizer.ggml.tokens")
+    assert len(tokens) == config["vocab_size"]
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"]
+    assert value("tokenizer.ggml.eos_token_id") == 2
+    # Per layer: 2 norms, q, k, v, o, gate, up, down; plus the embedding, the final norm and the LM head.
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 9 * config["num_hidden_layers"] + 3
+    weights = load_file(next(model.glob("*.safetensors")))
+    head = config["hidden_size"] // config["num_attention_heads"]
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    # The rows GGML wants: in each head of size `head`, row j * 2 + k of the pair comes from k * head / 2 + j.
+    order = [
+        h * head + k * head // 2 + j
+        for h in range(config["num_attention_heads"])
+        for j in range(head // 2)
+        for k in (0, 1)
+    ]
+    expected_q = q[order]
+    stored_q = tensors["blk.0.attn_q.weight"]
+    assert stored_q.tensor_type.name == ("F32" if file_type == "f32" else "F16")
+    np.testing.assert_array_equal(np.asarray(stored_q.data), expected_q.astype(stored_q.data.dtype))
+    norm = tensors["blk.0.attn_norm.weight"]
+    assert norm.tensor_type.name == "F32"  # 1-D tensors stay float32 in an f16 file, as llama.cpp's converter
+    np.testing.assert_array_equal(np.asarray(norm.data), weights["model.layers.0.input_layernorm.weight"])
+    v = tensors["blk.0.attn_v.weight"]
+    np.testing.assert_array_equal(
+        np.asarray(v.data), weights["model.layers.0.self_attn.v_proj.weight"].astype(v.data.dtype)
+    )
+
+
+def test_llama_cpp_decodes_the_converted_checkpoint_as_transformers(llama2_checkpoint, tmp_path):
+    """llama.cpp on the f32 GGUF greedily decodes what transformers decodes on the same checkpoint: the oracle of
+    the conversion (a wrong RoPE permutation or tensor name would change the tokens)."""
+    if (reason := peers.missing_reason("llama.cpp")) is not None:
+        pytest.skip(reason)
+    import llama_cpp
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = llama2_checkpoint
+    path = peers.write_llama_gguf(model, tmp_path / "model.gguf", "f32")
+    prompt = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(prompt) :].tolist()
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
+    engine = peers.PeerEngine("llama.cpp", "f32", llm, 2, [])
+    assert [token for token, _ in engine.stream(prompt, 8)] == expected
+    # Batched (one sequence per prompt in one context), each prompt decodes as it does alone.
+    with torch.inference_mode():
+        short = hf.generate(torch.tensor([prompt[:4]]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert engine.generate_batch([prompt, prompt[:4]], 8) == [expected, short[0, 4:].tolist()]
+
+
+def test_latency_run_interleaves_engines_and_summarizes_each(checkpoint):
+    from transformers import AutoTokenizer
+
+    path = checkpoint("llama", "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    settings = latency.Settings(
+        prompt_lens=(8, 20), output_len=4, repeats=3, dtypes=("float32",), engines=("splitserve",), num_threads=1
+    )
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        report = latency.run(path, tokenizer, settings)
+    finally:
+        torch.set_num_threads(threads)  # latency.run sets this process's threads
+    prompts = latency.prompts_for(tokenizer, (8, 20), seed=0)
+    assert [len(prompts[8]), len(prompts[20])] == [8, 20]
+    assert not set(prompts[20]) & set(tokenizer.all_special_ids)
+    assert [(r["engine"], r["prompt_len"]) for r in report["rows"]] == [
+        ("splitserve float32", 8),
+        ("splitserve float32", 20),
+    ]
+    for row in report["rows"]:
+        assert len(row["ttft_ms"]) == len(row["ms_per_token"]) == 3
+        assert row["ms_per_token_p50"] == sorted(row["ms_per_token"])[1]
+        assert row["ttft_p90_ms"] == pytest.approx(float(np.percentile(row["ttft_ms"], 90)))
+    assert report["skipped"] == {} and report["num_threads"] == 1
+    text = latency.format_report(report)
+    assert "splitserve float32" in text and "1.00x, 1.00x" in text
