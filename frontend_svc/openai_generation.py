@@ -5,6 +5,7 @@ active calls, streamed as server-sent events, and aborted in the core when the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -195,18 +196,26 @@ async def merge(
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """``work``, cancelled if the client disconnects first (vLLM's ``with_cancellation``): the request it queued
-    is aborted in the core. Raises EngineDeadError (never sent: the client is gone) when it was cancelled."""
+    is aborted in the core.
+
+    Raises:
+        EngineDeadError: the client disconnected (answered 503 to no one: the client is gone).
+    """
     task = asyncio.ensure_future(work)
     disconnected = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        disconnected.cancel()
+        if not disconnected.done():
+            disconnected.cancel()
         if not task.done():
             task.cancel()
+            # The cancellation lands at the task's next await: wait for it, so the core's abort has been sent.
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if task.cancelled():
         raise EngineDeadError("the client disconnected")
-    return task.result()
+    return task.result()  # or the work's own error
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -171,6 +171,10 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:
             explicit["max_tokens"] = max_tokens
+        elif defaults.get("max_tokens") is None:
+            # Unset and no model default: all the room left within max_model_len (vLLM's chat; the
+            # InputProcessor sizes it once the prompt is known), not SamplingParams' 16.
+            explicit["max_tokens"] = None
         if self.logprobs:
             explicit["logprobs"] = self.top_logprobs or 0
         explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY

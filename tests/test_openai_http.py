@@ -477,3 +477,55 @@ def test_sigterm_drains_an_http_stream_then_both_servers_stop(services, model, t
         assert frontend.process.wait(60) == 0
     finally:
         frontend.stop()
+
+
+MAX_MODEL_LEN = 1024  # CORE_ARGS' --max-model-len
+
+
+def test_chat_without_max_tokens_takes_all_the_room_left_to_max_model_len(services, client, tokenizer):
+    """vLLM's chat default: no max_tokens (or null) is max_model_len minus the prompt, not 16. A prompt of ~1000
+    tokens leaves a short completion; its length is counted from the tokenizer's own rendering."""
+    messages = [{"role": "user", "content": "one two three " * 330}]
+    prompt_len = len(chat_prompt_ids(tokenizer, messages))
+    assert 900 < prompt_len < MAX_MODEL_LEN - 16
+    for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
+        response = client.chat.completions.create(
+            model=frontend_model(client), messages=messages, temperature=0.0, extra_body={**NO_EOS, **extra}
+        )
+        assert response.usage is not None and response.usage.prompt_tokens == prompt_len
+        assert response.usage.completion_tokens == MAX_MODEL_LEN - prompt_len
+        assert response.choices[0].finish_reason == "length"
+    completion = client.completions.create(model=frontend_model(client), prompt="hi", extra_body=NO_EOS)
+    assert completion.usage is not None and completion.usage.completion_tokens == 16  # OpenAI's completions default
+
+
+def test_chat_without_max_tokens_takes_the_models_default_when_it_has_one():
+    from frontend_svc.openai_protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=CHAT)
+    with_default = request.to_sampling_params({"max_tokens": 50})
+    assert (with_default.max_tokens, with_default.default_max_tokens) == (None, 50)
+    without = request.to_sampling_params({})
+    assert (without.max_tokens, without.default_max_tokens) == (None, None)
+    explicit = ChatCompletionRequest(messages=CHAT, max_completion_tokens=7).to_sampling_params({"max_tokens": 50})
+    assert explicit.max_tokens == 7
+
+
+def test_a_client_that_disconnects_before_a_whole_completion_aborts_it_quietly(services):
+    """A non-streaming request whose client goes away before any output: the core's requests are aborted (every
+    block free again) and the frontend logs no ERROR (no InvalidStateError traceback)."""
+    core, frontend, base_url = services
+    assert frontend.log_path is not None
+    log_start = frontend.log_path.stat().st_size
+    body = {"prompt": PROMPTS[0], "n": 32, "temperature": 1.0, "max_tokens": 900, **NO_EOS}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=2))
+    start = time.monotonic()
+    load = wait_core_empty(core.address)
+    assert (load.num_running_reqs, load.num_waiting_reqs, load.num_free_kv_blocks) == (0, 0, NUM_KV_BLOCKS - 1)
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)  # the handler's end, logged or not
+    with frontend.log_path.open("rb") as log:
+        log.seek(log_start)
+        new_lines = log.read().decode(errors="replace")
+    assert " ERROR " not in new_lines and "Traceback" not in new_lines, new_lines
