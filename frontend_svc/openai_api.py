@@ -164,8 +164,8 @@ class _OpenAIApi:
         return {"object": "list", "data": [model]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
-        self._check_model(body.model)
         params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
@@ -206,8 +206,8 @@ class _OpenAIApi:
                 yield generation.chunk("text_completion", [completion_choice(index, completion, logprobs)])
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
-        self._check_model(body.model)
         params = named(body, lambda: self._sampling_params(body, engine))
         if body.chat_template is not None and not self.state.trust_request_chat_template:
             raise ValidationError(
@@ -259,8 +259,8 @@ class _OpenAIApi:
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or rendered messages."""
-        engine = self._engine(allow_draining=True)
         self._check_model(body.model)
+        engine = self._engine(allow_draining=True)
         input_processor = engine.input_processor
         if (body.prompt is None) == (body.messages is None):
             raise ValidationError("prompt", "give prompt or messages, exactly one of them")
@@ -288,8 +288,8 @@ class _OpenAIApi:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         """vLLM's: ``{"prompt": text}`` of token ids."""
-        engine = self._engine(allow_draining=True)
         self._check_model(body.model)
+        engine = self._engine(allow_draining=True)
         if len(body.tokens) > engine.engine_info.max_model_len:
             raise ValidationError(
                 "tokens",

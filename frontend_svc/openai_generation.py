@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
-from frontend_svc.input_processor import PromptType
+from frontend_svc.input_processor import MAX_TOKENS_HINT, PromptType
 from frontend_svc.openai_protocol import ChatCompletionRequest, SamplingRequest, request_field
 from frontend_svc.openai_responses import UsageCounter, envelope, error_body
 from frontend_svc.outputs import RequestOutput
@@ -30,7 +30,8 @@ HTTP_STATUS: dict[StatusCode, tuple[int, str, str | None]] = {
     StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
     StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    StatusCode.RESOURCE_EXHAUSTED: (413, "invalid_request_error", "request_too_large"),
+    # vLLM's 400 for a request that can never fit (the KV cache); 413 is only the body limit's (``BodyLimit``).
+    StatusCode.RESOURCE_EXHAUSTED: (400, "invalid_request_error", "request_too_large"),
     StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),
     StatusCode.INTERNAL: (500, "server_error", None),
     StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
@@ -79,6 +80,8 @@ class Generation:
             )
             for i, prompt in enumerate(self.prompts)
         ]
+        if suffix:  # a batch: a refused prompt is named by its index (``prompt[1]``)
+            generators = [_prompt_indexed(self.request, i, g) for i, g in enumerate(generators)]
         self._merged = merge(generators)
         try:
             self._first = await named_async(self.request, anext(self._merged))
@@ -225,6 +228,23 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+async def _prompt_indexed(
+    request: SamplingRequest, index: int, generator: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """``generator``'s outputs; a ValidationError about its prompt names it as ``prompt[index]`` (and the token
+    within it: ``prompt[index][3]``)."""
+    try:
+        async for output in generator:
+            yield output
+    except ValidationError as e:
+        field = request_field(e.field, request)
+        if field == "prompt" or field.startswith("prompt["):
+            raise ValidationError(f"prompt[{index}]{field.removeprefix('prompt')}", e.description) from None
+        raise
+    finally:
+        await generator.aclose()
+
+
 def named(request: SamplingRequest, make: Callable[[], T]) -> T:
     """``make()``, its ValidationError naming the field as the client sent it (``request_field``)."""
     try:
@@ -242,4 +262,11 @@ async def named_async(request: SamplingRequest, work: Awaitable[T]) -> T:
 
 def _renamed(request: SamplingRequest, error: ValidationError) -> ValidationError:
     field = request_field(error.field, request)
-    return error if field == error.field else ValidationError(field, error.description)
+    description = error.description
+    if description.endswith(MAX_TOKENS_HINT):  # the gRPC API's words: HTTP's instead
+        description = description.removesuffix(MAX_TOKENS_HINT)
+        if isinstance(request, ChatCompletionRequest):
+            description += " (leave max_tokens and max_completion_tokens unset, or null, to take all the room left)"
+    if (field, description) == (error.field, error.description):
+        return error
+    return ValidationError(field, description)

@@ -445,6 +445,12 @@ def test_without_a_core_health_and_requests_are_503_and_the_key_is_required(mode
         assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 401
         keyed = httpx.post(f"{base_url}/v1/completions", json=body, headers={"authorization": "Bearer k3y"})
         assert keyed.status_code == 503 and keyed.json()["error"]["code"] == "service_unavailable"
+        unknown = httpx.post(
+            f"{base_url}/v1/chat/completions",
+            json={"model": "no-such-model", "messages": CHAT},
+            headers={"authorization": "Bearer k3y"},
+        )
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
         assert httpx.get(f"{base_url}/version").status_code == 200  # open, as /health
     finally:
         assert frontend.stop() == 0  # SIGTERM while it waits for a core: the HTTP server stops with it
@@ -529,3 +535,43 @@ def test_a_client_that_disconnects_before_a_whole_completion_aborts_it_quietly(s
         log.seek(log_start)
         new_lines = log.read().decode(errors="replace")
     assert " ERROR " not in new_lines and "Traceback" not in new_lines, new_lines
+
+
+def test_a_request_that_can_never_fit_is_400_as_vllms():
+    """RESOURCE_EXHAUSTED (more KV than the whole cache) is vLLM's 400; 413 stays the body limit's alone."""
+    from frontend_svc.errors import RequestTooLargeError
+    from frontend_svc.openai_api import error_response
+
+    response = error_response(RequestTooLargeError("needs more KV than the whole cache"))
+    assert response.status_code == 400
+    assert json.loads(bytes(response.body))["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_past_max_model_len_is_400_in_https_words(services, tokenizer):
+    _, _, base_url = services
+    chat = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2000}, timeout=60)
+    error = chat.json()["error"]
+    assert chat.status_code == 400 and error["param"] == "max_tokens"
+    assert "max_tokens_unlimited" not in error["message"] and "gRPC" not in error["message"]
+    assert "unset, or null, to take all the room left" in error["message"]
+    completion = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2000}, timeout=60)
+    assert completion.status_code == 400 and "gRPC" not in completion.json()["error"]["message"]
+
+
+def test_a_refused_prompt_in_a_batch_is_named_by_its_index(services, tokenizer):
+    _, _, base_url = services
+    vocab_size = len(tokenizer)
+    too_long = "word " * 2000
+    assert len(tokenizer(too_long).input_ids) > MAX_MODEL_LEN
+    cases = [
+        (["hi", too_long], "prompt[1]"),
+        ([[1, 2], [1, 2, vocab_size]], "prompt[1][2]"),
+        ([[1, vocab_size], [1, 2]], "prompt[0][1]"),
+    ]
+    for prompt, field in cases:
+        response = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+        assert response.json()["error"]["message"].startswith(f"{field}: ")
+    single = httpx.post(f"{base_url}/v1/completions", json={"prompt": too_long, "max_tokens": 2}, timeout=60)
+    assert single.json()["error"]["param"] == "prompt"
