@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import splitserve
 from frontend_svc.async_llm import AsyncLLM
@@ -84,6 +85,15 @@ def make_app(state: FrontendServerState, api_key: str | None = None) -> FastAPI:
     async def unauthenticated(request: Request, error: _UnauthenticatedError) -> JSONResponse:
         message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
         return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"), 401)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """An unknown path (404) or method (405), in OpenAI's error body."""
+        code = "not_found" if error.status_code == 404 else None
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return JSONResponse(
+            error_body(message, "invalid_request_error", None, code), error.status_code, headers=error.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -243,9 +253,10 @@ class _OpenAIApi:
         request, tokenizer = generation.request, generation.engine.tokenizer
         if not isinstance(request, ChatCompletionRequest):
             raise TypeError("chat events need a chat request")
-        # The role first, for every choice, as OpenAI's and vLLM's streams start.
-        roles = [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(request.n)]
-        yield generation.chunk("chat.completion.chunk", roles)
+        # The role first, one chunk per choice, as vLLM's streams start.
+        for i in range(request.n):
+            role = chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
+            yield generation.chunk("chat.completion.chunk", [role])
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(

@@ -20,6 +20,8 @@ from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, samp
 
 # vLLM's (and OpenAI's) default max_tokens of the legacy completions API; chat takes all the room left.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# OpenAI's range of a logit_bias value.
+LOGIT_BIAS_LIMIT = 100
 
 
 class _Strict(BaseModel):
@@ -89,7 +91,15 @@ class SamplingRequest(_Strict):
     )
 
     def check_unsupported(self) -> None:
-        """Raises ValidationError naming a field OpenAI defines that this server does not implement, when set."""
+        """Raises ValidationError naming a field OpenAI defines that this server does not implement, when set, or
+        a value OpenAI's own rules refuse (``logit_bias`` values in [-100, 100])."""
+        for token, bias in (self.logit_bias or {}).items():
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValidationError(
+                    "logit_bias",
+                    f"values must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}] (OpenAI's range), got {bias} "
+                    f"for token {token}",
+                )
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options", "is only allowed with stream=true")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
@@ -182,7 +192,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def messages_for_template(self) -> list[dict[str, Any]]:
         """The messages as ``render_chat`` takes them: a null content (an assistant turn that called tools) is
-        empty text, and only role and content are kept."""
+        empty text; every other key is kept as sent (the chat template may read ``name`` and the like)."""
         messages: list[dict[str, Any]] = []
         for message in self.messages:
             if isinstance(message, dict) and message.get("content", "") is None:

@@ -319,6 +319,8 @@ BAD_FIELDS = [
     ("completions", {"seed": "x"}, "seed"),
     ("completions", {"logit_bias": {"abc": 1.0}}, "logit_bias"),
     ("completions", {"logit_bias": {"10000000": 1.0}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": -101}}, "logit_bias"),
     ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
     ("completions", {"skip_special_tokens": 1}, "skip_special_tokens"),
     ("completions", {"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
@@ -575,3 +577,31 @@ def test_a_refused_prompt_in_a_batch_is_named_by_its_index(services, tokenizer):
         assert response.json()["error"]["message"].startswith(f"{field}: ")
     single = httpx.post(f"{base_url}/v1/completions", json={"prompt": too_long, "max_tokens": 2}, timeout=60)
     assert single.json()["error"]["param"] == "prompt"
+
+
+def test_logit_bias_at_openais_limits_is_taken(services):
+    _, _, base_url = services
+    for bias in (-100, 100.0):
+        body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": bias}}
+        assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_chat_stream_with_n2_sends_the_role_once_per_choice(client):
+    stream = client.chat.completions.create(
+        model=frontend_model(client), messages=CHAT, n=2, temperature=1.0, seed=3, max_tokens=4, stream=True
+    )
+    chunks = list(stream)
+    assert all(len(c.choices) == 1 for c in chunks)  # one choice per chunk, as vLLM's
+    role_chunks = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert role_chunks == [0, 1]
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+
+
+def test_unknown_routes_and_methods_are_openai_errors(services):
+    _, _, base_url = services
+    missing = httpx.get(f"{base_url}/v1/no-such-route", timeout=60)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "invalid_request_error" and missing.json()["error"]["code"] == "not_found"
+    wrong_method = httpx.get(f"{base_url}/v1/completions", timeout=60)
+    assert wrong_method.status_code == 405 and "POST" in wrong_method.headers["allow"]
+    assert wrong_method.json()["error"]["message"].startswith("GET /v1/completions: ")
