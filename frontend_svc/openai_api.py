@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,47 +44,27 @@ from frontend_svc.openai_responses import (
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, text_size
 from frontend_svc.tokenize_budget import utf8_size
-from splitserve.base.api_key import ApiKeyInterceptor
 from splitserve.base.request_rules import token_ids_violation
 from splitserve.base.status import status_code_of
 
 T = TypeVar("T")
-# Paths any caller may ask without the API key: probes, as gRPC health is open.
-OPEN_PATHS = frozenset({"/health", "/version"})
-
-
-class _UnauthenticatedError(Exception):
-    """A call without the API key (401)."""
 
 
 class UnknownModelError(NotFoundError):
     """A request named a model this server does not serve: 404 with OpenAI's ``model_not_found``."""
 
 
-def make_app(state: FrontendServerState, api_key: str | None = None) -> FastAPI:
+def make_app(state: FrontendServerState) -> FastAPI:
     """The FastAPI application over ``state`` (the gRPC servicer's: the same engine, drain flag and call count).
-    With ``api_key``, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>`` (401 otherwise)."""
-    key_check = ApiKeyInterceptor(api_key) if api_key is not None else None
-
-    async def check_key(request: Request) -> None:
-        if key_check is not None and request.url.path not in OPEN_PATHS:
-            if not key_check.is_authorized([("authorization", request.headers.get("authorization", ""))]):
-                raise _UnauthenticatedError()
-
+    The API key is checked before it, by ``http_server.ApiKeyCheck``, before any body is read."""
     app = FastAPI(
         title="splitserve",
         version=str(splitserve.__version__),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
-        dependencies=[Depends(check_key)],
     )
     api = _OpenAIApi(state)
-
-    @app.exception_handler(_UnauthenticatedError)
-    async def unauthenticated(request: Request, error: _UnauthenticatedError) -> JSONResponse:
-        message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
-        return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"), 401)
 
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, error: StarletteHTTPException) -> JSONResponse:

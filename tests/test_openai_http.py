@@ -605,3 +605,39 @@ def test_unknown_routes_and_methods_are_openai_errors(services):
     wrong_method = httpx.get(f"{base_url}/v1/completions", timeout=60)
     assert wrong_method.status_code == 405 and "POST" in wrong_method.headers["allow"]
     assert wrong_method.json()["error"]["message"].startswith("GET /v1/completions: ")
+
+
+def test_the_api_key_is_checked_before_the_body_is_read():
+    """401 without reading a byte of the body (a client without the key cannot make the server buffer
+    --max-receive-message-mib); with the key the body reaches the application whole."""
+    from frontend_svc.http_server import ApiKeyCheck, BodyLimit
+
+    reached: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append((await receive())["body"])
+
+    async def call(headers: list[tuple[bytes, bytes]], path: str = "/v1/completions") -> tuple[list[Any], int]:
+        received = 0
+        sent: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            received += 1
+            return {"type": "http.request", "body": b'{"prompt": "hi"}', "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        wrapped = ApiKeyCheck(BodyLimit(app, 1000), "k3y")
+        await wrapped({"type": "http", "path": path, "headers": headers}, receive, send)
+        return sent, received
+
+    sent, received = asyncio.run(call([(b"authorization", b"Bearer wrong")]))
+    assert received == 0 and reached == []
+    assert sent[0]["status"] == 401
+    assert json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+    sent, received = asyncio.run(call([(b"authorization", b"Bearer k3y")]))
+    assert received == 1 and reached == [b'{"prompt": "hi"}'] and sent == []
+    _, received = asyncio.run(call([], path="/health"))  # open without the key
+    assert received == 1 and len(reached) == 2
