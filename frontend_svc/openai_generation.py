@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
@@ -62,6 +63,7 @@ class Generation:
         self.usage = UsageCounter()
         self._merged: AsyncGenerator[tuple[int, RequestOutput], None] | None = None
         self._first: tuple[int, RequestOutput] | None = None
+        self._released = False  # a stream's release() has run
 
     async def start(self) -> None:
         """Queue the requests and wait for the first output: a refused request raises here, before any response
@@ -116,7 +118,7 @@ class Generation:
         try:
             await until_disconnect(request, self.start())
         except BaseException:
-            self.state.active_calls -= 1
+            await self.release()
             raise
 
         async def body() -> AsyncIterator[str]:
@@ -132,11 +134,10 @@ class Generation:
                 param = e.field if isinstance(e, ValidationError) else None
                 yield _sse(error_body(str(e), error_type, param, code))
             finally:
-                self.state.active_calls -= 1
-                await self.aclose()
+                await self.release()
             yield SSE_DONE
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return _ReleasingStreamingResponse(body(), self.release, media_type="text/event-stream")
 
     def chunk(self, object_type: str, choices: list[Any]) -> dict[str, Any]:
         """A stream's chunk; with ``continuous_usage_stats``, the usage so far in it."""
@@ -148,6 +149,30 @@ class Generation:
     async def aclose(self) -> None:
         if self._merged is not None:
             await self._merged.aclose()
+
+    async def release(self) -> None:
+        """A stream's end, once however it comes (its body's end, or its response's if the body never ran):
+        out of the active calls, and the engine requests closed (aborted in the core if unfinished)."""
+        if self._released:
+            return
+        self._released = True
+        self.state.active_calls -= 1
+        await self.aclose()
+
+
+class _ReleasingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that calls ``on_close`` when it ends, however: the body's own ``finally`` never runs
+    when the response fails or is cancelled before the body starts (the client gone before the headers)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 def _chunk_object(request: SamplingRequest) -> str:

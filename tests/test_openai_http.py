@@ -641,3 +641,49 @@ def test_the_api_key_is_checked_before_the_body_is_read():
     assert received == 1 and reached == [b'{"prompt": "hi"}'] and sent == []
     _, received = asyncio.run(call([], path="/health"))  # open without the key
     assert received == 1 and len(reached) == 2
+
+
+def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call():
+    """The client gone before the headers are sent: the body generator never starts, so its ``finally`` never
+    runs; the response's own end leaves the active calls and closes the engine requests (aborting them)."""
+    from frontend_svc.openai_generation import Generation
+    from frontend_svc.openai_protocol import CompletionRequest
+
+    closed: list[str] = []
+
+    class Engine:
+        async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> Any:
+            try:
+                yield "first output"
+                await asyncio.Event().wait()  # the rest never comes: only a close ends it
+            finally:
+                closed.append(request_id)
+
+    class State:
+        active_calls = 0
+        model = "m"
+
+    class Connection:
+        async def receive(self) -> dict[str, Any]:
+            await asyncio.Event().wait()  # never disconnects while the request starts
+            return {}
+
+    async def events(generation: Generation) -> Any:
+        async for _, output in generation.outputs():
+            yield {"output": output}
+
+    async def gone(message: Any) -> None:
+        raise OSError("the client is gone")
+
+    async def run() -> tuple[int, int]:
+        state = State()
+        request = CompletionRequest(prompt="hi", stream=True)
+        generation = Generation(state, Engine(), "cmpl-1", request, None, ["hi"])  # type: ignore[arg-type]  # fakes
+        response = await generation.stream(Connection(), events)  # type: ignore[arg-type]  # a fake request
+        during = state.active_calls
+        with pytest.raises(OSError):
+            await response({"type": "http"}, Connection().receive, gone)
+        return during, state.active_calls
+
+    assert asyncio.run(run()) == (1, 0)
+    assert closed == ["cmpl-1"]
