@@ -342,7 +342,23 @@ BAD_FIELDS = [
     ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"temperature": 5.0}, "temperature"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+        "response_format",
+    ),
+    ("completions", {"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"regex": "a[b"}}, "structured_outputs.regex"),
+    ("chat", {"structured_outputs": {"choice": ["ok", ""]}}, "structured_outputs.choice[1]"),
+    ("chat", {"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("completions", {"structured_outputs": "json"}, "structured_outputs"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
 ]
@@ -687,3 +703,90 @@ def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call()
 
     assert asyncio.run(run()) == (1, 0)
     assert closed == ["cmpl-1"]
+
+
+# Every value bounded (as tests/test_structured_outputs.py's): a whole document fits in the tokens given.
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["kind", "n", "tags"],
+}
+CHOICES = ["yes", "no", "maybe so"]
+
+
+def test_response_format_json_schema_and_json_object_give_valid_json(client):
+    """The test model's weights are random: only the grammar's mask makes the text valid. Whitespace is off
+    (vLLM's ``structured_outputs.disable_any_whitespace``, merged with ``response_format``'s constraint as vLLM
+    merges them), so the document ends within max_tokens."""
+    import jsonschema
+
+    response_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "pet", "schema": SMALL_SCHEMA, "strict": True},
+    }
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    response = client.chat.completions.create(
+        model=frontend_model(client),
+        messages=CHAT,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        max_tokens=120,
+        response_format=response_format,
+        extra_body=compact,
+    )
+    for choice in response.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), SMALL_SCHEMA)
+        assert choice.finish_reason == "stop"
+    completion = client.completions.create(
+        model=frontend_model(client),
+        prompt=PROMPTS[0],
+        temperature=0.0,
+        max_tokens=120,
+        extra_body={"response_format": {"type": "json_object"}, **compact},
+    )
+    assert isinstance(json.loads(completion.choices[0].text), dict)
+    assert completion.choices[0].finish_reason == "stop"
+    text = client.chat.completions.create(
+        model=frontend_model(client), messages=CHAT, max_tokens=3, response_format={"type": "text"}
+    )
+    assert text.choices[0].finish_reason is not None  # text stays accepted, unconstrained
+
+
+def test_structured_outputs_choice_over_extra_body(client):
+    for endpoint in ("chat", "completions"):
+        for seed in (1, 2, 3):
+            fields = {
+                "temperature": 1.0,
+                "seed": seed,
+                "max_tokens": 20,
+                "extra_body": {"structured_outputs": {"choice": CHOICES}},
+            }
+            if endpoint == "chat":
+                chat = client.chat.completions.create(model=frontend_model(client), messages=CHAT, **fields)
+                text = chat.choices[0].message.content
+            else:
+                completion = client.completions.create(model=frontend_model(client), prompt=PROMPTS[1], **fields)
+                text = completion.choices[0].text
+            assert text in CHOICES
+
+
+def test_a_bad_schema_is_a_400_naming_the_field_through_the_client(client):
+    bad_schema: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    with pytest.raises(openai.BadRequestError) as from_format:
+        client.chat.completions.create(
+            model=frontend_model(client), messages=CHAT, max_tokens=5, response_format=bad_schema
+        )
+    assert from_format.value.param == "response_format" and "does not compile" in from_format.value.message
+    with pytest.raises(openai.BadRequestError) as from_extra:
+        client.completions.create(
+            model=frontend_model(client),
+            prompt="hi",
+            max_tokens=5,
+            extra_body={"structured_outputs": {"json": {"type": "strin"}}},
+        )
+    assert from_extra.value.param == "structured_outputs.json"
