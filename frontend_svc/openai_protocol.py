@@ -262,8 +262,10 @@ def request_field(field: str, request: SamplingRequest) -> str:
     """The field a ``ValidationError`` about ``SamplingParams`` (or the prompt) names, as the client sent it:
     chat's ``top_logprobs`` and ``max_completion_tokens``, chat's rendered prompt as ``messages``, a constraint
     from ``response_format`` as that."""
-    if field.startswith(STRUCTURED_OUTPUTS_FIELD) and request.response_format is not None:
-        if request.response_format.get("type") in ("json_object", "json_schema"):
+    if request.response_format is not None:
+        kind = str(request.response_format.get("type"))
+        from_format = {"json_object": "json_object", "json_schema": "json"}.get(kind)
+        if from_format is not None and field == f"{STRUCTURED_OUTPUTS_FIELD}.{from_format}":
             return "response_format"  # the constraint came from there
     if isinstance(request, ChatCompletionRequest):
         if field == "logprobs":

@@ -359,6 +359,11 @@ BAD_FIELDS = [
     ("chat", {"structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ("completions", {"structured_outputs": "json"}, "structured_outputs"),
+    (
+        "chat",
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs",
+    ),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
 ]
