@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from frontend_svc.openai_api import make_app
 from frontend_svc.openai_responses import error_body
 from frontend_svc.service import FrontendServerState
+from splitserve.base.api_key import ApiKeyInterceptor
 from splitserve.base.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,30 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Generator[None, None, None]:
         """None: the frontend's own SIGTERM / SIGINT handling drains and stops this server with the gRPC one."""
         yield
+
+
+# Paths any caller may ask without the API key: probes, as gRPC health is open.
+OPEN_PATHS = frozenset({"/health", "/version"})
+
+
+class ApiKeyCheck:
+    """ASGI wrapper that answers 401 (an OpenAI error body) to a request without ``Authorization: Bearer
+    <api_key>``, before anything reads its body; every path but ``OPEN_PATHS`` needs it. The gRPC API's
+    ``ApiKeyInterceptor`` rule, over HTTP."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key_check = ApiKeyInterceptor(api_key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
+            headers = [(name.decode("latin-1"), value) for name, value in scope.get("headers", [])]
+            if not self.key_check.is_authorized(headers):
+                message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+                body = error_body(message, "invalid_request_error", None, "invalid_api_key")
+                await JSONResponse(body, 401)({"type": "http"}, _no_receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:
@@ -86,9 +111,9 @@ async def _no_receive() -> Message:
 
 
 class HttpServer:
-    """uvicorn on ``host:port`` (0: any free port) serving ``make_app(state, api_key)``; bodies up to
-    ``max_body_bytes``; HTTPS with ``tls`` (the gRPC server's ``--ssl-*`` files: client certificates required
-    when it has a CA)."""
+    """uvicorn on ``host:port`` (0: any free port) serving ``make_app(state)``, behind the API key check
+    (``ApiKeyCheck``, with ``api_key``); bodies up to ``max_body_bytes``; HTTPS with ``tls`` (the gRPC server's
+    ``--ssl-*`` files: client certificates required when it has a CA)."""
 
     def __init__(
         self,
@@ -101,7 +126,9 @@ class HttpServer:
     ) -> None:
         self.host = host
         self.port = port
-        app = BodyLimit(make_app(state, api_key), max_body_bytes)
+        app: ASGIApp = BodyLimit(make_app(state), max_body_bytes)
+        if api_key is not None:
+            app = ApiKeyCheck(app, api_key)
         config = uvicorn.Config(
             app,
             log_config=None,  # the frontend's logging as it is

@@ -75,6 +75,10 @@ def check_wire_string(value: Any, field: str) -> None:
         raise ValidationError(field, f"is not valid Unicode text ({e.reason} at position {e.start})") from None
 
 
+# How to ask for all the room left, in the gRPC and Python APIs' words (the HTTP API words it its own way).
+MAX_TOKENS_HINT = " (max_tokens=None, max_tokens_unlimited over gRPC, takes all the room left)"
+
+
 class TextPrompt(TypedDict, total=False):
     prompt: str
     multi_modal_data: dict[str, Any]  # vLLM's: {"image": a PIL image or EncodedImage, or a list of them}
@@ -374,8 +378,7 @@ class InputProcessor:
             return room if params.default_max_tokens is None else min(params.default_max_tokens, room)
         violation = max_tokens_violation(params.max_tokens, num_prompt_tokens, self.info.max_model_len)
         if violation is not None:
-            hint = " (max_tokens=None, max_tokens_unlimited over gRPC, takes all the room left)"
-            raise ValidationError(violation.field, violation.description + hint)
+            raise ValidationError(violation.field, violation.description + MAX_TOKENS_HINT)
         return params.max_tokens
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -15,9 +15,10 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import splitserve
 from frontend_svc.async_llm import AsyncLLM
@@ -43,47 +44,36 @@ from frontend_svc.openai_responses import (
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, text_size
 from frontend_svc.tokenize_budget import utf8_size
-from splitserve.base.api_key import ApiKeyInterceptor
 from splitserve.base.request_rules import token_ids_violation
 from splitserve.base.status import status_code_of
 
 T = TypeVar("T")
-# Paths any caller may ask without the API key: probes, as gRPC health is open.
-OPEN_PATHS = frozenset({"/health", "/version"})
-
-
-class _UnauthenticatedError(Exception):
-    """A call without the API key (401)."""
 
 
 class UnknownModelError(NotFoundError):
     """A request named a model this server does not serve: 404 with OpenAI's ``model_not_found``."""
 
 
-def make_app(state: FrontendServerState, api_key: str | None = None) -> FastAPI:
+def make_app(state: FrontendServerState) -> FastAPI:
     """The FastAPI application over ``state`` (the gRPC servicer's: the same engine, drain flag and call count).
-    With ``api_key``, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>`` (401 otherwise)."""
-    key_check = ApiKeyInterceptor(api_key) if api_key is not None else None
-
-    async def check_key(request: Request) -> None:
-        if key_check is not None and request.url.path not in OPEN_PATHS:
-            if not key_check.is_authorized([("authorization", request.headers.get("authorization", ""))]):
-                raise _UnauthenticatedError()
-
+    The API key is checked before it, by ``http_server.ApiKeyCheck``, before any body is read."""
     app = FastAPI(
         title="splitserve",
         version=str(splitserve.__version__),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
-        dependencies=[Depends(check_key)],
     )
     api = _OpenAIApi(state)
 
-    @app.exception_handler(_UnauthenticatedError)
-    async def unauthenticated(request: Request, error: _UnauthenticatedError) -> JSONResponse:
-        message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
-        return JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"), 401)
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """An unknown path (404) or method (405), in OpenAI's error body."""
+        code = "not_found" if error.status_code == 404 else None
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return JSONResponse(
+            error_body(message, "invalid_request_error", None, code), error.status_code, headers=error.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -164,8 +154,8 @@ class _OpenAIApi:
         return {"object": "list", "data": [model]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
-        self._check_model(body.model)
         params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
@@ -206,8 +196,8 @@ class _OpenAIApi:
                 yield generation.chunk("text_completion", [completion_choice(index, completion, logprobs)])
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
-        self._check_model(body.model)
         params = named(body, lambda: self._sampling_params(body, engine))
         if body.chat_template is not None and not self.state.trust_request_chat_template:
             raise ValidationError(
@@ -243,9 +233,10 @@ class _OpenAIApi:
         request, tokenizer = generation.request, generation.engine.tokenizer
         if not isinstance(request, ChatCompletionRequest):
             raise TypeError("chat events need a chat request")
-        # The role first, for every choice, as OpenAI's and vLLM's streams start.
-        roles = [chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(request.n)]
-        yield generation.chunk("chat.completion.chunk", roles)
+        # The role first, one chunk per choice, as vLLM's streams start.
+        for i in range(request.n):
+            role = chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
+            yield generation.chunk("chat.completion.chunk", [role])
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(
@@ -259,8 +250,8 @@ class _OpenAIApi:
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or rendered messages."""
-        engine = self._engine(allow_draining=True)
         self._check_model(body.model)
+        engine = self._engine(allow_draining=True)
         input_processor = engine.input_processor
         if (body.prompt is None) == (body.messages is None):
             raise ValidationError("prompt", "give prompt or messages, exactly one of them")
@@ -288,8 +279,8 @@ class _OpenAIApi:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         """vLLM's: ``{"prompt": text}`` of token ids."""
-        engine = self._engine(allow_draining=True)
         self._check_model(body.model)
+        engine = self._engine(allow_draining=True)
         if len(body.tokens) > engine.engine_info.max_model_len:
             raise ValidationError(
                 "tokens",

@@ -5,6 +5,7 @@ active calls, streamed as server-sent events, and aborted in the core when the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -12,10 +13,11 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
-from frontend_svc.input_processor import PromptType
+from frontend_svc.input_processor import MAX_TOKENS_HINT, PromptType
 from frontend_svc.openai_protocol import ChatCompletionRequest, SamplingRequest, request_field
 from frontend_svc.openai_responses import UsageCounter, envelope, error_body
 from frontend_svc.outputs import RequestOutput
@@ -29,7 +31,8 @@ HTTP_STATUS: dict[StatusCode, tuple[int, str, str | None]] = {
     StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
     StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    StatusCode.RESOURCE_EXHAUSTED: (413, "invalid_request_error", "request_too_large"),
+    # vLLM's 400 for a request that can never fit (the KV cache); 413 is only the body limit's (``BodyLimit``).
+    StatusCode.RESOURCE_EXHAUSTED: (400, "invalid_request_error", "request_too_large"),
     StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),
     StatusCode.INTERNAL: (500, "server_error", None),
     StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
@@ -60,6 +63,7 @@ class Generation:
         self.usage = UsageCounter()
         self._merged: AsyncGenerator[tuple[int, RequestOutput], None] | None = None
         self._first: tuple[int, RequestOutput] | None = None
+        self._released = False  # a stream's release() has run
 
     async def start(self) -> None:
         """Queue the requests and wait for the first output: a refused request raises here, before any response
@@ -78,6 +82,8 @@ class Generation:
             )
             for i, prompt in enumerate(self.prompts)
         ]
+        if suffix:  # a batch: a refused prompt is named by its index (``prompt[1]``)
+            generators = [_prompt_indexed(self.request, i, g) for i, g in enumerate(generators)]
         self._merged = merge(generators)
         try:
             self._first = await named_async(self.request, anext(self._merged))
@@ -112,7 +118,7 @@ class Generation:
         try:
             await until_disconnect(request, self.start())
         except BaseException:
-            self.state.active_calls -= 1
+            await self.release()
             raise
 
         async def body() -> AsyncIterator[str]:
@@ -128,11 +134,10 @@ class Generation:
                 param = e.field if isinstance(e, ValidationError) else None
                 yield _sse(error_body(str(e), error_type, param, code))
             finally:
-                self.state.active_calls -= 1
-                await self.aclose()
+                await self.release()
             yield SSE_DONE
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return _ReleasingStreamingResponse(body(), self.release, media_type="text/event-stream")
 
     def chunk(self, object_type: str, choices: list[Any]) -> dict[str, Any]:
         """A stream's chunk; with ``continuous_usage_stats``, the usage so far in it."""
@@ -144,6 +149,30 @@ class Generation:
     async def aclose(self) -> None:
         if self._merged is not None:
             await self._merged.aclose()
+
+    async def release(self) -> None:
+        """A stream's end, once however it comes (its body's end, or its response's if the body never ran):
+        out of the active calls, and the engine requests closed (aborted in the core if unfinished)."""
+        if self._released:
+            return
+        self._released = True
+        self.state.active_calls -= 1
+        await self.aclose()
+
+
+class _ReleasingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that calls ``on_close`` when it ends, however: the body's own ``finally`` never runs
+    when the response fails or is cancelled before the body starts (the client gone before the headers)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 def _chunk_object(request: SamplingRequest) -> str:
@@ -195,18 +224,26 @@ async def merge(
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """``work``, cancelled if the client disconnects first (vLLM's ``with_cancellation``): the request it queued
-    is aborted in the core. Raises EngineDeadError (never sent: the client is gone) when it was cancelled."""
+    is aborted in the core.
+
+    Raises:
+        EngineDeadError: the client disconnected (answered 503 to no one: the client is gone).
+    """
     task = asyncio.ensure_future(work)
     disconnected = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        disconnected.cancel()
+        if not disconnected.done():
+            disconnected.cancel()
         if not task.done():
             task.cancel()
+            # The cancellation lands at the task's next await: wait for it, so the core's abort has been sent.
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if task.cancelled():
         raise EngineDeadError("the client disconnected")
-    return task.result()
+    return task.result()  # or the work's own error
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -214,6 +251,23 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _prompt_indexed(
+    request: SamplingRequest, index: int, generator: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """``generator``'s outputs; a ValidationError about its prompt names it as ``prompt[index]`` (and the token
+    within it: ``prompt[index][3]``)."""
+    try:
+        async for output in generator:
+            yield output
+    except ValidationError as e:
+        field = request_field(e.field, request)
+        if field == "prompt" or field.startswith("prompt["):
+            raise ValidationError(f"prompt[{index}]{field.removeprefix('prompt')}", e.description) from None
+        raise
+    finally:
+        await generator.aclose()
 
 
 def named(request: SamplingRequest, make: Callable[[], T]) -> T:
@@ -233,4 +287,11 @@ async def named_async(request: SamplingRequest, work: Awaitable[T]) -> T:
 
 def _renamed(request: SamplingRequest, error: ValidationError) -> ValidationError:
     field = request_field(error.field, request)
-    return error if field == error.field else ValidationError(field, error.description)
+    description = error.description
+    if description.endswith(MAX_TOKENS_HINT):  # the gRPC API's words: HTTP's instead
+        description = description.removesuffix(MAX_TOKENS_HINT)
+        if isinstance(request, ChatCompletionRequest):
+            description += " (leave max_tokens and max_completion_tokens unset, or null, to take all the room left)"
+    if (field, description) == (error.field, error.description):
+        return error
+    return ValidationError(field, description)

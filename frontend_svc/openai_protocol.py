@@ -17,9 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
+from splitserve.base.structured_outputs import FIELD as STRUCTURED_OUTPUTS_FIELD
 
 # vLLM's (and OpenAI's) default max_tokens of the legacy completions API; chat takes all the room left.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# OpenAI's range of a logit_bias value.
+LOGIT_BIAS_LIMIT = 100
 
 
 class _Strict(BaseModel):
@@ -59,9 +62,13 @@ class SamplingRequest(_Strict):
     include_stop_str_in_output: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int = 0  # vLLM's: lower is served first under the core's priority policy
+    # OpenAI's output format: text, json_object or json_schema (``structured_outputs_params``)
+    response_format: dict[str, Any] | None = None
+    # vLLM's extra: a StructuredOutputsParams as a dict (json, json_object, regex, choice, grammar,
+    # disable_any_whitespace)
+    structured_outputs: dict[str, Any] | None = None
     # OpenAI's fields splitserve does not implement: refused when set (``check_unsupported``)
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -89,11 +96,17 @@ class SamplingRequest(_Strict):
     )
 
     def check_unsupported(self) -> None:
-        """Raises ValidationError naming a field OpenAI defines that this server does not implement, when set."""
+        """Raises ValidationError naming a field OpenAI defines that this server does not implement, when set, or
+        a value OpenAI's own rules refuse (``logit_bias`` values in [-100, 100])."""
+        for token, bias in (self.logit_bias or {}).items():
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValidationError(
+                    "logit_bias",
+                    f"values must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}] (OpenAI's range), got {bias} "
+                    f"for token {token}",
+                )
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options", "is only allowed with stream=true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValidationError("response_format", "only {'type': 'text'} is supported (no structured output)")
         if self.tools or self.functions:
             raise ValidationError("tools" if self.tools else "functions", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -101,7 +114,43 @@ class SamplingRequest(_Strict):
 
     def explicit_sampling_fields(self) -> dict[str, Any]:
         """The ``SamplingParams`` keyword arguments the client set (others take the model's defaults)."""
-        return {name: getattr(self, name) for name in self._DIRECT if getattr(self, name) is not None}
+        explicit = {name: getattr(self, name) for name in self._DIRECT if getattr(self, name) is not None}
+        structured_outputs = self.structured_outputs_params()
+        if structured_outputs is not None:
+            explicit["structured_outputs"] = structured_outputs
+        return explicit
+
+    def structured_outputs_params(self) -> dict[str, Any] | None:
+        """The output constraint as ``StructuredOutputsParams`` fields: ``structured_outputs`` as sent, with
+        ``response_format``'s constraint added (vLLM's merge: ``{"type": "json_object"}`` is ``json_object``,
+        ``{"type": "json_schema", "json_schema": {"schema": ...}}`` is ``json``; ``{"type": "text"}`` none).
+        ``SamplingParams`` checks the result (exactly one constraint, compiling), naming ``structured_outputs.*``
+        (``request_field`` turns that into ``response_format`` when the constraint came from there).
+
+        Raises:
+            ValidationError: a ``response_format`` of another type or without its schema.
+        """
+        fields = None if self.structured_outputs is None else dict(self.structured_outputs)
+        response_format = self.response_format
+        if response_format is None:
+            return fields
+        kind = response_format.get("type")
+        if kind == "text":
+            return fields
+        fields = fields or {}
+        if kind == "json_object":
+            fields["json_object"] = True
+        elif kind == "json_schema":
+            json_schema = response_format.get("json_schema")
+            schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+            if not isinstance(schema, dict):
+                raise ValidationError("response_format.json_schema.schema", "must be a JSON schema object")
+            fields["json"] = schema  # OpenAI's name and strict are not part of the constraint
+        else:
+            raise ValidationError(
+                "response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+            )
+        return fields
 
     @property
     def include_usage(self) -> bool:
@@ -171,6 +220,10 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:
             explicit["max_tokens"] = max_tokens
+        elif defaults.get("max_tokens") is None:
+            # Unset and no model default: all the room left within max_model_len (vLLM's chat; the
+            # InputProcessor sizes it once the prompt is known), not SamplingParams' 16.
+            explicit["max_tokens"] = None
         if self.logprobs:
             explicit["logprobs"] = self.top_logprobs or 0
         explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
@@ -178,7 +231,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def messages_for_template(self) -> list[dict[str, Any]]:
         """The messages as ``render_chat`` takes them: a null content (an assistant turn that called tools) is
-        empty text, and only role and content are kept."""
+        empty text; every other key is kept as sent (the chat template may read ``name`` and the like)."""
         messages: list[dict[str, Any]] = []
         for message in self.messages:
             if isinstance(message, dict) and message.get("content", "") is None:
@@ -207,7 +260,13 @@ class DetokenizeRequest(_Strict):
 
 def request_field(field: str, request: SamplingRequest) -> str:
     """The field a ``ValidationError`` about ``SamplingParams`` (or the prompt) names, as the client sent it:
-    chat's ``top_logprobs`` and ``max_completion_tokens``, chat's rendered prompt as ``messages``."""
+    chat's ``top_logprobs`` and ``max_completion_tokens``, chat's rendered prompt as ``messages``, a constraint
+    from ``response_format`` as that."""
+    if request.response_format is not None:
+        kind = str(request.response_format.get("type"))
+        from_format = {"json_object": "json_object", "json_schema": "json"}.get(kind)
+        if from_format is not None and field == f"{STRUCTURED_OUTPUTS_FIELD}.{from_format}":
+            return "response_format"  # the constraint came from there
     if isinstance(request, ChatCompletionRequest):
         if field == "logprobs":
             return "top_logprobs"

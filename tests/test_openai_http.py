@@ -319,6 +319,8 @@ BAD_FIELDS = [
     ("completions", {"seed": "x"}, "seed"),
     ("completions", {"logit_bias": {"abc": 1.0}}, "logit_bias"),
     ("completions", {"logit_bias": {"10000000": 1.0}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": -101}}, "logit_bias"),
     ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
     ("completions", {"skip_special_tokens": 1}, "skip_special_tokens"),
     ("completions", {"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
@@ -340,7 +342,28 @@ BAD_FIELDS = [
     ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", {"max_tokens": 0}, "max_tokens"),
     ("chat", {"temperature": 5.0}, "temperature"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type"),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+        "response_format",
+    ),
+    ("completions", {"structured_outputs": {"json": {"type": "strin"}}}, "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"regex": "a[b"}}, "structured_outputs.regex"),
+    ("chat", {"structured_outputs": {"choice": ["ok", ""]}}, "structured_outputs.choice[1]"),
+    ("chat", {"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("completions", {"structured_outputs": "json"}, "structured_outputs"),
+    (
+        "chat",
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs",
+    ),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
 ]
@@ -445,6 +468,12 @@ def test_without_a_core_health_and_requests_are_503_and_the_key_is_required(mode
         assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 401
         keyed = httpx.post(f"{base_url}/v1/completions", json=body, headers={"authorization": "Bearer k3y"})
         assert keyed.status_code == 503 and keyed.json()["error"]["code"] == "service_unavailable"
+        unknown = httpx.post(
+            f"{base_url}/v1/chat/completions",
+            json={"model": "no-such-model", "messages": CHAT},
+            headers={"authorization": "Bearer k3y"},
+        )
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
         assert httpx.get(f"{base_url}/version").status_code == 200  # open, as /health
     finally:
         assert frontend.stop() == 0  # SIGTERM while it waits for a core: the HTTP server stops with it
@@ -477,3 +506,292 @@ def test_sigterm_drains_an_http_stream_then_both_servers_stop(services, model, t
         assert frontend.process.wait(60) == 0
     finally:
         frontend.stop()
+
+
+MAX_MODEL_LEN = 1024  # CORE_ARGS' --max-model-len
+
+
+def test_chat_without_max_tokens_takes_all_the_room_left_to_max_model_len(services, client, tokenizer):
+    """vLLM's chat default: no max_tokens (or null) is max_model_len minus the prompt, not 16. A prompt of ~1000
+    tokens leaves a short completion; its length is counted from the tokenizer's own rendering."""
+    messages = [{"role": "user", "content": "one two three " * 330}]
+    prompt_len = len(chat_prompt_ids(tokenizer, messages))
+    assert 900 < prompt_len < MAX_MODEL_LEN - 16
+    for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
+        response = client.chat.completions.create(
+            model=frontend_model(client), messages=messages, temperature=0.0, extra_body={**NO_EOS, **extra}
+        )
+        assert response.usage is not None and response.usage.prompt_tokens == prompt_len
+        assert response.usage.completion_tokens == MAX_MODEL_LEN - prompt_len
+        assert response.choices[0].finish_reason == "length"
+    completion = client.completions.create(model=frontend_model(client), prompt="hi", extra_body=NO_EOS)
+    assert completion.usage is not None and completion.usage.completion_tokens == 16  # OpenAI's completions default
+
+
+def test_chat_without_max_tokens_takes_the_models_default_when_it_has_one():
+    from frontend_svc.openai_protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=CHAT)
+    with_default = request.to_sampling_params({"max_tokens": 50})
+    assert (with_default.max_tokens, with_default.default_max_tokens) == (None, 50)
+    without = request.to_sampling_params({})
+    assert (without.max_tokens, without.default_max_tokens) == (None, None)
+    explicit = ChatCompletionRequest(messages=CHAT, max_completion_tokens=7).to_sampling_params({"max_tokens": 50})
+    assert explicit.max_tokens == 7
+
+
+def test_a_client_that_disconnects_before_a_whole_completion_aborts_it_quietly(services):
+    """A non-streaming request whose client goes away before any output: the core's requests are aborted (every
+    block free again) and the frontend logs no ERROR (no InvalidStateError traceback)."""
+    core, frontend, base_url = services
+    assert frontend.log_path is not None
+    log_start = frontend.log_path.stat().st_size
+    body = {"prompt": PROMPTS[0], "n": 32, "temperature": 1.0, "max_tokens": 900, **NO_EOS}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=2))
+    start = time.monotonic()
+    load = wait_core_empty(core.address)
+    assert (load.num_running_reqs, load.num_waiting_reqs, load.num_free_kv_blocks) == (0, 0, NUM_KV_BLOCKS - 1)
+    assert time.monotonic() - start < 30
+    time.sleep(0.5)  # the handler's end, logged or not
+    with frontend.log_path.open("rb") as log:
+        log.seek(log_start)
+        new_lines = log.read().decode(errors="replace")
+    assert " ERROR " not in new_lines and "Traceback" not in new_lines, new_lines
+
+
+def test_a_request_that_can_never_fit_is_400_as_vllms():
+    """RESOURCE_EXHAUSTED (more KV than the whole cache) is vLLM's 400; 413 stays the body limit's alone."""
+    from frontend_svc.errors import RequestTooLargeError
+    from frontend_svc.openai_api import error_response
+
+    response = error_response(RequestTooLargeError("needs more KV than the whole cache"))
+    assert response.status_code == 400
+    assert json.loads(bytes(response.body))["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_past_max_model_len_is_400_in_https_words(services, tokenizer):
+    _, _, base_url = services
+    chat = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2000}, timeout=60)
+    error = chat.json()["error"]
+    assert chat.status_code == 400 and error["param"] == "max_tokens"
+    assert "max_tokens_unlimited" not in error["message"] and "gRPC" not in error["message"]
+    assert "unset, or null, to take all the room left" in error["message"]
+    completion = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2000}, timeout=60)
+    assert completion.status_code == 400 and "gRPC" not in completion.json()["error"]["message"]
+
+
+def test_a_refused_prompt_in_a_batch_is_named_by_its_index(services, tokenizer):
+    _, _, base_url = services
+    vocab_size = len(tokenizer)
+    too_long = "word " * 2000
+    assert len(tokenizer(too_long).input_ids) > MAX_MODEL_LEN
+    cases = [
+        (["hi", too_long], "prompt[1]"),
+        ([[1, 2], [1, 2, vocab_size]], "prompt[1][2]"),
+        ([[1, vocab_size], [1, 2]], "prompt[0][1]"),
+    ]
+    for prompt, field in cases:
+        response = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+        assert response.json()["error"]["message"].startswith(f"{field}: ")
+    single = httpx.post(f"{base_url}/v1/completions", json={"prompt": too_long, "max_tokens": 2}, timeout=60)
+    assert single.json()["error"]["param"] == "prompt"
+
+
+def test_logit_bias_at_openais_limits_is_taken(services):
+    _, _, base_url = services
+    for bias in (-100, 100.0):
+        body = {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": bias}}
+        assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_chat_stream_with_n2_sends_the_role_once_per_choice(client):
+    stream = client.chat.completions.create(
+        model=frontend_model(client), messages=CHAT, n=2, temperature=1.0, seed=3, max_tokens=4, stream=True
+    )
+    chunks = list(stream)
+    assert all(len(c.choices) == 1 for c in chunks)  # one choice per chunk, as vLLM's
+    role_chunks = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert role_chunks == [0, 1]
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+
+
+def test_unknown_routes_and_methods_are_openai_errors(services):
+    _, _, base_url = services
+    missing = httpx.get(f"{base_url}/v1/no-such-route", timeout=60)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "invalid_request_error" and missing.json()["error"]["code"] == "not_found"
+    wrong_method = httpx.get(f"{base_url}/v1/completions", timeout=60)
+    assert wrong_method.status_code == 405 and "POST" in wrong_method.headers["allow"]
+    assert wrong_method.json()["error"]["message"].startswith("GET /v1/completions: ")
+
+
+def test_the_api_key_is_checked_before_the_body_is_read():
+    """401 without reading a byte of the body (a client without the key cannot make the server buffer
+    --max-receive-message-mib); with the key the body reaches the application whole."""
+    from frontend_svc.http_server import ApiKeyCheck, BodyLimit
+
+    reached: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append((await receive())["body"])
+
+    async def call(headers: list[tuple[bytes, bytes]], path: str = "/v1/completions") -> tuple[list[Any], int]:
+        received = 0
+        sent: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            received += 1
+            return {"type": "http.request", "body": b'{"prompt": "hi"}', "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        wrapped = ApiKeyCheck(BodyLimit(app, 1000), "k3y")
+        await wrapped({"type": "http", "path": path, "headers": headers}, receive, send)
+        return sent, received
+
+    sent, received = asyncio.run(call([(b"authorization", b"Bearer wrong")]))
+    assert received == 0 and reached == []
+    assert sent[0]["status"] == 401
+    assert json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+    sent, received = asyncio.run(call([(b"authorization", b"Bearer k3y")]))
+    assert received == 1 and reached == [b'{"prompt": "hi"}'] and sent == []
+    _, received = asyncio.run(call([], path="/health"))  # open without the key
+    assert received == 1 and len(reached) == 2
+
+
+def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call():
+    """The client gone before the headers are sent: the body generator never starts, so its ``finally`` never
+    runs; the response's own end leaves the active calls and closes the engine requests (aborting them)."""
+    from frontend_svc.openai_generation import Generation
+    from frontend_svc.openai_protocol import CompletionRequest
+
+    closed: list[str] = []
+
+    class Engine:
+        async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> Any:
+            try:
+                yield "first output"
+                await asyncio.Event().wait()  # the rest never comes: only a close ends it
+            finally:
+                closed.append(request_id)
+
+    class State:
+        active_calls = 0
+        model = "m"
+
+    class Connection:
+        async def receive(self) -> dict[str, Any]:
+            await asyncio.Event().wait()  # never disconnects while the request starts
+            return {}
+
+    async def events(generation: Generation) -> Any:
+        async for _, output in generation.outputs():
+            yield {"output": output}
+
+    async def gone(message: Any) -> None:
+        raise OSError("the client is gone")
+
+    async def run() -> tuple[int, int]:
+        state = State()
+        request = CompletionRequest(prompt="hi", stream=True)
+        generation = Generation(state, Engine(), "cmpl-1", request, None, ["hi"])  # type: ignore[arg-type]  # fakes
+        response = await generation.stream(Connection(), events)  # type: ignore[arg-type]  # a fake request
+        during = state.active_calls
+        with pytest.raises(OSError):
+            await response({"type": "http"}, Connection().receive, gone)
+        return during, state.active_calls
+
+    assert asyncio.run(run()) == (1, 0)
+    assert closed == ["cmpl-1"]
+
+
+# Every value bounded (as tests/test_structured_outputs.py's): a whole document fits in the tokens given.
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["kind", "n", "tags"],
+}
+CHOICES = ["yes", "no", "maybe so"]
+
+
+def test_response_format_json_schema_and_json_object_give_valid_json(client):
+    """The test model's weights are random: only the grammar's mask makes the text valid. Whitespace is off
+    (vLLM's ``structured_outputs.disable_any_whitespace``, merged with ``response_format``'s constraint as vLLM
+    merges them), so the document ends within max_tokens."""
+    import jsonschema
+
+    response_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "pet", "schema": SMALL_SCHEMA, "strict": True},
+    }
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    response = client.chat.completions.create(
+        model=frontend_model(client),
+        messages=CHAT,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        max_tokens=120,
+        response_format=response_format,
+        extra_body=compact,
+    )
+    for choice in response.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), SMALL_SCHEMA)
+        assert choice.finish_reason == "stop"
+    completion = client.completions.create(
+        model=frontend_model(client),
+        prompt=PROMPTS[0],
+        temperature=0.0,
+        max_tokens=120,
+        extra_body={"response_format": {"type": "json_object"}, **compact},
+    )
+    assert isinstance(json.loads(completion.choices[0].text), dict)
+    assert completion.choices[0].finish_reason == "stop"
+    text = client.chat.completions.create(
+        model=frontend_model(client), messages=CHAT, max_tokens=3, response_format={"type": "text"}
+    )
+    assert text.choices[0].finish_reason is not None  # text stays accepted, unconstrained
+
+
+def test_structured_outputs_choice_over_extra_body(client):
+    for endpoint in ("chat", "completions"):
+        for seed in (1, 2, 3):
+            fields = {
+                "temperature": 1.0,
+                "seed": seed,
+                "max_tokens": 20,
+                "extra_body": {"structured_outputs": {"choice": CHOICES}},
+            }
+            if endpoint == "chat":
+                chat = client.chat.completions.create(model=frontend_model(client), messages=CHAT, **fields)
+                text = chat.choices[0].message.content
+            else:
+                completion = client.completions.create(model=frontend_model(client), prompt=PROMPTS[1], **fields)
+                text = completion.choices[0].text
+            assert text in CHOICES
+
+
+def test_a_bad_schema_is_a_400_naming_the_field_through_the_client(client):
+    bad_schema: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    with pytest.raises(openai.BadRequestError) as from_format:
+        client.chat.completions.create(
+            model=frontend_model(client), messages=CHAT, max_tokens=5, response_format=bad_schema
+        )
+    assert from_format.value.param == "response_format" and "does not compile" in from_format.value.message
+    with pytest.raises(openai.BadRequestError) as from_extra:
+        client.completions.create(
+            model=frontend_model(client),
+            prompt="hi",
+            max_tokens=5,
+            extra_body={"structured_outputs": {"json": {"type": "strin"}}},
+        )
+    assert from_extra.value.param == "structured_outputs.json"
