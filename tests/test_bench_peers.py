@@ -41,9 +41,12 @@ def test_permute_for_ggml_rope_pairs_each_half_with_the_other():
 
 
 def test_a_missing_peer_is_named_with_its_package(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else real(name))
+    # Decided here, not by what this machine has installed: llama_cpp missing, gguf present, then both missing.
+    present = importlib.util.find_spec("json")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llama_cpp" else present)
     assert peers.missing_reason("llama.cpp") == "llama-cpp-python not installed (pip install -e '.[bench]')"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert peers.missing_reason("llama.cpp") == "llama-cpp-python, gguf not installed (pip install -e '.[bench]')"
     with pytest.raises(ValueError, match="unknown peer 'vllm'"):
         peers.missing_reason("vllm")
 

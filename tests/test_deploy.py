@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -583,10 +584,13 @@ def test_three_frontends_two_cores_as_the_manifests_start_them(model, reference,
                 )
             )
         frontends = []
+        http_ports = []
         for i in range(3):
+            http_ports.append(stack.free_port())  # one host here; each pod has its own 8000
             frontend_replace = {
                 "--metrics-port": str(stack.free_port()),
                 "--core": f"dns:///splitserve-core:{core_port}",
+                "--http-port": str(http_ports[-1]),
             }
             frontends.append(
                 stack.start_service(
@@ -614,6 +618,9 @@ def test_three_frontends_two_cores_as_the_manifests_start_them(model, reference,
         answers = asyncio.run(spread())
         for i, token_ids in enumerate(answers):
             assert token_ids == greedy[PROMPTS[i % len(PROMPTS)]], i
+        for port in http_ports:  # each replica's OpenAI-compatible API is up beside its gRPC API
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+                assert response.status == 200
         finished = [scrape_one(address, FINISHED) for address in core_metrics]
         assert sum(finished) == 12 and min(finished) > 0, finished  # both cores took load
 
