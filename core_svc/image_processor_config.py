@@ -74,7 +74,7 @@ def read_image_processor_config(path: Path) -> ImageProcessorConfig:
     """
     from transformers.image_processing_base import ImageProcessingMixin
 
-    nested = _json_object(path / PROCESSOR_FILE).get("image_processor")
+    nested = json_object(path / PROCESSOR_FILE).get("image_processor")
     if nested is None and not (path / IMAGE_PROCESSOR_FILE).is_file():
         return ImageProcessorConfig({}, f"{path / IMAGE_PROCESSOR_FILE}")
     source = f"{path / PROCESSOR_FILE} [image_processor]" if nested is not None else str(path / IMAGE_PROCESSOR_FILE)
@@ -87,7 +87,7 @@ def read_image_processor_config(path: Path) -> ImageProcessorConfig:
     return ImageProcessorConfig(settings, source)
 
 
-def _json_object(file: Path) -> dict[str, Any]:
+def json_object(file: Path) -> dict[str, Any]:
     """The JSON object in ``file``; {} when there is no such file.
 
     Raises:

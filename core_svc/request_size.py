@@ -18,14 +18,18 @@ tokens) times the largest item's bytes per placeholder token (every image token 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core_svc.config import CoreConfig
-from core_svc.image_processor_config import QWEN2_VL_MODEL_TYPES, ImageProcessorConfig, read_image_processor_config
+from core_svc.image_processor_config import (
+    QWEN2_VL_MODEL_TYPES,
+    ImageProcessorConfig,
+    json_object,
+    read_image_processor_config,
+)
 from core_svc.models.qwen2_vl import DEFAULT_MAX_PIXELS
 
 # What an item costs on the wire besides its pixels: its identifier (64 hex digits), modality, tensor names,
@@ -101,7 +105,7 @@ def model_receive_limit(model_path: Path, config: CoreConfig, text_bytes: int, m
     """
     config_file = model_path / "config.json"
     base = text_bytes
-    if _json_object(config_file).get("model_type") not in IMAGE_MODEL_TYPES:
+    if json_object(config_file).get("model_type") not in IMAGE_MODEL_TYPES:
         return ReceiveLimit(base, f"{_mib(base)} for a text model's requests")
     from transformers import AutoConfig
 
@@ -130,23 +134,6 @@ def model_receive_limit(model_path: Path, config: CoreConfig, text_bytes: int, m
     receive_bytes = min(base + pixel_bytes, max_message_bytes)
     capped = ", capped at gRPC's largest message" if receive_bytes < base + pixel_bytes else ""
     return ReceiveLimit(receive_bytes, f"{_mib(base)} of text and {_mib(pixel_bytes)} of float32 pixels: {why}{capped}")
-
-
-def _json_object(file: Path) -> dict[str, Any]:
-    """The JSON object in ``file``; {} when there is no such file.
-
-    Raises:
-        ValueError: the file is unreadable or not a JSON object, naming it.
-    """
-    if not file.is_file():
-        return {}
-    try:
-        value = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file} is unreadable: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{file} is not a JSON object")
-    return value
 
 
 def _mib(num_bytes: int) -> str:
