@@ -118,7 +118,7 @@ class EngineCore:
         if baseline is not None and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
             gpu_memory.check_free_memory(baseline, config.gpu_memory_utilization)
         with self.startup.phase("weights") as phase:
-            loaded = load_model(self.model_path, hf_config, dtype, device, backend)
+            loaded = load_model(self.model_path, hf_config, dtype, device, backend, config.quantization)
             phase.note = format_bytes(loaded.weights_bytes)
         self.max_model_len = _resolve_max_model_len(config, loaded)
         self.vocab_size = loaded.arch.vocab_size
