@@ -110,12 +110,14 @@ def format_report(report: dict[str, Any]) -> str:
             f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
         )
     lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
-    drift = report.get("bfloat16_logprob_drift")
-    if drift:
-        lines.append(
-            f"bfloat16 prompt logprobs vs float32 over {drift['positions']} positions: max |diff| "
-            f"{drift['max_abs_nats']:.3f}, p99 {drift['p99_abs_nats']:.3f}, mean {drift['mean_abs_nats']:.4f} nats"
-        )
+    # reports before int8 held one drift, bfloat16's
+    drifts = report.get("logprob_drift") or {"bfloat16": report.get("bfloat16_logprob_drift")}
+    for precision, drift in drifts.items():
+        if drift:
+            lines.append(
+                f"{precision} prompt logprobs vs float32 over {drift['positions']} positions: max |diff| "
+                f"{drift['max_abs_nats']:.3f}, p99 {drift['p99_abs_nats']:.3f}, mean {drift['mean_abs_nats']:.4f} nats"
+            )
     cost = report.get("observability_cost")
     if cost:
         lines.append(
