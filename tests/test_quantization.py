@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core_svc.config import CoreConfig
+from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
 from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, quantize_int8_per_channel
 from tests.helpers import make_engine, run_engine
 
@@ -115,3 +116,33 @@ def test_quantization_flag_errors():
         CoreConfig(model="m", quantization="fp8")  # type: ignore[arg-type]  # the refused value is the point
     with pytest.raises(ValueError, match="runs on CPU only"):
         CoreConfig(model="m", device="cuda", quantization="int8")
+
+
+@pytest.mark.parametrize(
+    ("requested", "flags", "expected", "missing"),
+    [
+        (torch.bfloat16, {"avx2", "fma"}, torch.float32, "avx512_bf16, amx_bf16"),
+        (torch.bfloat16, {"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, None),
+        (torch.bfloat16, {"avx2", "amx_bf16"}, torch.bfloat16, None),
+        (torch.float16, {"avx2", "avx512_bf16", "amx_bf16"}, torch.float32, "avx512_fp16, amx_fp16"),
+        (torch.float16, {"avx512_fp16"}, torch.float16, None),
+        (torch.float32, {"avx2"}, torch.float32, None),
+        (torch.bfloat16, set(), torch.bfloat16, None),  # flags unknown (not Linux x86): the request stands
+    ],
+)
+def test_cpu_compute_dtype_by_flags(requested, flags, expected, missing):
+    dtype, warning = cpu_compute_dtype(requested, frozenset(flags))
+    assert dtype == expected
+    if missing is None:
+        assert warning is None
+    else:
+        assert warning is not None and f"(none of the flags {missing})" in warning and "runs in float32" in warning
+
+
+def test_cpu_flags_reads_the_flags_line(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 amx_bf16\n\nprocessor\t: 1\nflags\t: fpu\n"
+    )
+    assert cpu_flags(cpuinfo) == frozenset({"fpu", "avx2", "amx_bf16"})
+    assert cpu_flags(tmp_path / "missing") == frozenset()
