@@ -112,7 +112,12 @@ def load_model(
     weights_bytes = sum(p.numel() * p.element_size() for p in params)
     if quantization == "int8":
         num_quantized = quantize_linear_weights(model)
-        logger.info("%d linear weights quantized to int8 per output channel (weight-only)", num_quantized)
+        tensors = [*model.parameters(), *model.buffers()]
+        logger.info(
+            "%d linear weights quantized to int8 per output channel (weight-only): %s of weights and buffers now",
+            num_quantized,
+            format_bytes(sum(t.numel() * t.element_size() for t in tensors)),
+        )
     elif quantization is not None:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}")
     elif prepack_linear_weights(model):
