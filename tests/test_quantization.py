@@ -56,16 +56,18 @@ def test_int8_linear_matches_its_dequantized_weight():
     torch.testing.assert_close(out1.double(), expected1, rtol=2**-7, atol=2e-2)
 
 
+def is_quantized(name: str) -> bool:
+    """A linear weight of the decoder or the LM head (biases and norms stay float)."""
+    return name.endswith(".weight") and any(fragment in name for fragment in QUANTIZED_FRAGMENTS)
+
+
 def dequantized_checkpoint(src: Path, dst: Path) -> Path:
     """A copy of checkpoint ``src`` in ``dst`` whose linear weights hold their int8 round trip."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix == ".safetensors":
             tensors = load_file(f)
-            quantized = {
-                k: reference_dequantized(v) if any(frag in k for frag in QUANTIZED_FRAGMENTS) else v
-                for k, v in tensors.items()
-            }
+            quantized = {k: reference_dequantized(v) if is_quantized(k) else v for k, v in tensors.items()}
             save_file(quantized, dst / f.name, metadata={"format": "pt"})
         else:
             (dst / f.name).write_bytes(f.read_bytes())
@@ -77,8 +79,9 @@ def prompts(vocab_size: int, num: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (8 + 5 * i,), generator=generator).tolist() for i in range(num)]
 
 
-def test_int8_engine_matches_float_engine_on_dequantized_weights(checkpoint, tmp_path):
-    path = checkpoint("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, kept float beside int8 weights
+def test_int8_engine_matches_float_engine_on_dequantized_weights(checkpoint, tmp_path, arch):
+    path = checkpoint(arch)
     reference_path = dequantized_checkpoint(path, tmp_path / "dequantized")
     # 6 requests: every step has more rows than INT8PACK_MAX_ROWS, so the int8 layers multiply float32
     # activations by the dequantized weight, the reference's arithmetic up to summation order
