@@ -92,7 +92,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-lens", default="128,512", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="runs of every engine and prompt length, interleaved")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="splitserve dtypes, comma-separated")
+    p.add_argument("--dtypes", default="float32,bfloat16,int8", help="splitserve precisions, comma-separated")
     p.add_argument(
         "--engines",
         default="splitserve,transformers,ctranslate2,llama.cpp",
@@ -161,7 +161,10 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         "--contend-timeout-s", type=float, default=600.0, help="a contention run still going then is stopped"
     )
     p.add_argument(
-        "--dtypes", default=None, help="splitserve dtypes, comma-separated (default: float32,bfloat16; cuda: bfloat16)"
+        "--dtypes",
+        default=None,
+        help="splitserve precisions, comma-separated; int8: --quantization int8 "
+        "(default: float32,bfloat16,int8; cuda: bfloat16)",
     )
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
     p.add_argument(

@@ -126,7 +126,8 @@ def measure(
     try:
         decode_timing(core, "warmup", prompt[:16], 8)
         timing = decode_timing(core, "single", prompt, output_len)
-        dtype = str(core.dtype).removeprefix("torch.")
+        # int8: one byte per weight (its few float32 norm weights, and a tied embedding it keeps float32, aside)
+        dtype = config.quantization or str(core.dtype).removeprefix("torch.")
         setting = {
             "device": config.device,
             "dtype": dtype,

@@ -30,7 +30,7 @@ from typing import Any
 from benchmarks import peers, single_request
 from benchmarks.device_limits import copy_bandwidth, matmul_peak
 from benchmarks.hf_backends import run_hf_generate, run_hf_generate_batch
-from benchmarks.workload import Machine, ModelFlops, RequestSet
+from benchmarks.workload import Machine, ModelFlops, RequestSet, splitserve_precision
 from splitserve.base import cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Settings:
     """What ``run`` runs; ``for_device`` fills the device's defaults."""
 
     backends: tuple[str, ...] = BACKENDS
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # splitserve's
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")  # splitserve's (benchmarks.workload.splitserve_precision)
     device: str = "cpu"
     hf_dtype: str = "float32"  # transformers'
     hf_batch_size: int = 16  # static batch of transformers generate
@@ -140,7 +140,7 @@ def run_splitserve(
     from frontend_svc.inproc_client import InprocClient
     from frontend_svc.input_processor import TokensPrompt
 
-    llm = LLM(str(model), dtype=dtype, **core_config)
+    llm = LLM(str(model), **splitserve_precision(dtype), **core_config)
     provider = None
     hook_s = [0.0]  # engine-thread seconds inside the observability hooks
     try:
@@ -250,12 +250,13 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def bfloat16_logprob_drift(
-    model: Path, requests: RequestSet, num_requests: int = 8, device: str = "cpu"
+def logprob_drift(
+    model: Path, requests: RequestSet, precision: str, num_requests: int = 8, device: str = "cpu"
 ) -> dict[str, float]:
-    """How far bfloat16 logprobs are from float32's: prompt logprobs (each prompt token given its prefix, the
-    same tokens for both dtypes, so no divergence compounds) of the first ``num_requests`` prompts, as the max,
-    mean and 99th percentile of the absolute difference in nats."""
+    """How far splitserve's logprobs in ``precision`` (bfloat16, int8: ``splitserve_precision``) are from
+    float32's: prompt logprobs (each prompt token given its prefix, the same tokens in both, so no divergence
+    compounds) of the first ``num_requests`` prompts, as the max, mean and 99th percentile of the absolute
+    difference in nats."""
     import numpy as np
 
     from frontend_svc import LLM, SamplingParams
@@ -271,8 +272,8 @@ def bfloat16_logprob_drift(
     prompts = [TokensPrompt(prompt_token_ids=p) for p in requests.prompts[:num_requests]]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     per_dtype = []
-    for dtype in ("float32", "bfloat16"):
-        with LLM(str(model), dtype=dtype, device=device) as llm:
+    for name in ("float32", precision):
+        with LLM(str(model), device=device, **splitserve_precision(name)) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         per_dtype.append([logprob for output in outputs for logprob in token_logprobs(output)])
     diff = np.abs(np.asarray(per_dtype[0]) - np.asarray(per_dtype[1]))
@@ -303,8 +304,10 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     check_device(device)  # --device cuda where torch cannot use a GPU: the reason and its fix, before any work
     load_before = list(os.getloadavg())  # the machine is shared: how busy it was, beside the results
     flops = ModelFlops.from_checkpoint(model)
-    peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes})
+    # int8 is weight-only: float32 activations, its MFU over float32's peak
+    peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes} - {"int8"})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
+    peaks["int8"] = peaks["float32"]
     logger.info("matmul peak: %s", ", ".join(f"{dt} {p / 1e9:.0f} GFLOP/s" for dt, p in peaks.items()))
     num_threads = cpu_threads.detect_threads(settings.num_threads).num_threads
     torch.set_num_threads(num_threads)  # transformers' too
@@ -362,16 +365,18 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         logger.info("running splitserve float32 alone and beside %d busy processes, per wait policy", settings.contend)
         contended = contention.run(model, head.prompts, head.output_len, options)
     # The peak again, after the runs: a shared machine's speed drifts; MFU is over the higher of the two.
-    peaks_after = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peaks}
+    peaks_after = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
+    peaks_after["int8"] = peaks_after["float32"]
     peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
     for r in results:
         r.mfu_lm_head_every_token *= peaks[r.dtype] / peak[r.dtype]
         r.mfu *= peaks[r.dtype] / peak[r.dtype]
     _compare(results)
-    drift = None
-    if "splitserve" in settings.backends and {"float32", "bfloat16"} <= set(settings.dtypes):
-        drift = bfloat16_logprob_drift(model, requests, device=device)
-        logger.info("bfloat16 prompt logprobs against float32: %s", drift)
+    drift: dict[str, dict[str, float]] = {}  # precision -> its logprob drift against float32
+    if "splitserve" in settings.backends and "float32" in settings.dtypes:
+        for precision in [d for d in settings.dtypes if d != "float32"]:
+            drift[precision] = logprob_drift(model, requests, precision, device=device)
+            logger.info("%s prompt logprobs against float32: %s", precision, drift[precision])
     return {
         "benchmark": "throughput",
         "model": str(model),
@@ -386,7 +391,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         "matmul_peak_gflops": {dt: p / 1e9 for dt, p in peak.items()},
         "matmul_peak_gflops_before_after": {dt: [peaks[dt] / 1e9, peaks_after[dt] / 1e9] for dt in peaks},
         "results": [_public(r) for r in results],
-        "bfloat16_logprob_drift": drift,
+        "logprob_drift": drift,
         "observability_cost": observability,
         "single_request": latency,
         "skipped": skipped,
@@ -444,7 +449,7 @@ def _single_request(
         requests.prompts[0],
         settings.single_request_output_len,
         bandwidth,
-        dtype=settings.dtypes[0],
+        **splitserve_precision(settings.dtypes[0]),
         **core_config,
     )
     logger.info(

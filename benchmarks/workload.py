@@ -23,6 +23,14 @@ PROMPT_LEN_SIGMA = 0.8
 PROMPT_LEN_RANGE = (16, 1024)
 
 
+def splitserve_precision(name: str) -> dict[str, str]:
+    """``CoreConfig`` fields of a splitserve precision the benchmarks name: a dtype (float32, bfloat16,
+    float16), or int8: float32 activations with weight-only int8 linears (``--quantization int8``)."""
+    if name == "int8":
+        return {"dtype": "float32", "quantization": "int8"}
+    return {"dtype": name}
+
+
 def default_tokenizer_dir() -> Path | None:
     """The llama2 tokenizer the request set draws ids from: ``$SPLITSERVE_TOKENIZERS_DIR/llama2``, else the
     project's ``../shared/tokenizers/llama2``; None when neither exists (the builtin tokenizer is used)."""

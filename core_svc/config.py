@@ -13,6 +13,8 @@ from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, image_limit, par
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["int8"]  # core_svc.models.quantization
+QUANTIZATION_METHODS = ("int8",)
 SchedulingPolicy = Literal["fcfs", "priority"]
 AttentionBackendName = Literal["auto", "cpu", "torch_ref", "triton", "flash_attn"]  # kernels.get_attention_backend
 ATTENTION_BACKEND_NAMES = ("auto", "cpu", "torch_ref", "triton", "flash_attn")
@@ -35,6 +37,14 @@ class CoreConfig:
     model: str = field(metadata=NOT_A_FLAG)  # local Hugging Face folder or hub id
     device: Device = field(default="cpu", metadata=flag("where the model runs"))
     dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
+    # vLLM's --quantization: int8 is weight-only, per output channel, quantized at load from the float checkpoint.
+    quantization: Quantization | None = field(
+        default=None,
+        metadata=flag(
+            "int8: the decoder's linear weights as int8 per output channel (weight-only; CPU only)",
+            default_help="none: the weights in --dtype",
+        ),
+    )
     block_size: int = field(default=16, metadata=flag("tokens per KV block", unit="tokens"))
     # KV blocks including the null block; overrides kv_cache_memory_gib.
     num_kv_blocks: int | None = field(
@@ -166,6 +176,12 @@ class CoreConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization} runs on CPU only, not on device {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_NAMES)}, got {self.attention_backend!r}"

@@ -28,6 +28,7 @@ import torch
 
 from core_svc import gpu_memory
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
+from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
 from core_svc.cuda_graphs import CudaGraphCapturer
 from core_svc.device import check_device, release_cached_memory, set_compute_threads
 from core_svc.errors import (
@@ -110,6 +111,10 @@ class EngineCore:
         with self.startup.phase("model config"):
             hf_config = load_hf_config(self.model_path)
             arch = ModelArchConfig.from_hf_config(hf_config)  # before the kernel: the backend must fit its dtype
+        if device.type == "cpu":
+            dtype, warning = cpu_compute_dtype(dtype or arch.dtype, cpu_flags())
+            if warning is not None:
+                logger.warning("%s", warning)
         with self.startup.phase("kernel"):
             spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
             backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
@@ -118,7 +123,7 @@ class EngineCore:
         if baseline is not None and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
             gpu_memory.check_free_memory(baseline, config.gpu_memory_utilization)
         with self.startup.phase("weights") as phase:
-            loaded = load_model(self.model_path, hf_config, dtype, device, backend)
+            loaded = load_model(self.model_path, hf_config, dtype, device, backend, config.quantization)
             phase.note = format_bytes(loaded.weights_bytes)
         self.max_model_len = _resolve_max_model_len(config, loaded)
         self.vocab_size = loaded.arch.vocab_size

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from core_svc.config import QUANTIZATION_METHODS
 from core_svc.errors import ModelLoadError
 from core_svc.image_processor_config import QWEN2_VL_MODEL_TYPES, read_image_processor_config
 from core_svc.models.arch import ModelArchConfig
@@ -24,6 +25,7 @@ from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
 from core_svc.models.llava import LlavaForConditionalGeneration
+from core_svc.models.quantization import quantize_linear_weights
 from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kernels import AttentionBackend
 from splitserve.base import model_files
@@ -46,7 +48,7 @@ class LoadedModel:
     path: Path
     eos_token_ids: list[int]  # generation_config's EOS ids first, else config.json's; may be empty
     num_parameters: int  # the model's parameters (a tied embedding counted once)
-    weights_bytes: int  # their bytes, in the dtype they were loaded in (before prepacking)
+    weights_bytes: int  # their bytes, in the dtype they were loaded in (before prepacking or quantizing)
     load_time_s: float  # wall-clock seconds of load_model: build, reading weights, prepacking (not the config)
 
 
@@ -71,7 +73,12 @@ def load_hf_config(path: Path) -> object:
 
 
 def load_model(
-    path: Path, hf_config: object, dtype: torch.dtype | None, device: torch.device, backend: AttentionBackend
+    path: Path,
+    hf_config: object,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    backend: AttentionBackend,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Build our model for the checkpoint at ``path`` and load every weight. Logs its size and load time at INFO
     (vLLM's "Model loading took 13.48 GiB and 12.3 seconds", with the parameter count and dtype).
@@ -79,6 +86,8 @@ def load_model(
     Args:
         hf_config: the checkpoint's config (``load_hf_config``).
         dtype: parameter dtype; None keeps the checkpoint's.
+        quantization: None, or "int8": every ``Linear`` weight quantized to int8 per output channel after
+            loading (``quantize_linear_weights``; CPU only), instead of being prepacked.
 
     Raises:
         ModelLoadError: missing or unreadable files, unsupported architecture or option, a missing, unexpected
@@ -101,7 +110,17 @@ def load_model(
     params = list(model.parameters())  # shared (tied) parameters once
     num_parameters = sum(p.numel() for p in params)
     weights_bytes = sum(p.numel() * p.element_size() for p in params)
-    if prepack_linear_weights(model):
+    if quantization == "int8":
+        num_quantized = quantize_linear_weights(model)
+        tensors = [*model.parameters(), *model.buffers()]
+        logger.info(
+            "%d linear weights quantized to int8 per output channel (weight-only): %s of weights and buffers now",
+            num_quantized,
+            format_bytes(sum(t.numel() * t.element_size() for t in tensors)),
+        )
+    elif quantization is not None:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}")
+    elif prepack_linear_weights(model):
         logger.info("linear weights prepacked for oneDNN")
     load_time_s = time.perf_counter() - start
     logger.info(

@@ -1,0 +1,31 @@
+"""The benchmarks' int8 precision: the core fields it stands for, and its target line in the throughput report."""
+
+from __future__ import annotations
+
+from benchmarks.throughput_report import check_targets
+from benchmarks.workload import splitserve_precision
+
+
+def test_splitserve_precision_names():
+    assert splitserve_precision("int8") == {"dtype": "float32", "quantization": "int8"}
+    assert splitserve_precision("bfloat16") == {"dtype": "bfloat16"}
+
+
+def test_int8_and_bfloat16_targets_over_float32():
+    def row(label: str, tok_s: float) -> dict:
+        return {"label": label, "output_tok_s": tok_s, "mfu": 0.5, "ratios": {}}
+
+    report = {
+        "device": "cpu",
+        "results": [row("splitserve float32", 200.0), row("splitserve bfloat16", 500.0), row("splitserve int8", 150.0)],
+    }
+    checks = {c.name: c for c in check_targets(report)}
+    # 500 / 200 = 2.5 and 150 / 200 = 0.75 against issue 18's 1.5
+    assert (checks["splitserve bfloat16 over float32"].measured, checks["splitserve bfloat16 over float32"].met) == (
+        2.5,
+        True,
+    )
+    assert (checks["splitserve int8 over float32"].measured, checks["splitserve int8 over float32"].met) == (
+        0.75,
+        False,
+    )
