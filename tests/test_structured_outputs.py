@@ -52,6 +52,14 @@ COMPACT_JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 REGEX = r"[a-d]{2,4}-[0-9]{1,3}@(x|yz)\.com"
 CHOICES = ["yes", "no", "maybe so", 'say "hi"']
 MAX_TOKENS = 120
+
+
+def nested(depth: int) -> str:
+    """A JSON schema text whose objects nest ``depth`` levels: {"items": {"items": ... {"type": "array"}}}."""
+    return '{"items": ' * (depth - 1) + '{"type": "array"}' + "}" * (depth - 1)
+
+
+DEEP_TEXT = nested(5000)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Hello"]
 
 
@@ -94,6 +102,9 @@ def texts(outputs) -> list[str]:
         (StructuredOutputsParams(grammar='root ::= "a" | b'), "structured_outputs.grammar", "does not compile"),
         (StructuredOutputsParams(choice=["ok", ""]), "structured_outputs.choice[1]", "non-empty string"),
         (StructuredOutputsParams(json_object=False, regex="a\x00"), "structured_outputs.regex", "NUL"),
+        # Deeper than json's decoder recurses (RecursionError), and just past the depth limit, as text and dict.
+        (StructuredOutputsParams(json=DEEP_TEXT), "structured_outputs.json", "nests deeper than 64 levels"),
+        (StructuredOutputsParams(json=json.loads(nested(65))), "structured_outputs.json", "deeper than 64"),
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(value, field, words):
@@ -206,6 +217,18 @@ def test_regex_and_choice_outputs(llm):
         assert completion.finish_reason == "stop"
     for completion in [*outputs[2].outputs, *outputs[3].outputs]:
         assert completion.text in CHOICES
+        assert completion.finish_reason == "stop"
+
+
+def test_choices_with_escapes_and_non_ascii_are_output_exactly(llm):
+    """Newline, tab, quote, backslash, U+2028 and an emoji in the choices: each output is exactly one of them."""
+    choices = ["a\nb", "tab\there", 'say "hi"', "back\\slash", "line\u2028sep", "ok 🙂"]
+    params = SamplingParams(
+        temperature=1.0, n=8, seed=9, max_tokens=40, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    completions = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs
+    for completion in completions:
+        assert completion.text in choices, completion.text
         assert completion.finish_reason == "stop"
 
 
@@ -371,6 +394,41 @@ def test_a_constraint_xgrammar_refuses_fails_the_request_in_the_core(model):
     assert good.num_output_tokens == 3
 
 
+def test_min_tokens_past_the_constraints_end_is_a_conflict_and_the_refused_token_is_left_out(model):
+    """choice ["a"] with min_tokens=5: once "a" is out, the grammar allows only EOS, which min_tokens forbids, so
+    the mask lets nothing through. The output is "a" alone (no token the grammar refused) and the request ends with
+    INVALID_ARGUMENT naming min_tokens and the conflict, not an engine failure."""
+    engine = make_engine(model)
+    request = Request("x", [5, 6], core_params(min_tokens=5, structured_outputs=StructuredOutputsParams(choice=["a"])))
+    engine.add_request(request)
+    token_ids: list[int] = []
+    errors = []
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            token_ids += output.new_token_ids
+            if output.error is not None:
+                errors.append(output.error)
+    assert decode(model, token_ids) == "a" and request.output_token_ids == token_ids
+    assert request.status == RequestStatus.FINISHED_ERROR
+    assert len(errors) == 1 and isinstance(errors[0], InvalidRequestError)
+    assert errors[0].field == "min_tokens"
+    assert "conflicts with the structured_outputs constraint" in errors[0].description
+
+
+def test_a_deeply_nested_schema_is_refused_by_the_core_as_invalid_not_internal(model):
+    """A raw client of the core: a schema deeper than json's decoder recurses, and one just past the limit, are
+    INVALID_ARGUMENT naming structured_outputs.json; one at the limit is taken."""
+    engine = make_engine(model)
+    for i, text in enumerate([DEEP_TEXT, nested(65)]):
+        params = core_params(structured_outputs=StructuredOutputsParams(json=text))
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request(Request(f"deep{i}", [5, 6], params))
+        assert info.value.field == "structured_outputs.json" and "deeper than 64" in info.value.description
+    SamplingParams(structured_outputs=StructuredOutputsParams(json=nested(64)))  # the frontend takes it too
+    engine.add_request(Request("ok", [5, 6], core_params(structured_outputs=StructuredOutputsParams(json=nested(64)))))
+    assert engine.scheduler.requests["ok"].status == RequestStatus.WAITING_FOR_FSM
+
+
 def test_the_core_refuses_two_constraints_naming_the_field(model):
     engine = make_engine(model)
     params = core_params(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
@@ -450,11 +508,13 @@ def test_scheduler_skips_requests_waiting_for_their_grammar_and_keeps_their_orde
     scheduler_output, outputs = run_step(scheduler, {"so-2": 7, "so-1": 5})
     by_id = {o.request_id: o for o in outputs.outputs}  # type: ignore[attr-defined]  # EngineCoreOutputs
     assert str(by_id["so-2"].finish_reason) == "stop"
-    assert str(by_id["so-1"].finish_reason) == "error" and "not allowed" in str(by_id["so-1"].error)
+    assert str(by_id["so-1"].finish_reason) == "error" and by_id["so-1"].new_token_ids == []  # 5 left out
+    assert "conflicts with the structured_outputs constraint" in str(by_id["so-1"].error)
 
 
 def test_a_core_without_the_models_tokenizer_refuses_constraints(model, tmp_path):
-    """The weights without tokenizer files: a constrained request fails with INVALID_ARGUMENT saying why."""
+    """The weights without tokenizer files: the core starts; a constrained request fails with INVALID_ARGUMENT
+    saying why, and so does the next one, while an unconstrained one runs."""
     import shutil
 
     bare = tmp_path / "bare"
@@ -462,9 +522,149 @@ def test_a_core_without_the_models_tokenizer_refuses_constraints(model, tmp_path
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         shutil.copy(model / name, bare / name)
     engine = make_engine(bare)
-    engine.add_request(Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a+"))))
+    for i in range(2):
+        engine.add_request(
+            Request(f"so{i}", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a+")))
+        )
+    free = Request("free", [5, 6], core_params(max_tokens=3, ignore_eos=True))
+    engine.add_request(free)
     errors = []
     while engine.has_unfinished_requests():
         errors += [o.error for o in engine.step().outputs if o.error is not None]
-    assert len(errors) == 1 and isinstance(errors[0], InvalidRequestError)
-    assert errors[0].field == "structured_outputs" and "tokenizer" in errors[0].description
+    assert len(errors) == 2
+    for error in errors:
+        assert isinstance(error, InvalidRequestError)
+        assert error.field == "structured_outputs" and "tokenizer" in error.description
+    assert free.num_output_tokens == 3
+
+
+def test_a_reused_request_id_does_not_get_the_aborted_requests_compile_failure(model, monkeypatch):
+    """A request "x" (regex "a(", which does not compile) is aborted while compiling and a new valid "x" (choice)
+    is added: the old failure, arriving later, must not end the new request, which gives one of its choices."""
+    engine = make_engine(model)
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    compile_now = manager._compile_now
+
+    def held(params):
+        release.wait(30)
+        return compile_now(params)
+
+    monkeypatch.setattr(manager, "_compile_now", held)
+    old = Request("x", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a(")))
+    engine.add_request(old)
+    engine.step()
+    engine.abort_requests(["x"])
+    new = Request("x", [5, 6], core_params(structured_outputs=StructuredOutputsParams(choice=CHOICES)))
+    engine.add_request(new)
+    release.set()
+    old_future = old.structured_output.future  # type: ignore[union-attr]  # set by grammar_init
+    assert isinstance(old_future.exception(timeout=30), InvalidRequestError)
+    token_ids, reasons, _ = run_to_end(engine, [])
+    assert reasons == {"x": "stop"}
+    assert new.status == RequestStatus.FINISHED_STOPPED
+    assert decode(model, new.output_token_ids) in CHOICES
+    assert manager.take_failed() == []
+
+
+def test_shutdown_cancels_queued_compilations_and_fails_their_requests(model, monkeypatch):
+    """Two compilations held on the pool's two threads, a third queued: shutdown cancels the queued one, whose
+    request fails with UNAVAILABLE naming the shutdown (not a CancelledError, not waiting for ever); the pool takes
+    no more work, and the held ones end once released."""
+    from core_svc.errors import EngineUnavailableError
+
+    engine = make_engine(model)
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    compile_now = manager._compile_now
+
+    def held(params):
+        started.release()
+        release.wait(30)
+        return compile_now(params)
+
+    monkeypatch.setattr(manager, "_compile_now", held)
+    requests = [
+        Request(f"r{i}", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex=f"{c}+")))
+        for i, c in enumerate("abc")
+    ]
+    for request in requests:
+        engine.add_request(request)
+    assert started.acquire(timeout=30) and started.acquire(timeout=30)  # both threads busy: "c+" is queued
+    engine.shutdown()
+    release.set()
+    queued = requests[2].structured_output
+    assert queued is not None and isinstance(queued.future.exception(timeout=30), EngineUnavailableError)
+    assert manager._executor is not None and manager._executor._shutdown
+    outputs = engine.step().outputs
+    errors = {o.request_id: o.error for o in outputs if o.error is not None}
+    assert list(errors) == ["r2"] and "shut down" in str(errors["r2"])
+    for request in requests[:2]:
+        assert request.structured_output is not None and request.structured_output.future.result(timeout=30)
+    with pytest.raises(EngineUnavailableError):
+        engine.add_request(Request("late", [5], core_params(structured_outputs=StructuredOutputsParams(regex="d+"))))
+
+
+def test_the_tokenizer_info_is_built_at_startup_not_at_the_first_constrained_request(model, monkeypatch):
+    """Building it holds the GIL for a while: at startup, once; a constrained request then builds nothing."""
+    import xgrammar as xgr
+
+    builds: list[int] = []
+    from_huggingface = xgr.TokenizerInfo.from_huggingface
+
+    def counted(*args, **kwargs):
+        builds.append(1)
+        return from_huggingface(*args, **kwargs)
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", staticmethod(counted))
+    engine = make_engine(model)
+    assert len(builds) == 1
+    request = Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(choice=CHOICES)))
+    _, reasons, _ = run_to_end(engine, [request])
+    assert reasons == {"so": "stop"} and decode(model, request.output_token_ids) in CHOICES
+    assert len(builds) == 1
+
+
+def test_steps_while_every_request_waits_for_its_grammar_wait_and_emit_nothing_new(model, monkeypatch):
+    """A compilation held on an event: the first empty step reports the new load (1 waiting), the next ones return
+    no outputs and no stats (nothing changed). A compilation that ends between the scheduling and the wait is not
+    missed: with the wait made 30 s long, that step returns at once, and the next one runs the request."""
+    import time
+
+    from core_svc import engine_core
+
+    engine = make_engine(model)
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    compile_now = manager._compile_now
+
+    def held(params):
+        release.wait(30)
+        return compile_now(params)
+
+    monkeypatch.setattr(manager, "_compile_now", held)
+    monkeypatch.setattr(engine_core, "GRAMMAR_WAIT_S", 0.001)
+    engine.add_request(Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex=REGEX))))
+    emitted = [engine.step() for _ in range(20)]
+    assert emitted[0].scheduler_stats is not None and emitted[0].scheduler_stats.num_waiting_reqs == 1
+    assert [(o.outputs, o.scheduler_stats, o.finished_requests) for o in emitted[1:]] == [([], None, set())] * 19
+
+    monkeypatch.setattr(engine_core, "GRAMMAR_WAIT_S", 30.0)
+    schedule = engine.scheduler.schedule
+    num_done = manager.num_compilations_done
+
+    def schedule_then_compile():  # the compilation ends after this step scheduled nothing, before it waits
+        scheduler_output = schedule()
+        release.set()
+        deadline = time.monotonic() + 30
+        while manager.num_compilations_done == num_done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return scheduler_output
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_then_compile)
+    start_s = time.monotonic()
+    assert engine.step().outputs == []
+    assert time.monotonic() - start_s < 10  # not the 30 s wait: the ended compilation was seen
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    assert engine.step().scheduler_stats.num_running_reqs == 1  # type: ignore[union-attr]  # a step that ran
