@@ -100,6 +100,8 @@ def texts(outputs) -> list[str]:
         (StructuredOutputsParams(json={"type": "strin"}), "structured_outputs.json", "does not compile"),
         (StructuredOutputsParams(regex="a[b"), "structured_outputs.regex", "does not compile"),
         (StructuredOutputsParams(grammar='root ::= "a" | b'), "structured_outputs.grammar", "does not compile"),
+        # Lark, which llguidance would take and xgrammar (GBNF) refuses: refused here, saying GBNF is expected.
+        (StructuredOutputsParams(grammar='start: "a"'), "structured_outputs.grammar", "must be a GBNF grammar"),
         (StructuredOutputsParams(choice=["ok", ""]), "structured_outputs.choice[1]", "non-empty string"),
         (StructuredOutputsParams(json_object=False, regex="a\x00"), "structured_outputs.regex", "NUL"),
         # Deeper than json's decoder recurses (RecursionError), and just past the depth limit, as text and dict.
@@ -230,6 +232,39 @@ def test_choices_with_escapes_and_non_ascii_are_output_exactly(llm):
     for completion in completions:
         assert completion.text in choices, completion.text
         assert completion.finish_reason == "stop"
+
+
+def test_schemas_llguidance_does_not_implement_but_xgrammar_compiles_are_served(llm):
+    """uniqueItems (pydantic's sets) and not: llguidance would refuse them as unimplemented keys; the frontend
+    checks leniently and the core compiles them. xgrammar does not enforce these two keys (docs/operations.md):
+    every output validates against the schema without them."""
+    schemas = [
+        {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3, "uniqueItems": True},
+        {"type": "object", "properties": {"n": {"type": "integer", "not": {"enum": [0]}}}, "required": ["n"]},
+    ]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            n=3,
+            seed=6,
+            max_tokens=30,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        for schema in schemas
+    ]
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for output, schema in zip(outputs, schemas, strict=True):
+        for completion in output.outputs:
+            if completion.finish_reason == "length":  # a long integer may run past max_tokens
+                continue
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), without_keys(schema, {"uniqueItems", "not"}))
+
+
+def without_keys(value: object, keys: set[str]) -> object:
+    if isinstance(value, dict):
+        return {k: without_keys(v, keys) for k, v in value.items() if k not in keys}
+    return value
 
 
 def test_grammar_output(llm):
