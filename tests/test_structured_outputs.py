@@ -204,6 +204,20 @@ def test_json_with_whitespace_and_json_object(llm):
     assert outputs[2].outputs[0].text == "{}"
 
 
+def test_an_empty_schema_is_any_json_as_a_dict_and_as_text(llm):
+    """json={} and json="{}" are the same constraint (the empty schema: any JSON value)."""
+    as_dict, as_text = StructuredOutputsParams(json={}), StructuredOutputsParams(json="{}")
+    assert as_dict.key == as_text.key == ("json", "{}", False)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so) for so in (as_dict, as_text)]
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        if completion.finish_reason == "stop":
+            json.loads(completion.text)
+        else:
+            assert completion.finish_reason == "length" and len(completion.token_ids) == 40
+
+
 def test_regex_and_choice_outputs(llm):
     regex = StructuredOutputsParams(regex=REGEX)
     choice = StructuredOutputsParams(choice=CHOICES)

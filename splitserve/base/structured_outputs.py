@@ -121,4 +121,5 @@ def json_depth(value: Any, limit: int) -> int:
 
 
 def _is_set(value: Any) -> bool:
-    return value is not None and value is not False and value != "" and value != [] and value != {}
+    # An empty dict is set: json={} is the empty schema (any JSON value), as json="{}".
+    return value is not None and value is not False and value != "" and value != []
