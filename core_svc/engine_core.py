@@ -221,7 +221,9 @@ class EngineCore:
             self.num_consecutive_failed_steps = 0
             outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         outputs.outputs[:0] = grammar_failures
-        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_unfinished_requests():
+        if not scheduler_output.total_num_scheduled_tokens and any(
+            request.status == RequestStatus.WAITING_FOR_FSM for request in self.scheduler.waiting
+        ):
             # All wait for grammars: do not spin. Bounded, so that the loop still takes adds and aborts.
             self.structured_output_manager.wait_for_grammar(num_compilations_seen, GRAMMAR_WAIT_S)
             if not outputs.outputs and not outputs.finished_requests and outputs.scheduler_stats == self._last_stats:
