@@ -73,6 +73,13 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def engine(model):
+    """One default engine core for the tests that need nothing else of it (each ends with it idle; a test that
+    holds a compilation uses a constraint no other test compiles, since a cached grammar would not be held)."""
+    return make_engine(model)
+
+
+@pytest.fixture(scope="module")
 def llm(model):
     with LLM(str(model), num_kv_blocks=257) as instance:
         yield instance
@@ -309,18 +316,20 @@ def test_eos_is_allowed_only_where_the_output_is_complete(llm):
         assert not re.fullmatch(REGEX, tokenizer.decode(ids[:end], skip_special_tokens=True))
 
 
-def test_max_tokens_inside_the_structure_is_length(llm):
+@pytest.fixture(scope="module")
+def greedy_json(llm):
+    """The greedy COMPACT_JSON completion of PROMPTS[0], which several tests compare against."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=COMPACT_JSON)
+    return llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_max_tokens_inside_the_structure_is_length(llm, greedy_json):
     params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=COMPACT_JSON)
     completion = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
     assert completion.finish_reason == "length" and len(completion.token_ids) == 4
     with pytest.raises(json.JSONDecodeError):
         json.loads(completion.text)
-    full = llm.generate(
-        PROMPTS[:1],
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=COMPACT_JSON),
-        use_tqdm=False,
-    )
-    assert full[0].outputs[0].token_ids[:4] == completion.token_ids  # the same path, cut
+    assert greedy_json.token_ids[:4] == completion.token_ids  # the same path, cut
 
 
 def test_unconstrained_requests_in_the_batch_give_their_solo_outputs(llm):
@@ -335,9 +344,9 @@ def test_unconstrained_requests_in_the_batch_give_their_solo_outputs(llm):
     assert outputs[2].outputs[0].text in CHOICES
 
 
-def test_stop_strings_trim_a_constrained_output(llm):
+def test_stop_strings_trim_a_constrained_output(llm, greedy_json):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=COMPACT_JSON)
-    full = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+    full = greedy_json.text
     stop = '"owner"'
     assert stop in full
     params.stop = [stop]
@@ -377,7 +386,7 @@ def decode(model, token_ids: list[int]) -> str:
     return AutoTokenizer.from_pretrained(model).decode(token_ids, skip_special_tokens=True)
 
 
-def test_chunked_prefill_and_preemption_keep_outputs_valid(model):
+def test_chunked_prefill_and_preemption_keep_outputs_valid(model, engine):
     """Prompts in small chunks (only the chunk that samples is masked), and a KV cache too small for all: requests
     are preempted mid-structure and resume with their matchers; the outputs equal those of a roomy engine."""
     prompts = [[(7 * i + j) % 500 + 10 for j in range(40)] for i in range(4)]
@@ -386,7 +395,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_valid(model):
     def requests() -> list[Request]:
         return [Request(f"r{i}", p, core_params(max_tokens=60, structured_outputs=so)) for i, p in enumerate(prompts)]
 
-    expected, _, _ = run_to_end(make_engine(model), requests())
+    expected, _, _ = run_to_end(engine, requests())
     tight = make_engine(model, max_num_batched_tokens=16, num_kv_blocks=1 + 8, block_size=16)
     ids, reasons, num_preemptions = run_to_end(tight, requests())
     assert num_preemptions > 0
@@ -396,10 +405,9 @@ def test_chunked_prefill_and_preemption_keep_outputs_valid(model):
         jsonschema.validate(json.loads(decode(model, token_ids)), SMALL_SCHEMA)
 
 
-def test_compilation_does_not_stall_the_step_loop(model, monkeypatch):
+def test_compilation_does_not_stall_the_step_loop(model, engine, monkeypatch):
     """While a grammar compiles (held here), its request waits in WAITING_FOR_FSM and an unconstrained request
     runs to its end; released, the constrained one runs."""
-    engine = make_engine(model)
     manager = engine.structured_output_manager
     release = threading.Event()
     compile_now = manager._compile_now
@@ -409,7 +417,8 @@ def test_compilation_does_not_stall_the_step_loop(model, monkeypatch):
         return compile_now(params)
 
     monkeypatch.setattr(manager, "_compile_now", held)
-    constrained = Request("so", [5, 6, 7], core_params(structured_outputs=StructuredOutputsParams(regex=REGEX)))
+    regex = REGEX.replace("com", "org")  # compiled by no other test on this engine: held, not cached
+    constrained = Request("so", [5, 6, 7], core_params(structured_outputs=StructuredOutputsParams(regex=regex)))
     free = Request("free", [8, 9], core_params(max_tokens=5, ignore_eos=True))
     engine.add_request(constrained)
     engine.add_request(free)
@@ -422,13 +431,12 @@ def test_compilation_does_not_stall_the_step_loop(model, monkeypatch):
     _, reasons, _ = run_to_end(engine, [])
     assert reasons == {"so": "stop"}
     assert constrained.status == RequestStatus.FINISHED_STOPPED
-    assert re.fullmatch(REGEX, decode(model, constrained.output_token_ids))
+    assert re.fullmatch(regex, decode(model, constrained.output_token_ids))
 
 
-def test_a_constraint_xgrammar_refuses_fails_the_request_in_the_core(model):
+def test_a_constraint_xgrammar_refuses_fails_the_request_in_the_core(engine):
     """A raw client of the core (no frontend check): the request ends with INVALID_ARGUMENT and xgrammar's
     reason; another request goes on."""
-    engine = make_engine(model)
     bad = Request("bad", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a(b")))
     good = Request("good", [5, 6], core_params(max_tokens=3, ignore_eos=True))
     errors = {}
@@ -443,11 +451,10 @@ def test_a_constraint_xgrammar_refuses_fails_the_request_in_the_core(model):
     assert good.num_output_tokens == 3
 
 
-def test_min_tokens_past_the_constraints_end_is_a_conflict_and_the_refused_token_is_left_out(model):
+def test_min_tokens_past_the_constraints_end_is_a_conflict_and_the_refused_token_is_left_out(model, engine):
     """choice ["a"] with min_tokens=5: once "a" is out, the grammar allows only EOS, which min_tokens forbids, so
     the mask lets nothing through. The output is "a" alone (no token the grammar refused) and the request ends with
     INVALID_ARGUMENT naming min_tokens and the conflict, not an engine failure."""
-    engine = make_engine(model)
     request = Request("x", [5, 6], core_params(min_tokens=5, structured_outputs=StructuredOutputsParams(choice=["a"])))
     engine.add_request(request)
     token_ids: list[int] = []
@@ -464,10 +471,9 @@ def test_min_tokens_past_the_constraints_end_is_a_conflict_and_the_refused_token
     assert "conflicts with the structured_outputs constraint" in errors[0].description
 
 
-def test_a_deeply_nested_schema_is_refused_by_the_core_as_invalid_not_internal(model):
+def test_a_deeply_nested_schema_is_refused_by_the_core_as_invalid_not_internal(engine):
     """A raw client of the core: a schema deeper than json's decoder recurses, and one just past the limit, are
     INVALID_ARGUMENT naming structured_outputs.json; one at the limit is taken."""
-    engine = make_engine(model)
     for i, text in enumerate([DEEP_TEXT, nested(65)]):
         params = core_params(structured_outputs=StructuredOutputsParams(json=text))
         with pytest.raises(InvalidRequestError) as info:
@@ -476,10 +482,11 @@ def test_a_deeply_nested_schema_is_refused_by_the_core_as_invalid_not_internal(m
     SamplingParams(structured_outputs=StructuredOutputsParams(json=nested(64)))  # the frontend takes it too
     engine.add_request(Request("ok", [5, 6], core_params(structured_outputs=StructuredOutputsParams(json=nested(64)))))
     assert engine.scheduler.requests["ok"].status == RequestStatus.WAITING_FOR_FSM
+    engine.abort_requests(["ok"])
+    engine.step()  # hands out the aborted id: the next test starts from a quiet engine
 
 
-def test_the_core_refuses_two_constraints_naming_the_field(model):
-    engine = make_engine(model)
+def test_the_core_refuses_two_constraints_naming_the_field(engine):
     params = core_params(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(Request("two", [5, 6], params))
@@ -587,10 +594,9 @@ def test_a_core_without_the_models_tokenizer_refuses_constraints(model, tmp_path
     assert free.num_output_tokens == 3
 
 
-def test_a_reused_request_id_does_not_get_the_aborted_requests_compile_failure(model, monkeypatch):
+def test_a_reused_request_id_does_not_get_the_aborted_requests_compile_failure(model, engine, monkeypatch):
     """A request "x" (regex "a(", which does not compile) is aborted while compiling and a new valid "x" (choice)
     is added: the old failure, arriving later, must not end the new request, which gives one of its choices."""
-    engine = make_engine(model)
     manager = engine.structured_output_manager
     release = threading.Event()
     compile_now = manager._compile_now
@@ -675,7 +681,7 @@ def test_the_tokenizer_info_is_built_at_startup_not_at_the_first_constrained_req
     assert len(builds) == 1
 
 
-def test_steps_while_every_request_waits_for_its_grammar_wait_and_emit_nothing_new(model, monkeypatch):
+def test_steps_while_every_request_waits_for_its_grammar_wait_and_emit_nothing_new(engine, monkeypatch):
     """A compilation held on an event: the first empty step reports the new load (1 waiting), the next ones return
     no outputs and no stats (nothing changed). A compilation that ends between the scheduling and the wait is not
     missed: with the wait made 30 s long, that step returns at once, and the next one runs the request."""
@@ -683,7 +689,6 @@ def test_steps_while_every_request_waits_for_its_grammar_wait_and_emit_nothing_n
 
     from core_svc import engine_core
 
-    engine = make_engine(model)
     manager = engine.structured_output_manager
     release = threading.Event()
     compile_now = manager._compile_now
@@ -694,7 +699,8 @@ def test_steps_while_every_request_waits_for_its_grammar_wait_and_emit_nothing_n
 
     monkeypatch.setattr(manager, "_compile_now", held)
     monkeypatch.setattr(engine_core, "GRAMMAR_WAIT_S", 0.001)
-    engine.add_request(Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex=REGEX))))
+    regex = REGEX.replace("com", "net")  # compiled by no other test on this engine: held, not cached
+    engine.add_request(Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex=regex))))
     emitted = [engine.step() for _ in range(20)]
     assert emitted[0].scheduler_stats is not None and emitted[0].scheduler_stats.num_waiting_reqs == 1
     assert [(o.outputs, o.scheduler_stats, o.finished_requests) for o in emitted[1:]] == [([], None, set())] * 19
@@ -717,3 +723,4 @@ def test_steps_while_every_request_waits_for_its_grammar_wait_and_emit_nothing_n
     assert time.monotonic() - start_s < 10  # not the 30 s wait: the ended compilation was seen
     monkeypatch.setattr(engine.scheduler, "schedule", schedule)
     assert engine.step().scheduler_stats.num_running_reqs == 1  # type: ignore[union-attr]  # a step that ran
+    run_to_end(engine, [])
