@@ -626,6 +626,7 @@ def test_shutdown_cancels_queued_compilations_and_fails_their_requests(model, mo
     """Two compilations held on the pool's two threads, a third queued: shutdown cancels the queued one, whose
     request fails with UNAVAILABLE naming the shutdown (not a CancelledError, not waiting for ever); the pool takes
     no more work, and the held ones end once released."""
+    from core_svc.engine_loop import EngineLoop
     from core_svc.errors import EngineUnavailableError
 
     engine = make_engine(model)
@@ -647,7 +648,7 @@ def test_shutdown_cancels_queued_compilations_and_fails_their_requests(model, mo
     for request in requests:
         engine.add_request(request)
     assert started.acquire(timeout=30) and started.acquire(timeout=30)  # both threads busy: "c+" is queued
-    engine.shutdown()
+    EngineLoop(engine).stop()  # the core's stop path (never started here: the test steps the core itself)
     release.set()
     queued = requests[2].structured_output
     assert queued is not None and isinstance(queued.future.exception(timeout=30), EngineUnavailableError)
