@@ -36,7 +36,7 @@ from core_svc.request import Request, RequestStatus
 from core_svc.structured_output_request import Grammar, StructuredOutputRequest
 from splitserve.base.structured_outputs import FIELD, StructuredOutputsParams
 
-if TYPE_CHECKING:  # xgrammar is imported on the first constrained request: a core without any never loads it
+if TYPE_CHECKING:  # xgrammar is imported at warm-up (when installed), not with this module: a core starts without it
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
