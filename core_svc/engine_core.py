@@ -59,6 +59,9 @@ from splitserve.base.sampling_rules import eos_and_stop_ids
 
 logger = logging.getLogger(__name__)
 
+# The longest an engine step waits for a compilation while every unfinished request waits for its grammar: the
+# engine loop's command poll (adds, aborts) while idle, EngineLoop._apply_commands.
+GRAMMAR_WAIT_S = 0.05
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -153,11 +156,14 @@ class EngineCore:
             SchedulerConfig.from_core_config(config, self.max_model_len, max_tokens_per_mm_item), kv_cache_manager
         )
         self.structured_output_manager = StructuredOutputManager(self.model_path, self.vocab_size, self.eos_token_ids)
+        with self.startup.phase("structured outputs"):
+            self.structured_output_manager.warm_up()  # the tokenizer info: not at the first constrained request
         self._profiler: torch.profiler.profile | None = None
         self._profile_dir = Path(tempfile.gettempdir())
         self._stats: RequestStatsTracker | None = None  # set by the first add_stats_sink: metrics, tracing
         self.num_consecutive_failed_steps = 0  # steps whose model runner raised, since the last one that did not
         self.dead_error: EngineUnavailableError | None = None  # set once the core is declared dead
+        self._last_stats: SchedulerStats | None = None  # those of the last step that returned any
         self._log_kv_cache_size(kv_cache_bytes)
         logger.info("%s", self.startup.summary())
 
@@ -192,6 +198,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests as aborted and free their blocks. Unknown or finished ids are ignored."""
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.structured_output_manager.forget_failures(aborted)
         if self._stats is not None:
             scheduler = self.scheduler
             load = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.kv_cache_manager.usage)
@@ -207,6 +214,7 @@ class EngineCore:
         """
         if self.dead_error is not None:
             raise self.dead_error
+        num_compilations_seen = self.structured_output_manager.num_compilations_done
         grammar_failures = self._fail_grammar_failures()
         scheduler_output = self.scheduler.schedule()
         try:
@@ -218,17 +226,30 @@ class EngineCore:
             self.num_consecutive_failed_steps = 0
             outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         outputs.outputs[:0] = grammar_failures
-        if not scheduler_output.total_num_scheduled_tokens and self.scheduler.has_unfinished_requests():
-            self.structured_output_manager.wait_for_grammar(0.01)  # all wait for grammars: do not spin
+        if not scheduler_output.total_num_scheduled_tokens and any(
+            request.status == RequestStatus.WAITING_FOR_FSM for request in self.scheduler.waiting
+        ):
+            # All wait for grammars: do not spin. Bounded, so that the loop still takes adds and aborts.
+            self.structured_output_manager.wait_for_grammar(num_compilations_seen, GRAMMAR_WAIT_S)
+            if not outputs.outputs and not outputs.finished_requests and outputs.scheduler_stats == self._last_stats:
+                outputs.scheduler_stats = None  # nothing happened: nothing to tell the clients
+                return outputs
+        self._last_stats = outputs.scheduler_stats
         if self._stats is not None:
             self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
 
+    def shutdown(self) -> None:
+        """Release what runs beside the step loop: the grammar compile pool (queued compilations are cancelled,
+        their requests end with ``EngineUnavailableError``). Call once the engine loop has stopped stepping."""
+        self.structured_output_manager.shutdown()
+
     def _fail_grammar_failures(self) -> list[EngineCoreOutput]:
-        """End the requests whose constraint did not compile (INVALID_ARGUMENT with xgrammar's reason)."""
+        """End the requests whose constraint did not compile (INVALID_ARGUMENT with xgrammar's reason). Only the
+        very request that failed: one aborted while compiling may have left its id to a new request since."""
         outputs: list[EngineCoreOutput] = []
         for request, error in self.structured_output_manager.take_failed():
-            if isinstance(error, Exception):
+            if isinstance(error, Exception) and self.scheduler.requests.get(request.request_id) is request:
                 outputs += self.scheduler.fail_requests([request.request_id], error)
         return outputs
 

@@ -69,6 +69,7 @@ class EngineLoop:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._fail_pending(EngineUnavailableError("the engine loop has stopped"))
+        self.engine_core.shutdown()
 
     @property
     def is_alive(self) -> bool:

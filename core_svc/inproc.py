@@ -93,6 +93,11 @@ class InprocCore:
         if self._engine_loop is not None:
             self._engine_loop.stop()
 
+    def shutdown(self) -> None:
+        """Stop the engine loop, if any, and the core's threads (``EngineCore.shutdown``)."""
+        self.stop_engine_loop()
+        self.engine_core.shutdown()
+
     @property
     def engine_loop_failed(self) -> bool:
         return self._engine_loop is not None and self._engine_loop.dead_error is not None

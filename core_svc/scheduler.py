@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from core_svc.config import SchedulerConfig
 from core_svc.encoder_cache_manager import EncoderCacheManager
-from core_svc.errors import EngineStepError
+from core_svc.errors import InvalidRequestError
 from core_svc.kv_cache_manager import KVCacheManager
 from core_svc.outputs import (
     CachedRequestData,
@@ -145,14 +145,17 @@ class Scheduler:
             kept: list[int] = []
             error: Exception | None = None
             for token_id in new_token_ids:
+                error = self._advance_grammar(request, token_id)
+                if error is not None:  # a token the constraint refuses is not part of the output
+                    stopped.append(request)
+                    break
                 request.append_output_token_id(token_id)
                 kept.append(token_id)
-                error = self._advance_grammar(request, token_id)
-                if error is not None or self._check_stop(request):
+                if self._check_stop(request):
                     stopped.append(request)
                     break
             prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
-            if not kept and prompt_logprobs is None:
+            if not kept and prompt_logprobs is None and error is None:
                 continue  # mid-prefill: nothing to report
             logprobs = model_runner_output.logprobs.get(request_id)
             outputs.append(
@@ -485,20 +488,19 @@ class Scheduler:
         return False
 
     def _advance_grammar(self, request: Request, token_id: int) -> Exception | None:
-        """Feed a sampled token to the request's grammar matcher: a token the grammar refuses (the mask let none
-        through, e.g. min_tokens masked the only allowed EOS) ends the request with FINISHED_ERROR (vLLM's
-        rule); a matcher that terminated (a stop token accepted where the grammar is complete) ends it with
-        FINISHED_STOPPED. Returns the error, if any."""
+        """Feed a sampled token to the request's grammar matcher, before it joins the output: a matcher that
+        terminates (a stop token accepted where the grammar is complete) ends the request with FINISHED_STOPPED.
+        A token the grammar refuses means the mask let none through: another setting forbade every token the
+        grammar allowed (min_tokens or ignore_eos the EOS that alone completes it, allowed_token_ids the rest).
+        The request then ends with FINISHED_ERROR (vLLM's rule) and an ``InvalidRequestError`` naming the
+        conflict, and the token is left out. Returns the error, if any."""
         so = request.structured_output
         if so is None:
             return None
         grammar = so.grammar
         if not grammar.accept_token(token_id):
             request.status = RequestStatus.FINISHED_ERROR
-            return EngineStepError(
-                f"the engine core failed while running this request: token {token_id} is not allowed by its "
-                "structured_outputs constraint here"
-            )
+            return _grammar_conflict(request)
         if grammar.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED
         return None
@@ -509,3 +511,20 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self.finished_since_last_output.add(request.request_id)
+
+
+def _grammar_conflict(request: Request) -> InvalidRequestError:
+    """The error of a request whose other sampling settings forbade every token its constraint allowed."""
+    params = request.sampling_params
+    num_output_tokens = request.num_output_tokens
+    if num_output_tokens < params.min_tokens:
+        field, setting = "min_tokens", f"min_tokens={params.min_tokens} forbids ending the output"
+    elif params.allowed_token_ids:
+        field, setting = "allowed_token_ids", "allowed_token_ids forbids all of them"
+    else:
+        field, setting = "sampling_params", "the other sampling settings (logit_bias, bad words) forbid all of them"
+    return InvalidRequestError(
+        field,
+        f"conflicts with the structured_outputs constraint: after {num_output_tokens} output token(s) the "
+        f"constraint allows only tokens that {setting}",
+    )

@@ -9,16 +9,19 @@ one bitmask row per constrained request that samples (``grammar_bitmask``); the 
 the tokens a row forbids to -inf before sampling (``apply_grammar_bitmask``). EOS is allowed only
 where the grammar is complete (the stop tokens of the tokenizer info are the model's EOS ids).
 
-The tokenizer info is built once, on the first constrained request, from the checkpoint's tokenizer files
+The tokenizer info is built once, at core startup (``warm_up``), from the checkpoint's tokenizer files
 (transformers ``AutoTokenizer``), as vLLM's core loads the tokenizer for structured outputs. A preempted
 request keeps its matcher: preemption by recompute keeps its output tokens, which the matcher has accepted.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,13 +30,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core_svc.errors import InvalidRequestError
+from core_svc.errors import EngineUnavailableError, InvalidRequestError
 from core_svc.outputs import SchedulerOutput
 from core_svc.request import Request, RequestStatus
 from core_svc.structured_output_request import Grammar, StructuredOutputRequest
 from splitserve.base.structured_outputs import FIELD, StructuredOutputsParams
 
-if TYPE_CHECKING:  # xgrammar is imported on the first constrained request: a core without any never loads it
+if TYPE_CHECKING:  # xgrammar is imported at warm-up (when installed), not with this module: a core starts without it
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
@@ -103,12 +106,15 @@ class StructuredOutputManager:
         self._max_workers = max_workers
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
+        self._compiler_error: InvalidRequestError | None = None  # the tokenizer could not be loaded
         # key -> compilation, least recently used first; at most MAX_CACHED_GRAMMARS (a server sees any number of
         # distinct schemas; a matcher holds its own reference to its grammar, so eviction frees only the cache's)
         self._compiled: OrderedDict[tuple[str, str, bool], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._ready = threading.Condition()  # notified when any compilation ends
+        self.num_compilations_done = 0  # compilations ended (matcher made or failed), under _ready
         self._failed: list[tuple[Request, BaseException]] = []  # requests whose constraint did not compile
         self._failed_lock = threading.Lock()
+        self._is_shut_down = False
 
     def grammar_init(self, request: Request) -> None:
         """Start compiling ``request``'s constraint and put it in WAITING_FOR_FSM (a cached grammar is ready at
@@ -122,19 +128,33 @@ class StructuredOutputManager:
         def make_matcher(done: Future[xgr.CompiledGrammar]) -> None:
             import xgrammar as xgr
 
-            error = done.exception()
+            if done.cancelled():  # the pool was shut down before this compilation started
+                error: BaseException | None = EngineUnavailableError(
+                    "the engine core shut down before this request's structured_outputs constraint was compiled"
+                )
+            else:
+                error = done.exception()
             if error is not None:
-                grammar.set_exception(error)
-                with self._failed_lock:
+                with self._failed_lock:  # before the future: whoever sees it failed finds the failure queued
                     self._failed.append((request, error))
+                grammar.set_exception(error)
             else:
                 grammar.set_result(XgrammarGrammar(xgr.GrammarMatcher(done.result())))
             with self._ready:
+                self.num_compilations_done += 1
                 self._ready.notify_all()
 
         compiled.add_done_callback(make_matcher)
         request.structured_output = StructuredOutputRequest(params, grammar)
         request.status = RequestStatus.WAITING_FOR_FSM
+
+    def shutdown(self) -> None:
+        """Stop the compile pool: compilations not started are cancelled (their requests fail with
+        ``EngineUnavailableError`` at the next ``take_failed``); running ones end on their own (xgrammar cannot
+        be interrupted), on threads that do not hold up the interpreter's exit for long."""
+        self._is_shut_down = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def take_failed(self) -> list[tuple[Request, BaseException]]:
         """The requests whose compilation failed since the last call, with the error (``InvalidRequestError``)."""
@@ -142,11 +162,18 @@ class StructuredOutputManager:
             failed, self._failed = self._failed, []
         return failed
 
-    def wait_for_grammar(self, timeout_s: float) -> None:
-        """Block until some compilation ends or ``timeout_s`` passes (an idle engine loop waits here instead of
-        spinning while every waiting request waits for its grammar)."""
+    def forget_failures(self, requests: list[Request]) -> None:
+        """Drop the failures of ``requests`` (aborted: nobody is left to fail)."""
+        gone = {id(request) for request in requests}
+        with self._failed_lock:
+            self._failed = [(request, error) for request, error in self._failed if id(request) not in gone]
+
+    def wait_for_grammar(self, num_seen: int, timeout_s: float) -> bool:
+        """Block until more than ``num_seen`` compilations have ended (``num_compilations_done``, read before
+        the step scheduled: one that ended since is not missed) or ``timeout_s`` passes. An engine loop whose
+        requests all wait for grammars waits here instead of spinning. Returns whether one ended."""
         with self._ready:
-            self._ready.wait(timeout_s)
+            return self._ready.wait_for(lambda: self.num_compilations_done > num_seen, timeout_s)
 
     def grammar_bitmask(self, requests: dict[str, Request], scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """One bitmask row per constrained request that samples this step (its known tokens all computed after
@@ -173,7 +200,9 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         key = params.key
         future = self._compiled.get(key)
-        if future is None or (future.done() and future.exception() is not None):
+        if future is None or (future.done() and (future.cancelled() or future.exception() is not None)):
+            if self._is_shut_down:
+                raise EngineUnavailableError("the engine core has shut down")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._max_workers, thread_name_prefix="grammar-compile")
             future = self._executor.submit(self._compile_now, params)
@@ -209,30 +238,47 @@ class StructuredOutputManager:
             reason = _LOG_PREFIX.sub("", str(e)).strip()  # "[10:18:32] /project/cpp/regex_converter.cc:94: ..."
             raise InvalidRequestError(f"{FIELD}.{kind}", f"does not compile: {reason}") from None
 
+    def warm_up(self) -> None:
+        """Build the tokenizer info now, at core startup, when xgrammar is installed: it holds the GIL for a
+        while (loading the tokenizer, then xgrammar's vocabulary pass), which at the first constrained request
+        would stall every running stream. A checkpoint without tokenizer files starts all the same: its
+        constrained requests are refused (``_get_compiler``)."""
+        if importlib.util.find_spec("xgrammar") is None:
+            return
+        try:
+            self._get_compiler()
+        except InvalidRequestError as e:
+            logger.info("structured outputs: off until requested: %s", e.description)
+
     def _get_compiler(self) -> xgr.GrammarCompiler:
-        """The compiler, with the tokenizer info built on first use.
+        """The compiler, with the tokenizer info built on first use (``warm_up``: at startup).
 
         Raises:
             InvalidRequestError: the checkpoint's tokenizer cannot be loaded (vLLM refuses structured outputs
                 without a tokenizer too).
         """
         with self._compiler_lock:
+            if self._compiler_error is not None:
+                raise self._compiler_error
             if self._compiler is None:
                 import xgrammar as xgr
                 from transformers import AutoTokenizer
 
+                start_s = time.perf_counter()
                 try:
                     tokenizer = AutoTokenizer.from_pretrained(self.model_path)
                 except (OSError, ValueError) as e:  # no tokenizer files beside the weights
-                    raise InvalidRequestError(
+                    self._compiler_error = InvalidRequestError(
                         FIELD, f"needs the model's tokenizer, which this core cannot load from {self.model_path}: {e}"
-                    ) from None
+                    )
+                    raise self._compiler_error from None
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
                 )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_workers)
                 logger.info(
-                    "structured outputs: xgrammar tokenizer info built (%s, %d tokens)",
+                    "structured outputs: xgrammar tokenizer info built in %.2f s (%s, %d tokens)",
+                    time.perf_counter() - start_s,
                     info.vocab_type.name,
                     info.vocab_size,
                 )
@@ -241,5 +287,5 @@ class StructuredOutputManager:
 
 def choice_as_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is ``choices`` (vLLM's ``choice_as_grammar``)."""
-    escaped = (re.sub(r'(["\\])', r"\\\1", choice) for choice in choices)
-    return "root ::= " + " | ".join(f'"{choice}"' for choice in escaped)
+    # Each literal as a JSON string: xgrammar's EBNF string literals take JSON's escapes (\n, \t, \", \\, \uXXXX).
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)

@@ -71,6 +71,7 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         if self._core_edge is not None:
+            self._core_edge.shutdown()
             self._core_edge = None
             self.engine_core = None
             gc.collect()  # the model and KV cache go now, not at some later collection

@@ -4,8 +4,11 @@ The core compiles constraints with xgrammar, whose import pulls torch (``xgramma
 never imports. So the frontend compiles them, without a tokenizer, with llguidance (the grammar library vLLM's
 ``guidance`` backend uses; Rust, no torch): a JSON schema, a regex or an EBNF grammar (GBNF, converted to
 llguidance's Lark by ``llguidance.gbnf_to_lark``) that llguidance refuses is INVALID_ARGUMENT with its reason.
-The two libraries agree on the usual constructs; a constraint llguidance accepts and xgrammar does not is
-refused by the core, with xgrammar's reason, as INVALID_ARGUMENT too.
+The frontend refuses only what is surely invalid: JSON schemas are checked in llguidance's lenient mode (keys it
+does not implement are ignored), and its own size limits and a schema pattern's look-around (both of which
+xgrammar takes) pass; a grammar must be GBNF (xgrammar's dialect; llguidance would also take Lark). A constraint
+that passes here and that xgrammar refuses is refused by the core, with xgrammar's reason, as INVALID_ARGUMENT
+too (docs/operations.md lists the known differences).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from splitserve.base.structured_outputs import (
     structured_outputs_violation,
 )
 
+# llguidance's words for its own limits (its lexer's and grammar's sizes, its schema and regex budgets).
+_LLGUIDANCE_LIMITS = ("too big (limit", "schema too large", "fuel exhausted")
 _PARAM_NAMES = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
 
 
@@ -56,9 +61,17 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
     if kind in ("json_object", "choice"):
         return  # nothing to compile: a fixed grammar, and literal strings
     spec = params.spec
+    if kind == "grammar" and "::=" not in spec:
+        raise ValidationError(
+            f"{FIELD}.grammar",
+            "must be a GBNF grammar (xgrammar's EBNF: rules written `name ::= ...`, the start rule `root`); this "
+            "text has no `::=` (a Lark grammar such as `start: ...` is not taken)",
+        )
     try:
         if kind == "json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec))
+            # Lenient: keys llguidance does not implement (uniqueItems, not, ...) are ignored, not refused;
+            # xgrammar in the core implements more of them and has the last word.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec), overrides={"lenient": True})
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         else:
@@ -66,8 +79,17 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
         error = llguidance.LLMatcher.validate_grammar(grammar, None)
     except (ValueError, TypeError) as e:
         error = str(e)
-    if error:
+    if error and not _is_llguidance_limit(kind, error):
         raise ValidationError(f"{FIELD}.{kind}", f"does not compile: {_first_lines(error)}")
+
+
+def _is_llguidance_limit(kind: str, error: str) -> bool:
+    """Whether ``error`` says llguidance cannot check the constraint rather than that it is invalid: its size
+    limits ("lexer configuration too big" and the like), and look-around in a JSON schema's pattern, which
+    xgrammar compiles (a regex constraint with look-around is refused by xgrammar too, so it stays refused)."""
+    if any(words in error for words in _LLGUIDANCE_LIMITS):
+        return True
+    return kind == "json" and "look-around" in error
 
 
 def _first_lines(message: str, max_chars: int = 500) -> str:

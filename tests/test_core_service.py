@@ -36,6 +36,9 @@ class ScriptedCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.left)
 
+    def shutdown(self) -> None:
+        """Nothing of this core runs beside its steps (EngineCore.shutdown stops its compile pool)."""
+
     def step(self) -> EngineCoreOutputs:
         outputs, finished = [], set()
         for request_id in list(self.left):

@@ -228,6 +228,24 @@ WIRE_ERRORS = [
         ),
         "structured_outputs.regex",
     ),
+    # A schema nesting deeper than json's decoder recurses: a RecursionError answered UNKNOWN before.
+    (
+        dict(
+            prompt="hi",
+            sampling_params=api.SamplingParams(
+                structured_outputs=api.StructuredOutputsParams(json='{"items": ' * 5000 + "{}" + "}" * 5000)
+            ),
+        ),
+        "structured_outputs.json",
+    ),
+    # Lark, which the core's xgrammar (GBNF) refuses.
+    (
+        dict(
+            prompt="hi",
+            sampling_params=api.SamplingParams(structured_outputs=api.StructuredOutputsParams(grammar='start: "a"')),
+        ),
+        "structured_outputs.grammar",
+    ),
 ]
 
 

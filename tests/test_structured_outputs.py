@@ -52,6 +52,14 @@ COMPACT_JSON = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
 REGEX = r"[a-d]{2,4}-[0-9]{1,3}@(x|yz)\.com"
 CHOICES = ["yes", "no", "maybe so", 'say "hi"']
 MAX_TOKENS = 120
+
+
+def nested(depth: int) -> str:
+    """A JSON schema text whose objects nest ``depth`` levels: {"items": {"items": ... {"type": "array"}}}."""
+    return '{"items": ' * (depth - 1) + '{"type": "array"}' + "}" * (depth - 1)
+
+
+DEEP_TEXT = nested(5000)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Hello"]
 
 
@@ -62,6 +70,13 @@ def model(tmp_path_factory):
     return make_test_model(
         tmp_path_factory.mktemp("so-llama"), "llama", "tiny", tokenizer=real_or_builtin("llama2"), seed=0
     )
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """One default engine core for the tests that need nothing else of it (each ends with it idle; a test that
+    holds a compilation uses a constraint no other test compiles, since a cached grammar would not be held)."""
+    return make_engine(model)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +107,13 @@ def texts(outputs) -> list[str]:
         (StructuredOutputsParams(json={"type": "strin"}), "structured_outputs.json", "does not compile"),
         (StructuredOutputsParams(regex="a[b"), "structured_outputs.regex", "does not compile"),
         (StructuredOutputsParams(grammar='root ::= "a" | b'), "structured_outputs.grammar", "does not compile"),
+        # Lark, which llguidance would take and xgrammar (GBNF) refuses: refused here, saying GBNF is expected.
+        (StructuredOutputsParams(grammar='start: "a"'), "structured_outputs.grammar", "must be a GBNF grammar"),
         (StructuredOutputsParams(choice=["ok", ""]), "structured_outputs.choice[1]", "non-empty string"),
         (StructuredOutputsParams(json_object=False, regex="a\x00"), "structured_outputs.regex", "NUL"),
+        # Deeper than json's decoder recurses (RecursionError), and just past the depth limit, as text and dict.
+        (StructuredOutputsParams(json=DEEP_TEXT), "structured_outputs.json", "nests deeper than 64 levels"),
+        (StructuredOutputsParams(json=json.loads(nested(65))), "structured_outputs.json", "deeper than 64"),
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(value, field, words):
@@ -191,6 +211,20 @@ def test_json_with_whitespace_and_json_object(llm):
     assert outputs[2].outputs[0].text == "{}"
 
 
+def test_an_empty_schema_is_any_json_as_a_dict_and_as_text(llm):
+    """json={} and json="{}" are the same constraint (the empty schema: any JSON value)."""
+    as_dict, as_text = StructuredOutputsParams(json={}), StructuredOutputsParams(json="{}")
+    assert as_dict.key == as_text.key == ("json", "{}", False)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so) for so in (as_dict, as_text)]
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        if completion.finish_reason == "stop":
+            json.loads(completion.text)
+        else:
+            assert completion.finish_reason == "length" and len(completion.token_ids) == 40
+
+
 def test_regex_and_choice_outputs(llm):
     regex = StructuredOutputsParams(regex=REGEX)
     choice = StructuredOutputsParams(choice=CHOICES)
@@ -207,6 +241,51 @@ def test_regex_and_choice_outputs(llm):
     for completion in [*outputs[2].outputs, *outputs[3].outputs]:
         assert completion.text in CHOICES
         assert completion.finish_reason == "stop"
+
+
+def test_choices_with_escapes_and_non_ascii_are_output_exactly(llm):
+    """Newline, tab, quote, backslash, U+2028 and an emoji in the choices: each output is exactly one of them."""
+    choices = ["a\nb", "tab\there", 'say "hi"', "back\\slash", "line\u2028sep", "ok 🙂"]
+    params = SamplingParams(
+        temperature=1.0, n=8, seed=9, max_tokens=40, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+    completions = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs
+    for completion in completions:
+        assert completion.text in choices, completion.text
+        assert completion.finish_reason == "stop"
+
+
+def test_schemas_llguidance_does_not_implement_but_xgrammar_compiles_are_served(llm):
+    """uniqueItems (pydantic's sets) and not: llguidance would refuse them as unimplemented keys; the frontend
+    checks leniently and the core compiles them. xgrammar does not enforce these two keys (docs/operations.md):
+    every output validates against the schema without them."""
+    schemas = [
+        {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3, "uniqueItems": True},
+        {"type": "object", "properties": {"n": {"type": "integer", "not": {"enum": [0]}}}, "required": ["n"]},
+    ]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            n=3,
+            seed=6,
+            max_tokens=30,
+            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        )
+        for schema in schemas
+    ]
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for output, schema in zip(outputs, schemas, strict=True):
+        for completion in output.outputs:
+            if completion.finish_reason == "length":  # a long integer may run past max_tokens
+                continue
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), without_keys(schema, {"uniqueItems", "not"}))
+
+
+def without_keys(value: object, keys: set[str]) -> object:
+    if isinstance(value, dict):
+        return {k: without_keys(v, keys) for k, v in value.items() if k not in keys}
+    return value
 
 
 def test_grammar_output(llm):
@@ -237,18 +316,20 @@ def test_eos_is_allowed_only_where_the_output_is_complete(llm):
         assert not re.fullmatch(REGEX, tokenizer.decode(ids[:end], skip_special_tokens=True))
 
 
-def test_max_tokens_inside_the_structure_is_length(llm):
+@pytest.fixture(scope="module")
+def greedy_json(llm):
+    """The greedy COMPACT_JSON completion of PROMPTS[0], which several tests compare against."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=COMPACT_JSON)
+    return llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_max_tokens_inside_the_structure_is_length(llm, greedy_json):
     params = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=COMPACT_JSON)
     completion = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
     assert completion.finish_reason == "length" and len(completion.token_ids) == 4
     with pytest.raises(json.JSONDecodeError):
         json.loads(completion.text)
-    full = llm.generate(
-        PROMPTS[:1],
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=COMPACT_JSON),
-        use_tqdm=False,
-    )
-    assert full[0].outputs[0].token_ids[:4] == completion.token_ids  # the same path, cut
+    assert greedy_json.token_ids[:4] == completion.token_ids  # the same path, cut
 
 
 def test_unconstrained_requests_in_the_batch_give_their_solo_outputs(llm):
@@ -263,9 +344,9 @@ def test_unconstrained_requests_in_the_batch_give_their_solo_outputs(llm):
     assert outputs[2].outputs[0].text in CHOICES
 
 
-def test_stop_strings_trim_a_constrained_output(llm):
+def test_stop_strings_trim_a_constrained_output(llm, greedy_json):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=COMPACT_JSON)
-    full = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+    full = greedy_json.text
     stop = '"owner"'
     assert stop in full
     params.stop = [stop]
@@ -305,7 +386,7 @@ def decode(model, token_ids: list[int]) -> str:
     return AutoTokenizer.from_pretrained(model).decode(token_ids, skip_special_tokens=True)
 
 
-def test_chunked_prefill_and_preemption_keep_outputs_valid(model):
+def test_chunked_prefill_and_preemption_keep_outputs_valid(model, engine):
     """Prompts in small chunks (only the chunk that samples is masked), and a KV cache too small for all: requests
     are preempted mid-structure and resume with their matchers; the outputs equal those of a roomy engine."""
     prompts = [[(7 * i + j) % 500 + 10 for j in range(40)] for i in range(4)]
@@ -314,7 +395,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_valid(model):
     def requests() -> list[Request]:
         return [Request(f"r{i}", p, core_params(max_tokens=60, structured_outputs=so)) for i, p in enumerate(prompts)]
 
-    expected, _, _ = run_to_end(make_engine(model), requests())
+    expected, _, _ = run_to_end(engine, requests())
     tight = make_engine(model, max_num_batched_tokens=16, num_kv_blocks=1 + 8, block_size=16)
     ids, reasons, num_preemptions = run_to_end(tight, requests())
     assert num_preemptions > 0
@@ -324,10 +405,9 @@ def test_chunked_prefill_and_preemption_keep_outputs_valid(model):
         jsonschema.validate(json.loads(decode(model, token_ids)), SMALL_SCHEMA)
 
 
-def test_compilation_does_not_stall_the_step_loop(model, monkeypatch):
+def test_compilation_does_not_stall_the_step_loop(model, engine, monkeypatch):
     """While a grammar compiles (held here), its request waits in WAITING_FOR_FSM and an unconstrained request
     runs to its end; released, the constrained one runs."""
-    engine = make_engine(model)
     manager = engine.structured_output_manager
     release = threading.Event()
     compile_now = manager._compile_now
@@ -337,7 +417,8 @@ def test_compilation_does_not_stall_the_step_loop(model, monkeypatch):
         return compile_now(params)
 
     monkeypatch.setattr(manager, "_compile_now", held)
-    constrained = Request("so", [5, 6, 7], core_params(structured_outputs=StructuredOutputsParams(regex=REGEX)))
+    regex = REGEX.replace("com", "org")  # compiled by no other test on this engine: held, not cached
+    constrained = Request("so", [5, 6, 7], core_params(structured_outputs=StructuredOutputsParams(regex=regex)))
     free = Request("free", [8, 9], core_params(max_tokens=5, ignore_eos=True))
     engine.add_request(constrained)
     engine.add_request(free)
@@ -350,13 +431,12 @@ def test_compilation_does_not_stall_the_step_loop(model, monkeypatch):
     _, reasons, _ = run_to_end(engine, [])
     assert reasons == {"so": "stop"}
     assert constrained.status == RequestStatus.FINISHED_STOPPED
-    assert re.fullmatch(REGEX, decode(model, constrained.output_token_ids))
+    assert re.fullmatch(regex, decode(model, constrained.output_token_ids))
 
 
-def test_a_constraint_xgrammar_refuses_fails_the_request_in_the_core(model):
+def test_a_constraint_xgrammar_refuses_fails_the_request_in_the_core(engine):
     """A raw client of the core (no frontend check): the request ends with INVALID_ARGUMENT and xgrammar's
     reason; another request goes on."""
-    engine = make_engine(model)
     bad = Request("bad", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a(b")))
     good = Request("good", [5, 6], core_params(max_tokens=3, ignore_eos=True))
     errors = {}
@@ -371,8 +451,42 @@ def test_a_constraint_xgrammar_refuses_fails_the_request_in_the_core(model):
     assert good.num_output_tokens == 3
 
 
-def test_the_core_refuses_two_constraints_naming_the_field(model):
-    engine = make_engine(model)
+def test_min_tokens_past_the_constraints_end_is_a_conflict_and_the_refused_token_is_left_out(model, engine):
+    """choice ["a"] with min_tokens=5: once "a" is out, the grammar allows only EOS, which min_tokens forbids, so
+    the mask lets nothing through. The output is "a" alone (no token the grammar refused) and the request ends with
+    INVALID_ARGUMENT naming min_tokens and the conflict, not an engine failure."""
+    request = Request("x", [5, 6], core_params(min_tokens=5, structured_outputs=StructuredOutputsParams(choice=["a"])))
+    engine.add_request(request)
+    token_ids: list[int] = []
+    errors = []
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            token_ids += output.new_token_ids
+            if output.error is not None:
+                errors.append(output.error)
+    assert decode(model, token_ids) == "a" and request.output_token_ids == token_ids
+    assert request.status == RequestStatus.FINISHED_ERROR
+    assert len(errors) == 1 and isinstance(errors[0], InvalidRequestError)
+    assert errors[0].field == "min_tokens"
+    assert "conflicts with the structured_outputs constraint" in errors[0].description
+
+
+def test_a_deeply_nested_schema_is_refused_by_the_core_as_invalid_not_internal(engine):
+    """A raw client of the core: a schema deeper than json's decoder recurses, and one just past the limit, are
+    INVALID_ARGUMENT naming structured_outputs.json; one at the limit is taken."""
+    for i, text in enumerate([DEEP_TEXT, nested(65)]):
+        params = core_params(structured_outputs=StructuredOutputsParams(json=text))
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request(Request(f"deep{i}", [5, 6], params))
+        assert info.value.field == "structured_outputs.json" and "deeper than 64" in info.value.description
+    SamplingParams(structured_outputs=StructuredOutputsParams(json=nested(64)))  # the frontend takes it too
+    engine.add_request(Request("ok", [5, 6], core_params(structured_outputs=StructuredOutputsParams(json=nested(64)))))
+    assert engine.scheduler.requests["ok"].status == RequestStatus.WAITING_FOR_FSM
+    engine.abort_requests(["ok"])
+    engine.step()  # hands out the aborted id: the next test starts from a quiet engine
+
+
+def test_the_core_refuses_two_constraints_naming_the_field(engine):
     params = core_params(structured_outputs=StructuredOutputsParams(regex="a", choice=["b"]))
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(Request("two", [5, 6], params))
@@ -450,11 +564,13 @@ def test_scheduler_skips_requests_waiting_for_their_grammar_and_keeps_their_orde
     scheduler_output, outputs = run_step(scheduler, {"so-2": 7, "so-1": 5})
     by_id = {o.request_id: o for o in outputs.outputs}  # type: ignore[attr-defined]  # EngineCoreOutputs
     assert str(by_id["so-2"].finish_reason) == "stop"
-    assert str(by_id["so-1"].finish_reason) == "error" and "not allowed" in str(by_id["so-1"].error)
+    assert str(by_id["so-1"].finish_reason) == "error" and by_id["so-1"].new_token_ids == []  # 5 left out
+    assert "conflicts with the structured_outputs constraint" in str(by_id["so-1"].error)
 
 
 def test_a_core_without_the_models_tokenizer_refuses_constraints(model, tmp_path):
-    """The weights without tokenizer files: a constrained request fails with INVALID_ARGUMENT saying why."""
+    """The weights without tokenizer files: the core starts; a constrained request fails with INVALID_ARGUMENT
+    saying why, and so does the next one, while an unconstrained one runs."""
     import shutil
 
     bare = tmp_path / "bare"
@@ -462,9 +578,150 @@ def test_a_core_without_the_models_tokenizer_refuses_constraints(model, tmp_path
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         shutil.copy(model / name, bare / name)
     engine = make_engine(bare)
-    engine.add_request(Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a+"))))
+    for i in range(2):
+        engine.add_request(
+            Request(f"so{i}", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a+")))
+        )
+    free = Request("free", [5, 6], core_params(max_tokens=3, ignore_eos=True))
+    engine.add_request(free)
     errors = []
     while engine.has_unfinished_requests():
         errors += [o.error for o in engine.step().outputs if o.error is not None]
-    assert len(errors) == 1 and isinstance(errors[0], InvalidRequestError)
-    assert errors[0].field == "structured_outputs" and "tokenizer" in errors[0].description
+    assert len(errors) == 2
+    for error in errors:
+        assert isinstance(error, InvalidRequestError)
+        assert error.field == "structured_outputs" and "tokenizer" in error.description
+    assert free.num_output_tokens == 3
+
+
+def test_a_reused_request_id_does_not_get_the_aborted_requests_compile_failure(model, engine, monkeypatch):
+    """A request "x" (regex "a(", which does not compile) is aborted while compiling and a new valid "x" (choice)
+    is added: the old failure, arriving later, must not end the new request, which gives one of its choices."""
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    compile_now = manager._compile_now
+
+    def held(params):
+        release.wait(30)
+        return compile_now(params)
+
+    monkeypatch.setattr(manager, "_compile_now", held)
+    old = Request("x", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex="a(")))
+    engine.add_request(old)
+    engine.step()
+    engine.abort_requests(["x"])
+    new = Request("x", [5, 6], core_params(structured_outputs=StructuredOutputsParams(choice=CHOICES)))
+    engine.add_request(new)
+    release.set()
+    old_future = old.structured_output.future  # type: ignore[union-attr]  # set by grammar_init
+    assert isinstance(old_future.exception(timeout=30), InvalidRequestError)
+    token_ids, reasons, _ = run_to_end(engine, [])
+    assert reasons == {"x": "stop"}
+    assert new.status == RequestStatus.FINISHED_STOPPED
+    assert decode(model, new.output_token_ids) in CHOICES
+    assert manager.take_failed() == []
+
+
+def test_shutdown_cancels_queued_compilations_and_fails_their_requests(model, monkeypatch):
+    """Two compilations held on the pool's two threads, a third queued: shutdown cancels the queued one, whose
+    request fails with UNAVAILABLE naming the shutdown (not a CancelledError, not waiting for ever); the pool takes
+    no more work, and the held ones end once released."""
+    from core_svc.engine_loop import EngineLoop
+    from core_svc.errors import EngineUnavailableError
+
+    engine = make_engine(model)
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    compile_now = manager._compile_now
+
+    def held(params):
+        started.release()
+        release.wait(30)
+        return compile_now(params)
+
+    monkeypatch.setattr(manager, "_compile_now", held)
+    requests = [
+        Request(f"r{i}", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex=f"{c}+")))
+        for i, c in enumerate("abc")
+    ]
+    for request in requests:
+        engine.add_request(request)
+    assert started.acquire(timeout=30) and started.acquire(timeout=30)  # both threads busy: "c+" is queued
+    EngineLoop(engine).stop()  # the core's stop path (never started here: the test steps the core itself)
+    release.set()
+    queued = requests[2].structured_output
+    assert queued is not None and isinstance(queued.future.exception(timeout=30), EngineUnavailableError)
+    assert manager._executor is not None and manager._executor._shutdown
+    outputs = engine.step().outputs
+    errors = {o.request_id: o.error for o in outputs if o.error is not None}
+    assert list(errors) == ["r2"] and "shut down" in str(errors["r2"])
+    for request in requests[:2]:
+        assert request.structured_output is not None and request.structured_output.future.result(timeout=30)
+    with pytest.raises(EngineUnavailableError):
+        engine.add_request(Request("late", [5], core_params(structured_outputs=StructuredOutputsParams(regex="d+"))))
+
+
+def test_the_tokenizer_info_is_built_at_startup_not_at_the_first_constrained_request(model, monkeypatch):
+    """Building it holds the GIL for a while: at startup, once; a constrained request then builds nothing."""
+    import xgrammar as xgr
+
+    builds: list[int] = []
+    from_huggingface = xgr.TokenizerInfo.from_huggingface
+
+    def counted(*args, **kwargs):
+        builds.append(1)
+        return from_huggingface(*args, **kwargs)
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", staticmethod(counted))
+    engine = make_engine(model)
+    assert len(builds) == 1
+    request = Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(choice=CHOICES)))
+    _, reasons, _ = run_to_end(engine, [request])
+    assert reasons == {"so": "stop"} and decode(model, request.output_token_ids) in CHOICES
+    assert len(builds) == 1
+
+
+def test_steps_while_every_request_waits_for_its_grammar_wait_and_emit_nothing_new(engine, monkeypatch):
+    """A compilation held on an event: the first empty step reports the new load (1 waiting), the next ones return
+    no outputs and no stats (nothing changed). A compilation that ends between the scheduling and the wait is not
+    missed: with the wait made 30 s long, that step returns at once, and the next one runs the request."""
+    import time
+
+    from core_svc import engine_core
+
+    manager = engine.structured_output_manager
+    release = threading.Event()
+    compile_now = manager._compile_now
+
+    def held(params):
+        release.wait(30)
+        return compile_now(params)
+
+    monkeypatch.setattr(manager, "_compile_now", held)
+    monkeypatch.setattr(engine_core, "GRAMMAR_WAIT_S", 0.001)
+    regex = REGEX.replace("com", "net")  # compiled by no other test on this engine: held, not cached
+    engine.add_request(Request("so", [5, 6], core_params(structured_outputs=StructuredOutputsParams(regex=regex))))
+    emitted = [engine.step() for _ in range(20)]
+    assert emitted[0].scheduler_stats is not None and emitted[0].scheduler_stats.num_waiting_reqs == 1
+    assert [(o.outputs, o.scheduler_stats, o.finished_requests) for o in emitted[1:]] == [([], None, set())] * 19
+
+    monkeypatch.setattr(engine_core, "GRAMMAR_WAIT_S", 30.0)
+    schedule = engine.scheduler.schedule
+    num_done = manager.num_compilations_done
+
+    def schedule_then_compile():  # the compilation ends after this step scheduled nothing, before it waits
+        scheduler_output = schedule()
+        release.set()
+        deadline = time.monotonic() + 30
+        while manager.num_compilations_done == num_done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return scheduler_output
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_then_compile)
+    start_s = time.monotonic()
+    assert engine.step().outputs == []
+    assert time.monotonic() - start_s < 10  # not the 30 s wait: the ended compilation was seen
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    assert engine.step().scheduler_stats.num_running_reqs == 1  # type: ignore[union-attr]  # a step that ran
+    run_to_end(engine, [])

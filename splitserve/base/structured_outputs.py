@@ -19,6 +19,10 @@ from splitserve.base.status import Violation
 
 FIELD = "structured_outputs"
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The deepest nesting of objects and arrays a JSON schema document may have. Ours: deep enough for any real
+# schema (pydantic's nest a few levels per model), shallow enough that every recursive walk of the schema (json,
+# the grammar compilers) stays far from Python's recursion limit and the compilers' stacks.
+MAX_JSON_SCHEMA_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,12 @@ def structured_outputs_violation(params: StructuredOutputsParams) -> Violation |
                 value = json.loads(value)
             except ValueError as e:
                 return Violation(name, f"is not valid JSON: {e}")
+            except RecursionError:  # json's decoder recurses once per level (about 1,000 levels)
+                return Violation(name, f"nests deeper than {MAX_JSON_SCHEMA_DEPTH} levels")
         if not isinstance(value, dict):
             return Violation(name, f"must be a JSON schema object, got {type(value).__name__}")
+        if json_depth(value, MAX_JSON_SCHEMA_DEPTH) > MAX_JSON_SCHEMA_DEPTH:
+            return Violation(name, f"nests deeper than {MAX_JSON_SCHEMA_DEPTH} levels")
         return None
     if kind == "choice":
         if not isinstance(value, list | tuple) or not value:
@@ -98,5 +106,20 @@ def structured_outputs_violation(params: StructuredOutputsParams) -> Violation |
     return None
 
 
+def json_depth(value: Any, limit: int) -> int:
+    """The nesting depth of a parsed JSON value (a scalar: 0, ``{}``: 1, ``{"a": []}``: 2), without recursion;
+    counting stops at ``limit + 1`` (a Python value that contains itself ends there too)."""
+    depth = 0
+    level = [value]
+    while depth <= limit:
+        containers = [node for node in level if isinstance(node, dict | list | tuple)]
+        if not containers:
+            return depth
+        depth += 1
+        level = [child for node in containers for child in (node.values() if isinstance(node, dict) else node)]
+    return depth
+
+
 def _is_set(value: Any) -> bool:
-    return value is not None and value is not False and value != "" and value != [] and value != {}
+    # An empty dict is set: json={} is the empty schema (any JSON value), as json="{}".
+    return value is not None and value is not False and value != "" and value != []
