@@ -34,21 +34,9 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(dict.fromkeys(msg.allowed_token_ids)) or None,  # each step indexes with them
         structured_outputs=(
-            structured_outputs_from_pb(msg.structured_outputs) if msg.HasField("structured_outputs") else None
+            StructuredOutputsParams.from_message(msg.structured_outputs) if msg.HasField("structured_outputs") else None
         ),
         **optional,
-    )
-
-
-def structured_outputs_from_pb(msg: pb.StructuredOutputsParams) -> StructuredOutputsParams:
-    """The constraint as sent; its shape (exactly one field) is checked by ``SamplingParams.validate``."""
-    return StructuredOutputsParams(
-        json=msg.json if msg.HasField("json") else None,
-        json_object=msg.json_object or None,
-        regex=msg.regex if msg.HasField("regex") else None,
-        choice=list(msg.choice) or None,
-        grammar=msg.grammar if msg.HasField("grammar") else None,
-        disable_any_whitespace=msg.disable_any_whitespace,
     )
 
 

@@ -101,18 +101,6 @@ def structured_outputs_to_pb(params: StructuredOutputsParams) -> pb.StructuredOu
     return msg
 
 
-def structured_outputs_from_api(msg: api.StructuredOutputsParams) -> StructuredOutputsParams:
-    """The public API's constraint (``SamplingParams`` checks it: exactly one field, and that it compiles)."""
-    return StructuredOutputsParams(
-        json=msg.json if msg.HasField("json") else None,
-        json_object=msg.json_object or None,
-        regex=msg.regex if msg.HasField("regex") else None,
-        choice=list(msg.choice) or None,
-        grammar=msg.grammar if msg.HasField("grammar") else None,
-        disable_any_whitespace=msg.disable_any_whitespace,
-    )
-
-
 # numpy's name of each dtype TensorData carries ("bfloat16" has none in numpy: the processors never make it).
 _TENSOR_DTYPES = {"float32", "float16", "int64", "int32"}
 
@@ -287,7 +275,7 @@ def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any
     ValidationError naming the field for any refused value."""
     kwargs = set_optional_fields(msg)
     if msg.HasField("structured_outputs"):
-        kwargs["structured_outputs"] = structured_outputs_from_api(msg.structured_outputs)
+        kwargs["structured_outputs"] = StructuredOutputsParams.from_message(msg.structured_outputs)
     if msg.max_tokens_unlimited:
         if msg.HasField("max_tokens"):
             raise ValidationError("max_tokens", "set max_tokens or max_tokens_unlimited, not both")

@@ -40,6 +40,20 @@ class StructuredOutputsParams:
     grammar: str | None = None
     disable_any_whitespace: bool = False  # json, json_object: no whitespace between tokens (vLLM's option)
 
+    @classmethod
+    def from_message(cls, msg: Any) -> StructuredOutputsParams:
+        """The constraint in a protobuf ``StructuredOutputsParams`` message: the engine core's or the public API's,
+        which have the same fields (json, regex and grammar optional; choice repeated). Not checked here: its
+        shape by ``structured_outputs_violation``, its compilation by the frontend and the core."""
+        return cls(
+            json=msg.json if msg.HasField("json") else None,
+            json_object=msg.json_object or None,
+            regex=msg.regex if msg.HasField("regex") else None,
+            choice=list(msg.choice) or None,
+            grammar=msg.grammar if msg.HasField("grammar") else None,
+            disable_any_whitespace=msg.disable_any_whitespace,
+        )
+
     @property
     def kind(self) -> str:
         """The field that is set (call after ``structured_outputs_violation`` returned None)."""
