@@ -20,6 +20,7 @@ from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.conftest import real_or_builtin
 from tests.test_grpc_split import CORE_ARGS, NUM_KV_BLOCKS, core_load, generate, joined, wait_core_empty
+from tests.test_structured_outputs import SMALL_SCHEMA  # every value bounded: a document fits in the tokens given
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Tell me a story"}]
@@ -710,16 +711,6 @@ def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call()
     assert closed == ["cmpl-1"]
 
 
-# Every value bounded (as tests/test_structured_outputs.py's): a whole document fits in the tokens given.
-SMALL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "kind": {"enum": ["cat", "dog"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
-    },
-    "required": ["kind", "n", "tags"],
-}
 CHOICES = ["yes", "no", "maybe so"]
 
 
