@@ -115,6 +115,68 @@ class StopProfileResponse(_message.Message):
     trace_path: str
     def __init__(self, trace_path: _Optional[str] = ...) -> None: ...
 
+class AddLoraRequest(_message.Message):
+    __slots__ = ("lora_request",)
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    lora_request: LoRARequest
+    def __init__(self, lora_request: _Optional[_Union[LoRARequest, _Mapping]] = ...) -> None: ...
+
+class AddLoraResponse(_message.Message):
+    __slots__ = ("lora_request",)
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    lora_request: LoRARequest
+    def __init__(self, lora_request: _Optional[_Union[LoRARequest, _Mapping]] = ...) -> None: ...
+
+class RemoveLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class RemoveLoraResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLorasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLorasResponse(_message.Message):
+    __slots__ = ("lora_requests",)
+    LORA_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    lora_requests: _containers.RepeatedCompositeFieldContainer[LoRARequest]
+    def __init__(self, lora_requests: _Optional[_Iterable[_Union[LoRARequest, _Mapping]]] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("is_sleeping",)
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "eos_token_id", "structured_outputs")
     class LogitBiasEntry(_message.Message):

@@ -65,6 +65,36 @@ class EngineCoreStub:
                 request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
+        self.AddLora = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/AddLora',
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.AddLoraRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.AddLoraResponse.FromString,
+                _registered_method=True)
+        self.RemoveLora = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/RemoveLora',
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.RemoveLoraRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.RemoveLoraResponse.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/ListLoras',
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ListLorasResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/Sleep',
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.SleepRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/WakeUp',
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/splitserve.engine.v1.EngineCore/IsSleeping',
+                request_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
 
 
 class EngineCoreServicer:
@@ -113,6 +143,45 @@ class EngineCoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddLora(self, request, context):
+        """LoRA adapters (a core started with --enable-lora), as vLLM's add_lora / remove_lora / list_loras: load a PEFT
+        adapter folder on the core's file system under a name, unload it by name, list the loaded ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Sleep mode, as vLLM's sleep / wake_up / is_sleeping: give the accelerator's memory back between uses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineCoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +214,36 @@ def add_EngineCoreServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.FromString,
                     response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'AddLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddLora,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.AddLoraRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.AddLoraResponse.SerializeToString,
+            ),
+            'RemoveLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveLora,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.RemoveLoraRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.RemoveLoraResponse.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ListLorasRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ListLorasResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.SleepRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.WakeUpRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.IsSleepingRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.IsSleepingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +409,168 @@ class EngineCore:
             '/splitserve.engine.v1.EngineCore/StopProfile',
             splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileRequest.SerializeToString,
             splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/AddLora',
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.AddLoraRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.AddLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/RemoveLora',
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.RemoveLoraRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.RemoveLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/ListLoras',
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ListLorasRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.ListLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/Sleep',
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.SleepRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/WakeUp',
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.WakeUpRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.engine.v1.EngineCore/IsSleeping',
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.IsSleepingRequest.SerializeToString,
+            splitserve_dot_stubs_dot_engine_dot_v1_dot_engine__core__pb2.IsSleepingResponse.FromString,
             options,
             channel_credentials,
             insecure,
