@@ -148,14 +148,22 @@ class ListLorasResponse(_message.Message):
     def __init__(self, lora_requests: _Optional[_Iterable[_Union[LoRARequest, _Mapping]]] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
-    __slots__ = ("level",)
+    __slots__ = ("level", "drain")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     level: int
-    def __init__(self, level: _Optional[int] = ...) -> None: ...
+    drain: bool
+    def __init__(self, level: _Optional[int] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class SleepResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("num_aborted_requests", "kv_cache_bytes_freed", "weights_bytes_freed")
+    NUM_ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_aborted_requests: int
+    kv_cache_bytes_freed: int
+    weights_bytes_freed: int
+    def __init__(self, num_aborted_requests: _Optional[int] = ..., kv_cache_bytes_freed: _Optional[int] = ..., weights_bytes_freed: _Optional[int] = ...) -> None: ...
 
 class WakeUpRequest(_message.Message):
     __slots__ = ("tags",)
