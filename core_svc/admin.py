@@ -1,10 +1,11 @@
-"""The core's admin RPCs (``ResetPrefixCache``, ``StartProfile``, ``StopProfile``): off unless the core runs with
-``--enable-admin-rpcs``, and profiles written only under one directory (``--profile-dir``).
+"""The core's admin RPCs (``ResetPrefixCache``, ``StartProfile``, ``StopProfile``, ``Sleep``, ``WakeUp``): off
+unless the core runs with ``--enable-admin-rpcs``, and profiles written only under one directory (``--profile-dir``).
 
 A core's port is for frontends: anything that reaches it can add requests, so the calls that change the engine's
-state for everyone (dropping the prefix cache) or write files (a profile, where the caller says) are off by default,
-as vLLM serves its ``/reset_prefix_cache`` and ``/start_profile`` routes only in its dev mode or with a profiler
-configured.
+state for everyone (dropping the prefix cache; putting the core to sleep, which ends every request in it and
+refuses the next ones) or write files (a profile, where the caller says) are off by default, as vLLM serves its
+``/reset_prefix_cache``, ``/sleep`` and ``/wake_up`` routes only in its dev mode and ``/start_profile`` with a
+profiler configured. ``IsSleeping`` changes nothing and is always on.
 """
 
 from __future__ import annotations

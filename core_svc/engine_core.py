@@ -17,6 +17,7 @@ the settings to lower), the allocator's cache is emptied, and the step does not 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
@@ -49,6 +50,16 @@ from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
+from core_svc.sleep_mode import (
+    KV_CACHE_TAG,
+    WEIGHTS_TAG,
+    SleepResult,
+    SleepState,
+    WeightsState,
+    check_sleep_level,
+    check_wake_up_tags,
+    release_host_memory,
+)
 from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
 from core_svc.structured_output import StructuredOutputManager
@@ -125,8 +136,12 @@ class EngineCore:
         baseline = gpu_memory.MemorySnapshot.measure(device) if device.type == "cuda" else None
         if baseline is not None and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
             gpu_memory.check_free_memory(baseline, config.gpu_memory_utilization)
+        # Sleep level 2 reloads the weights the same way: same checkpoint, dtype, quantization and device.
+        self._load_model = functools.partial(
+            load_model, self.model_path, hf_config, dtype, device, backend, config.quantization
+        )
         with self.startup.phase("weights") as phase:
-            loaded = load_model(self.model_path, hf_config, dtype, device, backend, config.quantization)
+            loaded = self._load_model()
             phase.note = format_bytes(loaded.weights_bytes)
         self.max_model_len = _resolve_max_model_len(config, loaded)
         self.vocab_size = loaded.arch.vocab_size
@@ -143,14 +158,15 @@ class EngineCore:
             kv_cache_bytes = self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
             self.model_runner.initialize_kv_cache(self.num_kv_blocks)
             phase.note = format_bytes(kv_cache_bytes)
-        if device.type == "cuda" and not config.enforce_eager and getattr(backend, "supports_cuda_graphs", False):
+        self.uses_decode_graphs = (
+            device.type == "cuda" and not config.enforce_eager and getattr(backend, "supports_cuda_graphs", False)
+        )
+        if self.uses_decode_graphs:
             with self.startup.phase("CUDA graphs"):
                 self.model_runner.capture_decode_graphs(CudaGraphCapturer(device))
         kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.block_size, self.max_model_len, config.enable_prefix_caching
         )
-        model = loaded.model
-        self.mm_model = model if isinstance(model, SupportsMultiModal) else None
         max_tokens_per_mm_item = self.mm_model.max_tokens_per_mm_item if self.mm_model is not None else 0
         self.scheduler = Scheduler(
             SchedulerConfig.from_core_config(config, self.max_model_len, max_tokens_per_mm_item), kv_cache_manager
@@ -164,6 +180,9 @@ class EngineCore:
         self.num_consecutive_failed_steps = 0  # steps whose model runner raised, since the last one that did not
         self.dead_error: EngineUnavailableError | None = None  # set once the core is declared dead
         self._last_stats: SchedulerStats | None = None  # those of the last step that returned any
+        self.sleep_state = SleepState()  # what sleep mode has released (nothing: awake)
+        # Set while new requests are refused short of death: asleep, or draining to sleep.
+        self.refusal: EngineUnavailableError | None = None
         self._log_kv_cache_size(kv_cache_bytes)
         logger.info("%s", self.startup.summary())
 
@@ -179,6 +198,8 @@ class EngineCore:
         """
         if self.dead_error is not None:
             raise self.dead_error
+        if self.refusal is not None:
+            raise self.refusal
         self._validate(request)
         params = request.sampling_params
         if params.eos_token_id is None and self.eos_token_ids:
@@ -340,6 +361,123 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Drop all prefix-cache entries. Returns False while any request holds KV blocks."""
         return self.scheduler.reset_prefix_cache()
+
+    @property
+    def mm_model(self) -> SupportsMultiModal | None:
+        """The model, when it takes multimodal items (None for a text model).
+
+        Raises:
+            EngineUnavailableError: the weights are discarded (sleep level 2).
+        """
+        model = self.model_runner.model
+        return model if isinstance(model, SupportsMultiModal) else None
+
+    def is_sleeping(self) -> bool:
+        """Whether sleep mode has released the weights or the KV cache (and not all of it is back)."""
+        return self.sleep_state.is_sleeping
+
+    def stop_admitting(self, reason: str) -> None:
+        """Refuse new requests from now on with ``EngineUnavailableError(reason)`` (UNAVAILABLE), while those in
+        the core go on: the drain before a ``sleep(drain=True)``. ``sleep`` keeps refusing; ``wake_up`` ends it."""
+        self.refusal = EngineUnavailableError(reason)
+
+    def sleep(self, level: int = 1) -> tuple[SleepResult, EngineCoreOutputs]:
+        """Release memory until ``wake_up`` (vLLM's ``sleep``; ``core_svc.sleep_mode``). Level 1: the KV cache
+        tensors are freed and the prefix cache emptied (every block free, every hash forgotten); the weights go
+        to host memory (on CPU they are there already and stay). Level 2: the weights are dropped too (reloaded
+        from the checkpoint on wake, in the dtype and quantization the core was started with). A level-2 sleep
+        after a level-1 one drops the weights it had kept; a second call of the same level changes nothing.
+
+        Every request still in the core ends with ``EngineUnavailableError`` (UNAVAILABLE: a request that had
+        produced nothing may go to another core) and gives its blocks back; new ones are refused with it until
+        ``wake_up`` restores everything. Freed host memory goes back to the OS (``malloc_trim``).
+
+        Returns:
+            What was freed and ended, and the ended requests' outputs (for their clients).
+
+        Raises:
+            InvalidRequestError: ``level`` is not 1 or 2.
+            EngineUnavailableError: the core was declared dead.
+        """
+        check_sleep_level(level)
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.refusal = EngineUnavailableError(
+            f"the engine core is sleeping (level {level}): it takes requests again after wake_up"
+        )
+        in_flight = list(self.scheduler.requests.values())
+        ended = [request.request_id for request in in_flight]
+        outputs: list[EngineCoreOutput] = []
+        if ended:
+            error = EngineUnavailableError(
+                f"the engine core was put to sleep (level {level}) while this request was in it; send it again "
+                "once the core is awake, or to another core"
+            )
+            outputs = self.scheduler.fail_requests(ended, error)
+            self.structured_output_manager.forget_failures(in_flight)
+            self.model_runner.remove_requests(ended)
+            logger.info("sleep: ended %d request(s) in flight with UNAVAILABLE", len(ended))
+        engine_outputs = self.scheduler.make_outputs(outputs)
+        if self._stats is not None and outputs:
+            self._stats.on_step(0, engine_outputs)
+        state = self.sleep_state
+        kv_bytes = weights_bytes = 0
+        if not state.kv_cache_dropped:
+            if not self.scheduler.reset_prefix_cache():
+                raise RuntimeError("sleep: a KV block is still held after every request ended")
+            kv_bytes = self.model_runner.release_kv_cache()
+            state.kv_cache_dropped = True
+        if level == 2 and state.weights != WeightsState.DISCARDED:
+            weights_bytes = self.model_runner.discard_weights()
+            state.weights = WeightsState.DISCARDED
+        elif state.weights == WeightsState.ON_DEVICE:
+            weights_bytes = self.model_runner.offload_weights()
+            state.weights = WeightsState.KEPT if self.device.type == "cpu" else WeightsState.OFFLOADED
+        state.level = max(state.level, level)
+        release_cached_memory(self.device)
+        release_host_memory()
+        logger.info(
+            "sleeping at level %d: released %s of KV cache and %s of weights%s",
+            level,
+            format_bytes(kv_bytes),
+            format_bytes(weights_bytes),
+            " (on CPU, level 1 keeps the weights where they are: host memory)"
+            if state.weights == WeightsState.KEPT
+            else "",
+        )
+        result = SleepResult(level, len(outputs), kv_bytes, weights_bytes, [o.request_id for o in outputs])
+        return result, engine_outputs
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released (vLLM's ``wake_up``): ``tags`` None or empty: everything; else
+        ``"weights"`` and / or ``"kv_cache"`` (weights first; the KV cache alone while the weights are still off is
+        allowed, as in vLLM). The KV cache comes back zeroed, the prefix cache empty; decode graphs are captured
+        again once both are back. Requests are taken again once nothing is asleep. Tags of what is awake are
+        no-ops.
+
+        Raises:
+            InvalidRequestError: a tag that is neither ``"weights"`` nor ``"kv_cache"``, naming ``tags[i]``.
+            ModelLoadError: the checkpoint cannot be read again (level 2); the weights stay off.
+        """
+        state = self.sleep_state
+        for tag in check_wake_up_tags(tags):
+            if tag == WEIGHTS_TAG and state.weights != WeightsState.ON_DEVICE:
+                if state.weights == WeightsState.DISCARDED:
+                    self.model_runner.set_model(self._load_model().model)  # logs its size and time
+                else:
+                    self.model_runner.onload_weights()
+                state.weights = WeightsState.ON_DEVICE
+            elif tag == KV_CACHE_TAG and state.kv_cache_dropped:
+                self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+                state.kv_cache_dropped = False
+        if state.is_sleeping:
+            logger.info("woke up %s; still asleep: %s", ", ".join(tags or []), ", ".join(state.sleeping_tags))
+            return
+        if self.uses_decode_graphs and self.model_runner.decode_graphs is None:
+            self.model_runner.capture_decode_graphs(CudaGraphCapturer(self.device))
+        state.level = 0
+        self.refusal = None
+        logger.info("awake: taking requests again")
 
     def start_profile(self, output_dir: str | None = None) -> None:
         """Record every step with torch.profiler until ``stop_profile``.

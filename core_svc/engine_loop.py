@@ -19,6 +19,7 @@ from core_svc.engine_core import EngineCore
 from core_svc.errors import EngineUnavailableError, fault_message
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason, Request
+from core_svc.sleep_mode import SleepResult, check_sleep_level
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +56,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="splitserve-engine-loop", daemon=True)
         self.dead_error: BaseException | None = None
         self._death_callbacks: list[Callable[[BaseException], None]] = []
+        # sleep(drain=True) calls waiting for the core to empty, in order: (level, the caller's future)
+        self._pending_sleeps: list[tuple[int, concurrent.futures.Future[SleepResult]]] = []
 
     def on_death(self, callback: Callable[[BaseException], None]) -> None:
         """Call ``callback(error)`` (on the engine thread) if the loop dies of an exception."""
@@ -69,6 +72,7 @@ class EngineLoop:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._fail_pending(EngineUnavailableError("the engine loop has stopped"))
+        self._fail_pending_sleeps(EngineUnavailableError("the engine loop has stopped"))
         self.engine_core.shutdown()
 
     @property
@@ -122,6 +126,41 @@ class EngineLoop:
         """Run ``fn(engine_core)`` on the engine thread, between steps."""
         return self.submit(lambda: fn(self.engine_core))
 
+    def sleep(self, level: int = 1, drain: bool = False) -> concurrent.futures.Future[SleepResult]:
+        """``EngineCore.sleep(level)`` on the engine thread, the requests it ends told to their clients at once.
+        ``drain``: first refuse new requests (UNAVAILABLE, "the engine core is going to sleep") and let those in
+        the core finish, then sleep (vLLM's mode "wait"); else they end now with UNAVAILABLE (vLLM's default,
+        "abort").
+
+        The future fails with InvalidRequestError for a level that is not 1 or 2, with EngineUnavailableError
+        when the loop stops (or dies) first."""
+        check_sleep_level(level)
+        result: concurrent.futures.Future[SleepResult] = concurrent.futures.Future()
+
+        def begin() -> None:
+            if drain and self.engine_core.has_unfinished_requests():
+                self.engine_core.stop_admitting(
+                    f"the engine core is going to sleep (level {level}) once its requests in flight have finished"
+                )
+                self._pending_sleeps.append((level, result))
+            elif result.set_running_or_notify_cancel():
+                try:
+                    result.set_result(self._sleep_now(level))
+                except Exception as e:
+                    result.set_exception(e)
+
+        def forward_failure(command: concurrent.futures.Future[None]) -> None:
+            error = command.exception()  # the loop stopped before ``begin`` ran
+            if error is not None and not result.running() and result.set_running_or_notify_cancel():
+                result.set_exception(error)
+
+        self.submit(begin).add_done_callback(forward_failure)
+        return result
+
+    def wake_up(self, tags: list[str] | None = None) -> concurrent.futures.Future[None]:
+        """``EngineCore.wake_up(tags)`` on the engine thread."""
+        return self.call(lambda core: core.wake_up(tags))
+
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._submit_lock:
@@ -140,6 +179,8 @@ class EngineLoop:
         try:
             while not self._stopping.is_set():
                 self._apply_commands(block=not self.engine_core.has_unfinished_requests())
+                if self._pending_sleeps and not self.engine_core.has_unfinished_requests():
+                    self._run_pending_sleeps()
                 if self.engine_core.has_unfinished_requests():
                     self._dispatch(self.engine_core.step())  # a failed step's requests end in its outputs
                     if self.engine_core.dead_error is not None:
@@ -156,6 +197,7 @@ class EngineLoop:
                 self._stopping.set()
             self._fail_owned(unavailable)
             self._fail_pending(unavailable)
+            self._fail_pending_sleeps(unavailable)
             for callback in self._death_callbacks:
                 callback(e)
 
@@ -174,6 +216,27 @@ class EngineLoop:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _sleep_now(self, level: int) -> SleepResult:
+        result, outputs = self.engine_core.sleep(level)
+        self._dispatch(outputs)  # the requests it ended, to their clients
+        return result
+
+    def _run_pending_sleeps(self) -> None:
+        """The core has drained: run the sleeps that waited for it (a deeper level after a lighter one)."""
+        pending, self._pending_sleeps = self._pending_sleeps, []
+        for level, future in pending:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._sleep_now(level))
+                except Exception as e:
+                    future.set_exception(e)
+
+    def _fail_pending_sleeps(self, error: BaseException) -> None:
+        pending, self._pending_sleeps = self._pending_sleeps, []
+        for _, future in pending:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
     def _add(self, client_index: int, requests: list[Request]) -> None:
         client = self._clients.get(client_index)

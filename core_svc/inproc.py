@@ -15,10 +15,11 @@ from prometheus_client import CollectorRegistry
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
-from core_svc.errors import EngineUnavailableError
+from core_svc.errors import EngineUnavailableError, InvalidRequestError
 from core_svc.observability import observe_engine_core
 from core_svc.outputs import EngineCoreOutputs
-from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_error_to_pb, request_from_pb
+from core_svc.sleep_mode import check_sleep_level, check_wake_up_tags
+from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_error_to_pb, request_from_pb, sleep_result_to_pb
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 T = TypeVar("T")
@@ -48,6 +49,7 @@ class InprocCore:
         self.engine_core = EngineCore(CoreConfig(model=model, **core_config))
         self._engine_loop: EngineLoop | None = None
         self._client_index = 0
+        self._pending_outputs: list[EngineCoreOutputs] = []  # step by step: what a sleep ended, for the next step
 
     # --- step by step (the caller's thread) ---
 
@@ -66,6 +68,8 @@ class InprocCore:
 
     def step(self) -> pb.EngineCoreOutputs:
         """Raises RefusedError (UNAVAILABLE) once the core was declared dead."""
+        if self._pending_outputs:
+            return outputs_to_pb(self._pending_outputs.pop(0))
         try:
             return outputs_to_pb(self.engine_core.step())
         except EngineUnavailableError as e:
@@ -73,6 +77,35 @@ class InprocCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int, drain: bool = False) -> pb.SleepResponse:
+        """``EngineCore.sleep(level)``; the requests it ends come out of the next ``step``. Raises RefusedError:
+        a bad level (INVALID_ARGUMENT), or ``drain`` with requests in the core: step by step, nothing steps them
+        while this call waits (run the steps until they finish first)."""
+        try:
+            check_sleep_level(level)
+            if drain and self.engine_core.has_unfinished_requests():
+                raise InvalidRequestError(
+                    "drain",
+                    "the in-process engine is stepped by its caller: step it until its requests have finished, "
+                    "then sleep (or sleep without drain, which ends them)",
+                )
+            result, outputs = self.engine_core.sleep(level)
+        except Exception as e:
+            raise _refused(e) from e
+        if outputs.outputs or outputs.finished_requests:
+            self._pending_outputs.append(outputs)
+        return sleep_result_to_pb(result)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """``EngineCore.wake_up(tags)``. Raises RefusedError: a bad tag (INVALID_ARGUMENT)."""
+        try:
+            self.engine_core.wake_up(tags)
+        except Exception as e:
+            raise _refused(e) from e
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
 
     # --- on the engine loop's thread ---
 
@@ -123,6 +156,38 @@ class InprocCore:
 
     def submit_reset_prefix_cache(self) -> concurrent.futures.Future[bool]:
         return _translated(self._running_engine_loop().call(lambda core: core.reset_prefix_cache()))
+
+    def submit_sleep(self, level: int, drain: bool) -> concurrent.futures.Future[pb.SleepResponse]:
+        """``EngineLoop.sleep``; the future fails with RefusedError (a bad level: INVALID_ARGUMENT)."""
+        try:
+            future = self._running_engine_loop().sleep(level, drain)
+        except Exception as e:
+            failed: concurrent.futures.Future[pb.SleepResponse] = concurrent.futures.Future()
+            failed.set_exception(_refused(e))
+            return failed
+        result: concurrent.futures.Future[pb.SleepResponse] = concurrent.futures.Future()
+
+        def convert(done: concurrent.futures.Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                result.set_exception(_refused(error))
+            else:
+                result.set_result(sleep_result_to_pb(done.result()))
+
+        future.add_done_callback(convert)
+        return result
+
+    def submit_wake_up(self, tags: list[str] | None) -> concurrent.futures.Future[None]:
+        try:
+            check_wake_up_tags(tags)
+        except InvalidRequestError as e:
+            failed: concurrent.futures.Future[None] = concurrent.futures.Future()
+            failed.set_exception(_refused(e))
+            return failed
+        return _translated(self._running_engine_loop().wake_up(tags))
+
+    def submit_is_sleeping(self) -> concurrent.futures.Future[bool]:
+        return _translated(self._running_engine_loop().call(lambda core: core.is_sleeping()))
 
     def _running_engine_loop(self) -> EngineLoop:
         if self._engine_loop is None:

@@ -11,11 +11,15 @@ admitted again after a preemption, which ``prefix_cache_queries`` / ``_hits`` le
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry
 
 from core_svc.outputs import SchedulerStats
 from core_svc.stats import CoreRequestStats
 from splitserve.base import metrics
+
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's sleep_state label values, by sleep level
 
 
 class CoreMetrics:
@@ -26,6 +30,8 @@ class CoreMetrics:
         registry: where the metrics are registered (one per core).
         model_name: the model the core serves: ``--served-model-name``, else ``--model`` as given.
         max_model_len, max_num_batched_tokens: upper ends of the token-count buckets.
+        sleep_level: the core's sleep level now (0 awake, 1, 2), read at each scrape for vLLM's
+            ``engine_sleep_state`` gauge (None: the gauge is not exported).
     """
 
     def __init__(
@@ -35,8 +41,20 @@ class CoreMetrics:
         max_model_len: int,
         max_num_batched_tokens: int,
         engine_index: int = 0,
+        sleep_level: Callable[[], int] | None = None,
     ) -> None:
         m = metrics.LabelledMetrics(registry, model_name, engine_index)
+        if sleep_level is not None:
+            # vLLM's engine_sleep_state: 1 on the label of the state the core is in, 0 on the others.
+            sleep_states = m.gauges_by(
+                "engine_sleep_state",
+                "Sleep mode: 1 for the state the engine core is in (awake; weights_offloaded: level 1; discard_all: "
+                "level 2), 0 for the others.",
+                "sleep_state",
+                SLEEP_STATES,
+            )
+            for level, state in enumerate(SLEEP_STATES):
+                sleep_states[state].set_function(_is_level(sleep_level, level))
         self.num_requests_running = m.gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = m.gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = m.gauge("kv_cache_usage_perc", "Fraction of usable KV-cache blocks in use, [0, 1].")
@@ -118,3 +136,8 @@ class CoreMetrics:
             self.prefill_time.observe(stats.prefill_time)
             self.decode_time.observe(stats.decode_time)
             self.inference_time.observe(stats.inference_time)
+
+
+def _is_level(sleep_level: Callable[[], int], level: int) -> Callable[[], float]:
+    """1.0 while ``sleep_level()`` is ``level``, else 0.0 (read at each scrape)."""
+    return lambda: float(sleep_level() == level)

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture_sizes
-from core_svc.errors import EngineStepError
+from core_svc.errors import EngineStepError, EngineUnavailableError
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
 from core_svc.model_loader import LoadedModel
-from core_svc.models.interfaces import SupportsMultiModal
+from core_svc.models.interfaces import ServedModel, SupportsMultiModal
 from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from core_svc.request import MultiModalFeature
 from core_svc.sampler import LogprobsTensors, Sampler, SamplerOutput, argmax, gather_logprobs
@@ -86,15 +86,15 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, config: RunnerConfig) -> None:
-        self.model = loaded.model
+        self._model: ServedModel | None = loaded.model  # None while discarded (sleep level 2)
         self.arch = loaded.arch
         self.config = config
         self.vocab_size = loaded.arch.vocab_size
         self.block_size = config.block_size
-        param = next(self.model.parameters())
+        param = next(loaded.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_caches: list[torch.Tensor] = []  # [2, num_kv_blocks, block_size, num_kv_heads, head_size] per layer
-        self.uses_mrope = self.model.uses_mrope
+        self.uses_mrope = loaded.model.uses_mrope
         limits = BufferLimits(
             config.max_num_batched_tokens, config.max_num_seqs, config.max_num_blocks_per_req, self.uses_mrope
         )
@@ -104,6 +104,69 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden_size] item embeddings
         self.num_encoder_calls = 0  # items encoded so far
+
+    @property
+    def model(self) -> ServedModel:
+        """The model on its device.
+
+        Raises:
+            EngineUnavailableError: its weights were discarded (sleep level 2) and not reloaded yet.
+        """
+        if self._model is None:
+            raise EngineUnavailableError("the engine core is sleeping: its weights are discarded (sleep level 2)")
+        return self._model
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache tensors now allocated (0 while released)."""
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
+    def weights_bytes(self) -> int:
+        """Bytes of the model's tensors: parameters, buffers and the weights its layers hold in their own layout
+        (oneDNN-prepacked linear weights); a tied one once; 0 while discarded."""
+        if self._model is None:
+            return 0
+        tensors = {id(t): t for t in [*self._model.parameters(), *self._model.buffers()]}
+        for module in self._model.modules():
+            tensors.update((id(v), v) for v in vars(module).values() if isinstance(v, torch.Tensor))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def release_kv_cache(self) -> int:
+        """Drop the KV cache tensors (and the decode graphs, which read them); returns the bytes released.
+        ``initialize_kv_cache`` allocates them again, zeroed."""
+        num_bytes = self.kv_cache_bytes
+        self.kv_caches = []
+        self.decode_graphs = None
+        return num_bytes
+
+    def offload_weights(self) -> int:
+        """Sleep level 1: move the weights (parameters and buffers) to host memory, returning the bytes moved off
+        the device; on CPU they are in host memory already and stay where they are (0). The decode graphs, which
+        read them where they were, are dropped."""
+        if self.device.type == "cpu":
+            return 0
+        num_bytes = self.weights_bytes()
+        self.model.to("cpu")
+        self.decode_graphs = None
+        return num_bytes
+
+    def onload_weights(self) -> None:
+        """Wake-up after ``offload_weights``: the weights back on the device (a no-op on CPU)."""
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+
+    def discard_weights(self) -> int:
+        """Sleep level 2: drop the model (its weights, buffers and the encoder outputs computed with it) and the
+        decode graphs; returns the bytes of weights released. ``set_model`` puts a reloaded one in place."""
+        num_bytes = self.weights_bytes()
+        self._model = None
+        self.decode_graphs = None
+        self.encoder_cache.clear()
+        return num_bytes
+
+    def set_model(self, model: ServedModel) -> None:
+        """The reloaded model after ``discard_weights`` (same checkpoint, dtype, quantization and device)."""
+        self._model = model
 
     def initialize_kv_cache(self, num_kv_blocks: int) -> None:
         """Allocate ``num_kv_blocks`` blocks (the null block 0 included) per layer, zeroed so the null block,

@@ -21,7 +21,13 @@ def observe_engine_core(
     either off. Call it before the engine core runs or on its thread."""
     if registry is not None:
         engine_core.add_stats_sink(
-            CoreMetrics(registry, model_name, engine_core.max_model_len, engine_core.config.max_num_batched_tokens)
+            CoreMetrics(
+                registry,
+                model_name,
+                engine_core.max_model_len,
+                engine_core.config.max_num_batched_tokens,
+                sleep_level=lambda: engine_core.sleep_state.level,
+            )
         )
     if tracer_provider is not None:
         engine_core.add_stats_sink(RequestTracer(tracer_provider))

@@ -101,8 +101,8 @@ class _CoreServer(server_lifecycle.ServerHooks[EngineCore]):
         logger.info("splitserve core listening on %s:%d, %s (loading %s)", host, port, transport, self.config.model)
         if self.state.admin.enabled:
             logger.warning(
-                "admin RPCs are on (ResetPrefixCache, StartProfile, StopProfile): every client that reaches this "
-                "port may call them; profiles go under %s",
+                "admin RPCs are on (ResetPrefixCache, StartProfile, StopProfile, Sleep, WakeUp): every client that "
+                "reaches this port may call them; profiles go under %s",
                 self.state.admin.profile_dir,
             )
 
@@ -122,6 +122,7 @@ class _CoreServer(server_lifecycle.ServerHooks[EngineCore]):
         engine_loop.on_death(control.die)  # the engine thread died: stop serving, exit non-zero
         engine_loop.start()
         self.state.engine_loop = engine_loop
+        self.state.set_serving = control.set_serving_soon  # NOT_SERVING while asleep (Sleep / WakeUp)
         return True
 
     def ready_details(self) -> str:

@@ -16,7 +16,15 @@ from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError, InvalidRequestError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
-from core_svc.wire import engine_info_to_pb, engine_load_to_pb, outputs_to_pb, outputs_to_pb_messages, request_from_pb
+from core_svc.sleep_mode import check_sleep_level, check_wake_up_tags
+from core_svc.wire import (
+    engine_info_to_pb,
+    engine_load_to_pb,
+    outputs_to_pb,
+    outputs_to_pb_messages,
+    request_from_pb,
+    sleep_result_to_pb,
+)
 from splitserve.base.grpc_errors import UndecodableRequestError, finish_reading
 from splitserve.base.grpc_status import abort
 from splitserve.base.thread_handoff import ThreadToLoopQueue
@@ -55,7 +63,16 @@ class CoreServerState:
     max_receive_message_bytes: int = 0  # the server's receive limit, told to frontends (0: not told)
     max_send_message_bytes: int = 0  # the server's send limit: larger steps go out split (0: no limit)
     outboxes: set[_Outbox] = field(default_factory=set)  # one per open Connect stream
-    admin: AdminPolicy = AdminPolicy()  # ResetPrefixCache, StartProfile, StopProfile: off unless enabled
+    admin: AdminPolicy = AdminPolicy()  # ResetPrefixCache, StartProfile, StopProfile, Sleep, WakeUp: off unless enabled
+    # Readiness (the health status of ENGINE_CORE_GRPC_SERVICE) to SERVING or NOT_SERVING, soon; set by the server.
+    set_serving: Callable[[bool], None] | None = None
+
+    def update_readiness(self) -> None:
+        """Readiness from the core's state: SERVING while its loop runs, it is awake and the server not draining."""
+        engine_loop = self.engine_loop
+        if self.set_serving is not None and engine_loop is not None:
+            awake = not engine_loop.engine_core.is_sleeping() and engine_loop.engine_core.refusal is None
+            self.set_serving(engine_loop.is_alive and awake and not self.draining)
 
     def end_streams(self) -> None:
         """End every open ``Connect`` stream with status OK (at shutdown, after the drain: grpc would cancel
@@ -190,6 +207,58 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         engine_loop = await self._engine_loop(context, allow_draining=True)
         path = await self._call(context, engine_loop, lambda core: core.stop_profile())
         return pb.StopProfileResponse(trace_path=path)
+
+    async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
+        """``EngineCore.sleep(level)`` (admin): readiness goes NOT_SERVING first, so frontends send their new
+        requests elsewhere; with ``drain``, those in flight finish first, else they end with UNAVAILABLE.
+        INVALID_ARGUMENT naming ``level`` for a level that is not 1 or 2."""
+        await self._check_admin(context, "Sleep")
+        engine_loop = await self._engine_loop(context)
+        try:
+            check_sleep_level(request.level)
+        except InvalidRequestError as e:
+            await abort(context, e)
+        if self.state.set_serving is not None:
+            self.state.set_serving(False)
+        try:
+            result = await asyncio.wrap_future(engine_loop.sleep(request.level, request.drain))
+        except Exception as e:
+            self.state.update_readiness()  # it did not sleep: ready again, unless it is otherwise not
+            await abort(context, e)
+        logger.info(
+            "Sleep(level=%d, drain=%s): %d request(s) ended, %d bytes of KV cache and %d of weights released",
+            request.level,
+            request.drain,
+            result.num_aborted_requests,
+            result.kv_cache_bytes_freed,
+            result.weights_bytes_freed,
+        )
+        return sleep_result_to_pb(result)
+
+    async def WakeUp(self, request: pb.WakeUpRequest, context: grpc.aio.ServicerContext) -> pb.WakeUpResponse:
+        """``EngineCore.wake_up(tags)`` (admin; no tags: everything); readiness SERVING once nothing sleeps.
+        INVALID_ARGUMENT naming ``tags[i]`` for a tag that is neither ``weights`` nor ``kv_cache``."""
+        await self._check_admin(context, "WakeUp")
+        engine_loop = await self._engine_loop(context)
+        tags = list(request.tags)
+        try:
+            check_wake_up_tags(tags)
+        except InvalidRequestError as e:
+            await abort(context, e)
+        try:
+            await asyncio.wrap_future(engine_loop.wake_up(tags or None))
+        except Exception as e:
+            self.state.update_readiness()  # what did wake stays awake: the weights, before a KV cache that failed
+            await abort(context, e)
+        self.state.update_readiness()
+        return pb.WakeUpResponse()
+
+    async def IsSleeping(
+        self, request: pb.IsSleepingRequest, context: grpc.aio.ServicerContext
+    ) -> pb.IsSleepingResponse:
+        """Whether the core sleeps (not an admin RPC: it changes nothing)."""
+        engine_loop = await self._engine_loop(context, allow_draining=True)
+        return pb.IsSleepingResponse(is_sleeping=await self._call(context, engine_loop, lambda c: c.is_sleeping()))
 
     async def _check_admin(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """End the call with UNIMPLEMENTED unless the admin RPCs are on: gRPC's code for an operation "not

@@ -15,6 +15,7 @@ from core_svc.errors import RequestTooLargeError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import FinishReason, MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
+from core_svc.sleep_mode import SleepResult
 from splitserve.base.proto_fields import set_optional_fields
 from splitserve.base.status import FieldError, status_code_of
 from splitserve.base.structured_outputs import StructuredOutputsParams
@@ -203,6 +204,14 @@ def engine_load_to_pb(load: EngineLoad) -> pb.EngineLoad:
         num_free_kv_blocks=load.num_free_kv_blocks,
         num_usable_kv_blocks=load.num_usable_kv_blocks,
         kv_cache_usage=load.kv_cache_usage,
+    )
+
+
+def sleep_result_to_pb(result: SleepResult) -> pb.SleepResponse:
+    return pb.SleepResponse(
+        num_aborted_requests=result.num_aborted_requests,
+        kv_cache_bytes_freed=result.kv_cache_bytes_freed,
+        weights_bytes_freed=result.weights_bytes_freed,
     )
 
 

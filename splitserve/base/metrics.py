@@ -92,6 +92,11 @@ class LabelledMetrics:
         metric = Counter(PREFIX + name, doc, [*self.labels, label], registry=self.registry)
         return {value: metric.labels(**self.labels, **{label: value}) for value in values}
 
+    def gauges_by(self, name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, Gauge]:
+        """One gauge per value of one more label (``sleep_state``), all exported at 0."""
+        metric = Gauge(PREFIX + name, doc, [*self.labels, label], registry=self.registry)
+        return {value: metric.labels(**self.labels, **{label: value}) for value in values}
+
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
