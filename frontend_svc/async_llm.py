@@ -196,6 +196,23 @@ class AsyncLLM(LLMEngineBase):
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
+    async def sleep(self, level: int = 1, drain: bool = False) -> None:
+        """Put the engine core(s) to sleep, as ``LLMEngine.sleep``: the streams of requests in flight end with
+        ``EngineDeadError`` (UNAVAILABLE), or, with ``drain``, finish first; returns once the cores sleep.
+
+        Raises:
+            ValidationError, NotSupportedError, EngineDeadError: as ``LLMEngine.sleep``.
+        """
+        await self.engine_core.sleep_async(level, drain)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """As ``LLMEngine.wake_up``."""
+        await self.engine_core.wake_up_async(tags)
+
+    async def is_sleeping(self) -> bool:
+        """As ``LLMEngine.is_sleeping``."""
+        return await self.engine_core.is_sleeping_async()
+
     def close(self) -> None:
         """Shut the core down; every stream still waiting ends with EngineDeadError."""
         error = EngineDeadError("the engine was closed")

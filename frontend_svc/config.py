@@ -93,6 +93,17 @@ class FrontendConfig:
         metadata=flag("the HTTP API's address", default_help="the same as --host", metavar="HOST"),
     )
 
+    # vLLM's dev-mode routes on the HTTP API: POST /sleep, POST /wake_up, GET /is_sleeping (they change the cores
+    # for every client, as the cores' admin RPCs, which they call, need --enable-admin-rpcs there).
+    enable_admin_routes: bool = field(
+        default=False,
+        metadata=flag(
+            "serve the HTTP API's admin routes, as vLLM serves them in its dev mode: POST /sleep?level=1|2, "
+            "POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping; every client of the HTTP API may call them "
+            "(the cores must run with --enable-admin-rpcs; docs/operations.md)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
         if not 1 <= self.max_n <= MAX_N:

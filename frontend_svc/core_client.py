@@ -44,6 +44,40 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
 
+    def sleep(self, level: int = 1, drain: bool = False) -> None:
+        """Put every core to sleep (vLLM's ``sleep``; ``core_svc.sleep_mode``): level 1 drops the KV cache and
+        moves the weights to host memory, level 2 drops the weights too. ``drain``: requests in flight finish
+        first, else they end with ``EngineDeadError`` (UNAVAILABLE).
+
+        Raises:
+            ValidationError: ``level`` not 1 or 2.
+            NotSupportedError: a core runs without ``--enable-admin-rpcs``.
+            EngineDeadError: no core is reachable.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake every core: ``tags`` None (everything), or ``"weights"`` and / or ``"kv_cache"``.
+
+        Raises:
+            ValidationError: a tag that is neither, naming ``tags[i]``.
+            NotSupportedError, EngineDeadError: as ``sleep``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def is_sleeping(self) -> bool:
+        """Whether a core sleeps (with several cores: any of them)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    async def sleep_async(self, level: int = 1, drain: bool = False) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def wake_up_async(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def is_sleeping_async(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the core (its memory, for the in-process client). Idempotent."""

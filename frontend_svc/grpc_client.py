@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -411,6 +411,24 @@ class GrpcCoreClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         return self._on_transport(self._reset_prefix_cache()).result()
 
+    def sleep(self, level: int = 1, drain: bool = False) -> None:
+        self._on_transport(self._sleep(level, drain)).result()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._on_transport(self._wake_up(tags)).result()
+
+    def is_sleeping(self) -> bool:
+        return self._on_transport(self._is_sleeping()).result()
+
+    async def sleep_async(self, level: int = 1, drain: bool = False) -> None:
+        await asyncio.wrap_future(self._on_transport(self._sleep(level, drain)))
+
+    async def wake_up_async(self, tags: list[str] | None = None) -> None:
+        await asyncio.wrap_future(self._on_transport(self._wake_up(tags)))
+
+    async def is_sleeping_async(self) -> bool:
+        return await asyncio.wrap_future(self._on_transport(self._is_sleeping()))
+
     async def reset_prefix_cache_async(self) -> bool:
         return await asyncio.wrap_future(self._on_transport(self._reset_prefix_cache()))
 
@@ -505,15 +523,26 @@ class GrpcCoreClient(EngineCoreClient):
         """Send ``requests`` to one core, all or none. Converting them (16384 children) yields to this loop
         between chunks; they are queued on the stream, and become abortable (``_owner``), together at the end."""
         if not any(c.accepting and c is not exclude for c in self.connections):
-            raise EngineDeadError("no engine core is reachable")
+            raise EngineDeadError(self._none_accepting())
         messages = await add_messages(requests)
         accepting = [c for c in self.connections if c.accepting and c is not exclude]
         if not accepting:
-            raise EngineDeadError("no engine core is reachable")
+            raise EngineDeadError(self._none_accepting())
         connection = min(accepting, key=lambda c: len(c.in_flight))  # least outstanding requests
         connection.send_add(requests, messages)
         for request in requests:
             self._owner[request.request_id] = connection
+
+    def _none_accepting(self) -> str:
+        """Why no core takes a request: none reachable, or those reachable are not ready (readiness
+        NOT_SERVING: sleeping, or shutting down)."""
+        not_ready = [c.address for c in self.connections if c.available and not c.serving]
+        if not_ready:
+            return (
+                f"no engine core is ready to take requests: {', '.join(not_ready)} reachable but not serving (the "
+                "engine core is sleeping, or shutting down)"
+            )
+        return "no engine core is reachable"
 
     def _reroute(self, refused_by: CoreConnection, request: EngineCoreRequest, refusal: EngineCoreOutput) -> None:
         """A draining core refused an add: send it to another core, or pass the refusal on."""
@@ -560,6 +589,44 @@ class GrpcCoreClient(EngineCoreClient):
         if not results:
             raise EngineDeadError("no engine core is reachable")
         return all(r.success for r in results)
+
+    async def _sleep(self, level: int, drain: bool) -> None:
+        """Sleep on every connected core, together (a drain may take a while on each).
+
+        Raises:
+            EngineDeadError, NotSupportedError, ValidationError: as ``_call_every_core``.
+        """
+        request = pb.SleepRequest(level=level, drain=drain)
+        await self._call_every_core(lambda stub: stub.Sleep(request))
+
+    async def _wake_up(self, tags: list[str] | None) -> None:
+        request = pb.WakeUpRequest(tags=tags or [])
+        await self._call_every_core(lambda stub: stub.WakeUp(request))
+
+    async def _is_sleeping(self) -> bool:
+        responses = await self._call_every_core(lambda stub: stub.IsSleeping(pb.IsSleepingRequest(), timeout=10.0))
+        return any(r.is_sleeping for r in responses)
+
+    async def _call_every_core(self, call: Callable[[pb_grpc.EngineCoreStub], Awaitable[T]]) -> list[T]:
+        """``call`` on every core with its stream up, sleeping ones included, at once; their answers.
+
+        Raises:
+            EngineDeadError: no core is reachable, or one stopped meanwhile (UNAVAILABLE).
+            NotSupportedError: a core runs without ``--enable-admin-rpcs`` (UNIMPLEMENTED).
+            ValidationError: a core refused an argument (INVALID_ARGUMENT, naming it). A core's other failures
+                come as ``error_from_core`` maps their codes, never as a raw ``grpc.RpcError``.
+        """
+        stubs = [c.stub for c in self.connections if c.available and c.stub is not None]
+        if not stubs:
+            raise EngineDeadError("no engine core is reachable")
+        results = await asyncio.gather(*(call(stub) for stub in stubs), return_exceptions=True)
+        for result in results:
+            if isinstance(result, grpc.aio.AioRpcError):
+                field = violation.field if (violation := field_violation(result)) else ""
+                raise error_from_core(result.code().value[0], result.details() or "", field) from result
+            if isinstance(result, BaseException):
+                raise result
+        return [r for r in results if not isinstance(r, BaseException)]
 
     def _deliver(self, outputs: EngineCoreOutputs) -> None:
         for output in outputs.outputs:

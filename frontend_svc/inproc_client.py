@@ -69,6 +69,21 @@ class InprocClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         return self._edge().reset_prefix_cache()
 
+    def sleep(self, level: int = 1, drain: bool = False) -> None:
+        try:
+            self._edge().sleep(level, drain)
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        try:
+            self._edge().wake_up(tags)
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
+
+    def is_sleeping(self) -> bool:
+        return bool(self._edge().is_sleeping())
+
     def shutdown(self) -> None:
         if self._core_edge is not None:
             self._core_edge.shutdown()
@@ -131,6 +146,24 @@ class AsyncInprocClient(InprocClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         return await self._outputs.get()
 
+    def sleep(self, level: int = 1, drain: bool = False) -> None:
+        self._wait_sync_refused(lambda edge: edge.submit_sleep(level, drain))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._wait_sync_refused(lambda edge: edge.submit_wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._wait_sync_refused(lambda edge: edge.submit_is_sleeping()))
+
+    async def sleep_async(self, level: int = 1, drain: bool = False) -> None:
+        await self._wait(lambda edge: edge.submit_sleep(level, drain))
+
+    async def wake_up_async(self, tags: list[str] | None = None) -> None:
+        await self._wait(lambda edge: edge.submit_wake_up(tags))
+
+    async def is_sleeping_async(self) -> bool:
+        return bool(await self._wait(lambda edge: edge.submit_is_sleeping()))
+
     def shutdown(self) -> None:
         if self._core_edge is not None:
             self._core_edge.stop_engine_loop()
@@ -139,6 +172,13 @@ class AsyncInprocClient(InprocClient):
 
     def _wait_sync(self, submit: Any) -> Any:
         return submit(self._edge()).result()
+
+    def _wait_sync_refused(self, submit: Any) -> Any:
+        """``_wait_sync``, refusals as the frontend's errors (a sync caller of the threaded core)."""
+        try:
+            return self._wait_sync(submit)
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
 
     async def _wait(self, submit: Any) -> Any:
         """Submit a command to the core's thread and await it; refusals become the frontend's errors."""

@@ -60,6 +60,27 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine core to sleep between uses, e.g. while an RL trainer holds the accelerator (vLLM's
+        ``LLM.sleep``): level 1 drops the KV cache and the prefix cache and moves the weights to host memory;
+        level 2 drops the weights too, reloaded from the checkpoint by ``wake_up``. ``generate`` raises
+        ``EngineDeadError`` until ``wake_up``.
+
+        Raises:
+            ValidationError: ``level`` not 1 or 2.
+            NotSupportedError: a remote core runs without ``--enable-admin-rpcs``.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``tags`` None for everything, else ``"weights"`` and / or
+        ``"kv_cache"`` (vLLM's ``LLM.wake_up``; e.g. the weights alone, to update them before the KV cache takes
+        memory again). Raises ValidationError for another tag."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -319,3 +319,32 @@ class LLMEngine(LLMEngineBase):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1, drain: bool = False) -> None:
+        """Put the engine core(s) to sleep (vLLM's ``LLMEngine.sleep``): level 1 drops the KV cache and the prefix
+        cache and moves the weights to host memory; level 2 drops the weights too (reloaded on ``wake_up``).
+        Requests in flight end with ``EngineDeadError`` (UNAVAILABLE), raised by the next ``step`` (vLLM's default
+        mode "abort"); ``drain``: a core over gRPC lets them finish first (the in-process core refuses ``drain``
+        while it holds requests: ``step`` them to the end first). Until ``wake_up``, new requests are refused
+        with ``EngineDeadError`` ("the engine core is sleeping").
+
+        Raises:
+            ValidationError: ``level`` not 1 or 2 (naming ``level``); ``drain`` as above.
+            NotSupportedError: a core runs without ``--enable-admin-rpcs``.
+            EngineDeadError: no core is reachable.
+        """
+        self.engine_core.sleep(level, drain)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released (vLLM's ``wake_up``): ``tags`` None for everything, or ``["weights"]``
+        and / or ``["kv_cache"]`` (the weights first). Requests are taken again once nothing sleeps.
+
+        Raises:
+            ValidationError: a tag that is neither, naming ``tags[i]``.
+            NotSupportedError, EngineDeadError: as ``sleep``.
+        """
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine core sleeps (with several cores over gRPC: any of them)."""
+        return self.engine_core.is_sleeping()

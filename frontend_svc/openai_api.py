@@ -90,6 +90,10 @@ def make_app(state: FrontendServerState) -> FastAPI:
     app.post("/v1/chat/completions", response_model=None)(api.chat_completions)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
+    if state.enable_admin_routes:  # vLLM serves them in its dev mode only
+        app.post("/sleep")(api.sleep)
+        app.post("/wake_up")(api.wake_up)
+        app.get("/is_sleeping")(api.is_sleeping)
     return app
 
 
@@ -298,6 +302,31 @@ class _OpenAIApi:
         if params.n > self.state.max_n:
             raise ValidationError("n", f"must be at most {self.state.max_n} on this server (--max-n), got {params.n}")
         return params
+
+    async def sleep(self, level: int = 1, drain: bool = False) -> Response:
+        """vLLM's ``POST /sleep?level=1``: every core to sleep (``AsyncLLM.sleep``); ``drain=true`` lets the
+        requests in flight finish first. 200 once they sleep; 400 naming ``level`` for another level; 501 when a
+        core runs without ``--enable-admin-rpcs``."""
+        await self._admin_engine().sleep(level, drain)
+        return Response(status_code=200)
+
+    async def wake_up(self, request: Request) -> Response:
+        """vLLM's ``POST /wake_up``, with ``tags`` query parameters (``?tags=weights``, repeated for several;
+        none: everything). 200 once done; 400 naming ``tags[i]`` for an unknown tag."""
+        tags = request.query_params.getlist("tags")
+        await self._admin_engine().wake_up(tags or None)
+        return Response(status_code=200)
+
+    async def is_sleeping(self) -> dict[str, bool]:
+        """vLLM's ``GET /is_sleeping``: ``{"is_sleeping": true}`` while a core sleeps."""
+        return {"is_sleeping": await self._admin_engine().is_sleeping()}
+
+    def _admin_engine(self) -> AsyncLLM:
+        """The engine, also while no core takes requests (a sleeping one does not)."""
+        engine = self.state.engine
+        if engine is None:
+            raise EngineDeadError("the frontend is not ready: no engine core yet")
+        return engine
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.state.model:

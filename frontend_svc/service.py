@@ -46,6 +46,7 @@ class FrontendServerState:
     draining: bool = False
     active_calls: int = 0
     tracer: Tracer | None = None  # None: tracing is off
+    enable_admin_routes: bool = False  # the HTTP API's /sleep, /wake_up, /is_sleeping (--enable-admin-routes)
 
 
 class GenerationServicer(api_grpc.GenerationServicer):
