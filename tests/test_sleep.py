@@ -1,0 +1,356 @@
+"""Sleep mode (vLLM's sleep / wake_up / is_sleeping): the memory a sleeping core gives back (RSS of the core's
+process, measured with psutil), the same greedy outputs after waking, the prefix cache forgotten, requests in flight
+ended (or drained) with their blocks returned, refusals while asleep, readiness, the admin gate, and the frontend's
+API over both core clients and the HTTP routes.
+
+The in-process ``EngineCore`` carries most of it (fast); one real core process carries the RPCs and readiness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2
+
+from core_svc.engine_core import EngineCore
+from core_svc.engine_loop import EngineLoop
+from core_svc.errors import EngineUnavailableError, InvalidRequestError
+from core_svc.request import FinishReason, Request
+from core_svc.sampling_params import SamplingParams
+from splitserve.entrypoints import stack
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as core_grpc
+from tests.conftest import builtin_tokenizer_dir
+from tests.helpers import make_engine, run_engine
+
+# The tiny preset (4 layers, 2 KV heads of 16) with a wide MLP, so that its weights are tens of MiB: measurable.
+INTERMEDIATE_SIZE = 8192
+NUM_KV_BLOCKS = 4097  # the null block and 4096 of 16 tokens
+BLOCK_SIZE = 16
+KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 16 * 4  # K and V, layers, KV heads, head size, float32: 1 KiB
+KV_CACHE_BYTES = NUM_KV_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN  # 64 MiB
+CORE_ARGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "256"]
+PROMPT = list(range(5, 45))  # 40 tokens: two full blocks go to the prefix cache
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from splitserve.entrypoints.test_model import make_test_model
+
+    return make_test_model(
+        tmp_path_factory.mktemp("sleep-model"),
+        "llama",
+        "tiny",
+        tokenizer=builtin_tokenizer_dir(),
+        config_overrides={"intermediate_size": INTERMEDIATE_SIZE},
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint_bytes(model: Path) -> int:
+    """The bytes of the checkpoint's tensors (float32), read from the safetensors file, not from the core."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in model.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                tensor = f.get_tensor(name)
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path) -> EngineCore:
+    return make_engine(model, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def reference(engine: EngineCore) -> list[int]:
+    """The greedy tokens of PROMPT before any sleep."""
+    tokens, cached = greedy(engine)
+    assert cached == 0
+    return tokens
+
+
+def rss(pid: int | None = None) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def greedy(engine: EngineCore) -> tuple[list[int], int]:
+    """The greedy tokens of PROMPT and its cached-token count."""
+    [result], _ = run_engine(engine, [PROMPT], MAX_TOKENS)
+    return result.token_ids, result.num_cached_tokens
+
+
+def num_prefix_hit_tokens(engine: EngineCore) -> int:
+    """The tokens of PROMPT the prefix cache would serve now."""
+    request = Request("lookup", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
+    return engine.scheduler.kv_cache_manager.get_computed_blocks(request)[1]
+
+
+def assert_no_block_held(engine: EngineCore) -> None:
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == NUM_KV_BLOCKS - 1
+    assert not pool.cached_block_hash_to_block  # every hash forgotten
+    assert all(block.block_hash is None for block in pool.blocks)
+
+
+def test_level_1_returns_the_kv_cache_to_the_os_and_wakes_to_the_same_outputs(
+    engine: EngineCore, reference: list[int]
+) -> None:
+    assert num_prefix_hit_tokens(engine) == 32  # the prefix cache holds the prompt's two full blocks
+    assert engine.model_runner.kv_cache_bytes == KV_CACHE_BYTES
+    before = rss()
+    result, outputs = engine.sleep(1)
+    freed = before - rss()
+    assert (result.kv_cache_bytes_freed, result.weights_bytes_freed, result.num_aborted_requests) == (
+        KV_CACHE_BYTES,
+        0,  # on CPU the weights are in host memory already: kept where they are
+        0,
+    )
+    assert not outputs.outputs
+    assert freed >= 0.9 * KV_CACHE_BYTES, f"RSS fell by {freed / 2**20:.1f} MiB"
+    assert engine.is_sleeping() and engine.sleep_state.sleeping_tags == ["weights", "kv_cache"]
+    assert_no_block_held(engine)
+    with pytest.raises(EngineUnavailableError, match="the engine core is sleeping"):
+        engine.add_request(Request("refused", PROMPT, SamplingParams(temperature=0.0, max_tokens=1)))
+    engine.wake_up()
+    assert not engine.is_sleeping()
+    assert engine.model_runner.kv_cache_bytes == KV_CACHE_BYTES
+    assert num_prefix_hit_tokens(engine) == 0
+    assert greedy(engine) == (reference, 0)  # the same outputs; nothing left in the prefix cache
+
+
+def test_level_2_drops_the_weights_too_and_reloads_them(
+    engine: EngineCore, reference: list[int], checkpoint_bytes: int
+) -> None:
+    before = rss()
+    result, _ = engine.sleep(2)
+    freed = before - rss()
+    assert result.kv_cache_bytes_freed == KV_CACHE_BYTES
+    assert result.weights_bytes_freed >= checkpoint_bytes * 0.99  # prepacked layouts are no smaller
+    # 0.95 of the sum: more than the KV cache and most of the weights (a quarter of it).
+    assert freed >= 0.95 * (KV_CACHE_BYTES + checkpoint_bytes), f"RSS fell by {freed / 2**20:.1f} MiB"
+    with pytest.raises(EngineUnavailableError, match="weights are discarded"):
+        _ = engine.model_runner.model
+    # The KV cache first, while the weights are still off (as vLLM allows): still asleep, still refusing.
+    engine.wake_up(["kv_cache"])
+    assert engine.is_sleeping() and engine.sleep_state.sleeping_tags == ["weights"]
+    assert engine.model_runner.kv_cache_bytes == KV_CACHE_BYTES
+    with pytest.raises(EngineUnavailableError, match="sleeping"):
+        engine.add_request(Request("refused", PROMPT, SamplingParams(temperature=0.0, max_tokens=1)))
+    engine.wake_up(["weights"])
+    assert not engine.is_sleeping()
+    assert engine.dtype == next(engine.model_runner.model.parameters()).dtype
+    assert greedy(engine) == (reference, 0)
+
+
+def test_requests_in_flight_end_with_unavailable_and_give_their_blocks_back(engine: EngineCore) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    engine.add_request(Request("running", PROMPT, params))
+    engine.step()
+    engine.step()
+    engine.add_request(Request("waiting", PROMPT[:20], params))
+    assert engine.scheduler.kv_cache_manager.num_free_blocks < NUM_KV_BLOCKS - 1
+    result, outputs = engine.sleep(1)
+    assert result.num_aborted_requests == 2
+    assert sorted(result.aborted_request_ids) == ["running", "waiting"]
+    ended = {o.request_id: o for o in outputs.outputs}
+    assert set(ended) == {"running", "waiting"}
+    for output in ended.values():
+        assert output.finish_reason == FinishReason.ERROR
+        assert isinstance(output.error, EngineUnavailableError)
+        assert "put to sleep" in str(output.error)
+    assert not engine.has_unfinished_requests() and not engine.model_runner.requests
+    assert_no_block_held(engine)
+    engine.wake_up()
+
+
+def test_bad_level_and_tag_are_refused_naming_the_field(engine: EngineCore) -> None:
+    for level in (0, 3, -1):
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.sleep(level)
+        assert refused.value.field == "level"
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.wake_up(["kv_cache", "gpu"])
+    assert refused.value.field == "tags[1]"
+    assert not engine.is_sleeping() and engine.model_runner.kv_cache_bytes == KV_CACHE_BYTES
+
+
+def test_sleep_with_drain_lets_requests_finish_and_refuses_new_ones(checkpoint: Callable[..., Path]) -> None:
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=64, max_model_len=256)
+    outputs: list = []
+    engine_loop = EngineLoop(engine)
+    client = engine_loop.register_client(outputs.append)
+    engine_loop.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        engine_loop.add_requests(client, [Request("long", PROMPT, params)]).result(timeout=10)
+        sleeping = engine_loop.sleep(1, drain=True)
+        late = engine_loop.add_requests(client, [Request("late", PROMPT, params)])
+        with pytest.raises(EngineUnavailableError, match="going to sleep|sleeping"):
+            late.result(timeout=10)
+        result = sleeping.result(timeout=30)
+        assert result.num_aborted_requests == 0
+        long_tokens = [t for o in outputs for out in o.outputs if out.request_id == "long" for t in out.new_token_ids]
+        finishes = [out.finish_reason for o in outputs for out in o.outputs if out.request_id == "long"]
+        assert len(long_tokens) == 60 and finishes[-1] == FinishReason.LENGTH  # drained, not ended
+        assert engine.is_sleeping()
+        engine_loop.wake_up().result(timeout=30)
+        assert not engine.is_sleeping()
+    finally:
+        engine_loop.stop()
+
+
+@pytest.fixture(scope="module")
+def core(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    process = stack.start_core(str(model), tmp_path_factory.mktemp("sleep-logs"), [*CORE_ARGS, "--enable-admin-rpcs"])
+    try:
+        process.wait_serving()
+        yield process
+    finally:
+        process.stop()
+
+
+def wait_health(core: stack.ServiceProcess, status: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while core.health() != status and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert core.health() == status
+
+
+def test_core_rpcs_readiness_refusals_and_memory(core: stack.ServiceProcess) -> None:
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with core.channel() as channel:
+        stub = core_grpc.EngineCoreStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Sleep(core_pb.SleepRequest(level=3))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "level" in refused.value.details()
+        assert core.health() == SERVING
+        before = rss(core.process.pid)
+        response = stub.Sleep(core_pb.SleepRequest(level=1))
+        freed = before - rss(core.process.pid)
+        assert response.kv_cache_bytes_freed == KV_CACHE_BYTES
+        assert freed >= 0.9 * KV_CACHE_BYTES, f"the core's RSS fell by {freed / 2**20:.1f} MiB"
+        wait_health(core, NOT_SERVING)
+        assert stub.IsSleeping(core_pb.IsSleepingRequest()).is_sleeping
+        add = core_pb.EngineCoreClientMessage(
+            add=core_pb.EngineCoreRequest(
+                request_id="r", prompt_token_ids=PROMPT, sampling_params=core_pb.SamplingParams(max_tokens=4)
+            )
+        )
+        [message] = list(stub.Connect(iter([add]), timeout=10))
+        [output] = message.outputs
+        assert output.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "the engine core is sleeping" in output.error.message
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.WakeUp(core_pb.WakeUpRequest(tags=["weights", "gpu"]))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tags[1]" in refused.value.details()
+        stub.WakeUp(core_pb.WakeUpRequest())
+        wait_health(core, SERVING)
+        assert not stub.IsSleeping(core_pb.IsSleepingRequest()).is_sleeping
+
+
+def test_llm_over_grpc_sleeps_refuses_and_wakes_to_the_same_text(core: stack.ServiceProcess, model: Path) -> None:
+    from frontend_svc import LLM
+    from frontend_svc import SamplingParams as ApiSamplingParams
+    from frontend_svc.errors import EngineDeadError, ValidationError
+
+    params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model), core_address=core.address) as llm:
+        [before] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        with pytest.raises(ValidationError) as refused:
+            llm.sleep(level=5)
+        assert refused.value.field == "level"
+        llm.sleep(level=1)
+        assert llm.is_sleeping()
+        with pytest.raises(EngineDeadError, match="sleeping"):
+            llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        deadline = time.monotonic() + 5  # the client sees SERVING again through the core's health watch
+        while not llm.llm_engine.engine_core.is_available() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [after] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        assert after.outputs[0].token_ids == before.outputs[0].token_ids
+        assert after.num_cached_tokens == 0
+
+
+def test_llm_in_process_sleeps_and_wakes(checkpoint: Callable[..., Path]) -> None:
+    from frontend_svc import LLM
+    from frontend_svc import SamplingParams as ApiSamplingParams
+    from frontend_svc.errors import EngineDeadError
+
+    params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(checkpoint("llama")), num_kv_blocks=64, max_model_len=256) as llm:
+        [before] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        llm.sleep(level=2)
+        assert llm.is_sleeping()
+        with pytest.raises(EngineDeadError, match="sleeping"):
+            llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        llm.wake_up(["weights"])
+        assert llm.is_sleeping()
+        llm.wake_up(["kv_cache"])
+        assert not llm.is_sleeping()
+        [after] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        assert after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+def test_http_admin_routes(core: stack.ServiceProcess, model: Path) -> None:
+    import httpx2 as httpx
+
+    from frontend_svc.async_llm import AsyncLLM
+    from frontend_svc.openai_api import make_app
+    from frontend_svc.service import FrontendServerState
+
+    async def scenario() -> None:
+        engine = AsyncLLM(str(model), core_address=core.address)
+        try:
+            plain = make_app(FrontendServerState(model=str(model), engine=engine))
+            admin = make_app(FrontendServerState(model=str(model), engine=engine, enable_admin_routes=True))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://t") as client:
+                assert (await client.post("/sleep")).status_code == 404  # no routes without --enable-admin-routes
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=admin), base_url="http://t") as client:
+                refused = await client.post("/sleep", params={"level": 7})
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "level"
+                assert (await client.post("/sleep", params={"level": 1})).status_code == 200
+                assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+                assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 503
+                refused = await client.post("/wake_up", params={"tags": "gpu"})
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "tags[0]"
+                assert (
+                    await client.post("/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")])
+                ).status_code == 200
+                assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.cuda
+def test_cuda_memory_allocated_drops_at_each_level(model: Path) -> None:
+    import torch
+
+    engine = make_engine(model, device="cuda", num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256)
+    tokens, _ = greedy(engine)
+    weights_bytes = engine.model_runner.weights_bytes()
+    allocated = torch.cuda.memory_allocated()
+    result, _ = engine.sleep(1)
+    assert result.weights_bytes_freed == weights_bytes  # level 1 moves them to host memory
+    assert allocated - torch.cuda.memory_allocated() >= KV_CACHE_BYTES + weights_bytes
+    engine.wake_up()
+    assert greedy(engine) == (tokens, 0)
+    allocated = torch.cuda.memory_allocated()
+    engine.sleep(2)
+    assert allocated - torch.cuda.memory_allocated() >= KV_CACHE_BYTES + weights_bytes
+    engine.wake_up()
+    assert greedy(engine) == (tokens, 0)
