@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from core_svc.engine_core import EngineCore
-from core_svc.errors import EngineUnavailableError, fault_message
+from core_svc.errors import EngineUnavailableError, SleepCancelledError, fault_message
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason, Request
-from core_svc.sleep_mode import SleepResult, check_sleep_level
+from core_svc.sleep_mode import SleepResult, check_sleep_level, check_wake_up_tags
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,8 +158,17 @@ class EngineLoop:
         return result
 
     def wake_up(self, tags: list[str] | None = None) -> concurrent.futures.Future[None]:
-        """``EngineCore.wake_up(tags)`` on the engine thread."""
-        return self.call(lambda core: core.wake_up(tags))
+        """``EngineCore.wake_up(tags)`` on the engine thread. A ``sleep(drain=True)`` still draining is called
+        off: its future fails with ``SleepCancelledError`` and the core takes requests again."""
+
+        def wake() -> None:
+            check_wake_up_tags(tags)  # a bad tag calls nothing off
+            self._fail_pending_sleeps(
+                SleepCancelledError("a wake_up came while the engine core drained to sleep: it stays awake")
+            )
+            self.engine_core.wake_up(tags)
+
+        return self.submit(wake)
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()

@@ -50,6 +50,13 @@ class ProfileStateError(EngineError):
     status_code: ClassVar[StatusCode] = StatusCode.FAILED_PRECONDITION
 
 
+class SleepCancelledError(EngineError):
+    """A ``sleep(drain=True)`` still waiting for the core's requests when a ``wake_up`` came: the core stays awake.
+    FAILED_PRECONDITION."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.FAILED_PRECONDITION
+
+
 class EngineStepError(EngineError):
     """The model runner raised while running a step (forward or sampling). Every request of that step ends with
     it, and the core goes on serving the others. INTERNAL: a fault of the server, which a router must not replay

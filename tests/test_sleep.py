@@ -17,10 +17,12 @@ import grpc
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
 
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
-from core_svc.errors import EngineUnavailableError, InvalidRequestError
+from core_svc.errors import EngineUnavailableError, InvalidRequestError, SleepCancelledError
+from core_svc.observability import observe_engine_core
 from core_svc.request import FinishReason, Request
 from core_svc.sampling_params import SamplingParams
 from splitserve.entrypoints import stack
@@ -68,8 +70,25 @@ def checkpoint_bytes(model: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def engine(model: Path) -> EngineCore:
-    return make_engine(model, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256)
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path, registry: CollectorRegistry) -> EngineCore:
+    engine = make_engine(model, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=256)
+    observe_engine_core(engine, "m", registry, None)
+    return engine
+
+
+def sleep_states(registry: CollectorRegistry) -> dict[str, float | None]:
+    """vLLM's engine_sleep_state gauge, by its sleep_state label."""
+    return {
+        state: registry.get_sample_value(
+            "splitserve:engine_sleep_state", {"model_name": "m", "engine": "0", "sleep_state": state}
+        )
+        for state in ("awake", "weights_offloaded", "discard_all")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +123,9 @@ def assert_no_block_held(engine: EngineCore) -> None:
 
 
 def test_level_1_returns_the_kv_cache_to_the_os_and_wakes_to_the_same_outputs(
-    engine: EngineCore, reference: list[int]
+    engine: EngineCore, reference: list[int], registry: CollectorRegistry
 ) -> None:
+    assert sleep_states(registry) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
     assert num_prefix_hit_tokens(engine) == 32  # the prefix cache holds the prompt's two full blocks
     assert engine.model_runner.kv_cache_bytes == KV_CACHE_BYTES
     before = rss()
@@ -119,6 +139,7 @@ def test_level_1_returns_the_kv_cache_to_the_os_and_wakes_to_the_same_outputs(
     assert not outputs.outputs
     assert freed >= 0.9 * KV_CACHE_BYTES, f"RSS fell by {freed / 2**20:.1f} MiB"
     assert engine.is_sleeping() and engine.sleep_state.sleeping_tags == ["weights", "kv_cache"]
+    assert sleep_states(registry) == {"awake": 0.0, "weights_offloaded": 1.0, "discard_all": 0.0}
     assert_no_block_held(engine)
     with pytest.raises(EngineUnavailableError, match="the engine core is sleeping"):
         engine.add_request(Request("refused", PROMPT, SamplingParams(temperature=0.0, max_tokens=1)))
@@ -130,7 +151,7 @@ def test_level_1_returns_the_kv_cache_to_the_os_and_wakes_to_the_same_outputs(
 
 
 def test_level_2_drops_the_weights_too_and_reloads_them(
-    engine: EngineCore, reference: list[int], checkpoint_bytes: int
+    engine: EngineCore, reference: list[int], checkpoint_bytes: int, registry: CollectorRegistry
 ) -> None:
     before = rss()
     result, _ = engine.sleep(2)
@@ -139,6 +160,7 @@ def test_level_2_drops_the_weights_too_and_reloads_them(
     assert result.weights_bytes_freed >= checkpoint_bytes * 0.99  # prepacked layouts are no smaller
     # 0.95 of the sum: more than the KV cache and most of the weights (a quarter of it).
     assert freed >= 0.95 * (KV_CACHE_BYTES + checkpoint_bytes), f"RSS fell by {freed / 2**20:.1f} MiB"
+    assert sleep_states(registry)["discard_all"] == 1.0
     with pytest.raises(EngineUnavailableError, match="weights are discarded"):
         _ = engine.model_runner.model
     # The KV cache first, while the weights are still off (as vLLM allows): still asleep, still refusing.
@@ -148,7 +170,7 @@ def test_level_2_drops_the_weights_too_and_reloads_them(
     with pytest.raises(EngineUnavailableError, match="sleeping"):
         engine.add_request(Request("refused", PROMPT, SamplingParams(temperature=0.0, max_tokens=1)))
     engine.wake_up(["weights"])
-    assert not engine.is_sleeping()
+    assert not engine.is_sleeping() and sleep_states(registry)["awake"] == 1.0
     assert engine.dtype == next(engine.model_runner.model.parameters()).dtype
     assert greedy(engine) == (reference, 0)
 
@@ -206,18 +228,37 @@ def test_sleep_with_drain_lets_requests_finish_and_refuses_new_ones(checkpoint: 
         assert engine.is_sleeping()
         engine_loop.wake_up().result(timeout=30)
         assert not engine.is_sleeping()
+        # A wake_up while a drain goes on calls the sleep off; the request runs to its end.
+        engine_loop.add_requests(client, [Request("again", PROMPT, params)]).result(timeout=10)
+        sleeping = engine_loop.sleep(2, drain=True)
+        engine_loop.wake_up().result(timeout=10)
+        with pytest.raises(SleepCancelledError):
+            sleeping.result(timeout=10)
+        assert not engine.is_sleeping() and engine.refusal is None
     finally:
         engine_loop.stop()
 
 
 @pytest.fixture(scope="module")
-def core(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    process = stack.start_core(str(model), tmp_path_factory.mktemp("sleep-logs"), [*CORE_ARGS, "--enable-admin-rpcs"])
+def cores(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two core processes on the model, started together, admin RPCs on; the first with a 64 MiB KV cache."""
+    logs = tmp_path_factory.mktemp("sleep-logs")
+    processes = [
+        stack.start_core(str(model), logs, [*CORE_ARGS, "--enable-admin-rpcs"]),
+        stack.start_core(str(model), logs, ["--num-kv-blocks", "64", "--max-model-len", "256", "--enable-admin-rpcs"]),
+    ]
     try:
-        process.wait_serving()
-        yield process
+        for process in processes:
+            process.wait_serving()
+        yield processes
     finally:
-        process.stop()
+        for process in processes:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def core(cores: list[stack.ServiceProcess]) -> stack.ServiceProcess:
+    return cores[0]
 
 
 def wait_health(core: stack.ServiceProcess, status: int, timeout_s: float = 5.0) -> None:
@@ -354,3 +395,28 @@ def test_cuda_memory_allocated_drops_at_each_level(model: Path) -> None:
     assert allocated - torch.cuda.memory_allocated() >= KV_CACHE_BYTES + weights_bytes
     engine.wake_up()
     assert greedy(engine) == (tokens, 0)
+
+
+def test_a_frontend_routes_around_a_sleeping_core(cores: list[stack.ServiceProcess], model: Path) -> None:
+    """One of two cores sleeps: requests go to the other (a request the sleeping one refused before the client saw
+    its readiness change goes there too); once it wakes, it takes requests again."""
+    from frontend_svc import LLM
+    from frontend_svc import SamplingParams as ApiSamplingParams
+
+    sleeper, other = cores
+    params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [{"prompt_token_ids": PROMPT}] * 4
+    with LLM(str(model), core_address=f"{sleeper.address},{other.address}") as llm, sleeper.channel() as channel:
+        [reference] = llm.generate(prompts[:1], params, use_tqdm=False)
+        core_grpc.EngineCoreStub(channel).Sleep(core_pb.SleepRequest(level=1))
+        outputs = llm.generate(prompts, params, use_tqdm=False)  # at once: some may be refused, then rerouted
+        assert [o.outputs[0].token_ids for o in outputs] == [reference.outputs[0].token_ids] * 4
+        client = llm.llm_engine.engine_core
+        [connection] = [c for c in client.connections if c.address == sleeper.address]
+        assert not connection.accepting  # its readiness, NOT_SERVING, reached the client
+        assert client.is_available() and llm.is_sleeping()  # any core asleep
+        core_grpc.EngineCoreStub(channel).WakeUp(core_pb.WakeUpRequest())
+        deadline = time.monotonic() + 5
+        while not connection.accepting and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert connection.accepting and not llm.is_sleeping()
