@@ -383,7 +383,8 @@ class EngineCore:
 
     def sleep(self, level: int = 1) -> tuple[SleepResult, EngineCoreOutputs]:
         """Release memory until ``wake_up`` (vLLM's ``sleep``; ``core_svc.sleep_mode``). Level 1: the KV cache
-        tensors are freed and the prefix cache emptied (every block free, every hash forgotten); the weights go
+        tensors and the encoder cache are freed and the prefix cache emptied (every block free, every hash
+        forgotten); the weights go
         to host memory (on CPU they are there already and stay). Level 2: the weights are dropped too (reloaded
         from the checkpoint on wake, in the dtype and quantization the core was started with). A level-2 sleep
         after a level-1 one drops the weights it had kept; a second call of the same level changes nothing.
@@ -422,6 +423,11 @@ class EngineCore:
             self._stats.on_step(0, engine_outputs)
         state = self.sleep_state
         kv_bytes = weights_bytes = 0
+        # The encoder outputs go too (vLLM clears its multimodal caches at sleep): nothing references them now.
+        encoder_cache_manager = self.scheduler.encoder_cache_manager
+        encoder_cache_manager.evict(list(encoder_cache_manager.lengths))
+        encoder_cache_manager.get_freed_mm_hashes()  # the runner's copies are dropped here, not at the next step
+        self.model_runner.encoder_cache.clear()
         if not state.kv_cache_dropped:
             if not self.scheduler.reset_prefix_cache():
                 raise RuntimeError("sleep: a KV block is still held after every request ended")

@@ -533,6 +533,10 @@ class GrpcCoreClient(EngineCoreClient):
         for request in requests:
             self._owner[request.request_id] = connection
 
+    def unavailable_reason(self) -> str:
+        """Why no core takes requests now (for the servers' UNAVAILABLE while ``is_available`` is False)."""
+        return self._none_accepting()
+
     def _none_accepting(self) -> str:
         """Why no core takes a request: none reachable, or those reachable are not ready (readiness
         NOT_SERVING: sleeping, or shutting down)."""

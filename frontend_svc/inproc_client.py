@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import threading
 from collections.abc import Callable
@@ -103,7 +104,30 @@ class AsyncInprocClient(InprocClient):
         self._death_lock = threading.Lock()
         self._death_listeners: list[Callable[[BaseException], None]] = []
         self.dead_error: BaseException | None = None  # why the core's engine loop died, once it has
+        self._availability_listeners: list[Callable[[bool], None]] = []
+        self._sleeping = False  # as of the last sleep / wake_up through this client
         self._edge().start_engine_loop(self._sink, self._on_core_death)
+
+    def is_available(self) -> bool:
+        """The core takes requests: it is not asleep (as the gRPC client's: a core whose readiness is SERVING)."""
+        return not self._sleeping
+
+    def unavailable_reason(self) -> str:
+        return "the engine core is sleeping: it takes requests again after wake_up"
+
+    def add_availability_listener(self, listener: Callable[[bool], None]) -> None:
+        """``listener(available)`` after each sleep and wake-up through this client (``serve``'s readiness)."""
+        self._availability_listeners.append(listener)
+
+    def _sleep_state_changed(self) -> None:
+        with contextlib.suppress(Exception):  # the call's own error is the one to raise
+            self._set_sleeping(bool(self._wait_sync(lambda edge: edge.submit_is_sleeping())))
+
+    def _set_sleeping(self, sleeping: bool) -> None:
+        if sleeping != self._sleeping:
+            self._sleeping = sleeping
+            for listener in self._availability_listeners:
+                listener(not sleeping)
 
     def add_death_listener(self, listener: Callable[[BaseException], None]) -> None:
         """``listener(error)`` once, when the core's engine loop dies (declared dead, or any fault on its
@@ -147,19 +171,33 @@ class AsyncInprocClient(InprocClient):
         return await self._outputs.get()
 
     def sleep(self, level: int = 1, drain: bool = False) -> None:
-        self._wait_sync_refused(lambda edge: edge.submit_sleep(level, drain))
+        try:
+            self._wait_sync_refused(lambda edge: edge.submit_sleep(level, drain))
+        finally:
+            self._sleep_state_changed()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self._wait_sync_refused(lambda edge: edge.submit_wake_up(tags))
+        try:
+            self._wait_sync_refused(lambda edge: edge.submit_wake_up(tags))
+        finally:
+            self._sleep_state_changed()
 
     def is_sleeping(self) -> bool:
         return bool(self._wait_sync_refused(lambda edge: edge.submit_is_sleeping()))
 
     async def sleep_async(self, level: int = 1, drain: bool = False) -> None:
-        await self._wait(lambda edge: edge.submit_sleep(level, drain))
+        try:
+            await self._wait(lambda edge: edge.submit_sleep(level, drain))
+        finally:
+            with contextlib.suppress(Exception):  # the sleep's own error is the one to raise
+                self._set_sleeping(bool(await self._wait(lambda edge: edge.submit_is_sleeping())))
 
     async def wake_up_async(self, tags: list[str] | None = None) -> None:
-        await self._wait(lambda edge: edge.submit_wake_up(tags))
+        try:
+            await self._wait(lambda edge: edge.submit_wake_up(tags))
+        finally:
+            with contextlib.suppress(Exception):
+                self._set_sleeping(bool(await self._wait(lambda edge: edge.submit_is_sleeping())))
 
     async def is_sleeping_async(self) -> bool:
         return bool(await self._wait(lambda edge: edge.submit_is_sleeping()))

@@ -339,7 +339,8 @@ class _OpenAIApi:
         if self.state.draining and not allow_draining:
             raise EngineDeadError("the frontend is shutting down")
         if not _core_available(engine):
-            raise EngineDeadError("no engine core is reachable")
+            client = engine.engine_core
+            raise EngineDeadError(getattr(client, "unavailable_reason", lambda: "no engine core is reachable")())
         return engine
 
 

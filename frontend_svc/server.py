@@ -154,6 +154,8 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
 
             inproc_client = AsyncInprocClient(str(model_path), **self.core_config)
             inproc_client.add_death_listener(control.die)
+            # Asleep (sleep mode, through the HTTP API's admin routes): NOT_SERVING, as a core server would be.
+            inproc_client.add_availability_listener(lambda available: self._availability_changed(control, available))
             core_tracer_provider = self.observability.start_tracer_provider(tracing.CORE_TRACING_SERVICE_NAME)
             inproc_client.observe_core(self.model_name, registry, core_tracer_provider)
             client = inproc_client

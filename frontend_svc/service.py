@@ -216,7 +216,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
         client = engine.engine_core
         if not getattr(client, "is_available", lambda: True)():
-            error = EngineDeadError("no engine core is reachable")
+            error = EngineDeadError(getattr(client, "unavailable_reason", lambda: "no engine core is reachable")())
             await abort(context, error)
         return engine
 

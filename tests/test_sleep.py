@@ -345,32 +345,46 @@ def test_llm_in_process_sleeps_and_wakes(checkpoint: Callable[..., Path]) -> Non
         assert after.outputs[0].token_ids == before.outputs[0].token_ids
 
 
-def test_http_admin_routes(core: stack.ServiceProcess, model: Path) -> None:
+def test_http_admin_routes_over_an_in_process_core(checkpoint: Callable[..., Path]) -> None:
+    """vLLM's dev routes on the frontend's HTTP API (only with --enable-admin-routes), over ``AsyncLLM`` with its
+    core in-process (``splitserve serve``): while it sleeps, /health is 503 and completions UNAVAILABLE (503) with
+    the reason, and the availability listeners (``serve``'s readiness) hear of it."""
     import httpx2 as httpx
 
     from frontend_svc.async_llm import AsyncLLM
     from frontend_svc.openai_api import make_app
     from frontend_svc.service import FrontendServerState
 
+    model = str(checkpoint("llama"))
+    completion = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+
     async def scenario() -> None:
-        engine = AsyncLLM(str(model), core_address=core.address)
+        engine = AsyncLLM(model, num_kv_blocks=64, max_model_len=256)
+        availability: list[bool] = []
+        engine.engine_core.add_availability_listener(availability.append)
         try:
-            plain = make_app(FrontendServerState(model=str(model), engine=engine))
-            admin = make_app(FrontendServerState(model=str(model), engine=engine, enable_admin_routes=True))
+            plain = make_app(FrontendServerState(model=model, engine=engine))
+            admin = make_app(FrontendServerState(model=model, engine=engine, enable_admin_routes=True))
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://t") as client:
-                assert (await client.post("/sleep")).status_code == 404  # no routes without --enable-admin-routes
+                assert (await client.post("/sleep")).status_code == 404  # no such route without the flag
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=admin), base_url="http://t") as client:
+                before = (await client.post("/v1/completions", json=completion)).json()["choices"][0]["text"]
                 refused = await client.post("/sleep", params={"level": 7})
                 assert refused.status_code == 400 and refused.json()["error"]["param"] == "level"
-                assert (await client.post("/sleep", params={"level": 1})).status_code == 200
+                assert (await client.post("/sleep", params={"level": 2})).status_code == 200
                 assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
-                assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 503
+                assert (await client.get("/health")).status_code == 503
+                refused = await client.post("/v1/completions", json=completion)
+                assert refused.status_code == 503 and "sleeping" in refused.json()["error"]["message"]
                 refused = await client.post("/wake_up", params={"tags": "gpu"})
                 assert refused.status_code == 400 and refused.json()["error"]["param"] == "tags[0]"
-                assert (
-                    await client.post("/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")])
-                ).status_code == 200
+                woken = await client.post("/wake_up", params=[("tags", "kv_cache"), ("tags", "weights")])
+                assert woken.status_code == 200
                 assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
+                assert (await client.get("/health")).status_code == 200
+                after = (await client.post("/v1/completions", json=completion)).json()["choices"][0]["text"]
+                assert after == before
+            assert availability == [False, True]
         finally:
             engine.close()
 
