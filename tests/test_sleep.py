@@ -240,25 +240,14 @@ def test_sleep_with_drain_lets_requests_finish_and_refuses_new_ones(checkpoint: 
 
 
 @pytest.fixture(scope="module")
-def cores(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Two core processes on the model, started together, admin RPCs on; the first with a 64 MiB KV cache."""
-    logs = tmp_path_factory.mktemp("sleep-logs")
-    processes = [
-        stack.start_core(str(model), logs, [*CORE_ARGS, "--enable-admin-rpcs"]),
-        stack.start_core(str(model), logs, ["--num-kv-blocks", "64", "--max-model-len", "256", "--enable-admin-rpcs"]),
-    ]
+def core(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A core process on the model with a 64 MiB KV cache, admin RPCs on."""
+    process = stack.start_core(str(model), tmp_path_factory.mktemp("sleep-logs"), [*CORE_ARGS, "--enable-admin-rpcs"])
     try:
-        for process in processes:
-            process.wait_serving()
-        yield processes
+        process.wait_serving()
+        yield process
     finally:
-        for process in processes:
-            process.stop()
-
-
-@pytest.fixture(scope="module")
-def core(cores: list[stack.ServiceProcess]) -> stack.ServiceProcess:
-    return cores[0]
+        process.stop()
 
 
 def wait_health(core: stack.ServiceProcess, status: int, timeout_s: float = 5.0) -> None:
@@ -411,26 +400,30 @@ def test_cuda_memory_allocated_drops_at_each_level(model: Path) -> None:
     assert greedy(engine) == (tokens, 0)
 
 
-def test_a_frontend_routes_around_a_sleeping_core(cores: list[stack.ServiceProcess], model: Path) -> None:
-    """One of two cores sleeps: requests go to the other (a request the sleeping one refused before the client saw
-    its readiness change goes there too); once it wakes, it takes requests again."""
-    from frontend_svc import LLM
-    from frontend_svc import SamplingParams as ApiSamplingParams
+def test_the_grpc_client_routes_around_a_core_that_is_not_serving() -> None:
+    """The frontend's gRPC client sends new requests only to cores whose readiness says SERVING: a sleeping core's
+    NOT_SERVING (seen through its health watch) takes it out of routing; with no other core, the refusal says
+    why. (A request a sleeping core refused before the client saw that goes to another core as from a draining
+    one: ``CoreConnection._receive``.)"""
+    from frontend_svc.engine_types import EngineCoreRequest
+    from frontend_svc.errors import EngineDeadError
+    from frontend_svc.grpc_client import CoreConnection, GrpcCoreClient
+    from frontend_svc.sampling_params import SamplingParams as ApiSamplingParams
 
-    sleeper, other = cores
-    params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [{"prompt_token_ids": PROMPT}] * 4
-    with LLM(str(model), core_address=f"{sleeper.address},{other.address}") as llm, sleeper.channel() as channel:
-        [reference] = llm.generate(prompts[:1], params, use_tqdm=False)
-        core_grpc.EngineCoreStub(channel).Sleep(core_pb.SleepRequest(level=1))
-        outputs = llm.generate(prompts, params, use_tqdm=False)  # at once: some may be refused, then rerouted
-        assert [o.outputs[0].token_ids for o in outputs] == [reference.outputs[0].token_ids] * 4
-        client = llm.llm_engine.engine_core
-        [connection] = [c for c in client.connections if c.address == sleeper.address]
-        assert not connection.accepting  # its readiness, NOT_SERVING, reached the client
-        assert client.is_available() and llm.is_sleeping()  # any core asleep
-        core_grpc.EngineCoreStub(channel).WakeUp(core_pb.WakeUpRequest())
-        deadline = time.monotonic() + 5
-        while not connection.accepting and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert connection.accepting and not llm.is_sleeping()
+    async def scenario() -> None:
+        sleeping, awake = (CoreConnection(a, print, lambda: None, print) for a in ("10.0.0.1:1", "10.0.0.2:1"))
+        sleeping.available, sleeping.serving = True, False  # its readiness went NOT_SERVING
+        awake.available, awake.serving = True, True
+        client = GrpcCoreClient.__new__(GrpcCoreClient)  # its routing only: no transport thread, no connections
+        client.connections, client._owner = [sleeping, awake], {}
+        for i in range(4):
+            request = EngineCoreRequest(f"r{i}", PROMPT, ApiSamplingParams(max_tokens=2))
+            await client._add([request])
+        assert sorted(awake.in_flight) == ["r0", "r1", "r2", "r3"] and not sleeping.in_flight
+        client.connections = [sleeping]
+        with pytest.raises(
+            EngineDeadError, match=r"10\.0\.0\.1:1 reachable but not serving \(the engine core is sleeping"
+        ):
+            await client._add([EngineCoreRequest("r4", PROMPT, ApiSamplingParams(max_tokens=2))])
+
+    asyncio.run(scenario())
