@@ -403,6 +403,8 @@ def test_admin_rpcs_are_refused_and_the_frontend_says_why(tls_stack, pki, tmp_pa
             ("ResetPrefixCache", core_pb.ResetPrefixCacheRequest()),
             ("StartProfile", core_pb.StartProfileRequest(output_dir=str(tmp_path))),
             ("StopProfile", core_pb.StopProfileRequest()),
+            ("Sleep", core_pb.SleepRequest(level=1)),
+            ("WakeUp", core_pb.WakeUpRequest()),
         ):
             with pytest.raises(grpc.RpcError) as info:
                 getattr(stub, name)(request, timeout=10)
@@ -411,11 +413,14 @@ def test_admin_rpcs_are_refused_and_the_frontend_says_why(tls_stack, pki, tmp_pa
                 f"{name} is an admin RPC, off on this engine core; start it with --enable-admin-rpcs to allow it"
             )
         assert stub.GetLoad(core_pb.GetLoadRequest(), timeout=10).num_free_kv_blocks > 0  # frontends' calls work
+        assert not stub.IsSleeping(core_pb.IsSleepingRequest(), timeout=10).is_sleeping  # changes nothing: not admin
     assert list(tmp_path.iterdir()) == []
     client = GrpcCoreClient([core.address], wait_ready_s=30, tls=core.tls)
     try:
         with pytest.raises(NotSupportedError, match="ResetPrefixCache is an admin RPC, off"):
             client.reset_prefix_cache()
+        with pytest.raises(NotSupportedError, match="Sleep is an admin RPC, off"):
+            client.sleep(1)
     finally:
         client.shutdown()
 
