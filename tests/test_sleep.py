@@ -317,7 +317,7 @@ def test_llm_over_grpc_sleeps_refuses_and_wakes_to_the_same_text(core: stack.Ser
 def test_llm_in_process_sleeps_and_wakes(checkpoint: Callable[..., Path]) -> None:
     from frontend_svc import LLM
     from frontend_svc import SamplingParams as ApiSamplingParams
-    from frontend_svc.errors import EngineDeadError
+    from frontend_svc.errors import EngineDeadError, ValidationError
 
     params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(str(checkpoint("llama")), num_kv_blocks=64, max_model_len=256) as llm:
@@ -332,6 +332,18 @@ def test_llm_in_process_sleeps_and_wakes(checkpoint: Callable[..., Path]) -> Non
         assert not llm.is_sleeping()
         [after] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
         assert after.outputs[0].token_ids == before.outputs[0].token_ids
+        # LLMEngine, stepped by its caller: a request in flight at sleep ends with the next step, naming why.
+        engine = llm.llm_engine
+        engine.add_request("in-flight", {"prompt_token_ids": PROMPT}, ApiSamplingParams(max_tokens=50))
+        engine.step()
+        with pytest.raises(ValidationError) as refused:
+            engine.sleep(1, drain=True)  # nothing would step it while the call waits
+        assert refused.value.field == "drain"
+        engine.sleep(1)
+        with pytest.raises(EngineDeadError, match="put to sleep") as ended:
+            engine.step()
+        assert ended.value.request_id == "in-flight" and not engine.has_unfinished_requests()
+        engine.wake_up()
 
 
 def test_http_admin_routes_over_an_in_process_core(checkpoint: Callable[..., Path]) -> None:
