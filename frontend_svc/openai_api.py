@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (vLLM's ``vllm/entrypoints/openai/api_server.py`` routes) over the frontend's
 ``AsyncLLM``: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (server-sent events when streaming,
-ending with ``data: [DONE]``), vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` (readiness) and ``/version``.
+ending with ``data: [DONE]``), vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` (readiness) and ``/version``;
+with ``--enable-admin-routes``, vLLM's dev-mode ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``.
 
 Errors are OpenAI's bodies (``openai_responses.error_body``) with the status each error class's gRPC code maps
 to (``HTTP_STATUS``): a refused field is 400 naming it in ``param``, an unknown model 404, no core ready 503. A
