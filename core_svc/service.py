@@ -211,7 +211,8 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
         """``EngineCore.sleep(level)`` (admin): readiness goes NOT_SERVING first, so frontends send their new
         requests elsewhere; with ``drain``, those in flight finish first, else they end with UNAVAILABLE.
-        INVALID_ARGUMENT naming ``level`` for a level that is not 1 or 2."""
+        INVALID_ARGUMENT naming ``level`` for a level that is not 1 or 2. A drain goes on if the caller cancels the
+        call (a ``WakeUp`` calls it off: FAILED_PRECONDITION)."""
         await self._check_admin(context, "Sleep")
         engine_loop = await self._engine_loop(context)
         try:
