@@ -384,10 +384,10 @@ class EngineCore:
     def sleep(self, level: int = 1) -> tuple[SleepResult, EngineCoreOutputs]:
         """Release memory until ``wake_up`` (vLLM's ``sleep``; ``core_svc.sleep_mode``). Level 1: the KV cache
         tensors and the encoder cache are freed and the prefix cache emptied (every block free, every hash
-        forgotten); the weights go
-        to host memory (on CPU they are there already and stay). Level 2: the weights are dropped too (reloaded
-        from the checkpoint on wake, in the dtype and quantization the core was started with). A level-2 sleep
-        after a level-1 one drops the weights it had kept; a second call of the same level changes nothing.
+        forgotten); the weights go to host memory (on CPU they are there already and stay). Level 2: the weights
+        are dropped too (reloaded from the checkpoint on wake, in the dtype and quantization the core was started
+        with). A level-2 sleep after a level-1 one drops the weights it had kept; a second call of the same level
+        changes nothing.
 
         Every request still in the core ends with ``EngineUnavailableError`` (UNAVAILABLE: a request that had
         produced nothing may go to another core) and gives its blocks back; new ones are refused with it until
