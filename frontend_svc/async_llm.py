@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import EngineCoreRequest, SchedulerStats
+from frontend_svc.engine_types import EngineCoreRequest, LoRARequest, SchedulerStats
 from frontend_svc.errors import EngineDeadError
 from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
@@ -94,13 +94,17 @@ class AsyncLLM(LLMEngineBase):
         trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
-        internal id). Arguments after ``arrival_time`` are keywords, as in vLLM's ``add_request``.
+        internal id). Arguments after ``arrival_time`` are keywords, as in vLLM's ``add_request``;
+        ``lora_request`` runs it with that adapter (the core resolves its ``lora_name``), None with the base model.
 
         Raises:
             ValidationError, RequestTooLargeError: the request is refused (nothing stays queued).
             EngineDeadError: the core has failed or was shut down.
+        An adapter no core has loaded ends the request with NotFoundError from its output stream (the core's
+        answer, as any refusal by the core).
         """
         arrival_time = time.time() if arrival_time is None else arrival_time  # before tokenizing: TTFT counts it
         dead = self._handler_state.dead_error
@@ -119,7 +123,7 @@ class AsyncLLM(LLMEngineBase):
                 else TokensPrompt(prompt=text, prompt_token_ids=token_ids)
             )
         queue = RequestOutputCollector(params.output_kind)
-        options = RequestOptions(arrival_time, priority, cache_salt, trace_headers)
+        options = RequestOptions(arrival_time, priority, cache_salt, trace_headers, lora_request)
         internal_id, request, prompt_text = self.process_request(request_id, prompt, params, options)
         queue.request_id = internal_id
         requests: list[EngineCoreRequest] = []  # every one registered (abortable) before any is sent
@@ -151,6 +155,7 @@ class AsyncLLM(LLMEngineBase):
         trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (per ``sampling_params.output_kind``); the last has finished=True.
         Arguments after ``request_id`` are keywords, as in vLLM's ``AsyncLLM.generate``.
@@ -169,6 +174,7 @@ class AsyncLLM(LLMEngineBase):
                 trace_headers=trace_headers,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
             )
             while not finished:
                 output = queue.get_nowait() or await queue.get()
@@ -195,6 +201,19 @@ class AsyncLLM(LLMEngineBase):
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
+
+    async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Load an adapter on every core (vLLM's ``add_lora``); returns it as the core loaded it. Errors: as
+        ``EngineCoreClient.add_lora``."""
+        return await self.engine_core.add_lora_async(lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter from every core by name. Errors: as ``EngineCoreClient.remove_lora``."""
+        await self.engine_core.remove_lora_async(lora_name)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters the cores have loaded, by name. Errors: as ``EngineCoreClient.list_loras``."""
+        return await self.engine_core.list_loras_async()
 
     def close(self) -> None:
         """Shut the core down; every stream still waiting ends with EngineDeadError."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 
-from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
-from frontend_svc.errors import FrontendError
+from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo, LoRARequest
+from frontend_svc.errors import FrontendError, NotSupportedError
 
 
 class EngineCoreClient(ABC):
@@ -44,6 +44,35 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
 
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Load a LoRA adapter (the core's ``AddLora``; on every core when there are several); returns it as loaded.
+
+        Raises:
+            ValidationError: the core refused it (a missing or corrupt adapter folder, a rank above
+                ``--max-lora-rank``, a name already loaded): INVALID_ARGUMENT with the core's reason.
+            PreconditionError: a core runs without ``--enable-lora`` (FAILED_PRECONDITION).
+            EngineDeadError: no core is reachable.
+        """
+        raise NotSupportedError(f"{type(self).__name__} cannot load LoRA adapters")
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload a LoRA adapter by name (the core's ``RemoveLora``, on every core).
+
+        Raises:
+            NotFoundError: no core has an adapter of that name.
+            PreconditionError, EngineDeadError: as ``add_lora``.
+        """
+        raise NotSupportedError(f"{type(self).__name__} cannot unload LoRA adapters")
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters (the core's ``ListLoras``; over several cores, every name once), by name; [] when
+        the core runs without LoRA.
+
+        Raises:
+            EngineDeadError: no core is reachable.
+        """
+        raise NotSupportedError(f"{type(self).__name__} cannot list LoRA adapters")
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the core (its memory, for the in-process client). Idempotent."""
@@ -68,4 +97,13 @@ class EngineCoreClient(ABC):
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
     async def reset_prefix_cache_async(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def add_lora_async(self, lora_request: LoRARequest) -> LoRARequest:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def remove_lora_async(self, lora_name: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def list_loras_async(self) -> list[LoRARequest]:
         raise NotImplementedError(f"{type(self).__name__} is a sync client")

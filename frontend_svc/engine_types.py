@@ -26,6 +26,17 @@ class MultiModalFeature:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter (vLLM's ``LoRARequest``): requests name it by ``lora_name``; the core loads it from
+    ``lora_path`` (a PEFT folder on the core's file system) and numbers it ``lora_int_id`` (0: the core assigns
+    one). The core's name is what counts: a request sends the name only, and every core resolves it itself."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
 @dataclass
 class EngineCoreRequest:
     request_id: str  # internal id, unique per core
@@ -37,6 +48,7 @@ class EngineCoreRequest:
     trace_headers: dict[str, str] = field(default_factory=dict)
     client_index: int = 0
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # in prompt order, ranges disjoint
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 @dataclass(frozen=True)
@@ -109,3 +121,4 @@ class EngineInfo:
     dtype: str
     max_receive_message_bytes: int = 0  # the core server's largest request message (0: no limit told)
     image_limit_per_prompt: int | None = None  # the core's --limit-mm-per-prompt image=N (None: not told)
+    supports_lora: bool = False  # the core was started with --enable-lora (AddLora is accepted)

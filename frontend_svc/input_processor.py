@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from frontend_svc.chars_per_token import max_chars_per_token
-from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, MultiModalFeature
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, MultiModalFeature
 from frontend_svc.errors import ValidationError
 from frontend_svc.mm_processor import IMAGE, SUPPORTED_MODEL_TYPES, EncodedImage, MultiModalProcessor, image_from_url
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
@@ -28,6 +28,7 @@ class RequestOptions:
     priority: int = 0  # lower is served first under the priority policy
     cache_salt: str | None = None  # isolates the request's prefix-cache entries
     trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate for the core's spans
+    lora_request: LoRARequest | None = None  # the adapter to run the request with; None: the base model
 
 
 def check_options(options: RequestOptions) -> None:
@@ -36,7 +37,8 @@ def check_options(options: RequestOptions) -> None:
 
     Raises:
         ValidationError: priority outside int32, arrival_time not a finite number, cache_salt not a string,
-            trace_headers not a map of strings, or a string with lone surrogates.
+            trace_headers not a map of strings, lora_request not a LoRARequest or with an empty lora_name, or a
+            string with lone surrogates.
     """
     priority, arrival_time = options.priority, options.arrival_time
     if (
@@ -52,6 +54,12 @@ def check_options(options: RequestOptions) -> None:
         )
     if options.cache_salt is not None:
         check_wire_string(options.cache_salt, "cache_salt")
+    if options.lora_request is not None:
+        if not isinstance(options.lora_request, LoRARequest):
+            raise ValidationError("lora_request", f"must be a LoRARequest, got {type(options.lora_request).__name__}")
+        check_wire_string(options.lora_request.lora_name, "lora_request.lora_name")
+        if not options.lora_request.lora_name:
+            raise ValidationError("lora_request.lora_name", "must name an adapter (None: the base model)")
     headers = options.trace_headers
     if headers is not None:
         if not isinstance(headers, Mapping):
@@ -254,6 +262,7 @@ class InputProcessor:
             cache_salt=options.cache_salt,
             trace_headers=dict(options.trace_headers or {}),
             mm_features=mm_features,
+            lora_request=options.lora_request,
         )
         return request, prompt_text
 

@@ -93,6 +93,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             model=self.model_name,
             trust_request_chat_template=frontend.trust_request_chat_template,
             max_n=frontend.max_n,
+            allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
         )
         if observability.tracer_provider is not None:
             self.state.tracer = observability.tracer_provider.get_tracer("splitserve.frontend")
