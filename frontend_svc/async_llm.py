@@ -212,7 +212,10 @@ class AsyncLLM(LLMEngineBase):
         await self.engine_core.remove_lora_async(lora_name)
 
     async def list_loras(self) -> list[LoRARequest]:
-        """The adapters the cores have loaded, by name. Errors: as ``EngineCoreClient.list_loras``."""
+        """The adapters the cores have loaded, by name; none when the core runs without ``--enable-lora``.
+        Errors: as ``EngineCoreClient.list_loras``."""
+        if not self.engine_info.supports_lora:
+            return []
         return await self.engine_core.list_loras_async()
 
     def close(self) -> None:

@@ -100,10 +100,10 @@ class EngineCoreClient(ABC):
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
     async def add_lora_async(self, lora_request: LoRARequest) -> LoRARequest:
-        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+        raise NotSupportedError(f"{type(self).__name__} cannot load LoRA adapters")
 
     async def remove_lora_async(self, lora_name: str) -> None:
-        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+        raise NotSupportedError(f"{type(self).__name__} cannot unload LoRA adapters")
 
     async def list_loras_async(self) -> list[LoRARequest]:
-        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+        raise NotSupportedError(f"{type(self).__name__} cannot list LoRA adapters")

@@ -143,6 +143,12 @@ def test_unknown_adapter_is_not_found_and_the_base_model_goes_on(services):
     _, frontend, base_url, _, _ = services
     error = rpc_error(lambda: greedy(frontend, "no-such-adapter"))
     assert error.code() == grpc.StatusCode.NOT_FOUND and "no-such-adapter" in error.details()
+    channel, generation = stub(frontend)
+    with channel:
+        message = api.ChatMessage(role="user", content=[api.ContentPart(text="hi")])
+        chat = api.ChatRequest(messages=[message], lora_name="no-such-adapter")
+        error = rpc_error(lambda: list(generation.Chat(chat, timeout=60)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
         with pytest.raises(openai.NotFoundError) as unknown:
             client.chat.completions.create(model="no-such-adapter", messages=[{"role": "user", "content": "hi"}])
