@@ -356,3 +356,17 @@ def test_core_grpc_lora_rpcs(model_path, adapters, tmp_path):
         asyncio.run(calls())
     finally:
         core.stop()
+
+
+def test_benchmark_adapters_are_servable(model_path, tmp_path):
+    """``splitserve bench throughput --loras`` writes its adapters without peft: the core reads every projection."""
+    from benchmarks.lora import make_random_adapters
+
+    [folder] = make_random_adapters(model_path, tmp_path, num_loras=1, rank=4)
+    arch = ModelArchConfig.from_hf_config(hf_model(model_path).config)
+    model = load_lora_model(LoRARequest("bench", 0, str(folder)), arch, MAX_LORA_RANK)
+    assert (model.rank, model.scaling) == (4, 2.0)
+    assert set(model.weights) == {
+        (i, m) for i in range(arch.num_hidden_layers) for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    }
+    assert all(s is not None for slices in model.weights.values() for s in slices)
