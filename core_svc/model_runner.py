@@ -33,6 +33,8 @@ from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture
 from core_svc.errors import EngineStepError
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
+from core_svc.lora.layers import LoRABatch
+from core_svc.lora.manager import LoRAManager
 from core_svc.model_loader import LoadedModel
 from core_svc.models.interfaces import SupportsMultiModal
 from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -104,6 +106,12 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden_size] item embeddings
         self.num_encoder_calls = 0  # items encoded so far
+        self.lora_manager: LoRAManager | None = None  # set_lora: adapters are served
+        self.lora_batch = LoRABatch()
+
+    def set_lora(self, lora_manager: LoRAManager, lora_batch: LoRABatch) -> None:
+        """Serve LoRA adapters: ``lora_batch`` is the one the model's ``LoRALinear`` projections read."""
+        self.lora_manager, self.lora_batch = lora_manager, lora_batch
 
     def initialize_kv_cache(self, num_kv_blocks: int) -> None:
         """Allocate ``num_kv_blocks`` blocks (the null block 0 included) per layer, zeroed so the null block,
@@ -201,13 +209,15 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         failed: dict[str, Exception] = {}
         try:
+            self._set_lora_batch(inputs)
             inputs_embeds = None
             if isinstance(self.model, SupportsMultiModal):
                 self._execute_mm_encoder(scheduler_output)
                 inputs_embeds = self._gather_mm_embeddings(scheduler_output, inputs, failed)
             if inputs_embeds is not None:  # eager: graphs embed ids themselves (padded rows included here)
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs_embeds)
-            elif inputs.graph_size is not None and self.decode_graphs is not None:
+            elif inputs.graph_size is not None and self.decode_graphs is not None and not self.lora_batch.active:
+                # (Graphs are captured without adapters: a step that uses one runs eagerly, its pad rows too.)
                 hidden = self.decode_graphs.replay(inputs.graph_size)  # [graph_size, hidden]: rows past the step pad
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
@@ -220,13 +230,35 @@ class ModelRunner:
                     apply_grammar_bitmask(logits, sample_ids, grammar_output)
                 sampler_output = self._sample(logits, inputs.sample_states)
         except BaseException:
+            self.lora_batch.slot_rows = []
             # The step's non-blocking copies may still be reading the pinned host buffers, which the next step
             # rewrites: let them finish before the failure leaves (the step that succeeds waits in _make_output).
             _synchronize(self.device)
             raise
+        self.lora_batch.slot_rows = []
         output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
         output.failed_requests = failed
         return output
+
+    def _set_lora_batch(self, inputs: StepInputs) -> None:
+        """The step's adapter rows (``LoRABatch``): each adapter the step's requests use gets a slot
+        (``LoRAManager.activate``) and the rows of those requests' tokens; none when no request uses one."""
+        if self.lora_manager is None:
+            return
+        by_adapter: dict[int, list[int]] = {}
+        query_start_loc = inputs.metadata.query_start_loc_cpu
+        for i, state in enumerate(inputs.states):
+            if state.lora_int_id:
+                by_adapter.setdefault(state.lora_int_id, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
+        if not by_adapter:
+            self.lora_batch.slot_rows = []
+            return
+        slots = self.lora_manager.activate(set(by_adapter))
+        pin = self.device.type == "cuda"
+        self.lora_batch.slot_rows = [
+            (slots[int_id], torch.tensor(rows, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True))
+            for int_id, rows in by_adapter.items()
+        ]
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         """One token per row of ``logits`` ``[len(states), vocab_size]``. When every row samples by argmax
@@ -322,6 +354,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 mm_features=list(new.mm_features),
+                lora_int_id=new.lora_int_id,
             )
             if self.uses_mrope:  # now, while the items carry their data (image_grid_thw)
                 positions, delta = self.model.get_mrope_input_positions(len(new.prompt_token_ids), new.mm_features)

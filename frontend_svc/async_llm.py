@@ -12,7 +12,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreRequest, LoRARequest, SchedulerStats
-from frontend_svc.errors import EngineDeadError
+from frontend_svc.errors import EngineDeadError, NotFoundError
 from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import LLMEngineBase
@@ -97,14 +97,13 @@ class AsyncLLM(LLMEngineBase):
         lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
-        internal id). Arguments after ``arrival_time`` are keywords, as in vLLM's ``add_request``;
-        ``lora_request`` runs it with that adapter (the core resolves its ``lora_name``), None with the base model.
+        internal id). Arguments after ``arrival_time`` are keywords, as in vLLM's ``add_request``.
+        ``lora_request``: the LoRA adapter to generate with; one not loaded yet is loaded from its ``lora_path``
+        first (vLLM loads adapters on demand).
 
         Raises:
-            ValidationError, RequestTooLargeError: the request is refused (nothing stays queued).
+            ValidationError, RequestTooLargeError, NotFoundError: the request is refused (nothing stays queued).
             EngineDeadError: the core has failed or was shut down.
-        An adapter no core has loaded ends the request with NotFoundError from its output stream (the core's
-        answer, as any refusal by the core).
         """
         arrival_time = time.time() if arrival_time is None else arrival_time  # before tokenizing: TTFT counts it
         dead = self._handler_state.dead_error
@@ -125,6 +124,8 @@ class AsyncLLM(LLMEngineBase):
         queue = RequestOutputCollector(params.output_kind)
         options = RequestOptions(arrival_time, priority, cache_salt, trace_headers, lora_request)
         internal_id, request, prompt_text = self.process_request(request_id, prompt, params, options)
+        if lora_request is not None and lora_request.lora_path:
+            await self.engine_core.add_lora_async(lora_request)  # the adapter as loaded: a no-op
         queue.request_id = internal_id
         requests: list[EngineCoreRequest] = []  # every one registered (abortable) before any is sent
         try:
@@ -202,18 +203,33 @@ class AsyncLLM(LLMEngineBase):
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
-    async def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
-        """Load an adapter on every core (vLLM's ``add_lora``); returns it as the core loaded it. Errors: as
-        ``EngineCoreClient.add_lora``."""
-        return await self.engine_core.add_lora_async(lora_request)
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter on the core (vLLM's ``AsyncLLM.add_lora``); its files are read off the core's
+        engine thread. True once loaded (also when it already was). Raises as ``LLMEngine.add_lora``."""
+        await self.engine_core.add_lora_async(lora_request)
+        return True
 
-    async def remove_lora(self, lora_name: str) -> None:
-        """Unload an adapter from every core by name. Errors: as ``EngineCoreClient.remove_lora``."""
-        await self.engine_core.remove_lora_async(lora_name)
+    async def remove_lora(self, lora_id: int | str) -> bool:
+        """Unload an adapter by name or int id; False when no such adapter is loaded."""
+        name = lora_id if isinstance(lora_id, str) else None
+        if name is None:
+            loras = await self.engine_core.list_loras_async()
+            name = next((lora.lora_name for lora in loras if lora.lora_int_id == lora_id), None)
+            if name is None:
+                return False
+        try:
+            await self.engine_core.remove_lora_async(name)
+        except NotFoundError:
+            return False
+        return True
 
-    async def list_loras(self) -> list[LoRARequest]:
-        """The adapters the cores have loaded, by name; none when the core runs without ``--enable-lora``.
-        Errors: as ``EngineCoreClient.list_loras``."""
+    async def list_loras(self) -> set[int]:
+        """The int ids of the loaded adapters (vLLM's ``list_loras``)."""
+        return {lora.lora_int_id for lora in await self.engine_core.list_loras_async()}
+
+    async def get_loras(self) -> list[LoRARequest]:
+        """The loaded adapters, whole (name, int id, folder; over several cores each name once); none when the core
+        runs without ``--enable-lora``. Raises EngineDeadError when no core is reachable."""
         if not self.engine_info.supports_lora:
             return []
         return await self.engine_core.list_loras_async()

@@ -7,7 +7,7 @@ import contextlib
 from abc import ABC, abstractmethod
 
 from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo, LoRARequest
-from frontend_svc.errors import FrontendError, NotSupportedError
+from frontend_svc.errors import FrontendError
 
 
 class EngineCoreClient(ABC):
@@ -44,35 +44,6 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
 
-    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
-        """Load a LoRA adapter (the core's ``AddLora``; on every core when there are several); returns it as loaded.
-
-        Raises:
-            ValidationError: the core refused it (a missing or corrupt adapter folder, a rank above
-                ``--max-lora-rank``, a name already loaded): INVALID_ARGUMENT with the core's reason.
-            PreconditionError: a core runs without ``--enable-lora`` (FAILED_PRECONDITION).
-            EngineDeadError: no core is reachable.
-        """
-        raise NotSupportedError(f"{type(self).__name__} cannot load LoRA adapters")
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Unload a LoRA adapter by name (the core's ``RemoveLora``, on every core).
-
-        Raises:
-            NotFoundError: no core has an adapter of that name.
-            PreconditionError, EngineDeadError: as ``add_lora``.
-        """
-        raise NotSupportedError(f"{type(self).__name__} cannot unload LoRA adapters")
-
-    def list_loras(self) -> list[LoRARequest]:
-        """The loaded adapters (the core's ``ListLoras``; over several cores, every name once), by name; [] when
-        the core runs without LoRA.
-
-        Raises:
-            EngineDeadError: no core is reachable.
-        """
-        raise NotSupportedError(f"{type(self).__name__} cannot list LoRA adapters")
-
     @abstractmethod
     def shutdown(self) -> None:
         """Release the core (its memory, for the in-process client). Idempotent."""
@@ -99,11 +70,32 @@ class EngineCoreClient(ABC):
     async def reset_prefix_cache_async(self) -> bool:
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
+    # --- LoRA adapters (the core's AddLora / RemoveLora / ListLoras) ---
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Load a PEFT adapter folder on the core under ``lora_request.lora_name``; returns it as loaded (its int
+        id assigned). The same name and folder again returns the adapter as loaded.
+
+        Raises:
+            ValidationError: the folder cannot be served (the reason named).
+            AlreadyExistsError: the name is loaded from another folder.
+            FailedPreconditionError: the core was started without ``--enable-lora``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter; requests using it finish with it. Raises NotFoundError for an unknown name."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded on the core."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
     async def add_lora_async(self, lora_request: LoRARequest) -> LoRARequest:
-        raise NotSupportedError(f"{type(self).__name__} cannot load LoRA adapters")
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters asynchronously")
 
     async def remove_lora_async(self, lora_name: str) -> None:
-        raise NotSupportedError(f"{type(self).__name__} cannot unload LoRA adapters")
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters asynchronously")
 
     async def list_loras_async(self) -> list[LoRARequest]:
-        raise NotSupportedError(f"{type(self).__name__} cannot list LoRA adapters")
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters asynchronously")

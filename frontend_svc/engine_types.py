@@ -28,9 +28,8 @@ class MultiModalFeature:
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """A LoRA adapter (vLLM's ``LoRARequest``): requests name it by ``lora_name``; the core loads it from
-    ``lora_path`` (a PEFT folder on the core's file system) and numbers it ``lora_int_id`` (0: the core assigns
-    one). The core's name is what counts: a request sends the name only, and every core resolves it itself."""
+    """A LoRA adapter (vLLM's ``vllm.lora.request.LoRARequest``): its name (what the core knows it by, also a
+    prefix-cache key), its int id (0: the core assigns one) and its PEFT folder on the core's file system."""
 
     lora_name: str
     lora_int_id: int = 0
@@ -121,4 +120,6 @@ class EngineInfo:
     dtype: str
     max_receive_message_bytes: int = 0  # the core server's largest request message (0: no limit told)
     image_limit_per_prompt: int | None = None  # the core's --limit-mm-per-prompt image=N (None: not told)
-    supports_lora: bool = False  # the core was started with --enable-lora (AddLora is accepted)
+    supports_lora: bool = False  # the core takes LoRA adapters (--enable-lora)
+    max_loras: int = 0  # LoRA adapters one core step can use (0: LoRA off)
+    max_lora_rank: int = 0  # highest adapter rank the core takes (0: LoRA off)

@@ -38,8 +38,14 @@ class NotFoundError(FrontendError, LookupError):
     status_code: ClassVar[StatusCode] = StatusCode.NOT_FOUND
 
 
-class PreconditionError(FrontendError):
-    """The server is not in a state to do what was asked (a LoRA call to a core started without ``--enable-lora``):
+class AlreadyExistsError(FrontendError):
+    """A named resource already exists otherwise (a LoRA name loaded from another folder): ALREADY_EXISTS."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.ALREADY_EXISTS
+
+
+class FailedPreconditionError(FrontendError):
+    """The call does not fit the core's state or settings (LoRA calls on a core without ``--enable-lora``):
     FAILED_PRECONDITION."""
 
     status_code: ClassVar[StatusCode] = StatusCode.FAILED_PRECONDITION
@@ -69,8 +75,9 @@ _FROM_CORE: dict[int, type[FrontendError]] = {
     cls.status_code: cls
     for cls in (
         NotFoundError,
+        AlreadyExistsError,
         RequestTooLargeError,
-        PreconditionError,
+        FailedPreconditionError,
         NotSupportedError,
         EngineDeadError,
         InternalError,

@@ -592,11 +592,16 @@ class GrpcCoreClient(EngineCoreClient):
 
     async def _add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """AddLora on every connected core, all or none: when one refuses, the cores that loaded it in this call
-        unload it again, and its error is raised (``_unary_error``)."""
+        unload it again, and its error is raised (``_unary_error``). The same name and folder again is no error
+        (the core answers the adapter as loaded)."""
         loaded: list[CoreConnection] = []
         result: LoRARequest | None = None
         message = pb.AddLoraRequest(lora_request=lora_request_to_pb(lora_request))
-        for connection in self._reachable():
+        reachable = self._reachable()
+        # A core that has it already answers it as loaded (the same folder): not one to unload it from again.
+        await asyncio.gather(*(c.refresh_loras() for c in reachable))
+        had = {c for c in reachable if lora_request.lora_name in c.lora_names}
+        for connection in reachable:
             stub = connection.stub
             if stub is None:
                 continue
@@ -606,7 +611,8 @@ class GrpcCoreClient(EngineCoreClient):
                 for done in loaded:
                     await self._undo_add(done, lora_request.lora_name)
                 raise _unary_error(e, "lora_path") from e
-            loaded.append(connection)
+            if connection not in had:
+                loaded.append(connection)
             connection.lora_names.add(lora_request.lora_name)
             result = result or lora_request_from_pb(response.lora_request)
         if result is None:

@@ -28,7 +28,7 @@ class RequestOptions:
     priority: int = 0  # lower is served first under the priority policy
     cache_salt: str | None = None  # isolates the request's prefix-cache entries
     trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate for the core's spans
-    lora_request: LoRARequest | None = None  # the adapter to run the request with; None: the base model
+    lora_request: LoRARequest | None = None  # the LoRA adapter to generate with; None: the base model
 
 
 def check_options(options: RequestOptions) -> None:
@@ -37,8 +37,7 @@ def check_options(options: RequestOptions) -> None:
 
     Raises:
         ValidationError: priority outside int32, arrival_time not a finite number, cache_salt not a string,
-            trace_headers not a map of strings, lora_request not a LoRARequest or with an empty lora_name, or a
-            string with lone surrogates.
+            trace_headers not a map of strings, or a string with lone surrogates.
     """
     priority, arrival_time = options.priority, options.arrival_time
     if (
@@ -54,12 +53,16 @@ def check_options(options: RequestOptions) -> None:
         )
     if options.cache_salt is not None:
         check_wire_string(options.cache_salt, "cache_salt")
-    if options.lora_request is not None:
-        if not isinstance(options.lora_request, LoRARequest):
-            raise ValidationError("lora_request", f"must be a LoRARequest, got {type(options.lora_request).__name__}")
-        check_wire_string(options.lora_request.lora_name, "lora_request.lora_name")
-        if not options.lora_request.lora_name:
-            raise ValidationError("lora_request.lora_name", "must name an adapter (None: the base model)")
+    lora = options.lora_request
+    if lora is not None:
+        if not isinstance(lora, LoRARequest):
+            raise ValidationError("lora_request", f"must be a LoRARequest, got {type(lora).__name__}")
+        check_wire_string(lora.lora_name, "lora_request.lora_name")
+        check_wire_string(lora.lora_path, "lora_request.lora_path")
+        if not lora.lora_name:
+            raise ValidationError("lora_request.lora_name", "must not be empty")
+        if not (isinstance(lora.lora_int_id, int) and 0 <= lora.lora_int_id <= INT32_MAX):
+            raise ValidationError("lora_request.lora_int_id", f"must be an int in [0, 2^31), got {lora.lora_int_id!r}")
     headers = options.trace_headers
     if headers is not None:
         if not isinstance(headers, Mapping):

@@ -151,7 +151,7 @@ class _OpenAIApi:
     async def models(self) -> dict[str, Any]:
         """The served model, then every LoRA adapter the cores have loaded (vLLM's model cards)."""
         engine = self._engine(allow_draining=True)
-        loras = await engine.list_loras()
+        loras = await engine.get_loras()
         cards = [self._model_card(self.state.model, self.state.model, None, engine)]
         cards += [self._model_card(lora.lora_name, lora.lora_path, self.state.model, engine) for lora in loras]
         return {"object": "list", "data": cards}
@@ -351,7 +351,7 @@ class _OpenAIApi:
             engine = self.state.engine
             if engine is None or not _core_available(engine):
                 raise self._unknown(model)
-            if model not in {lora.lora_name for lora in await engine.list_loras()}:
+            if model not in {lora.lora_name for lora in await engine.get_loras()}:
                 raise self._unknown(model)
         return self._engine(allow_draining=True)
 

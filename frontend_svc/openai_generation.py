@@ -32,6 +32,8 @@ HTTP_STATUS: dict[StatusCode, tuple[int, str, str | None]] = {
     StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
     StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    # vLLM's 400 for a LoRA name already loaded (from another folder, here).
+    StatusCode.ALREADY_EXISTS: (400, "invalid_request_error", "already_exists"),
     # vLLM's 400 for a request that can never fit (the KV cache); 413 is only the body limit's (``BodyLimit``).
     StatusCode.RESOURCE_EXHAUSTED: (400, "invalid_request_error", "request_too_large"),
     StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),

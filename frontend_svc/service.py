@@ -180,7 +180,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
     ) -> api.ListLoraAdaptersResponse:
         engine = await self._engine(context, allow_draining=True)
         try:
-            loras = await engine.list_loras()
+            loras = await engine.get_loras()
         except FrontendError as e:
             await abort(context, e)
         return api.ListLoraAdaptersResponse(adapters=[lora_adapter_to_api(lora) for lora in loras])
@@ -287,7 +287,8 @@ async def load_lora_adapter(
         NotSupportedError: runtime updating is off (``check_runtime_lora_updating``).
         ValidationError: an empty ``lora_name`` or ``lora_path``, the base model's name as ``lora_name``, or the
             core's refusal (a folder it cannot read or load, a rank above its maximum, a name already loaded).
-        PreconditionError: a core runs without ``--enable-lora``.
+        AlreadyExistsError: the name is loaded from another folder.
+        FailedPreconditionError: a core runs without ``--enable-lora``.
     """
     check_runtime_lora_updating(state)
     if not lora_name:
@@ -296,7 +297,13 @@ async def load_lora_adapter(
         raise ValidationError("lora_name", f"{lora_name!r} is the base model's name; choose another")
     if not lora_path:
         raise ValidationError("lora_path", "must give the adapter's folder on the engine core's file system")
-    return await engine.add_lora(LoRARequest(lora_name=lora_name, lora_path=lora_path))
+    try:
+        return await engine.engine_core.add_lora_async(LoRARequest(lora_name=lora_name, lora_path=lora_path))
+    except ValidationError as e:  # the core names the fields of its AddLora (lora_request.lora_path): name ours
+        field = e.field.removeprefix("lora_request.")
+        if field == e.field:
+            raise
+        raise ValidationError(field, e.description) from e
 
 
 async def unload_lora_adapter(state: FrontendServerState, engine: AsyncLLM, lora_name: str) -> None:
@@ -310,7 +317,7 @@ async def unload_lora_adapter(state: FrontendServerState, engine: AsyncLLM, lora
     check_runtime_lora_updating(state)
     if not lora_name:
         raise ValidationError("lora_name", "must name the adapter")
-    await engine.remove_lora(lora_name)
+    await engine.engine_core.remove_lora_async(lora_name)
 
 
 def text_size(messages: list[dict[str, Any]]) -> int:

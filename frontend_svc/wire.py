@@ -82,14 +82,16 @@ def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
     )
     if request.cache_salt is not None:
         msg.cache_salt = request.cache_salt
-    msg.mm_features.extend(mm_feature_to_pb(feature) for feature in request.mm_features)
     if request.lora_request is not None:
         msg.lora_request.CopyFrom(lora_request_to_pb(request.lora_request))
+    msg.mm_features.extend(mm_feature_to_pb(feature) for feature in request.mm_features)
     return msg
 
 
-def lora_request_to_pb(lora: LoRARequest) -> pb.LoRARequest:
-    return pb.LoRARequest(lora_name=lora.lora_name, lora_int_id=lora.lora_int_id, lora_path=lora.lora_path)
+def lora_request_to_pb(lora_request: LoRARequest) -> pb.LoRARequest:
+    return pb.LoRARequest(
+        lora_name=lora_request.lora_name, lora_int_id=lora_request.lora_int_id, lora_path=lora_request.lora_path
+    )
 
 
 def lora_request_from_pb(msg: pb.LoRARequest) -> LoRARequest:
@@ -274,6 +276,8 @@ def engine_info_from_pb(msg: pb.EngineInfo) -> EngineInfo:
         max_receive_message_bytes=msg.max_receive_message_bytes,
         image_limit_per_prompt=msg.image_limit_per_prompt if msg.HasField("image_limit_per_prompt") else None,
         supports_lora=msg.supports_lora,
+        max_loras=msg.max_loras,
+        max_lora_rank=msg.max_lora_rank,
     )
 
 

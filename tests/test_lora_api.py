@@ -84,7 +84,17 @@ def services(checkpoint, adapters, tmp_path_factory):
     """(core, the frontend allowed to update adapters, its HTTP base URL, a frontend that is not, its URL)."""
     model = str(checkpoint("llama"))
     logs = tmp_path_factory.mktemp("lora-logs")
-    lora_args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"b={adapters['b']}"]
+    lora_args = [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "4",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"b={adapters['b']}",
+    ]
     core = stack.start_core(model, logs, CORE_ARGS + (lora_args if core_has_lora() else []))
     frontends: list[Any] = []
     try:
