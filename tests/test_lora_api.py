@@ -4,7 +4,6 @@ API), one not. The right tokens come from transformers + peft on the same checkp
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 from pathlib import Path
 from typing import Any
@@ -22,16 +21,6 @@ PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 CORE_ARGS = ["--num-kv-blocks", "64", "--max-model-len", "256"]
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def core_has_lora() -> bool:
-    """Whether the engine core takes ``--enable-lora`` (LoRA serving in the core)."""
-    from core_svc.config import CoreConfig
-
-    return any(f.name == "enable_lora" for f in dataclasses.fields(CoreConfig))
-
-
-needs_lora_core = pytest.mark.skipif(not core_has_lora(), reason="the engine core has no LoRA support (--enable-lora)")
 
 
 def make_adapter(model: Path, out: Path, rank: int, seed: int) -> Path:
@@ -73,7 +62,6 @@ def peft_greedy(model: Path, adapter: Path | None, prompt_ids: list[int]) -> lis
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory) -> dict[str, Path]:
     """Two adapters of different ranks: "a" is loaded at run time, "b" by the core's --lora-modules."""
-    pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("lora")
     model = checkpoint("llama")
     return {"a": make_adapter(model, root / "a", 8, 1), "b": make_adapter(model, root / "b", 4, 2)}
@@ -95,7 +83,7 @@ def services(checkpoint, adapters, tmp_path_factory):
         "--lora-modules",
         f"b={adapters['b']}",
     ]
-    core = stack.start_core(model, logs, CORE_ARGS + (lora_args if core_has_lora() else []))
+    core = stack.start_core(model, logs, CORE_ARGS + lora_args)
     frontends: list[Any] = []
     try:
         core.wait_serving()
@@ -201,7 +189,6 @@ def test_load_requests_name_the_missing_field(services):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
 
 
-@needs_lora_core
 def test_load_generate_list_on_two_frontends_unload_then_not_found(services, adapters, checkpoint):
     _, frontend, _, plain, _ = services
     ids = prompt_ids(frontend)
@@ -226,7 +213,6 @@ def test_load_generate_list_on_two_frontends_unload_then_not_found(services, ada
         assert again.code() == grpc.StatusCode.NOT_FOUND
 
 
-@needs_lora_core
 def test_an_adapter_the_core_cannot_read_is_invalid_argument_with_its_reason(services, tmp_path):
     _, frontend, base_url, _, _ = services
     missing = tmp_path / "no-adapter-here"
@@ -238,11 +224,24 @@ def test_an_adapter_the_core_cannot_read_is_invalid_argument_with_its_reason(ser
     response = httpx.post(
         f"{base_url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(missing)}, timeout=30
     )
-    assert response.status_code == 400 and str(missing) in response.json()["error"]["message"]
+    error_body = response.json()["error"]
+    assert response.status_code == 400 and str(missing) in error_body["message"] and error_body["param"] == "lora_path"
     assert "bad" not in listed(frontend)
 
 
-@needs_lora_core
+def test_a_name_loaded_from_another_folder_is_already_exists_and_the_same_again_is_no_error(services, adapters):
+    _, frontend, base_url, _, _ = services
+    channel, generation = stub(frontend)
+    with channel:
+        other = api.LoadLoraAdapterRequest(lora_name="b", lora_path=str(adapters["a"]))
+        assert rpc_error(lambda: generation.LoadLoraAdapter(other, timeout=60)).code() == grpc.StatusCode.ALREADY_EXISTS
+        same = api.LoadLoraAdapterRequest(lora_name="b", lora_path=str(adapters["b"]))
+        assert generation.LoadLoraAdapter(same, timeout=60).adapter.lora_path == str(adapters["b"])
+    body = {"lora_name": "b", "lora_path": str(adapters["a"])}
+    assert httpx.post(f"{base_url}/v1/load_lora_adapter", json=body, timeout=60).status_code == 400
+    assert listed(frontend)["b"] == str(adapters["b"])
+
+
 def test_http_models_list_adapters_and_a_model_naming_one_runs_it(services, adapters, checkpoint):
     _, frontend, base_url, _, _ = services
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
