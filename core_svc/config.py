@@ -202,8 +202,6 @@ class CoreConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         self.lora_module_paths()
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:

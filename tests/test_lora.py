@@ -317,6 +317,41 @@ def test_llm_generate_with_lora_requests(model_path, adapters, prompt):
             llm.generate([prompt], params, lora_request=ApiLoRARequest("attn"), use_tqdm=False)
 
 
+def test_async_llm_loads_adapters_off_the_engine_thread(model_path, adapters, prompt):
+    """AsyncLLM (the servers' engine): add_lora reads the folder on the core's loader thread and joins between
+    steps; a request's adapter is loaded on demand; remove and list go through the engine loop."""
+    from frontend_svc import AsyncLLM
+    from frontend_svc import LoRARequest as ApiLoRARequest
+    from frontend_svc import SamplingParams as ApiSamplingParams
+    from frontend_svc.errors import AlreadyExistsError, ValidationError
+
+    async def scenario() -> None:
+        engine = AsyncLLM(str(model_path), enable_lora=True, max_loras=2, max_lora_rank=MAX_LORA_RANK, num_kv_blocks=64)
+        try:
+            assert engine.engine_info.supports_lora and engine.engine_info.max_loras == 2
+            assert await engine.add_lora(ApiLoRARequest("all", 0, str(adapters["all"][0])))
+            with pytest.raises(AlreadyExistsError):
+                await engine.add_lora(ApiLoRARequest("all", 0, str(adapters["qv"][0])))
+            with pytest.raises(ValidationError, match="not a folder") as info:
+                await engine.add_lora(ApiLoRARequest("bad", 0, "/no/such/adapter"))
+            assert info.value.field == "lora_request.lora_path"
+            params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            qv = ApiLoRARequest("qv", 0, str(adapters["qv"][0]))  # loaded on demand
+
+            async def ids(request_id: str, lora: ApiLoRARequest | None) -> list[int]:
+                outputs = [o async for o in engine.generate(prompt, params, request_id, lora_request=lora)]
+                return outputs[-1].outputs[0].token_ids
+
+            got = await asyncio.gather(ids("a", ApiLoRARequest("all")), ids("b", qv), ids("c", None))
+            assert got == [adapters["all"][1], adapters["qv"][1], adapters["base"][1]]
+            assert len(await engine.list_loras()) == 2
+            assert await engine.remove_lora("qv") and not await engine.remove_lora("qv")
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
 def test_core_grpc_lora_rpcs(model_path, adapters, tmp_path):
     from splitserve.entrypoints import stack
     from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
