@@ -144,9 +144,7 @@ class CoreConfig:
     enable_lora: bool = field(
         default=False, metadata=flag("serve LoRA adapters: AddLora / RemoveLora / ListLoras and per-request adapters")
     )
-    max_loras: int = field(
-        default=1, metadata=flag("most LoRA adapters used in one step (device slots)", unit="adapters")
-    )
+    max_loras: int = field(default=1, metadata=flag("most LoRA adapters used in one step (device slots)"))
     max_lora_rank: int = field(default=16, metadata=flag("highest LoRA rank an adapter may have"))
     max_cpu_loras: int | None = field(
         default=None,

@@ -410,9 +410,10 @@ class EngineCore:
             LoRAExistsError: the name is loaded from another folder.
             InvalidRequestError: an empty name.
         """
+        manager = self._lora()
         if not lora_request.lora_name:
             raise InvalidRequestError("lora_request.lora_name", "must not be empty")
-        return self._lora().find(lora_request)
+        return manager.find(lora_request)
 
     def read_lora(self, lora_request: LoRARequest) -> LoRAModel:
         """Read and check an adapter folder (``core_svc.lora.adapter.load_lora_model``), on the host. Any thread.
