@@ -144,9 +144,7 @@ class CoreConfig:
     enable_lora: bool = field(
         default=False, metadata=flag("serve LoRA adapters: AddLora / RemoveLora / ListLoras and per-request adapters")
     )
-    max_loras: int = field(
-        default=1, metadata=flag("most LoRA adapters used in one step (device slots)", unit="adapters")
-    )
+    max_loras: int = field(default=1, metadata=flag("most LoRA adapters used in one step (device slots)"))
     max_lora_rank: int = field(default=16, metadata=flag("highest LoRA rank an adapter may have"))
     max_cpu_loras: int | None = field(
         default=None,
@@ -202,8 +200,6 @@ class CoreConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         self.lora_module_paths()
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:

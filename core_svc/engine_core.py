@@ -106,12 +106,16 @@ class EngineCore:
     Raises:
         DeviceUnavailableError: from the constructor, first, when the device is ``cuda`` and torch cannot use a GPU.
         ModelLoadError: from the constructor, when the checkpoint cannot be served.
-        ValueError: from the constructor, when max_model_len exceeds the model's, the KV budget holds no block, or
-            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``).
+        ValueError: from the constructor, when max_model_len exceeds the model's, the KV budget holds no block,
+            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``),
+            ``enable_lora`` is set for a model outside the Llama family, or ``lora_modules`` without it.
+        InvalidRequestError: from the constructor, an adapter of ``lora_modules`` that cannot be served.
     """
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
+        if config.lora_modules and not config.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
         self.device = device = check_device(config.device)  # first: without CUDA, fail before anything slow
         logger.info("%s", set_compute_threads(config.num_threads))
@@ -406,9 +410,10 @@ class EngineCore:
             LoRAExistsError: the name is loaded from another folder.
             InvalidRequestError: an empty name.
         """
+        manager = self._lora()
         if not lora_request.lora_name:
             raise InvalidRequestError("lora_request.lora_name", "must not be empty")
-        return self._lora().find(lora_request)
+        return manager.find(lora_request)
 
     def read_lora(self, lora_request: LoRARequest) -> LoRAModel:
         """Read and check an adapter folder (``core_svc.lora.adapter.load_lora_model``), on the host. Any thread.

@@ -230,35 +230,37 @@ class ModelRunner:
                     apply_grammar_bitmask(logits, sample_ids, grammar_output)
                 sampler_output = self._sample(logits, inputs.sample_states)
         except BaseException:
-            self.lora_batch.slot_rows = []
+            self.lora_batch.segments = []
             # The step's non-blocking copies may still be reading the pinned host buffers, which the next step
             # rewrites: let them finish before the failure leaves (the step that succeeds waits in _make_output).
             _synchronize(self.device)
             raise
-        self.lora_batch.slot_rows = []
+        self.lora_batch.segments = []
         output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
         output.failed_requests = failed
         return output
 
     def _set_lora_batch(self, inputs: StepInputs) -> None:
-        """The step's adapter rows (``LoRABatch``): each adapter the step's requests use gets a slot
-        (``LoRAManager.activate``) and the rows of those requests' tokens; none when no request uses one."""
+        """The step's adapter segments (``LoRABatch``): each adapter the step's requests use gets a slot
+        (``LoRAManager.activate``), and each run of consecutive requests under one adapter (``_prepare_inputs``
+        orders them so) one segment of token rows; none when no request uses an adapter."""
         if self.lora_manager is None:
             return
-        by_adapter: dict[int, list[int]] = {}
+        runs: list[tuple[int, int, int]] = []  # (lora_int_id, start row, end row)
         query_start_loc = inputs.metadata.query_start_loc_cpu
         for i, state in enumerate(inputs.states):
-            if state.lora_int_id:
-                by_adapter.setdefault(state.lora_int_id, []).extend(range(query_start_loc[i], query_start_loc[i + 1]))
-        if not by_adapter:
-            self.lora_batch.slot_rows = []
+            if not state.lora_int_id:
+                continue
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            if runs and runs[-1][0] == state.lora_int_id and runs[-1][2] == start:
+                runs[-1] = (state.lora_int_id, runs[-1][1], end)
+            else:
+                runs.append((state.lora_int_id, start, end))
+        if not runs:
+            self.lora_batch.segments = []
             return
-        slots = self.lora_manager.activate(set(by_adapter))
-        pin = self.device.type == "cuda"
-        self.lora_batch.slot_rows = [
-            (slots[int_id], torch.tensor(rows, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True))
-            for int_id, rows in by_adapter.items()
-        ]
+        slots = self.lora_manager.activate({int_id for int_id, _, _ in runs})
+        self.lora_batch.segments = [(slots[int_id], start, end) for int_id, start, end in runs]
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         """One token per row of ``logits`` ``[len(states), vocab_size]``. When every row samples by argmax
@@ -372,8 +374,16 @@ class ModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """Fill the host buffers, pad a decode-only step to its graph's size, copy to the device."""
         block_size, buffers = self.block_size, self.buffers
-        # Requests with one query token first: attention backends batch them as decodes (vLLM's reorder_batch).
-        scheduled = sorted(scheduler_output.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        # Requests with one query token first: attention backends batch them as decodes (vLLM's reorder_batch);
+        # with LoRA, by adapter within each, so that each adapter's rows are one segment (LoRABatch).
+        if self.lora_manager is None:
+            scheduled = sorted(scheduler_output.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        else:
+            requests = self.requests
+            scheduled = sorted(
+                scheduler_output.num_scheduled_tokens.items(),
+                key=lambda item: (item[1] != 1, requests[item[0]].lora_int_id),
+            )
         num_decodes = sum(1 for _, num_tokens in scheduled if num_tokens == 1)
         num_reqs = len(scheduled)
         states = [self.requests[request_id] for request_id, _ in scheduled]

@@ -103,19 +103,20 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, rendered with the tokenizer's chat template (a multimodal
         model's processor template when it has one); a message's content is text or a list of parts:
         {"type": "text", "text"}, OpenAI's {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
-        (URLs are not fetched) or {"type": "image", "image": a PIL image}. Sampling parameters, progress bar and
-        priority as ``generate``."""
+        (URLs are not fetched) or {"type": "image", "image": a PIL image}. Sampling parameters, progress bar,
+        LoRA adapters and priority as ``generate``."""
         conversations = _as_conversation_list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
             processor.render_chat(conversation, add_generation_prompt, chat_template) for conversation in conversations
         ]
-        return self._run(prompts, sampling_params, use_tqdm, priority)
+        return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 
     def _run(
         self,

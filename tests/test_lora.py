@@ -155,6 +155,21 @@ def test_each_adapter_alone_matches_transformers_peft(engine, adapters, prompt):
     assert all(adapters[name][1] != adapters["base"][1] for name in ADAPTERS)
 
 
+def test_qwen3_adapter_matches_transformers_peft(checkpoint, tmp_path):
+    """Qwen3 (explicit head_dim, per-head q/k norm): an adapter on every projection, against peft, with the base
+    model's request in the same batch."""
+    path = checkpoint("qwen3")
+    base = hf_model(path)
+    peft_model = make_adapter(base, tmp_path / "qwen3", 4, 8, ATTENTION + MLP, False, 6)
+    prompt = random_prompt(path, 19, seed=3)
+    want, _ = greedy_reference(peft_model, prompt)
+    want_base, _ = greedy_reference(base, prompt)
+    core = EngineCore(CoreConfig(model=str(path), enable_lora=True, max_lora_rank=4, num_kv_blocks=16))
+    core.add_lora(LoRARequest("q3", 0, str(tmp_path / "qwen3")))
+    assert [ids for ids, _, _ in run(core, [(prompt, "q3"), (prompt, None)])] == [want, want_base]
+    assert want != want_base
+
+
 def test_mixed_batch_gives_each_request_its_solo_output(engine, adapters, prompt):
     for name in ADAPTERS:
         ensure(engine, adapters, name)
@@ -315,6 +330,41 @@ def test_llm_generate_with_lora_requests(model_path, adapters, prompt):
         assert engine.remove_lora(1) and not engine.remove_lora(1)
         with pytest.raises(NotFoundError, match="attn"):
             llm.generate([prompt], params, lora_request=ApiLoRARequest("attn"), use_tqdm=False)
+
+
+def test_async_llm_loads_adapters_off_the_engine_thread(model_path, adapters, prompt):
+    """AsyncLLM (the servers' engine): add_lora reads the folder on the core's loader thread and joins between
+    steps; a request's adapter is loaded on demand; remove and list go through the engine loop."""
+    from frontend_svc import AsyncLLM
+    from frontend_svc import LoRARequest as ApiLoRARequest
+    from frontend_svc import SamplingParams as ApiSamplingParams
+    from frontend_svc.errors import AlreadyExistsError, ValidationError
+
+    async def scenario() -> None:
+        engine = AsyncLLM(str(model_path), enable_lora=True, max_loras=2, max_lora_rank=MAX_LORA_RANK, num_kv_blocks=64)
+        try:
+            assert engine.engine_info.supports_lora and engine.engine_info.max_loras == 2
+            assert await engine.add_lora(ApiLoRARequest("all", 0, str(adapters["all"][0])))
+            with pytest.raises(AlreadyExistsError):
+                await engine.add_lora(ApiLoRARequest("all", 0, str(adapters["qv"][0])))
+            with pytest.raises(ValidationError, match="not a folder") as info:
+                await engine.add_lora(ApiLoRARequest("bad", 0, "/no/such/adapter"))
+            assert info.value.field == "lora_request.lora_path"
+            params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            qv = ApiLoRARequest("qv", 0, str(adapters["qv"][0]))  # loaded on demand
+
+            async def ids(request_id: str, lora: ApiLoRARequest | None) -> list[int]:
+                outputs = [o async for o in engine.generate(prompt, params, request_id, lora_request=lora)]
+                return outputs[-1].outputs[0].token_ids
+
+            got = await asyncio.gather(ids("a", ApiLoRARequest("all")), ids("b", qv), ids("c", None))
+            assert got == [adapters["all"][1], adapters["qv"][1], adapters["base"][1]]
+            assert len(await engine.list_loras()) == 2
+            assert await engine.remove_lora("qv") and not await engine.remove_lora("qv")
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
 
 
 def test_core_grpc_lora_rpcs(model_path, adapters, tmp_path):

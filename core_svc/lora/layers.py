@@ -5,15 +5,17 @@ Every adapted projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_pro
 becomes a ``LoRALinear``: the base projection plus ``max_loras`` slots of stacked weights, A
 ``[max_loras, num_slices * max_lora_rank, in_features]`` and a block-diagonal B
 ``[max_loras, out_features, num_slices * max_lora_rank]`` (slice s of a fused projection: rows of its output
-slice, columns ``s * max_lora_rank ...``). A step's ``LoRABatch`` says which token rows use which slot; for
-each slot in use the rows are gathered, shrunk (``x @ A.T``), expanded (``@ B.T``) and added to the base output
-(``index_add_``). Rows of requests without an adapter are left as the base computed them, and a step in which
-no request uses an adapter runs the base projection only (one attribute check per projection).
+slice, columns ``s * max_lora_rank ...``). The model runner orders a step's requests by adapter (within decodes
+and within prefills), so a step's ``LoRABatch`` is a few segments of consecutive token rows, each under one slot
+(punica's SGMV segments): each segment's rows are shrunk (``x @ A.T``), expanded (``@ B.T``) and added to the base
+output in place. Rows of requests without an adapter are left as the base computed them, and a step in which no
+request uses an adapter runs the base projection only (one attribute check per projection).
 
-Why a loop over the step's slots rather than one gather of per-token weights (punica's BGMV): gathering
-``[num_tokens, rank, in_features]`` weights costs memory and bandwidth per token that dwarf the update itself on
-CPU, while the loop runs at most ``max_loras`` pairs of dense matmuls (docs/benchmarks.md has the measurement).
-The same code runs on CUDA tensors (no Triton kernel: the slots' matmuls are cuBLAS calls).
+Why a loop over segments rather than one gather of per-token weights (punica's BGMV) or every token against
+every adapter (masked): gathering ``[num_tokens, rank, in_features]`` weights costs memory and bandwidth per token
+that dwarf the update itself on CPU, and the masked form multiplies by every adapter of the step; the loop runs
+at most two pairs of dense matmuls per adapter of the step (docs/benchmarks.md has the measurement). The same code
+runs on CUDA tensors (no Triton kernel: the segments' matmuls are cuBLAS calls).
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ class LoRABatch:
     """One step's adapter rows, shared by every ``LoRALinear`` (set by the model runner before the forward;
     vLLM's ``LoRAMapping`` / punica metadata)."""
 
-    # (slot, token rows [num_rows] int64 on the device) for each slot the step uses; empty: no adapter this step
-    slot_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # (slot, first token row, end row) of each run of consecutive rows under one adapter; empty: none this step
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
-        return bool(self.slot_rows)
+        return bool(self.segments)
 
 
 class LoRALinear(nn.Module):
@@ -102,8 +104,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)  # [num_tokens, out_features]
-        if self.batch.slot_rows:
-            add_lora(out, x, self.lora_a, self.lora_b, self.batch.slot_rows)
+        if self.batch.segments:
+            add_lora(out, x, self.lora_a, self.lora_b, self.batch.segments)
         return out
 
 
@@ -112,16 +114,14 @@ def add_lora(
     x: torch.Tensor,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
-    slot_rows: list[tuple[int, torch.Tensor]],
+    segments: list[tuple[int, int, int]],
 ) -> None:
-    """``out[rows] += (x[rows] @ lora_a[slot].T) @ lora_b[slot].T`` for each (slot, rows): punica's shrink then
-    expand. ``out`` ``[num_tokens, out_features]``, ``x`` ``[num_tokens, in_features]``, in place."""
-    for slot, rows in slot_rows:
-        if rows.shape[0] == out.shape[0]:  # every row uses this slot: no gather
-            out.add_((x @ lora_a[slot].t()) @ lora_b[slot].t())
-            continue
-        shrunk = x.index_select(0, rows) @ lora_a[slot].t()  # [num_rows, num_slices * max_lora_rank]
-        out.index_add_(0, rows, shrunk @ lora_b[slot].t())
+    """``out[start:end] += (x[start:end] @ lora_a[slot].T) @ lora_b[slot].T`` for each (slot, start, end):
+    punica's SGMV shrink then expand. ``out`` ``[num_tokens, out_features]``, ``x`` ``[num_tokens, in_features]``,
+    ``lora_a`` ``[max_loras, width, in_features]``, ``lora_b`` ``[max_loras, out_features, width]``; in place."""
+    for slot, start, end in segments:
+        shrunk = x[start:end] @ lora_a[slot].t()  # [end - start, num_slices * max_lora_rank]
+        out[start:end].add_(shrunk @ lora_b[slot].t())
 
 
 def wrap_lora_modules(
