@@ -206,6 +206,14 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         help="instead: splitserve alone, every request unconstrained against every other one under a JSON schema "
         "(benchmarks/structured_outputs.py)",
     )
+    p.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: splitserve alone, the base model against N random rank-16 LoRA adapters spread over the "
+        "requests, all in the same batches (benchmarks/lora.py)",
+    )
 
 
 def _throughput_settings(args: argparse.Namespace) -> Any:
@@ -279,6 +287,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             report, args.out, args.name or f"throughput-structured-{args.preset}"
         )
         print(structured_outputs.format_report(report))
+        print(f"wrote {json_path}")
+        return 0
+    if args.bench == "throughput" and args.loras:
+        from benchmarks import lora
+
+        report = lora.run(model, requests, args.loras, Path(tempfile.mkdtemp(prefix="splitserve-loras-")))
+        json_path = lora.write_report(report, args.out, args.name or f"throughput-loras-{args.preset}")
+        print(lora.format_report(report))
         print(f"wrote {json_path}")
         return 0
     if args.bench == "throughput":

@@ -3,8 +3,8 @@
 
 ``hash(block i) = sha256(pickle((hash(block i-1), token ids of block i, extra keys)))``, so a block hash
 identifies the whole prefix up to and including that block. Extra keys make equal token ids under
-different conditions hash apart: the LoRA adapter, multimodal items overlapping the block (identifier and
-the item's start relative to the block), and the cache salt (block 0 only).
+different conditions hash apart: the LoRA adapter (name and content hash), multimodal items overlapping the block
+(identifier and the item's start relative to the block), and the cache salt (block 0 only).
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ def hash_block_tokens(
 
 
 def block_extra_keys(request: Request, block_index: int, block_size: int) -> tuple[Any, ...] | None:
-    """Extra keys of block ``block_index`` of ``request``: LoRA name, overlapping multimodal items and, for
-    block 0, the cache salt. None when there are none."""
+    """Extra keys of block ``block_index`` of ``request``: LoRA name and content hash, overlapping multimodal items
+    and, for block 0, the cache salt. None when there are none."""
     keys: list[Any] = []
     if request.lora_name is not None:
-        keys.append(("lora", request.lora_name))
+        # The adapter's content hash (its weights and config), not only its name: a name removed and loaded again
+        # with other weights must not hit the KV of the old ones.
+        keys.append(("lora", request.lora_name, request.lora_hash))
     start, end = block_index * block_size, (block_index + 1) * block_size
     for feature in request.mm_features:
         if feature.offset < end and feature.offset + feature.length > start:

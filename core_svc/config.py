@@ -140,6 +140,26 @@ class CoreConfig:
         ),
     )
 
+    # LoRA adapters (vLLM's engine arguments of the same names and defaults).
+    enable_lora: bool = field(
+        default=False, metadata=flag("serve LoRA adapters: AddLora / RemoveLora / ListLoras and per-request adapters")
+    )
+    max_loras: int = field(default=1, metadata=flag("most LoRA adapters used in one step (device slots)"))
+    max_lora_rank: int = field(default=16, metadata=flag("highest LoRA rank an adapter may have"))
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=flag(
+            "most LoRA adapters loaded at once (host memory); loading more unloads the least recently used one "
+            "that no request uses",
+            default_help="--max-loras",
+            metavar="N",
+        ),
+    )
+    lora_modules: tuple[str, ...] = field(
+        default=(),
+        metadata=flag("LoRA adapters to load at startup, as name=path (PEFT folders)", metavar="NAME=PATH"),
+    )
+
     @property
     def image_limit(self) -> int:
         """The most images one request may hold (``limit_mm_per_prompt``; 999 when unset)."""
@@ -150,8 +170,36 @@ class CoreConfig:
         """The name the core reports its model by: ``served_model_name``, else ``model`` as given."""
         return self.served_model_name or self.model
 
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters loaded at once: ``max_cpu_loras``, else ``max_loras`` (vLLM's default)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``lora_modules`` as name -> folder.
+
+        Raises:
+            ValueError: an entry that is not name=path, or a name given twice.
+        """
+        paths: dict[str, str] = {}
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {entry!r} is not name=path")
+            if name in paths:
+                raise ValueError(f"lora_modules: the name {name!r} is given twice")
+            paths[name] = path
+        return paths
+
     def __post_init__(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))  # argparse gives a list
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        self.lora_module_paths()
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:
@@ -202,6 +250,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: SchedulingPolicy = "fcfs"
+    max_loras: int = 0  # most LoRA adapters among running requests (vLLM's --max-loras); 0: LoRA off
     max_tokens_per_mm_item: int = 0  # the model's largest multimodal item, in placeholder tokens; 0: text only
     max_num_encoder_input_tokens: int = 0  # vLLM's: encoder output rows per step; 0: max_num_batched_tokens
     encoder_cache_size: int = 0  # vLLM's: encoder cache capacity in rows; 0: the encoder compute budget
@@ -237,4 +286,5 @@ class SchedulerConfig:
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )

@@ -36,6 +36,7 @@ from core_svc.errors import (
     EngineStepError,
     EngineUnavailableError,
     InvalidRequestError,
+    LoRADisabledError,
     LoRANotFoundError,
     ProfileStateError,
     RequestTooLargeError,
@@ -43,10 +44,14 @@ from core_svc.errors import (
     fault_message,
 )
 from core_svc.kv_cache_manager import KVCacheManager, cdiv
+from core_svc.lora.adapter import LoRAModel, LoRARequest, load_lora_model
+from core_svc.lora.layers import LoRABatch, LoRASlots, wrap_lora_modules
+from core_svc.lora.manager import LoRAManager
 from core_svc.model_loader import LoadedModel, format_bytes, load_hf_config, load_model, resolve_model_path
 from core_svc.model_runner import ModelRunner, RunnerConfig
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import SupportsMultiModal
+from core_svc.models.llama import LlamaForCausalLM, fused_shard_sizes
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput, SchedulerStats
 from core_svc.request import Request, RequestStatus
 from core_svc.scheduler import Scheduler
@@ -102,6 +107,8 @@ class EngineInfo:
     max_logprobs: int  # -1: no cap
     supports_lora: bool
     image_limit_per_prompt: int  # the most images one prompt may hold (--limit-mm-per-prompt image=N)
+    max_loras: int = 0  # LoRA adapters one step can use (0: LoRA off)
+    max_lora_rank: int = 0  # highest rank an adapter may have (0: LoRA off)
 
 
 class EngineCore:
@@ -110,12 +117,16 @@ class EngineCore:
     Raises:
         DeviceUnavailableError: from the constructor, first, when the device is ``cuda`` and torch cannot use a GPU.
         ModelLoadError: from the constructor, when the checkpoint cannot be served.
-        ValueError: from the constructor, when max_model_len exceeds the model's, the KV budget holds no block, or
-            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``).
+        ValueError: from the constructor, when max_model_len exceeds the model's, the KV budget holds no block,
+            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``),
+            ``enable_lora`` is set for a model outside the Llama family, or ``lora_modules`` without it.
+        InvalidRequestError: from the constructor, an adapter of ``lora_modules`` that cannot be served.
     """
 
     def __init__(self, config: CoreConfig) -> None:
         self.config = config
+        if config.lora_modules and not config.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
         self.device = device = check_device(config.device)  # first: without CUDA, fail before anything slow
         logger.info("%s", set_compute_threads(config.num_threads))
@@ -147,12 +158,17 @@ class EngineCore:
         self.vocab_size = loaded.arch.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = next(loaded.model.parameters()).dtype
+        self.arch = loaded.arch
+        # Before the runner and the KV sizing: the adapter slots are device memory like the weights.
+        self.lora_manager = self._make_lora_manager(loaded, device) if config.enable_lora else None
         self.model_runner = ModelRunner(
             loaded,
             RunnerConfig(
                 config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.seed
             ),
         )
+        if self.lora_manager is not None:
+            self.model_runner.set_lora(self.lora_manager, self._lora_batch)
         with self.startup.phase("KV cache") as phase:
             self.num_kv_blocks = self._num_kv_blocks(loaded, baseline)
             kv_cache_bytes = self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
@@ -184,7 +200,33 @@ class EngineCore:
         # Set while new requests are refused short of death: asleep, or draining to sleep.
         self.refusal: EngineUnavailableError | None = None
         self._log_kv_cache_size(kv_cache_bytes)
+        for name, path in config.lora_module_paths().items():
+            with self.startup.phase(f"LoRA {name}"):
+                self.add_lora(LoRARequest(name, 0, path))
         logger.info("%s", self.startup.summary())
+
+    def _make_lora_manager(self, loaded: LoadedModel, device: torch.device) -> LoRAManager:
+        """Wrap the model's projections with adapter slots (``core_svc.lora.layers``).
+
+        Raises:
+            ValueError: the model is not one of the Llama family (the models LoRA serves).
+        """
+        config = self.config
+        if not isinstance(loaded.model, LlamaForCausalLM):
+            raise ValueError(
+                "--enable-lora serves Llama-family models (Llama, Mistral, Qwen2, Qwen3), not "
+                f"{loaded.arch.architecture}"
+            )
+        self._lora_batch = LoRABatch()
+        sizes = {
+            "qkv_proj": fused_shard_sizes(loaded.arch, ".qkv_proj."),
+            "gate_up_proj": fused_shard_sizes(loaded.arch, ".gate_up_proj."),
+            "o_proj": [loaded.arch.hidden_size],
+            "down_proj": [loaded.arch.hidden_size],
+        }
+        slots = LoRASlots(config.max_loras, config.max_lora_rank, self.dtype, device)
+        modules = wrap_lora_modules(loaded.model, sizes, slots, self._lora_batch)
+        return LoRAManager(modules, config.max_loras, config.lora_capacity)
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request.
@@ -201,6 +243,14 @@ class EngineCore:
         if self.refusal is not None:
             raise self.refusal
         self._validate(request)
+        if request.lora_name is not None:
+            model = self._lora().get(request.lora_name) if self.lora_manager is not None else None
+            if model is None:
+                raise LoRANotFoundError(
+                    f"lora_request: adapter {request.lora_name!r} is not loaded (LoRA is off on this engine core: "
+                    "--enable-lora)"
+                )
+            request.lora_int_id, request.lora_hash = model.lora_request.lora_int_id, model.content_hash
         params = request.sampling_params
         if params.eos_token_id is None and self.eos_token_ids:
             # "The model's EOS", for a client that did not fold it in (our frontend does, from the same rule). A
@@ -256,6 +306,8 @@ class EngineCore:
                 outputs.scheduler_stats = None  # nothing happened: nothing to tell the clients
                 return outputs
         self._last_stats = outputs.scheduler_stats
+        if self.lora_manager is not None and self.lora_manager.has_unloaded_held and outputs.finished_requests:
+            self.lora_manager.purge(self._loras_in_use())
         if self._stats is not None:
             self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
@@ -357,6 +409,76 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    # --- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Load a PEFT adapter folder under ``lora_request.lora_name`` (``find_lora``, else ``read_lora`` then
+        ``install_lora``); returns it as loaded, with its int id. Reads files: off the engine thread, call the
+        two halves (the servers do).
+
+        Raises:
+            LoRADisabledError, LoRAExistsError, InvalidRequestError, LoRACapacityError: as the halves.
+        """
+        return self.find_lora(lora_request) or self.install_lora(self.read_lora(lora_request))
+
+    def find_lora(self, lora_request: LoRARequest) -> LoRARequest | None:
+        """The adapter already loaded under this name from this folder (adding it again is a no-op), or None.
+        Any thread.
+
+        Raises:
+            LoRADisabledError: the core was started without ``enable_lora``.
+            LoRAExistsError: the name is loaded from another folder.
+            InvalidRequestError: an empty name.
+        """
+        manager = self._lora()
+        if not lora_request.lora_name:
+            raise InvalidRequestError("lora_request.lora_name", "must not be empty")
+        return manager.find(lora_request)
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAModel:
+        """Read and check an adapter folder (``core_svc.lora.adapter.load_lora_model``), on the host. Any thread.
+
+        Raises:
+            LoRADisabledError: the core was started without ``enable_lora``.
+            InvalidRequestError: naming ``lora_request.lora_path`` and why the folder cannot be served.
+        """
+        self._lora()
+        return load_lora_model(lora_request, self.arch, self.config.max_lora_rank)
+
+    def install_lora(self, model: LoRAModel) -> LoRARequest:
+        """Register an adapter ``read_lora`` read (on the engine thread, between steps).
+
+        Raises:
+            LoRAExistsError: the name is loaded from another folder meanwhile, or the int id asked is taken.
+            LoRACapacityError: ``max_cpu_loras`` adapters are loaded and requests use every one.
+        """
+        return self._lora().add(model, self._loras_in_use())
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter: requests naming it from now on are NOT_FOUND; those running finish with it.
+
+        Raises:
+            LoRADisabledError: the core was started without ``enable_lora``.
+            LoRANotFoundError: no adapter of that name is loaded.
+        """
+        self._lora().remove(lora_name, self._loras_in_use())
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters.
+
+        Raises:
+            LoRADisabledError: the core was started without ``enable_lora``.
+        """
+        return self._lora().list_loras()
+
+    def _lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise LoRADisabledError("LoRA adapters are off on this engine core (start it with --enable-lora)")
+        return self.lora_manager
+
+    def _loras_in_use(self) -> set[int]:
+        return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}
 
     def reset_prefix_cache(self) -> bool:
         """Drop all prefix-cache entries. Returns False while any request holds KV blocks."""
@@ -539,8 +661,10 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_logprobs=self.config.max_logprobs,
-            supports_lora=False,
+            supports_lora=self.lora_manager is not None,
             image_limit_per_prompt=self.config.image_limit,
+            max_loras=self.config.max_loras if self.lora_manager is not None else 0,
+            max_lora_rank=self.config.max_lora_rank if self.lora_manager is not None else 0,
         )
 
     def _num_kv_blocks(self, loaded: LoadedModel, baseline: gpu_memory.MemorySnapshot | None) -> int:
@@ -620,8 +744,6 @@ class EngineCore:
     def _validate(self, request: Request) -> None:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        if request.lora_name is not None:
-            raise LoRANotFoundError(f"lora_request: adapter {request.lora_name!r} is not loaded (no LoRA adapters are)")
         if request.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidRequestError(
                 "priority", f"{request.priority} needs the priority scheduling policy (--scheduling-policy priority)"

@@ -31,6 +31,27 @@ class LoRANotFoundError(EngineError):
     status_code: ClassVar[StatusCode] = StatusCode.NOT_FOUND
 
 
+class LoRAExistsError(EngineError):
+    """``AddLora`` of a name already loaded from another folder (remove it first to load other weights under
+    it): ALREADY_EXISTS. The same name and folder again is no error: the adapter as loaded comes back."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.ALREADY_EXISTS
+
+
+class LoRADisabledError(EngineError):
+    """A LoRA call (``AddLora``, ``RemoveLora``, ``ListLoras``) on a core started without ``--enable-lora``:
+    FAILED_PRECONDITION (this core's settings, not the call, would have to change)."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.FAILED_PRECONDITION
+
+
+class LoRACapacityError(EngineError):
+    """``AddLora`` while ``--max-cpu-loras`` adapters are loaded and every one is in use by a request:
+    RESOURCE_EXHAUSTED."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.RESOURCE_EXHAUSTED
+
+
 class RequestTooLargeError(EngineError):
     """A request that can never fit in the KV cache, however empty: RESOURCE_EXHAUSTED."""
 

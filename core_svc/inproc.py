@@ -19,7 +19,15 @@ from core_svc.errors import EngineUnavailableError, InvalidRequestError
 from core_svc.observability import observe_engine_core
 from core_svc.outputs import EngineCoreOutputs
 from core_svc.sleep_mode import check_sleep_level, check_wake_up_tags
-from core_svc.wire import engine_info_to_pb, outputs_to_pb, request_error_to_pb, request_from_pb, sleep_result_to_pb
+from core_svc.wire import (
+    engine_info_to_pb,
+    lora_request_from_pb,
+    lora_request_to_pb,
+    outputs_to_pb,
+    request_error_to_pb,
+    request_from_pb,
+    sleep_result_to_pb,
+)
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 T = TypeVar("T")
@@ -50,6 +58,8 @@ class InprocCore:
         self._engine_loop: EngineLoop | None = None
         self._client_index = 0
         self._pending_outputs: list[EngineCoreOutputs] = []  # step by step: what a sleep ended, for the next step
+        # Reads adapter folders off the engine thread (submit_add_lora), one at a time.
+        self._lora_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="splitserve-lora-loader")
 
     # --- step by step (the caller's thread) ---
 
@@ -107,6 +117,27 @@ class InprocCore:
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
 
+    def add_lora(self, lora_request: pb.LoRARequest) -> pb.LoRARequest:
+        """Load an adapter (or find it loaded); returns it as loaded. Raises RefusedError."""
+        try:
+            return lora_request_to_pb(self.engine_core.add_lora(lora_request_from_pb(lora_request)))
+        except Exception as e:
+            raise _refused(e) from e
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Raises RefusedError (NOT_FOUND: no such adapter)."""
+        try:
+            self.engine_core.remove_lora(lora_name)
+        except Exception as e:
+            raise _refused(e) from e
+
+    def list_loras(self) -> list[pb.LoRARequest]:
+        """Raises RefusedError (FAILED_PRECONDITION: LoRA is off)."""
+        try:
+            return [lora_request_to_pb(r) for r in self.engine_core.list_loras()]
+        except Exception as e:
+            raise _refused(e) from e
+
     # --- on the engine loop's thread ---
 
     def start_engine_loop(
@@ -129,6 +160,7 @@ class InprocCore:
     def shutdown(self) -> None:
         """Stop the engine loop, if any, and the core's threads (``EngineCore.shutdown``)."""
         self.stop_engine_loop()
+        self._lora_loader.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()
 
     @property
@@ -188,6 +220,30 @@ class InprocCore:
 
     def submit_is_sleeping(self) -> concurrent.futures.Future[bool]:
         return _translated(self._running_engine_loop().call(lambda core: core.is_sleeping()))
+
+    def submit_add_lora(self, lora_request: pb.LoRARequest) -> concurrent.futures.Future[pb.LoRARequest]:
+        """Load an adapter: its files are read on a worker thread, then it is registered on the engine thread
+        between steps (a step never waits for the file system). An adapter already loaded under that name and
+        folder comes back at once."""
+        engine_loop, core = self._running_engine_loop(), self.engine_core
+        request = lora_request_from_pb(lora_request)
+
+        def load() -> pb.LoRARequest:
+            loaded = core.find_lora(request)
+            if loaded is None:
+                model = core.read_lora(request)
+                loaded = engine_loop.call(lambda c: c.install_lora(model)).result()
+            return lora_request_to_pb(loaded)
+
+        return _translated(self._lora_loader.submit(load))
+
+    def submit_remove_lora(self, lora_name: str) -> concurrent.futures.Future[None]:
+        return _translated(self._running_engine_loop().call(lambda core: core.remove_lora(lora_name)))
+
+    def submit_list_loras(self) -> concurrent.futures.Future[list[pb.LoRARequest]]:
+        return _translated(
+            self._running_engine_loop().call(lambda core: [lora_request_to_pb(r) for r in core.list_loras()])
+        )
 
     def _running_engine_loop(self) -> EngineLoop:
         if self._engine_loop is None:

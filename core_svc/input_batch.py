@@ -33,6 +33,7 @@ class CachedRequestState:
     # the prompt sit at index + delta in all three streams); made once, at the first scheduling.
     mrope_positions: np.ndarray | None = None
     mrope_position_delta: int = 0
+    lora_int_id: int = 0  # its LoRA adapter's id; 0: the base model
     # Greedy with nothing else reading or changing its logits (logprobs, logits processors, penalties); min_tokens
     # is checked per step by samples_by_argmax.
     is_plain_greedy: bool = field(init=False)

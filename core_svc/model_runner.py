@@ -33,6 +33,8 @@ from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture
 from core_svc.errors import EngineStepError, EngineUnavailableError
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
+from core_svc.lora.layers import LoRABatch
+from core_svc.lora.manager import LoRAManager
 from core_svc.model_loader import LoadedModel
 from core_svc.models.interfaces import ServedModel, SupportsMultiModal
 from core_svc.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -104,6 +106,12 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [length, hidden_size] item embeddings
         self.num_encoder_calls = 0  # items encoded so far
+        self.lora_manager: LoRAManager | None = None  # set_lora: adapters are served
+        self.lora_batch = LoRABatch()
+
+    def set_lora(self, lora_manager: LoRAManager, lora_batch: LoRABatch) -> None:
+        """Serve LoRA adapters: ``lora_batch`` is the one the model's ``LoRALinear`` projections read."""
+        self.lora_manager, self.lora_batch = lora_manager, lora_batch
 
     @property
     def model(self) -> ServedModel:
@@ -264,13 +272,15 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         failed: dict[str, Exception] = {}
         try:
+            self._set_lora_batch(inputs)
             inputs_embeds = None
             if isinstance(self.model, SupportsMultiModal):
                 self._execute_mm_encoder(scheduler_output)
                 inputs_embeds = self._gather_mm_embeddings(scheduler_output, inputs, failed)
             if inputs_embeds is not None:  # eager: graphs embed ids themselves (padded rows included here)
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs_embeds)
-            elif inputs.graph_size is not None and self.decode_graphs is not None:
+            elif inputs.graph_size is not None and self.decode_graphs is not None and not self.lora_batch.active:
+                # (Graphs are captured without adapters: a step that uses one runs eagerly, its pad rows too.)
                 hidden = self.decode_graphs.replay(inputs.graph_size)  # [graph_size, hidden]: rows past the step pad
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
@@ -283,13 +293,37 @@ class ModelRunner:
                     apply_grammar_bitmask(logits, sample_ids, grammar_output)
                 sampler_output = self._sample(logits, inputs.sample_states)
         except BaseException:
+            self.lora_batch.segments = []
             # The step's non-blocking copies may still be reading the pinned host buffers, which the next step
             # rewrites: let them finish before the failure leaves (the step that succeeds waits in _make_output).
             _synchronize(self.device)
             raise
+        self.lora_batch.segments = []
         output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
         output.failed_requests = failed
         return output
+
+    def _set_lora_batch(self, inputs: StepInputs) -> None:
+        """The step's adapter segments (``LoRABatch``): each adapter the step's requests use gets a slot
+        (``LoRAManager.activate``), and each run of consecutive requests under one adapter (``_prepare_inputs``
+        orders them so) one segment of token rows; none when no request uses an adapter."""
+        if self.lora_manager is None:
+            return
+        runs: list[tuple[int, int, int]] = []  # (lora_int_id, start row, end row)
+        query_start_loc = inputs.metadata.query_start_loc_cpu
+        for i, state in enumerate(inputs.states):
+            if not state.lora_int_id:
+                continue
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            if runs and runs[-1][0] == state.lora_int_id and runs[-1][2] == start:
+                runs[-1] = (state.lora_int_id, runs[-1][1], end)
+            else:
+                runs.append((state.lora_int_id, start, end))
+        if not runs:
+            self.lora_batch.segments = []
+            return
+        slots = self.lora_manager.activate({int_id for int_id, _, _ in runs})
+        self.lora_batch.segments = [(slots[int_id], start, end) for int_id, start, end in runs]
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         """One token per row of ``logits`` ``[len(states), vocab_size]``. When every row samples by argmax
@@ -385,6 +419,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 mm_features=list(new.mm_features),
+                lora_int_id=new.lora_int_id,
             )
             if self.uses_mrope:  # now, while the items carry their data (image_grid_thw)
                 positions, delta = self.model.get_mrope_input_positions(len(new.prompt_token_ids), new.mm_features)
@@ -402,8 +437,16 @@ class ModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """Fill the host buffers, pad a decode-only step to its graph's size, copy to the device."""
         block_size, buffers = self.block_size, self.buffers
-        # Requests with one query token first: attention backends batch them as decodes (vLLM's reorder_batch).
-        scheduled = sorted(scheduler_output.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        # Requests with one query token first: attention backends batch them as decodes (vLLM's reorder_batch);
+        # with LoRA, by adapter within each, so that each adapter's rows are one segment (LoRABatch).
+        if self.lora_manager is None:
+            scheduled = sorted(scheduler_output.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        else:
+            requests = self.requests
+            scheduled = sorted(
+                scheduler_output.num_scheduled_tokens.items(),
+                key=lambda item: (item[1] != 1, requests[item[0]].lora_int_id),
+            )
         num_decodes = sum(1 for _, num_tokens in scheduled if num_tokens == 1)
         num_reqs = len(scheduled)
         states = [self.requests[request_id] for request_id, _ in scheduled]

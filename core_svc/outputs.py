@@ -22,6 +22,7 @@ class NewRequestData:
     block_ids: list[int]  # its whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its multimodal items, by offset
+    lora_int_id: int = 0  # its LoRA adapter's id; 0: the base model
 
 
 @dataclass

@@ -82,6 +82,8 @@ class Request:
     priority: int = 0  # lower is served first under the priority policy
     client_index: int = 0
     lora_name: str | None = None
+    lora_int_id: int = 0  # its adapter's id in the core (set when added); 0: the base model
+    lora_hash: str | None = None  # its adapter's content hash (set when added): the prefix cache's key
     cache_salt: str | None = None
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     trace_headers: dict[str, str] = field(default_factory=dict)

@@ -291,16 +291,23 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
         """Admit waiting requests in queue order while budget, ``max_num_seqs`` and free blocks last; the first
-        that does not fit ends the phase (no skipping ahead). Prefix-cache hits count as computed."""
-        waiting_for_fsm: list[Request] = []  # skipped: their grammar is still compiling (vLLM skips them too)
+        that does not fit ends the phase (no skipping ahead). Prefix-cache hits count as computed. Skipped, and
+        kept in their order (as vLLM): requests whose grammar is still compiling, and requests whose LoRA adapter
+        would make more than ``max_loras`` adapters run at once."""
+        skipped: list[Request] = []
+        max_loras = self.config.max_loras
+        running_loras = {r.lora_int_id for r in self.running if r.lora_int_id}
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 so = request.structured_output
                 if so is None or not so.is_ready or so.error is not None:  # a failed one: the engine core ends it
-                    waiting_for_fsm.append(self.waiting.pop_request())
+                    skipped.append(self.waiting.pop_request())
                     continue
                 request.status = RequestStatus.WAITING
+            if request.lora_int_id and request.lora_int_id not in running_loras and len(running_loras) >= max_loras:
+                skipped.append(self.waiting.pop_request())
+                continue
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new_tokens > step.token_budget:
@@ -321,10 +328,12 @@ class Scheduler:
                 break
             self.waiting.pop_request()
             self._admit(request, num_computed_tokens, step)
+            if request.lora_int_id:
+                running_loras.add(request.lora_int_id)
             self._allocate_encoder_inputs(request, encoder_inputs, step)
             step.num_scheduled_tokens[request.request_id] = num_new_tokens
             step.token_budget -= num_new_tokens
-        for request in reversed(waiting_for_fsm):
+        for request in reversed(skipped):
             self.waiting.prepend_request(request)
 
     def _admit(self, request: Request, num_computed_tokens: int, step: _StepPlan) -> None:
@@ -350,6 +359,7 @@ class Scheduler:
                     block_ids=get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
                     mm_features=r.mm_features,
+                    lora_int_id=r.lora_int_id,
                 )
                 for r in step.scheduled_new
             ],

@@ -20,6 +20,8 @@ from core_svc.sleep_mode import check_sleep_level, check_wake_up_tags
 from core_svc.wire import (
     engine_info_to_pb,
     engine_load_to_pb,
+    lora_request_from_pb,
+    lora_request_to_pb,
     outputs_to_pb,
     outputs_to_pb_messages,
     request_from_pb,
@@ -260,6 +262,37 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         """Whether the core sleeps (not an admin RPC: it changes nothing)."""
         engine_loop = await self._engine_loop(context, allow_draining=True)
         return pb.IsSleepingResponse(is_sleeping=await self._call(context, engine_loop, lambda c: c.is_sleeping()))
+
+    async def AddLora(self, request: pb.AddLoraRequest, context: grpc.aio.ServicerContext) -> pb.AddLoraResponse:
+        """Load a PEFT adapter folder: its files are read and checked on a worker thread, then it is registered
+        on the engine thread between steps. The same name and folder again answers the adapter as loaded
+        (idempotent, as vLLM's ``add_lora``); the name loaded from another folder is ALREADY_EXISTS; a folder the
+        core cannot serve INVALID_ARGUMENT with the reason; LoRA off (no ``--enable-lora``) FAILED_PRECONDITION."""
+        engine_loop = await self._engine_loop(context)
+        core = engine_loop.engine_core
+        lora_request = lora_request_from_pb(request.lora_request)
+        try:
+            loaded = core.find_lora(lora_request)
+            if loaded is None:
+                model = await asyncio.to_thread(core.read_lora, lora_request)
+                loaded = await asyncio.wrap_future(engine_loop.call(lambda c: c.install_lora(model)))
+        except Exception as e:
+            await abort(context, e)
+        return pb.AddLoraResponse(lora_request=lora_request_to_pb(loaded))
+
+    async def RemoveLora(
+        self, request: pb.RemoveLoraRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RemoveLoraResponse:
+        """Unload an adapter by name (NOT_FOUND: none loaded under it): later requests naming it are NOT_FOUND,
+        running ones finish with it."""
+        engine_loop = await self._engine_loop(context, allow_draining=True)
+        await self._call(context, engine_loop, lambda core: core.remove_lora(request.lora_name))
+        return pb.RemoveLoraResponse()
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: grpc.aio.ServicerContext) -> pb.ListLorasResponse:
+        engine_loop = await self._engine_loop(context, allow_draining=True)
+        loras = await self._call(context, engine_loop, lambda core: core.list_loras())
+        return pb.ListLorasResponse(lora_requests=[lora_request_to_pb(lora) for lora in loras])
 
     async def _check_admin(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """End the call with UNIMPLEMENTED unless the admin RPCs are on: gRPC's code for an operation "not

@@ -1,8 +1,8 @@
 """The core's one converter between protobuf wire messages and its own dataclasses.
 
-Inbound: ``request_from_pb`` (EngineCoreRequest -> Request). Outbound: ``outputs_to_pb`` (EngineCoreOutputs
-dataclass -> protobuf), ``request_error_to_pb`` (an error -> RequestError). Nothing else in the core touches
-protobuf types.
+Inbound: ``request_from_pb`` (EngineCoreRequest -> Request), ``lora_request_from_pb``. Outbound:
+``outputs_to_pb`` (EngineCoreOutputs dataclass -> protobuf), ``request_error_to_pb`` (an error -> RequestError),
+``lora_request_to_pb``. Nothing else in the core touches protobuf types.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from core_svc.engine_core import EngineInfo, EngineLoad
 from core_svc.errors import RequestTooLargeError
+from core_svc.lora.adapter import LoRARequest
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, SchedulerStats
 from core_svc.request import FinishReason, MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
@@ -194,6 +195,18 @@ def engine_info_to_pb(info: EngineInfo, max_receive_message_bytes: int = 0) -> p
         supports_lora=info.supports_lora,
         max_receive_message_bytes=max_receive_message_bytes,
         image_limit_per_prompt=info.image_limit_per_prompt,
+        max_loras=info.max_loras,
+        max_lora_rank=info.max_lora_rank,
+    )
+
+
+def lora_request_from_pb(msg: pb.LoRARequest) -> LoRARequest:
+    return LoRARequest(lora_name=msg.lora_name, lora_int_id=msg.lora_int_id, lora_path=msg.lora_path)
+
+
+def lora_request_to_pb(lora_request: LoRARequest) -> pb.LoRARequest:
+    return pb.LoRARequest(
+        lora_name=lora_request.lora_name, lora_int_id=lora_request.lora_int_id, lora_path=lora_request.lora_path
     )
 
 

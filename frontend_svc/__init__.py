@@ -6,6 +6,7 @@ stop strings and logprob text, and the Python API. Imports neither torch nor the
 
 from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.core_client import EngineCoreClient
+from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, InternalError, RequestTooLargeError, ValidationError
 from frontend_svc.llm import LLM
 from frontend_svc.llm_engine import LLMEngine
@@ -22,6 +23,7 @@ __all__ = [
     "InternalError",
     "LLMEngine",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "RequestTooLargeError",

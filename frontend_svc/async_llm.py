@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import EngineCoreRequest, SchedulerStats
-from frontend_svc.errors import EngineDeadError
+from frontend_svc.engine_types import EngineCoreRequest, LoRARequest, SchedulerStats
+from frontend_svc.errors import EngineDeadError, NotFoundError
 from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import LLMEngineBase
@@ -94,12 +94,15 @@ class AsyncLLM(LLMEngineBase):
         trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Queue a request; its outputs arrive on the returned collector (``collector.request_id`` is the
         internal id). Arguments after ``arrival_time`` are keywords, as in vLLM's ``add_request``.
+        ``lora_request``: the LoRA adapter to generate with; one not loaded yet is loaded from its ``lora_path``
+        first (vLLM loads adapters on demand).
 
         Raises:
-            ValidationError, RequestTooLargeError: the request is refused (nothing stays queued).
+            ValidationError, RequestTooLargeError, NotFoundError: the request is refused (nothing stays queued).
             EngineDeadError: the core has failed or was shut down.
         """
         arrival_time = time.time() if arrival_time is None else arrival_time  # before tokenizing: TTFT counts it
@@ -119,8 +122,10 @@ class AsyncLLM(LLMEngineBase):
                 else TokensPrompt(prompt=text, prompt_token_ids=token_ids)
             )
         queue = RequestOutputCollector(params.output_kind)
-        options = RequestOptions(arrival_time, priority, cache_salt, trace_headers)
+        options = RequestOptions(arrival_time, priority, cache_salt, trace_headers, lora_request)
         internal_id, request, prompt_text = self.process_request(request_id, prompt, params, options)
+        if lora_request is not None and lora_request.lora_path:
+            await self.engine_core.add_lora_async(lora_request)  # the adapter as loaded: a no-op
         queue.request_id = internal_id
         requests: list[EngineCoreRequest] = []  # every one registered (abortable) before any is sent
         try:
@@ -151,6 +156,7 @@ class AsyncLLM(LLMEngineBase):
         trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as they come (per ``sampling_params.output_kind``); the last has finished=True.
         Arguments after ``request_id`` are keywords, as in vLLM's ``AsyncLLM.generate``.
@@ -169,6 +175,7 @@ class AsyncLLM(LLMEngineBase):
                 trace_headers=trace_headers,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
             )
             while not finished:
                 output = queue.get_nowait() or await queue.get()
@@ -212,6 +219,37 @@ class AsyncLLM(LLMEngineBase):
     async def is_sleeping(self) -> bool:
         """As ``LLMEngine.is_sleeping``."""
         return await self.engine_core.is_sleeping_async()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter on the core (vLLM's ``AsyncLLM.add_lora``); its files are read off the core's
+        engine thread. True once loaded (also when it already was). Raises as ``LLMEngine.add_lora``."""
+        await self.engine_core.add_lora_async(lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int | str) -> bool:
+        """Unload an adapter by name or int id; False when no such adapter is loaded."""
+        name = lora_id if isinstance(lora_id, str) else None
+        if name is None:
+            loras = await self.engine_core.list_loras_async()
+            name = next((lora.lora_name for lora in loras if lora.lora_int_id == lora_id), None)
+            if name is None:
+                return False
+        try:
+            await self.engine_core.remove_lora_async(name)
+        except NotFoundError:
+            return False
+        return True
+
+    async def list_loras(self) -> set[int]:
+        """The int ids of the loaded adapters (vLLM's ``list_loras``)."""
+        return {lora.lora_int_id for lora in await self.engine_core.list_loras_async()}
+
+    async def get_loras(self) -> list[LoRARequest]:
+        """The loaded adapters, whole (name, int id, folder; over several cores each name once); none when the core
+        runs without ``--enable-lora``. Raises EngineDeadError when no core is reachable."""
+        if not self.engine_info.supports_lora:
+            return []
+        return await self.engine_core.list_loras_async()
 
     def close(self) -> None:
         """Shut the core down; every stream still waiting ends with EngineDeadError."""

@@ -37,6 +37,15 @@ class FrontendConfig:
             "max_new_tokens), 'vllm' (ignore it: vLLM's defaults), or a folder holding a generation_config.json"
         ),
     )
+    # Whether clients may load and unload LoRA adapters (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora_updating: bool = field(
+        default=False,
+        metadata=flag(
+            "let clients load and unload LoRA adapters at run time (gRPC LoadLoraAdapter / UnloadLoraAdapter, "
+            "HTTP /v1/load_lora_adapter and /v1/unload_lora_adapter), as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; "
+            "a load makes the engine core read the path it is given (docs/operations.md)"
+        ),
+    )
     # Every call but health needs "authorization: Bearer <api_key>"; None: no key.
     api_key: str | None = field(
         default=None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 
-from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo, LoRARequest
 from frontend_svc.errors import FrontendError
 
 
@@ -103,3 +103,33 @@ class EngineCoreClient(ABC):
 
     async def reset_prefix_cache_async(self) -> bool:
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    # --- LoRA adapters (the core's AddLora / RemoveLora / ListLoras) ---
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Load a PEFT adapter folder on the core under ``lora_request.lora_name``; returns it as loaded (its int
+        id assigned). The same name and folder again returns the adapter as loaded.
+
+        Raises:
+            ValidationError: the folder cannot be served (the reason named).
+            AlreadyExistsError: the name is loaded from another folder.
+            FailedPreconditionError: the core was started without ``--enable-lora``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter; requests using it finish with it. Raises NotFoundError for an unknown name."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded on the core."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters")
+
+    async def add_lora_async(self, lora_request: LoRARequest) -> LoRARequest:
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters asynchronously")
+
+    async def remove_lora_async(self, lora_name: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters asynchronously")
+
+    async def list_loras_async(self) -> list[LoRARequest]:
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters asynchronously")

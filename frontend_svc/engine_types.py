@@ -26,6 +26,16 @@ class MultiModalFeature:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter (vLLM's ``vllm.lora.request.LoRARequest``): its name (what the core knows it by, also a
+    prefix-cache key), its int id (0: the core assigns one) and its PEFT folder on the core's file system."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
 @dataclass
 class EngineCoreRequest:
     request_id: str  # internal id, unique per core
@@ -37,6 +47,7 @@ class EngineCoreRequest:
     trace_headers: dict[str, str] = field(default_factory=dict)
     client_index: int = 0
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # in prompt order, ranges disjoint
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 @dataclass(frozen=True)
@@ -109,3 +120,6 @@ class EngineInfo:
     dtype: str
     max_receive_message_bytes: int = 0  # the core server's largest request message (0: no limit told)
     image_limit_per_prompt: int | None = None  # the core's --limit-mm-per-prompt image=N (None: not told)
+    supports_lora: bool = False  # the core takes LoRA adapters (--enable-lora)
+    max_loras: int = 0  # LoRA adapters one core step can use (0: LoRA off)
+    max_lora_rank: int = 0  # highest adapter rank the core takes (0: LoRA off)

@@ -38,6 +38,19 @@ class NotFoundError(FrontendError, LookupError):
     status_code: ClassVar[StatusCode] = StatusCode.NOT_FOUND
 
 
+class AlreadyExistsError(FrontendError):
+    """A named resource already exists otherwise (a LoRA name loaded from another folder): ALREADY_EXISTS."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.ALREADY_EXISTS
+
+
+class FailedPreconditionError(FrontendError):
+    """The call does not fit the core's state or settings (LoRA calls on a core without ``--enable-lora``):
+    FAILED_PRECONDITION."""
+
+    status_code: ClassVar[StatusCode] = StatusCode.FAILED_PRECONDITION
+
+
 class EngineDeadError(FrontendError, RuntimeError):
     """The engine core stopped or is unreachable: UNAVAILABLE."""
 
@@ -46,7 +59,8 @@ class EngineDeadError(FrontendError, RuntimeError):
 
 class NotSupportedError(FrontendError, NotImplementedError):
     """The engine core does not offer the operation: an admin RPC (``reset_prefix_cache``) of a core started
-    without ``--enable-admin-rpcs``: UNIMPLEMENTED."""
+    without ``--enable-admin-rpcs``, a LoRA load or unload on a frontend started without
+    ``--allow-runtime-lora-updating``: UNIMPLEMENTED."""
 
     status_code: ClassVar[StatusCode] = StatusCode.UNIMPLEMENTED
 
@@ -59,7 +73,15 @@ class InternalError(FrontendError):
 # The frontend's error for each code the core refuses or fails a request with (INVALID_ARGUMENT: ValidationError).
 _FROM_CORE: dict[int, type[FrontendError]] = {
     cls.status_code: cls
-    for cls in (NotFoundError, RequestTooLargeError, NotSupportedError, EngineDeadError, InternalError)
+    for cls in (
+        NotFoundError,
+        AlreadyExistsError,
+        RequestTooLargeError,
+        FailedPreconditionError,
+        NotSupportedError,
+        EngineDeadError,
+        InternalError,
+    )
 }
 
 

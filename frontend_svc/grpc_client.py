@@ -25,9 +25,23 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_discovery import CoreTarget, resolve
-from frontend_svc.engine_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, FinishReason
-from frontend_svc.errors import EngineDeadError, ValidationError, error_from_core
-from frontend_svc.wire import abort_messages, engine_info_from_pb, outputs_from_pb, request_to_pb
+from frontend_svc.engine_types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    FinishReason,
+    LoRARequest,
+)
+from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError, error_from_core
+from frontend_svc.wire import (
+    abort_messages,
+    engine_info_from_pb,
+    lora_request_from_pb,
+    lora_request_to_pb,
+    outputs_from_pb,
+    request_to_pb,
+)
 from splitserve.base import grpc_runtime, tracing
 from splitserve.base.grpc_status import field_violation
 from splitserve.base.thread_handoff import ThreadToLoopQueue
@@ -77,6 +91,9 @@ class CoreConnection:
         self.available = False  # the Connect stream is up
         self.serving = False  # the core's health says SERVING
         self.info: EngineInfo | None = None
+        # The LoRA adapters this core has loaded, by name, as last seen (ListLoras when the stream comes up and when
+        # a request names one not here; this client's own loads and unloads): where requests for them go.
+        self.lora_names: set[str] = set()
         self.last_error: str | None = None  # why the latest attempt to reach it failed (a gRPC status and details)
         # request_id -> the request until its first output (so a refused add can go elsewhere), then None
         self.in_flight: dict[str, EngineCoreRequest | None] = {}
@@ -164,6 +181,8 @@ class CoreConnection:
     async def _serve_stream(self, channel: grpc.aio.Channel) -> None:
         stub = pb_grpc.EngineCoreStub(channel)
         self.info = engine_info_from_pb(await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=5.0))
+        self.stub = stub
+        await self.refresh_loras()
         self._outbox = asyncio.Queue()
         call = stub.Connect(self._messages())
         await call.wait_for_connection()
@@ -190,6 +209,20 @@ class CoreConnection:
             if self.available and e.code() != grpc.StatusCode.CANCELLED:
                 logger.warning("engine core %s: health watch failed (%s %s)", self.address, e.code().name, e.details())
             # otherwise the stream's own failure handling takes over
+
+    async def refresh_loras(self) -> None:
+        """Learn which adapters the core has loaded (``lora_names``); a core without LoRA has none. A failure
+        leaves what was known: the core itself answers NOT_FOUND for an adapter it lacks."""
+        stub = self.stub
+        if stub is None or self.info is None or not self.info.supports_lora:
+            self.lora_names = set()
+            return
+        try:
+            response = await stub.ListLoras(pb.ListLorasRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("engine core %s: ListLoras failed (%s %s)", self.address, e.code().name, e.details())
+            return
+        self.lora_names = {lora.lora_name for lora in response.lora_requests}
 
     def _receive(self, outputs: EngineCoreOutputs) -> None:
         delivered = []
@@ -432,6 +465,24 @@ class GrpcCoreClient(EngineCoreClient):
     async def reset_prefix_cache_async(self) -> bool:
         return await asyncio.wrap_future(self._on_transport(self._reset_prefix_cache()))
 
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        return self._on_transport(self._add_lora(lora_request)).result()
+
+    async def add_lora_async(self, lora_request: LoRARequest) -> LoRARequest:
+        return await asyncio.wrap_future(self._on_transport(self._add_lora(lora_request)))
+
+    def remove_lora(self, lora_name: str) -> None:
+        self._on_transport(self._remove_lora(lora_name)).result()
+
+    async def remove_lora_async(self, lora_name: str) -> None:
+        await asyncio.wrap_future(self._on_transport(self._remove_lora(lora_name)))
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._on_transport(self._list_loras()).result()
+
+    async def list_loras_async(self) -> list[LoRARequest]:
+        return await asyncio.wrap_future(self._on_transport(self._list_loras()))
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -528,6 +579,9 @@ class GrpcCoreClient(EngineCoreClient):
         accepting = [c for c in self.connections if c.accepting and c is not exclude]
         if not accepting:
             raise EngineDeadError(self._none_accepting())
+        lora = requests[0].lora_request  # the same for every n > 1 child
+        if lora is not None:
+            accepting = await self._with_lora(accepting, lora.lora_name)
         connection = min(accepting, key=lambda c: len(c.in_flight))  # least outstanding requests
         connection.send_add(requests, messages)
         for request in requests:
@@ -547,6 +601,110 @@ class GrpcCoreClient(EngineCoreClient):
                 "engine core is sleeping, or shutting down)"
             )
         return "no engine core is reachable"
+
+    async def _with_lora(self, connections: list[CoreConnection], lora_name: str) -> list[CoreConnection]:
+        """Of ``connections``, those whose core has the adapter ``lora_name`` loaded; when none is known to, asked
+        again (another frontend may have loaded it since); when still none has it, all of them (the core then
+        answers NOT_FOUND, the one source of truth)."""
+        having = [c for c in connections if lora_name in c.lora_names]
+        if not having:
+            await asyncio.gather(*(c.refresh_loras() for c in connections))
+            having = [c for c in connections if lora_name in c.lora_names and c.accepting]
+        return having or connections
+
+    def _reachable(self) -> list[CoreConnection]:
+        """The connected cores (whether or not they take new requests: a draining core still gets unary calls).
+
+        Raises:
+            EngineDeadError: none is.
+        """
+        reachable = [c for c in self.connections if c.available and c.stub is not None]
+        if not reachable:
+            raise EngineDeadError("no engine core is reachable")
+        return reachable
+
+    async def _add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """AddLora on every connected core, all or none: when one refuses, the cores that loaded it in this call
+        unload it again, and its error is raised (``_unary_error``). The same name and folder again is no error
+        (the core answers the adapter as loaded)."""
+        loaded: list[CoreConnection] = []
+        result: LoRARequest | None = None
+        message = pb.AddLoraRequest(lora_request=lora_request_to_pb(lora_request))
+        reachable = self._reachable()
+        # A core that has it already answers it as loaded (the same folder): not one to unload it from again.
+        await asyncio.gather(*(c.refresh_loras() for c in reachable))
+        had = {c for c in reachable if lora_request.lora_name in c.lora_names}
+        for connection in reachable:
+            stub = connection.stub
+            if stub is None:
+                continue
+            try:
+                response = await stub.AddLora(message, timeout=60.0)  # reading the adapter's weights takes time
+            except grpc.aio.AioRpcError as e:
+                for done in loaded:
+                    await self._undo_add(done, lora_request.lora_name)
+                raise _unary_error(e, "lora_path") from e
+            if connection not in had:
+                loaded.append(connection)
+            connection.lora_names.add(lora_request.lora_name)
+            result = result or lora_request_from_pb(response.lora_request)
+        if result is None:
+            raise EngineDeadError("no engine core is reachable")
+        return result
+
+    @staticmethod
+    async def _undo_add(connection: CoreConnection, lora_name: str) -> None:
+        connection.lora_names.discard(lora_name)
+        if connection.stub is None:
+            return
+        try:
+            await connection.stub.RemoveLora(pb.RemoveLoraRequest(lora_name=lora_name), timeout=10.0)
+        except grpc.aio.AioRpcError as e:
+            logger.warning(
+                "engine core %s: could not unload LoRA %r again (%s %s)",
+                connection.address,
+                lora_name,
+                e.code().name,
+                e.details(),
+            )
+
+    async def _remove_lora(self, lora_name: str) -> None:
+        """RemoveLora on every connected core; NOT_FOUND only when no core had it."""
+        removed = False
+        not_found: FrontendError | None = None
+        for connection in self._reachable():
+            stub = connection.stub
+            if stub is None:
+                continue
+            connection.lora_names.discard(lora_name)
+            try:
+                await stub.RemoveLora(pb.RemoveLoraRequest(lora_name=lora_name), timeout=10.0)
+                removed = True
+            except grpc.aio.AioRpcError as e:
+                error = _unary_error(e, "lora_name")
+                if not isinstance(error, NotFoundError):
+                    raise error from e
+                not_found = error
+        if not removed:
+            raise not_found or NotFoundError(f"lora_name: no LoRA adapter named {lora_name!r} is loaded")
+
+    async def _list_loras(self) -> list[LoRARequest]:
+        """ListLoras of every connected core (a core without LoRA has none), each name once, in the first core's
+        order; it also refreshes where requests for each adapter go."""
+        by_name: dict[str, LoRARequest] = {}
+        for connection in self._reachable():
+            stub = connection.stub
+            if stub is None or connection.info is None or not connection.info.supports_lora:
+                continue
+            try:
+                response = await stub.ListLoras(pb.ListLorasRequest(), timeout=10.0)
+            except grpc.aio.AioRpcError as e:
+                raise _unary_error(e, "") from e
+            loras = [lora_request_from_pb(msg) for msg in response.lora_requests]
+            connection.lora_names = {lora.lora_name for lora in loras}
+            for lora in loras:
+                by_name.setdefault(lora.lora_name, lora)
+        return list(by_name.values())
 
     def _reroute(self, refused_by: CoreConnection, request: EngineCoreRequest, refusal: EngineCoreOutput) -> None:
         """A draining core refused an add: send it to another core, or pass the refusal on."""
@@ -588,8 +746,7 @@ class GrpcCoreClient(EngineCoreClient):
                 try:
                     results.append(await connection.stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=10.0))
                 except grpc.aio.AioRpcError as e:
-                    field = violation.field if (violation := field_violation(e)) else ""
-                    raise error_from_core(e.code().value[0], e.details() or "", field) from e
+                    raise _unary_error(e, "") from e
         if not results:
             raise EngineDeadError("no engine core is reachable")
         return all(r.success for r in results)
@@ -655,6 +812,13 @@ class GrpcCoreClient(EngineCoreClient):
             with self._lock:
                 self._pending_sync.append(item)
             self._sync_event.set()
+
+
+def _unary_error(error: grpc.aio.AioRpcError, default_field: str) -> FrontendError:
+    """The frontend error of a core's failed unary call (``error_from_core``); an INVALID_ARGUMENT that names no
+    field (its ``google.rpc.BadRequest``) names ``default_field`` when given."""
+    field = violation.field if (violation := field_violation(error)) else ""
+    return error_from_core(error.code().value[0], error.details() or "", field or default_field)
 
 
 def _describe(error: Exception) -> str:

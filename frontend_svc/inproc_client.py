@@ -18,9 +18,16 @@ from collections.abc import Callable
 from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from frontend_svc.engine_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo, LoRARequest
 from frontend_svc.errors import EngineDeadError
-from frontend_svc.wire import engine_info_from_pb, error_from_pb, outputs_from_pb, request_to_pb
+from frontend_svc.wire import (
+    engine_info_from_pb,
+    error_from_pb,
+    lora_request_from_pb,
+    lora_request_to_pb,
+    outputs_from_pb,
+    request_to_pb,
+)
 from splitserve.base.thread_handoff import ThreadToLoopQueue
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
@@ -84,6 +91,24 @@ class InprocClient(EngineCoreClient):
 
     def is_sleeping(self) -> bool:
         return bool(self._edge().is_sleeping())
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        try:
+            return lora_request_from_pb(self._edge().add_lora(lora_request_to_pb(lora_request)))
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
+
+    def remove_lora(self, lora_name: str) -> None:
+        try:
+            self._edge().remove_lora(lora_name)
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
+
+    def list_loras(self) -> list[LoRARequest]:
+        try:
+            return [lora_request_from_pb(r) for r in self._edge().list_loras()]
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
 
     def shutdown(self) -> None:
         if self._core_edge is not None:
@@ -201,6 +226,36 @@ class AsyncInprocClient(InprocClient):
 
     async def is_sleeping_async(self) -> bool:
         return bool(await self._wait(lambda edge: edge.submit_is_sleeping()))
+
+    # The sync LoRA calls would touch the core from this thread while its engine loop steps: through the loop.
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        return self._wait_sync_translated(lambda edge: edge.submit_add_lora(lora_request_to_pb(lora_request)), True)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self._wait_sync_translated(lambda edge: edge.submit_remove_lora(lora_name), False)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._wait_sync_translated(lambda edge: edge.submit_list_loras(), False)
+
+    async def add_lora_async(self, lora_request: LoRARequest) -> LoRARequest:
+        loaded = await self._wait(lambda edge: edge.submit_add_lora(lora_request_to_pb(lora_request)))
+        return lora_request_from_pb(loaded)
+
+    async def remove_lora_async(self, lora_name: str) -> None:
+        await self._wait(lambda edge: edge.submit_remove_lora(lora_name))
+
+    async def list_loras_async(self) -> list[LoRARequest]:
+        return [lora_request_from_pb(r) for r in await self._wait(lambda edge: edge.submit_list_loras())]
+
+    def _wait_sync_translated(self, submit: Any, one: bool) -> Any:
+        """``submit(edge)``'s result, refusals as the frontend's errors; LoRARequest messages converted."""
+        try:
+            result = submit(self._edge()).result()
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
+        if result is None:
+            return None
+        return lora_request_from_pb(result) if one else [lora_request_from_pb(r) for r in result]
 
     def shutdown(self) -> None:
         if self._core_edge is not None:

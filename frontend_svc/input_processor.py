@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from frontend_svc.chars_per_token import max_chars_per_token
-from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, MultiModalFeature
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, MultiModalFeature
 from frontend_svc.errors import ValidationError
 from frontend_svc.mm_processor import IMAGE, SUPPORTED_MODEL_TYPES, EncodedImage, MultiModalProcessor, image_from_url
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
@@ -28,6 +28,7 @@ class RequestOptions:
     priority: int = 0  # lower is served first under the priority policy
     cache_salt: str | None = None  # isolates the request's prefix-cache entries
     trace_headers: dict[str, str] | None = None  # W3C traceparent / tracestate for the core's spans
+    lora_request: LoRARequest | None = None  # the LoRA adapter to generate with; None: the base model
 
 
 def check_options(options: RequestOptions) -> None:
@@ -52,6 +53,16 @@ def check_options(options: RequestOptions) -> None:
         )
     if options.cache_salt is not None:
         check_wire_string(options.cache_salt, "cache_salt")
+    lora = options.lora_request
+    if lora is not None:
+        if not isinstance(lora, LoRARequest):
+            raise ValidationError("lora_request", f"must be a LoRARequest, got {type(lora).__name__}")
+        check_wire_string(lora.lora_name, "lora_request.lora_name")
+        check_wire_string(lora.lora_path, "lora_request.lora_path")
+        if not lora.lora_name:
+            raise ValidationError("lora_request.lora_name", "must not be empty")
+        if not (isinstance(lora.lora_int_id, int) and 0 <= lora.lora_int_id <= INT32_MAX):
+            raise ValidationError("lora_request.lora_int_id", f"must be an int in [0, 2^31), got {lora.lora_int_id!r}")
     headers = options.trace_headers
     if headers is not None:
         if not isinstance(headers, Mapping):
@@ -254,6 +265,7 @@ class InputProcessor:
             cache_salt=options.cache_salt,
             trace_headers=dict(options.trace_headers or {}),
             mm_features=mm_features,
+            lora_request=options.lora_request,
         )
         return request, prompt_text
 

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, PromptType
 from frontend_svc.llm_engine import LLMEngine
@@ -87,6 +88,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order, each with its n completions.
@@ -100,6 +102,9 @@ class LLM:
             use_tqdm: show vLLM's progress bar on stderr: "Processed prompts" (completions: n per prompt) with the
                 estimated input and output speed in tokens/s of the requests finished so far; a callable makes
                 the bar instead of ``tqdm.auto.tqdm`` (same arguments), as in vLLM.
+            lora_request: the LoRA adapter to generate with, one for all prompts or one per prompt (None: the base
+                model), as vLLM's; an adapter not loaded yet is loaded from its ``lora_path`` first (the ``LLM``
+                needs ``enable_lora=True``).
             priority: one for all prompts or one per prompt (lower is served first under the priority policy).
 
         Raises:
@@ -109,7 +114,7 @@ class LLM:
                 requests are aborted: nothing of it is left running.
         """
         prompt_list = _as_prompt_list(prompts)
-        return self._run(prompt_list, sampling_params, use_tqdm, priority)
+        return self._run(prompt_list, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -119,19 +124,20 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, rendered with the tokenizer's chat template (a multimodal
         model's processor template when it has one); a message's content is text or a list of parts:
         {"type": "text", "text"}, OpenAI's {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
-        (URLs are not fetched) or {"type": "image", "image": a PIL image}. Sampling parameters, progress bar and
-        priority as ``generate``."""
+        (URLs are not fetched) or {"type": "image", "image": a PIL image}. Sampling parameters, progress bar,
+        LoRA adapters and priority as ``generate``."""
         conversations = _as_conversation_list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
             processor.render_chat(conversation, add_generation_prompt, chat_template) for conversation in conversations
         ]
-        return self._run(prompts, sampling_params, use_tqdm, priority)
+        return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 
     def _run(
         self,
@@ -139,11 +145,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool | Callable[..., Any],
         priority: int | Sequence[int] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
+        lora_requests = _as_lora_list(lora_request, len(prompts))
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
@@ -151,7 +159,9 @@ class LLM:
                 final_only = params.clone()
                 final_only.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, final_only, priority=priorities[i])
+                engine.add_request(
+                    request_id, prompt, final_only, priority=priorities[i], lora_request=lora_requests[i]
+                )
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)
@@ -232,6 +242,18 @@ def _as_priority_list(priority: int | Sequence[int] | None, num_prompts: int) ->
     if len(priorities) != num_prompts:
         raise ValidationError("priority", f"has {len(priorities)} entries for {num_prompts} prompts")
     return priorities
+
+
+def _as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt; a single one applies to every prompt, as vLLM's ``LLM``."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    lora_requests = list(lora_request)
+    if len(lora_requests) != num_prompts:
+        raise ValidationError("lora_request", f"has {len(lora_requests)} entries for {num_prompts} prompts")
+    return lora_requests
 
 
 def _as_params_list(

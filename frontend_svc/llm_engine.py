@@ -14,8 +14,8 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings, make_client
-from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, SchedulerStats
-from frontend_svc.errors import FrontendError, ValidationError
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, SchedulerStats
+from frontend_svc.errors import FrontendError, NotFoundError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions, check_wire_string
 from frontend_svc.mm_processor import load_mm_processor
@@ -201,6 +201,7 @@ class LLMEngineBase:
             request.cache_salt,
             request.trace_headers,
             mm_features=request.mm_features,  # each child carries its images: the core may serve children apart
+            lora_request=request.lora_request,
         )
 
     def release_failed(self, requests: list[EngineCoreRequest]) -> None:
@@ -255,19 +256,24 @@ class LLMEngine(LLMEngineBase):
         trace_headers: dict[str, str] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request (n > 1 fans out). Returns the internal request id. Arguments after ``arrival_time``
-        are keywords, as in vLLM's ``LLMEngine.add_request``.
+        are keywords, as in vLLM's ``LLMEngine.add_request``. ``lora_request``: the LoRA adapter to generate with;
+        one not loaded on the core yet is loaded from its ``lora_path`` first (as vLLM loads adapters on demand).
 
         Raises:
             TypeError: request_id is not a str.
-            ValidationError: bad prompt, parameters or request_id (the field is named).
+            ValidationError: bad prompt, parameters or request_id (the field is named), or an adapter folder the
+                core cannot serve.
             RequestTooLargeError: the request can never fit the KV cache.
+            NotFoundError: ``lora_request`` names an adapter the core has not loaded, without a ``lora_path``.
         """
-        internal_id, requests = self.prepare_requests(
-            request_id, prompt, params, RequestOptions(arrival_time, priority, cache_salt, trace_headers)
-        )
+        options = RequestOptions(arrival_time, priority, cache_salt, trace_headers, lora_request)
+        internal_id, requests = self.prepare_requests(request_id, prompt, params, options)
         try:
+            if lora_request is not None and lora_request.lora_path:
+                self.engine_core.add_lora(lora_request)  # the adapter as loaded: a no-op
             self.engine_core.add_requests(requests)  # all or none: it aborts those sent if a later one fails
         except BaseException:
             self.release_failed(requests)
@@ -348,3 +354,40 @@ class LLMEngine(LLMEngineBase):
     def is_sleeping(self) -> bool:
         """Whether the engine core sleeps (with several cores over gRPC: any of them)."""
         return self.engine_core.is_sleeping()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter on the core (vLLM's ``LLMEngine.add_lora``): True once it is loaded (also when it
+        already was, under this name and folder).
+
+        Raises:
+            ValidationError: the folder cannot be served (the reason named).
+            AlreadyExistsError: the name is loaded from another folder.
+            FailedPreconditionError: the core was started without ``enable_lora``.
+        """
+        self.engine_core.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int | str) -> bool:
+        """Unload an adapter by name or int id (vLLM's ``remove_lora`` takes the id); requests using it finish with
+        it. Returns False when no such adapter is loaded."""
+        name = self._lora_name(lora_id)
+        if name is None:
+            return False
+        try:
+            self.engine_core.remove_lora(name)
+        except NotFoundError:
+            return False
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The int ids of the loaded adapters (vLLM's ``list_loras``); ``get_loras`` gives them whole."""
+        return {lora.lora_int_id for lora in self.engine_core.list_loras()}
+
+    def get_loras(self) -> list[LoRARequest]:
+        """The loaded adapters: name, int id, folder."""
+        return self.engine_core.list_loras()
+
+    def _lora_name(self, lora_id: int | str) -> str | None:
+        if isinstance(lora_id, str):
+            return lora_id
+        return next((lora.lora_name for lora in self.engine_core.list_loras() if lora.lora_int_id == lora_id), None)

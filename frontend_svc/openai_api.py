@@ -1,7 +1,11 @@
 """The OpenAI-compatible HTTP API (vLLM's ``vllm/entrypoints/openai/api_server.py`` routes) over the frontend's
 ``AsyncLLM``: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (server-sent events when streaming,
 ending with ``data: [DONE]``), vLLM's ``/tokenize`` and ``/detokenize``, ``/health`` (readiness) and ``/version``;
-with ``--enable-admin-routes``, vLLM's dev-mode ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``.
+vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (with ``--allow-runtime-lora-updating``); with
+``--enable-admin-routes``, vLLM's dev-mode ``POST /sleep``, ``POST /wake_up`` and ``GET /is_sleeping``.
+
+A request's ``model`` naming a LoRA adapter loaded on the cores runs it with that adapter, as vLLM's; ``/v1/models``
+lists the adapters after the base model (``parent``: the base model, ``root``: the adapter's folder).
 
 Errors are OpenAI's bodies (``openai_responses.error_body``) with the status each error class's gRPC code maps
 to (``HTTP_STATUS``): a refused field is 400 naming it in ``param``, an unknown model 404, no core ready 503. A
@@ -13,16 +17,17 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import splitserve
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
 from frontend_svc.input_processor import PromptType
 from frontend_svc.openai_generation import HTTP_STATUS, Generation, named, named_async, until_disconnect
@@ -30,7 +35,9 @@ from frontend_svc.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from frontend_svc.openai_responses import (
     CompletionLogprobs,
@@ -43,7 +50,7 @@ from frontend_svc.openai_responses import (
     error_body,
 )
 from frontend_svc.sampling_params import SamplingParams
-from frontend_svc.service import FrontendServerState, text_size
+from frontend_svc.service import FrontendServerState, load_lora_adapter, text_size, unload_lora_adapter
 from frontend_svc.tokenize_budget import utf8_size
 from splitserve.base.request_rules import token_ids_violation
 from splitserve.base.status import status_code_of
@@ -95,6 +102,8 @@ def make_app(state: FrontendServerState) -> FastAPI:
         app.post("/sleep")(api.sleep)
         app.post("/wake_up")(api.wake_up)
         app.get("/is_sleeping")(api.is_sleeping)
+    app.post("/v1/load_lora_adapter", response_model=None)(api.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", response_model=None)(api.unload_lora_adapter)
     return app
 
 
@@ -145,29 +154,48 @@ class _OpenAIApi:
         return {"version": str(splitserve.__version__)}
 
     async def models(self) -> dict[str, Any]:
+        """The served model, then every LoRA adapter the cores have loaded (vLLM's model cards)."""
         engine = self._engine(allow_draining=True)
-        model = {
-            "id": self.state.model,
+        loras = await engine.get_loras()
+        cards = [self._model_card(self.state.model, self.state.model, None, engine)]
+        cards += [self._model_card(lora.lora_name, lora.lora_path, self.state.model, engine) for lora in loras]
+        return {"object": "list", "data": cards}
+
+    def _model_card(self, model_id: str, root: str, parent: str | None, engine: AsyncLLM) -> dict[str, Any]:
+        return {
+            "id": model_id,
             "object": "model",
             "created": self.created,
             "owned_by": "splitserve",
-            "root": self.state.model,
-            "parent": None,
+            "root": root,
+            "parent": parent,
             "max_model_len": engine.engine_info.max_model_len,
             "permission": [],
         }
-        return {"object": "list", "data": [model]}
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's: load ``lora_path`` as ``lora_name`` on every core; 200 with a plain-text line. Refused with 501
+        unless the frontend runs with ``--allow-runtime-lora-updating``; the core's refusal is 400 with its reason."""
+        engine = self._engine()
+        await load_lora_adapter(self.state, engine, body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        """vLLM's: unload ``lora_name`` from every core; 404 when none has it, 501 as ``load_lora_adapter``."""
+        engine = self._engine()
+        await unload_lora_adapter(self.state, engine, body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)  # before the engine: an unknown model is 404 even while no core is up
+        lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
         params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
-        generation = Generation(self.state, engine, request_id, body, params, prompt_list)
+        generation = Generation(self.state, engine, request_id, body, params, prompt_list, lora)
         if body.stream:
-            return await generation.stream(request, self._completion_events)
-        outputs = await until_disconnect(request, generation.collect())
+            return await _model_found(generation.stream(request, self._completion_events), body.model)
+        outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)
         usage = UsageCounter()
         choices = []
         for prompt_index, output in sorted(outputs.items()):
@@ -179,7 +207,7 @@ class _OpenAIApi:
                 if params.logprobs is not None:
                     logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer).body(completion)
                 choices.append(completion_choice(prompt_index * params.n + completion.index, completion, logprobs))
-        response = envelope(request_id, "text_completion", int(time.time()), self.state.model, choices)
+        response = envelope(request_id, "text_completion", int(time.time()), generation.model_name, choices)
         response["usage"] = usage.body()
         return JSONResponse(response)
 
@@ -201,7 +229,7 @@ class _OpenAIApi:
                 yield generation.chunk("text_completion", [completion_choice(index, completion, logprobs)])
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)  # before the engine: an unknown model is 404 even while no core is up
+        lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
         params = named(body, lambda: self._sampling_params(body, engine))
         if body.chat_template is not None and not self.state.trust_request_chat_template:
@@ -219,10 +247,10 @@ class _OpenAIApi:
             ),
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = Generation(self.state, engine, request_id, body, params, [prompt])
+        generation = Generation(self.state, engine, request_id, body, params, [prompt], lora)
         if body.stream:
-            return await generation.stream(request, self._chat_events)
-        outputs = await until_disconnect(request, generation.collect())
+            return await _model_found(generation.stream(request, self._chat_events), body.model)
+        outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)
         output = outputs[0]
         usage = UsageCounter()
         choices = []
@@ -230,7 +258,7 @@ class _OpenAIApi:
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
             logprobs = chat_logprobs(completion, body.top_logprobs or 0, engine.tokenizer) if body.logprobs else None
             choices.append(chat_choice(completion.index, completion, logprobs))
-        response = envelope(request_id, "chat.completion", int(time.time()), self.state.model, choices)
+        response = envelope(request_id, "chat.completion", int(time.time()), generation.model_name, choices)
         response["usage"] = usage.body()
         return JSONResponse(response)
 
@@ -255,8 +283,7 @@ class _OpenAIApi:
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or rendered messages."""
-        self._check_model(body.model)
-        engine = self._engine(allow_draining=True)
+        engine = await self._check_model(body.model)
         input_processor = engine.input_processor
         if (body.prompt is None) == (body.messages is None):
             raise ValidationError("prompt", "give prompt or messages, exactly one of them")
@@ -284,8 +311,7 @@ class _OpenAIApi:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         """vLLM's: ``{"prompt": text}`` of token ids."""
-        self._check_model(body.model)
-        engine = self._engine(allow_draining=True)
+        engine = await self._check_model(body.model)
         if len(body.tokens) > engine.engine_info.max_model_len:
             raise ValidationError(
                 "tokens",
@@ -329,9 +355,41 @@ class _OpenAIApi:
             raise EngineDeadError("the frontend is not ready: no engine core yet")
         return engine
 
-    def _check_model(self, model: str | None) -> None:
+    def _lora_of(self, model: str | None) -> LoRARequest | None:
+        """The adapter a generation request's ``model`` names: None for the served model (or no model). Any other
+        name goes to the core as an adapter's, which the core answers NOT_FOUND when it has none of that name
+        (``_model_found``); while no core is reachable, it is unknown here.
+
+        Raises:
+            UnknownModelError: another name while no core is reachable.
+        """
+        if model is None or model == self.state.model:
+            return None
+        engine = self.state.engine
+        if engine is None or not _core_available(engine):
+            raise self._unknown(model)
+        return LoRARequest(lora_name=model)
+
+    async def _check_model(self, model: str | None) -> AsyncLLM:
+        """The engine, for a request (tokenize, detokenize) whose ``model`` is the served one or a loaded adapter
+        (which share the tokenizer).
+
+        Raises:
+            UnknownModelError: any other name.
+        """
         if model is not None and model != self.state.model:
-            raise UnknownModelError(f"The model `{model}` does not exist; this server serves `{self.state.model}`")
+            engine = self.state.engine
+            if engine is None or not _core_available(engine):
+                raise self._unknown(model)
+            if model not in {lora.lora_name for lora in await engine.get_loras()}:
+                raise self._unknown(model)
+        return self._engine(allow_draining=True)
+
+    def _unknown(self, model: str) -> UnknownModelError:
+        return UnknownModelError(
+            f"The model `{model}` does not exist; this server serves `{self.state.model}` and the LoRA adapters "
+            "/v1/models lists"
+        )
 
     def _engine(self, allow_draining: bool = False) -> AsyncLLM:
         engine = self.state.engine
@@ -343,6 +401,21 @@ class _OpenAIApi:
             client = engine.engine_core
             raise EngineDeadError(getattr(client, "unavailable_reason", lambda: "no engine core is reachable")())
         return engine
+
+
+async def _model_found(call: Awaitable[T], model: str | None) -> T:
+    """``call``'s result; the core's NOT_FOUND for the adapter a request's ``model`` named as OpenAI's
+    ``model_not_found`` (404, ``param: "model"``).
+
+    Raises:
+        UnknownModelError: the core has no adapter of that name.
+    """
+    try:
+        return await call
+    except UnknownModelError:
+        raise
+    except NotFoundError as e:
+        raise UnknownModelError(f"The model `{model}` does not exist: {e}") from e
 
 
 def _core_available(engine: AsyncLLM) -> bool:

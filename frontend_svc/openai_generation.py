@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
 from frontend_svc.input_processor import MAX_TOKENS_HINT, PromptType
 from frontend_svc.openai_protocol import ChatCompletionRequest, SamplingRequest, request_field
@@ -31,6 +32,8 @@ HTTP_STATUS: dict[StatusCode, tuple[int, str, str | None]] = {
     StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
     StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    # vLLM's 400 for a LoRA name already loaded (from another folder, here).
+    StatusCode.ALREADY_EXISTS: (400, "invalid_request_error", "already_exists"),
     # vLLM's 400 for a request that can never fit (the KV cache); 413 is only the body limit's (``BodyLimit``).
     StatusCode.RESOURCE_EXHAUSTED: (400, "invalid_request_error", "request_too_large"),
     StatusCode.UNIMPLEMENTED: (501, "invalid_request_error", "not_implemented"),
@@ -42,7 +45,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 class Generation:
     """The engine requests of one API request (one per prompt), their outputs merged, counted in the frontend's
-    active calls (a drain waits for them), and the chunk envelope of its stream."""
+    active calls (a drain waits for them), and the chunk envelope of its stream. A model that names a LoRA adapter
+    (``lora_request``) runs every prompt with it; the chunks name that model, as vLLM's."""
 
     def __init__(
         self,
@@ -52,6 +56,7 @@ class Generation:
         request: SamplingRequest,
         params: SamplingParams,
         prompts: list[PromptType],
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.state = state
         self.engine = engine
@@ -59,11 +64,17 @@ class Generation:
         self.request = request
         self.params = params
         self.prompts = prompts
+        self.lora_request = lora_request  # the adapter the request's model names; None: the base model
         self.created = int(time.time())
         self.usage = UsageCounter()
         self._merged: AsyncGenerator[tuple[int, RequestOutput], None] | None = None
         self._first: tuple[int, RequestOutput] | None = None
         self._released = False  # a stream's release() has run
+
+    @property
+    def model_name(self) -> str:
+        """The model the responses name: the adapter's name, else the served model's."""
+        return self.lora_request.lora_name if self.lora_request is not None else self.state.model
 
     async def start(self) -> None:
         """Queue the requests and wait for the first output: a refused request raises here, before any response
@@ -79,6 +90,7 @@ class Generation:
                 self.params,
                 f"{self.request_id}-{i}" if suffix else self.request_id,
                 priority=self.request.priority,
+                lora_request=self.lora_request,
             )
             for i, prompt in enumerate(self.prompts)
         ]
@@ -141,7 +153,7 @@ class Generation:
 
     def chunk(self, object_type: str, choices: list[Any]) -> dict[str, Any]:
         """A stream's chunk; with ``continuous_usage_stats``, the usage so far in it."""
-        chunk = envelope(self.request_id, object_type, self.created, self.state.model, choices)
+        chunk = envelope(self.request_id, object_type, self.created, self.model_name, choices)
         if self.request.continuous_usage:
             chunk["usage"] = self.usage.body()
         return chunk

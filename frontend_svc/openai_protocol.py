@@ -277,3 +277,17 @@ def request_field(field: str, request: SamplingRequest) -> str:
     elif field.startswith("prompt_token_ids"):  # the prompt as token ids, as the client sent them
         return field.replace("prompt_token_ids", "prompt", 1)
     return field
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's ``/v1/unload_lora_adapter`` body (its ``lora_int_id`` is ignored: adapters go by name)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

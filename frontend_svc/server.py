@@ -94,6 +94,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             trust_request_chat_template=frontend.trust_request_chat_template,
             max_n=frontend.max_n,
             enable_admin_routes=frontend.enable_admin_routes,
+            allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
         )
         if observability.tracer_provider is not None:
             self.state.tracer = observability.tracer_provider.get_tracer("splitserve.frontend")

@@ -15,7 +15,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from frontend_svc.async_llm import AsyncLLM
-from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
+from frontend_svc.engine_types import LoRARequest
+from frontend_svc.errors import EngineDeadError, FrontendError, NotSupportedError, ValidationError
 from frontend_svc.input_processor import PromptType
 from frontend_svc.outputs import RequestOutput
 from frontend_svc.sampling_params import MAX_N, RequestOutputKind, SamplingParams
@@ -24,6 +25,8 @@ from frontend_svc.wire import (
     chat_messages_from_api,
     default_sampling_params_to_api,
     generate_request_from_api,
+    lora_adapter_to_api,
+    lora_request_from_api,
     request_output_to_api,
     sampling_params_from_api,
 )
@@ -41,6 +44,7 @@ class FrontendServerState:
     model: str  # the name clients see (--served-model-name, else --model as given)
     trust_request_chat_template: bool = False  # whether a Chat call may bring its own template (as vLLM's flag)
     max_n: int = MAX_N  # the most completions one call may ask for (--max-n; docs/operations.md)
+    allow_runtime_lora_updating: bool = False  # whether clients may load and unload LoRA adapters (the flag)
     tokenizer: Any = None  # loaded first: Tokenize / Detokenize work before any core is reachable
     engine: AsyncLLM | None = None  # set once the core is reachable (or loaded, in-process)
     draining: bool = False
@@ -60,9 +64,10 @@ class GenerationServicer(api_grpc.GenerationServicer):
         try:
             prompt: PromptType = generate_request_from_api(request)
             params = sampling_params_from_api(request.sampling_params, engine.default_sampling_params)
+            lora = lora_request_from_api(request.lora_name)
         except FrontendError as e:
             await abort(context, e)
-        async for message in self._stream(context, engine, prompt, params, request):
+        async for message in self._stream(context, engine, prompt, params, request, lora):
             yield message
 
     async def Chat(
@@ -71,6 +76,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         engine = await self._engine(context)
         try:
             params = sampling_params_from_api(request.sampling_params, engine.default_sampling_params)
+            lora = lora_request_from_api(request.lora_name)
             add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
             chat_template = request.chat_template if request.HasField("chat_template") else None
             if chat_template is not None and not self.state.trust_request_chat_template:
@@ -87,7 +93,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
             )
         except FrontendError as e:
             await abort(context, e)
-        async for message in self._stream(context, engine, prompt, params, request):
+        async for message in self._stream(context, engine, prompt, params, request, lora):
             yield message
 
     async def Tokenize(self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext) -> api.TokenizeResponse:
@@ -150,8 +156,44 @@ class GenerationServicer(api_grpc.GenerationServicer):
             msg.bos_token_id = engine.tokenizer.bos_token_id
         return msg
 
+    async def LoadLoraAdapter(
+        self, request: api.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> api.LoadLoraAdapterResponse:
+        engine = await self._engine(context)
+        try:
+            lora = await load_lora_adapter(self.state, engine, request.lora_name, request.lora_path)
+        except FrontendError as e:
+            await abort(context, e)
+        return api.LoadLoraAdapterResponse(adapter=lora_adapter_to_api(lora))
+
+    async def UnloadLoraAdapter(
+        self, request: api.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> api.UnloadLoraAdapterResponse:
+        engine = await self._engine(context)
+        try:
+            await unload_lora_adapter(self.state, engine, request.lora_name)
+        except FrontendError as e:
+            await abort(context, e)
+        return api.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(
+        self, request: api.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListLoraAdaptersResponse:
+        engine = await self._engine(context, allow_draining=True)
+        try:
+            loras = await engine.get_loras()
+        except FrontendError as e:
+            await abort(context, e)
+        return api.ListLoraAdaptersResponse(adapters=[lora_adapter_to_api(lora) for lora in loras])
+
     async def _stream(
-        self, context: grpc.aio.ServicerContext, engine: AsyncLLM, prompt: PromptType, params: Any, request: Any
+        self,
+        context: grpc.aio.ServicerContext,
+        engine: AsyncLLM,
+        prompt: PromptType,
+        params: Any,
+        request: Any,
+        lora: LoRARequest | None,
     ) -> AsyncIterator[api.GenerateResponse]:
         """Stream one request's outputs; cancellation of the call aborts it (the generator is closed). With
         tracing on, the request gets an ``llm_request`` span (a child of the call's server span) whose context
@@ -181,6 +223,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 trace_headers=trace_headers,
                 priority=request.priority,
                 cache_salt=cache_salt,
+                lora_request=lora,
             ):
                 for completion in output.outputs:
                     previous = completion_tokens.get(completion.index, 0)
@@ -219,6 +262,63 @@ class GenerationServicer(api_grpc.GenerationServicer):
             error = EngineDeadError(getattr(client, "unavailable_reason", lambda: "no engine core is reachable")())
             await abort(context, error)
         return engine
+
+
+def check_runtime_lora_updating(state: FrontendServerState) -> None:
+    """Loading and unloading adapters at run time is on (``--allow-runtime-lora-updating``, as vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a load makes the core read any path it is given.
+
+    Raises:
+        NotSupportedError: it is off (UNIMPLEMENTED; 501 over HTTP).
+    """
+    if not state.allow_runtime_lora_updating:
+        raise NotSupportedError(
+            "loading and unloading LoRA adapters at run time is off on this server; start the frontend with "
+            "--allow-runtime-lora-updating (docs/operations.md), or the core with --lora-modules name=path"
+        )
+
+
+async def load_lora_adapter(
+    state: FrontendServerState, engine: AsyncLLM, lora_name: str, lora_path: str
+) -> LoRARequest:
+    """Load the adapter at ``lora_path`` as ``lora_name`` on every core (vLLM's ``/v1/load_lora_adapter``); the
+    gRPC and HTTP APIs' one implementation.
+
+    Raises:
+        NotSupportedError: runtime updating is off (``check_runtime_lora_updating``).
+        ValidationError: an empty ``lora_name`` or ``lora_path``, the base model's name as ``lora_name``, or the
+            core's refusal (a folder it cannot read or load, a rank above its maximum, a name already loaded).
+        AlreadyExistsError: the name is loaded from another folder.
+        FailedPreconditionError: a core runs without ``--enable-lora``.
+    """
+    check_runtime_lora_updating(state)
+    if not lora_name:
+        raise ValidationError("lora_name", "must name the adapter")
+    if lora_name == state.model:
+        raise ValidationError("lora_name", f"{lora_name!r} is the base model's name; choose another")
+    if not lora_path:
+        raise ValidationError("lora_path", "must give the adapter's folder on the engine core's file system")
+    try:
+        return await engine.engine_core.add_lora_async(LoRARequest(lora_name=lora_name, lora_path=lora_path))
+    except ValidationError as e:  # the core names the fields of its AddLora (lora_request.lora_path): name ours
+        field = e.field.removeprefix("lora_request.")
+        if field == e.field:
+            raise
+        raise ValidationError(field, e.description) from e
+
+
+async def unload_lora_adapter(state: FrontendServerState, engine: AsyncLLM, lora_name: str) -> None:
+    """Unload ``lora_name`` from every core (vLLM's ``/v1/unload_lora_adapter``).
+
+    Raises:
+        NotSupportedError: runtime updating is off (``check_runtime_lora_updating``).
+        ValidationError: an empty ``lora_name``.
+        NotFoundError: no core has it loaded.
+    """
+    check_runtime_lora_updating(state)
+    if not lora_name:
+        raise ValidationError("lora_name", "must name the adapter")
+    await engine.engine_core.remove_lora_async(lora_name)
 
 
 def text_size(messages: list[dict[str, Any]]) -> int:

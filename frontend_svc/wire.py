@@ -17,6 +17,7 @@ from frontend_svc.engine_types import (
     EngineCoreRequest,
     EngineInfo,
     FinishReason,
+    LoRARequest,
     MultiModalFeature,
     PositionLogprobs,
     SchedulerStats,
@@ -81,8 +82,20 @@ def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
     )
     if request.cache_salt is not None:
         msg.cache_salt = request.cache_salt
+    if request.lora_request is not None:
+        msg.lora_request.CopyFrom(lora_request_to_pb(request.lora_request))
     msg.mm_features.extend(mm_feature_to_pb(feature) for feature in request.mm_features)
     return msg
+
+
+def lora_request_to_pb(lora_request: LoRARequest) -> pb.LoRARequest:
+    return pb.LoRARequest(
+        lora_name=lora_request.lora_name, lora_int_id=lora_request.lora_int_id, lora_path=lora_request.lora_path
+    )
+
+
+def lora_request_from_pb(msg: pb.LoRARequest) -> LoRARequest:
+    return LoRARequest(lora_name=msg.lora_name, lora_int_id=msg.lora_int_id, lora_path=msg.lora_path)
 
 
 def structured_outputs_to_pb(params: StructuredOutputsParams) -> pb.StructuredOutputsParams:
@@ -148,6 +161,11 @@ def _unsendable_field(request: EngineCoreRequest) -> str:
             mm_feature_to_pb(feature)
         except (ValueError, TypeError, OverflowError):
             return f"mm_features[{i}]"
+    if request.lora_request is not None:
+        try:
+            lora_request_to_pb(request.lora_request)
+        except (ValueError, TypeError, OverflowError):
+            return "lora_request"
     for name, message_class, kwargs in candidates:
         try:
             message_class(**kwargs)
@@ -257,6 +275,9 @@ def engine_info_from_pb(msg: pb.EngineInfo) -> EngineInfo:
         dtype=msg.dtype,
         max_receive_message_bytes=msg.max_receive_message_bytes,
         image_limit_per_prompt=msg.image_limit_per_prompt if msg.HasField("image_limit_per_prompt") else None,
+        supports_lora=msg.supports_lora,
+        max_loras=msg.max_loras,
+        max_lora_rank=msg.max_lora_rank,
     )
 
 
@@ -322,6 +343,18 @@ def generate_request_from_api(msg: api.GenerateRequest) -> TokensPrompt | TextPr
             IMAGE: [image_from_api(image, f"images[{i}]") for i, image in enumerate(msg.images)]
         }
     return prompt
+
+
+def lora_request_from_api(lora_name: str) -> LoRARequest | None:
+    """A request's adapter (``GenerateRequest.lora_name``, ``ChatRequest.lora_name``): by name only, which every
+    core resolves itself (an unknown one: NOT_FOUND from the core); "" is the base model (None)."""
+    if not lora_name:
+        return None
+    return LoRARequest(lora_name=lora_name)
+
+
+def lora_adapter_to_api(lora: LoRARequest) -> api.LoraAdapter:
+    return api.LoraAdapter(lora_name=lora.lora_name, lora_path=lora.lora_path, lora_int_id=lora.lora_int_id)
 
 
 def image_from_api(msg: api.Image, field: str) -> EncodedImage:

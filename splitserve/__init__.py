@@ -22,6 +22,7 @@ _API_NAMES = (
     "InternalError",
     "LLMEngine",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "RequestTooLargeError",

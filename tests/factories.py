@@ -49,6 +49,7 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
     enable_chunked_prefill: bool = True,
+    max_loras: int = 0,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -57,6 +58,7 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold,
         policy=policy,  # type: ignore[arg-type]  # a str, as the command line gives it
+        max_loras=max_loras,
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, max_model_len, enable_caching))
 

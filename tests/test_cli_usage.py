@@ -212,6 +212,8 @@ def _non_default(field: dataclasses.Field, annotation: object) -> tuple[list[str
         value = 7 if field.default is None else (field.default // 2 if field.default > 1 else field.default + 1)
     elif annotation is float:
         value = 0.5
+    elif typing.get_origin(annotation) is tuple:
+        return ["a=/adapters/a", "b=/adapters/b"], ("a=/adapters/a", "b=/adapters/b")
     else:
         assert annotation is str, f"{field.name}: no value made for {annotation}"
         value = STRING_VALUES.get(field.name, "other")

@@ -133,16 +133,16 @@ def test_multimodal_and_lora_extra_keys():
     manager = make_manager(num_blocks=30)
     tokens = list(range(48))
     request = make_request("0", prompt_token_ids=tokens)
-    request.lora_name = "adapter"
+    request.lora_name, request.lora_hash = "adapter", "weights-sha256"
     # An image occupying tokens 10..29 overlaps blocks 0 and 1; its start is at +10 in block 0, -6 in block 1.
     request.mm_features = [MultiModalFeature("image", "img-hash", offset=10, length=20)]
     admit(manager, request)
     assert request.block_hashes == expected_chain(
         tokens,
         [
-            (("lora", "adapter"), ("mm", "img-hash", 10)),
-            (("lora", "adapter"), ("mm", "img-hash", -6)),
-            (("lora", "adapter"),),
+            (("lora", "adapter", "weights-sha256"), ("mm", "img-hash", 10)),
+            (("lora", "adapter", "weights-sha256"), ("mm", "img-hash", -6)),
+            (("lora", "adapter", "weights-sha256"),),
         ],
     )
     different_image = make_request("1", prompt_token_ids=tokens)

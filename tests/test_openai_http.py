@@ -674,7 +674,9 @@ def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call()
     closed: list[str] = []
 
     class Engine:
-        async def generate(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> Any:
+        async def generate(
+            self, prompt: Any, params: Any, request_id: str, priority: int = 0, lora_request: Any = None
+        ) -> Any:
             try:
                 yield "first output"
                 await asyncio.Event().wait()  # the rest never comes: only a close ends it

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from frontend_svc.core_client import EngineCoreClient
-from frontend_svc.engine_types import EngineCoreOutput, EngineCoreRequest, FinishReason
+from frontend_svc.engine_types import EngineCoreOutput, EngineCoreRequest, FinishReason, LoRARequest
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import RequestOptions, check_options
 from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
@@ -288,6 +288,9 @@ def test_request_to_pb_names_a_sampling_field_it_cannot_convert(name, value):
         (RequestOptions(cache_salt="\udfff"), "cache_salt"),
         (RequestOptions(trace_headers=[("a", "b")]), "trace_headers"),  # type: ignore[arg-type]  # wrong on purpose
         (RequestOptions(trace_headers={"a": "\ud800"}), "trace_headers['a']"),
+        (RequestOptions(lora_request="sql"), "lora_request"),  # type: ignore[arg-type]  # wrong on purpose
+        (RequestOptions(lora_request=LoRARequest("")), "lora_request.lora_name"),
+        (RequestOptions(lora_request=LoRARequest("\ud800")), "lora_request.lora_name"),
     ],
 )
 def test_options_the_wire_cannot_carry_are_refused_naming_the_field(options, field):
@@ -295,6 +298,13 @@ def test_options_the_wire_cannot_carry_are_refused_naming_the_field(options, fie
         check_options(options)
     assert info.value.field == field
     check_options(RequestOptions(arrival_time=12.5, priority=-(2**31), cache_salt="s", trace_headers={"a": "b"}))
+    check_options(RequestOptions(lora_request=LoRARequest("sql")))
+
+
+def test_a_requests_adapter_goes_to_the_core_by_name():
+    assert not request_to_pb(core_request()).HasField("lora_request")
+    msg = request_to_pb(core_request(lora_request=LoRARequest("sql")))
+    assert (msg.lora_request.lora_name, msg.lora_request.lora_int_id, msg.lora_request.lora_path) == ("sql", 0, "")
 
 
 # --- the all-or-nothing add of a client ---

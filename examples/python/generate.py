@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--address", default="localhost:50051", help="the frontend, HOST:PORT")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a chat message (Chat, not Generate)")
     parser.add_argument("--max-tokens", type=int, default=64, help="at most this many new tokens (default 64)")
+    parser.add_argument("--lora", default="", help="generate with this loaded LoRA adapter (default: the base model)")
     parser.add_argument(
         "--temperature", type=float, default=None, help="0 is greedy (default: the model's generation config)"
     )
@@ -59,9 +60,9 @@ def start_call(stub: api_grpc.GenerationStub, args: argparse.Namespace) -> Itera
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
     if args.chat:
         message = api.ChatMessage(role="user", content=[api.ContentPart(text=args.prompt)])
-        request = api.ChatRequest(messages=[message], sampling_params=params)
+        request = api.ChatRequest(messages=[message], sampling_params=params, lora_name=args.lora)
         return stub.Chat(request, metadata=metadata, timeout=args.timeout)
-    request = api.GenerateRequest(prompt=args.prompt, sampling_params=params)
+    request = api.GenerateRequest(prompt=args.prompt, sampling_params=params, lora_name=args.lora)
     return stub.Generate(request, metadata=metadata, timeout=args.timeout)
 
 

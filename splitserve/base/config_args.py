@@ -123,6 +123,8 @@ def _argparse_kwargs(field: dataclasses.Field[Any], annotation: Any, spec: Flag)
         return {**kwargs, "choices": list(choices), "type": type(choices[0])}
     if kind in (int, float, str):
         return {**kwargs, "type": kind}
+    if typing.get_origin(kind) is tuple and typing.get_args(kind) == (str, ...):
+        return {**kwargs, "type": str, "nargs": "+"}
     raise TypeError(f"{field.name}: no flag takes a {annotation}")
 
 

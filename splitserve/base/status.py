@@ -19,6 +19,7 @@ class StatusCode(enum.IntEnum):
 
     INVALID_ARGUMENT = 3  # the request as sent is refused (validation)
     NOT_FOUND = 5  # a named resource (a LoRA adapter) does not exist
+    ALREADY_EXISTS = 6  # a named resource already exists otherwise (a LoRA name loaded from another folder)
     RESOURCE_EXHAUSTED = 8  # the request can never fit (the KV cache, a message limit)
     FAILED_PRECONDITION = 9  # the call does not fit the server's state (a profile already running)
     UNIMPLEMENTED = 12  # the server does not offer the operation (admin RPCs off)

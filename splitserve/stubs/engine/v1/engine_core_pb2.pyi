@@ -36,7 +36,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_tokens", "dtype", "vocab_size", "eos_token_ids", "max_num_seqs", "max_num_batched_tokens", "max_logprobs", "supports_lora", "max_receive_message_bytes", "image_limit_per_prompt")
+    __slots__ = ("model", "max_model_len", "block_size", "num_kv_blocks", "kv_cache_tokens", "dtype", "vocab_size", "eos_token_ids", "max_num_seqs", "max_num_batched_tokens", "max_logprobs", "supports_lora", "max_receive_message_bytes", "image_limit_per_prompt", "max_loras", "max_lora_rank")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class EngineInfo(_message.Message):
     SUPPORTS_LORA_FIELD_NUMBER: _ClassVar[int]
     MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_LIMIT_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -65,7 +67,9 @@ class EngineInfo(_message.Message):
     supports_lora: bool
     max_receive_message_bytes: int
     image_limit_per_prompt: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., supports_lora: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., image_limit_per_prompt: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., supports_lora: _Optional[bool] = ..., max_receive_message_bytes: _Optional[int] = ..., image_limit_per_prompt: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,21 @@ class GenerationStub:
                 request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/splitserve.frontend.v1.Generation/LoadLoraAdapter',
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/splitserve.frontend.v1.Generation/UnloadLoraAdapter',
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/splitserve.frontend.v1.Generation/ListLoraAdapters',
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -97,6 +112,30 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters by name, as vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: the engine cores (a core
+        started with --enable-lora) hold them, so every frontend of the same cores sees the same names; a load or
+        unload goes to every core of this frontend. Load and unload make a core read files: they need a frontend
+        started with --allow-runtime-lora-updating (UNIMPLEMENTED otherwise). Errors: NOT_FOUND for an unknown
+        name, INVALID_ARGUMENT with the core's reason for an adapter it cannot load (missing or corrupt files, a rank
+        above its --max-lora-rank, a name already loaded), FAILED_PRECONDITION from a core without --enable-lora.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +163,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +315,87 @@ class Generation:
             '/splitserve.frontend.v1.Generation/GetModelInfo',
             splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.frontend.v1.Generation/LoadLoraAdapter',
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.LoadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.frontend.v1.Generation/UnloadLoraAdapter',
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.frontend.v1.Generation/ListLoraAdapters',
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,232 @@
+"""A PEFT LoRA adapter folder read into the core's fused projections (vLLM's ``LoRAModel.from_local_checkpoint``).
+
+The folder holds ``adapter_config.json`` (PEFT's ``LoraConfig``) and ``adapter_model.safetensors`` with, per
+adapted projection, ``...layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in_features]`` and ``lora_B.weight``
+``[out_features, r]``. The core's Llama-family models fuse q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj`` (``core_svc.models.llama.STACKED_PARAMS``): each checkpoint projection becomes one slice of its
+fused module, in the fused module's order. The update of a slice is ``B @ A @ x * scaling`` with PEFT's
+``scaling = lora_alpha / r`` (rsLoRA, ``use_rslora``: ``lora_alpha / sqrt(r)``), folded into B here.
+
+Everything a folder can get wrong is refused with ``InvalidRequestError`` (INVALID_ARGUMENT) naming
+``lora_request.lora_path`` and the reason: missing or unreadable files, a rank above ``--max-lora-rank``, a
+module the model does not have or the core does not adapt (embeddings, ``lm_head``), shapes that do not fit the
+model, and PEFT features the core does not serve (DoRA, biases, ``modules_to_save``, per-module ranks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from core_svc.errors import InvalidRequestError
+from core_svc.models.arch import ModelArchConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PATH_FIELD = "lora_request.lora_path"
+
+# checkpoint projection -> (the core's module, slice index in its output); o_proj and down_proj are not fused.
+FUSED_MODULES: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+# The core's adaptable modules and their number of slices.
+NUM_SLICES: dict[str, int] = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+)
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter as vLLM names it (``vllm/lora/request.py``): its name (what requests give), the core's int id
+    (>= 1, unique among the adapters the core holds) and its folder on the core's file system."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class LoRAModel:
+    """One adapter's weights, on the host, per decoder layer and core module (vLLM's ``LoRAModel``)."""
+
+    lora_request: LoRARequest  # lora_int_id 0 until the manager registers it
+    rank: int  # PEFT's r
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA; already folded into the B weights
+    content_hash: str  # sha256 (hex) of the config file's and the weights file's bytes: the adapter's identity
+    # (layer index, core module) -> per slice: (A [rank, in_features], B * scaling [slice_out_features, rank]),
+    # float32, or None for a slice the adapter leaves alone
+    weights: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = field(repr=False)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for slices in self.weights.values() for s in slices if s for a, b in [s])
+
+
+def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each checkpoint projection of ``arch``."""
+    q, kv = arch.num_attention_heads * arch.head_size, arch.num_key_value_heads * arch.head_size
+    hidden, intermediate = arch.hidden_size, arch.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
+
+
+def load_lora_model(lora_request: LoRARequest, arch: ModelArchConfig, max_lora_rank: int) -> LoRAModel:
+    """Read and check the PEFT adapter folder ``lora_request.lora_path`` for a model of ``arch``.
+
+    Raises:
+        InvalidRequestError: naming ``lora_request.lora_path`` and the reason (see the module docstring).
+    """
+    folder = Path(lora_request.lora_path)
+    if not lora_request.lora_path or not folder.is_dir():
+        raise InvalidRequestError(PATH_FIELD, f"{lora_request.lora_path!r} is not a folder on the engine core")
+    config_bytes = _read(folder / CONFIG_FILE)
+    weights_bytes = _read(folder / WEIGHTS_FILE)
+    config = _lora_config(config_bytes, folder)
+    rank, alpha = config["r"], config["lora_alpha"]
+    if rank > max_lora_rank:
+        raise InvalidRequestError(
+            PATH_FIELD, f"the adapter's rank r={rank} is above the engine core's --max-lora-rank {max_lora_rank}"
+        )
+    scaling = alpha / math.sqrt(rank) if config["use_rslora"] else alpha / rank
+    try:
+        tensors = load_safetensors(weights_bytes)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise InvalidRequestError(PATH_FIELD, f"{WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
+    weights = _fused_weights(tensors, arch, rank, scaling)
+    content_hash = hashlib.sha256(hashlib.sha256(config_bytes).digest() + weights_bytes).hexdigest()
+    return LoRAModel(lora_request, rank, scaling, content_hash, weights)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise InvalidRequestError(PATH_FIELD, f"the adapter folder has no {path.name}") from None
+    except OSError as e:
+        raise InvalidRequestError(PATH_FIELD, f"cannot read {path.name}: {e.strerror or e}") from None
+
+
+def _lora_config(config_bytes: bytes, folder: Path) -> dict[str, Any]:
+    """The settings the core reads from ``adapter_config.json``, through PEFT's own ``LoraConfig`` when peft is
+    installed (its defaults and checks), else from the JSON with PEFT's defaults.
+
+    Raises:
+        InvalidRequestError: not JSON, not a LoRA adapter, or a feature the core does not serve.
+    """
+    try:
+        raw = json.loads(config_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(PATH_FIELD, f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(PATH_FIELD, f"{CONFIG_FILE} is not a JSON object")
+    peft_type = raw.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise InvalidRequestError(PATH_FIELD, f"the adapter is a {peft_type} adapter, not LoRA")
+    config: dict[str, Any] = dict(raw)
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        pass
+    else:
+        try:
+            config = LoraConfig.from_pretrained(str(folder)).to_dict()
+        except Exception as e:  # peft raises TypeError, ValueError, ... for settings it refuses
+            raise InvalidRequestError(PATH_FIELD, f"{CONFIG_FILE} is not a valid LoRA config: {e}") from None
+    rank, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise InvalidRequestError(PATH_FIELD, f"the adapter's rank r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise InvalidRequestError(PATH_FIELD, f"lora_alpha must be a number, got {alpha!r}")
+    unsupported = {
+        "use_dora": "DoRA (use_dora)",
+        "modules_to_save": "modules_to_save",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "lora_bias": "LoRA biases (lora_bias)",
+        "target_parameters": "target_parameters",
+    }
+    for key, what in unsupported.items():
+        if config.get(key):
+            raise InvalidRequestError(PATH_FIELD, f"the adapter uses {what}, which the engine core does not serve")
+    if config.get("bias", "none") != "none":
+        raise InvalidRequestError(
+            PATH_FIELD, f"the adapter trains biases (bias={config['bias']!r}); the engine core serves bias='none'"
+        )
+    targets = config.get("target_modules")
+    if isinstance(targets, list | tuple | set):
+        others = sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in FUSED_MODULES)
+        if others:
+            raise InvalidRequestError(
+                PATH_FIELD,
+                f"target modules {others} are not among the modules the engine core adapts "
+                f"({', '.join(FUSED_MODULES)})",
+            )
+    return {"r": rank, "lora_alpha": float(alpha), "use_rslora": bool(config.get("use_rslora", False))}
+
+
+def _fused_weights(
+    tensors: dict[str, torch.Tensor], arch: ModelArchConfig, rank: int, scaling: float
+) -> dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]]:
+    """Pair each projection's A and B, check their shapes against ``arch``, and place them as slices of the core's
+    fused modules (B scaled, both float32)."""
+    shapes = module_shapes(arch)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise InvalidRequestError(
+                PATH_FIELD,
+                f"weight {key!r} is not a LoRA weight of a decoder projection the engine core adapts "
+                f"({', '.join(FUSED_MODULES)})",
+            )
+        layer, module, side = int(match[1]), match[2], match[3]
+        if module not in FUSED_MODULES:
+            raise InvalidRequestError(PATH_FIELD, f"weight {key!r}: the model has no adaptable module {module!r}")
+        if layer >= arch.num_hidden_layers:
+            raise InvalidRequestError(
+                PATH_FIELD, f"weight {key!r}: layer {layer}, but the model has {arch.num_hidden_layers} layers"
+            )
+        in_features, out_features = shapes[module]
+        expected = (rank, in_features) if side == "A" else (out_features, rank)
+        if tuple(tensor.shape) != expected:
+            raise InvalidRequestError(
+                PATH_FIELD,
+                f"weight {key!r} has shape {list(tensor.shape)}, the model and r={rank} need {list(expected)}",
+            )
+        if not tensor.is_floating_point():
+            raise InvalidRequestError(PATH_FIELD, f"weight {key!r} is {tensor.dtype}, not a float tensor")
+        pairs.setdefault((layer, module), {})[side] = tensor
+    if not pairs:
+        raise InvalidRequestError(PATH_FIELD, f"{WEIGHTS_FILE} holds no LoRA weight")
+    weights: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+    for (layer, module), pair in sorted(pairs.items()):
+        if len(pair) != 2:
+            missing = "B" if "A" in pair else "A"
+            raise InvalidRequestError(PATH_FIELD, f"layer {layer} {module} has no lora_{missing} weight")
+        fused, index = FUSED_MODULES[module]
+        slices = weights.setdefault((layer, fused), [None] * NUM_SLICES[fused])
+        slices[index] = (pair["A"].float().contiguous(), (pair["B"].float() * scaling).contiguous())
+    return weights
