@@ -157,14 +157,17 @@ def test_each_adapter_alone_matches_transformers_peft(engine, adapters, prompt):
 
 def test_qwen3_adapter_matches_transformers_peft(checkpoint, tmp_path):
     """Qwen3 (explicit head_dim, per-head q/k norm): an adapter on every projection, against peft, with the base
-    model's request in the same batch."""
+    model's request in the same batches, the prompts prefilled in chunks of 8 tokens (steps that mix one request's
+    chunk with the other's decode)."""
     path = checkpoint("qwen3")
     base = hf_model(path)
     peft_model = make_adapter(base, tmp_path / "qwen3", 4, 8, ATTENTION + MLP, False, 6)
     prompt = random_prompt(path, 19, seed=3)
     want, _ = greedy_reference(peft_model, prompt)
     want_base, _ = greedy_reference(base, prompt)
-    core = EngineCore(CoreConfig(model=str(path), enable_lora=True, max_lora_rank=4, num_kv_blocks=16))
+    core = EngineCore(
+        CoreConfig(model=str(path), enable_lora=True, max_lora_rank=4, num_kv_blocks=16, max_num_batched_tokens=8)
+    )
     core.add_lora(LoRARequest("q3", 0, str(tmp_path / "qwen3")))
     assert [ids for ids, _, _ in run(core, [(prompt, "q3"), (prompt, None)])] == [want, want_base]
     assert want != want_base
