@@ -235,6 +235,7 @@ class EngineCore:
             InvalidRequestError: empty prompt, prompt that leaves no room for one output token, prompt plus
                 max_tokens over max_model_len, token id outside the vocabulary, bad sampling parameter, or a
                 request id already in use.
+            LoRANotFoundError: ``lora_name`` names no loaded adapter (or LoRA is off).
             RequestTooLargeError: the request could never fit in the KV cache.
             EngineUnavailableError: the core was declared dead.
         """
@@ -244,12 +245,12 @@ class EngineCore:
             raise self.refusal
         self._validate(request)
         if request.lora_name is not None:
-            model = self._lora().get(request.lora_name) if self.lora_manager is not None else None
-            if model is None:
+            if self.lora_manager is None:
                 raise LoRANotFoundError(
                     f"lora_request: adapter {request.lora_name!r} is not loaded (LoRA is off on this engine core: "
                     "--enable-lora)"
                 )
+            model = self.lora_manager.get(request.lora_name)  # LoRANotFoundError when not loaded
             request.lora_int_id, request.lora_hash = model.lora_request.lora_int_id, model.content_hash
         params = request.sampling_params
         if params.eos_token_id is None and self.eos_token_ids:

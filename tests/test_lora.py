@@ -157,14 +157,17 @@ def test_each_adapter_alone_matches_transformers_peft(engine, adapters, prompt):
 
 def test_qwen3_adapter_matches_transformers_peft(checkpoint, tmp_path):
     """Qwen3 (explicit head_dim, per-head q/k norm): an adapter on every projection, against peft, with the base
-    model's request in the same batch."""
+    model's request in the same batches, the prompts prefilled in chunks of 8 tokens (steps that mix one request's
+    chunk with the other's decode)."""
     path = checkpoint("qwen3")
     base = hf_model(path)
     peft_model = make_adapter(base, tmp_path / "qwen3", 4, 8, ATTENTION + MLP, False, 6)
     prompt = random_prompt(path, 19, seed=3)
     want, _ = greedy_reference(peft_model, prompt)
     want_base, _ = greedy_reference(base, prompt)
-    core = EngineCore(CoreConfig(model=str(path), enable_lora=True, max_lora_rank=4, num_kv_blocks=16))
+    core = EngineCore(
+        CoreConfig(model=str(path), enable_lora=True, max_lora_rank=4, num_kv_blocks=16, max_num_batched_tokens=8)
+    )
     core.add_lora(LoRARequest("q3", 0, str(tmp_path / "qwen3")))
     assert [ids for ids, _, _ in run(core, [(prompt, "q3"), (prompt, None)])] == [want, want_base]
     assert want != want_base
@@ -420,3 +423,32 @@ def test_benchmark_adapters_are_servable(model_path, tmp_path):
         (i, m) for i in range(arch.num_hidden_layers) for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     }
     assert all(s is not None for slices in model.weights.values() for s in slices)
+
+
+@pytest.mark.cuda
+def test_mixed_adapters_on_the_gpu_match_peft(checkpoint, tmp_path):
+    """The same torch code on CUDA tensors (no LoRA kernel): two adapters and the base model in one batch, float32,
+    against peft on the host; then the base model alone, whose decode steps replay CUDA graphs."""
+    path = checkpoint("llama", config_overrides={"head_dim": 64})  # head size the GPU attention backends take
+    base = hf_model(path)
+    prompt = random_prompt(path, 21, seed=0)
+    peft_models = {name: make_adapter(base, tmp_path / name, *ADAPTERS[name]) for name in ("all", "attn")}
+    want = {name: greedy_reference(model, prompt)[0] for name, model in peft_models.items()}
+    want[None] = greedy_reference(base, prompt)[0]
+    core = EngineCore(
+        CoreConfig(
+            model=str(path),
+            device="cuda",
+            dtype="float32",
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=MAX_LORA_RANK,
+            num_kv_blocks=64,
+            max_num_seqs=16,
+        )
+    )
+    for name in peft_models:
+        core.add_lora(LoRARequest(name, 0, str(tmp_path / name)))
+    names = ["all", None, "attn"]
+    assert [ids for ids, _, _ in run(core, [(prompt, name) for name in names])] == [want[n] for n in names]
+    assert run(core, [(prompt, None)])[0][0] == want[None]
