@@ -9,19 +9,33 @@ from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.errors import EngineDeadError, InternalError, RequestTooLargeError, ValidationError
 from frontend_svc.llm import LLM
 from frontend_svc.llm_engine import LLMEngine
-from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
+from frontend_svc.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineCoreClient",
     "EngineDeadError",
     "InternalError",
     "LLMEngine",
     "Logprob",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "RequestTooLargeError",

@@ -10,11 +10,13 @@ client that goes away (mid-stream, or while waiting for a whole completion) abor
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -22,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import splitserve
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.embeddings import check_num_inputs, encode_all
 from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
 from frontend_svc.input_processor import PromptType
 from frontend_svc.openai_generation import HTTP_STATUS, Generation, named, named_async, until_disconnect
@@ -29,6 +32,7 @@ from frontend_svc.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from frontend_svc.openai_responses import (
@@ -88,6 +92,7 @@ def make_app(state: FrontendServerState) -> FastAPI:
     app.get("/v1/models")(api.models)
     app.post("/v1/completions", response_model=None)(api.completions)
     app.post("/v1/chat/completions", response_model=None)(api.chat_completions)
+    app.post("/v1/embeddings")(api.embeddings)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     return app
@@ -248,6 +253,36 @@ class _OpenAIApi:
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
                 yield generation.chunk("chat.completion.chunk", [choice])
 
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+        """OpenAI's embeddings: one ``{"object": "embedding", "index", "embedding"}`` per input (floats, or with
+        ``encoding_format`` "base64" the float32 little-endian bytes in base64, as OpenAI's), and the usage. The
+        inputs run as pooling requests, all in flight at once; a refused input is 400 naming ``input[i]``."""
+        self._check_model(body.model)
+        engine = self._engine()
+        prompts: list[PromptType] = list(body.prompts())
+        check_num_inputs(len(prompts), "input")
+        params = body.to_pooling_params()
+        request_id = f"embd-{uuid.uuid4().hex}"
+        self.state.active_calls += 1
+        try:
+            work = encode_all(engine, prompts, params, request_id, "input", body.priority)
+            outputs = await until_disconnect(request, work)
+        finally:
+            self.state.active_calls -= 1
+        data = [
+            {"object": "embedding", "index": i, "embedding": embedding_body(o.outputs.data, body.encoding_format)}
+            for i, o in enumerate(outputs)
+        ]
+        prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        return {
+            "id": request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.state.model,
+            "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0},
+        }
+
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or rendered messages."""
         self._check_model(body.model)
@@ -312,6 +347,14 @@ class _OpenAIApi:
         if not _core_available(engine):
             raise EngineDeadError("no engine core is reachable")
         return engine
+
+
+def embedding_body(data: list[float], encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: the floats, or "base64": float32 little-endian bytes in base64 (what the
+    ``openai`` client decodes with ``numpy.frombuffer(..., dtype="float32")``)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(data, dtype="<f4").tobytes()).decode()
+    return data
 
 
 def _core_available(engine: AsyncLLM) -> bool:

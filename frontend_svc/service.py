@@ -15,6 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.embeddings import check_num_inputs, encode_all
 from frontend_svc.errors import EngineDeadError, FrontendError, ValidationError
 from frontend_svc.input_processor import PromptType
 from frontend_svc.outputs import RequestOutput
@@ -23,6 +24,9 @@ from frontend_svc.tokenize_budget import utf8_size
 from frontend_svc.wire import (
     chat_messages_from_api,
     default_sampling_params_to_api,
+    embed_inputs_from_api,
+    embed_pooling_params_from_api,
+    embed_response_to_api,
     generate_request_from_api,
     request_output_to_api,
     sampling_params_from_api,
@@ -148,6 +152,23 @@ class GenerationServicer(api_grpc.GenerationServicer):
         if engine.tokenizer.bos_token_id is not None:
             msg.bos_token_id = engine.tokenizer.bos_token_id
         return msg
+
+    async def Embed(self, request: api.EmbedRequest, context: grpc.aio.ServicerContext) -> api.EmbedResponse:
+        """Every input pooled as a pooling request (``AsyncLLM.encode``), all in flight at once; one response.
+        A refused input fails the call (INVALID_ARGUMENT naming ``inputs[i]``) and the others are aborted."""
+        engine = await self._engine(context)
+        request_id = request.request_id or f"embd-{uuid.uuid4().hex}"
+        self.state.active_calls += 1
+        try:
+            check_num_inputs(len(request.inputs), "inputs")
+            prompts = embed_inputs_from_api(request)
+            params = embed_pooling_params_from_api(request)
+            outputs = await encode_all(engine, prompts, params, request_id, "inputs", request.priority)
+        except FrontendError as e:
+            await abort(context, e)
+        finally:
+            self.state.active_calls -= 1
+        return embed_response_to_api(request_id, outputs)
 
     async def _stream(
         self, context: grpc.aio.ServicerContext, engine: AsyncLLM, prompt: PromptType, params: Any, request: Any

@@ -1,0 +1,305 @@
+"""Pooling (embedding) requests: vLLM's ``PoolingParams`` through the same scheduler as generation, prefill only.
+
+The right vectors come from transformers' ``AutoModel`` on the same checkpoint: its ``last_hidden_state`` (after
+the final norm) pooled by hand (LAST, MEAN, CLS; Matryoshka truncation, then L2 normalization), float32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import openai
+import pytest
+import torch
+
+from core_svc.engine_core import EngineCore
+from core_svc.errors import InvalidRequestError
+from core_svc.wire import request_from_pb
+from frontend_svc import LLM, LLMEngine, PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from frontend_svc.errors import ValidationError
+from splitserve.entrypoints import stack
+from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
+from splitserve.stubs.frontend.v1 import generation_pb2 as api
+from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
+from tests.conftest import real_or_builtin
+from tests.test_grpc_split import CORE_ARGS, wait_core_empty
+
+# Mixed lengths; with a 24-token step budget every prompt past the first is computed in several chunks.
+PROMPTS = [list(range(3, 8)), list(range(10, 47)), [7, 7, 9] * 23]
+STEP_TOKENS = 24
+COMBOS = [(t, n) for t in ("LAST", "MEAN", "CLS") for n in (True, False)]
+
+
+@cache
+def reference(path: Path, prompt: tuple[int, ...], pooling_type: str, normalize: bool, dims: int = 0) -> torch.Tensor:
+    """transformers' pooled vector [hidden_size or dims] float32 of one prompt (alone: no padding)."""
+    hidden = _hf_hidden(path, prompt)
+    pooled = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type]
+    if dims:
+        pooled = pooled[:dims]
+    return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+
+
+@cache
+def _hf_hidden(path: Path, prompt: tuple[int, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return _hf_model(path)(torch.tensor([prompt])).last_hidden_state[0].float()
+
+
+@cache
+def _hf_model(path: Path) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def assert_close(ours: list[float], ref: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(ours), ref, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint):
+    return checkpoint("llama", "tiny")
+
+
+@pytest.fixture(scope="module")
+def qwen3(checkpoint, tmp_path_factory):
+    """A tiny Qwen3 as an embedding model: sentence-transformers MEAN pooling with Normalize, Matryoshka."""
+    path = tmp_path_factory.mktemp("qwen3-embedding") / "model"
+    shutil.copytree(checkpoint("qwen3", "tiny"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_llm(llama):
+    with LLM(str(llama), max_num_batched_tokens=STEP_TOKENS, num_kv_blocks=64, max_model_len=256) as llm:
+        yield llm
+
+
+def free_blocks(llm: LLM) -> int:
+    return llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks
+
+
+def test_embeddings_equal_transformers_llama(llama_llm, llama):
+    """Every pooling type, normalize on and off, all prompts of mixed lengths in one batch, chunked prefill; the
+    repeated prompts of LAST pooling hit the prefix cache and still give transformers' vector."""
+    params = [PoolingParams(pooling_type=t, normalize=n) for t, n in COMBOS for _ in PROMPTS]  # type: ignore[arg-type]
+    prompts = [prompt for _ in COMBOS for prompt in PROMPTS]
+    outputs = llama_llm.encode(prompts, params, use_tqdm=False)
+    for output, prompt, p in zip(outputs, prompts, params, strict=True):
+        assert isinstance(output, PoolingRequestOutput) and output.finished
+        assert output.prompt_token_ids == prompt
+        assert_close(output.outputs.data, reference(llama, tuple(prompt), p.pooling_type, p.normalize))
+    cached = [o.num_cached_tokens for o, p in zip(outputs, params, strict=True) if p.pooling_type == "LAST"]
+    assert max(cached) > 0  # a LAST request read blocks the first LAST run of its prompt computed
+    assert all(o.num_cached_tokens == 0 for o, p in zip(outputs, params, strict=True) if p.pooling_type != "LAST")
+    assert free_blocks(llama_llm) == 63  # every block back (the null block aside)
+
+
+def test_embed_defaults_and_dimensions_qwen3(qwen3):
+    """A Qwen3 served with --runner pooling: modules.json's MEAN + Normalize are the defaults, Matryoshka
+    ``dimensions`` truncates before normalizing; generation is refused naming sampling_params."""
+    with LLM(str(qwen3), runner="pooling", max_num_batched_tokens=STEP_TOKENS, num_kv_blocks=64) as llm:
+        outputs = llm.embed(PROMPTS, use_tqdm=False)
+        for output, prompt in zip(outputs, PROMPTS, strict=True):
+            assert len(output.outputs.embedding) == 64
+            assert_close(output.outputs.embedding, reference(qwen3, tuple(prompt), "MEAN", True))
+        params = [PoolingParams(pooling_type="LAST", dimensions=16), PoolingParams(pooling_type="CLS", normalize=False)]
+        short, cls = llm.embed(PROMPTS[1:], params, use_tqdm=False)
+        assert_close(short.outputs.embedding, reference(qwen3, tuple(PROMPTS[1]), "LAST", True, 16))
+        assert_close(cls.outputs.embedding, reference(qwen3, tuple(PROMPTS[2]), "CLS", False))
+        with pytest.raises(ValidationError) as info:
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert info.value.field == "sampling_params"
+
+
+def test_pooling_beside_generation_in_one_step(llama, llama_llm):
+    """Generation requests and a pooling request in one core, admitted in the same step: each gets what it gets
+    alone (generation ids unchanged, the vector transformers'); ``step()`` yields a PoolingRequestOutput."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llama_llm.generate(PROMPTS[:2], greedy, use_tqdm=False)]
+    engine = LLMEngine(str(llama), max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=256)
+    try:
+        engine.add_request("gen-0", PROMPTS[0], greedy)
+        engine.add_request("pool", PROMPTS[2], PoolingParams(pooling_type="MEAN"))
+        engine.add_request("gen-1", PROMPTS[1], greedy)
+        outputs: dict[str, Any] = {}
+        first_step = engine.step()
+        assert {o.request_id for o in first_step} == {"gen-0", "gen-1", "pool"}  # one step computed all three
+        for output in first_step:
+            outputs[output.request_id] = output
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs[output.request_id] = output
+        assert isinstance(outputs["pool"], PoolingRequestOutput)
+        assert_close(outputs["pool"].outputs.data, reference(llama, tuple(PROMPTS[2]), "MEAN", True))
+        for i in range(2):
+            generated = outputs[f"gen-{i}"]
+            assert isinstance(generated, RequestOutput) and generated.outputs[0].token_ids == alone[i]
+        assert engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks == 63
+    finally:
+        engine.close()
+
+
+def test_bad_pooling_requests(llama_llm):
+    """Refused with the field named, and nothing else lost: the next request runs and every block is free."""
+    cases = [
+        (PoolingParams(pooling_type="MAX"), "pooling_type"),  # type: ignore[arg-type]
+        (PoolingParams(dimensions=8), "dimensions"),  # the tiny Llama is no Matryoshka model
+        (PoolingParams(dimensions=0), "dimensions"),
+        (PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (SamplingParams(), "pooling_params"),
+    ]
+    for params, field in cases:
+        with pytest.raises(ValidationError) as info:
+            llama_llm.encode([PROMPTS[0]], params, use_tqdm=False)  # type: ignore[arg-type]
+        assert info.value.field == field, params
+    with pytest.raises(ValidationError) as info:
+        llama_llm.encode([[]], use_tqdm=False)
+    assert info.value.field == "prompt"
+    # truncate_prompt_tokens keeps the last tokens, as vLLM's
+    [truncated] = llama_llm.encode([PROMPTS[1]], PoolingParams(truncate_prompt_tokens=5), use_tqdm=False)
+    assert truncated.prompt_token_ids == PROMPTS[1][-5:]
+    assert free_blocks(llama_llm) == 63
+
+
+def test_core_refuses_both_params(llama_llm):
+    """A core request carrying sampling and pooling params (or neither) is refused naming the field."""
+    core: EngineCore = llama_llm.llm_engine.engine_core.engine_core
+    both = core_pb.EngineCoreRequest(
+        request_id="both",
+        prompt_token_ids=[1, 2],
+        sampling_params=core_pb.SamplingParams(),
+        pooling_params=core_pb.PoolingParams(),
+    )
+    neither = core_pb.EngineCoreRequest(request_id="neither", prompt_token_ids=[1, 2])
+    unknown = core_pb.EngineCoreRequest(
+        request_id="unknown",
+        prompt_token_ids=[1, 2],
+        pooling_params=core_pb.PoolingParams(pooling_type=9),  # type: ignore[arg-type]
+    )
+    for message, field in ((both, "pooling_params"), (neither, "sampling_params"), (unknown, "pooling_type")):
+        with pytest.raises(InvalidRequestError) as info:
+            core.add_request(request_from_pb(message))
+        assert info.value.field == field
+    assert not core.has_unfinished_requests()
+
+
+# --- the public APIs over a split stack -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def http_model(tmp_path_factory):
+    from splitserve.entrypoints.test_model import make_test_model
+
+    return make_test_model(
+        tmp_path_factory.mktemp("pooling-http"), "llama", "tiny", tokenizer=real_or_builtin("llama2")
+    )
+
+
+@pytest.fixture(scope="module")
+def services(http_model, tmp_path_factory):
+    """One core and one frontend serving gRPC and HTTP; yields (core address, frontend address, HTTP base URL)."""
+    logs = tmp_path_factory.mktemp("pooling-logs")
+    core = stack.start_core(str(http_model), logs, [*CORE_ARGS, "--max-num-batched-tokens", str(STEP_TOKENS)])
+    frontend = None
+    try:
+        core.wait_serving()
+        http_port = stack.free_port()
+        frontend = stack.start_frontend(str(http_model), [core.address], logs, ["--http-port", str(http_port)])
+        frontend.wait_serving()
+        yield core.address, frontend.address, f"http://127.0.0.1:{http_port}"
+    finally:
+        if frontend is not None:
+            frontend.stop()
+        core.stop()
+
+
+def embed(address: str, request: api.EmbedRequest) -> api.EmbedResponse:
+    async def call() -> api.EmbedResponse:
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await api_grpc.GenerationStub(channel).Embed(request, timeout=60)
+
+    return asyncio.run(call())
+
+
+def test_grpc_embed(services, http_model):
+    core_address, address, _ = services
+    from transformers import AutoTokenizer
+
+    text = "The capital of France is Paris, a city of many bridges."
+    text_ids = AutoTokenizer.from_pretrained(http_model)(text).input_ids
+    request = api.EmbedRequest(
+        inputs=[api.EmbedInput(text=text), api.EmbedInput(tokens=api.TokenIds(token_ids=PROMPTS[1]))],
+        pooling_type=api.POOLING_TYPE_MEAN,
+    )
+    response = embed(address, request)
+    assert [e.index for e in response.embeddings] == [0, 1]
+    assert_close(list(response.embeddings[0].embedding), reference(http_model, tuple(text_ids), "MEAN", True))
+    assert_close(list(response.embeddings[1].embedding), reference(http_model, tuple(PROMPTS[1]), "MEAN", True))
+    assert response.usage.prompt_tokens == len(text_ids) + len(PROMPTS[1])
+    assert [e.prompt_tokens for e in response.embeddings] == [len(text_ids), len(PROMPTS[1])]
+    last = embed(address, api.EmbedRequest(inputs=[api.EmbedInput(text=text)], normalize=False))  # LAST default
+    assert_close(list(last.embeddings[0].embedding), reference(http_model, tuple(text_ids), "LAST", False))
+    bad = [
+        (api.EmbedRequest(), "inputs"),
+        (api.EmbedRequest(inputs=[api.EmbedInput(text=text), api.EmbedInput()]), "inputs[1]"),
+        (
+            api.EmbedRequest(
+                inputs=[api.EmbedInput(text=text), api.EmbedInput(tokens=api.TokenIds(token_ids=[10**6]))]
+            ),
+            "inputs[1].prompt_token_ids[0]",
+        ),
+        (api.EmbedRequest(inputs=[api.EmbedInput(text=text)], dimensions=4), "dimensions"),
+    ]
+    for message, field in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            embed(address, message)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{field}: "), info.value.details()
+    load = wait_core_empty(core_address)
+    assert not load.num_running_reqs and not load.num_waiting_reqs and load.num_free_kv_blocks == 128
+
+
+def test_openai_embeddings(services, http_model):
+    _, address, base_url = services
+    texts = ["Hello there", "A longer sentence about embeddings, to be computed in several chunks of prefill."]
+    expected = embed(address, api.EmbedRequest(inputs=[api.EmbedInput(text=t) for t in texts]))
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        response = client.embeddings.create(model=str(http_model), input=texts)
+        assert [d.index for d in response.data] == [0, 1]
+        for data, reference_embedding in zip(response.data, expected.embeddings, strict=True):
+            np.testing.assert_allclose(data.embedding, reference_embedding.embedding, atol=1e-6)
+        assert response.usage.prompt_tokens == expected.usage.prompt_tokens == response.usage.total_tokens
+        # base64: float32 little-endian bytes, as OpenAI's (the client decodes them itself: ask over raw HTTP)
+        raw = client.embeddings.with_raw_response.create(
+            model=str(http_model), input=[PROMPTS[0]], encoding_format="base64"
+        )
+        body = json.loads(raw.text)
+        vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+        assert_close(vector.tolist(), reference(http_model, tuple(PROMPTS[0]), "LAST", True))
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=str(http_model), input=texts, dimensions=8)
+        assert info.value.body["param"] == "dimensions"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=str(http_model), input=[])
+        assert info.value.body["param"] == "input"  # type: ignore[index]
