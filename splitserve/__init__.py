@@ -17,6 +17,7 @@ _API_NAMES = (
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "EngineCoreClient",
     "EngineDeadError",

@@ -7,7 +7,6 @@ the final norm) pooled by hand (LAST, MEAN, CLS; Matryoshka truncation, then L2 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import shutil
 from functools import cache
@@ -15,26 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
-import openai
 import pytest
 import torch
 
 from core_svc.engine_core import EngineCore
 from core_svc.errors import InvalidRequestError
 from core_svc.wire import request_from_pb
-from frontend_svc import LLM, LLMEngine, PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
+from frontend_svc import LLM, PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
 from frontend_svc.errors import ValidationError
-from splitserve.entrypoints import stack
 from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
-from tests.conftest import real_or_builtin
-from tests.test_grpc_split import CORE_ARGS, wait_core_empty
 
-# Mixed lengths; with a 24-token step budget every prompt past the first is computed in several chunks.
-PROMPTS = [list(range(3, 8)), list(range(10, 47)), [7, 7, 9] * 23]
-STEP_TOKENS = 24
+# Mixed lengths; with a 32-token step budget the longer prompts are computed in several chunks.
+PROMPTS = [list(range(3, 8)), list(range(10, 40)), [7, 7, 9] * 17]
+STEP_TOKENS = 32
 COMBOS = [(t, n) for t in ("LAST", "MEAN", "CLS") for n in (True, False)]
 
 
@@ -133,31 +127,27 @@ def test_embed_defaults_and_dimensions_qwen3(qwen3):
 
 
 def test_pooling_beside_generation_in_one_step(llama, llama_llm):
-    """Generation requests and a pooling request in one core, admitted in the same step: each gets what it gets
-    alone (generation ids unchanged, the vector transformers'); ``step()`` yields a PoolingRequestOutput."""
+    """Generation requests and a pooling request in one core, all three in the first step (23 tokens under the
+    budget of 32): each gets what it gets alone (generation ids unchanged, the vector transformers');
+    ``LLMEngine.step()`` yields a PoolingRequestOutput beside the RequestOutputs."""
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    alone = [o.outputs[0].token_ids for o in llama_llm.generate(PROMPTS[:2], greedy, use_tqdm=False)]
-    engine = LLMEngine(str(llama), max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=256)
-    try:
-        engine.add_request("gen-0", PROMPTS[0], greedy)
-        engine.add_request("pool", PROMPTS[2], PoolingParams(pooling_type="MEAN"))
-        engine.add_request("gen-1", PROMPTS[1], greedy)
-        outputs: dict[str, Any] = {}
-        first_step = engine.step()
-        assert {o.request_id for o in first_step} == {"gen-0", "gen-1", "pool"}  # one step computed all three
-        for output in first_step:
-            outputs[output.request_id] = output
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                outputs[output.request_id] = output
-        assert isinstance(outputs["pool"], PoolingRequestOutput)
-        assert_close(outputs["pool"].outputs.data, reference(llama, tuple(PROMPTS[2]), "MEAN", True))
-        for i in range(2):
-            generated = outputs[f"gen-{i}"]
-            assert isinstance(generated, RequestOutput) and generated.outputs[0].token_ids == alone[i]
-        assert engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks == 63
-    finally:
-        engine.close()
+    gen_prompts, pool_prompt = [PROMPTS[0], list(range(50, 58))], list(range(60, 70))
+    alone = [o.outputs[0].token_ids for o in llama_llm.generate(gen_prompts, greedy, use_tqdm=False)]
+    engine = llama_llm.llm_engine
+    engine.add_request("gen-0", gen_prompts[0], greedy)
+    engine.add_request("pool", pool_prompt, PoolingParams(pooling_type="MEAN"))
+    engine.add_request("gen-1", gen_prompts[1], greedy)
+    first_step = engine.step()
+    assert {o.request_id for o in first_step} == {"gen-0", "gen-1", "pool"}  # one step computed all three
+    outputs: dict[str, Any] = {o.request_id: o for o in first_step}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert isinstance(outputs["pool"], PoolingRequestOutput)
+    assert_close(outputs["pool"].outputs.data, reference(llama, tuple(pool_prompt), "MEAN", True))
+    for i in range(2):
+        generated = outputs[f"gen-{i}"]
+        assert isinstance(generated, RequestOutput) and generated.outputs[0].token_ids == alone[i]
+    assert free_blocks(llama_llm) == 63
 
 
 def test_bad_pooling_requests(llama_llm):
@@ -204,102 +194,12 @@ def test_core_refuses_both_params(llama_llm):
     assert not core.has_unfinished_requests()
 
 
-# --- the public APIs over a split stack -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def http_model(tmp_path_factory):
-    from splitserve.entrypoints.test_model import make_test_model
-
-    return make_test_model(
-        tmp_path_factory.mktemp("pooling-http"), "llama", "tiny", tokenizer=real_or_builtin("llama2")
-    )
-
-
-@pytest.fixture(scope="module")
-def services(http_model, tmp_path_factory):
-    """One core and one frontend serving gRPC and HTTP; yields (core address, frontend address, HTTP base URL)."""
-    logs = tmp_path_factory.mktemp("pooling-logs")
-    core = stack.start_core(str(http_model), logs, [*CORE_ARGS, "--max-num-batched-tokens", str(STEP_TOKENS)])
-    frontend = None
-    try:
-        core.wait_serving()
-        http_port = stack.free_port()
-        frontend = stack.start_frontend(str(http_model), [core.address], logs, ["--http-port", str(http_port)])
-        frontend.wait_serving()
-        yield core.address, frontend.address, f"http://127.0.0.1:{http_port}"
-    finally:
-        if frontend is not None:
-            frontend.stop()
-        core.stop()
-
-
 def embed(address: str, request: api.EmbedRequest) -> api.EmbedResponse:
+    """One ``Generation.Embed`` call (the split stack's tests: ``tests/test_openai_http.py``, which reuses that
+    module's stack)."""
+
     async def call() -> api.EmbedResponse:
         async with grpc.aio.insecure_channel(address) as channel:
             return await api_grpc.GenerationStub(channel).Embed(request, timeout=60)
 
     return asyncio.run(call())
-
-
-def test_grpc_embed(services, http_model):
-    core_address, address, _ = services
-    from transformers import AutoTokenizer
-
-    text = "The capital of France is Paris, a city of many bridges."
-    text_ids = AutoTokenizer.from_pretrained(http_model)(text).input_ids
-    request = api.EmbedRequest(
-        inputs=[api.EmbedInput(text=text), api.EmbedInput(tokens=api.TokenIds(token_ids=PROMPTS[1]))],
-        pooling_type=api.POOLING_TYPE_MEAN,
-    )
-    response = embed(address, request)
-    assert [e.index for e in response.embeddings] == [0, 1]
-    assert_close(list(response.embeddings[0].embedding), reference(http_model, tuple(text_ids), "MEAN", True))
-    assert_close(list(response.embeddings[1].embedding), reference(http_model, tuple(PROMPTS[1]), "MEAN", True))
-    assert response.usage.prompt_tokens == len(text_ids) + len(PROMPTS[1])
-    assert [e.prompt_tokens for e in response.embeddings] == [len(text_ids), len(PROMPTS[1])]
-    last = embed(address, api.EmbedRequest(inputs=[api.EmbedInput(text=text)], normalize=False))  # LAST default
-    assert_close(list(last.embeddings[0].embedding), reference(http_model, tuple(text_ids), "LAST", False))
-    bad = [
-        (api.EmbedRequest(), "inputs"),
-        (api.EmbedRequest(inputs=[api.EmbedInput(text=text), api.EmbedInput()]), "inputs[1]"),
-        (
-            api.EmbedRequest(
-                inputs=[api.EmbedInput(text=text), api.EmbedInput(tokens=api.TokenIds(token_ids=[10**6]))]
-            ),
-            "inputs[1].prompt_token_ids[0]",
-        ),
-        (api.EmbedRequest(inputs=[api.EmbedInput(text=text)], dimensions=4), "dimensions"),
-    ]
-    for message, field in bad:
-        with pytest.raises(grpc.RpcError) as info:
-            embed(address, message)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert info.value.details().startswith(f"{field}: "), info.value.details()
-    load = wait_core_empty(core_address)
-    assert not load.num_running_reqs and not load.num_waiting_reqs and load.num_free_kv_blocks == 128
-
-
-def test_openai_embeddings(services, http_model):
-    _, address, base_url = services
-    texts = ["Hello there", "A longer sentence about embeddings, to be computed in several chunks of prefill."]
-    expected = embed(address, api.EmbedRequest(inputs=[api.EmbedInput(text=t) for t in texts]))
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        response = client.embeddings.create(model=str(http_model), input=texts)
-        assert [d.index for d in response.data] == [0, 1]
-        for data, reference_embedding in zip(response.data, expected.embeddings, strict=True):
-            np.testing.assert_allclose(data.embedding, reference_embedding.embedding, atol=1e-6)
-        assert response.usage.prompt_tokens == expected.usage.prompt_tokens == response.usage.total_tokens
-        # base64: float32 little-endian bytes, as OpenAI's (the client decodes them itself: ask over raw HTTP)
-        raw = client.embeddings.with_raw_response.create(
-            model=str(http_model), input=[PROMPTS[0]], encoding_format="base64"
-        )
-        body = json.loads(raw.text)
-        vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
-        assert_close(vector.tolist(), reference(http_model, tuple(PROMPTS[0]), "LAST", True))
-        with pytest.raises(openai.BadRequestError) as info:
-            client.embeddings.create(model=str(http_model), input=texts, dimensions=8)
-        assert info.value.body["param"] == "dimensions"  # type: ignore[index]
-        with pytest.raises(openai.BadRequestError) as info:
-            client.embeddings.create(model=str(http_model), input=[])
-        assert info.value.body["param"] == "input"  # type: ignore[index]
