@@ -273,6 +273,8 @@ def _as_params_list(
 ) -> list[SamplingParams]:
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
+    if isinstance(sampling_params, PoolingParams):
+        raise ValidationError("sampling_params", "must be SamplingParams, got PoolingParams (use embed or encode)")
     params_list = list(sampling_params)
     if len(params_list) != num_prompts:
         raise ValidationError("sampling_params", f"has {len(params_list)} entries for {num_prompts} prompts")

@@ -66,9 +66,16 @@ def llama(checkpoint):
 
 @pytest.fixture(scope="module")
 def qwen3(checkpoint, tmp_path_factory):
-    """A tiny Qwen3 as an embedding model: sentence-transformers MEAN pooling with Normalize, Matryoshka."""
+    """A tiny Qwen3 as an embedding model, laid out as Qwen3-Embedding (base-model tensor names), with
+    sentence-transformers MEAN pooling and Normalize, and Matryoshka."""
+    from safetensors.torch import load_file, save_file
+
     path = tmp_path_factory.mktemp("qwen3-embedding") / "model"
     shutil.copytree(checkpoint("qwen3", "tiny"), path)
+    # Qwen3-Embedding's layout: the base model's tensor names (no "model." prefix), no lm_head (tied).
+    weights = load_file(path / "model.safetensors")
+    base = {k.removeprefix("model."): v for k, v in weights.items() if not k.startswith("lm_head.")}
+    save_file(base, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
     modules = [
