@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -210,3 +211,39 @@ def embed(address: str, request: api.EmbedRequest) -> api.EmbedResponse:
             return await api_grpc.GenerationStub(channel).Embed(request, timeout=60)
 
     return asyncio.run(call())
+
+
+def test_scheduler_emits_a_pooling_request_once_when_its_last_chunk_is_computed():
+    """Scheduler with fake runner output: a 40-token pooling request beside a generation request under a 16-token
+    budget emits nothing while its prefill is partial (as vLLM), then one finished output with its vector and no
+    token; its blocks go back at once. MEAN never reads the prefix cache, LAST does."""
+    from core_svc.outputs import ModelRunnerOutput
+    from core_svc.request import FinishReason, Request
+    from splitserve.base.pooling_params import PoolingParams as CorePoolingParams
+    from tests.factories import make_request, make_scheduler
+
+    scheduler = make_scheduler(max_num_batched_tokens=16, num_blocks=40, block_size=4)
+    pooling = Request("p", list(range(1000, 1040)), None, pooling_params=CorePoolingParams("MEAN", True))
+    assert pooling.skip_reading_prefix_cache
+    assert not Request("q", [1, 2], None, pooling_params=CorePoolingParams("LAST", True)).skip_reading_prefix_cache
+    scheduler.add_request(make_request("g", 6, max_tokens=3))
+    scheduler.add_request(pooling)
+    vector = np.arange(4, dtype="<f4").tobytes()
+    pooled_outputs = []
+    for _ in range(10):
+        scheduler_output = scheduler.schedule()
+        runner_output = ModelRunnerOutput(sampled_token_ids={})
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = scheduler.requests[request_id]
+            done = request.num_computed_tokens >= request.num_tokens
+            if request.pooling_params is not None and done:
+                runner_output.pooler_output[request_id] = vector
+            runner_output.sampled_token_ids[request_id] = [5] if done and request.pooling_params is None else []
+        outputs = scheduler.update_from_output(scheduler_output, runner_output)
+        pooled_outputs += [o for o in outputs.outputs if o.request_id == "p"]
+        if not scheduler.has_unfinished_requests():
+            break
+    [output] = pooled_outputs  # one output, the last chunk's: none for the partial prefills
+    assert output.finish_reason == FinishReason.STOP and output.new_token_ids == []
+    assert output.pooling_output == vector and pooling.output_token_ids == []
+    assert scheduler.kv_cache_manager.num_free_blocks == 39
