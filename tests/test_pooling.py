@@ -250,23 +250,23 @@ def test_scheduler_emits_a_pooling_request_once_when_its_last_chunk_is_computed(
 
 
 def test_a_preempted_pooling_request_pools_its_recomputed_prompt(llama):
-    """A MEAN pooling request preempted mid-prefill (6 usable KV blocks: the generation request admitted first
-    keeps growing) is recomputed from its first token when resumed, and still pools to transformers' vector: the
+    """A MEAN pooling request preempted mid-prefill (6 usable KV blocks; the generation request admitted first
+    holds 3 and grows) is recomputed from its first token when resumed, and still pools to transformers' vector: the
     runner drops what its first chunks accumulated."""
     from frontend_svc import LLMEngine
 
     engine = LLMEngine(str(llama), num_kv_blocks=7, max_num_batched_tokens=STEP_TOKENS, max_model_len=96)
     try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-        engine.add_request("gen", list(range(100, 130)), greedy)
-        pool_prompt = [11, 12, 13] * 23
+        greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        engine.add_request("gen", list(range(100, 140)), greedy)  # 3 blocks, then 4
+        pool_prompt = [11, 12, 13] * 23  # 5 blocks: preempted at its third chunk, resumed once "gen" ends
         engine.add_request("pool", pool_prompt, PoolingParams(pooling_type="MEAN"))
         outputs: dict[str, Any] = {}
         while engine.has_unfinished_requests():
             outputs.update((o.request_id, o) for o in engine.step())
         assert engine.num_preemptions >= 1
         assert_close(outputs["pool"].outputs.data, reference(llama, tuple(pool_prompt), "MEAN", True))
-        assert len(outputs["gen"].outputs[0].token_ids) == 60
+        assert len(outputs["gen"].outputs[0].token_ids) == 10
         assert engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks == 6
     finally:
         engine.close()
