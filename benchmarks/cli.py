@@ -109,6 +109,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="file name stem (default: latency-<preset>)")
     p.set_defaults(func=cmd_bench)
 
+    p = kinds.add_parser("embed", help="embeddings per second: LLM.embed against transformers AutoModel batched")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
+    p.add_argument("--arch", default="llama", choices=TEXT_ARCHS)
+    p.add_argument("--preset", default="small", choices=PRESETS)
+    p.add_argument("--tokenizer", type=Path, default=None, help="as for the other benchmarks")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts of the standard set")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per side (best reported)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request set")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON goes")
+    p.add_argument("--name", default=None, help="file name stem (default: embed-<preset>)")
+    p.set_defaults(func=cmd_bench)
+
     p = kinds.add_parser("n", help="one request with a large n: add, first output, abort after a deadline, liveness")
     p.add_argument("--model", default=None, help="checkpoint folder (default: a seeded make-test-model one)")
     p.add_argument("--arch", default="llama", choices=TEXT_ARCHS)
@@ -263,6 +276,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_n(args, model)
     if args.bench == "latency":
         return _bench_latency(args, model)
+    if args.bench == "embed":
+        return _bench_embed(args, model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     num_prompts = args.num_prompts or (512 if getattr(args, "device", "cpu") == "cuda" else 64)
     images_per_request = getattr(args, "images_per_request", 0)
@@ -362,4 +377,19 @@ def _bench_latency(args: argparse.Namespace, model: Path) -> int:
     json_path, png_path = latency.write_report(report, args.out, name)
     print(latency.format_report(report))
     print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _bench_embed(args: argparse.Namespace, model: Path) -> int:
+    from transformers import AutoTokenizer
+
+    from benchmarks import embed, workload
+
+    requests = workload.make_request_set(args.num_prompts, 1, AutoTokenizer.from_pretrained(model), args.seed)
+    report = embed.run(model, requests, args.repeats, args.hf_batch_size)
+    json_path = embed.write_report(
+        report, args.out, args.name or f"embed-{args.preset if not args.model else model.name}"
+    )
+    print(embed.format_report(report))
+    print(f"wrote {json_path}")
     return 0

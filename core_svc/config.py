@@ -16,6 +16,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["int8"]  # core_svc.models.quantization
 QUANTIZATION_METHODS = ("int8",)
 SchedulingPolicy = Literal["fcfs", "priority"]
+Runner = Literal["generate", "pooling"]  # vLLM's --runner
 AttentionBackendName = Literal["auto", "cpu", "torch_ref", "triton", "flash_attn"]  # kernels.get_attention_backend
 ATTENTION_BACKEND_NAMES = ("auto", "cpu", "torch_ref", "triton", "flash_attn")
 
@@ -81,6 +82,15 @@ class CoreConfig:
         metadata=flag("fcfs: first come, first served; priority: lowest priority value first"),
     )
     seed: int = field(default=0, metadata=flag("seed of the engine RNG (unseeded random sampling)"))
+    # vLLM's --runner (with --convert embed implied for pooling): a decoder model served as an embedding model.
+    runner: Runner = field(
+        default="generate",
+        metadata=flag(
+            "generate: generation requests, and pooling (embedding) requests beside them; pooling: an embedding "
+            "model, pooling requests only (generation refused), pooled as the folder's sentence-transformers "
+            "modules.json says, else LAST with normalize"
+        ),
+    )
     # A step whose model runner raises fails its own requests (INTERNAL) and the core goes on; this many failed
     # steps in a row, with no successful one between, declare the core dead (UNAVAILABLE, NOT_SERVING, exit).
     max_consecutive_failed_steps: int = field(
@@ -236,6 +246,8 @@ class CoreConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be generate or pooling, got {self.runner!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
 

@@ -38,6 +38,7 @@ from core_svc.errors import (
     InvalidRequestError,
     LoRADisabledError,
     LoRANotFoundError,
+    ModelLoadError,
     ProfileStateError,
     RequestTooLargeError,
     StepOutOfMemoryError,
@@ -70,6 +71,7 @@ from core_svc.stats import RequestStatsTracker, StatsSink
 from core_svc.structured_output import StructuredOutputManager
 from kernels import AttentionSpec, get_attention_backend
 from splitserve.base import envs
+from splitserve.base.pooling_params import PoolerConfig, load_pooler_config, pooling_params_violation
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
 from splitserve.base.sampling_rules import eos_and_stop_ids
 
@@ -161,6 +163,12 @@ class EngineCore:
         self.arch = loaded.arch
         # Before the runner and the KV sizing: the adapter slots are device memory like the weights.
         self.lora_manager = self._make_lora_manager(loaded, device) if config.enable_lora else None
+        self.hidden_size = loaded.arch.hidden_size
+        # Unset pooling fields take it; with either runner (a generate-runner core pools too).
+        try:
+            self.pooler_config: PoolerConfig = load_pooler_config(self.model_path)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read the pooling config of {self.model_path}: {e}") from e
         self.model_runner = ModelRunner(
             loaded,
             RunnerConfig(
@@ -252,8 +260,10 @@ class EngineCore:
                 )
             model = self.lora_manager.get(request.lora_name)  # LoRANotFoundError when not loaded
             request.lora_int_id, request.lora_hash = model.lora_request.lora_int_id, model.content_hash
+        if request.pooling_params is not None:
+            request.pooling_params = self.pooler_config.resolve(request.pooling_params)
         params = request.sampling_params
-        if params.eos_token_id is None and self.eos_token_ids:
+        if params is not None and params.eos_token_id is None and self.eos_token_ids:
             # "The model's EOS", for a client that did not fold it in (our frontend does, from the same rule). A
             # copy, since n>1 children may share one params object.
             eos_token_id, stop_token_ids = eos_and_stop_ids(
@@ -754,6 +764,20 @@ class EngineCore:
         if violation is not None:
             raise InvalidRequestError.from_violation(violation)
         self._validate_mm_features(request)
+        if request.pooling_params is not None and request.sampling_params is not None:
+            raise InvalidRequestError(
+                "pooling_params", "a request carries sampling_params or pooling_params, not both (vLLM's rule)"
+            )
+        if request.pooling_params is not None:
+            self._validate_pooling(request)
+            return
+        if self.config.runner == "pooling":
+            raise InvalidRequestError(
+                "sampling_params",
+                "this engine core runs an embedding model (--runner pooling): it takes pooling requests only",
+            )
+        if request.sampling_params is None:
+            raise InvalidRequestError("sampling_params", "a request needs sampling_params or pooling_params")
         request.sampling_params.validate(self.vocab_size, self.config.max_logprobs)
         max_tokens = request.sampling_params.max_tokens
         violation = max_tokens_violation(max_tokens, len(prompt), self.max_model_len)
@@ -767,6 +791,30 @@ class EngineCore:
                 f"request needs up to {max_len} tokens of KV cache (prompt {len(prompt)} + max_tokens "
                 f"{max_tokens} - 1), more than the whole cache "
                 f"holds ({num_usable_blocks * self.config.block_size} tokens)"
+            )
+
+    def _validate_pooling(self, request: Request) -> None:
+        """A pooling request's parameters (``splitserve.base.pooling_params``: vLLM's rules) and that its prompt fits
+        the KV cache (it holds every prompt token's KV until it finishes).
+
+        Raises:
+            InvalidRequestError: naming the field (``pooling_type``, ``dimensions``, ...).
+            RequestTooLargeError: the prompt can never fit the KV cache.
+        """
+        params = request.pooling_params
+        if params is None:
+            return
+        violation = pooling_params_violation(params) or self.pooler_config.dimensions_violation(
+            params.dimensions, self.hidden_size
+        )
+        if violation is not None:
+            raise InvalidRequestError.from_violation(violation)
+        num_prompt_tokens = len(request.prompt_token_ids)
+        num_usable_blocks = self.num_kv_blocks - 1
+        if cdiv(num_prompt_tokens, self.config.block_size) > num_usable_blocks:
+            raise RequestTooLargeError(
+                f"pooling request needs {num_prompt_tokens} tokens of KV cache (its prompt), more than the whole "
+                f"cache holds ({num_usable_blocks * self.config.block_size} tokens)"
             )
 
     def _validate_mm_features(self, request: Request) -> None:

@@ -16,6 +16,10 @@ from core_svc.outputs import LogprobsLists
 from core_svc.request import MultiModalFeature
 from core_svc.sampler import SamplingMetadata
 from core_svc.sampling_params import SamplingParams
+from splitserve.base.pooling_params import PoolingParams
+
+# What a pooling request's state holds for sampling_params: vLLM's defaults, never read (it never samples).
+NO_SAMPLING = SamplingParams()
 
 
 @dataclass
@@ -37,6 +41,12 @@ class CachedRequestState:
     # Greedy with nothing else reading or changing its logits (logprobs, logits processors, penalties); min_tokens
     # is checked per step by samples_by_argmax.
     is_plain_greedy: bool = field(init=False)
+    # A pooling request (its sampling_params then NO_SAMPLING, never read: it never samples), resolved; what its
+    # prompt's earlier chunks left for the pooler (core_svc.pooler): MEAN the float32 sum of their hidden rows
+    # [hidden_size], CLS the first row [hidden_size].
+    pooling_params: PoolingParams | None = None
+    pooling_sum: torch.Tensor | None = None
+    pooling_first: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

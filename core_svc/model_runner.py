@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core_svc import pooler
 from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture_sizes
 from core_svc.errors import EngineStepError, EngineUnavailableError
-from core_svc.input_batch import CachedRequestState, build_sampling_metadata
+from core_svc.input_batch import NO_SAMPLING, CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
 from core_svc.lora.layers import LoRABatch
 from core_svc.lora.manager import LoRAManager
@@ -73,6 +74,7 @@ class StepInputs:
     sample_states: list[CachedRequestState]  # requests that sample this step, in row order
     sample_rows: torch.Tensor  # [num_sampling_reqs] int64, hidden row of each one's last token
     prompt_logprob_rows: dict[str, tuple[int, int, int]]  # request_id -> (first hidden row, first position, count)
+    pooling_rows: list[tuple[CachedRequestState, int, int]]  # pooling requests: (state, first hidden row, count)
     graph_size: int | None = None  # the captured decode size this step replays (padded); None: eager
 
 
@@ -285,6 +287,7 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
             prompt_logprobs = self._compute_prompt_logprobs(hidden, inputs)
+            pooled = self._pool(hidden, inputs)
             sampler_output = None
             if inputs.sample_states:
                 logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -299,7 +302,7 @@ class ModelRunner:
             _synchronize(self.device)
             raise
         self.lora_batch.segments = []
-        output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs)
+        output = self._make_output(scheduler_output, inputs, sampler_output, prompt_logprobs, pooled)
         output.failed_requests = failed
         return output
 
@@ -324,6 +327,17 @@ class ModelRunner:
             return
         slots = self.lora_manager.activate({int_id for int_id, _, _ in runs})
         self.lora_batch.segments = [(slots[int_id], start, end) for int_id, start, end in runs]
+
+    def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """Fold each pooling request's rows of ``hidden`` ``[num_tokens, hidden_size]`` (the final norm's output)
+        into its accumulators (``core_svc.pooler``); returns the vectors ``[dimensions]`` float32 of those whose
+        prompt this step completes, on the device."""
+        pooled: dict[str, torch.Tensor] = {}
+        for state, row, count in inputs.pooling_rows:
+            pooler.accumulate(state, hidden[row : row + count], state.num_computed_tokens)
+            if state.num_computed_tokens + count >= state.num_prompt_tokens:
+                pooled[state.request_id] = pooler.finish(state, hidden[row + count - 1])
+        return pooled
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> SamplerOutput:
         """One token per row of ``logits`` ``[len(states), vocab_size]``. When every row samples by argmax
@@ -407,19 +421,20 @@ class ModelRunner:
         for identifier in scheduler_output.free_encoder_mm_hashes:
             self.encoder_cache.pop(identifier, None)
         for new in scheduler_output.scheduled_new_reqs:
-            seed = new.sampling_params.seed
+            params = new.sampling_params or NO_SAMPLING  # a pooling request never samples
             generator = None
-            if seed is not None and not new.sampling_params.is_greedy:
-                generator = torch.Generator(device=self.device).manual_seed(seed)
+            if params.seed is not None and not params.is_greedy:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.requests[new.request_id] = CachedRequestState(
                 request_id=new.request_id,
                 prompt_token_ids=new.prompt_token_ids,
-                sampling_params=new.sampling_params,
+                sampling_params=params,
                 generator=generator,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 mm_features=list(new.mm_features),
                 lora_int_id=new.lora_int_id,
+                pooling_params=new.pooling_params,
             )
             if self.uses_mrope:  # now, while the items carry their data (image_grid_thw)
                 positions, delta = self.model.get_mrope_input_positions(len(new.prompt_token_ids), new.mm_features)
@@ -430,6 +445,7 @@ class ModelRunner:
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
                 state.prompt_logprobs_parts.clear()
+                state.pooling_sum = state.pooling_first = None  # its prompt is computed again
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
@@ -459,6 +475,7 @@ class ModelRunner:
         sample_states: list[CachedRequestState] = []
         sample_rows: list[int] = []
         prompt_logprob_rows: dict[str, tuple[int, int, int]] = {}
+        pooling_rows: list[tuple[CachedRequestState, int, int]] = []
         for i, (state, (request_id, num_tokens)) in enumerate(zip(states, scheduled, strict=True)):
             start, row = state.num_computed_tokens, query_start_loc[-1]
             end = start + num_tokens
@@ -481,7 +498,9 @@ class ModelRunner:
                 prompt_logprob_rows[request_id] = (row, start, count)
             query_start_loc.append(row + num_tokens)
             seq_lens.append(end)
-            if end >= len(state.token_ids):
+            if state.pooling_params is not None:
+                pooling_rows.append((state, row, num_tokens))
+            elif end >= len(state.token_ids):
                 sample_states.append(state)
                 sample_rows.append(row + num_tokens - 1)
         buffers.query_start_loc.np[: num_reqs + 1] = query_start_loc
@@ -513,6 +532,7 @@ class ModelRunner:
             sample_states=sample_states,
             sample_rows=buffers.sample_rows.copy_to_device(len(sample_rows)),
             prompt_logprob_rows=prompt_logprob_rows,
+            pooling_rows=pooling_rows,
             graph_size=graph_size,
         )
 
@@ -574,17 +594,21 @@ class ModelRunner:
         inputs: StepInputs,
         sampler_output: SamplerOutput | None,
         prompt_logprobs: dict[str, LogprobsTensors],
+        pooled: dict[str, torch.Tensor],
     ) -> ModelRunnerOutput:
-        """The step's one device-to-host transfer (sampled ids, logprobs, prompt logprobs; copies started
-        together, one sync), then the per-request bookkeeping on the host."""
+        """The step's one device-to-host transfer (sampled ids, logprobs, prompt logprobs, pooled vectors;
+        copies started together, one sync), then the per-request bookkeeping on the host."""
         sampled_host = logprobs_host = None
         if sampler_output is not None:
             sampled_host = sampler_output.sampled_token_ids.to("cpu", non_blocking=True)
             if sampler_output.logprobs is not None:
                 logprobs_host = sampler_output.logprobs.to_host()
         prompt_host = {request_id: part.to_host() for request_id, part in prompt_logprobs.items()}
+        pooled_host = {request_id: vector.to("cpu", non_blocking=True) for request_id, vector in pooled.items()}
         _synchronize(self.device)
         output = ModelRunnerOutput(sampled_token_ids={rid: [] for rid in scheduler_output.num_scheduled_tokens})
+        # float32 little-endian: the wire's EngineCoreOutput.pooling_output (x86 and ARM hosts are little-endian)
+        output.pooler_output = {rid: vector.numpy().astype("<f4").tobytes() for rid, vector in pooled_host.items()}
         for request_id, part in prompt_host.items():
             self.requests[request_id].prompt_logprobs_parts.append(part.tolists())
         for state in inputs.sample_states:  # a request whose prefill completes emits its prompt logprobs

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from core_svc.request import EngineCoreEvent, FinishReason, MultiModalFeature
 from core_svc.sampling_params import SamplingParams
+from splitserve.base.pooling_params import PoolingParams
 
 
 @dataclass
@@ -18,11 +19,12 @@ class NewRequestData:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request
     block_ids: list[int]  # its whole block table so far
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # its multimodal items, by offset
     lora_int_id: int = 0  # its LoRA adapter's id; 0: the base model
+    pooling_params: PoolingParams | None = None  # a pooling request's, resolved (pooling_type, normalize set)
 
 
 @dataclass
@@ -79,6 +81,8 @@ class ModelRunnerOutput:
     # tokens 1..num_prompt_tokens-1, given once, in the step that completes the prefill
     failed_requests: dict[str, Exception] = field(default_factory=dict)  # request_id -> why the runner could not
     # compute it this step (its sampled tokens, if any, are void); the other requests of the step are unaffected
+    pooler_output: dict[str, bytes] = field(default_factory=dict)  # request_id -> its pooled vector, float32
+    # little-endian [dimensions], for each pooling request whose prompt this step completed
 
 
 @dataclass
@@ -95,6 +99,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: Exception | None = None  # with finish_reason ERROR: why; the wire carries its status code, message and
     # field (core_svc.wire.request_error_to_pb)
+    pooling_output: bytes | None = None  # a pooling request's vector (float32 little-endian), in its final output
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from core_svc.sampling_params import SamplingParams
 from core_svc.structured_output_request import StructuredOutputRequest
+from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.wire_enums import EngineCoreEventType, FinishReason
 
 
@@ -72,12 +73,13 @@ class MultiModalFeature:
 
 @dataclass(eq=False)
 class Request:
-    """One sequence the core generates for. ``num_computed_tokens`` counts tokens whose KV is in the cache
-    (or is being computed this step); ``num_tokens`` counts prompt plus output tokens."""
+    """One sequence the core generates for, or pools (vLLM: exactly one of ``sampling_params`` and
+    ``pooling_params`` is set). ``num_computed_tokens`` counts tokens whose KV is in the cache (or is being
+    computed this step); ``num_tokens`` counts prompt plus output tokens."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
     priority: int = 0  # lower is served first under the priority policy
     client_index: int = 0
@@ -87,6 +89,7 @@ class Request:
     cache_salt: str | None = None
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     trace_headers: dict[str, str] = field(default_factory=dict)
+    pooling_params: PoolingParams | None = None  # a pooling request: prefill only, finished with its vector
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -121,8 +124,23 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        # Prompt logprobs need every prompt position computed (vLLM does the same).
-        return self.sampling_params.prompt_logprobs is not None
+        # Prompt logprobs need every prompt position computed (vLLM does the same); so do MEAN and CLS pooling.
+        # LAST pooling needs only the last prompt token's hidden state, and a prefix-cache hit never covers the
+        # last token (``get_computed_blocks`` caps it one short), so LAST reads the cache. (The engine core has
+        # resolved pooling_type by the time the scheduler asks.) A pooling request's blocks are cached either way.
+        if self.pooling_params is not None:
+            return self.pooling_params.pooling_type != "LAST"
+        return self.sampling_params is not None and self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def generation_params(self) -> SamplingParams:
+        """The sampling parameters of a generation request.
+
+        Raises:
+            RuntimeError: on a pooling request (a bug: pooling requests never sample)."""
+        if self.sampling_params is None:
+            raise RuntimeError(f"request {self.request_id} is a pooling request: it has no sampling parameters")
+        return self.sampling_params
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

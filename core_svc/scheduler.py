@@ -141,6 +141,12 @@ class Scheduler:
                 continue
             if request.mm_features:
                 self._free_encoder_inputs(request)
+            if request.pooling_params is not None:
+                output = self._pooling_output(request, model_runner_output.pooler_output.get(request_id))
+                if output is not None:
+                    outputs.append(output)
+                    stopped.append(request)
+                continue
             new_token_ids = model_runner_output.sampled_token_ids.get(request_id, [])
             kept: list[int] = []
             error: Exception | None = None
@@ -177,6 +183,21 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return self.make_outputs(outputs)
+
+    def _pooling_output(self, request: Request, pooled: bytes | None) -> EngineCoreOutput | None:
+        """A pooling request's final output, once the runner pooled its prompt (vLLM: it finishes with
+        FINISHED_STOPPED when its pooler output comes, and a partial prefill emits nothing); None mid-prefill."""
+        if pooled is None:
+            return None
+        request.status = RequestStatus.FINISHED_STOPPED
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.status.finish_reason,
+            events=request.take_events(),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooling_output=pooled,
+        )
 
     def fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
         """Instead of ``update_from_output`` when the model runner raised ``error`` running ``scheduler_output``:
@@ -360,6 +381,7 @@ class Scheduler:
                     num_computed_tokens=r.num_computed_tokens,
                     mm_features=r.mm_features,
                     lora_int_id=r.lora_int_id,
+                    pooling_params=r.pooling_params,
                 )
                 for r in step.scheduled_new
             ],
@@ -482,7 +504,7 @@ class Scheduler:
         only once min_tokens outputs exist), then length (max_tokens or max_model_len). Sets the status."""
         if request.status == RequestStatus.FINISHED_STOPPED:  # its grammar terminated
             return True
-        params = request.sampling_params
+        params = request.generation_params
         last_token_id = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last_token_id == params.eos_token_id:
@@ -525,7 +547,7 @@ class Scheduler:
 
 def _grammar_conflict(request: Request) -> InvalidRequestError:
     """The error of a request whose other sampling settings forbade every token its constraint allowed."""
-    params = request.sampling_params
+    params = request.generation_params
     num_output_tokens = request.num_output_tokens
     if num_output_tokens < params.min_tokens:
         field, setting = "min_tokens", f"min_tokens={params.min_tokens} forbids ending the output"

@@ -67,7 +67,7 @@ class RequestStatsTracker:
         self.requests[request.request_id] = CoreRequestStats(
             request.request_id,
             request.num_prompt_tokens,
-            request.sampling_params.max_tokens,
+            request.sampling_params.max_tokens if request.sampling_params is not None else 0,
             request.trace_headers,
             queued_ts=now,
             events=[("queued", now)],

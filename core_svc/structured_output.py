@@ -119,7 +119,7 @@ class StructuredOutputManager:
     def grammar_init(self, request: Request) -> None:
         """Start compiling ``request``'s constraint and put it in WAITING_FOR_FSM (a cached grammar is ready at
         once: the request then waits no step)."""
-        params = request.sampling_params.structured_outputs
+        params = request.sampling_params.structured_outputs if request.sampling_params is not None else None
         if params is None:
             return
         compiled = self._compile(params)

@@ -17,6 +17,7 @@ from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs, LogprobsLists,
 from core_svc.request import FinishReason, MultiModalFeature, MultiModalTensor, Request
 from core_svc.sampling_params import SamplingParams
 from core_svc.sleep_mode import SleepResult
+from splitserve.base.pooling_params import POOLING_TYPES, PoolingParams
 from splitserve.base.proto_fields import set_optional_fields
 from splitserve.base.status import FieldError, status_code_of
 from splitserve.base.structured_outputs import StructuredOutputsParams
@@ -42,11 +43,27 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+def pooling_params_from_pb(msg: pb.PoolingParams) -> PoolingParams:
+    """Unset fields stay None (the core's pooler config fills them); an unknown pooling_type number is kept as
+    text, for ``EngineCore`` to refuse naming the field."""
+    number = int(msg.pooling_type)
+    name = None if number == 0 else dict(enumerate(POOLING_TYPES, 1)).get(number, f"PoolingType({number})")
+    return PoolingParams(
+        pooling_type=name,  # type: ignore[arg-type]  # an unknown number's text: refused by EngineCore
+        normalize=msg.normalize if msg.HasField("normalize") else None,
+        dimensions=msg.dimensions if msg.HasField("dimensions") else None,
+    )
+
+
 def request_from_pb(msg: pb.EngineCoreRequest) -> Request:
+    """The request as sent; never raises for a field's value (``EngineCore.add_request`` refuses it, naming the
+    field, so that one bad request does not end the stream): sampling_params and pooling_params are taken as set,
+    and a request with both or neither is refused there."""
     return Request(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        sampling_params=sampling_params_from_pb(msg.sampling_params),
+        sampling_params=sampling_params_from_pb(msg.sampling_params) if msg.HasField("sampling_params") else None,
+        pooling_params=pooling_params_from_pb(msg.pooling_params) if msg.HasField("pooling_params") else None,
         arrival_time=msg.arrival_time,
         priority=msg.priority,
         client_index=msg.client_index,
@@ -133,6 +150,8 @@ def _output_to_pb(output: EngineCoreOutput) -> pb.EngineCoreOutput:
         events=events,
         num_cached_tokens=output.num_cached_tokens,
     )
+    if output.pooling_output is not None:
+        msg.pooling_output = output.pooling_output
     if isinstance(output.stop_reason, int):
         msg.stop_token_id = output.stop_reason
     elif isinstance(output.stop_reason, str):

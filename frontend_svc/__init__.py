@@ -10,20 +10,34 @@ from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, InternalError, RequestTooLargeError, ValidationError
 from frontend_svc.llm import LLM
 from frontend_svc.llm_engine import LLMEngine
-from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
+from frontend_svc.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineCoreClient",
     "EngineDeadError",
     "InternalError",
     "LLMEngine",
     "Logprob",
     "LoRARequest",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "RequestTooLargeError",

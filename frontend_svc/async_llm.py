@@ -15,14 +15,15 @@ from frontend_svc.engine_types import EngineCoreRequest, LoRARequest, SchedulerS
 from frontend_svc.errors import EngineDeadError, NotFoundError
 from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
-from frontend_svc.llm_engine import LLMEngineBase
-from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
-from frontend_svc.outputs import RequestOutput
+from frontend_svc.llm_engine import LLMEngineBase, resolved_sampling_params
+from frontend_svc.output_processor import OutputProcessor, PoolingOutputCollector, RequestOutputCollector
+from frontend_svc.outputs import PoolingRequestOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.stat_logger import LoggingStatLogger, StatLogger
 from frontend_svc.stats import IterationStats
 from splitserve.base import envs
+from splitserve.base.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 # Outputs processed between yields to the event loop (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE); also the n > 1
@@ -132,7 +133,7 @@ class AsyncLLM(LLMEngineBase):
             if params.n == 1:
                 requests.append(self.register_request(request, request_id, prompt_text, queue))
             else:
-                parent = ParentRequest(internal_id, request_id, request.sampling_params)
+                parent = ParentRequest(internal_id, request_id, resolved_sampling_params(request))
                 for index in range(params.n):
                     if index and index % OUTPUT_CHUNK_SIZE == 0:
                         await asyncio.sleep(0)  # 16384 children: the event loop runs between chunks
@@ -185,6 +186,50 @@ class AsyncLLM(LLMEngineBase):
             if queue is not None and not finished:
                 queue.close()  # nobody reads it now: no abort outputs are built for it
                 self._abort_nowait([queue.request_id])
+            raise
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        trace_headers: dict[str, str] | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request (vLLM's ``AsyncLLM.encode``): yields its one ``PoolingRequestOutput`` when it
+        finishes (``outputs.data``: the pooled vector). Cancelling the consumer aborts it in the core.
+
+        Raises:
+            ValidationError, RequestTooLargeError: the request is refused, naming the field.
+            EngineDeadError: the core has failed or was shut down.
+        """
+        arrival_time = time.time()
+        dead = self._handler_state.dead_error
+        if dead is not None:
+            raise EngineDeadError(f"the engine core has failed: {dead}")
+        self._ensure_output_handler()
+        if not isinstance(prompt, list | tuple) and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            text, token_ids = await self.input_processor.tokenize_async(prompt)
+            prompt = (
+                TokensPrompt(prompt_token_ids=token_ids)
+                if text is None
+                else TokensPrompt(prompt=text, prompt_token_ids=token_ids)
+            )
+        queue = PoolingOutputCollector()
+        options = RequestOptions(arrival_time, priority, None, trace_headers)
+        internal_id, request = self.prepare_pooling_request(request_id, prompt, pooling_params, options, queue)
+        queue.request_id = internal_id
+        finished = False
+        try:
+            await self.engine_core.add_requests_async([request])
+            output = await queue.get()
+            finished = True
+            yield output
+        except BaseException:
+            if not finished:
+                queue.close()
+                self._abort_nowait([internal_id])
             raise
 
     async def abort(self, request_ids: str | Iterable[str], internal: bool = False) -> None:

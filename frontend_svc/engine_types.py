@@ -9,6 +9,7 @@ from typing import Any
 
 from frontend_svc.errors import FrontendError
 from frontend_svc.sampling_params import SamplingParams
+from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.wire_enums import EngineCoreEventType, FinishReason
 
 
@@ -40,7 +41,7 @@ class LoRARequest:
 class EngineCoreRequest:
     request_id: str  # internal id, unique per core
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # n = 1; max_tokens resolved; eos folded in
+    sampling_params: SamplingParams | None  # n = 1; max_tokens resolved; eos folded in. None: a pooling request
     arrival_time: float = field(default_factory=time.time)  # seconds since the epoch
     priority: int = 0
     cache_salt: str | None = None
@@ -48,6 +49,7 @@ class EngineCoreRequest:
     client_index: int = 0
     mm_features: list[MultiModalFeature] = field(default_factory=list)  # in prompt order, ranges disjoint
     lora_request: LoRARequest | None = None  # None: the base model
+    pooling_params: PoolingParams | None = None  # a pooling request (exactly one of the two params is set)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: FrontendError | None = None  # with finish_reason ERROR: the core's refusal or failure
     events: list[EngineCoreEvent] = field(default_factory=list)  # since the request's previous output
+    pooling_output: list[float] | None = None  # a pooling request's vector, in its final output
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,7 @@ from frontend_svc.errors import ValidationError
 from frontend_svc.mm_processor import IMAGE, SUPPORTED_MODEL_TYPES, EncodedImage, MultiModalProcessor, image_from_url
 from frontend_svc.sampling_params import INT32_MAX, SamplingParams
 from frontend_svc.tokenize_budget import TokenizeBudget, budget_bytes_of_memory, utf8_size
+from splitserve.base.pooling_params import PoolingParams, pooling_params_violation
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
 from splitserve.base.sampling_rules import eos_and_stop_ids
 
@@ -266,6 +267,44 @@ class InputProcessor:
             trace_headers=dict(options.trace_headers or {}),
             mm_features=mm_features,
             lora_request=options.lora_request,
+        )
+        return request, prompt_text
+
+    def process_pooling_inputs(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, options: RequestOptions | None = None
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """A pooling request (vLLM's ``InputProcessor.process_inputs`` with ``PoolingParams``): tokenize, cut the
+        prompt to its last ``truncate_prompt_tokens`` tokens (-1: max_model_len - 1; vLLM truncates on the left),
+        check it against the model. Images are refused (a text pooling request). ``params`` is not modified.
+
+        Raises:
+            ValidationError: naming the field: a bad parameter (``pooling_params_violation``), an empty prompt, one
+                too long for max_model_len, ids outside the vocabulary, images, an option the wire cannot carry.
+        """
+        if not isinstance(params, PoolingParams):
+            raise ValidationError("pooling_params", f"must be a PoolingParams, got {type(params).__name__}")
+        violation = pooling_params_violation(params)
+        if violation is not None:
+            raise ValidationError.from_violation(violation)
+        options = options or RequestOptions()
+        check_options(options)
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            raise ValidationError("multi_modal_data", "pooling requests take text or token ids only")
+        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None:
+            keep = self.info.max_model_len - 1 if truncate == -1 else truncate
+            prompt_token_ids = prompt_token_ids[-keep:]
+        self._check_prompt(prompt_token_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=None,
+            pooling_params=params.clone(),
+            arrival_time=time.time() if options.arrival_time is None else options.arrival_time,
+            priority=options.priority,
+            cache_salt=options.cache_salt,
+            trace_headers=dict(options.trace_headers or {}),
         )
         return request, prompt_text
 

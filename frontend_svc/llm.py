@@ -10,8 +10,9 @@ from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, PromptType
 from frontend_svc.llm_engine import LLMEngine
-from frontend_svc.outputs import RequestOutput
+from frontend_svc.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from splitserve.base.pooling_params import PoolingParams
 
 
 class LLM:
@@ -139,6 +140,57 @@ class LLM:
         ]
         return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (vLLM's ``LLM.encode``): each prompt is computed once (prefill only; no token is
+        sampled) and its final-layer hidden states pooled into one vector, ``output.outputs.data`` (a list of
+        float32 values, ``dimensions`` or hidden_size long). Outputs come back in prompt order.
+
+        Args:
+            prompts: one prompt or a list: text, token ids, or a {"prompt"} / {"prompt_token_ids"} dict.
+            pooling_params: one for all prompts or one per prompt (default ``PoolingParams()``: the core's pooler
+                config, LAST pooling with normalize unless the model folder's modules.json says otherwise).
+            use_tqdm, priority: as ``generate``.
+
+        Raises:
+            ValidationError: a bad prompt or parameter, naming the field (nothing is left running).
+            InternalError, EngineDeadError, ...: as ``generate``.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_pooling_params_list(pooling_params, len(prompt_list))
+        priorities = _as_priority_list(priority, len(prompt_list))
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt, params, request_priority in zip(prompt_list, params_list, priorities, strict=True):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, params, priority=request_priority)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)
+            raise
+        outputs = self._run_engine(request_ids, len(request_ids), use_tqdm)
+        return [output for output in outputs if isinstance(output, PoolingRequestOutput)]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``): ``encode``, each output read as an embedding,
+        ``output.outputs.embedding`` (list[float])."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
     def _run(
         self,
         prompts: list[PromptType],
@@ -166,14 +218,15 @@ class LLM:
         except Exception:
             engine.abort_request(request_ids)
             raise
-        return self._run_engine(request_ids, sum(params.n for params in params_list), use_tqdm)
+        outputs = self._run_engine(request_ids, sum(params.n for params in params_list), use_tqdm)
+        return [output for output in outputs if isinstance(output, RequestOutput)]
 
     def _run_engine(
         self, request_ids: list[str], num_completions: int, use_tqdm: bool | Callable[..., Any]
-    ) -> list[RequestOutput]:
+    ) -> list[RequestOutput | PoolingRequestOutput]:
         from tqdm.auto import tqdm
 
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         # As vLLM's LLM._run_engine: the bar counts completions (n per prompt) and shows the speed of the finished
         # ones (prompt tokens once per completion, all completions' tokens) over the time since it started.
@@ -197,17 +250,19 @@ class LLM:
                             num_output_tokens += output_tokens
                             elapsed_s = bar.format_dict["elapsed"]
                             bar.set_postfix_str(speed_postfix(num_input_tokens, num_output_tokens, elapsed_s), False)
-                            bar.update(len(output.outputs))
+                            bar.update(1 if isinstance(output, PoolingRequestOutput) else len(output.outputs))
             except Exception:  # a request failed (vLLM's LLM raises too): the call ends, all of it
                 self.llm_engine.abort_request(request_ids)
                 raise
         return [finished[request_id] for request_id in request_ids]
 
 
-def count_tokens(output: RequestOutput) -> tuple[int, int]:
+def count_tokens(output: RequestOutput | PoolingRequestOutput) -> tuple[int, int]:
     """(input, output) tokens of a finished request as vLLM's ``LLM`` progress bar counts them: the prompt's once
-    per completion, and the tokens of all its completions."""
+    per completion, and the tokens of all its completions (a pooling request: its prompt, no output)."""
     num_prompt_tokens = len(output.prompt_token_ids or ())
+    if isinstance(output, PoolingRequestOutput):
+        return num_prompt_tokens, 0
     return num_prompt_tokens * len(output.outputs), sum(len(c.token_ids) for c in output.outputs)
 
 
@@ -261,7 +316,24 @@ def _as_params_list(
 ) -> list[SamplingParams]:
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
+    if isinstance(sampling_params, PoolingParams):
+        raise ValidationError("sampling_params", "must be SamplingParams, got PoolingParams (use embed or encode)")
     params_list = list(sampling_params)
     if len(params_list) != num_prompts:
         raise ValidationError("sampling_params", f"has {len(params_list)} entries for {num_prompts} prompts")
+    return params_list
+
+
+def _as_pooling_params_list(
+    pooling_params: PoolingParams | Sequence[PoolingParams] | None, num_prompts: int
+) -> list[PoolingParams]:
+    if pooling_params is None:
+        return [PoolingParams()] * num_prompts
+    if isinstance(pooling_params, PoolingParams):
+        return [pooling_params] * num_prompts
+    if isinstance(pooling_params, SamplingParams):
+        raise ValidationError("pooling_params", "must be PoolingParams, got SamplingParams (use generate)")
+    params_list = list(pooling_params)
+    if len(params_list) != num_prompts:
+        raise ValidationError("pooling_params", f"has {len(params_list)} entries for {num_prompts} prompts")
     return params_list

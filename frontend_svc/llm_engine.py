@@ -19,8 +19,8 @@ from frontend_svc.errors import FrontendError, NotFoundError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions, check_wire_string
 from frontend_svc.mm_processor import load_mm_processor
-from frontend_svc.output_processor import OutputProcessor, RequestOutputCollector
-from frontend_svc.outputs import RequestOutput
+from frontend_svc.output_processor import OutputProcessor, PoolingOutputCollector, RequestOutputCollector
+from frontend_svc.outputs import PoolingRequestOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import SamplingParams, sampling_params_with_defaults
 from frontend_svc.stats import IterationStats
@@ -28,6 +28,7 @@ from frontend_svc.tokenizer import load_tokenizer
 from splitserve.base.logging_config import configure_library_logging
 from splitserve.base.mm_limits import parse_limit_mm_per_prompt
 from splitserve.base.model_files import resolve_model_path
+from splitserve.base.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,28 @@ class LLMEngineBase:
         """Shut the core down and free its memory (idempotent)."""
         self._finalizer()
 
+    def prepare_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        options: RequestOptions,
+        queue: PoolingOutputCollector | None = None,
+    ) -> tuple[str, EngineCoreRequest]:
+        """As ``prepare_requests``, for a pooling request (never fanned out): validated, registered with the
+        output processor; returns its internal id and its core request."""
+        internal_id, request, prompt_text = self.process_request(request_id, prompt, params, options)
+        self.output_processor.add_pooling_request(
+            request.request_id,
+            request_id,
+            params,
+            prompt_text,
+            request.prompt_token_ids,
+            queue=queue,
+            arrival_time=request.arrival_time,
+        )
+        return internal_id, request
+
     def prepare_requests(
         self,
         request_id: str,
@@ -126,11 +149,11 @@ class LLMEngineBase:
         internal_id, request, prompt_text = self.process_request(request_id, prompt, params, options)
         if params.n == 1:
             return internal_id, [self.register_request(request, request_id, prompt_text, queue)]
-        parent = ParentRequest(internal_id, request_id, request.sampling_params)
+        parent = ParentRequest(internal_id, request_id, resolved_sampling_params(request))
         return internal_id, [self.add_child(parent, request, prompt_text, i, queue) for i in range(params.n)]
 
     def process_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, options: RequestOptions
+        self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, options: RequestOptions
     ) -> tuple[str, EngineCoreRequest, str | None]:
         """Validate a request; returns its internal id, its core request (n as asked) and its prompt text.
 
@@ -148,7 +171,10 @@ class LLMEngineBase:
             )
         check_wire_string(request_id, "request_id")
         internal_id = f"{request_id}-{secrets.token_hex(4)}"
-        request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, options)
+        if isinstance(params, PoolingParams):
+            request, prompt_text = self.input_processor.process_pooling_inputs(internal_id, prompt, params, options)
+        else:
+            request, prompt_text = self.input_processor.process_inputs(internal_id, prompt, params, options)
         return internal_id, request, prompt_text
 
     def register_request(
@@ -162,7 +188,7 @@ class LLMEngineBase:
         self.output_processor.add_request(
             request.request_id,
             external_req_id,
-            request.sampling_params,
+            resolved_sampling_params(request),
             prompt_text,
             request.prompt_token_ids,
             queue=queue,
@@ -209,6 +235,16 @@ class LLMEngineBase:
         self.output_processor.abort_requests([r.request_id for r in requests], internal=True)
 
 
+def resolved_sampling_params(request: EngineCoreRequest) -> SamplingParams:
+    """A generation request's resolved sampling parameters.
+
+    Raises:
+        RuntimeError: ``request`` is a pooling request (a bug: those are never registered as generation)."""
+    if request.sampling_params is None:
+        raise RuntimeError(f"request {request.request_id} is a pooling request")
+    return request.sampling_params
+
+
 class LLMEngine(LLMEngineBase):
     """Synchronous engine: the caller drives it with ``step()``.
 
@@ -244,13 +280,13 @@ class LLMEngine(LLMEngineBase):
         self.scheduler_stats: SchedulerStats | None = None  # the latest the core reported
         # A step that failed requests raises one error per step() call; what it produced besides waits here.
         self._pending_errors: list[FrontendError] = []
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[RequestOutput | PoolingRequestOutput] = []
 
     def add_request(
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         *,
         trace_headers: dict[str, str] | None = None,
@@ -261,6 +297,8 @@ class LLMEngine(LLMEngineBase):
         """Queue a request (n > 1 fans out). Returns the internal request id. Arguments after ``arrival_time``
         are keywords, as in vLLM's ``LLMEngine.add_request``. ``lora_request``: the LoRA adapter to generate with;
         one not loaded on the core yet is loaded from its ``lora_path`` first (as vLLM loads adapters on demand).
+        With ``PoolingParams`` it is a pooling request: ``step()`` returns its ``PoolingRequestOutput`` when it
+        finishes.
 
         Raises:
             TypeError: request_id is not a str.
@@ -270,7 +308,11 @@ class LLMEngine(LLMEngineBase):
             NotFoundError: ``lora_request`` names an adapter the core has not loaded, without a ``lora_path``.
         """
         options = RequestOptions(arrival_time, priority, cache_salt, trace_headers, lora_request)
-        internal_id, requests = self.prepare_requests(request_id, prompt, params, options)
+        if isinstance(params, PoolingParams):
+            internal_id, pooling_request = self.prepare_pooling_request(request_id, prompt, params, options)
+            requests = [pooling_request]
+        else:
+            internal_id, requests = self.prepare_requests(request_id, prompt, params, options)
         try:
             if lora_request is not None and lora_request.lora_path:
                 self.engine_core.add_lora(lora_request)  # the adapter as loaded: a no-op
@@ -280,8 +322,9 @@ class LLMEngine(LLMEngineBase):
             raise
         return internal_id
 
-    def step(self) -> list[RequestOutput]:
-        """Run one core step; return the outputs it produced (per output kind).
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Run one core step; return the outputs it produced (per output kind; a pooling request's
+        ``PoolingRequestOutput`` once, when it finishes).
 
         A request the core refused, failed (a failed step) or lost raises its error, as ``AsyncLLM.generate``
         does, rather than coming back as an output with finish reason "error" and no message. It is finished

@@ -15,11 +15,13 @@ client that goes away (mid-stream, or while waiting for a whole completion) abor
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -27,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import splitserve
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.embeddings import check_num_inputs, encode_all
 from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
 from frontend_svc.input_processor import PromptType
@@ -35,6 +38,7 @@ from frontend_svc.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
@@ -96,6 +100,7 @@ def make_app(state: FrontendServerState) -> FastAPI:
     app.get("/v1/models")(api.models)
     app.post("/v1/completions", response_model=None)(api.completions)
     app.post("/v1/chat/completions", response_model=None)(api.chat_completions)
+    app.post("/v1/embeddings")(api.embeddings)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     if state.enable_admin_routes:  # vLLM serves them in its dev mode only
@@ -281,6 +286,40 @@ class _OpenAIApi:
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
                 yield generation.chunk("chat.completion.chunk", [choice])
 
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+        """OpenAI's embeddings: one ``{"object": "embedding", "index", "embedding"}`` per input (floats, or with
+        ``encoding_format`` "base64" the float32 little-endian bytes in base64, as OpenAI's), and the usage. The
+        inputs run as pooling requests, all in flight at once; a refused input is 400 naming ``input[i]``."""
+        if body.model is not None and body.model != self.state.model:
+            await self._check_model(body.model)  # 404 for a name that is neither the model nor an adapter
+            raise ValidationError(
+                "model", f"embeddings run on the served model `{self.state.model}`, not a LoRA adapter"
+            )
+        engine = self._engine()
+        prompts: list[PromptType] = list(body.prompts())
+        check_num_inputs(len(prompts), "input")
+        params = body.to_pooling_params()
+        request_id = f"embd-{uuid.uuid4().hex}"
+        self.state.active_calls += 1
+        try:
+            work = encode_all(engine, prompts, params, request_id, "input", body.priority)
+            outputs = await until_disconnect(request, work)
+        finally:
+            self.state.active_calls -= 1
+        data = [
+            {"object": "embedding", "index": i, "embedding": embedding_body(o.outputs.data, body.encoding_format)}
+            for i, o in enumerate(outputs)
+        ]
+        prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        return {
+            "id": request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.state.model,
+            "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0},
+        }
+
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or rendered messages."""
         engine = await self._check_model(body.model)
@@ -416,6 +455,14 @@ async def _model_found(call: Awaitable[T], model: str | None) -> T:
         raise
     except NotFoundError as e:
         raise UnknownModelError(f"The model `{model}` does not exist: {e}") from e
+
+
+def embedding_body(data: list[float], encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: the floats, or "base64": float32 little-endian bytes in base64 (what the
+    ``openai`` client decodes with ``numpy.frombuffer(..., dtype="float32")``)."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(data, dtype="<f4").tobytes()).decode()
+    return data
 
 
 def _core_available(engine: AsyncLLM) -> bool:

@@ -11,12 +11,13 @@ refused by name, never ignored; unknown fields are ignored, as vLLM ignores them
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
+from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.structured_outputs import FIELD as STRUCTURED_OUTPUTS_FIELD
 
 # vLLM's (and OpenAI's) default max_tokens of the legacy completions API; chat takes all the room left.
@@ -256,6 +257,45 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int] = Field(default_factory=list)
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings`` (OpenAI's body, vLLM's ``EmbeddingCompletionRequest``): ``input`` is one text, a
+    list of texts, one token-id list or a list of them; vLLM's extra ``truncate_prompt_tokens``, ``normalize``
+    and ``pooling_type`` (ours) too."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # ignored, as vLLM ignores it
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = None
+    priority: int = 0
+
+    def prompts(self) -> list[str | list[int]]:
+        """The inputs: one text or token-id list each.
+
+        Raises:
+            ValidationError: an empty ``input`` list.
+        """
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if not value:
+            raise ValidationError("input", "must not be empty")
+        if all(isinstance(p, int) for p in value):
+            return [[p for p in value if isinstance(p, int)]]
+        return [p for p in value if not isinstance(p, int)]
+
+    def to_pooling_params(self) -> PoolingParams:
+        return PoolingParams(
+            pooling_type=self.pooling_type,
+            normalize=self.normalize,
+            dimensions=self.dimensions,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+        )
 
 
 def request_field(field: str, request: SamplingRequest) -> str:

@@ -16,10 +16,11 @@ from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineCoreOutput, FinishReason
 from frontend_svc.errors import FrontendError
 from frontend_svc.logprobs import LogprobsProcessor
-from frontend_svc.outputs import CompletionOutput, RequestOutput
+from frontend_svc.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from frontend_svc.stats import IterationStats, RequestStateStats
+from splitserve.base.pooling_params import PoolingParams
 
 
 class RequestOutputCollector:
@@ -70,6 +71,75 @@ class RequestOutputCollector:
             raise RuntimeError("no output to take")
         pending, self._pending = self._pending, []
         return RequestOutput.merge(pending, self.aggregate)
+
+
+class PoolingOutputCollector:
+    """A pooling request's mailbox between the output handler and an ``AsyncLLM.encode`` consumer: one output
+    (or an error), when the request finishes. A closed collector takes nothing more."""
+
+    def __init__(self, request_id: str = "") -> None:
+        self.request_id = request_id  # the internal id of the request
+        self.closed = False
+        self._output: PoolingRequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: PoolingRequestOutput | Exception) -> None:
+        if self.closed or self._output is not None:
+            return
+        self._output = output
+        self.ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._output = None
+
+    async def get(self) -> PoolingRequestOutput:
+        await self.ready.wait()
+        output, self._output = self._output, None
+        if isinstance(output, Exception):
+            raise output
+        if output is None:
+            raise RuntimeError("no output to take")
+        return output
+
+
+class PoolingRequestState:
+    """What the frontend tracks for one pooling request: no detokenizer, no logprobs; one output, at the end."""
+
+    def __init__(
+        self,
+        request_id: str,
+        external_req_id: str,
+        params: PoolingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        queue: PoolingOutputCollector | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.external_req_id = external_req_id
+        self.params = params
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.queue = queue
+        self.parent: ParentRequest | None = None  # never fanned out
+        self.stats = RequestStateStats(arrival_time=time.time() if arrival_time is None else arrival_time)
+
+    def finish_stats(self, finish_reason: FinishReason, iteration_stats: IterationStats | None) -> None:
+        if iteration_stats is not None:
+            iteration_stats.update_from_finished_request(str(finish_reason), len(self.prompt_token_ids), 0, self.stats)
+
+    def make_output(self, data: list[float], num_cached_tokens: int) -> PoolingRequestOutput:
+        """The request's one output (``data`` empty: it was aborted)."""
+        return PoolingRequestOutput(
+            request_id=self.external_req_id,
+            outputs=PoolingOutput(data),
+            prompt_token_ids=self.prompt_token_ids,
+            finished=True,
+            num_cached_tokens=num_cached_tokens,
+            prompt=self.prompt,
+            metrics=self.stats,
+        )
 
 
 class RequestState:
@@ -155,7 +225,8 @@ class RequestState:
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput] = field(default_factory=list)  # for callers without a queue
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)  # for callers
+    # without a queue
     reqs_to_abort: list[str] = field(default_factory=list)  # internal ids a stop string or a failed sibling ended
     # For callers without a queue: requests the core refused, failed or lost, one error each (``request_id`` set)
     errors: list[FrontendError] = field(default_factory=list)
@@ -166,7 +237,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self.request_states: dict[str, RequestState] = {}
+        self.request_states: dict[str, RequestState | PoolingRequestState] = {}
         # The caller's id -> its internal ids (children for n > 1), as an ordered set: removing one is O(1).
         self.external_req_ids: dict[str, dict[str, None]] = {}
         self.parent_requests: dict[str, ParentRequest] = {}  # internal parent id -> parent, while children run
@@ -207,6 +278,24 @@ class OutputProcessor:
         if parent is not None:
             self.parent_requests[parent.request_id] = parent
 
+    def add_pooling_request(
+        self,
+        request_id: str,
+        external_req_id: str,
+        params: PoolingParams,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        queue: PoolingOutputCollector | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Track a pooling request (vLLM's ``OutputProcessor`` keeps it with no detokenizer)."""
+        if request_id in self.request_states:
+            raise ValueError(f"request id {request_id} is already in flight")
+        self.request_states[request_id] = PoolingRequestState(
+            request_id, external_req_id, params, prompt, prompt_token_ids, queue, arrival_time
+        )
+        self.external_req_ids.setdefault(external_req_id, {})[request_id] = None
+
     def process_outputs(
         self,
         engine_core_outputs: Iterable[EngineCoreOutput],
@@ -235,6 +324,17 @@ class OutputProcessor:
                 result.reqs_to_abort.extend(self._fail(state, error, iteration_stats))
                 if state.queue is None:
                     result.errors.append(error)
+                continue
+            if isinstance(state, PoolingRequestState):
+                if output.finish_reason is None:
+                    continue  # the core sends a pooling request's output only when it finishes
+                self._remove(state)
+                state.finish_stats(output.finish_reason, iteration_stats)
+                pooled = state.make_output(output.pooling_output or [], output.num_cached_tokens)
+                if state.queue is not None:
+                    state.queue.put(pooled)
+                else:
+                    result.request_outputs.append(pooled)
                 continue
             request_output, finish_reason = self._process_one(state, output)
             if request_output is not None:
@@ -287,12 +387,18 @@ class OutputProcessor:
             state.finish_stats(FinishReason.ABORT, iteration_stats)
             if state.queue is not None and state.queue.closed:
                 continue
+            if isinstance(state, PoolingRequestState):
+                if state.queue is not None:
+                    state.queue.put(state.make_output([], 0))
+                continue
             state.detokenizer.finish()  # the text of ids left pending goes out with them
             aborted = state.make_request_output(FinishReason.ABORT, None)
             if aborted is not None and state.queue is not None:
                 state.queue.put(aborted)
 
-    def _fail(self, state: RequestState, error: FrontendError, iteration_stats: IterationStats | None) -> list[str]:
+    def _fail(
+        self, state: RequestState | PoolingRequestState, error: FrontendError, iteration_stats: IterationStats | None
+    ) -> list[str]:
         """A request the core refused, failed or lost: its stream gets the error, which names it; n > 1 siblings
         are dropped too. Returns the siblings' internal ids, for the core to abort."""
         error.request_id = state.external_req_id
@@ -327,7 +433,7 @@ class OutputProcessor:
         request_output = state.make_request_output(finish_reason, stop_reason)
         return request_output, finish_reason
 
-    def _remove(self, state: RequestState) -> None:
+    def _remove(self, state: RequestState | PoolingRequestState) -> None:
         """Forget one request, in O(1): a parent goes with its last child."""
         self.request_states.pop(state.request_id, None)
         parent = state.parent

@@ -105,3 +105,55 @@ def _merge_completions(pieces: list[CompletionOutput], aggregate: bool) -> Compl
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
     )
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM ``PoolingOutput``; ``data`` is a list here, the frontend has no torch)."""
+
+    data: list[float]  # [dimensions] float32 values, pooled (and normalized when asked)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request returns (vLLM ``PoolingRequestOutput``): one output, when it finishes."""
+
+    request_id: str  # the caller's id
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (LAST pooling only)
+    prompt: str | None = None
+    metrics: RequestStateStats | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM ``EmbeddingOutput``: a pooling output read as an embedding."""
+
+    embedding: list[float]  # [dimensions]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM ``EmbeddingRequestOutput``: what ``LLM.embed`` returns per prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(
+            output.request_id,
+            EmbeddingOutput(output.outputs.data),
+            output.prompt_token_ids,
+            output.finished,
+            output.num_cached_tokens,
+        )

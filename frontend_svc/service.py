@@ -15,6 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.embeddings import check_num_inputs, encode_all
 from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, FrontendError, NotSupportedError, ValidationError
 from frontend_svc.input_processor import PromptType
@@ -24,6 +25,9 @@ from frontend_svc.tokenize_budget import utf8_size
 from frontend_svc.wire import (
     chat_messages_from_api,
     default_sampling_params_to_api,
+    embed_inputs_from_api,
+    embed_pooling_params_from_api,
+    embed_response_to_api,
     generate_request_from_api,
     lora_adapter_to_api,
     lora_request_from_api,
@@ -185,6 +189,23 @@ class GenerationServicer(api_grpc.GenerationServicer):
         except FrontendError as e:
             await abort(context, e)
         return api.ListLoraAdaptersResponse(adapters=[lora_adapter_to_api(lora) for lora in loras])
+
+    async def Embed(self, request: api.EmbedRequest, context: grpc.aio.ServicerContext) -> api.EmbedResponse:
+        """Every input pooled as a pooling request (``AsyncLLM.encode``), all in flight at once; one response.
+        A refused input fails the call (INVALID_ARGUMENT naming ``inputs[i]``) and the others are aborted."""
+        engine = await self._engine(context)
+        request_id = request.request_id or f"embd-{uuid.uuid4().hex}"
+        self.state.active_calls += 1
+        try:
+            check_num_inputs(len(request.inputs), "inputs")
+            prompts = embed_inputs_from_api(request)
+            params = embed_pooling_params_from_api(request)
+            outputs = await encode_all(engine, prompts, params, request_id, "inputs", request.priority)
+        except FrontendError as e:
+            await abort(context, e)
+        finally:
+            self.state.active_calls -= 1
+        return embed_response_to_api(request_id, outputs)
 
     async def _stream(
         self,

@@ -23,14 +23,18 @@ from frontend_svc.engine_types import (
     SchedulerStats,
 )
 from frontend_svc.errors import FrontendError, ValidationError, error_from_core
-from frontend_svc.input_processor import ChatMessage, TextPrompt, TokensPrompt
+from frontend_svc.input_processor import ChatMessage, PromptType, TextPrompt, TokensPrompt
 from frontend_svc.mm_processor import IMAGE, EncodedImage, image_from_url
-from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
+from frontend_svc.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
+from splitserve.base.pooling_params import POOLING_TYPES, PoolingParams
 from splitserve.base.proto_fields import set_optional_fields
 from splitserve.base.structured_outputs import StructuredOutputsParams
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
+
+# "LAST" -> PoolingType's number on both wires (the engine core's and the public API's enums agree).
+POOLING_TYPE_NUMBERS = {name: number for number, name in enumerate(POOLING_TYPES, 1)}
 
 
 def request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
@@ -49,7 +53,38 @@ def request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
 
 
 def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
-    params = request.sampling_params
+    msg = pb.EngineCoreRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+        trace_headers=request.trace_headers,
+        client_index=request.client_index,
+    )
+    if request.sampling_params is not None:
+        msg.sampling_params.CopyFrom(sampling_params_to_pb(request.sampling_params))
+    if request.pooling_params is not None:
+        msg.pooling_params.CopyFrom(pooling_params_to_pb(request.pooling_params))
+    if request.cache_salt is not None:
+        msg.cache_salt = request.cache_salt
+    if request.lora_request is not None:
+        msg.lora_request.CopyFrom(lora_request_to_pb(request.lora_request))
+    msg.mm_features.extend(mm_feature_to_pb(feature) for feature in request.mm_features)
+    return msg
+
+
+def pooling_params_to_pb(params: PoolingParams) -> pb.PoolingParams:
+    """A pooling request's parameters on the core's wire (truncate_prompt_tokens is the frontend's: already
+    applied to the prompt)."""
+    msg = pb.PoolingParams(pooling_type=POOLING_TYPE_NUMBERS[params.pooling_type] if params.pooling_type else 0)  # type: ignore[arg-type]  # an enum's int
+    if params.normalize is not None:
+        msg.normalize = params.normalize
+    if params.dimensions is not None:
+        msg.dimensions = params.dimensions
+    return msg
+
+
+def sampling_params_to_pb(params: SamplingParams) -> pb.SamplingParams:
     sampling = pb.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -71,21 +106,7 @@ def _request_to_pb(request: EngineCoreRequest) -> pb.EngineCoreRequest:
             setattr(sampling, name, value)
     if params.structured_outputs is not None:
         sampling.structured_outputs.CopyFrom(structured_outputs_to_pb(params.structured_outputs))
-    msg = pb.EngineCoreRequest(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        sampling_params=sampling,
-        arrival_time=request.arrival_time,
-        priority=request.priority,
-        trace_headers=request.trace_headers,
-        client_index=request.client_index,
-    )
-    if request.cache_salt is not None:
-        msg.cache_salt = request.cache_salt
-    if request.lora_request is not None:
-        msg.lora_request.CopyFrom(lora_request_to_pb(request.lora_request))
-    msg.mm_features.extend(mm_feature_to_pb(feature) for feature in request.mm_features)
-    return msg
+    return sampling
 
 
 def lora_request_to_pb(lora_request: LoRARequest) -> pb.LoRARequest:
@@ -145,7 +166,12 @@ def _unsendable_field(request: EngineCoreRequest) -> str:
         for f in pb.SamplingParams.DESCRIPTOR.fields
         if getattr(params, f.name, None) is not None and f.name != "structured_outputs"
     ]
-    if params.structured_outputs is not None:
+    if request.pooling_params is not None:
+        try:
+            pooling_params_to_pb(request.pooling_params)
+        except (ValueError, TypeError, OverflowError, KeyError):
+            return "pooling_params"
+    if params is not None and params.structured_outputs is not None:
         try:
             structured_outputs_to_pb(params.structured_outputs)
         except (ValueError, TypeError, OverflowError):
@@ -229,6 +255,7 @@ def _output_from_pb(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
         num_cached_tokens=msg.num_cached_tokens,
         error=error_from_pb(msg.error) if msg.HasField("error") else None,
         events=[event for event in map(_event_from_pb, msg.events) if event is not None],
+        pooling_output=np.frombuffer(msg.pooling_output, dtype="<f4").tolist() if msg.pooling_output else None,
     )
 
 
@@ -438,3 +465,51 @@ def _position_to_api(position: dict[int, Logprob] | None) -> api.PositionLogprob
             for token_id, lp in position.items()
         ]
     )
+
+
+def embed_inputs_from_api(msg: api.EmbedRequest) -> list[PromptType]:
+    """The prompts of an Embed call: each input's text, or its token ids.
+
+    Raises:
+        ValidationError: an input with neither, naming ``inputs[i]``.
+    """
+    prompts: list[PromptType] = []
+    for i, item in enumerate(msg.inputs):
+        kind = item.WhichOneof("input")
+        if kind == "text":
+            prompts.append(item.text)
+        elif kind == "tokens":
+            prompts.append(TokensPrompt(prompt_token_ids=list(item.tokens.token_ids)))
+        else:
+            raise ValidationError(f"inputs[{i}]", "is empty (set text or tokens)")
+    return prompts
+
+
+def embed_pooling_params_from_api(msg: api.EmbedRequest) -> PoolingParams:
+    """An Embed call's ``PoolingParams``; unset fields stay None (the core's pooler config fills them).
+
+    Raises:
+        ValidationError: an unknown pooling_type number.
+    """
+    number = int(msg.pooling_type)
+    pooling_type = None
+    if number:
+        if not 1 <= number <= len(POOLING_TYPES):
+            raise ValidationError("pooling_type", f"unknown PoolingType {number}")
+        pooling_type = POOLING_TYPES[number - 1]
+    return PoolingParams(
+        pooling_type=pooling_type,
+        normalize=msg.normalize if msg.HasField("normalize") else None,
+        dimensions=msg.dimensions if msg.HasField("dimensions") else None,
+        truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
+    )
+
+
+def embed_response_to_api(request_id: str, outputs: list[PoolingRequestOutput]) -> api.EmbedResponse:
+    """One embedding per input, in input order, with the prompt tokens counted."""
+    embeddings = [
+        api.Embedding(index=i, embedding=output.outputs.data, prompt_tokens=len(output.prompt_token_ids))
+        for i, output in enumerate(outputs)
+    ]
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return api.EmbedResponse(request_id=request_id, embeddings=embeddings, usage=api.Usage(prompt_tokens=prompt_tokens))

@@ -5,13 +5,16 @@ the same frontend's gRPC API (greedy text, seeded samples, logprobs) and from th
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx2 as httpx
+import numpy as np
 import openai
 import pytest
 
@@ -20,6 +23,10 @@ from splitserve.stubs.frontend.v1 import generation_pb2 as api
 from splitserve.stubs.frontend.v1 import generation_pb2_grpc as api_grpc
 from tests.conftest import real_or_builtin
 from tests.test_grpc_split import CORE_ARGS, NUM_KV_BLOCKS, core_load, generate, joined, wait_core_empty
+from tests.test_pooling import PROMPTS as POOLING_PROMPTS
+from tests.test_pooling import assert_close
+from tests.test_pooling import embed as pooling_embed
+from tests.test_pooling import reference as pooled_reference
 from tests.test_structured_outputs import SMALL_SCHEMA  # every value bounded: a document fits in the tokens given
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -794,3 +801,73 @@ def test_a_bad_schema_is_a_400_naming_the_field_through_the_client(client):
             extra_body={"structured_outputs": {"json": {"type": "strin"}}},
         )
     assert from_extra.value.param == "structured_outputs.json"
+
+
+def test_grpc_embed_pools_each_input_as_transformers(services, model):
+    """Generation.Embed: texts and token ids, MEAN and the default (LAST), against transformers' pooled
+    last_hidden_state; bad inputs are INVALID_ARGUMENT naming the input; every block is free after."""
+    core, frontend, _ = services
+    core_address, address, http_model = core.address, frontend.address, Path(model)
+    from transformers import AutoTokenizer
+
+    text = "The capital of France is Paris, a city of many bridges."
+    text_ids = AutoTokenizer.from_pretrained(http_model)(text).input_ids
+    request = api.EmbedRequest(
+        inputs=[api.EmbedInput(text=text), api.EmbedInput(tokens=api.TokenIds(token_ids=POOLING_PROMPTS[1]))],
+        pooling_type=api.POOLING_TYPE_MEAN,
+    )
+    response = pooling_embed(address, request)
+    assert [e.index for e in response.embeddings] == [0, 1]
+    assert_close(list(response.embeddings[0].embedding), pooled_reference(http_model, tuple(text_ids), "MEAN", True))
+    assert_close(
+        list(response.embeddings[1].embedding), pooled_reference(http_model, tuple(POOLING_PROMPTS[1]), "MEAN", True)
+    )
+    assert response.usage.prompt_tokens == len(text_ids) + len(POOLING_PROMPTS[1])
+    assert [e.prompt_tokens for e in response.embeddings] == [len(text_ids), len(POOLING_PROMPTS[1])]
+    last = pooling_embed(address, api.EmbedRequest(inputs=[api.EmbedInput(text=text)], normalize=False))  # LAST default
+    assert_close(list(last.embeddings[0].embedding), pooled_reference(http_model, tuple(text_ids), "LAST", False))
+    bad = [
+        (api.EmbedRequest(), "inputs"),
+        (api.EmbedRequest(inputs=[api.EmbedInput(text=text), api.EmbedInput()]), "inputs[1]"),
+        (
+            api.EmbedRequest(
+                inputs=[api.EmbedInput(text=text), api.EmbedInput(tokens=api.TokenIds(token_ids=[10**6]))]
+            ),
+            "inputs[1].prompt_token_ids[0]",
+        ),
+        (api.EmbedRequest(inputs=[api.EmbedInput(text=text)], dimensions=4), "dimensions"),
+    ]
+    for message, field in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            pooling_embed(address, message)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"{field}: "), info.value.details()
+    load = wait_core_empty(core_address)
+    assert not load.num_running_reqs and not load.num_waiting_reqs and load.num_free_kv_blocks == NUM_KV_BLOCKS - 1
+
+
+def test_openai_embeddings_equal_the_grpc_embed(services, model):
+    """/v1/embeddings with the official client: float and base64 encodings, usage, 400 naming the field."""
+    _, frontend, base_url = services
+    address, http_model = frontend.address, Path(model)
+    texts = ["Hello there", "A longer sentence about embeddings, to be computed in several chunks of prefill."]
+    expected = pooling_embed(address, api.EmbedRequest(inputs=[api.EmbedInput(text=t) for t in texts]))
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        response = client.embeddings.create(model=str(http_model), input=texts)
+        assert [d.index for d in response.data] == [0, 1]
+        for data, reference_embedding in zip(response.data, expected.embeddings, strict=True):
+            np.testing.assert_allclose(data.embedding, reference_embedding.embedding, atol=1e-6)
+        assert response.usage.prompt_tokens == expected.usage.prompt_tokens == response.usage.total_tokens
+        # base64: float32 little-endian bytes, as OpenAI's (the client decodes them itself: ask over raw HTTP)
+        raw = client.embeddings.with_raw_response.create(
+            model=str(http_model), input=[POOLING_PROMPTS[0]], encoding_format="base64"
+        )
+        body = json.loads(raw.text)
+        vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+        assert_close(vector.tolist(), pooled_reference(http_model, tuple(POOLING_PROMPTS[0]), "LAST", True))
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=str(http_model), input=texts, dimensions=8)
+        assert info.value.body["param"] == "dimensions"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=str(http_model), input=[])
+        assert info.value.body["param"] == "input"  # type: ignore[index]

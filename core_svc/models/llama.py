@@ -129,6 +129,10 @@ class LlamaForCausalLM(ServedModel):
         """Map a checkpoint tensor name to (our parameter name, shard index or None); None for names to skip."""
         if "rotary_emb.inv_freq" in name:
             return None
+        if not name.startswith(("model.", "lm_head.")):
+            # A base model's names (Qwen3-Embedding ships Qwen3Model's: "layers.0...", no "model."), as vLLM maps
+            # them for embedding models.
+            name = f"model.{name}"
         if name == "lm_head.weight" and self.lm_head is None:
             return None  # tied: the embedding is the head
         return fused_param_name(name)

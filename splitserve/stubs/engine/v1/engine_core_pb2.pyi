@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
+    POOLING_TYPE_LAST: _ClassVar[PoolingType]
+    POOLING_TYPE_MEAN: _ClassVar[PoolingType]
+    POOLING_TYPE_CLS: _ClassVar[PoolingType]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -21,6 +28,10 @@ class EngineCoreEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_CORE_EVENT_TYPE_QUEUED: _ClassVar[EngineCoreEventType]
     ENGINE_CORE_EVENT_TYPE_SCHEDULED: _ClassVar[EngineCoreEventType]
     ENGINE_CORE_EVENT_TYPE_PREEMPTED: _ClassVar[EngineCoreEventType]
+POOLING_TYPE_UNSPECIFIED: PoolingType
+POOLING_TYPE_LAST: PoolingType
+POOLING_TYPE_MEAN: PoolingType
+POOLING_TYPE_CLS: PoolingType
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -293,8 +304,18 @@ class LoRARequest(_message.Message):
     lora_path: str
     def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
+class PoolingParams(_message.Message):
+    __slots__ = ("pooling_type", "normalize", "dimensions")
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    pooling_type: PoolingType
+    normalize: bool
+    dimensions: int
+    def __init__(self, pooling_type: _Optional[_Union[PoolingType, str]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
 class EngineCoreRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling_params", "arrival_time", "lora_request", "cache_salt", "priority", "trace_headers", "client_index")
+    __slots__ = ("request_id", "prompt_token_ids", "mm_features", "sampling_params", "arrival_time", "lora_request", "cache_salt", "priority", "trace_headers", "client_index", "pooling_params")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +333,7 @@ class EngineCoreRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    POOLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     mm_features: _containers.RepeatedCompositeFieldContainer[MultiModalFeatureSpec]
@@ -322,7 +344,8 @@ class EngineCoreRequest(_message.Message):
     priority: int
     trace_headers: _containers.ScalarMap[str, str]
     client_index: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeatureSpec, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., lora_request: _Optional[_Union[LoRARequest, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_index: _Optional[int] = ...) -> None: ...
+    pooling_params: PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., mm_features: _Optional[_Iterable[_Union[MultiModalFeatureSpec, _Mapping]]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., lora_request: _Optional[_Union[LoRARequest, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., client_index: _Optional[int] = ..., pooling_params: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
 
 class AbortRequests(_message.Message):
     __slots__ = ("request_ids",)
@@ -367,7 +390,7 @@ class RequestError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class EngineCoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "events", "num_cached_tokens", "error")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "events", "num_cached_tokens", "error", "pooling_output")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +401,7 @@ class EngineCoreOutput(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    POOLING_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
@@ -388,7 +412,8 @@ class EngineCoreOutput(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[EngineCoreEvent]
     num_cached_tokens: int
     error: RequestError
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., new_prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., events: _Optional[_Iterable[_Union[EngineCoreEvent, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+    pooling_output: bytes
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., new_prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., events: _Optional[_Iterable[_Union[EngineCoreEvent, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., pooling_output: _Optional[bytes] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("requests", "queries", "hits", "reset", "preempted_requests", "preempted_queries", "preempted_hits")

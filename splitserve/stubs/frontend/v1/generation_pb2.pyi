@@ -13,10 +13,21 @@ class OutputKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_KIND_CUMULATIVE: _ClassVar[OutputKind]
     OUTPUT_KIND_DELTA: _ClassVar[OutputKind]
     OUTPUT_KIND_FINAL_ONLY: _ClassVar[OutputKind]
+
+class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingType]
+    POOLING_TYPE_LAST: _ClassVar[PoolingType]
+    POOLING_TYPE_MEAN: _ClassVar[PoolingType]
+    POOLING_TYPE_CLS: _ClassVar[PoolingType]
 OUTPUT_KIND_UNSPECIFIED: OutputKind
 OUTPUT_KIND_CUMULATIVE: OutputKind
 OUTPUT_KIND_DELTA: OutputKind
 OUTPUT_KIND_FINAL_ONLY: OutputKind
+POOLING_TYPE_UNSPECIFIED: PoolingType
+POOLING_TYPE_LAST: PoolingType
+POOLING_TYPE_MEAN: PoolingType
+POOLING_TYPE_CLS: PoolingType
 
 class SamplingParams(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_tokens_unlimited", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens", "output_kind", "logit_bias", "allowed_token_ids", "detokenize", "structured_outputs")
@@ -326,3 +337,55 @@ class ListLoraAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: TokenIds
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "inputs", "pooling_type", "normalize", "dimensions", "truncate_prompt_tokens", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    pooling_type: PoolingType
+    normalize: bool
+    dimensions: int
+    truncate_prompt_tokens: int
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., pooling_type: _Optional[_Union[PoolingType, str]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("index", "embedding", "prompt_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, index: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embeddings", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class GenerationStub:
                 request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/splitserve.frontend.v1.Generation/Embed',
+                request_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -136,6 +141,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings (vLLM's pooling requests, task "embed"): each input's prompt computed once, its final-layer hidden
+        states pooled into one vector. One response with every input's embedding, in input order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +191,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +414,33 @@ class Generation:
             '/splitserve.frontend.v1.Generation/ListLoraAdapters',
             splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersRequest.SerializeToString,
             splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.frontend.v1.Generation/Embed',
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            splitserve_dot_stubs_dot_frontend_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
