@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from splitserve.base import cpu_threads
 from splitserve.base.config_args import NOT_A_FLAG, flag
 from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, image_limit, parse_limit_mm_per_prompt
 
@@ -116,6 +117,17 @@ class CoreConfig:
             metavar="N",
         ),
     )
+    # vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind, auto, all or a CPU list (0-3,6); None: the variable
+    # SPLITSERVE_CPU_OMP_THREADS_BIND, default nobind (splitserve.base.cpu_threads).
+    cpu_omp_threads_bind: str | None = field(
+        default=None,
+        metadata=flag(
+            "pin the core to these CPUs with one OpenMP thread on each: a CPU list (0-3,6), auto (the cores it may "
+            "use), all (its affinity mask), or nobind",
+            default_help="$SPLITSERVE_CPU_OMP_THREADS_BIND, else nobind",
+            metavar="CPUS",
+        ),
+    )
     served_model_name: str | None = field(
         default=None,
         metadata=flag(
@@ -172,6 +184,8 @@ class CoreConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.cpu_omp_threads_bind is not None:
+            cpu_threads.check_bind(self.cpu_omp_threads_bind, "cpu_omp_threads_bind")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
