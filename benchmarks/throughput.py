@@ -304,7 +304,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     check_device(device)  # --device cuda where torch cannot use a GPU: the reason and its fix, before any work
     load_before = list(os.getloadavg())  # the machine is shared: how busy it was, beside the results
     flops = ModelFlops.from_checkpoint(model)
-    # int8 is weight-only: float32 activations, its MFU over float32's peak
+    # int8: its MFU over float32's peak (its integer products run at another peak, not measured)
     peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes} - {"int8"})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     peaks["int8"] = peaks["float32"]

@@ -38,11 +38,12 @@ class CoreConfig:
     model: str = field(metadata=NOT_A_FLAG)  # local Hugging Face folder or hub id
     device: Device = field(default="cpu", metadata=flag("where the model runs"))
     dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
-    # vLLM's --quantization: int8 is weight-only, per output channel, quantized at load from the float checkpoint.
+    # vLLM's --quantization: int8 weights per output channel, quantized at load from the float checkpoint; batches
+    # quantize the activations per row too (W8A8: core_svc.models.quantization).
     quantization: Quantization | None = field(
         default=None,
         metadata=flag(
-            "int8: the decoder's linear weights as int8 per output channel (weight-only; CPU only)",
+            "int8: linear weights int8 per output channel, batches' activations int8 per row (CPU only)",
             default_help="none: the weights in --dtype",
         ),
     )
