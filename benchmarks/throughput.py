@@ -6,7 +6,7 @@ Backends run one after another in this process, on the same checkpoint, requests
   request order;
 - ``hf-generate-batch``: transformers ``generate_batch`` (continuous batching over a paged KV cache);
 - ``ctranslate2``, ``llama.cpp``: the CPU engines users pick instead, each converted from the same checkpoint
-  (``peers``), in float32 and int8 (CTranslate2) and f32 and f16 (llama.cpp); skipped, with the reason in the
+  (``peers``), in float32 and int8 (CTranslate2) and f32, f16 and q8_0 (llama.cpp); skipped, with the reason in the
   report, when their packages (the ``bench`` extra) are not installed.
 All decode greedily and generate exactly ``output_len`` tokens per request (EOS ignored). Model FLOP utilization
 (MFU) is model FLOPs (``workload.ModelFlops``) per second over the ``torch.mm`` peak of the same dtype on the same
