@@ -63,12 +63,9 @@ def set_compute_threads(num_threads: int | None, bind: str | None = None) -> str
     """
     source = "--cpu-omp-threads-bind" if bind is not None else "SPLITSERVE_CPU_OMP_THREADS_BIND"
     value = bind if bind is not None else envs.cpu_omp_threads_bind()
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    # Bound before torch loaded (cpu_threads.prepare_process): the runtime has since bound this thread to the first
-    # of those CPUs, so they are taken from OMP_PLACES.
+    cpus = cpu_threads.bind_cpus(value, cpu_threads.allowed_cpus(os.environ), cpu_threads.cgroup_cpu_quota(), source)
     bound = cpu_threads.places_cpus(os.environ)
-    cpus = cpu_threads.bind_cpus(value, allowed | set(bound or []), cpu_threads.cgroup_cpu_quota(), source)
-    if cpus is not None and bound is not None:
+    if cpus is not None and bound is not None:  # bound before torch loaded (cpu_threads.prepare_process)
         cpus = bound
     if cpus is None:
         choice = cpu_threads.detect_threads(num_threads)

@@ -206,6 +206,8 @@ def test_binding_sets_the_openmp_places_unless_the_user_bound_threads_already():
     environ: dict[str, str] = {}
     assert prepare_binding(environ, cpus, torch_loaded=False) == f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
     assert environ == omp_bind_env(cpus)
+    # again, as the in-process core does after the command line: its own variables are no conflict
+    assert prepare_binding(environ, cpus, torch_loaded=False) == f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
     environ = {}
     assert "threads not bound: torch was imported before" in prepare_binding(environ, cpus, torch_loaded=True)
     assert environ == {}

@@ -305,6 +305,13 @@ def places_cpus(environ: MutableMapping[str, str]) -> list[int] | None:
     return [int(p[1:-1]) for p in parts]
 
 
+def allowed_cpus(environ: MutableMapping[str, str]) -> set[int]:
+    """The CPUs this process may run on: the calling thread's affinity mask, and the CPUs of a binding prepared
+    before torch loaded (``places_cpus``: the OpenMP runtime has since bound the loading thread to the first)."""
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return mask | set(places_cpus(environ) or [])
+
+
 def thread_ids(task_dir: Path = PROC_SELF_TASK) -> list[int]:
     """The ids of this process's threads (Linux ``/proc/self/task``); empty where there is no such folder."""
     try:
@@ -331,13 +338,17 @@ def prepare_binding(environ: MutableMapping[str, str], cpus: list[int] | None, t
     """Pin this process to ``cpus`` and set ``omp_bind_env(cpus)`` in ``environ`` (call it before torch is
     imported: the OpenMP runtime reads them once, when it is loaded); returns the binding in words, for the startup
     log. None: nothing is done. Where torch was imported before, the process is pinned but its threads are not
-    bound one per CPU, and the words say so.
+    bound one per CPU, and the words say so. Called again with the same CPUs (the command line, then the
+    in-process core), it finds its own variables and changes nothing.
 
     Raises:
         ValueError: the user set one of ``OMP_BIND_VARIABLES`` as well (two bindings; keep one).
     """
     if cpus is None:
         return "not bound (nobind)"
+    wanted = omp_bind_env(cpus)
+    if all(environ.get(name) == value for name, value in wanted.items()):  # prepared before (the command line)
+        return f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
     conflicting = [name for name in OMP_BIND_VARIABLES if name in environ]
     if conflicting:
         raise ValueError(
@@ -348,7 +359,7 @@ def prepare_binding(environ: MutableMapping[str, str], cpus: list[int] | None, t
         pin_threads(cpus)
     if torch_loaded:
         return f"process pinned to CPUs {format_cpu_list(cpus)}; threads not bound: torch was imported before"
-    environ.update(omp_bind_env(cpus))
+    environ.update(wanted)
     return f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
 
 
@@ -361,6 +372,5 @@ def prepare_process(policy: str, bind: str = "nobind", bind_source: str = "SPLIT
     """
     torch_loaded = "torch" in sys.modules
     policy_text = prepare_openmp_env(os.environ, policy, torch_loaded)
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-    cpus = bind_cpus(bind, allowed, cgroup_cpu_quota(), bind_source)
+    cpus = bind_cpus(bind, allowed_cpus(os.environ), cgroup_cpu_quota(), bind_source)
     return f"{policy_text}; binding: {prepare_binding(os.environ, cpus, torch_loaded)}"
