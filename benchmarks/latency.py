@@ -51,6 +51,8 @@ class Settings:
     engines: tuple[str, ...] = ("splitserve", "transformers", *peers.PEERS)
     num_threads: int = 1
     seed: int = 0
+    # the peers' precisions to run (e.g. f32, f16, float32); None: all of each peer's (peers.PEER_PRECISIONS)
+    peer_precisions: tuple[str, ...] | None = None
 
 
 def prompts_for(tokenizer: Any, prompt_lens: tuple[int, ...], seed: int) -> dict[int, list[int]]:
@@ -155,6 +157,8 @@ def load_engines(model: Path, settings: Settings) -> tuple[dict[str, Callable[[l
                 skipped[name] = reason
                 continue
             for precision in peers.PEER_PRECISIONS[name]:
+                if settings.peer_precisions is not None and precision not in settings.peer_precisions:
+                    continue
                 engine = peers.load_peer(model, name, precision, settings.num_threads, max_len)
                 engines[engine.label] = _peer(engine)
         else:
