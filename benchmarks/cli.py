@@ -105,6 +105,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="CPU threads of every engine (default: the cores this process may use: affinity and cgroup quota)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument(
+        "--peer-precisions",
+        default=None,
+        help="the peers' precisions to run, comma-separated (e.g. f32,f16,float32,int8; default: all of each)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
     p.add_argument("--name", default=None, help="file name stem (default: latency-<preset>)")
     p.set_defaults(func=cmd_bench)
@@ -371,6 +376,7 @@ def _bench_latency(args: argparse.Namespace, model: Path) -> int:
         engines=names(args.engines),
         num_threads=cpu_threads.detect_threads(args.num_threads).num_threads,
         seed=args.seed,
+        peer_precisions=names(args.peer_precisions) if args.peer_precisions else None,
     )
     report = latency.run(model, AutoTokenizer.from_pretrained(model), settings)
     name = args.name or f"latency-{args.preset if not args.model else model.name}"

@@ -7,7 +7,9 @@ Each is converted once from the same Hugging Face checkpoint into the benchmark'
 - CTranslate2: its own converter for Transformers models (``ctranslate2.converters.TransformersConverter``), in
   float32 and int8 (weights int8, activations float32);
 - llama.cpp: a GGUF file written with the ``gguf`` package's ``GGUFWriter`` for the Llama architecture
-  (``write_llama_gguf``), f32 and f16 (2-D weights in float16, norms in float32, as llama.cpp's own converter).
+  (``write_llama_gguf``), f32, f16 (2-D weights in float16, norms in float32, as llama.cpp's own converter) and
+  q8_0 (2-D weights in llama.cpp's 8-bit blocks, quantized by ``gguf.quants``; llama.cpp quantizes the
+  activations to 8 bits per block of 32 for those matmuls).
 
 Every peer decodes greedily, ``output_len`` tokens per request, EOS suppressed, from the same prompt token ids.
 """
@@ -32,8 +34,10 @@ logger = logging.getLogger(__name__)
 PEERS = ("ctranslate2", "llama.cpp")
 # Each peer's packages (import names) and its precisions: CTranslate2 compute types, GGUF file types.
 PEER_MODULES = {"ctranslate2": ("ctranslate2",), "llama.cpp": ("llama_cpp", "gguf")}
-PEER_PRECISIONS = {"ctranslate2": ("float32", "int8"), "llama.cpp": ("f32", "f16")}
+PEER_PRECISIONS = {"ctranslate2": ("float32", "int8"), "llama.cpp": ("f32", "f16", "q8_0")}
 INSTALL_HINT = "pip install -e '.[bench]'"
+# GGUF file type -> gguf.LlamaFileType member (the file's general.file_type)
+GGUF_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0"}
 
 
 def missing_reason(peer: str) -> str | None:
@@ -89,16 +93,19 @@ def permute_for_ggml_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_llama_gguf(model: Path, out: Path, file_type: str) -> Path:
     """Write ``model`` (a LlamaForCausalLM folder: config.json, safetensors, tokenizer.json) as a GGUF file for
-    llama.cpp's ``llama`` architecture; ``file_type``: f32, or f16 (2-D weights in float16, 1-D in float32).
+    llama.cpp's ``llama`` architecture; ``file_type``: f32, f16 (2-D weights in float16, 1-D in float32) or
+    q8_0 (2-D weights quantized by ``gguf.quants.quantize`` to Q8_0: blocks of 32 int8 with a float16 scale; a
+    weight whose rows are not a multiple of 32 stays f16, as llama.cpp's converter falls back).
 
     Raises:
-        ValueError: a file type other than f32 / f16, a config that is not Llama's, or a tensor GGUF has no name for.
+        ValueError: a file type other than f32 / f16 / q8_0, a config that is not Llama's, or a tensor GGUF has no
+            name for.
     """
     import gguf
     from safetensors.numpy import load_file
 
-    if file_type not in ("f32", "f16"):
-        raise ValueError(f"file_type must be f32 or f16, got {file_type!r}")
+    if file_type not in GGUF_FILE_TYPES:
+        raise ValueError(f"file_type must be one of {', '.join(GGUF_FILE_TYPES)}, got {file_type!r}")
     config = json.loads((model / "config.json").read_text())
     if config.get("architectures") != ["LlamaForCausalLM"]:
         raise ValueError(f"{model}: GGUF conversion here is for LlamaForCausalLM, not {config.get('architectures')}")
@@ -121,7 +128,7 @@ def write_llama_gguf(model: Path, out: Path, file_type: str) -> Path:
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if file_type == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(getattr(gguf.LlamaFileType, GGUF_FILE_TYPES[file_type]))
     _add_vocab(writer, model, config)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
     tensors: dict[str, np.ndarray] = {}
@@ -136,7 +143,15 @@ def write_llama_gguf(model: Path, out: Path, file_type: str) -> Path:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"{model}: no GGUF name for tensor {name}")
-        if file_type == "f16" and data.ndim == 2:
+        if file_type == "q8_0" and data.ndim == 2:
+            try:
+                quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            except gguf.quants.QuantError:  # rows not a multiple of the block size: f16, as llama.cpp's converter
+                writer.add_tensor(gguf_name, data.astype(np.float16))
+                continue
+            writer.add_tensor(gguf_name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
+        if file_type != "f32" and data.ndim == 2:
             data = data.astype(np.float16)
         writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
@@ -172,7 +187,7 @@ def _add_vocab(writer: Any, model: Path, config: dict[str, Any]) -> None:
 
 
 def convert_gguf(model: Path, file_type: str) -> Path:
-    """``model`` as a GGUF file of ``file_type`` (f32, f16), written on first use."""
+    """``model`` as a GGUF file of ``file_type`` (f32, f16, q8_0), written on first use."""
     folder = peer_cache_dir(model, f"gguf-{file_type}")
     path = folder / "model.gguf"
     marker = folder / "splitserve_source.json"

@@ -6,7 +6,7 @@ Backends run one after another in this process, on the same checkpoint, requests
   request order;
 - ``hf-generate-batch``: transformers ``generate_batch`` (continuous batching over a paged KV cache);
 - ``ctranslate2``, ``llama.cpp``: the CPU engines users pick instead, each converted from the same checkpoint
-  (``peers``), in float32 and int8 (CTranslate2) and f32 and f16 (llama.cpp); skipped, with the reason in the
+  (``peers``), in float32 and int8 (CTranslate2) and f32, f16 and q8_0 (llama.cpp); skipped, with the reason in the
   report, when their packages (the ``bench`` extra) are not installed.
 All decode greedily and generate exactly ``output_len`` tokens per request (EOS ignored). Model FLOP utilization
 (MFU) is model FLOPs (``workload.ModelFlops``) per second over the ``torch.mm`` peak of the same dtype on the same
@@ -304,7 +304,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     check_device(device)  # --device cuda where torch cannot use a GPU: the reason and its fix, before any work
     load_before = list(os.getloadavg())  # the machine is shared: how busy it was, beside the results
     flops = ModelFlops.from_checkpoint(model)
-    # int8 is weight-only: float32 activations, its MFU over float32's peak
+    # int8: its MFU over float32's peak (its integer products run at another peak, not measured)
     peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes} - {"int8"})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     peaks["int8"] = peaks["float32"]

@@ -17,8 +17,11 @@ TARGETS = {
     "bfloat16 over float32": 1.5,  # issue 18: a 16-bit or int8 path at least 1.5x float32
     "int8 over float32": 1.5,
     "vs a CPU peer at float32": 2.0,  # issue 18: CTranslate2 float32 and llama.cpp f32, batch throughput
+    "vs a CPU peer at its precision": 2.0,  # issue 18: the same at 16 bits (llama.cpp f16) and int8 (q8_0, int8)
 }
 PEER_FLOAT32_LABELS = ("ctranslate2 float32", "llama.cpp f32")
+# splitserve's reduced precision -> the peers' of the same class
+PEER_REDUCED_LABELS = {"bfloat16": ("llama.cpp f16",), "int8": ("ctranslate2 int8", "llama.cpp q8_0")}
 # Issue 16's targets on a GPU: splitserve bfloat16 against transformers generate_batch on the same GPU (at least),
 # and the single-request ITL over the weight-read bound (at most; single_request.ITL_OVER_BOUND_TARGET).
 GPU_TARGETS = {
@@ -70,6 +73,11 @@ def check_targets(report: dict[str, Any]) -> list[TargetCheck]:
             ratio = reduced["output_tok_s"] / fp32["output_tok_s"]
             key = f"{precision} over float32"
             rows.append(TargetCheck(f"splitserve {key}", ratio, TARGETS[key], False))
+        for label in PEER_REDUCED_LABELS[precision]:
+            if reduced and label in by_label:
+                ratio = reduced["output_tok_s"] / by_label[label]["output_tok_s"]
+                wanted = TARGETS["vs a CPU peer at its precision"]
+                rows.append(TargetCheck(f"splitserve {precision} vs {label}", ratio, wanted, False))
     return rows
 
 

@@ -25,7 +25,7 @@ PROMPT_LEN_RANGE = (16, 1024)
 
 def splitserve_precision(name: str) -> dict[str, str]:
     """``CoreConfig`` fields of a splitserve precision the benchmarks name: a dtype (float32, bfloat16,
-    float16), or int8: float32 activations with weight-only int8 linears (``--quantization int8``)."""
+    float16), or int8: float32 with int8 linears (``--quantization int8``)."""
     if name == "int8":
         return {"dtype": "float32", "quantization": "int8"}
     return {"dtype": name}

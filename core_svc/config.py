@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from splitserve.base import cpu_threads
 from splitserve.base.config_args import NOT_A_FLAG, flag
 from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, image_limit, parse_limit_mm_per_prompt
 
@@ -38,11 +39,12 @@ class CoreConfig:
     model: str = field(metadata=NOT_A_FLAG)  # local Hugging Face folder or hub id
     device: Device = field(default="cpu", metadata=flag("where the model runs"))
     dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
-    # vLLM's --quantization: int8 is weight-only, per output channel, quantized at load from the float checkpoint.
+    # vLLM's --quantization: int8 weights per output channel, quantized at load from the float checkpoint; batches
+    # quantize the activations per row too (W8A8: core_svc.models.quantization).
     quantization: Quantization | None = field(
         default=None,
         metadata=flag(
-            "int8: the decoder's linear weights as int8 per output channel (weight-only; CPU only)",
+            "int8: linear weights int8 per output channel, batches' activations int8 per row (CPU only)",
             default_help="none: the weights in --dtype",
         ),
     )
@@ -124,6 +126,17 @@ class CoreConfig:
             "CPU threads for the model's compute",
             default_help="OMP_NUM_THREADS, else the cores this process may use (CPU affinity and cgroup quota)",
             metavar="N",
+        ),
+    )
+    # vLLM's VLLM_CPU_OMP_THREADS_BIND: nobind, auto, all or a CPU list (0-3,6); None: the variable
+    # SPLITSERVE_CPU_OMP_THREADS_BIND, default nobind (splitserve.base.cpu_threads).
+    cpu_omp_threads_bind: str | None = field(
+        default=None,
+        metadata=flag(
+            "pin the core to these CPUs with one OpenMP thread on each: a CPU list (0-3,6), auto (the cores it may "
+            "use), all (its affinity mask), or nobind",
+            default_help="$SPLITSERVE_CPU_OMP_THREADS_BIND, else nobind",
+            metavar="CPUS",
         ),
     )
     served_model_name: str | None = field(
@@ -230,6 +243,8 @@ class CoreConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.cpu_omp_threads_bind is not None:
+            cpu_threads.check_bind(self.cpu_omp_threads_bind, "cpu_omp_threads_bind")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

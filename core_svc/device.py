@@ -8,7 +8,7 @@ import os
 import torch
 
 from core_svc.errors import DeviceUnavailableError
-from splitserve.base import cpu_threads
+from splitserve.base import cpu_threads, envs
 
 INSTALL_CUDA_TORCH = (
     'install torch\'s CUDA build for your driver (README.md, "Running on a GPU"), e.g. pip install torch '
@@ -51,17 +51,37 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def set_compute_threads(num_threads: int | None) -> str:
+def set_compute_threads(num_threads: int | None, bind: str | None = None) -> str:
     """Give torch ``num_threads`` compute threads, or when None the cores this process may use (CPU affinity and
-    cgroup quota; ``OMP_NUM_THREADS`` when set: ``splitserve.base.cpu_threads``); returns the choice, its reason and
-    the OpenMP wait policy in words, for the startup log.
+    cgroup quota; ``OMP_NUM_THREADS`` when set: ``splitserve.base.cpu_threads``); with a binding ``bind``
+    (``--cpu-omp-threads-bind``; None: ``$SPLITSERVE_CPU_OMP_THREADS_BIND``) one thread per CPU of it, every thread
+    of the process allowed on those CPUs again (the OpenMP runtime bound the one that loaded it to the first).
+    Returns the choice, its reason, the binding and the OpenMP wait policy in words, for the startup log.
 
     Raises:
-        ValueError: ``num_threads`` below 1.
+        ValueError: ``num_threads`` below 1, or other than the binding's CPU count; a binding that is refused.
     """
-    choice = cpu_threads.detect_threads(num_threads)
+    source = "--cpu-omp-threads-bind" if bind is not None else "SPLITSERVE_CPU_OMP_THREADS_BIND"
+    value = bind if bind is not None else envs.cpu_omp_threads_bind()
+    cpus = cpu_threads.bind_cpus(value, cpu_threads.allowed_cpus(os.environ), cpu_threads.cgroup_cpu_quota(), source)
+    bound = cpu_threads.places_cpus(os.environ)
+    if cpus is not None and bound is not None:  # bound before torch loaded (cpu_threads.prepare_process)
+        cpus = bound
+    if cpus is None:
+        choice = cpu_threads.detect_threads(num_threads)
+        binding = "nobind"
+    else:
+        if num_threads is not None and num_threads != len(cpus):
+            raise ValueError(f"--num-threads {num_threads} and {source}={value} ({len(cpus)} CPUs) disagree")
+        cpu_threads.pin_threads(cpus)
+        choice = cpu_threads.ThreadChoice(len(cpus), f"one per CPU of {source}={value}")
+        binding = f"CPUs {cpu_threads.format_cpu_list(cpus)}, " + (
+            f"OMP_PLACES={os.environ['OMP_PLACES']} OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND')}"
+            if bound
+            else "threads not bound one per CPU: torch was imported before the binding could be set"
+        )
     torch.set_num_threads(choice.num_threads)
     return (
-        f"CPU threads: {torch.get_num_threads()} ({choice.reason}); OpenMP wait policy: "
+        f"CPU threads: {torch.get_num_threads()} ({choice.reason}); binding: {binding}; OpenMP wait policy: "
         f"{cpu_threads.wait_policy_text(os.environ)}"
     )

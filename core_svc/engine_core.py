@@ -131,7 +131,7 @@ class EngineCore:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
         self.device = device = check_device(config.device)  # first: without CUDA, fail before anything slow
-        logger.info("%s", set_compute_threads(config.num_threads))
+        logger.info("%s", set_compute_threads(config.num_threads, config.cpu_omp_threads_bind))
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         with self.startup.phase("model files"):
             self.model_path = resolve_model_path(config.model)  # a hub id is fetched here

@@ -114,7 +114,8 @@ def load_model(
         num_quantized = quantize_linear_weights(model)
         tensors = [*model.parameters(), *model.buffers()]
         logger.info(
-            "%d linear weights quantized to int8 per output channel (weight-only): %s of weights and buffers now",
+            "%d linear weights quantized to int8 per output channel (W8A8 beyond a few rows): %s of weights and "
+            "buffers now",
             num_quantized,
             format_bytes(sum(t.numel() * t.element_size() for t in tensors)),
         )

@@ -42,7 +42,11 @@ class InprocClient(EngineCoreClient):
         from splitserve.base import cpu_threads, envs
 
         # Before core_svc imports torch, whose OpenMP runtime reads its wait policy once, when loaded.
-        cpu_threads.prepare_process(envs.omp_wait_policy())
+        bind = core_config.get("cpu_omp_threads_bind")
+        if bind is None:
+            cpu_threads.prepare_process(envs.omp_wait_policy(), envs.cpu_omp_threads_bind())
+        else:
+            cpu_threads.prepare_process(envs.omp_wait_policy(), bind, "cpu_omp_threads_bind")
         from core_svc.inproc import InprocCore, RefusedError
 
         self._refused_error = RefusedError

@@ -81,7 +81,7 @@ def llama2_checkpoint(checkpoint):
     return checkpoint("llama", tokenizer=shared_tokenizer("llama2"))
 
 
-@pytest.mark.parametrize("file_type", ["f32", "f16"])
+@pytest.mark.parametrize("file_type", ["f32", "f16", "q8_0"])
 def test_gguf_conversion_reads_back(llama2_checkpoint, tmp_path, file_type):
     gguf = pytest.importorskip("gguf", reason="the gguf package (bench extra) is not installed")
     from safetensors.numpy import load_file
@@ -100,7 +100,7 @@ def test_gguf_conversion_reads_back(llama2_checkpoint, tmp_path, file_type):
     assert value("llama.attention.head_count") == config["num_attention_heads"]
     assert value("llama.attention.head_count_kv") == config["num_key_value_heads"]
     assert value("llama.feed_forward_length") == config["intermediate_size"]
-    assert value("general.file_type") == (0 if file_type == "f32" else 1)  # ALL_F32, MOSTLY_F16
+    assert value("general.file_type") == {"f32": 0, "f16": 1, "q8_0": 7}[file_type]  # llama.cpp's LlamaFileType
     tokens = value("tokenizer.ggml.tokens")
     assert len(tokens) == config["vocab_size"]
     assert tokens[:3] == ["<unk>", "<s>", "</s>"]
@@ -120,7 +120,17 @@ def test_gguf_conversion_reads_back(llama2_checkpoint, tmp_path, file_type):
     ]
     expected_q = q[order]
     stored_q = tensors["blk.0.attn_q.weight"]
-    assert stored_q.tensor_type.name == ("F32" if file_type == "f32" else "F16")
+    assert stored_q.tensor_type.name == file_type.upper()
+    if file_type == "q8_0":
+        # Q8_0 blocks: 32 weights share scale d = absmax / 127, each weight round(w / d) in int8, d stored as
+        # float16: dequantized within d / 2 (rounding) + 127 d 2^-11 (the scale's float16 rounding)
+        blocks = expected_q.reshape(-1, 32).astype(np.float32)
+        d = np.abs(blocks).max(axis=1, keepdims=True) / 127
+        dequantized = gguf.quants.dequantize(stored_q.data, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 32)
+        assert dequantized.shape == blocks.shape
+        assert (np.abs(dequantized - blocks) <= d * (0.5 + 127 * 2**-11) + 1e-9).all()
+        assert (np.abs(dequantized - blocks) > 0).any()  # quantized, not stored as is
+        return
     np.testing.assert_array_equal(np.asarray(stored_q.data), expected_q.astype(stored_q.data.dtype))
     norm = tensors["blk.0.attn_norm.weight"]
     assert norm.tensor_type.name == "F32"  # 1-D tensors stay float32 in an f16 file, as llama.cpp's converter

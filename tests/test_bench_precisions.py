@@ -29,3 +29,26 @@ def test_int8_and_bfloat16_targets_over_float32():
         0.75,
         False,
     )
+
+
+def test_reduced_precisions_against_the_peers_of_their_class():
+    def row(label: str, tok_s: float) -> dict:
+        return {"label": label, "output_tok_s": tok_s, "mfu": 0.5, "ratios": {}}
+
+    report = {
+        "device": "cpu",
+        "results": [
+            row("splitserve float32", 200.0),
+            row("splitserve bfloat16", 500.0),
+            row("splitserve int8", 300.0),
+            row("ctranslate2 int8", 100.0),
+            row("llama.cpp f16", 300.0),
+            row("llama.cpp q8_0", 200.0),
+        ],
+    }
+    checks = {c.name: (c.measured, c.met) for c in check_targets(report)}
+    # issue 18: at least 2x the peers at the same precision class
+    assert checks["splitserve bfloat16 vs llama.cpp f16"] == (500.0 / 300.0, False)
+    assert checks["splitserve int8 vs ctranslate2 int8"] == (3.0, True)
+    assert checks["splitserve int8 vs llama.cpp q8_0"] == (1.5, False)
+    assert "splitserve bfloat16 vs ctranslate2 int8" not in checks

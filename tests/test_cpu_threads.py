@@ -12,8 +12,13 @@ import pytest
 
 from splitserve.base.cpu_threads import (
     CpuQuota,
+    bind_cpus,
     cgroup_cpu_quota,
     choose_threads,
+    format_cpu_list,
+    omp_bind_env,
+    parse_cpu_list,
+    prepare_binding,
     prepare_openmp_env,
     usable_cores,
 )
@@ -156,3 +161,115 @@ def test_a_core_process_pinned_to_one_cpu_computes_with_one_passive_thread(check
     assert len(lines) == 1, done.stderr
     assert lines[0].split("CPU threads: ", 1)[1].startswith("1 (1 CPUs in the affinity mask, ")
     assert lines[0].endswith("; OpenMP wait policy: OMP_WAIT_POLICY=PASSIVE")
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"), [("0", [0]), ("0-3", [0, 1, 2, 3]), ("6,0-2", [0, 1, 2, 6]), (" 4 , 7-8", [4, 7, 8])]
+)
+def test_cpu_lists_parse_and_print_as_taskset_writes_them(text, cpus):
+    assert parse_cpu_list(text) == cpus
+    assert parse_cpu_list(format_cpu_list(cpus)) == cpus
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "not a CPU list"),
+        ("0-", "not a CPU list"),
+        ("a", "not a CPU"),
+        ("3-1", "runs backwards"),
+        ("0,0-1", "names a CPU twice"),
+    ],
+)
+def test_bad_cpu_lists_are_refused_naming_the_variable(text, why):
+    with pytest.raises(ValueError, match=why):
+        parse_cpu_list(text)
+    with pytest.raises(ValueError, match=f"^SPLITSERVE_CPU_OMP_THREADS_BIND: .*{why}"):
+        bind_cpus(text, {0, 1}, None, "SPLITSERVE_CPU_OMP_THREADS_BIND")
+
+
+def test_bind_words_and_lists_against_the_affinity_mask_and_quota():
+    allowed = {2, 3, 5, 9}
+    assert bind_cpus("nobind", allowed, None, "X") is None
+    assert bind_cpus("all", allowed, CpuQuota(150000, 100000, "cpu.max"), "X") == [2, 3, 5, 9]
+    # auto: the cores it may keep busy (quota 2.5 -> 2), the lowest of the mask
+    assert bind_cpus("AUTO", allowed, CpuQuota(250000, 100000, "cpu.max"), "X") == [2, 3]
+    assert bind_cpus("3,5", allowed, None, "X") == [3, 5]
+    with pytest.raises(ValueError, match=r"^--cpu-omp-threads-bind=2-4: CPU 4 is not one this process may run on"):
+        bind_cpus("2-4", allowed, None, "--cpu-omp-threads-bind")
+    assert omp_bind_env([3, 5]) == {"OMP_PLACES": "{3},{5}", "OMP_PROC_BIND": "close", "OMP_NUM_THREADS": "2"}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_binding_sets_the_openmp_places_unless_the_user_bound_threads_already():
+    cpus = sorted(os.sched_getaffinity(0))  # all of them: pinning this test process changes nothing
+    environ: dict[str, str] = {}
+    assert prepare_binding(environ, cpus, torch_loaded=False) == f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
+    assert environ == omp_bind_env(cpus)
+    # again, as the in-process core does after the command line: its own variables are no conflict
+    assert prepare_binding(environ, cpus, torch_loaded=False) == f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
+    environ = {}
+    assert "threads not bound: torch was imported before" in prepare_binding(environ, cpus, torch_loaded=True)
+    assert environ == {}
+    assert prepare_binding(environ, None, torch_loaded=False) == "not bound (nobind)" and environ == {}
+    with pytest.raises(ValueError, match="GOMP_CPU_AFFINITY is set as well"):
+        prepare_binding({"GOMP_CPU_AFFINITY": "0"}, cpus, torch_loaded=False)
+
+
+BOUND_CHILD = """
+import json, os, threading
+from splitserve.base import cpu_threads
+cpu_threads.prepare_process("passive", os.environ["SPLITSERVE_CPU_OMP_THREADS_BIND"])
+import torch
+from core_svc.device import set_compute_threads
+line = set_compute_threads(None)
+a = torch.randn(256, 256)
+def work():
+    for _ in range(3):
+        a @ a
+work()
+t = threading.Thread(target=work)
+t.start()
+t.join()
+masks = {}
+for tid in os.listdir("/proc/self/task"):
+    status = open(f"/proc/self/task/{tid}/status").read()
+    masks[tid] = [v.split()[1] for v in status.splitlines() if v.startswith("Cpus_allowed_list")][0]
+print(json.dumps({"line": line, "masks": masks, "main": masks[str(os.getpid())]}))
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs and Linux"
+)
+def test_a_bound_core_process_runs_one_openmp_thread_per_listed_cpu():
+    """A process bound to two CPUs (as ``splitserve core`` binds itself before torch loads): every thread is
+    allowed on those two only, each worker thread of a parallel region is on one CPU of its own, and the thread
+    that loaded torch is allowed on both again (the runtime had bound it to the first)."""
+    import json
+
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    text = format_cpu_list(cpus)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    env["SPLITSERVE_CPU_OMP_THREADS_BIND"] = text
+    done = subprocess.run([sys.executable, "-c", BOUND_CHILD], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["line"].startswith(f"CPU threads: 2 (one per CPU of SPLITSERVE_CPU_OMP_THREADS_BIND={text}); ")
+    assert f"binding: CPUs {text}, OMP_PLACES={{{cpus[0]}}},{{{cpus[1]}}} OMP_PROC_BIND=close" in report["line"]
+    masks = [parse_cpu_list(mask) for mask in report["masks"].values()]
+    assert all(set(mask) <= set(cpus) for mask in masks)
+    assert parse_cpu_list(report["main"]) == cpus
+    assert [cpus[1]] in masks  # a worker thread of each team on the second CPU only
+
+
+def test_an_invalid_binding_is_refused_at_startup_in_one_line(monkeypatch, capsys):
+    from splitserve.entrypoints.cli import main
+
+    monkeypatch.setenv("SPLITSERVE_CPU_OMP_THREADS_BIND", "0-x")
+    assert main(["core", "--model", "nowhere"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: SPLITSERVE_CPU_OMP_THREADS_BIND: '0-x' is not a CPU list such as 0-3,6; or one of nobind, auto, all"
+    ]
+    assert main(["core", "--model", "nowhere", "--cpu-omp-threads-bind", "4096"]) == 2
+    assert capsys.readouterr().err.startswith("error: --cpu-omp-threads-bind=4096: CPU 4096 is not one this process")

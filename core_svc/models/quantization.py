@@ -1,28 +1,62 @@
-"""Weight-only int8 for the decoder's linear layers on CPU (``--quantization int8``).
+"""int8 for the decoder's linear layers on CPU (``--quantization int8``).
 
 Each output channel (row of a ``[out_features, in_features]`` weight) is quantized symmetrically at load from the
 float checkpoint: ``scale = max|w_row| / 127``, ``q = round(w / scale)`` in [-127, 127] (the per-channel absmax
-scheme of LLM.int8()'s weights and CTranslate2's int8 weights). Activations stay in floating point.
+scheme of LLM.int8()'s weights and CTranslate2's int8 weights).
 
-The matmul takes one of two routes by the number of rows (measured in ``docs/benchmarks.md``):
-- up to ``INT8PACK_MAX_ROWS`` rows (one request's decode step): torch's CPU weight-only kernel
-  ``torch._weight_int8pack_mm`` reads the int8 weight directly, with bfloat16 activations and scales (its float32
+The matmul takes one of two routes by the number of rows (``python -m benchmarks.int8_matmul``, in
+``docs/benchmarks.md``):
+- up to ``INT8PACK_MAX_ROWS`` rows (one request's decode step): weight-only, torch's CPU kernel
+  ``torch._weight_int8pack_mm`` reading the int8 weight directly, with bfloat16 activations and scales (its float32
   instantiation is scalar code, 10-100x slower); it reads a quarter of float32's weight bytes, so this
-  memory-bound case runs about 2x float32's oneDNN matmul on AVX2 and AVX-512 machines alike;
-- more rows: the kernel has no blocking over rows and falls behind float32 from about 16 rows, so the weight is
-  dequantized to the activations' dtype and multiplied with ``F.linear``; same values as the reference
-  ``x @ (q * scale).T``, at about float32's speed.
+  memory-bound case runs about 2x float32's oneDNN matmul. It is used only where ``in_features`` is a multiple of
+  16: with 2 or 4 rows and other widths torch 2.13's kernel reads out of bounds (a segmentation fault);
+- more rows (batches, prefill): the activations are quantized too, per row (dynamic, symmetric: llama.cpp's q8_0
+  and CTranslate2's int8 do the same), and ``torch._int_mm`` multiplies int8 by int8 into int32 (oneDNN: AMX or
+  VNNI where the CPU has them), 2-7x float32's speed at 64 rows; the weight-only kernel has no blocking over rows
+  and falls behind float32 from about 16 rows.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core_svc.models.layers import Linear
 
-INT8PACK_MAX_ROWS = 4  # most rows sent to torch._weight_int8pack_mm; more go through the dequantized weight
+INT8PACK_MAX_ROWS = 4  # most rows sent to torch._weight_int8pack_mm; more go through int8_linear_w8a8
+INT8PACK_IN_FEATURES_MULTIPLE = 16  # torch._weight_int8pack_mm only for in_features a multiple of this (see above)
+
+
+def quantize_int8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 of activations ``x`` [num_rows, in_features] (float32 or bfloat16), one scale per row
+    (per token: as llama.cpp's q8_0 activations, per block of 32 there, and CTranslate2's int8 GEMM inputs).
+
+    Returns ``(q, scales)``: ``q`` int8 [num_rows, in_features] in [-127, 127], ``scales`` float32 [num_rows, 1],
+    ``x ~= q * scales`` (error at most ``scales / 2`` per element); an all-zero row gets ``q`` 0.
+    """
+    x = x.float()
+    scales = x.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny) / 127.0
+    return torch.round(x / scales).to(torch.int8), scales
+
+
+def int8_linear_w8a8(
+    x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ (weight_int8 * scales[:, None]).T + bias`` with ``x`` quantized per row too and the product in integers:
+    ``torch._int_mm`` (int8 x int8 -> int32; oneDNN on CPU, AMX or VNNI where the CPU has them), then rescaled by
+    the row scale times the channel scale (the W8A8 scheme of LLM.int8() without its outlier split, SmoothQuant's
+    per-token / per-channel case).
+
+    ``x`` [num_rows, in_features] float32 or bfloat16; ``weight_int8`` [out_features, in_features] int8;
+    ``scales`` [out_features] float32; ``bias`` [out_features] or None -> [num_rows, out_features] in ``x``'s dtype.
+    The int32 sums are exact (|sum| <= in_features * 127^2 < 2^31 up to in_features 133,000).
+    """
+    x_int8, x_scales = quantize_int8_per_row(x)
+    out = torch._int_mm(x_int8, weight_int8.t()).float().mul_(x_scales).mul_(scales)
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +74,8 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class Int8Linear(nn.Module):
-    """A ``Linear`` whose weight is int8 per output channel (``quantize_int8_per_channel``); bias kept as is.
+    """A ``Linear`` whose weight is int8 per output channel (``quantize_int8_per_channel``); bias kept as is. Few
+    rows: weight-only (``torch._weight_int8pack_mm``); more: W8A8 (``int8_linear_w8a8``).
 
     ``x`` [num_rows, in_features] in float32 or bfloat16 -> [num_rows, out_features] in ``x``'s dtype.
     """
@@ -59,11 +94,10 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT8PACK_MAX_ROWS:
+        if x.shape[0] <= INT8PACK_MAX_ROWS and self.in_features % INT8PACK_IN_FEATURES_MULTIPLE == 0:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales_bf16).to(x.dtype)
             return out if self.bias is None else out + self.bias
-        weight = self.weight_int8.to(x.dtype) * self.scales.to(x.dtype)[:, None]
-        return F.linear(x, weight, self.bias)
+        return int8_linear_w8a8(x, self.weight_int8, self.scales, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """``q * scales[:, None]`` [out_features, in_features] float32: the weight this layer multiplies by."""

@@ -18,6 +18,16 @@ imported. ``prepare_openmp_env`` therefore runs in the command line's ``main`` b
 torch. A variable the user set wins; ``SPLITSERVE_OMP_WAIT_POLICY=runtime`` keeps the runtime's own default (for
 comparison: ``splitserve bench throughput --contend``).
 
+Binding (``SPLITSERVE_CPU_OMP_THREADS_BIND`` or ``--cpu-omp-threads-bind``, as vLLM's CPU backend's
+``VLLM_CPU_OMP_THREADS_BIND``): ``nobind`` (the default) leaves placement to the kernel's scheduler; a CPU list
+(``0-3,6``), ``auto`` (the first ``usable_cores`` CPUs of the affinity mask) or ``all`` (every CPU of the mask)
+pins the process to those CPUs (``os.sched_setaffinity`` on each of its threads) and gives it one OpenMP thread per
+CPU, each worker thread on its own CPU: ``OMP_PLACES={0},{1},...`` with ``OMP_PROC_BIND=close`` (OpenMP 4.0, read
+by libgomp and Intel's runtime when they are loaded), set with the wait policy before torch is imported. A runtime
+binding binds the thread that loads it to the first place, and the threads it creates inherit that one CPU, so
+once torch is loaded ``pin_threads`` gives every thread of the process the whole list again
+(``core_svc.device.set_compute_threads``); each parallel region's worker threads are then bound by the runtime.
+
 This module imports nothing heavy: the command line calls it before torch is loaded.
 """
 
@@ -35,6 +45,11 @@ PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 
 # What SPLITSERVE_OMP_WAIT_POLICY may say: passive (the default), or runtime (leave the OpenMP runtime's own).
 WAIT_POLICIES = ("passive", "runtime")
+PROC_SELF_TASK = Path("/proc/self/task")
+# SPLITSERVE_CPU_OMP_THREADS_BIND's words besides a CPU list (vLLM's VLLM_CPU_OMP_THREADS_BIND: auto, nobind).
+BIND_WORDS = ("nobind", "auto", "all")
+# The OpenMP variables a binding sets; a binding is refused when the user set any of them (or GOMP_CPU_AFFINITY).
+OMP_BIND_VARIABLES = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 
 @dataclass(frozen=True)
@@ -189,11 +204,6 @@ def prepare_openmp_env(environ: MutableMapping[str, str], policy: str, torch_loa
     return "OMP_WAIT_POLICY=PASSIVE (set by splitserve: waiting threads sleep rather than spin)"
 
 
-def prepare_process(policy: str) -> str:
-    """``prepare_openmp_env`` for this process (call it before importing torch); the policy in words."""
-    return prepare_openmp_env(os.environ, policy, "torch" in sys.modules)
-
-
 def wait_policy_text(environ: MutableMapping[str, str]) -> str:
     """The wait policy this process's OpenMP runtime was given, from its environment, for the startup log."""
     if "OMP_WAIT_POLICY" in environ:
@@ -202,3 +212,165 @@ def wait_policy_text(environ: MutableMapping[str, str]) -> str:
         spin = {k: environ[k] for k in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in environ}
         return ", ".join(f"{k}={v}" for k, v in spin.items())
     return "the OpenMP runtime's default (spinning)"
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """The CPUs of a Linux CPU list (``0-3,6``, the syntax of taskset and ``Cpus_allowed_list``), ascending.
+
+    Raises:
+        ValueError: empty, a part that is not ``N`` or ``N-M`` with ``N <= M``, or a CPU named twice.
+    """
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list such as 0-3,6")
+        low, high = int(first), int(last) if dash else int(first)
+        if low > high:
+            raise ValueError(f"{text!r} is not a CPU list: the range {part.strip()} runs backwards")
+        cpus.extend(range(low, high + 1))
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"{text!r} names a CPU twice")
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """``[0, 1, 2, 6]`` -> ``0-2,6``."""
+    ranges: list[str] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == int(ranges[-1].rpartition("-")[2]) + 1:
+            ranges[-1] = f"{ranges[-1].partition('-')[0]}-{cpu}"
+        else:
+            ranges.append(str(cpu))
+    return ",".join(ranges)
+
+
+def check_bind(value: str, source: str) -> None:
+    """Refuse a binding that is neither one of ``BIND_WORDS`` nor a CPU list, whatever the CPUs.
+
+    Raises:
+        ValueError: naming ``source`` (the variable or flag it came from).
+    """
+    if value.strip().lower() not in BIND_WORDS:
+        try:
+            parse_cpu_list(value)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}; or one of {', '.join(BIND_WORDS)}") from None
+
+
+def bind_cpus(value: str, allowed: set[int], quota: CpuQuota | None, source: str) -> list[int] | None:
+    """The CPUs a binding ``value`` pins the process and its OpenMP threads to, one thread each, from the CPUs the
+    process may run on (``allowed``, its affinity mask) and its cgroup ``quota``: None for ``nobind``; ``auto``:
+    the first ``usable_cores`` CPUs of ``allowed``; ``all``: all of them; else the CPU list.
+
+    Raises:
+        ValueError: naming ``source``: not a word or CPU list, or a CPU outside ``allowed``.
+    """
+    word = value.strip().lower()
+    check_bind(value, source)
+    if word == "nobind":
+        return None
+    ordered = sorted(allowed)
+    if word == "auto":
+        return ordered[: usable_cores(len(ordered), quota)]
+    if word == "all":
+        return ordered
+    cpus = parse_cpu_list(value)
+    outside = [cpu for cpu in cpus if cpu not in allowed]
+    if outside:
+        raise ValueError(
+            f"{source}={value}: CPU {format_cpu_list(outside)} is not one this process may run on "
+            f"(its affinity mask: {format_cpu_list(ordered)})"
+        )
+    return cpus
+
+
+def omp_bind_env(cpus: list[int]) -> dict[str, str]:
+    """The OpenMP variables that bind one thread to each of ``cpus``: ``OMP_PLACES`` (one place per CPU),
+    ``OMP_PROC_BIND=close`` (thread i of a team on place i) and ``OMP_NUM_THREADS``."""
+    return {
+        "OMP_PLACES": ",".join(f"{{{cpu}}}" for cpu in cpus),
+        "OMP_PROC_BIND": "close",
+        "OMP_NUM_THREADS": str(len(cpus)),
+    }
+
+
+def places_cpus(environ: MutableMapping[str, str]) -> list[int] | None:
+    """The CPUs of an ``OMP_PLACES`` that ``omp_bind_env`` wrote (``{0},{1}``: one CPU per place), else None. Once
+    torch is loaded, the calling thread's affinity is the first place only: this is the list that was bound."""
+    places = environ.get("OMP_PLACES", "")
+    parts = places.split(",")
+    if not places or not all(p.startswith("{") and p.endswith("}") and p[1:-1].isdigit() for p in parts):
+        return None
+    return [int(p[1:-1]) for p in parts]
+
+
+def allowed_cpus(environ: MutableMapping[str, str]) -> set[int]:
+    """The CPUs this process may run on: the calling thread's affinity mask, and the CPUs of a binding prepared
+    before torch loaded (``places_cpus``: the OpenMP runtime has since bound the loading thread to the first)."""
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return mask | set(places_cpus(environ) or [])
+
+
+def thread_ids(task_dir: Path = PROC_SELF_TASK) -> list[int]:
+    """The ids of this process's threads (Linux ``/proc/self/task``); empty where there is no such folder."""
+    try:
+        return sorted(int(entry.name) for entry in task_dir.iterdir() if entry.name.isdigit())
+    except OSError:
+        return []
+
+
+def pin_threads(cpus: list[int]) -> None:
+    """Let every thread of this process run on ``cpus`` only (``os.sched_setaffinity`` per thread id; threads
+    created later inherit their creator's). A thread that ended meanwhile is skipped.
+
+    Raises:
+        OSError: the kernel refused the mask (e.g. a CPU outside the process's cpuset).
+    """
+    for tid in thread_ids() or [0]:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            continue
+
+
+def prepare_binding(environ: MutableMapping[str, str], cpus: list[int] | None, torch_loaded: bool) -> str:
+    """Pin this process to ``cpus`` and set ``omp_bind_env(cpus)`` in ``environ`` (call it before torch is
+    imported: the OpenMP runtime reads them once, when it is loaded); returns the binding in words, for the startup
+    log. None: nothing is done. Where torch was imported before, the process is pinned but its threads are not
+    bound one per CPU, and the words say so. Called again with the same CPUs (the command line, then the
+    in-process core), it finds its own variables and changes nothing.
+
+    Raises:
+        ValueError: the user set one of ``OMP_BIND_VARIABLES`` as well (two bindings; keep one).
+    """
+    if cpus is None:
+        return "not bound (nobind)"
+    wanted = omp_bind_env(cpus)
+    if all(environ.get(name) == value for name, value in wanted.items()):  # prepared before (the command line)
+        return f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
+    conflicting = [name for name in OMP_BIND_VARIABLES if name in environ]
+    if conflicting:
+        raise ValueError(
+            f"SPLITSERVE_CPU_OMP_THREADS_BIND / --cpu-omp-threads-bind binds the threads, and {conflicting[0]} is "
+            "set as well: unset one of them"
+        )
+    if hasattr(os, "sched_setaffinity"):
+        pin_threads(cpus)
+    if torch_loaded:
+        return f"process pinned to CPUs {format_cpu_list(cpus)}; threads not bound: torch was imported before"
+    environ.update(wanted)
+    return f"one OpenMP thread per CPU of {format_cpu_list(cpus)}"
+
+
+def prepare_process(policy: str, bind: str = "nobind", bind_source: str = "SPLITSERVE_CPU_OMP_THREADS_BIND") -> str:
+    """``prepare_openmp_env`` and ``prepare_binding`` for this process (call it before importing torch): the
+    wait policy and the binding ``bind`` (from ``bind_source``, named in errors) in words.
+
+    Raises:
+        ValueError: a policy or binding that is refused.
+    """
+    torch_loaded = "torch" in sys.modules
+    policy_text = prepare_openmp_env(os.environ, policy, torch_loaded)
+    cpus = bind_cpus(bind, allowed_cpus(os.environ), cgroup_cpu_quota(), bind_source)
+    return f"{policy_text}; binding: {prepare_binding(os.environ, cpus, torch_loaded)}"

@@ -83,3 +83,10 @@ def omp_wait_policy() -> str:
     (``splitserve.base.cpu_threads``). passive sets OMP_WAIT_POLICY=PASSIVE unless it is set; runtime leaves the
     OpenMP runtime's own default (spinning), to compare against."""
     return os.environ.get("SPLITSERVE_OMP_WAIT_POLICY", "passive").strip().lower() or "passive"
+
+
+def cpu_omp_threads_bind() -> str:
+    """SPLITSERVE_CPU_OMP_THREADS_BIND, default nobind (vLLM's VLLM_CPU_OMP_THREADS_BIND): the default of a core's
+    ``--cpu-omp-threads-bind``. A CPU list (``0-3``), ``auto`` or ``all`` pins the core to those CPUs with one
+    OpenMP thread on each; nobind leaves placement to the kernel (``splitserve.base.cpu_threads``)."""
+    return os.environ.get("SPLITSERVE_CPU_OMP_THREADS_BIND", "nobind").strip() or "nobind"

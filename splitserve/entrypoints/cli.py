@@ -654,6 +654,16 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{action.help or ''} (default: {shown})".lstrip()
 
 
+def bind_from_args(args: argparse.Namespace) -> tuple[str, str]:
+    """The CPU binding of a command that runs a core and where it came from: ``--cpu-omp-threads-bind``, else
+    ``$SPLITSERVE_CPU_OMP_THREADS_BIND``; ``nobind`` for a command without a core (a frontend is never pinned)."""
+    if not hasattr(args, "cpu_omp_threads_bind"):
+        return "nobind", "SPLITSERVE_CPU_OMP_THREADS_BIND"
+    if args.cpu_omp_threads_bind is not None:
+        return args.cpu_omp_threads_bind, "--cpu-omp-threads-bind"
+    return envs.cpu_omp_threads_bind(), "SPLITSERVE_CPU_OMP_THREADS_BIND"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``splitserve ARGV``; returns the exit status: 2 and one line on stderr for an error the user can fix
     (a bad flag, a model that cannot be found, a refused setting)."""
@@ -663,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format=LOG_FORMAT, stream=sys.stderr)
     # Before any subcommand imports torch: its OpenMP runtime reads the wait policy once, when it is loaded.
     try:
-        wait_policy = cpu_threads.prepare_process(envs.omp_wait_policy())
+        wait_policy = cpu_threads.prepare_process(envs.omp_wait_policy(), *bind_from_args(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,84 @@
+"""The int8 linear's routes against float32 and bfloat16, per projection shape of ``small`` and number of rows.
+
+``python -m benchmarks.int8_matmul [--num-threads 1] [--repeats 7]`` prints, for each weight shape [N, K] of the
+benchmark's ``small`` checkpoint (qkv, o, gate_up, down, the LM head) and rows 1, 4, 16, 64 and 256, the best
+time of one call (interleaved repeats, the best of each: the machine's load only ever adds) of:
+- float32: oneDNN with the weight prepacked (``core_svc.models.layers.Linear``, what float32 runs);
+- bfloat16: the same in bfloat16;
+- int8pack: ``torch._weight_int8pack_mm`` (weight-only, bfloat16 activations);
+- w8a8: activations quantized per row and ``torch._int_mm`` (int8 x int8 -> int32), rescaled
+  (``core_svc.models.quantization.int8_linear_w8a8``, the quantization of the activations included).
+``Int8Linear`` picks its route from this table (``INT8PACK_MAX_ROWS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from core_svc.models.layers import Linear
+from core_svc.models.quantization import int8_linear_w8a8, quantize_int8_per_channel
+
+# small: hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408, vocabulary 32000
+SHAPES = {"qkv": (1024, 512), "o": (512, 512), "gate_up": (2816, 512), "down": (512, 1408), "lm_head": (32000, 512)}
+ROWS = (1, 4, 16, 64, 256)
+
+
+def best_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each function's best time of ``repeats`` rounds (each a few calls), interleaved, in milliseconds."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(3):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / 3 * 1e3)
+    return best
+
+
+def routes(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
+    """The four routes for a [n, k] weight and ``rows`` rows of activations."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen)
+    f32 = Linear(k, n, bias=False)
+    bf16 = Linear(k, n, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        f32.weight.copy_(weight)
+        bf16.weight.copy_(weight)
+    f32.prepack()
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        bf16.prepack()
+    q, scales = quantize_int8_per_channel(weight)
+    scales_bf16, x_bf16 = scales.to(torch.bfloat16), x.to(torch.bfloat16)
+    return {
+        "float32": lambda: f32(x),
+        "bfloat16": lambda: bf16(x_bf16),
+        "int8pack": lambda: torch._weight_int8pack_mm(x_bf16, q, scales_bf16),
+        "w8a8": lambda: int8_linear_w8a8(x, q, scales, None),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.num_threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {args.repeats}, ms per call")
+    print(f"{'weight [N, K]':>22} {'rows':>5} {'float32':>9} {'bfloat16':>9} {'int8pack':>9} {'w8a8':>9}")
+    with torch.inference_mode():
+        for name, (n, k) in SHAPES.items():
+            for rows in ROWS:
+                ms = best_ms(routes(n, k, rows), args.repeats)
+                cells = " ".join(f"{ms[r]:9.3f}" for r in ("float32", "bfloat16", "int8pack", "w8a8"))
+                print(f"{name + f' [{n}, {k}]':>22} {rows:5d} {cells}")
+
+
+if __name__ == "__main__":
+    main()
