@@ -217,7 +217,7 @@ def hold_engine_thread(engine_loop: EngineLoop) -> threading.Event:
     """Block the engine thread on a command until the returned event is set: the commands queued meanwhile are
     then applied together, in order, before the core steps again."""
     gate = threading.Event()
-    engine_loop.submit(gate.wait)
+    engine_loop.submit(lambda: gate.wait(timeout=30))  # a failed test does not hold it for ever
     return gate
 
 
