@@ -126,33 +126,48 @@ class EngineLoop:
         """Run ``fn(engine_core)`` on the engine thread, between steps."""
         return self.submit(lambda: fn(self.engine_core))
 
-    def sleep(self, level: int = 1, drain: bool = False) -> concurrent.futures.Future[SleepResult]:
+    def sleep(
+        self,
+        level: int = 1,
+        drain: bool = False,
+        on_done: Callable[[concurrent.futures.Future[SleepResult]], None] | None = None,
+    ) -> concurrent.futures.Future[SleepResult]:
         """``EngineCore.sleep(level)`` on the engine thread, the requests it ends told to their clients at once.
         ``drain``: first refuse new requests (UNAVAILABLE, "the engine core is going to sleep") and let those in
         the core finish, then sleep (vLLM's mode "wait"); else they end now with UNAVAILABLE (vLLM's default,
         "abort").
 
+        The returned future only reports: cancelling it (a caller that gives up, as ``asyncio.wrap_future`` does
+        when its task is cancelled) calls nothing off. Once submitted, the sleep runs, after its drain; only a
+        ``wake_up`` calls a drain off. ``on_done`` hears of the sleep on the engine thread once it has run or
+        failed (its future done), whether or not the returned future was cancelled; it must not block.
+
         The future fails with InvalidRequestError for a level that is not 1 or 2, with EngineUnavailableError
         when the loop stops (or dies) first."""
         check_sleep_level(level)
+        # The engine's own future, which decides: no caller can cancel it. The caller's is told its outcome.
+        engine_side: concurrent.futures.Future[SleepResult] = concurrent.futures.Future()
         result: concurrent.futures.Future[SleepResult] = concurrent.futures.Future()
+        if on_done is not None:
+            engine_side.add_done_callback(on_done)
+        engine_side.add_done_callback(lambda done: _notify(done, result))
 
         def begin() -> None:
             if drain and self.engine_core.has_unfinished_requests():
                 self.engine_core.stop_admitting(
                     f"the engine core is going to sleep (level {level}) once its requests in flight have finished"
                 )
-                self._pending_sleeps.append((level, result))
-            elif result.set_running_or_notify_cancel():
+                self._pending_sleeps.append((level, engine_side))
+            elif engine_side.set_running_or_notify_cancel():
                 try:
-                    result.set_result(self._sleep_now(level))
+                    engine_side.set_result(self._sleep_now(level))
                 except Exception as e:
-                    result.set_exception(e)
+                    engine_side.set_exception(e)
 
         def forward_failure(command: concurrent.futures.Future[None]) -> None:
             error = command.exception()  # the loop stopped before ``begin`` ran
-            if error is not None and not result.running() and result.set_running_or_notify_cancel():
-                result.set_exception(error)
+            if error is not None and not engine_side.done() and engine_side.set_running_or_notify_cancel():
+                engine_side.set_exception(error)
 
         self.submit(begin).add_done_callback(forward_failure)
         return result
@@ -351,6 +366,17 @@ class EngineLoop:
                 return
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
+
+
+def _notify(done: concurrent.futures.Future[T], caller: concurrent.futures.Future[T]) -> None:
+    """Tell ``caller`` the outcome of ``done``, unless its caller has cancelled it (it has given up waiting)."""
+    if not caller.set_running_or_notify_cancel():
+        return
+    error = done.exception()
+    if error is not None:
+        caller.set_exception(error)
+    else:
+        caller.set_result(done.result())
 
 
 def _error_outputs(request_ids: list[str], error: BaseException) -> EngineCoreOutputs:

@@ -189,17 +189,32 @@ class InprocCore:
     def submit_reset_prefix_cache(self) -> concurrent.futures.Future[bool]:
         return _translated(self._running_engine_loop().call(lambda core: core.reset_prefix_cache()))
 
-    def submit_sleep(self, level: int, drain: bool) -> concurrent.futures.Future[pb.SleepResponse]:
-        """``EngineLoop.sleep``; the future fails with RefusedError (a bad level: INVALID_ARGUMENT)."""
+    def submit_sleep(
+        self,
+        level: int,
+        drain: bool,
+        on_start: Callable[[], None] | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> concurrent.futures.Future[pb.SleepResponse]:
+        """``EngineLoop.sleep``; the future fails with RefusedError (a bad level: INVALID_ARGUMENT). Cancelling it
+        calls nothing off (the sleep runs, after its drain). A sleep the engine loop takes: ``on_start()`` first,
+        here, then ``on_done()`` once it has run or failed, on the engine thread, also when the future was
+        cancelled; a refused one (a bad level, no engine loop) calls neither."""
         try:
-            future = self._running_engine_loop().sleep(level, drain)
+            check_sleep_level(level)
+            engine_loop = self._running_engine_loop()
         except Exception as e:
             failed: concurrent.futures.Future[pb.SleepResponse] = concurrent.futures.Future()
             failed.set_exception(_refused(e))
             return failed
+        if on_start is not None:
+            on_start()
+        future = engine_loop.sleep(level, drain, on_done=(lambda _: on_done()) if on_done is not None else None)
         result: concurrent.futures.Future[pb.SleepResponse] = concurrent.futures.Future()
 
         def convert(done: concurrent.futures.Future[Any]) -> None:
+            if done.cancelled() or not result.set_running_or_notify_cancel():
+                return  # the caller gave up waiting: nobody to tell
             error = done.exception()
             if error is not None:
                 result.set_exception(_refused(error))
@@ -209,14 +224,23 @@ class InprocCore:
         future.add_done_callback(convert)
         return result
 
-    def submit_wake_up(self, tags: list[str] | None) -> concurrent.futures.Future[None]:
+    def submit_wake_up(
+        self, tags: list[str] | None, on_done: Callable[[], None] | None = None
+    ) -> concurrent.futures.Future[None]:
+        """``EngineLoop.wake_up``; ``on_done()`` runs once the engine thread has run it, or it failed or was called
+        off (cancelling the future before it runs does), as ``submit_sleep``'s."""
         try:
             check_wake_up_tags(tags)
-        except InvalidRequestError as e:
+            future = self._running_engine_loop().wake_up(tags)
+        except Exception as e:
+            if on_done is not None:
+                on_done()
             failed: concurrent.futures.Future[None] = concurrent.futures.Future()
             failed.set_exception(_refused(e))
             return failed
-        return _translated(self._running_engine_loop().wake_up(tags))
+        if on_done is not None:
+            future.add_done_callback(lambda _: on_done())
+        return _translated(future)
 
     def submit_is_sleeping(self) -> concurrent.futures.Future[bool]:
         return _translated(self._running_engine_loop().call(lambda core: core.is_sleeping()))

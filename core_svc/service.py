@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -16,7 +18,7 @@ from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError, InvalidRequestError
 from core_svc.outputs import EngineCoreOutput, EngineCoreOutputs
 from core_svc.request import FinishReason
-from core_svc.sleep_mode import check_sleep_level, check_wake_up_tags
+from core_svc.sleep_mode import SleepResult, check_sleep_level, check_wake_up_tags
 from core_svc.wire import (
     engine_info_to_pb,
     engine_load_to_pb,
@@ -69,12 +71,17 @@ class CoreServerState:
     # Readiness (the health status of ENGINE_CORE_GRPC_SERVICE) to SERVING or NOT_SERVING, soon; set by the server.
     set_serving: Callable[[bool], None] | None = None
 
+    _readiness_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
     def update_readiness(self) -> None:
-        """Readiness from the core's state: SERVING while its loop runs, it is awake and the server not draining."""
+        """Readiness from the core's state: SERVING while its loop runs, it is awake (and not draining to sleep)
+        and the server not draining. Any thread (the engine thread after a sleep, the event loop after a call):
+        the lock posts the statuses in the order their states were read, so the last one posted is the newest."""
         engine_loop = self.engine_loop
         if self.set_serving is not None and engine_loop is not None:
-            awake = not engine_loop.engine_core.is_sleeping() and engine_loop.engine_core.refusal is None
-            self.set_serving(engine_loop.is_alive and awake and not self.draining)
+            with self._readiness_lock:
+                awake = not engine_loop.engine_core.is_sleeping() and engine_loop.engine_core.refusal is None
+                self.set_serving(engine_loop.is_alive and awake and not self.draining)
 
     def end_streams(self) -> None:
         """End every open ``Connect`` stream with status OK (at shutdown, after the drain: grpc would cancel
@@ -213,8 +220,10 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
     async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
         """``EngineCore.sleep(level)`` (admin): readiness goes NOT_SERVING first, so frontends send their new
         requests elsewhere; with ``drain``, those in flight finish first, else they end with UNAVAILABLE.
-        INVALID_ARGUMENT naming ``level`` for a level that is not 1 or 2. A drain goes on if the caller cancels the
-        call (a ``WakeUp`` calls it off: FAILED_PRECONDITION)."""
+        INVALID_ARGUMENT naming ``level`` for a level that is not 1 or 2. The sleep goes on, and its drain, if the
+        caller cancels the call or its deadline passes (a ``WakeUp`` calls a drain off: FAILED_PRECONDITION).
+        Readiness is computed again from the core's state once the sleep has run or failed, on the engine thread
+        (so a ``WakeUp`` that ran meanwhile cannot leave a sleeping core SERVING), and when the call ends."""
         await self._check_admin(context, "Sleep")
         engine_loop = await self._engine_loop(context)
         try:
@@ -223,11 +232,18 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
             await abort(context, e)
         if self.state.set_serving is not None:
             self.state.set_serving(False)
+        sleeping: concurrent.futures.Future[SleepResult] | None = None
         try:
-            result = await asyncio.wrap_future(engine_loop.sleep(request.level, request.drain))
+            sleeping = engine_loop.sleep(request.level, request.drain, on_done=lambda _: self.state.update_readiness())
+            # A cancelled call cancels ``sleeping``, which only reports: the engine's own future decides.
+            result = await asyncio.wrap_future(sleeping)
         except Exception as e:
-            self.state.update_readiness()  # it did not sleep: ready again, unless it is otherwise not
             await abort(context, e)
+        finally:
+            # Asleep: NOT_SERVING; it did not sleep: ready again, unless otherwise not. A call that ends before the
+            # sleep has run (cancelled) leaves readiness NOT_SERVING to the sleep's ``on_done``.
+            if sleeping is None or (sleeping.done() and not sleeping.cancelled()):
+                self.state.update_readiness()
         logger.info(
             "Sleep(level=%d, drain=%s): %d request(s) ended, %d bytes of KV cache and %d of weights released",
             request.level,
@@ -251,9 +267,11 @@ class EngineCoreServicer(pb_grpc.EngineCoreServicer):
         try:
             await asyncio.wrap_future(engine_loop.wake_up(tags or None))
         except Exception as e:
-            self.state.update_readiness()  # what did wake stays awake: the weights, before a KV cache that failed
             await abort(context, e)
-        self.state.update_readiness()
+        finally:
+            # Also after a failure or a cancelled call: what did wake stays awake (the weights, before a KV cache
+            # that failed), and a wake that ran before the caller gave up counts.
+            self.state.update_readiness()
         return pb.WakeUpResponse()
 
     async def IsSleeping(

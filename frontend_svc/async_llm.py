@@ -250,7 +250,10 @@ class AsyncLLM(LLMEngineBase):
 
     async def sleep(self, level: int = 1, drain: bool = False) -> None:
         """Put the engine core(s) to sleep, as ``LLMEngine.sleep``: the streams of requests in flight end with
-        ``EngineDeadError`` (UNAVAILABLE), or, with ``drain``, finish first; returns once the cores sleep.
+        ``EngineDeadError`` (UNAVAILABLE), or, with ``drain``, finish first; returns once the cores sleep. A
+        caller that gives up (its task cancelled, ``asyncio.wait_for``) calls nothing off: the cores the call
+        reached drain and sleep. Several cores: as ``LLMEngine.sleep`` (not atomic; cores not connected at the
+        call are skipped).
 
         Raises:
             ValidationError, NotSupportedError, EngineDeadError: as ``LLMEngine.sleep``.

@@ -752,7 +752,10 @@ class GrpcCoreClient(EngineCoreClient):
         return all(r.success for r in results)
 
     async def _sleep(self, level: int, drain: bool) -> None:
-        """Sleep on every connected core, together (a drain may take a while on each).
+        """Sleep on every core connected now, together (a drain may take a while on each); a core not connected
+        at the call (starting, reconnecting) is skipped and stays awake. Not atomic: when one core refuses (e.g.
+        UNIMPLEMENTED, ``NotSupportedError``), the others may already be asleep (``_is_sleeping`` tells; a
+        ``wake_up`` brings them back). A call given up on (cancelled) goes on in the cores it reached.
 
         Raises:
             EngineDeadError, NotSupportedError, ValidationError: as ``_call_every_core``.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import gc
 import threading
 from collections.abc import Callable
@@ -134,29 +133,50 @@ class AsyncInprocClient(InprocClient):
         self._death_listeners: list[Callable[[BaseException], None]] = []
         self.dead_error: BaseException | None = None  # why the core's engine loop died, once it has
         self._availability_listeners: list[Callable[[bool], None]] = []
-        self._sleeping = False  # as of the last sleep / wake_up through this client
+        self._available = True  # the core takes requests: neither asleep nor draining to sleep
+        self._availability_lock = threading.Lock()
         self._edge().start_engine_loop(self._sink, self._on_core_death)
 
     def is_available(self) -> bool:
-        """The core takes requests: it is not asleep (as the gRPC client's: a core whose readiness is SERVING)."""
-        return not self._sleeping
+        """The core takes requests: it is neither asleep nor draining to sleep (as the gRPC client's: a core whose
+        readiness is SERVING). False from the start of a sleep through this client until a wake-up restores it."""
+        return self._available
 
     def unavailable_reason(self) -> str:
-        return "the engine core is sleeping: it takes requests again after wake_up"
+        refusal = self.engine_core.refusal
+        return (
+            str(refusal)
+            if refusal is not None
+            else "the engine core is sleeping: it takes requests again after wake_up"
+        )
 
     def add_availability_listener(self, listener: Callable[[bool], None]) -> None:
-        """``listener(available)`` after each sleep and wake-up through this client (``serve``'s readiness)."""
+        """``listener(available)`` on each change through a sleep or wake-up (``serve``'s readiness): False as a
+        sleep starts (its drain included), then the core's state once the engine thread has run it, or a wake-up.
+        Called on the caller's thread or on the engine thread; it must not block."""
         self._availability_listeners.append(listener)
 
-    def _sleep_state_changed(self) -> None:
-        with contextlib.suppress(Exception):  # the call's own error is the one to raise
-            self._set_sleeping(bool(self._wait_sync(lambda edge: edge.submit_is_sleeping())))
+    def _refresh_availability(self) -> None:
+        """Availability from the core's state, after a sleep or a wake-up has run (on the engine thread, not from
+        the coroutine awaiting it, whose caller may have given up meanwhile)."""
+        core = self.engine_core
+        with self._availability_lock:
+            self._set_available(not core.is_sleeping() and core.refusal is None)
 
-    def _set_sleeping(self, sleeping: bool) -> None:
-        if sleeping != self._sleeping:
-            self._sleeping = sleeping
+    def _set_available(self, available: bool) -> None:  # with _availability_lock held
+        if available != self._available:
+            self._available = available
             for listener in self._availability_listeners:
-                listener(not sleeping)
+                listener(available)
+
+    def _submit_sleep(self, edge: Any, level: int, drain: bool) -> concurrent.futures.Future[Any]:
+        """Unavailable from the sleep's start (a drain refuses new requests at once, as a core server's readiness
+        goes NOT_SERVING), then as the core is once the sleep has run or failed; a refused level changes nothing."""
+        return edge.submit_sleep(level, drain, on_start=self._mark_unavailable, on_done=self._refresh_availability)
+
+    def _mark_unavailable(self) -> None:
+        with self._availability_lock:
+            self._set_available(False)
 
     def add_death_listener(self, listener: Callable[[BaseException], None]) -> None:
         """``listener(error)`` once, when the core's engine loop dies (declared dead, or any fault on its
@@ -200,33 +220,21 @@ class AsyncInprocClient(InprocClient):
         return await self._outputs.get()
 
     def sleep(self, level: int = 1, drain: bool = False) -> None:
-        try:
-            self._wait_sync_refused(lambda edge: edge.submit_sleep(level, drain))
-        finally:
-            self._sleep_state_changed()
+        self._wait_sync_refused(lambda edge: self._submit_sleep(edge, level, drain))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        try:
-            self._wait_sync_refused(lambda edge: edge.submit_wake_up(tags))
-        finally:
-            self._sleep_state_changed()
+        self._wait_sync_refused(lambda edge: edge.submit_wake_up(tags, on_done=self._refresh_availability))
 
     def is_sleeping(self) -> bool:
         return bool(self._wait_sync_refused(lambda edge: edge.submit_is_sleeping()))
 
     async def sleep_async(self, level: int = 1, drain: bool = False) -> None:
-        try:
-            await self._wait(lambda edge: edge.submit_sleep(level, drain))
-        finally:
-            with contextlib.suppress(Exception):  # the sleep's own error is the one to raise
-                self._set_sleeping(bool(await self._wait(lambda edge: edge.submit_is_sleeping())))
+        """Returns once the core sleeps. A caller that gives up (its task cancelled) calls nothing off: the sleep
+        goes on, its drain included, and availability follows it."""
+        await self._wait(lambda edge: self._submit_sleep(edge, level, drain))
 
     async def wake_up_async(self, tags: list[str] | None = None) -> None:
-        try:
-            await self._wait(lambda edge: edge.submit_wake_up(tags))
-        finally:
-            with contextlib.suppress(Exception):
-                self._set_sleeping(bool(await self._wait(lambda edge: edge.submit_is_sleeping())))
+        await self._wait(lambda edge: edge.submit_wake_up(tags, on_done=self._refresh_availability))
 
     async def is_sleeping_async(self) -> bool:
         return bool(await self._wait(lambda edge: edge.submit_is_sleeping()))

@@ -377,6 +377,10 @@ class LLMEngine(LLMEngineBase):
         while it holds requests: ``step`` them to the end first). Until ``wake_up``, new requests are refused
         with ``EngineDeadError`` ("the engine core is sleeping").
 
+        With several cores over gRPC, it goes to every core connected at the call (one not connected then is
+        skipped) and is not atomic: when one refuses (``NotSupportedError``), the others may already sleep
+        (``is_sleeping`` tells; ``wake_up`` brings them back).
+
         Raises:
             ValidationError: ``level`` not 1 or 2 (naming ``level``); ``drain`` as above.
             NotSupportedError: a core runs without ``--enable-admin-rpcs``.

@@ -9,9 +9,13 @@ The in-process ``EngineCore`` carries most of it (fast); one real core process c
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -19,12 +23,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
+from core_svc.admin import AdminPolicy
 from core_svc.engine_core import EngineCore
 from core_svc.engine_loop import EngineLoop
 from core_svc.errors import EngineUnavailableError, InvalidRequestError, SleepCancelledError
 from core_svc.observability import observe_engine_core
 from core_svc.request import FinishReason, Request
 from core_svc.sampling_params import SamplingParams
+from core_svc.service import CoreServerState, EngineCoreServicer
 from splitserve.entrypoints import stack
 from splitserve.stubs.engine.v1 import engine_core_pb2 as core_pb
 from splitserve.stubs.engine.v1 import engine_core_pb2_grpc as core_grpc
@@ -207,6 +213,28 @@ def test_bad_level_and_tag_are_refused_naming_the_field(engine: EngineCore) -> N
     assert not engine.is_sleeping() and engine.model_runner.kv_cache_bytes == KV_CACHE_BYTES
 
 
+def hold_engine_thread(engine_loop: EngineLoop) -> threading.Event:
+    """Block the engine thread on a command until the returned event is set: the commands queued meanwhile are
+    then applied together, in order, before the core steps again."""
+    gate = threading.Event()
+    engine_loop.submit(lambda: gate.wait(timeout=30))  # a failed test does not hold it for ever
+    return gate
+
+
+def applied(engine_loop: EngineLoop) -> None:
+    """Return once the engine thread has applied every command queued before."""
+    engine_loop.submit(lambda: None).result(timeout=10)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for something the engine thread does after a command's future is done (the sleep a drain waited
+    for runs after the pass's commands), up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
 def test_sleep_with_drain_lets_requests_finish_and_refuses_new_ones(checkpoint: Callable[..., Path]) -> None:
     engine = make_engine(checkpoint("llama"), num_kv_blocks=64, max_model_len=256)
     outputs: list = []
@@ -215,10 +243,14 @@ def test_sleep_with_drain_lets_requests_finish_and_refuses_new_ones(checkpoint: 
     engine_loop.start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-        engine_loop.add_requests(client, [Request("long", PROMPT, params)]).result(timeout=10)
+        # The request, the sleep and a late request reach the core together: the sleep finds it in flight.
+        gate = hold_engine_thread(engine_loop)
+        added = engine_loop.add_requests(client, [Request("long", PROMPT, params)])
         sleeping = engine_loop.sleep(1, drain=True)
         late = engine_loop.add_requests(client, [Request("late", PROMPT, params)])
-        with pytest.raises(EngineUnavailableError, match="going to sleep|sleeping"):
+        gate.set()
+        added.result(timeout=10)
+        with pytest.raises(EngineUnavailableError, match="going to sleep"):
             late.result(timeout=10)
         result = sleeping.result(timeout=30)
         assert result.num_aborted_requests == 0
@@ -229,14 +261,174 @@ def test_sleep_with_drain_lets_requests_finish_and_refuses_new_ones(checkpoint: 
         engine_loop.wake_up().result(timeout=30)
         assert not engine.is_sleeping()
         # A wake_up while a drain goes on calls the sleep off; the request runs to its end.
-        engine_loop.add_requests(client, [Request("again", PROMPT, params)]).result(timeout=10)
+        gate = hold_engine_thread(engine_loop)
+        again = engine_loop.add_requests(client, [Request("again", PROMPT, params)])
         sleeping = engine_loop.sleep(2, drain=True)
-        engine_loop.wake_up().result(timeout=10)
+        woken = engine_loop.wake_up()
+        gate.set()
+        again.result(timeout=10)
+        woken.result(timeout=10)
         with pytest.raises(SleepCancelledError):
             sleeping.result(timeout=10)
         assert not engine.is_sleeping() and engine.refusal is None
     finally:
         engine_loop.stop()
+
+
+def test_a_drain_goes_on_when_its_caller_gives_up(checkpoint: Callable[..., Path]) -> None:
+    """Cancelling the future ``EngineLoop.sleep`` returned (a caller that stops waiting) calls nothing off: once
+    the core has drained, it sleeps, and ``on_done`` hears of it."""
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=64, max_model_len=256)
+    engine_loop = EngineLoop(engine)
+    client = engine_loop.register_client(lambda outputs: None)
+    engine_loop.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        gate = hold_engine_thread(engine_loop)  # the request and the sleep reach the core together
+        added = engine_loop.add_requests(client, [Request("long", PROMPT, params)])
+        done: list[concurrent.futures.Future] = []
+        slept = threading.Event()
+        sleeping = engine_loop.sleep(1, drain=True, on_done=lambda f: (done.append(f), slept.set()))
+        assert sleeping.cancel()
+        gate.set()
+        added.result(timeout=10)
+        applied(engine_loop)
+        assert "going to sleep (level 1)" in str(engine.refusal) and not done  # draining
+        engine_loop.abort_requests(["long"], client).result(timeout=10)
+        assert slept.wait(timeout=10)
+        assert engine.is_sleeping() and "the engine core is sleeping" in str(engine.refusal)
+        [engine_side] = done
+        assert engine_side.result().level == 1 and engine_side.result().num_aborted_requests == 0
+        assert sleeping.cancelled()
+        engine_loop.wake_up().result(timeout=30)
+        assert not engine.is_sleeping() and engine.refusal is None
+    finally:
+        engine_loop.stop()
+
+
+def servicer_on(engine_loop: EngineLoop, tmp_path: Path) -> tuple[EngineCoreServicer, list[bool]]:
+    """The core's servicer over ``engine_loop``, admin RPCs on; the readiness statuses it sets, in order."""
+    readiness: list[bool] = []
+    state = CoreServerState(
+        engine_loop=engine_loop, admin=AdminPolicy(enabled=True, profile_dir=tmp_path), set_serving=readiness.append
+    )
+    return EngineCoreServicer(state), readiness
+
+
+def test_a_cancelled_sleep_rpc_still_sleeps_and_readiness_follows(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A ``Sleep(drain=True)`` call cancelled (its caller gone, its deadline past) while the core drains: the core
+    still sleeps once its requests have finished, and readiness stays NOT_SERVING throughout (never SERVING while
+    the sleep waits or after it)."""
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=64, max_model_len=256)
+    engine_loop = EngineLoop(engine)
+    client = engine_loop.register_client(lambda outputs: None)
+    engine_loop.start()
+    servicer, readiness = servicer_on(engine_loop, tmp_path)
+    context: Any = None  # not used unless the call fails
+
+    async def scenario() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        gate = hold_engine_thread(engine_loop)  # the request and the sleep reach the core together
+        added = engine_loop.add_requests(client, [Request("long", PROMPT, params)])
+        call = asyncio.ensure_future(servicer.Sleep(core_pb.SleepRequest(level=1, drain=True), context))
+        await asyncio.sleep(0)  # the call runs up to its wait: the sleep is queued
+        assert readiness == [False]
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gate.set()
+        added.result(timeout=10)
+        applied(engine_loop)
+        assert "going to sleep" in str(engine.refusal) and readiness == [False]
+        engine_loop.abort_requests(["long"], client).result(timeout=10)
+        wait_until(lambda: len(readiness) == 2)  # the sleep's own readiness, from the engine thread
+        assert engine.is_sleeping() and readiness == [False, False]
+        response = await servicer.IsSleeping(core_pb.IsSleepingRequest(), context)
+        assert response.is_sleeping
+        await servicer.WakeUp(core_pb.WakeUpRequest(), context)
+        assert not engine.is_sleeping() and readiness[-1] is True
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine_loop.stop()
+
+
+def test_a_wake_up_before_a_queued_sleep_leaves_readiness_not_serving(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``WakeUp`` then ``Sleep``, concurrent: the wake-up's readiness (SERVING) is set before the engine thread
+    reaches the sleep; the sleep sets it again (NOT_SERVING) once it has run."""
+    engine = make_engine(checkpoint("llama"), num_kv_blocks=64, max_model_len=256)
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+    servicer, readiness = servicer_on(engine_loop, tmp_path)
+    context: Any = None
+
+    async def scenario() -> None:
+        engine_loop.sleep(1).result(timeout=30)
+        gate = hold_engine_thread(engine_loop)
+        wake = asyncio.ensure_future(servicer.WakeUp(core_pb.WakeUpRequest(), context))
+        await asyncio.sleep(0)  # the wake-up is queued
+        second_gate = hold_engine_thread(engine_loop)  # holds the sleep back until the wake-up has answered
+        sleep = asyncio.ensure_future(servicer.Sleep(core_pb.SleepRequest(level=1), context))
+        await asyncio.sleep(0)  # the sleep is queued
+        gate.set()
+        await wake
+        assert not engine.is_sleeping() and readiness == [False, True]
+        second_gate.set()
+        await sleep
+        assert engine.is_sleeping() and readiness[-1] is False
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine_loop.stop()
+
+
+def test_in_process_client_is_unavailable_through_a_drain_its_caller_gave_up_on(
+    checkpoint: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``AsyncInprocClient`` (``serve``'s in-process core): unavailable (readiness NOT_SERVING, HTTP /health 503)
+    from the start of a draining sleep, as a core server's readiness, with the core's reason; a caller that gives
+    up waiting (``asyncio.wait_for``) leaves the sleep going, and availability follows the core, not the call."""
+    from frontend_svc.engine_types import EngineCoreRequest
+    from frontend_svc.inproc_client import AsyncInprocClient
+    from frontend_svc.sampling_params import SamplingParams as ApiSamplingParams
+
+    client = AsyncInprocClient(str(checkpoint("llama")), num_kv_blocks=64, max_model_len=256)
+    availability: list[bool] = []
+    client.add_availability_listener(availability.append)
+    engine_loop = client._edge()._running_engine_loop()
+
+    async def scenario() -> None:
+        params = ApiSamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        gate = hold_engine_thread(engine_loop)  # the request and the sleep reach the core together
+        added = asyncio.ensure_future(client.add_requests_async([EngineCoreRequest("long", PROMPT, params)]))
+        await asyncio.sleep(0)  # the request is queued
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(client.sleep_async(1, drain=True), 0.05)  # it cannot end: the core is held
+        assert not client.is_available() and availability == [False]
+        gate.set()
+        await added
+        assert not await client.is_sleeping_async()  # draining
+        assert not client.is_available() and "going to sleep" in client.unavailable_reason()
+        await client.abort_requests_async(["long"])
+        wait_until(client.engine_core.is_sleeping)
+        assert await client.is_sleeping_async()
+        assert not client.is_available() and availability == [False]
+        assert "the engine core is sleeping" in client.unavailable_reason()
+        await client.wake_up_async()
+        assert client.is_available() and availability == [False, True]
+
+    try:
+        with caplog.at_level(logging.ERROR):
+            asyncio.run(scenario())
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no InvalidStateError from a callback
+    finally:
+        client.shutdown()
 
 
 @pytest.fixture(scope="module")
