@@ -233,7 +233,10 @@ t.start()
 t.join()
 masks = {}
 for tid in os.listdir("/proc/self/task"):
-    status = open(f"/proc/self/task/{tid}/status").read()
+    try:
+        status = open(f"/proc/self/task/{tid}/status").read()
+    except FileNotFoundError:  # a thread that ended since the listing (the joined one, a runtime helper)
+        continue
     masks[tid] = [v.split()[1] for v in status.splitlines() if v.startswith("Cpus_allowed_list")][0]
 print(json.dumps({"line": line, "masks": masks, "main": masks[str(os.getpid())]}))
 """
