@@ -28,8 +28,11 @@ $(BIN)/.kernels: $(BIN)/.installed $(KERNEL_SOURCES)
 
 setup: $(BIN)/.installed $(BIN)/.kernels
 
+# TEST_WORKERS=2: two pytest-xdist workers, each taking whole test files (their module fixtures start servers
+# once); see tests/README.md. The default, 0, is one pytest process.
+TEST_WORKERS ?= 0
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -17,7 +17,9 @@ import pytest
 SHARED_TOKENIZERS = Path(
     os.environ.get("SPLITSERVE_TOKENIZERS_DIR", Path(__file__).resolve().parents[2] / "shared" / "tokenizers")
 )
-_DIVERGENCE_REPORT: list[str] = []
+_DIVERGENCE_REPORT: list[str] = []  # the end-of-run summary's lines (in the controller, under pytest-xdist)
+_PENDING_DIVERGENCES: list[str] = []  # recorded by the running test, not yet in its report
+_DIVERGENCE_PROPERTY = "greedy divergence"
 
 # Triton decides when a kernel is decorated (its module first imported) whether to compile it for the GPU or
 # interpret it on CPU tensors: without a GPU, interpret, so that any test reaching the triton attention backend
@@ -86,7 +88,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def report_divergence(line: str) -> None:
     """Record a greedy divergence between splitserve and transformers for the end-of-run summary."""
-    _DIVERGENCE_REPORT.append(line)
+    _PENDING_DIVERGENCES.append(line)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Divergences recorded by a test travel in its report's ``user_properties``, so that the summary also has
+    those of tests run by pytest-xdist workers (the controller sees only the reports)."""
+    report = yield
+    while _PENDING_DIVERGENCES:
+        report.user_properties.append((_DIVERGENCE_PROPERTY, _PENDING_DIVERGENCES.pop(0)))
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Called in the process that prints the summary for every report, its own or a worker's."""
+    _DIVERGENCE_REPORT.extend(value for name, value in report.user_properties if name == _DIVERGENCE_PROPERTY)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

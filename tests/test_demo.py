@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from splitserve.base import envs
 from splitserve.entrypoints.cli import main
 from splitserve.entrypoints.demo import DEMO_NAME, is_demo_model, model_notice
 
@@ -16,6 +17,12 @@ REAL_MODEL = "make run MODEL=Qwen/Qwen2.5-0.5B-Instruct (a hub id, needs network
 
 @pytest.fixture()
 def cache_dir(tmp_path, monkeypatch):
+    """A cache folder of its own for the demo model; its ``kernels`` is the real kernel folder (a link), so the
+    demo's processes load the CPU kernel that setup built instead of compiling it again (a minute on busy cores)."""
+    kernels = envs.kernel_dir()
+    (tmp_path / "cache").mkdir()
+    if kernels.is_dir():
+        (tmp_path / "cache" / "kernels").symlink_to(kernels, target_is_directory=True)
     monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("SPLITSERVE_MODEL", raising=False)
     return tmp_path / "cache"
