@@ -232,8 +232,9 @@ class EngineCore:
             "o_proj": [loaded.arch.hidden_size],
             "down_proj": [loaded.arch.hidden_size],
         }
-        slots = LoRASlots(config.max_loras, config.max_lora_rank, self.dtype, device)
-        modules = wrap_lora_modules(loaded.model, sizes, slots, self._lora_batch)
+        self._lora_slice_sizes = sizes
+        self._lora_slots = LoRASlots(config.max_loras, config.max_lora_rank, self.dtype, device)
+        modules = wrap_lora_modules(loaded.model, sizes, self._lora_slots, self._lora_batch)
         return LoRAManager(modules, config.max_loras, config.lora_capacity)
 
     def add_request(self, request: Request) -> None:
@@ -602,7 +603,13 @@ class EngineCore:
         for tag in check_wake_up_tags(tags):
             if tag == WEIGHTS_TAG and state.weights != WeightsState.ON_DEVICE:
                 if state.weights == WeightsState.DISCARDED:
-                    self.model_runner.set_model(self._load_model().model)  # logs its size and time
+                    model = self._load_model().model  # logs its size and time
+                    if self.lora_manager is not None:
+                        # The reloaded projections get adapter slots of their own: the manager's modules and slots
+                        # pointed at the discarded model's, so every adapter is copied in again when next used.
+                        modules = wrap_lora_modules(model, self._lora_slice_sizes, self._lora_slots, self._lora_batch)
+                        self.lora_manager.replace_modules(modules)
+                    self.model_runner.set_model(model)
                 else:
                     self.model_runner.onload_weights()
                 state.weights = WeightsState.ON_DEVICE

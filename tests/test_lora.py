@@ -452,3 +452,15 @@ def test_mixed_adapters_on_the_gpu_match_peft(checkpoint, tmp_path):
     names = ["all", None, "attn"]
     assert [ids for ids, _, _ in run(core, [(prompt, name) for name in names])] == [want[n] for n in names]
     assert run(core, [(prompt, None)])[0][0] == want[None]
+
+
+def test_adapters_survive_sleep_level_2(engine, adapters, prompt):
+    """Sleep level 2 drops the weights and wake_up reloads them: the reloaded projections get adapter slots, and
+    an adapter's output is what it was before (not the base model's)."""
+    ensure(engine, adapters, "attn")
+    [(before, _, _)] = run(engine, [(prompt, "attn")])
+    engine.sleep(2)
+    engine.wake_up()
+    [(after, _, _)] = run(engine, [(prompt, "attn")])
+    assert before == after == adapters["attn"][1]
+    assert after != adapters["base"][1]

@@ -154,6 +154,13 @@ class LoRAManager:
 
     # --- slots (the model runner, per step) ---
 
+    def replace_modules(self, modules: dict[tuple[int, str], LoRALinear]) -> None:
+        """Serve a reloaded model's projections (sleep level 2, then wake up): their slots are empty, so every
+        slot is forgotten and each adapter's weights are copied in again by the next ``activate`` that uses it."""
+        self.modules = modules
+        self.slots = [None] * self.max_loras
+        self._slot_order.clear()
+
     def activate(self, int_ids: set[int]) -> dict[int, int]:
         """Give each adapter of a step a device slot, copying in the weights of those not in one; returns
         lora_int_id -> slot.
