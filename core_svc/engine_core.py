@@ -245,6 +245,8 @@ class EngineCore:
                 max_tokens over max_model_len, token id outside the vocabulary, bad sampling parameter, or a
                 request id already in use.
             LoRANotFoundError: ``lora_name`` names no loaded adapter (or LoRA is off).
+            InvalidRequestError: also, the adapter's weights were dropped from host memory (``--max-cpu-loras``) and
+                its folder can no longer be read, or its files changed since it was loaded.
             RequestTooLargeError: the request could never fit in the KV cache.
             EngineUnavailableError: the core was declared dead.
         """
@@ -259,7 +261,8 @@ class EngineCore:
                     f"lora_request: adapter {request.lora_name!r} is not loaded (LoRA is off on this engine core: "
                     "--enable-lora)"
                 )
-            model = self.lora_manager.get(request.lora_name)  # LoRANotFoundError when not loaded
+            # LoRANotFoundError when not registered; reads the folder again when the cache dropped its weights.
+            model = self.lora_manager.get(request.lora_name, self._loras_in_use(), self.read_lora)
             request.lora_int_id, request.lora_hash = model.lora_request.lora_int_id, model.content_hash
         if request.pooling_params is not None:
             request.pooling_params = self.pooler_config.resolve(request.pooling_params)
@@ -430,7 +433,7 @@ class EngineCore:
         two halves (the servers do).
 
         Raises:
-            LoRADisabledError, LoRAExistsError, InvalidRequestError, LoRACapacityError: as the halves.
+            LoRADisabledError, LoRAExistsError, InvalidRequestError: as the halves.
         """
         return self.find_lora(lora_request) or self.install_lora(self.read_lora(lora_request))
 
@@ -463,7 +466,6 @@ class EngineCore:
 
         Raises:
             LoRAExistsError: the name is loaded from another folder meanwhile, or the int id asked is taken.
-            LoRACapacityError: ``max_cpu_loras`` adapters are loaded and requests use every one.
         """
         return self._lora().add(model, self._loras_in_use())
 
@@ -477,7 +479,7 @@ class EngineCore:
         self._lora().remove(lora_name, self._loras_in_use())
 
     def list_loras(self) -> list[LoRARequest]:
-        """The loaded adapters.
+        """The loaded adapters (every one registered, whether its weights are in host memory or not).
 
         Raises:
             LoRADisabledError: the core was started without ``enable_lora``.

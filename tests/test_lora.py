@@ -464,3 +464,33 @@ def test_adapters_survive_sleep_level_2(engine, adapters, prompt):
     [(after, _, _)] = run(engine, [(prompt, "attn")])
     assert before == after == adapters["attn"][1]
     assert after != adapters["base"][1]
+
+
+def test_max_cpu_loras_is_a_cache_every_adapter_stays_loaded(model_path, adapters, prompt, tmp_path):
+    """With room for one adapter's weights, every adapter registered stays listed and servable: one whose weights
+    were dropped is read again when a request names it (two in flight at once too); files changed meanwhile fail
+    the request rather than serve other weights under the adapter's identity."""
+    import shutil
+
+    changing = tmp_path / "changing"
+    shutil.copytree(adapters["qv"][0], changing)
+    core = EngineCore(
+        CoreConfig(
+            model=str(model_path),
+            enable_lora=True,
+            max_lora_rank=MAX_LORA_RANK,
+            num_kv_blocks=64,
+            lora_modules=(f"a={adapters['attn'][0]}", f"m={adapters['mlp'][0]}", f"c={changing}"),
+        )
+    )
+    assert [r.lora_name for r in core.list_loras()] == ["a", "m", "c"]
+    assert list(core.lora_manager.loaded) == ["c"]  # max_cpu_loras defaults to max_loras: 1
+    results = run(core, [(prompt, "a"), (prompt, "m"), (prompt, None)])
+    assert [ids for ids, _, _ in results] == [adapters[n][1] for n in ("attn", "mlp", "base")]
+    assert [ids for ids, _, _ in run(core, [(prompt, "c")])] == [adapters["qv"][1]]
+    run(core, [(prompt, "a")])  # drops c's weights
+    config = changing / "adapter_config.json"
+    config.write_text(config.read_text() + "\n")  # servable still, but not the files it was loaded from
+    with pytest.raises(InvalidRequestError, match="files of LoRA adapter 'c' .* changed"):
+        core.add_request(Request("changed", list(prompt), SamplingParams(max_tokens=1), lora_name="c"))
+    assert [r.lora_name for r in core.list_loras()] == ["a", "m", "c"]
