@@ -17,7 +17,7 @@ import torch
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.errors import InvalidRequestError, LoRADisabledError, LoRAExistsError, LoRANotFoundError
-from core_svc.lora.adapter import LoRARequest, load_lora_model
+from core_svc.lora.adapter import LoRARequest, load_lora_model, max_weights_bytes
 from core_svc.models.arch import ModelArchConfig
 from core_svc.request import Request
 from core_svc.sampling_params import SamplingParams
@@ -266,6 +266,14 @@ def test_refusals(engine, adapters, model_path, tmp_path):
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"target_modules": ["q_proj", "lm_head"]}, r"target modules \['lm_head'\]"),
         ({"peft_type": "IA3"}, "not LoRA"),
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+        ({"layer_replication": [[0, 2], [1, 3]]}, "layer_replication"),
+        ({"use_qalora": True}, "use_qalora"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+        ({"exclude_modules": ["k_proj"]}, "exclude_modules"),
+        ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
+        ({"a_future_peft_feature": {"on": True}}, "a_future_peft_feature"),
     ],
 )
 def test_unsupported_configs_are_refused_naming_the_reason(model_path, adapters, tmp_path, change, reason):
@@ -277,6 +285,27 @@ def test_unsupported_configs_are_refused_naming_the_reason(model_path, adapters,
     arch = ModelArchConfig.from_hf_config(hf_model(model_path).config)
     with pytest.raises(InvalidRequestError, match=reason):
         load_lora_model(LoRARequest("x", 0, str(folder)), arch, MAX_LORA_RANK)
+
+
+def test_files_are_checked_before_they_are_read(model_path, adapters, tmp_path):
+    """A weights file larger than any adapter at --max-lora-rank is refused from its size; a missing folder and a
+    folder without a config get the same answer."""
+    arch = ModelArchConfig.from_hf_config(hf_model(model_path).config)
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_bytes((adapters["attn"][0] / "adapter_config.json").read_bytes())
+    with (folder / "adapter_model.safetensors").open("wb") as f:
+        f.truncate(max_weights_bytes(arch, MAX_LORA_RANK) + 1)  # sparse: nothing written
+    with pytest.raises(InvalidRequestError, match="adapter_model.safetensors is larger than any adapter"):
+        load_lora_model(LoRARequest("x", 0, str(folder)), arch, MAX_LORA_RANK)
+    real = (adapters["all"][0] / "adapter_model.safetensors").stat().st_size  # rank 8, every module, float32
+    assert real < max_weights_bytes(arch, MAX_LORA_RANK)  # the largest servable one passes
+    messages = []
+    for path in (tmp_path / "no-such-folder", tmp_path):  # tmp_path: a folder without adapter_config.json
+        with pytest.raises(InvalidRequestError) as info:
+            load_lora_model(LoRARequest("x", 0, str(path)), arch, MAX_LORA_RANK)
+        messages.append(str(info.value).replace(str(path), "P"))
+    assert messages[0] == messages[1] and "is not a folder" in messages[0]
 
 
 def test_scaling_and_shapes_of_a_loaded_adapter(model_path, adapters):
