@@ -285,6 +285,7 @@ class EngineCore:
         """Finish requests as aborted and free their blocks. Unknown or finished ids are ignored."""
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.structured_output_manager.forget_failures(aborted)
+        self._purge_loras()
         if self._stats is not None:
             scheduler = self.scheduler
             load = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.kv_cache_manager.usage)
@@ -321,8 +322,8 @@ class EngineCore:
                 outputs.scheduler_stats = None  # nothing happened: nothing to tell the clients
                 return outputs
         self._last_stats = outputs.scheduler_stats
-        if self.lora_manager is not None and self.lora_manager.has_unloaded_held and outputs.finished_requests:
-            self.lora_manager.purge(self._loras_in_use())
+        if outputs.finished_requests:
+            self._purge_loras()
         if self._stats is not None:
             self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
@@ -491,6 +492,11 @@ class EngineCore:
             raise LoRADisabledError("LoRA adapters are off on this engine core (start it with --enable-lora)")
         return self.lora_manager
 
+    def _purge_loras(self) -> None:
+        """Free the adapters removed (or whose weights the cache dropped) that no request uses any more."""
+        if self.lora_manager is not None and self.lora_manager.has_unloaded_held:
+            self.lora_manager.purge(self._loras_in_use())
+
     def _loras_in_use(self) -> set[int]:
         return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}
 
@@ -553,6 +559,7 @@ class EngineCore:
             outputs = self.scheduler.fail_requests(ended, error)
             self.structured_output_manager.forget_failures(in_flight)
             self.model_runner.remove_requests(ended)
+            self._purge_loras()
             logger.info("sleep: ended %d request(s) in flight with UNAVAILABLE", len(ended))
         engine_outputs = self.scheduler.make_outputs(outputs)
         if self._stats is not None and outputs:

@@ -523,3 +523,15 @@ def test_max_cpu_loras_is_a_cache_every_adapter_stays_loaded(model_path, adapter
     with pytest.raises(InvalidRequestError, match="files of LoRA adapter 'c' .* changed"):
         core.add_request(Request("changed", list(prompt), SamplingParams(max_tokens=1), lora_name="c"))
     assert [r.lora_name for r in core.list_loras()] == ["a", "m", "c"]
+
+
+def test_an_adapter_removed_while_in_use_is_freed_when_its_last_request_is_aborted(engine, adapters, prompt):
+    loaded = engine.add_lora(LoRARequest("aborted", 0, str(adapters["qv"][0])))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("aborted-1", list(prompt), params, lora_name="aborted"))
+    engine.step()
+    engine.remove_lora("aborted")
+    assert loaded.lora_int_id in engine.lora_manager.held  # its request still runs with it
+    engine.abort_requests(["aborted-1"])
+    assert loaded.lora_int_id not in engine.lora_manager.held
+    assert not engine.has_unfinished_requests()
