@@ -242,6 +242,8 @@ def test_refusals(engine, adapters, model_path, tmp_path):
     with pytest.raises(LoRAExistsError, match="already loaded"):
         engine.add_lora(LoRARequest("attn", 0, str(adapters["mlp"][0])))
     assert engine.add_lora(LoRARequest("attn", 0, str(adapters["attn"][0]))).lora_name == "attn"  # idempotent
+    again = engine.add_lora(LoRARequest("attn", 0, f"{adapters['attn'][0]}/"))  # the same folder, written otherwise
+    assert again == engine.add_lora(LoRARequest("attn", 0, str(adapters["attn"][0])))
     base = hf_model(model_path)
     make_adapter(base, tmp_path / "r16", 16, 16, ATTENTION, False, 5)
     with pytest.raises(InvalidRequestError, match="rank r=16 is above .*--max-lora-rank 8") as info:
