@@ -537,3 +537,31 @@ def test_an_adapter_removed_while_in_use_is_freed_when_its_last_request_is_abort
     engine.abort_requests(["aborted-1"])
     assert loaded.lora_int_id not in engine.lora_manager.held
     assert not engine.has_unfinished_requests()
+
+
+def test_preempted_adapter_requests_resume_with_their_adapters(model_path, engine, adapters, prompt):
+    """Two adapters' requests in a KV cache too small for both to decode: one is preempted and recomputed; each
+    still ends with its own adapter's output."""
+    short = prompt[:16]  # one full block each; the first decode step needs a second block for both
+    for name in ("attn", "mlp"):
+        ensure(engine, adapters, name)
+    want = [ids for ids, _, _ in run(engine, [(short, "attn"), (short, "mlp")])]
+    core = EngineCore(
+        CoreConfig(
+            model=str(model_path),
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=MAX_LORA_RANK,
+            num_kv_blocks=4,  # the null block and 3 more: not 4 for two requests of 2 blocks
+            enable_prefix_caching=False,
+            lora_modules=(f"attn={adapters['attn'][0]}", f"mlp={adapters['mlp'][0]}"),
+        )
+    )
+    preempted: list[int] = []
+    got = run(
+        core,
+        [(short, "attn"), (short, "mlp")],
+        check=lambda e: preempted.extend(r.num_preemptions for r in e.scheduler.requests.values()),
+    )
+    assert any(preempted)
+    assert [ids for ids, _, _ in got] == want and want[0] != want[1]
