@@ -350,7 +350,8 @@ def test_llm_generate_with_lora_requests(model_path, adapters, prompt):
     from frontend_svc import SamplingParams as ApiSamplingParams
     from frontend_svc.errors import NotFoundError
 
-    with LLM(str(model_path), enable_lora=True, max_loras=2, max_lora_rank=MAX_LORA_RANK, num_kv_blocks=64) as llm:
+    # max_loras (and so the host cache, --max-cpu-loras) 1: two adapters in one call, each stays loaded
+    with LLM(str(model_path), enable_lora=True, max_lora_rank=MAX_LORA_RANK, num_kv_blocks=64) as llm:
         requests = [
             ApiLoRARequest("attn", 1, str(adapters["attn"][0])),
             None,

@@ -121,7 +121,7 @@ class LoRAManager:
         """Raises LoRAExistsError when ``int_id`` is registered or held by an adapter."""
         owner = self.held.get(int_id)
         name = owner.lora_request.lora_name if owner is not None else None
-        name = name or next((n for n, r in self.registered.items() if r.lora_request.lora_int_id == int_id), None)
+        name = name or next((n for n, r in list(self.registered.items()) if r.lora_request.lora_int_id == int_id), None)
         if name is not None:
             raise LoRAExistsError(
                 f"lora_request.lora_int_id: {int_id} is the id of adapter {name!r}; give 0 to have the engine "
