@@ -517,6 +517,15 @@ def test_max_cpu_loras_is_a_cache_every_adapter_stays_loaded(model_path, adapter
     )
     assert [r.lora_name for r in core.list_loras()] == ["a", "m", "c"]
     assert list(core.lora_manager.loaded) == ["c"]  # max_cpu_loras defaults to max_loras: 1
+    # An id asked for by an adapter whose weights are dropped is still its own: never given to another.
+    asked = core.add_lora(LoRARequest("asked", 4, str(adapters["qv"][0])))  # the ids given so far: 1, 2, 3
+    run(core, [(prompt[:4], "a")])  # drops asked's weights
+    assert asked.lora_int_id == 4 and asked.lora_int_id not in core.lora_manager.held
+    assert core.add_lora(LoRARequest("next", 0, str(adapters["qv"][0]))).lora_int_id == 5
+    with pytest.raises(LoRAExistsError, match="4 is the id of adapter 'asked'"):
+        core.add_lora(LoRARequest("again", 4, str(adapters["qv"][0])))
+    for name in ("asked", "next"):
+        core.remove_lora(name)
     results = run(core, [(prompt, "a"), (prompt, "m"), (prompt, None)])
     assert [ids for ids, _, _ in results] == [adapters[n][1] for n in ("attn", "mlp", "base")]
     assert [ids for ids, _, _ in run(core, [(prompt, "c")])] == [adapters["qv"][1]]

@@ -253,6 +253,8 @@ class LoRAManager:
         raise RuntimeError("no LoRA slot is free")
 
     def _new_int_id(self) -> int:
-        while (int_id := next(self._next_int_id)) in self.held:
+        """The next id never given that no adapter has (registered, its weights cached or not, or held)."""
+        taken = self.held.keys() | {r.lora_request.lora_int_id for r in self.registered.values()}
+        while (int_id := next(self._next_int_id)) in taken:
             pass
         return int_id
