@@ -172,8 +172,9 @@ class CoreConfig:
     max_cpu_loras: int | None = field(
         default=None,
         metadata=flag(
-            "most LoRA adapters loaded at once (host memory); loading more unloads the least recently used one "
-            "that no request uses",
+            "most LoRA adapters whose weights stay in host memory while no request uses them; beyond it the least "
+            "recently used one's are dropped and read again from its folder when a request names it (it stays "
+            "loaded)",
             default_help="--max-loras",
             metavar="N",
         ),
@@ -195,7 +196,7 @@ class CoreConfig:
 
     @property
     def lora_capacity(self) -> int:
-        """Adapters loaded at once: ``max_cpu_loras``, else ``max_loras`` (vLLM's default)."""
+        """Adapters whose weights stay in host memory: ``max_cpu_loras``, else ``max_loras`` (vLLM's default)."""
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def lora_module_paths(self) -> dict[str, str]:

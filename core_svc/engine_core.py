@@ -232,8 +232,9 @@ class EngineCore:
             "o_proj": [loaded.arch.hidden_size],
             "down_proj": [loaded.arch.hidden_size],
         }
-        slots = LoRASlots(config.max_loras, config.max_lora_rank, self.dtype, device)
-        modules = wrap_lora_modules(loaded.model, sizes, slots, self._lora_batch)
+        self._lora_slice_sizes = sizes
+        self._lora_slots = LoRASlots(config.max_loras, config.max_lora_rank, self.dtype, device)
+        modules = wrap_lora_modules(loaded.model, sizes, self._lora_slots, self._lora_batch)
         return LoRAManager(modules, config.max_loras, config.lora_capacity)
 
     def add_request(self, request: Request) -> None:
@@ -244,6 +245,8 @@ class EngineCore:
                 max_tokens over max_model_len, token id outside the vocabulary, bad sampling parameter, or a
                 request id already in use.
             LoRANotFoundError: ``lora_name`` names no loaded adapter (or LoRA is off).
+            InvalidRequestError: also, the adapter's weights were dropped from host memory (``--max-cpu-loras``) and
+                its folder can no longer be read, or its files changed since it was loaded.
             RequestTooLargeError: the request could never fit in the KV cache.
             EngineUnavailableError: the core was declared dead.
         """
@@ -258,7 +261,8 @@ class EngineCore:
                     f"lora_request: adapter {request.lora_name!r} is not loaded (LoRA is off on this engine core: "
                     "--enable-lora)"
                 )
-            model = self.lora_manager.get(request.lora_name)  # LoRANotFoundError when not loaded
+            # LoRANotFoundError when not registered; reads the folder again when the cache dropped its weights.
+            model = self.lora_manager.get(request.lora_name, self._loras_in_use(), self.read_lora)
             request.lora_int_id, request.lora_hash = model.lora_request.lora_int_id, model.content_hash
         if request.pooling_params is not None:
             request.pooling_params = self.pooler_config.resolve(request.pooling_params)
@@ -281,6 +285,7 @@ class EngineCore:
         """Finish requests as aborted and free their blocks. Unknown or finished ids are ignored."""
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.structured_output_manager.forget_failures(aborted)
+        self._purge_loras()
         if self._stats is not None:
             scheduler = self.scheduler
             load = SchedulerStats(len(scheduler.running), len(scheduler.waiting), scheduler.kv_cache_manager.usage)
@@ -317,8 +322,8 @@ class EngineCore:
                 outputs.scheduler_stats = None  # nothing happened: nothing to tell the clients
                 return outputs
         self._last_stats = outputs.scheduler_stats
-        if self.lora_manager is not None and self.lora_manager.has_unloaded_held and outputs.finished_requests:
-            self.lora_manager.purge(self._loras_in_use())
+        if outputs.finished_requests:
+            self._purge_loras()
         if self._stats is not None:
             self._stats.on_step(scheduler_output.total_num_scheduled_tokens, outputs)
         return outputs
@@ -429,7 +434,7 @@ class EngineCore:
         two halves (the servers do).
 
         Raises:
-            LoRADisabledError, LoRAExistsError, InvalidRequestError, LoRACapacityError: as the halves.
+            LoRADisabledError, LoRAExistsError, InvalidRequestError: as the halves.
         """
         return self.find_lora(lora_request) or self.install_lora(self.read_lora(lora_request))
 
@@ -462,7 +467,6 @@ class EngineCore:
 
         Raises:
             LoRAExistsError: the name is loaded from another folder meanwhile, or the int id asked is taken.
-            LoRACapacityError: ``max_cpu_loras`` adapters are loaded and requests use every one.
         """
         return self._lora().add(model, self._loras_in_use())
 
@@ -476,7 +480,7 @@ class EngineCore:
         self._lora().remove(lora_name, self._loras_in_use())
 
     def list_loras(self) -> list[LoRARequest]:
-        """The loaded adapters.
+        """The loaded adapters (every one registered, whether its weights are in host memory or not).
 
         Raises:
             LoRADisabledError: the core was started without ``enable_lora``.
@@ -487,6 +491,11 @@ class EngineCore:
         if self.lora_manager is None:
             raise LoRADisabledError("LoRA adapters are off on this engine core (start it with --enable-lora)")
         return self.lora_manager
+
+    def _purge_loras(self) -> None:
+        """Free the adapters removed (or whose weights the cache dropped) that no request uses any more."""
+        if self.lora_manager is not None and self.lora_manager.has_unloaded_held:
+            self.lora_manager.purge(self._loras_in_use())
 
     def _loras_in_use(self) -> set[int]:
         return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}
@@ -550,6 +559,7 @@ class EngineCore:
             outputs = self.scheduler.fail_requests(ended, error)
             self.structured_output_manager.forget_failures(in_flight)
             self.model_runner.remove_requests(ended)
+            self._purge_loras()
             logger.info("sleep: ended %d request(s) in flight with UNAVAILABLE", len(ended))
         engine_outputs = self.scheduler.make_outputs(outputs)
         if self._stats is not None and outputs:
@@ -602,7 +612,13 @@ class EngineCore:
         for tag in check_wake_up_tags(tags):
             if tag == WEIGHTS_TAG and state.weights != WeightsState.ON_DEVICE:
                 if state.weights == WeightsState.DISCARDED:
-                    self.model_runner.set_model(self._load_model().model)  # logs its size and time
+                    model = self._load_model().model  # logs its size and time
+                    if self.lora_manager is not None:
+                        # The reloaded projections get adapter slots of their own: the manager's modules and slots
+                        # pointed at the discarded model's, so every adapter is copied in again when next used.
+                        modules = wrap_lora_modules(model, self._lora_slice_sizes, self._lora_slots, self._lora_batch)
+                        self.lora_manager.replace_modules(modules)
+                    self.model_runner.set_model(model)
                 else:
                     self.model_runner.onload_weights()
                 state.weights = WeightsState.ON_DEVICE

@@ -45,13 +45,6 @@ class LoRADisabledError(EngineError):
     status_code: ClassVar[StatusCode] = StatusCode.FAILED_PRECONDITION
 
 
-class LoRACapacityError(EngineError):
-    """``AddLora`` while ``--max-cpu-loras`` adapters are loaded and every one is in use by a request:
-    RESOURCE_EXHAUSTED."""
-
-    status_code: ClassVar[StatusCode] = StatusCode.RESOURCE_EXHAUSTED
-
-
 class RequestTooLargeError(EngineError):
     """A request that can never fit in the KV cache, however empty: RESOURCE_EXHAUSTED."""
 

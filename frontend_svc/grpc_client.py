@@ -91,8 +91,9 @@ class CoreConnection:
         self.available = False  # the Connect stream is up
         self.serving = False  # the core's health says SERVING
         self.info: EngineInfo | None = None
-        # The LoRA adapters this core has loaded, by name, as last seen (ListLoras when the stream comes up and when
-        # a request names one not here; this client's own loads and unloads): where requests for them go.
+        # The LoRA adapters this core has loaded, by name, as last seen (ListLoras when the stream comes up, when
+        # a request names one not here, after this client's loads, and when the core answers NOT_FOUND for a
+        # request's adapter, which then goes to a core that lists it): where requests for them go.
         self.lora_names: set[str] = set()
         self.last_error: str | None = None  # why the latest attempt to reach it failed (a gRPC status and details)
         # request_id -> the request until its first output (so a refused add can go elsewhere), then None
@@ -234,6 +235,12 @@ class CoreConnection:
                 if self.serving:
                     self.serving = False
                     self._on_change()
+                self._reroute(self, request, output)
+                continue
+            if isinstance(output.error, NotFoundError) and request is not None and request.lora_request is not None:
+                # Its adapter is not here (unloaded since this frontend last looked): another core may have it.
+                self.in_flight.pop(output.request_id, None)
+                self.lora_names.discard(request.lora_request.lora_name)
                 self._reroute(self, request, output)
                 continue
             if output.finished:
@@ -623,6 +630,8 @@ class GrpcCoreClient(EngineCoreClient):
             raise EngineDeadError("no engine core is reachable")
         return reachable
 
+    add_lora_timeout_s = 60.0  # per core; one that times out is sent RemoveLora, as the others that loaded it
+
     async def _add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         """AddLora on every connected core, all or none: when one refuses, the cores that loaded it in this call
         unload it again, and its error is raised (``_unary_error``). The same name and folder again is no error
@@ -639,8 +648,11 @@ class GrpcCoreClient(EngineCoreClient):
             if stub is None:
                 continue
             try:
-                response = await stub.AddLora(message, timeout=60.0)  # reading the adapter's weights takes time
+                # reading the adapter's weights takes time
+                response = await stub.AddLora(message, timeout=self.add_lora_timeout_s)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and connection not in had:
+                    loaded.append(connection)  # it may still load it after the deadline: unload it there too
                 for done in loaded:
                     await self._undo_add(done, lora_request.lora_name)
                 raise _unary_error(e, "lora_path") from e
@@ -650,6 +662,7 @@ class GrpcCoreClient(EngineCoreClient):
             result = result or lora_request_from_pb(response.lora_request)
         if result is None:
             raise EngineDeadError("no engine core is reachable")
+        await asyncio.gather(*(c.refresh_loras() for c in reachable))  # what else changed there meanwhile
         return result
 
     @staticmethod
@@ -707,12 +720,17 @@ class GrpcCoreClient(EngineCoreClient):
         return list(by_name.values())
 
     def _reroute(self, refused_by: CoreConnection, request: EngineCoreRequest, refusal: EngineCoreOutput) -> None:
-        """A draining core refused an add: send it to another core, or pass the refusal on."""
+        """A core refused an add before running it: draining, or (NOT_FOUND) without the request's adapter. Send it
+        to another core (for an adapter, one that lists it when asked again), or pass the refusal on."""
         self._owner.pop(request.request_id, None)
+        lora = request.lora_request if isinstance(refusal.error, NotFoundError) else None
 
         async def readd() -> None:
             try:
-                await self._add([request], exclude=refused_by)
+                if lora is not None:
+                    await self._add_with_lora(request, lora.lora_name, refused_by, refusal)
+                else:
+                    await self._add([request], exclude=refused_by)
             except EngineDeadError:
                 self._deliver(EngineCoreOutputs(outputs=[refusal]))
             except ValidationError as e:  # the other core takes smaller messages
@@ -721,6 +739,23 @@ class GrpcCoreClient(EngineCoreClient):
         task = asyncio.get_running_loop().create_task(readd())
         self._background.add(task)  # keep a reference until it is done
         task.add_done_callback(self._background.discard)
+
+    async def _add_with_lora(
+        self, request: EngineCoreRequest, lora_name: str, refused_by: CoreConnection, refusal: EngineCoreOutput
+    ) -> None:
+        """Send ``request`` to a core other than ``refused_by`` that lists ``lora_name`` when asked again; with
+        none, pass ``refusal`` (NOT_FOUND) on. Only to a core that listed it, so NOT_FOUND answers cannot bounce
+        it between cores that lack it."""
+        others = [c for c in self.connections if c.accepting and c is not refused_by]
+        await asyncio.gather(*(c.refresh_loras() for c in others))
+        having = [c for c in others if c.accepting and lora_name in c.lora_names]
+        if not having:
+            self._deliver(EngineCoreOutputs(outputs=[refusal]))
+            return
+        messages = await add_messages([request])
+        connection = min(having, key=lambda c: len(c.in_flight))
+        connection.send_add([request], messages)
+        self._owner[request.request_id] = connection
 
     async def _abort(self, request_ids: list[str]) -> None:
         by_connection: dict[CoreConnection, list[str]] = {}

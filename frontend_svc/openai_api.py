@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -140,6 +141,7 @@ def _is_type_tag(part: Any) -> bool:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+logger = logging.getLogger(__name__)
 
 
 class _OpenAIApi:
@@ -148,6 +150,7 @@ class _OpenAIApi:
     def __init__(self, state: FrontendServerState) -> None:
         self.state = state
         self.created = int(time.time())
+        self._warned_shadowed = False  # logged once: an adapter named as the served model
 
     async def health(self) -> Response:
         """200 while a core is ready and the frontend not draining, else 503 (gRPC readiness, over HTTP)."""
@@ -163,7 +166,20 @@ class _OpenAIApi:
         engine = self._engine(allow_draining=True)
         loras = await engine.get_loras()
         cards = [self._model_card(self.state.model, self.state.model, None, engine)]
-        cards += [self._model_card(lora.lora_name, lora.lora_path, self.state.model, engine) for lora in loras]
+        if any(lora.lora_name == self.state.model for lora in loras) and not self._warned_shadowed:
+            # A core's --lora-modules may name one so (a frontend load of that name is refused): requests naming
+            # it get the base model, so it gets no card of its own (one id, one card).
+            self._warned_shadowed = True
+            logger.warning(
+                "a LoRA adapter on the engine cores is named %r, as the served model: requests naming it run the "
+                "base model; load it under another name",
+                self.state.model,
+            )
+        cards += [
+            self._model_card(lora.lora_name, lora.lora_path, self.state.model, engine)
+            for lora in loras
+            if lora.lora_name != self.state.model
+        ]
         return {"object": "list", "data": cards}
 
     def _model_card(self, model_id: str, root: str, parent: str | None, engine: AsyncLLM) -> dict[str, Any]:

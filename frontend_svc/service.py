@@ -308,8 +308,9 @@ async def load_lora_adapter(
     Raises:
         NotSupportedError: runtime updating is off (``check_runtime_lora_updating``).
         ValidationError: an empty ``lora_name`` or ``lora_path``, the base model's name as ``lora_name``, or the
-            core's refusal (a folder it cannot read or load, a rank above its maximum, a name already loaded).
-        AlreadyExistsError: the name is loaded from another folder.
+            core's refusal (a folder it cannot read or load, a rank above its maximum, a setting it does not serve).
+        AlreadyExistsError: the name is loaded from another folder (ALREADY_EXISTS; the same folder again is no
+            error).
         FailedPreconditionError: a core runs without ``--enable-lora``.
     """
     check_runtime_lora_updating(state)

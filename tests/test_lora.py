@@ -17,7 +17,7 @@ import torch
 from core_svc.config import CoreConfig
 from core_svc.engine_core import EngineCore
 from core_svc.errors import InvalidRequestError, LoRADisabledError, LoRAExistsError, LoRANotFoundError
-from core_svc.lora.adapter import LoRARequest, load_lora_model
+from core_svc.lora.adapter import LoRARequest, load_lora_model, max_weights_bytes
 from core_svc.models.arch import ModelArchConfig
 from core_svc.request import Request
 from core_svc.sampling_params import SamplingParams
@@ -242,6 +242,8 @@ def test_refusals(engine, adapters, model_path, tmp_path):
     with pytest.raises(LoRAExistsError, match="already loaded"):
         engine.add_lora(LoRARequest("attn", 0, str(adapters["mlp"][0])))
     assert engine.add_lora(LoRARequest("attn", 0, str(adapters["attn"][0]))).lora_name == "attn"  # idempotent
+    again = engine.add_lora(LoRARequest("attn", 0, f"{adapters['attn'][0]}/"))  # the same folder, written otherwise
+    assert again == engine.add_lora(LoRARequest("attn", 0, str(adapters["attn"][0])))
     base = hf_model(model_path)
     make_adapter(base, tmp_path / "r16", 16, 16, ATTENTION, False, 5)
     with pytest.raises(InvalidRequestError, match="rank r=16 is above .*--max-lora-rank 8") as info:
@@ -266,6 +268,14 @@ def test_refusals(engine, adapters, model_path, tmp_path):
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"target_modules": ["q_proj", "lm_head"]}, r"target modules \['lm_head'\]"),
         ({"peft_type": "IA3"}, "not LoRA"),
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+        ({"layer_replication": [[0, 2], [1, 3]]}, "layer_replication"),
+        ({"use_qalora": True}, "use_qalora"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+        ({"exclude_modules": ["k_proj"]}, "exclude_modules"),
+        ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
+        ({"a_future_peft_feature": {"on": True}}, "a_future_peft_feature"),
     ],
 )
 def test_unsupported_configs_are_refused_naming_the_reason(model_path, adapters, tmp_path, change, reason):
@@ -277,6 +287,27 @@ def test_unsupported_configs_are_refused_naming_the_reason(model_path, adapters,
     arch = ModelArchConfig.from_hf_config(hf_model(model_path).config)
     with pytest.raises(InvalidRequestError, match=reason):
         load_lora_model(LoRARequest("x", 0, str(folder)), arch, MAX_LORA_RANK)
+
+
+def test_files_are_checked_before_they_are_read(model_path, adapters, tmp_path):
+    """A weights file larger than any adapter at --max-lora-rank is refused from its size; a missing folder and a
+    folder without a config get the same answer."""
+    arch = ModelArchConfig.from_hf_config(hf_model(model_path).config)
+    folder = tmp_path / "huge"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_bytes((adapters["attn"][0] / "adapter_config.json").read_bytes())
+    with (folder / "adapter_model.safetensors").open("wb") as f:
+        f.truncate(max_weights_bytes(arch, MAX_LORA_RANK) + 1)  # sparse: nothing written
+    with pytest.raises(InvalidRequestError, match="adapter_model.safetensors is larger than any adapter"):
+        load_lora_model(LoRARequest("x", 0, str(folder)), arch, MAX_LORA_RANK)
+    real = (adapters["all"][0] / "adapter_model.safetensors").stat().st_size  # rank 8, every module, float32
+    assert real < max_weights_bytes(arch, MAX_LORA_RANK)  # the largest servable one passes
+    messages = []
+    for path in (tmp_path / "no-such-folder", tmp_path):  # tmp_path: a folder without adapter_config.json
+        with pytest.raises(InvalidRequestError) as info:
+            load_lora_model(LoRARequest("x", 0, str(path)), arch, MAX_LORA_RANK)
+        messages.append(str(info.value).replace(str(path), "P"))
+    assert messages[0] == messages[1] and "is not a folder" in messages[0]
 
 
 def test_scaling_and_shapes_of_a_loaded_adapter(model_path, adapters):
@@ -319,7 +350,8 @@ def test_llm_generate_with_lora_requests(model_path, adapters, prompt):
     from frontend_svc import SamplingParams as ApiSamplingParams
     from frontend_svc.errors import NotFoundError
 
-    with LLM(str(model_path), enable_lora=True, max_loras=2, max_lora_rank=MAX_LORA_RANK, num_kv_blocks=64) as llm:
+    # max_loras (and so the host cache, --max-cpu-loras) 1: two adapters in one call, each stays loaded
+    with LLM(str(model_path), enable_lora=True, max_lora_rank=MAX_LORA_RANK, num_kv_blocks=64) as llm:
         requests = [
             ApiLoRARequest("attn", 1, str(adapters["attn"][0])),
             None,
@@ -452,3 +484,94 @@ def test_mixed_adapters_on_the_gpu_match_peft(checkpoint, tmp_path):
     names = ["all", None, "attn"]
     assert [ids for ids, _, _ in run(core, [(prompt, name) for name in names])] == [want[n] for n in names]
     assert run(core, [(prompt, None)])[0][0] == want[None]
+
+
+def test_adapters_survive_sleep_level_2(engine, adapters, prompt):
+    """Sleep level 2 drops the weights and wake_up reloads them: the reloaded projections get adapter slots, and
+    an adapter's output is what it was before (not the base model's)."""
+    ensure(engine, adapters, "attn")
+    [(before, _, _)] = run(engine, [(prompt, "attn")])
+    engine.sleep(2)
+    engine.wake_up()
+    [(after, _, _)] = run(engine, [(prompt, "attn")])
+    assert before == after == adapters["attn"][1]
+    assert after != adapters["base"][1]
+
+
+def test_max_cpu_loras_is_a_cache_every_adapter_stays_loaded(model_path, adapters, prompt, tmp_path):
+    """With room for one adapter's weights, every adapter registered stays listed and servable: one whose weights
+    were dropped is read again when a request names it (two in flight at once too); files changed meanwhile fail
+    the request rather than serve other weights under the adapter's identity."""
+    import shutil
+
+    changing = tmp_path / "changing"
+    shutil.copytree(adapters["qv"][0], changing)
+    core = EngineCore(
+        CoreConfig(
+            model=str(model_path),
+            enable_lora=True,
+            max_lora_rank=MAX_LORA_RANK,
+            num_kv_blocks=64,
+            lora_modules=(f"a={adapters['attn'][0]}", f"m={adapters['mlp'][0]}", f"c={changing}"),
+        )
+    )
+    assert [r.lora_name for r in core.list_loras()] == ["a", "m", "c"]
+    assert list(core.lora_manager.loaded) == ["c"]  # max_cpu_loras defaults to max_loras: 1
+    # An id asked for by an adapter whose weights are dropped is still its own: never given to another.
+    asked = core.add_lora(LoRARequest("asked", 4, str(adapters["qv"][0])))  # the ids given so far: 1, 2, 3
+    run(core, [(prompt[:4], "a")])  # drops asked's weights
+    assert asked.lora_int_id == 4 and asked.lora_int_id not in core.lora_manager.held
+    assert core.add_lora(LoRARequest("next", 0, str(adapters["qv"][0]))).lora_int_id == 5
+    with pytest.raises(LoRAExistsError, match="4 is the id of adapter 'asked'"):
+        core.add_lora(LoRARequest("again", 4, str(adapters["qv"][0])))
+    for name in ("asked", "next"):
+        core.remove_lora(name)
+    results = run(core, [(prompt, "a"), (prompt, "m"), (prompt, None)])
+    assert [ids for ids, _, _ in results] == [adapters[n][1] for n in ("attn", "mlp", "base")]
+    assert [ids for ids, _, _ in run(core, [(prompt, "c")])] == [adapters["qv"][1]]
+    run(core, [(prompt, "a")])  # drops c's weights
+    config = changing / "adapter_config.json"
+    config.write_text(config.read_text() + "\n")  # servable still, but not the files it was loaded from
+    with pytest.raises(InvalidRequestError, match="files of LoRA adapter 'c' .* changed"):
+        core.add_request(Request("changed", list(prompt), SamplingParams(max_tokens=1), lora_name="c"))
+    assert [r.lora_name for r in core.list_loras()] == ["a", "m", "c"]
+
+
+def test_an_adapter_removed_while_in_use_is_freed_when_its_last_request_is_aborted(engine, adapters, prompt):
+    loaded = engine.add_lora(LoRARequest("aborted", 0, str(adapters["qv"][0])))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request(Request("aborted-1", list(prompt), params, lora_name="aborted"))
+    engine.step()
+    engine.remove_lora("aborted")
+    assert loaded.lora_int_id in engine.lora_manager.held  # its request still runs with it
+    engine.abort_requests(["aborted-1"])
+    assert loaded.lora_int_id not in engine.lora_manager.held
+    assert not engine.has_unfinished_requests()
+
+
+def test_preempted_adapter_requests_resume_with_their_adapters(model_path, engine, adapters, prompt):
+    """Two adapters' requests in a KV cache too small for both to decode: one is preempted and recomputed; each
+    still ends with its own adapter's output."""
+    short = prompt[:16]  # one full block each; the first decode step needs a second block for both
+    for name in ("attn", "mlp"):
+        ensure(engine, adapters, name)
+    want = [ids for ids, _, _ in run(engine, [(short, "attn"), (short, "mlp")])]
+    core = EngineCore(
+        CoreConfig(
+            model=str(model_path),
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=MAX_LORA_RANK,
+            num_kv_blocks=4,  # the null block and 3 more: not 4 for two requests of 2 blocks
+            enable_prefix_caching=False,
+            lora_modules=(f"attn={adapters['attn'][0]}", f"mlp={adapters['mlp'][0]}"),
+        )
+    )
+    preempted: list[int] = []
+    got = run(
+        core,
+        [(short, "attn"), (short, "mlp")],
+        check=lambda e: preempted.extend(r.num_preemptions for r in e.scheduler.requests.values()),
+    )
+    assert any(preempted)
+    assert [ids for ids, _, _ in got] == want and want[0] != want[1]

@@ -32,7 +32,12 @@ def make_adapter(model: Path, out: Path, rank: int, seed: int) -> Path:
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGET_MODULES, init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(out)
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():  # large enough to change greedy choices on random weights
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20.0)
+    peft_model.save_pretrained(out)
     return out
 
 
@@ -82,6 +87,7 @@ def services(checkpoint, adapters, tmp_path_factory):
         "8",
         "--lora-modules",
         f"b={adapters['b']}",
+        f"{model}={adapters['a']}",  # named as the served model: shadowed by it, no card of its own
     ]
     core = stack.start_core(model, logs, CORE_ARGS + lora_args)
     frontends: list[Any] = []
@@ -200,7 +206,11 @@ def test_load_generate_list_on_two_frontends_unload_then_not_found(services, ada
         )
         assert loaded.adapter.lora_name == "a" and loaded.adapter.lora_int_id >= 1
         for frontend_ in (frontend, plain):  # the core holds the names: every frontend sees them
-            assert listed(frontend_) == {"a": str(adapters["a"]), "b": str(adapters["b"])}
+            assert listed(frontend_) == {
+                "a": str(adapters["a"]),
+                "b": str(adapters["b"]),
+                str(model): str(adapters["a"]),
+            }
         expected = peft_greedy(model, adapters["a"], ids)
         assert greedy(frontend, "a") == expected
         assert greedy(plain, "a") == expected  # the other frontend runs it too
@@ -245,6 +255,8 @@ def test_a_name_loaded_from_another_folder_is_already_exists_and_the_same_again_
 def test_http_models_list_adapters_and_a_model_naming_one_runs_it(services, adapters, checkpoint):
     _, frontend, base_url, _, _ = services
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        ids = [card.id for card in client.models.list().data]
+        assert sorted(ids) == sorted({str(checkpoint("llama")), "b"})  # one card per id: the shadowed adapter none
         cards = {card.id: card for card in client.models.list().data}
         base_name = next(name for name, card in cards.items() if card.parent is None)
         assert cards["b"].parent == base_name and cards["b"].root == str(adapters["b"])
@@ -253,6 +265,7 @@ def test_http_models_list_adapters_and_a_model_naming_one_runs_it(services, adap
         )
         expected = peft_greedy(checkpoint("llama"), adapters["b"], prompt_ids(frontend))
         assert greedy(frontend, "b") == expected
+        assert expected != greedy(frontend)  # the adapter changes the output (else the comparison proves nothing)
         channel, generation = stub(frontend)
         with channel:
             text = generation.Detokenize(api.DetokenizeRequest(token_ids=expected), timeout=30).text

@@ -30,6 +30,7 @@ class ScriptedLoraCore(pb_grpc.EngineCoreServicer):
         self.address = ""  # host:port, once served
         self.loras: dict[str, pb.LoRARequest] = {}
         self.unreadable: set[str] = set()
+        self.slow: set[str] = set()  # AddLora of these paths loads, then answers after 1 s
 
     def GetEngineInfo(self, request: Any, context: Any) -> pb.EngineInfo:
         return pb.EngineInfo(
@@ -44,6 +45,8 @@ class ScriptedLoraCore(pb_grpc.EngineCoreServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path: no adapter_config.json in {lora.lora_path}")
         lora.lora_int_id = len(self.loras) + 1
         self.loras[lora.lora_name] = lora
+        if lora.lora_path in self.slow:
+            time.sleep(1.0)
         return pb.AddLoraResponse(lora_request=lora)
 
     def RemoveLora(self, request: pb.RemoveLoraRequest, context: grpc.ServicerContext) -> pb.RemoveLoraResponse:
@@ -93,6 +96,7 @@ def client(cores: list[ScriptedLoraCore]) -> Iterator[GrpcCoreClient]:
     for core in cores:
         core.loras.clear()
         core.unreadable.clear()
+        core.slow.clear()
     client = GrpcCoreClient([core.address for core in cores], wait_ready_s=30)
     deadline = time.monotonic() + 30
     while not all(c.accepting for c in client.connections) and time.monotonic() < deadline:
@@ -127,6 +131,14 @@ def test_a_core_that_refuses_a_load_leaves_it_on_none(client, cores):
     assert [core.loras for core in cores] == [{}, {}]  # the first core unloaded it again
 
 
+def test_a_core_that_times_out_loading_is_sent_an_unload_too(client, cores, monkeypatch):
+    monkeypatch.setattr(client, "add_lora_timeout_s", 0.3)
+    cores[1].slow.add("/a/slow")
+    with pytest.raises(Exception, match="(?i)deadline"):
+        client.add_lora(LoRARequest("slow", lora_path="/a/slow"))
+    assert [core.loras for core in cores] == [{}, {}]  # the first core's load undone, and the one that timed out
+
+
 def test_unload_is_not_found_only_when_no_core_has_it(client, cores):
     cores[0].loras["only-0"] = pb.LoRARequest(lora_name="only-0", lora_int_id=1, lora_path="/p")
     client.remove_lora("only-0")
@@ -142,4 +154,17 @@ def test_a_request_goes_to_a_core_that_has_its_adapter(client, cores):
         assert run(client, "b") == ([1], None)
     token_ids, error = run(client, "missing")
     assert token_ids == [] and isinstance(error, NotFoundError)  # the core's answer
-    assert {run(client, None)[0][0] for _ in range(4)} <= {0, 1}
+    # Without an adapter: not limited to the cores holding one (core 0 holds none; ties go to the first core).
+    assert [run(client, None)[0] for _ in range(2)] == [[0], [0]]
+
+
+def test_a_core_that_dropped_an_adapter_sends_its_requests_to_one_that_has_it(client, cores):
+    """The frontend's list of a core's adapters goes stale (unloaded behind its back): the core's NOT_FOUND sends
+    the request on to a core that lists the adapter, and the stale name is forgotten."""
+    client.add_lora(LoRARequest("x", lora_path="/x"))
+    del cores[0].loras["x"]
+    assert [run(client, "x") for _ in range(6)] == [([1], None)] * 6
+    assert "x" not in client.connections[0].lora_names
+    del cores[1].loras["x"]  # gone everywhere: the core's NOT_FOUND reaches the caller
+    token_ids, error = run(client, "x")
+    assert token_ids == [] and isinstance(error, NotFoundError)

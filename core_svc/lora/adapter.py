@@ -10,7 +10,8 @@ fused module, in the fused module's order. The update of a slice is ``B @ A @ x 
 Everything a folder can get wrong is refused with ``InvalidRequestError`` (INVALID_ARGUMENT) naming
 ``lora_request.lora_path`` and the reason: missing or unreadable files, a rank above ``--max-lora-rank``, a
 module the model does not have or the core does not adapt (embeddings, ``lm_head``), shapes that do not fit the
-model, and PEFT features the core does not serve (DoRA, biases, ``modules_to_save``, per-module ranks).
+model, and every PEFT setting the core does not implement (an allowlist: DoRA, biases, ``modules_to_save``,
+per-module ranks, aLoRA, QALoRA, layer replication, ``fan_in_fan_out``, ... each refused naming its field).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,45 +95,143 @@ def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def max_weights_bytes(arch: ModelArchConfig, max_lora_rank: int) -> int:
+    """The largest ``adapter_model.safetensors`` a servable adapter can have: every projection of every layer at
+    ``max_lora_rank`` in float64 (the widest float a checkpoint holds in practice), plus its header."""
+    elements = max_lora_rank * sum(i + o for i, o in module_shapes(arch).values()) * arch.num_hidden_layers
+    header = 256 * 2 * len(FUSED_MODULES) * arch.num_hidden_layers + 2**20
+    return 8 * elements + header
+
+
 def load_lora_model(lora_request: LoRARequest, arch: ModelArchConfig, max_lora_rank: int) -> LoRAModel:
-    """Read and check the PEFT adapter folder ``lora_request.lora_path`` for a model of ``arch``.
+    """Read and check the PEFT adapter folder ``lora_request.lora_path`` for a model of ``arch``: the config
+    first (its rank against ``max_lora_rank``), then the weights file's size against the largest such an adapter
+    can have, before its bytes are read (in chunks, hashed as they come; the bytes parsed are those hashed).
 
     Raises:
         InvalidRequestError: naming ``lora_request.lora_path`` and the reason (see the module docstring).
     """
     folder = Path(lora_request.lora_path)
-    if not lora_request.lora_path or not folder.is_dir():
-        raise InvalidRequestError(PATH_FIELD, f"{lora_request.lora_path!r} is not a folder on the engine core")
-    config_bytes = _read(folder / CONFIG_FILE)
-    weights_bytes = _read(folder / WEIGHTS_FILE)
-    config = _lora_config(config_bytes, folder)
+    config_path = folder / CONFIG_FILE
+    if not lora_request.lora_path or not config_path.is_file():
+        # One answer for "no such folder" and "no config in it": the caller learns nothing of other paths.
+        raise InvalidRequestError(
+            PATH_FIELD, f"{lora_request.lora_path!r} is not a folder on the engine core holding {CONFIG_FILE}"
+        )
+    config_bytes, _ = _read(config_path, MAX_CONFIG_BYTES)
+    config = _lora_config(config_bytes)
     rank, alpha = config["r"], config["lora_alpha"]
     if rank > max_lora_rank:
         raise InvalidRequestError(
             PATH_FIELD, f"the adapter's rank r={rank} is above the engine core's --max-lora-rank {max_lora_rank}"
         )
     scaling = alpha / math.sqrt(rank) if config["use_rslora"] else alpha / rank
+    digest = hashlib.sha256(hashlib.sha256(config_bytes).digest())
+    weights_bytes, content_hash = _read(folder / WEIGHTS_FILE, max_weights_bytes(arch, max_lora_rank), digest)
     try:
         tensors = load_safetensors(weights_bytes)
     except (SafetensorError, ValueError, RuntimeError) as e:
         raise InvalidRequestError(PATH_FIELD, f"{WEIGHTS_FILE} is not a readable safetensors file: {e}") from None
     weights = _fused_weights(tensors, arch, rank, scaling)
-    content_hash = hashlib.sha256(hashlib.sha256(config_bytes).digest() + weights_bytes).hexdigest()
     return LoRAModel(lora_request, rank, scaling, content_hash, weights)
 
 
-def _read(path: Path) -> bytes:
+MAX_CONFIG_BYTES = 2**20
+_CHUNK_BYTES = 2**22
+
+
+def _read(path: Path, limit: int, digest: Any = None) -> tuple[bytes, str]:
+    """The file's bytes, at most ``limit`` of them (checked before reading, and while reading: a file that grows
+    meanwhile), read in chunks into ``digest`` (a hashlib object; a new sha256 when None); and its hex digest.
+
+    Raises:
+        InvalidRequestError: missing, unreadable, or over ``limit``.
+    """
+    digest = digest if digest is not None else hashlib.sha256()
+    too_large = InvalidRequestError(
+        PATH_FIELD, f"{path.name} is larger than any adapter this engine core can serve ({limit} bytes at most)"
+    )
     try:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            if os.fstat(f.fileno()).st_size > limit:
+                raise too_large
+            data = bytearray()
+            while chunk := f.read(min(_CHUNK_BYTES, limit + 1 - len(data))):
+                digest.update(chunk)
+                data += chunk
+                if len(data) > limit:
+                    raise too_large
     except FileNotFoundError:
         raise InvalidRequestError(PATH_FIELD, f"the adapter folder has no {path.name}") from None
+    except IsADirectoryError:
+        raise InvalidRequestError(PATH_FIELD, f"{path.name} is not a file") from None
     except OSError as e:
         raise InvalidRequestError(PATH_FIELD, f"cannot read {path.name}: {e.strerror or e}") from None
+    return bytes(data), digest.hexdigest()
 
 
-def _lora_config(config_bytes: bytes, folder: Path) -> dict[str, Any]:
-    """The settings the core reads from ``adapter_config.json``, through PEFT's own ``LoraConfig`` when peft is
-    installed (its defaults and checks), else from the JSON with PEFT's defaults.
+# PEFT LoraConfig fields that say nothing about the weights' meaning at inference (any value is served).
+_METADATA_FIELDS = frozenset(
+    {
+        "peft_type",
+        "task_type",
+        "auto_mapping",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "lora_dropout",  # training only
+        "layers_to_transform",  # the weights file holds only those layers; each weight names its layer
+        "layers_pattern",
+        "megatron_core",  # meaningful only with megatron_config
+        "qalora_group_size",  # meaningful only with use_qalora
+    }
+)
+# Fields the core reads (checked below).
+_SERVED_FIELDS = frozenset({"r", "lora_alpha", "use_rslora", "target_modules", "bias", "init_lora_weights"})
+# Every other field PEFT knows, with the value that means "not used": any other value is refused, naming it.
+_DEFAULT_FIELDS: dict[str, Any] = {
+    "exclude_modules": None,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "megatron_config": None,
+    "trainable_token_indices": None,
+    "loftq_config": {},
+    "eva_config": None,
+    "corda_config": None,
+    "lora_ga_config": None,
+    "use_dora": False,
+    "velora_config": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "monteclora_config": None,
+    "layer_replication": None,
+    "lora_bias": False,
+    "target_parameters": None,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
+    "ensure_weight_tying": False,
+}
+_FEATURE_NAMES = {
+    "use_dora": "DoRA (use_dora)",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "lora_bias": "LoRA biases (lora_bias)",
+}
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or value is False or (isinstance(value, dict | list | tuple | set | str) and not value)
+
+
+def _lora_config(config_bytes: bytes) -> dict[str, Any]:
+    """The settings the core reads from ``adapter_config.json`` (these bytes), through PEFT's own ``LoraConfig``
+    when peft is installed (its defaults and checks), else from the JSON with PEFT's defaults. An allowlist: a
+    field the core does not implement with a value other than its "unused" one is refused, naming it, and so is a
+    field neither the core nor PEFT's known set names, unless unset (a newer PEFT's feature).
 
     Raises:
         InvalidRequestError: not JSON, not a LoRA adapter, or a feature the core does not serve.
@@ -145,14 +245,21 @@ def _lora_config(config_bytes: bytes, folder: Path) -> dict[str, Any]:
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise InvalidRequestError(PATH_FIELD, f"the adapter is a {peft_type} adapter, not LoRA")
+    known = _METADATA_FIELDS | _SERVED_FIELDS | _DEFAULT_FIELDS.keys()
+    for key, value in raw.items():
+        if key not in known and not _is_unset(value):
+            raise InvalidRequestError(
+                PATH_FIELD, f"{CONFIG_FILE} sets {key}={value!r}, a setting the engine core does not serve"
+            )
     config: dict[str, Any] = dict(raw)
     try:
         from peft import LoraConfig
     except ImportError:
         pass
     else:
-        try:
-            config = LoraConfig.from_pretrained(str(folder)).to_dict()
+        try:  # the bytes read here, not the file again (it may have changed meanwhile)
+            kwargs = {key: value for key, value in raw.items() if key in known}
+            config = LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**{**kwargs, "peft_type": "LORA"})).to_dict()
         except Exception as e:  # peft raises TypeError, ValueError, ... for settings it refuses
             raise InvalidRequestError(PATH_FIELD, f"{CONFIG_FILE} is not a valid LoRA config: {e}") from None
     rank, alpha = config.get("r", 8), config.get("lora_alpha", 8)
@@ -160,20 +267,23 @@ def _lora_config(config_bytes: bytes, folder: Path) -> dict[str, Any]:
         raise InvalidRequestError(PATH_FIELD, f"the adapter's rank r must be a positive integer, got {rank!r}")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise InvalidRequestError(PATH_FIELD, f"lora_alpha must be a number, got {alpha!r}")
-    unsupported = {
-        "use_dora": "DoRA (use_dora)",
-        "modules_to_save": "modules_to_save",
-        "rank_pattern": "per-module ranks (rank_pattern)",
-        "alpha_pattern": "per-module alphas (alpha_pattern)",
-        "lora_bias": "LoRA biases (lora_bias)",
-        "target_parameters": "target_parameters",
-    }
-    for key, what in unsupported.items():
-        if config.get(key):
+    for key, default in _DEFAULT_FIELDS.items():
+        value = config.get(key, default)
+        if value != default and not (_is_unset(value) and _is_unset(default)):
+            what = _FEATURE_NAMES.get(key, f"{key}={value!r}")
             raise InvalidRequestError(PATH_FIELD, f"the adapter uses {what}, which the engine core does not serve")
     if config.get("bias", "none") != "none":
         raise InvalidRequestError(
             PATH_FIELD, f"the adapter trains biases (bias={config['bias']!r}); the engine core serves bias='none'"
+        )
+    init = config.get("init_lora_weights", True)
+    if init not in (True, False, "gaussian"):
+        # PiSSA, OLoRA, LoftQ, CorDA ... change the base weights at initialization: served only once converted
+        # to a plain LoRA (peft's path_initial_model_for_weight_conversion), which records init_lora_weights=True.
+        raise InvalidRequestError(
+            PATH_FIELD,
+            f"the adapter uses init_lora_weights={init!r}, which trains against changed base weights; the engine "
+            "core serves adapters of the unchanged base model (convert it to a plain LoRA with peft)",
         )
     targets = config.get("target_modules")
     if isinstance(targets, list | tuple | set):

@@ -123,7 +123,9 @@ class GenerationServicer:
         unload goes to every core of this frontend. Load and unload make a core read files: they need a frontend
         started with --allow-runtime-lora-updating (UNIMPLEMENTED otherwise). Errors: NOT_FOUND for an unknown
         name, INVALID_ARGUMENT with the core's reason for an adapter it cannot load (missing or corrupt files, a rank
-        above its --max-lora-rank, a name already loaded), FAILED_PRECONDITION from a core without --enable-lora.
+        above its --max-lora-rank, a config setting it does not serve) or for the base model's name, ALREADY_EXISTS
+        for a name already loaded from another folder (the same folder again is no error), FAILED_PRECONDITION from a
+        core without --enable-lora.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
