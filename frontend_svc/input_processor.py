@@ -305,6 +305,7 @@ class InputProcessor:
             priority=options.priority,
             cache_salt=options.cache_salt,
             trace_headers=dict(options.trace_headers or {}),
+            lora_request=options.lora_request,
         )
         return request, prompt_text
 
