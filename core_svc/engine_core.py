@@ -769,7 +769,8 @@ class EngineCore:
                 "priority", f"{request.priority} needs the priority scheduling policy (--scheduling-policy priority)"
             )
         prompt = request.prompt_token_ids
-        violation = prompt_violation(prompt, self.max_model_len, self.vocab_size, "prompt_token_ids")
+        pooling = request.pooling_params is not None
+        violation = prompt_violation(prompt, self.max_model_len, self.vocab_size, "prompt_token_ids", pooling=pooling)
         if violation is not None:
             raise InvalidRequestError.from_violation(violation)
         self._validate_mm_features(request)

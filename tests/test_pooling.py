@@ -450,3 +450,20 @@ def test_a_generate_core_with_an_unsupported_pooling_mode_starts_and_refuses_onl
         assert_close(pooled.outputs.data, reference(qwen3, tuple(PROMPTS[0]), "MEAN", True))
     with pytest.raises(ModelLoadError, match="pooling_mode_max_tokens"):
         EngineCore(CoreConfig(model=str(path), runner="pooling", num_kv_blocks=32))
+
+
+def test_a_pooling_prompt_of_max_model_len_tokens_is_refused_in_pooling_words(llama_llm):
+    """A pooling prompt has at most max_model_len - 1 tokens here: the refusal (frontend and core) says so, with no
+    word of an output token; max_model_len - 1 tokens run."""
+    with pytest.raises(ValidationError, match=r"256 tokens, more than the 255 \(max_model_len - 1") as info:
+        llama_llm.encode([[7] * 256], use_tqdm=False)
+    assert info.value.field == "prompt" and "output token" not in str(info.value)
+    core: EngineCore = llama_llm.llm_engine.engine_core.engine_core
+    message = core_pb.EngineCoreRequest(
+        request_id="long", prompt_token_ids=[7] * 256, pooling_params=core_pb.PoolingParams()
+    )
+    with pytest.raises(InvalidRequestError, match="a pooling prompt may have") as core_info:
+        core.add_request(request_from_pb(message))
+    assert core_info.value.field == "prompt_token_ids"
+    [output] = llama_llm.encode([[7] * 255], PoolingParams(pooling_type="MEAN"), use_tqdm=False)
+    assert len(output.outputs.data) == 64 and free_blocks(llama_llm) == 63
