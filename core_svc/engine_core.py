@@ -164,11 +164,20 @@ class EngineCore:
         # Before the runner and the KV sizing: the adapter slots are device memory like the weights.
         self.lora_manager = self._make_lora_manager(loaded, device) if config.enable_lora else None
         self.hidden_size = loaded.arch.hidden_size
-        # Unset pooling fields take it; with either runner (a generate-runner core pools too).
+        # Unset pooling fields take it; with either runner (a generate-runner core pools too). A generate-runner
+        # core starts despite a pooling config it cannot run: only the pooling requests that need it are refused.
+        self.pooler_config_error: str | None = None
         try:
             self.pooler_config: PoolerConfig = load_pooler_config(self.model_path)
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read the pooling config of {self.model_path}: {e}") from e
+            if config.runner == "pooling":
+                raise ModelLoadError(f"cannot read the pooling config of {self.model_path}: {e}") from e
+            self.pooler_config_error = f"the model's pooling config is not supported ({e})"
+            self.pooler_config = PoolerConfig(matryoshka_dimensions=None)
+            logger.warning(
+                "%s; generation is served, pooling requests must give pooling_type and normalize",
+                self.pooler_config_error,
+            )
         self.model_runner = ModelRunner(
             loaded,
             RunnerConfig(
@@ -776,7 +785,8 @@ class EngineCore:
                 "priority", f"{request.priority} needs the priority scheduling policy (--scheduling-policy priority)"
             )
         prompt = request.prompt_token_ids
-        violation = prompt_violation(prompt, self.max_model_len, self.vocab_size, "prompt_token_ids")
+        pooling = request.pooling_params is not None
+        violation = prompt_violation(prompt, self.max_model_len, self.vocab_size, "prompt_token_ids", pooling=pooling)
         if violation is not None:
             raise InvalidRequestError.from_violation(violation)
         self._validate_mm_features(request)
@@ -820,6 +830,10 @@ class EngineCore:
         params = request.pooling_params
         if params is None:
             return
+        if self.pooler_config_error is not None:  # the model's defaults are unknown: each must be given
+            for field, value in (("pooling_type", params.pooling_type), ("normalize", params.normalize)):
+                if value is None:
+                    raise InvalidRequestError(field, f"must be set: {self.pooler_config_error}")
         violation = pooling_params_violation(params) or self.pooler_config.dimensions_violation(
             params.dimensions, self.hidden_size
         )

@@ -24,7 +24,9 @@ def accumulate(state: CachedRequestState, hidden: torch.Tensor, start: int) -> N
         chunk_sum = hidden.sum(dim=0, dtype=torch.float32)
         state.pooling_sum = chunk_sum if state.pooling_sum is None else state.pooling_sum + chunk_sum
     elif params.pooling_type == "CLS" and start == 0:
-        state.pooling_first = hidden[0].to(torch.float32)
+        # A copy, never a view: for a float32 model ``.to`` returns the step output's own row, which would keep
+        # the whole step output alive and, under CUDA graph replay, alias the static output buffer.
+        state.pooling_first = hidden[0].to(torch.float32, copy=True)
 
 
 def finish(state: CachedRequestState, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,7 @@ def finish(state: CachedRequestState, last_hidden: torch.Tensor) -> torch.Tensor
             raise RuntimeError(f"request {state.request_id}: CLS pooling never saw its first token")
         pooled = state.pooling_first
     else:
-        pooled = last_hidden.to(torch.float32)
+        pooled = last_hidden.to(torch.float32, copy=True)  # a copy: see ``accumulate``
     if params.dimensions is not None:
         pooled = pooled[: params.dimensions]
     if params.normalize:

@@ -12,7 +12,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import EngineCoreRequest, LoRARequest, SchedulerStats
-from frontend_svc.errors import EngineDeadError, NotFoundError
+from frontend_svc.errors import EngineDeadError, NotFoundError, ValidationError
 from frontend_svc.generation_config import AUTO
 from frontend_svc.input_processor import PromptType, RequestOptions, TokensPrompt
 from frontend_svc.llm_engine import LLMEngineBase, resolved_sampling_params
@@ -106,6 +106,10 @@ class AsyncLLM(LLMEngineBase):
             ValidationError, RequestTooLargeError, NotFoundError: the request is refused (nothing stays queued).
             EngineDeadError: the core has failed or was shut down.
         """
+        given: object = params  # what the caller passed: before anything is queued (PoolingParams has no output_kind)
+        if not isinstance(given, SamplingParams):
+            hint = " (use encode)" if isinstance(given, PoolingParams) else ""
+            raise ValidationError("sampling_params", f"must be SamplingParams, got {type(given).__name__}{hint}")
         arrival_time = time.time() if arrival_time is None else arrival_time  # before tokenizing: TTFT counts it
         dead = self._handler_state.dead_error
         if dead is not None:
@@ -196,9 +200,11 @@ class AsyncLLM(LLMEngineBase):
         *,
         trace_headers: dict[str, str] | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """A pooling request (vLLM's ``AsyncLLM.encode``): yields its one ``PoolingRequestOutput`` when it
         finishes (``outputs.data``: the pooled vector). Cancelling the consumer aborts it in the core.
+        ``lora_request``: the LoRA adapter to pool with (loaded first when it has a ``lora_path``, as ``generate``).
 
         Raises:
             ValidationError, RequestTooLargeError: the request is refused, naming the field.
@@ -217,11 +223,13 @@ class AsyncLLM(LLMEngineBase):
                 else TokensPrompt(prompt=text, prompt_token_ids=token_ids)
             )
         queue = PoolingOutputCollector()
-        options = RequestOptions(arrival_time, priority, None, trace_headers)
+        options = RequestOptions(arrival_time, priority, None, trace_headers, lora_request)
         internal_id, request = self.prepare_pooling_request(request_id, prompt, pooling_params, options, queue)
         queue.request_id = internal_id
         finished = False
         try:
+            if lora_request is not None and lora_request.lora_path:
+                await self.engine_core.add_lora_async(lora_request)  # the adapter as loaded: a no-op
             await self.engine_core.add_requests_async([request])
             output = await queue.get()
             finished = True

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Sequence
 
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import PromptType
 from frontend_svc.outputs import PoolingRequestOutput
@@ -36,17 +37,20 @@ async def encode_all(
     request_id: str,
     field: str,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> list[PoolingRequestOutput]:
-    """Pool every prompt, input i as request ``"{request_id}-{i}"``; outputs in input order.
+    """Pool every prompt, input i as request ``"{request_id}-{i}"``, with ``lora_request``'s adapter if any;
+    outputs in input order.
 
     Raises:
         ValidationError: a refused input, its field named ``"{field}[i]"`` (``"{field}[i].prompt_token_ids[3]"``
             for an id outside the vocabulary); the other inputs are aborted.
-        EngineDeadError, InternalError, RequestTooLargeError: as ``AsyncLLM.encode``.
+        EngineDeadError, InternalError, RequestTooLargeError, NotFoundError: as ``AsyncLLM.encode`` (NotFoundError:
+            the core has no adapter of that name).
     """
 
     async def one(index: int, prompt: PromptType) -> PoolingRequestOutput:
-        outputs = engine.encode(prompt, params, f"{request_id}-{index}", priority=priority)
+        outputs = engine.encode(prompt, params, f"{request_id}-{index}", priority=priority, lora_request=lora_request)
         try:
             return await anext(outputs)
         except ValidationError as e:

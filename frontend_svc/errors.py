@@ -70,6 +70,11 @@ class InternalError(FrontendError):
     the core goes on serving others): INTERNAL, which routers do not replay on another core."""
 
 
+class RequestAbortedError(InternalError):
+    """A pooling request aborted by another caller (``AsyncLLM.abort``) before its vector was computed: its
+    ``encode`` consumer gets this, never an empty vector (INTERNAL, as ``InternalError``)."""
+
+
 # The frontend's error for each code the core refuses or fails a request with (INVALID_ARGUMENT: ValidationError).
 _FROM_CORE: dict[int, type[FrontendError]] = {
     cls.status_code: cls

@@ -295,7 +295,7 @@ class InputProcessor:
         if truncate is not None:
             keep = self.info.max_model_len - 1 if truncate == -1 else truncate
             prompt_token_ids = prompt_token_ids[-keep:]
-        self._check_prompt(prompt_token_ids)
+        self._check_prompt(prompt_token_ids, pooling=True)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -305,6 +305,7 @@ class InputProcessor:
             priority=options.priority,
             cache_salt=options.cache_salt,
             trace_headers=dict(options.trace_headers or {}),
+            lora_request=options.lora_request,
         )
         return request, prompt_text
 
@@ -432,8 +433,10 @@ class InputProcessor:
             raise ValidationError(violation.field, violation.description + MAX_TOKENS_HINT)
         return params.max_tokens
 
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        violation = prompt_violation(prompt_token_ids, self.info.max_model_len, self.info.vocab_size, "prompt")
+    def _check_prompt(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
+        violation = prompt_violation(
+            prompt_token_ids, self.info.max_model_len, self.info.vocab_size, "prompt", pooling=pooling
+        )
         if violation is not None:
             raise ValidationError.from_violation(violation)
 

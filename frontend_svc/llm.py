@@ -318,9 +318,13 @@ def _as_params_list(
         return [sampling_params] * num_prompts
     if isinstance(sampling_params, PoolingParams):
         raise ValidationError("sampling_params", "must be SamplingParams, got PoolingParams (use embed or encode)")
-    params_list = list(sampling_params)
+    params_list: list[Any] = list(sampling_params)  # what the caller passed, checked below
     if len(params_list) != num_prompts:
         raise ValidationError("sampling_params", f"has {len(params_list)} entries for {num_prompts} prompts")
+    for i, params in enumerate(params_list):  # every one checked before any request is added
+        if not isinstance(params, SamplingParams):
+            hint = " (use embed or encode)" if isinstance(params, PoolingParams) else ""
+            raise ValidationError(f"sampling_params[{i}]", f"must be SamplingParams, got {type(params).__name__}{hint}")
     return params_list
 
 
@@ -333,7 +337,11 @@ def _as_pooling_params_list(
         return [pooling_params] * num_prompts
     if isinstance(pooling_params, SamplingParams):
         raise ValidationError("pooling_params", "must be PoolingParams, got SamplingParams (use generate)")
-    params_list = list(pooling_params)
+    params_list: list[Any] = list(pooling_params)  # what the caller passed, checked below
     if len(params_list) != num_prompts:
         raise ValidationError("pooling_params", f"has {len(params_list)} entries for {num_prompts} prompts")
+    for i, params in enumerate(params_list):  # every one checked before any request is added
+        if not isinstance(params, PoolingParams):
+            hint = " (use generate)" if isinstance(params, SamplingParams) else ""
+            raise ValidationError(f"pooling_params[{i}]", f"must be PoolingParams, got {type(params).__name__}{hint}")
     return params_list

@@ -305,12 +305,10 @@ class _OpenAIApi:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict[str, Any]:
         """OpenAI's embeddings: one ``{"object": "embedding", "index", "embedding"}`` per input (floats, or with
         ``encoding_format`` "base64" the float32 little-endian bytes in base64, as OpenAI's), and the usage. The
-        inputs run as pooling requests, all in flight at once; a refused input is 400 naming ``input[i]``."""
-        if body.model is not None and body.model != self.state.model:
-            await self._check_model(body.model)  # 404 for a name that is neither the model nor an adapter
-            raise ValidationError(
-                "model", f"embeddings run on the served model `{self.state.model}`, not a LoRA adapter"
-            )
+        inputs run as pooling requests, all in flight at once; a refused input is 400 naming ``input[i]``. A
+        ``model`` naming a LoRA adapter pools with that adapter (as vLLM serves LoRA on pooling models); an unknown
+        name is 404."""
+        lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
         prompts: list[PromptType] = list(body.prompts())
         check_num_inputs(len(prompts), "input")
@@ -318,8 +316,8 @@ class _OpenAIApi:
         request_id = f"embd-{uuid.uuid4().hex}"
         self.state.active_calls += 1
         try:
-            work = encode_all(engine, prompts, params, request_id, "input", body.priority)
-            outputs = await until_disconnect(request, work)
+            work = encode_all(engine, prompts, params, request_id, "input", body.priority, lora)
+            outputs = await _model_found(until_disconnect(request, work), body.model)
         finally:
             self.state.active_calls -= 1
         data = [
@@ -331,7 +329,7 @@ class _OpenAIApi:
             "id": request_id,
             "object": "list",
             "created": int(time.time()),
-            "model": self.state.model,
+            "model": lora.lora_name if lora is not None else self.state.model,
             "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0},
         }

@@ -14,7 +14,7 @@ from typing import Any
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
 from frontend_svc.engine_types import EngineCoreOutput, FinishReason
-from frontend_svc.errors import FrontendError
+from frontend_svc.errors import FrontendError, InternalError, RequestAbortedError
 from frontend_svc.logprobs import LogprobsProcessor
 from frontend_svc.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
@@ -127,10 +127,13 @@ class PoolingRequestState:
 
     def finish_stats(self, finish_reason: FinishReason, iteration_stats: IterationStats | None) -> None:
         if iteration_stats is not None:
-            iteration_stats.update_from_finished_request(str(finish_reason), len(self.prompt_token_ids), 0, self.stats)
+            # max_tokens None: a pooling request has none (vLLM's max_tokens_param for it)
+            iteration_stats.update_from_finished_request(
+                str(finish_reason), len(self.prompt_token_ids), None, self.stats
+            )
 
     def make_output(self, data: list[float], num_cached_tokens: int) -> PoolingRequestOutput:
-        """The request's one output (``data`` empty: it was aborted)."""
+        """The request's one output, with its vector ``data``."""
         return PoolingRequestOutput(
             request_id=self.external_req_id,
             outputs=PoolingOutput(data),
@@ -328,9 +331,22 @@ class OutputProcessor:
             if isinstance(state, PoolingRequestState):
                 if output.finish_reason is None:
                     continue  # the core sends a pooling request's output only when it finishes
+                if not output.pooling_output:  # finished without its vector: that request fails, not the stream
+                    error = InternalError(
+                        f"the core finished pooling request {state.request_id} ({output.finish_reason}) "
+                        "without its vector"
+                    )
+                    result.reqs_to_abort.extend(self._fail(state, error, iteration_stats))
+                    if state.queue is None:
+                        result.errors.append(error)
+                    continue
                 self._remove(state)
+                if iteration_stats is not None:
+                    iteration_stats.update_from_pooling_output(
+                        engine_core_timestamp, len(state.prompt_token_ids), state.stats
+                    )
                 state.finish_stats(output.finish_reason, iteration_stats)
-                pooled = state.make_output(output.pooling_output or [], output.num_cached_tokens)
+                pooled = state.make_output(output.pooling_output, output.num_cached_tokens)
                 if state.queue is not None:
                     state.queue.put(pooled)
                 else:
@@ -388,8 +404,10 @@ class OutputProcessor:
             if state.queue is not None and state.queue.closed:
                 continue
             if isinstance(state, PoolingRequestState):
-                if state.queue is not None:
-                    state.queue.put(state.make_output([], 0))
+                if state.queue is not None:  # an error, never an empty vector that would read as a result
+                    abort_error = RequestAbortedError(f"pooling request {state.request_id} was aborted")
+                    abort_error.request_id = state.external_req_id
+                    state.queue.put(abort_error)
                 continue
             state.detokenizer.finish()  # the text of ids left pending goes out with them
             aborted = state.make_request_output(FinishReason.ABORT, None)

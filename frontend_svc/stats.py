@@ -92,6 +92,18 @@ class IterationStats:
         req_stats.last_token_ts = engine_core_timestamp
         req_stats.num_generation_tokens += num_new_tokens
 
+    def update_from_pooling_output(
+        self, engine_core_timestamp: float, num_prompt_tokens: int, req_stats: RequestStateStats
+    ) -> None:
+        """A pooling request's one output (it samples no token): its prompt counts now and its vector is its
+        first "token" for TTFT and the prefill time, as vLLM counts a pooling request's prompt on its output."""
+        if req_stats.first_token_ts is not None:
+            return
+        self.num_prompt_tokens += num_prompt_tokens
+        req_stats.first_token_latency = self.iteration_timestamp - req_stats.arrival_time
+        self.time_to_first_tokens_iter.append(req_stats.first_token_latency)
+        req_stats.first_token_ts = req_stats.last_token_ts = engine_core_timestamp
+
     def update_from_finished_request(
         self,
         finish_reason: str,

@@ -22,7 +22,7 @@ from frontend_svc.engine_types import (
     PositionLogprobs,
     SchedulerStats,
 )
-from frontend_svc.errors import FrontendError, ValidationError, error_from_core
+from frontend_svc.errors import FrontendError, InternalError, ValidationError, error_from_core
 from frontend_svc.input_processor import ChatMessage, PromptType, TextPrompt, TokensPrompt
 from frontend_svc.mm_processor import IMAGE, EncodedImage, image_from_url
 from frontend_svc.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
@@ -244,18 +244,33 @@ def _stats_from_pb(msg: pb.SchedulerStats) -> SchedulerStats:
 
 
 def _output_from_pb(msg: pb.EngineCoreOutput) -> EngineCoreOutput:
+    """One request's output; a malformed pooling vector fails that request only (an InternalError naming what was
+    wrong), never the stream that carried it."""
     stop_kind = msg.WhichOneof("stop_reason")
+    error = error_from_pb(msg.error) if msg.HasField("error") else None
+    finish_reason = _finish_reason(msg.finish_reason)
+    pooling_output = None
+    if msg.pooling_output:
+        if len(msg.pooling_output) % 4:
+            if error is None:
+                error = InternalError(
+                    f"the core sent a pooling output of {len(msg.pooling_output)} bytes for request "
+                    f"{msg.request_id}, not a whole number of float32 values"
+                )
+            finish_reason = FinishReason.ERROR
+        else:
+            pooling_output = np.frombuffer(msg.pooling_output, dtype="<f4").tolist()
     return EngineCoreOutput(
         request_id=msg.request_id,
         new_token_ids=list(msg.new_token_ids),
         new_logprobs=_logprobs_from_pb(msg.new_logprobs),
         new_prompt_logprobs=_logprobs_from_pb(msg.new_prompt_logprobs) if msg.new_prompt_logprobs else None,
-        finish_reason=_finish_reason(msg.finish_reason),
+        finish_reason=finish_reason,
         stop_reason=getattr(msg, stop_kind) if stop_kind else None,
         num_cached_tokens=msg.num_cached_tokens,
-        error=error_from_pb(msg.error) if msg.HasField("error") else None,
+        error=error,
         events=[event for event in map(_event_from_pb, msg.events) if event is not None],
-        pooling_output=np.frombuffer(msg.pooling_output, dtype="<f4").tolist() if msg.pooling_output else None,
+        pooling_output=pooling_output,
     )
 
 

@@ -575,3 +575,30 @@ def test_preempted_adapter_requests_resume_with_their_adapters(model_path, engin
     )
     assert any(preempted)
     assert [ids for ids, _, _ in got] == want and want[0] != want[1]
+
+
+def test_pooling_request_with_a_lora_request_pools_with_the_adapter(model_path, adapters, prompt):
+    """``LLMEngine.add_request`` with PoolingParams and a ``lora_request`` pools with that adapter: transformers +
+    peft's last hidden state (LAST, normalized), not the base model's, which the same prompt without it gets."""
+    from frontend_svc import LLMEngine, PoolingParams
+    from frontend_svc import LoRARequest as ApiLoRARequest
+
+    path = adapters["attn"][0]
+    with torch.no_grad():
+        peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(hf_model(model_path)), path).eval()
+        hidden = peft_model.base_model.model.model(torch.tensor([prompt])).last_hidden_state[0, -1].float()
+        base_hidden = hf_model(model_path).model(torch.tensor([prompt])).last_hidden_state[0, -1].float()
+    expected, base = (torch.nn.functional.normalize(h, dim=-1) for h in (hidden, base_hidden))
+    engine = LLMEngine(str(model_path), enable_lora=True, max_loras=1, max_lora_rank=MAX_LORA_RANK, num_kv_blocks=64)
+    try:
+        params = PoolingParams(pooling_type="LAST", normalize=True)
+        engine.add_request("lora", prompt, params, lora_request=ApiLoRARequest("attn", 1, str(path)))
+        engine.add_request("base", prompt, params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in engine.step())
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(outputs["lora"].outputs.data), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(outputs["base"].outputs.data), base, atol=1e-4, rtol=0)
+    assert (expected - base).abs().max() > 1e-3  # the adapter changes the vector

@@ -143,6 +143,19 @@ def rpc_error(call: Any) -> grpc.RpcError:
     return caught.value
 
 
+def peft_pooled(model: Path, adapter: Path, prompt_ids: list[int]) -> list[float]:
+    """transformers' (+ peft's) last hidden state (after the final norm) of the last prompt token, L2-normalized:
+    LAST pooling, the default of a model folder without modules.json."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf: Any = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), adapter)
+    with torch.no_grad():
+        hidden = hf.base_model.model.model(torch.tensor([prompt_ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden.float(), dim=-1).tolist()
+
+
 def test_unknown_adapter_is_not_found_and_the_base_model_goes_on(services):
     _, frontend, base_url, _, _ = services
     error = rpc_error(lambda: greedy(frontend, "no-such-adapter"))
@@ -272,6 +285,16 @@ def test_http_models_list_adapters_and_a_model_naming_one_runs_it(services, adap
         assert completion.model == "b" and completion.choices[0].text == text
         with pytest.raises(openai.NotFoundError) as unknown:
             client.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
+        assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
+        # /v1/embeddings with a model naming an adapter pools with it (as vLLM serves LoRA on pooling models)
+        embedded = client.embeddings.create(model="b", input=[prompt_ids(frontend)], encoding_format="float")
+        assert embedded.model == "b"
+        reference = peft_pooled(checkpoint("llama"), adapters["b"], prompt_ids(frontend))
+        assert max(abs(a - b) for a, b in zip(embedded.data[0].embedding, reference, strict=True)) < 1e-4
+        base = client.embeddings.create(model=base_name, input=[prompt_ids(frontend)], encoding_format="float")
+        assert max(abs(a - b) for a, b in zip(base.data[0].embedding, reference, strict=True)) > 1e-3
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.embeddings.create(model="no-such-adapter", input=PROMPT)
         assert unknown.value.code == "model_not_found" and unknown.value.param == "model"
 
     body = {"lora_name": "a2", "lora_path": str(adapters["a"])}

@@ -865,6 +865,16 @@ def test_openai_embeddings_equal_the_grpc_embed(services, model):
         body = json.loads(raw.text)
         vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
         assert_close(vector.tolist(), pooled_reference(http_model, tuple(POOLING_PROMPTS[0]), "LAST", True))
+        # float: the JSON numbers themselves (the client asks for base64 unless told; ask over raw HTTP)
+        floats = httpx.post(
+            f"{base_url}/v1/embeddings",
+            json={"model": str(http_model), "input": texts, "encoding_format": "float"},
+            timeout=60,
+        )
+        assert floats.status_code == 200, floats.text
+        for data, reference_embedding in zip(floats.json()["data"], expected.embeddings, strict=True):
+            assert all(isinstance(value, float) for value in data["embedding"])
+            np.testing.assert_allclose(data["embedding"], reference_embedding.embedding, atol=1e-6)
         with pytest.raises(openai.BadRequestError) as info:
             client.embeddings.create(model=str(http_model), input=texts, dimensions=8)
         assert info.value.body["param"] == "dimensions"  # type: ignore[index]

@@ -270,3 +270,200 @@ def test_a_preempted_pooling_request_pools_its_recomputed_prompt(llama):
         assert engine.engine_core.engine_core.scheduler.kv_cache_manager.num_free_blocks == 6
     finally:
         engine.close()
+
+
+def test_pooler_accumulators_hold_copies_not_views_of_the_step_output():
+    """CLS keeps a copy of the first row and LAST pools a copy of the last one, for a float32 model too (where
+    ``.to(torch.float32)`` alone returns the step output's own row): writing the step output afterwards (a CUDA
+    graph replay reuses its static output buffer) changes nothing pooled, and no accumulator keeps it alive."""
+    from types import SimpleNamespace
+
+    from core_svc import pooler
+    from splitserve.base.pooling_params import PoolingParams as CorePoolingParams
+
+    for pooling_type in ("LAST", "MEAN", "CLS"):
+        hidden = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        state: Any = SimpleNamespace(
+            request_id="r",
+            pooling_params=CorePoolingParams(pooling_type, False),
+            num_prompt_tokens=3,
+            pooling_sum=None,
+            pooling_first=None,
+        )
+        pooler.accumulate(state, hidden, 0)
+        for kept in (state.pooling_first, state.pooling_sum):
+            assert kept is None or kept.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr()
+        expected = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type].clone()
+        pooled = pooler.finish(state, hidden[-1])
+        assert pooled.untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr(), pooling_type
+        hidden.fill_(-1.0)  # the next step (graph replay) overwrites the buffer
+        torch.testing.assert_close(pooled, expected)
+
+
+def test_a_list_of_the_wrong_params_is_refused_before_any_request_is_added(llama_llm):
+    """Every element of a params list is checked first: the wrong kind (or anything else) is refused naming
+    ``pooling_params[i]`` / ``sampling_params[i]``, nothing is left in the core; the same call with the right kind
+    then runs."""
+    cases = [
+        (lambda: llama_llm.encode([PROMPTS[0]], [SamplingParams(max_tokens=2)], use_tqdm=False), "pooling_params[0]"),
+        (lambda: llama_llm.encode(PROMPTS[:2], [PoolingParams(), "MEAN"], use_tqdm=False), "pooling_params[1]"),
+        (lambda: llama_llm.generate([PROMPTS[0]], [PoolingParams()], use_tqdm=False), "sampling_params[0]"),
+        (
+            lambda: llama_llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=2), PoolingParams()], use_tqdm=False),
+            "sampling_params[1]",
+        ),
+    ]
+    for call, field in cases:
+        with pytest.raises(ValidationError) as info:
+            call()
+        assert info.value.field == field
+        assert not llama_llm.llm_engine.has_unfinished_requests()
+    assert free_blocks(llama_llm) == 63
+    [output] = llama_llm.encode([PROMPTS[0]], [PoolingParams(pooling_type="MEAN")], use_tqdm=False)
+    assert len(output.outputs.data) == 64
+
+
+def test_async_llm_refuses_pooling_params_for_generation_before_queueing(llama):
+    """``AsyncLLM.add_request`` / ``generate`` given a PoolingParams: ValidationError naming sampling_params (not
+    an AttributeError), nothing registered; ``encode`` then runs."""
+    from frontend_svc import AsyncLLM
+
+    async def scenario() -> None:
+        engine = AsyncLLM(str(llama), num_kv_blocks=64)
+        try:
+            with pytest.raises(ValidationError) as info:
+                await engine.add_request("a", PROMPTS[0], PoolingParams())  # type: ignore[arg-type]
+            assert info.value.field == "sampling_params"
+            with pytest.raises(ValidationError) as info:
+                async for _ in engine.generate(PROMPTS[0], PoolingParams(), "b"):  # type: ignore[arg-type]
+                    pass
+            assert info.value.field == "sampling_params"
+            assert not engine.output_processor.request_states
+            async for output in engine.encode(PROMPTS[0], PoolingParams(pooling_type="MEAN"), "c"):
+                assert_close(output.outputs.data, reference(llama, tuple(PROMPTS[0]), "MEAN", True))
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def _pooling_processor(queue: Any = None) -> Any:
+    from frontend_svc.output_processor import OutputProcessor
+
+    processor = OutputProcessor(None)
+    processor.add_pooling_request("p-1", "p", PoolingParams(), None, [5, 6, 7], queue=queue, arrival_time=100.0)
+    return processor
+
+
+def test_wire_pooling_output_of_a_bad_length_fails_only_that_request():
+    """A pooling vector whose byte length is not a multiple of 4 is that request's InternalError (finish reason
+    error), and the other outputs of the message decode; a well-formed vector decodes to its floats."""
+    from frontend_svc.engine_types import FinishReason as FrontendFinishReason
+    from frontend_svc.errors import InternalError
+    from frontend_svc.wire import outputs_from_pb
+
+    vector = np.array([0.5, -1.0], dtype="<f4").tobytes()
+    message = core_pb.EngineCoreOutputs(
+        outputs=[
+            core_pb.EngineCoreOutput(request_id="bad", finish_reason=1, pooling_output=vector[:7]),
+            core_pb.EngineCoreOutput(request_id="good", finish_reason=1, pooling_output=vector),
+        ]
+    )
+    bad, good = outputs_from_pb(message).outputs
+    assert isinstance(bad.error, InternalError) and "7 bytes" in str(bad.error)
+    assert bad.finish_reason == FrontendFinishReason.ERROR and bad.pooling_output is None
+    assert good.error is None and good.pooling_output == [0.5, -1.0]
+
+
+def test_a_finished_pooling_output_without_a_vector_fails_that_request():
+    """The core finishing a pooling request with no vector fails it (InternalError naming it), never a successful
+    empty embedding."""
+    from frontend_svc.engine_types import EngineCoreOutput
+    from frontend_svc.engine_types import FinishReason as FrontendFinishReason
+    from frontend_svc.errors import InternalError
+    from frontend_svc.output_processor import PoolingOutputCollector
+
+    queue = PoolingOutputCollector("p-1")
+    processor = _pooling_processor(queue)
+    result = processor.process_outputs([EngineCoreOutput("p-1", [], finish_reason=FrontendFinishReason.STOP)])
+    assert not result.request_outputs and not processor.has_unfinished_requests()
+    with pytest.raises(InternalError, match="p-1.*without its vector"):
+        asyncio.run(queue.get())
+    unqueued = _pooling_processor()
+    result = unqueued.process_outputs([EngineCoreOutput("p-1", [], finish_reason=FrontendFinishReason.STOP)])
+    [error] = result.errors
+    assert isinstance(error, InternalError) and error.request_id == "p"
+
+
+def test_a_pooling_request_aborted_by_another_caller_gets_an_abort_error():
+    """An abort from elsewhere (``AsyncLLM.abort``) ends a waiting ``encode`` with RequestAbortedError, not an empty
+    vector that would read as a result."""
+    from frontend_svc.errors import RequestAbortedError
+    from frontend_svc.output_processor import PoolingOutputCollector
+
+    queue = PoolingOutputCollector("p-1")
+    processor = _pooling_processor(queue)
+    assert processor.abort_requests(["p"]) == ["p-1"]
+    with pytest.raises(RequestAbortedError, match="aborted") as info:
+        asyncio.run(queue.get())
+    assert info.value.request_id == "p"
+
+
+def test_a_pooling_request_counts_its_prompt_and_ttft_in_the_metrics():
+    """Its one output counts its prompt tokens (as vLLM counts a pooling request's prompt) and records TTFT and
+    the prefill time; the finished stats have no max_tokens."""
+    from frontend_svc.engine_types import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
+    from frontend_svc.engine_types import FinishReason as FrontendFinishReason
+    from frontend_svc.stats import IterationStats
+
+    processor = _pooling_processor()
+    stats = IterationStats(iteration_timestamp=100.25)
+    events = [EngineCoreEvent(EngineCoreEventType.QUEUED, 10.0), EngineCoreEvent(EngineCoreEventType.SCHEDULED, 10.5)]
+    output = EngineCoreOutput("p-1", [], finish_reason=FrontendFinishReason.STOP, events=events, pooling_output=[1.0])
+    [pooled] = processor.process_outputs([output], engine_core_timestamp=11.0, iteration_stats=stats).request_outputs
+    assert pooled.outputs.data == [1.0]
+    assert stats.num_prompt_tokens == 3 and stats.num_generation_tokens == 0
+    assert stats.time_to_first_tokens_iter == [0.25]
+    [finished] = stats.finished_requests
+    assert finished.num_prompt_tokens == 3 and finished.max_tokens_param is None
+    assert finished.first_token_latency == 0.25 and finished.prefill_time == 0.5 and finished.queued_time == 0.5
+
+
+def test_a_generate_core_with_an_unsupported_pooling_mode_starts_and_refuses_only_what_needs_it(qwen3, tmp_path):
+    """modules.json naming a pooling mode the core does not run (max tokens): a generate-runner core starts and
+    generates; a pooling request leaving pooling_type unset is refused naming it, one that sets pooling_type and
+    normalize runs; ``--runner pooling`` does not start."""
+    from core_svc.config import CoreConfig
+    from core_svc.errors import ModelLoadError
+
+    path = tmp_path / "model"
+    shutil.copytree(qwen3, path)
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with LLM(str(path), max_num_batched_tokens=STEP_TOKENS, num_kv_blocks=32) as llm:
+        [generated] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        assert len(generated.outputs[0].token_ids) == 2
+        for params, field in ((PoolingParams(), "pooling_type"), (PoolingParams(pooling_type="MEAN"), "normalize")):
+            with pytest.raises(ValidationError, match="pooling_mode_max_tokens") as info:
+                llm.encode([PROMPTS[0]], params, use_tqdm=False)
+            assert info.value.field == field
+        [pooled] = llm.encode([PROMPTS[0]], PoolingParams(pooling_type="MEAN", normalize=True), use_tqdm=False)
+        assert_close(pooled.outputs.data, reference(qwen3, tuple(PROMPTS[0]), "MEAN", True))
+    with pytest.raises(ModelLoadError, match="pooling_mode_max_tokens"):
+        EngineCore(CoreConfig(model=str(path), runner="pooling", num_kv_blocks=32))
+
+
+def test_a_pooling_prompt_of_max_model_len_tokens_is_refused_in_pooling_words(llama_llm):
+    """A pooling prompt has at most max_model_len - 1 tokens here: the refusal (frontend and core) says so, with no
+    word of an output token; max_model_len - 1 tokens run."""
+    with pytest.raises(ValidationError, match=r"256 tokens, more than the 255 \(max_model_len - 1") as info:
+        llama_llm.encode([[7] * 256], use_tqdm=False)
+    assert info.value.field == "prompt" and "output token" not in str(info.value)
+    core: EngineCore = llama_llm.llm_engine.engine_core.engine_core
+    message = core_pb.EngineCoreRequest(
+        request_id="long", prompt_token_ids=[7] * 256, pooling_params=core_pb.PoolingParams()
+    )
+    with pytest.raises(InvalidRequestError, match="a pooling prompt may have") as core_info:
+        core.add_request(request_from_pb(message))
+    assert core_info.value.field == "prompt_token_ids"
+    [output] = llama_llm.encode([[7] * 255], PoolingParams(pooling_type="MEAN"), use_tqdm=False)
+    assert len(output.outputs.data) == 64 and free_blocks(llama_llm) == 63

@@ -29,11 +29,12 @@ class PoolingParams:
 
     Attributes:
         pooling_type: "LAST", "MEAN" or "CLS" (an extension: vLLM sets it per model only).
-        normalize: L2-normalize the vector (vLLM's default for embed: True).
+        normalize: L2-normalize the vector; None: the model's default (whether its modules.json has a Normalize
+            module; True without modules.json, vLLM's default for embed).
         dimensions: Matryoshka truncation to the first ``dimensions`` values, before normalizing; models whose
             config declares ``is_matryoshka`` or ``matryoshka_dimensions`` only (vLLM's rule).
-        truncate_prompt_tokens: keep only the last k prompt tokens (-1: as many as the model takes), applied
-            by the frontend when it tokenizes.
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: as many as the model takes, max_model_len
+            - 1), applied by the frontend when it tokenizes.
     """
 
     pooling_type: PoolingType | None = None

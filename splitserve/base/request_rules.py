@@ -12,13 +12,18 @@ from collections.abc import Iterable
 from splitserve.base.status import Violation
 
 
-def prompt_violation(prompt_token_ids: list[int], max_model_len: int, vocab_size: int, field: str) -> Violation | None:
+def prompt_violation(
+    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, field: str, pooling: bool = False
+) -> Violation | None:
     """A prompt the model cannot take (vLLM's ``InputProcessor`` checks): empty, no room for one output token
     within ``max_model_len``, or an id outside the vocabulary (``prompt_token_ids[i]``). ``field`` names the
-    whole prompt as the caller sent it (``prompt`` in the frontend, ``prompt_token_ids`` in the core)."""
+    whole prompt as the caller sent it (``prompt`` in the frontend, ``prompt_token_ids`` in the core). A pooling
+    request (``pooling``) samples no token but has the same limit here, max_model_len - 1 tokens, worded so."""
     if not prompt_token_ids:
         return Violation(field, "is empty")
     if len(prompt_token_ids) >= max_model_len:
+        if pooling:
+            return Violation(field, pooling_prompt_too_long(len(prompt_token_ids), max_model_len))
         return Violation(field, prompt_leaves_no_room(len(prompt_token_ids), max_model_len))
     return token_ids_violation("prompt_token_ids", prompt_token_ids, vocab_size)
 
@@ -42,6 +47,14 @@ def token_ids_violation(field: str, token_ids: Iterable[int], vocab_size: int) -
 def prompt_leaves_no_room(num_prompt_tokens: int, max_model_len: int) -> str:
     return (
         f"has {num_prompt_tokens} tokens, which leaves no room for an output token within max_model_len={max_model_len}"
+    )
+
+
+def pooling_prompt_too_long(num_prompt_tokens: int, max_model_len: int) -> str:
+    return (
+        f"has {num_prompt_tokens} tokens, more than the {max_model_len - 1} (max_model_len - 1, "
+        f"max_model_len={max_model_len}) a pooling prompt may have; truncate_prompt_tokens=-1 keeps the last "
+        f"{max_model_len - 1}"
     )
 
 
