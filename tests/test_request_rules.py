@@ -20,8 +20,9 @@ from core_svc.errors import (
 from core_svc.errors import RequestTooLargeError as CoreRequestTooLargeError
 from core_svc.sampling_params import SamplingParams as CoreSamplingParams
 from frontend_svc.errors import (
+    AlreadyExistsError,
     EngineDeadError,
-    FrontendError,
+    FailedPreconditionError,
     InternalError,
     NotFoundError,
     NotSupportedError,
@@ -168,8 +169,9 @@ def test_each_code_the_core_sends_becomes_the_frontends_error_with_the_field_as_
     kinds = {code: type(error_from_core(code, "m")) for code in StatusCode if code != StatusCode.INVALID_ARGUMENT}
     assert kinds == {
         StatusCode.NOT_FOUND: NotFoundError,
+        StatusCode.ALREADY_EXISTS: AlreadyExistsError,  # a LoRA adapter's name loaded from another folder
         StatusCode.RESOURCE_EXHAUSTED: RequestTooLargeError,
-        StatusCode.FAILED_PRECONDITION: FrontendError,  # none of the frontend's own: a plain FrontendError
+        StatusCode.FAILED_PRECONDITION: FailedPreconditionError,  # LoRA off on the core, a cancelled drain
         StatusCode.UNIMPLEMENTED: NotSupportedError,
         StatusCode.INTERNAL: InternalError,
         StatusCode.UNAVAILABLE: EngineDeadError,
