@@ -29,19 +29,11 @@ def make_random_adapters(model: Path, out_dir: Path, num_loras: int, rank: int, 
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from core_svc.lora.adapter import module_shapes
+    from core_svc.models.arch import ModelArchConfig
+
     config = AutoConfig.from_pretrained(model)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    hidden, intermediate = config.hidden_size, config.intermediate_size
-    shapes = {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, intermediate),
-        "up_proj": (hidden, intermediate),
-        "down_proj": (intermediate, hidden),
-    }
+    shapes = module_shapes(ModelArchConfig.from_hf_config(config))
     generator = torch.Generator().manual_seed(seed)
     folders = []
     for index in range(num_loras):

@@ -316,16 +316,7 @@ def _as_params_list(
 ) -> list[SamplingParams]:
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
-    if isinstance(sampling_params, PoolingParams):
-        raise ValidationError("sampling_params", "must be SamplingParams, got PoolingParams (use embed or encode)")
-    params_list: list[Any] = list(sampling_params)  # what the caller passed, checked below
-    if len(params_list) != num_prompts:
-        raise ValidationError("sampling_params", f"has {len(params_list)} entries for {num_prompts} prompts")
-    for i, params in enumerate(params_list):  # every one checked before any request is added
-        if not isinstance(params, SamplingParams):
-            hint = " (use embed or encode)" if isinstance(params, PoolingParams) else ""
-            raise ValidationError(f"sampling_params[{i}]", f"must be SamplingParams, got {type(params).__name__}{hint}")
-    return params_list
+    return _checked_params_list(sampling_params, num_prompts, SamplingParams, PoolingParams, "embed or encode")
 
 
 def _as_pooling_params_list(
@@ -335,13 +326,26 @@ def _as_pooling_params_list(
         return [PoolingParams()] * num_prompts
     if isinstance(pooling_params, PoolingParams):
         return [pooling_params] * num_prompts
-    if isinstance(pooling_params, SamplingParams):
-        raise ValidationError("pooling_params", "must be PoolingParams, got SamplingParams (use generate)")
-    params_list: list[Any] = list(pooling_params)  # what the caller passed, checked below
+    return _checked_params_list(pooling_params, num_prompts, PoolingParams, SamplingParams, "generate")
+
+
+def _checked_params_list(given: Any, num_prompts: int, kind: type[Any], other: type[Any], other_call: str) -> list[Any]:
+    """``given`` (one ``other``, or a sequence meant to hold one ``kind`` per prompt) as that list, every entry
+    checked before any request is added.
+
+    Raises:
+        ValidationError: ``given`` is an ``other``, has a length other than ``num_prompts``, or holds something
+            else than a ``kind`` (naming ``sampling_params[i]`` / ``pooling_params[i]``).
+    """
+    field = "sampling_params" if kind is SamplingParams else "pooling_params"
+    hint = f" (use {other_call})"
+    if isinstance(given, other):
+        raise ValidationError(field, f"must be {kind.__name__}, got {other.__name__}{hint}")
+    params_list: list[Any] = list(given)
     if len(params_list) != num_prompts:
-        raise ValidationError("pooling_params", f"has {len(params_list)} entries for {num_prompts} prompts")
-    for i, params in enumerate(params_list):  # every one checked before any request is added
-        if not isinstance(params, PoolingParams):
-            hint = " (use generate)" if isinstance(params, SamplingParams) else ""
-            raise ValidationError(f"pooling_params[{i}]", f"must be PoolingParams, got {type(params).__name__}{hint}")
+        raise ValidationError(field, f"has {len(params_list)} entries for {num_prompts} prompts")
+    for i, params in enumerate(params_list):
+        if not isinstance(params, kind):
+            more = hint if isinstance(params, other) else ""
+            raise ValidationError(f"{field}[{i}]", f"must be {kind.__name__}, got {type(params).__name__}{more}")
     return params_list
