@@ -877,7 +877,7 @@ def test_openai_embeddings_equal_the_grpc_embed(services, model):
             np.testing.assert_allclose(data["embedding"], reference_embedding.embedding, atol=1e-6)
         with pytest.raises(openai.BadRequestError) as info:
             client.embeddings.create(model=str(http_model), input=texts, dimensions=8)
-        assert info.value.body["param"] == "dimensions"  # type: ignore[index]
+        assert info.value.body["param"] == "dimensions"  # type: ignore[index]  # the error body is a dict here
         with pytest.raises(openai.BadRequestError) as info:
             client.embeddings.create(model=str(http_model), input=[])
-        assert info.value.body["param"] == "input"  # type: ignore[index]
+        assert info.value.body["param"] == "input"  # type: ignore[index]  # the error body is a dict here

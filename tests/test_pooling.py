@@ -104,7 +104,7 @@ def free_blocks(llm: LLM) -> int:
 def test_embeddings_equal_transformers_llama(llama_llm, llama):
     """Every pooling type, normalize on and off, all prompts of mixed lengths in one batch, chunked prefill; the
     repeated prompts of LAST pooling hit the prefix cache and still give transformers' vector."""
-    params = [PoolingParams(pooling_type=t, normalize=n) for t, n in COMBOS for _ in PROMPTS]  # type: ignore[arg-type]
+    params = [PoolingParams(pooling_type=t, normalize=n) for t, n in COMBOS for _ in PROMPTS]  # type: ignore[arg-type]  # COMBOS holds the literal pooling types
     prompts = [prompt for _ in COMBOS for prompt in PROMPTS]
     outputs = llama_llm.encode(prompts, params, use_tqdm=False)
     for output, prompt, p in zip(outputs, prompts, params, strict=True):
@@ -161,7 +161,7 @@ def test_pooling_beside_generation_in_one_step(llama, llama_llm):
 def test_bad_pooling_requests(llama_llm):
     """Refused with the field named, and nothing else lost: the next request runs and every block is free."""
     cases = [
-        (PoolingParams(pooling_type="MAX"), "pooling_type"),  # type: ignore[arg-type]
+        (PoolingParams(pooling_type="MAX"), "pooling_type"),  # type: ignore[arg-type]  # an unknown pooling type on purpose
         (PoolingParams(dimensions=8), "dimensions"),  # the tiny Llama is no Matryoshka model
         (PoolingParams(dimensions=0), "dimensions"),
         (PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
@@ -169,7 +169,7 @@ def test_bad_pooling_requests(llama_llm):
     ]
     for params, field in cases:
         with pytest.raises(ValidationError) as info:
-            llama_llm.encode([PROMPTS[0]], params, use_tqdm=False)  # type: ignore[arg-type]
+            llama_llm.encode([PROMPTS[0]], params, use_tqdm=False)  # type: ignore[arg-type]  # the wrong params type on purpose
         assert info.value.field == field, params
     with pytest.raises(ValidationError) as info:
         llama_llm.encode([[]], use_tqdm=False)
@@ -193,7 +193,7 @@ def test_core_refuses_both_params(llama_llm):
     unknown = core_pb.EngineCoreRequest(
         request_id="unknown",
         prompt_token_ids=[1, 2],
-        pooling_params=core_pb.PoolingParams(pooling_type=9),  # type: ignore[arg-type]
+        pooling_params=core_pb.PoolingParams(pooling_type=9),  # type: ignore[arg-type]  # an enum value the proto does not define, on purpose
     )
     for message, field in ((both, "pooling_params"), (neither, "sampling_params"), (unknown, "pooling_type")):
         with pytest.raises(InvalidRequestError) as info:
@@ -332,10 +332,10 @@ def test_async_llm_refuses_pooling_params_for_generation_before_queueing(llama):
         engine = AsyncLLM(str(llama), num_kv_blocks=64)
         try:
             with pytest.raises(ValidationError) as info:
-                await engine.add_request("a", PROMPTS[0], PoolingParams())  # type: ignore[arg-type]
+                await engine.add_request("a", PROMPTS[0], PoolingParams())  # type: ignore[arg-type]  # PoolingParams where SamplingParams belong, on purpose
             assert info.value.field == "sampling_params"
             with pytest.raises(ValidationError) as info:
-                async for _ in engine.generate(PROMPTS[0], PoolingParams(), "b"):  # type: ignore[arg-type]
+                async for _ in engine.generate(PROMPTS[0], PoolingParams(), "b"):  # type: ignore[arg-type]  # PoolingParams where SamplingParams belong, on purpose
                     pass
             assert info.value.field == "sampling_params"
             assert not engine.output_processor.request_states
