@@ -15,9 +15,9 @@ from core_svc.models.arch import AttentionDims
 from kernels import AttentionBackend, AttentionMetadata
 
 # Rows up to which a ``Linear`` with a dense copy (``prepack(keep_dense=True)``) uses it: one request's decode is
-# one row; at one thread MKL's dense path took 20-35% less CPU than the packed weight at one row and 10-15% more
-# at 64 (``small``'s projections, docs/benchmarks.md).
-DENSE_DECODE_MAX_ROWS = 4
+# one row; at one thread MKL's dense path took 20-35% less CPU than the packed weight at 1 and 2 rows, but up to
+# 1.5x more at 4 and 10-15% more at 64 (``small``'s projections, docs/benchmarks.md).
+DENSE_DECODE_MAX_ROWS = 2
 
 
 class Linear(nn.Linear):
