@@ -2,7 +2,7 @@
 and, alternately in the same run, another source tree (the code before a change).
 
     python -m benchmarks.decode_profile [--baseline-source DIR] [--preset small] [--dtype float32] [--threads N]
-        [--prompt-len 128] [--output-len 128] [--repeats 3] [--name decode-profile-small]
+        [--prompt-len 128] [--output-len 128] [--repeats 3] [--core-options JSON] [--name decode-profile-small]
 
 Each run is a child process (this file run as a script, the tree under test first on ``PYTHONPATH``) with an
 in-process ``EngineCore``: a warm-up request, then one greedy request (seeded random prompt ids, EOS ignored)
@@ -145,9 +145,12 @@ def decode(
     return tokens, step_s, cpu_s
 
 
-def measure(model: Path, dtype: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+def measure(
+    model: Path, dtype: str, prompt: list[int], output_len: int, core_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One child's measurement (see the module docstring) on an ``EngineCore`` of ``model`` in ``dtype``, with a
-    KV cache of the blocks one request needs (its size does not change a decode step's work)."""
+    KV cache of the blocks one request needs (its size does not change a decode step's work) and ``core_options``
+    (more ``CoreConfig`` fields)."""
     import torch
 
     from core_svc.config import CoreConfig, DType
@@ -156,7 +159,13 @@ def measure(model: Path, dtype: str, prompt: list[int], output_len: int) -> dict
     load_before = os.getloadavg()
     num_kv_blocks = -(-(len(prompt) + output_len) // 16) + 1  # + the null block
     core = EngineCore(
-        CoreConfig(model=str(model), dtype=cast(DType, dtype), block_size=16, num_kv_blocks=num_kv_blocks)
+        CoreConfig(
+            model=str(model),
+            dtype=cast(DType, dtype),
+            block_size=16,
+            num_kv_blocks=num_kv_blocks,
+            **(core_options or {}),
+        )
     )
     decode(core, "warmup", prompt[:16], 8)
     tokens, step_s, cpu_s = decode(core, "plain", prompt, output_len)
@@ -179,7 +188,13 @@ def measure(model: Path, dtype: str, prompt: list[int], output_len: int) -> dict
 
 
 def run_child(
-    source: Path, model: Path, dtype: str, prompt: list[int], output_len: int, threads: int | None
+    source: Path,
+    model: Path,
+    dtype: str,
+    prompt: list[int],
+    output_len: int,
+    threads: int | None,
+    core_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``measure`` in a fresh process importing ``source``'s code (this file run as a script, ``-P``: nothing
     but ``PYTHONPATH`` ahead of the standard library).
@@ -190,7 +205,9 @@ def run_child(
     env = {**os.environ, "PYTHONPATH": str(source), "SPLITSERVE_LOG_STATS_INTERVAL": "0"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    request = json.dumps({"model": str(model), "dtype": dtype, "prompt": prompt, "output_len": output_len})
+    request = json.dumps(
+        {"model": str(model), "dtype": dtype, "prompt": prompt, "output_len": output_len, "core_options": core_options}
+    )
     done = subprocess.run(
         [sys.executable, "-P", __file__, "--child"], input=request, capture_output=True, text=True, env=env
     )
@@ -231,7 +248,9 @@ def format_table(summaries: dict[str, dict[str, Any]]) -> list[str]:
 
 def _child() -> None:
     request = json.loads(sys.stdin.read())
-    result = measure(Path(request["model"]), request["dtype"], request["prompt"], request["output_len"])
+    result = measure(
+        Path(request["model"]), request["dtype"], request["prompt"], request["output_len"], request["core_options"]
+    )
     print(json.dumps(result))
 
 
@@ -253,6 +272,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="children per tree, alternating")
+    parser.add_argument(
+        "--core-options",
+        type=json.loads,
+        default=None,
+        help="JSON object of CoreConfig fields for this checkout's runs only, e.g. '{\"dense_decode_weights\": true}'",
+    )
     parser.add_argument("--name", default=None, help="file name stem (default: decode-profile-<preset>)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
@@ -266,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
     for repeat in range(args.repeats):
         for label, source in trees.items():
-            result = run_child(source, model, args.dtype, prompt, args.output_len, args.threads)
+            options = args.core_options if label == args.label else None
+            result = run_child(source, model, args.dtype, prompt, args.output_len, args.threads, options)
             runs[label].append(result)
             load = result["load_average"][1][0]
             print(f"{label} run {repeat + 1}: {result['ms_per_token']:.2f} ms/token, load {load:.1f}", flush=True)
@@ -291,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "threads": args.threads,
+        "core_options": args.core_options,
         "trees": {label: str(source) for label, source in trees.items()},
         "summaries": summaries,
         "runs": runs,

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # 16 bits against llama.cpp f16, int8 against its q8_0 (8-bit weights, activations quantized per block).
 TARGETS = (
     ("splitserve float32", "llama.cpp f32"),
+    ("splitserve float32-dense", "llama.cpp f32"),
     ("splitserve bfloat16", "llama.cpp f16"),
     ("splitserve int8", "llama.cpp q8_0"),
 )

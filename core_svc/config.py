@@ -48,6 +48,16 @@ class CoreConfig:
             default_help="none: the weights in --dtype",
         ),
     )
+    # CPU float32 without quantization (ignored otherwise): each decoder linear weight kept dense beside its
+    # oneDNN-prepacked copy, and steps of at most DENSE_DECODE_MAX_ROWS rows (one request's decode) use the dense
+    # one through MKL, 20-35% less CPU per projection than the packed one at one row; the decoder's linear weights
+    # take twice their memory (core_svc.models.layers.Linear, docs/benchmarks.md).
+    dense_decode_weights: bool = field(
+        default=False,
+        metadata=flag(
+            "CPU float32: keep dense linear weights beside the prepacked ones for few-row (one-request) decode steps"
+        ),
+    )
     block_size: int = field(default=16, metadata=flag("tokens per KV block", unit="tokens"))
     # KV blocks including the null block; overrides kv_cache_memory_gib.
     num_kv_blocks: int | None = field(

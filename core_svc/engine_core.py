@@ -151,7 +151,14 @@ class EngineCore:
             gpu_memory.check_free_memory(baseline, config.gpu_memory_utilization)
         # Sleep level 2 reloads the weights the same way: same checkpoint, dtype, quantization and device.
         self._load_model = functools.partial(
-            load_model, self.model_path, hf_config, dtype, device, backend, config.quantization
+            load_model,
+            self.model_path,
+            hf_config,
+            dtype,
+            device,
+            backend,
+            config.quantization,
+            dense_decode_weights=config.dense_decode_weights,
         )
         with self.startup.phase("weights") as phase:
             loaded = self._load_model()

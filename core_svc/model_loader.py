@@ -22,7 +22,7 @@ from core_svc.errors import ModelLoadError
 from core_svc.image_processor_config import QWEN2_VL_MODEL_TYPES, read_image_processor_config
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import ServedModel
-from core_svc.models.layers import RotaryEmbedding, prepack_linear_weights
+from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, RotaryEmbedding, prepack_linear_weights
 from core_svc.models.llama import LlamaForCausalLM
 from core_svc.models.llava import LlavaForConditionalGeneration
 from core_svc.models.quantization import quantize_linear_weights
@@ -79,6 +79,8 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     quantization: str | None = None,
+    *,
+    dense_decode_weights: bool = False,
 ) -> LoadedModel:
     """Build our model for the checkpoint at ``path`` and load every weight. Logs its size and load time at INFO
     (vLLM's "Model loading took 13.48 GiB and 12.3 seconds", with the parameter count and dtype).
@@ -88,6 +90,8 @@ def load_model(
         dtype: parameter dtype; None keeps the checkpoint's.
         quantization: None, or "int8": every ``Linear`` weight quantized to int8 per output channel after
             loading (``quantize_linear_weights``; CPU only), instead of being prepacked.
+        dense_decode_weights: prepacked linear weights keep their dense copy for steps of few rows
+            (``prepack_linear_weights``).
 
     Raises:
         ModelLoadError: missing or unreadable files, unsupported architecture or option, a missing, unexpected
@@ -121,8 +125,11 @@ def load_model(
         )
     elif quantization is not None:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}")
-    elif prepack_linear_weights(model):
-        logger.info("linear weights prepacked for oneDNN")
+    elif prepack_linear_weights(model, keep_dense=dense_decode_weights):
+        logger.info(
+            "linear weights prepacked for oneDNN%s",
+            f" (dense copies kept for steps of at most {DENSE_DECODE_MAX_ROWS} rows)" if dense_decode_weights else "",
+        )
     load_time_s = time.perf_counter() - start
     logger.info(
         "Model loading took %s (%s parameters, %s) and %.2f seconds",

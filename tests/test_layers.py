@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_svc.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary, prepack_linear_weights
+from core_svc.models.layers import (
+    DENSE_DECODE_MAX_ROWS,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    prepack_linear_weights,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -29,6 +36,27 @@ def test_prepacked_linear_matches_f_linear(dtype, bias):
         x = torch.randn(*shape, generator=gen).to(dtype)
         expected = F.linear(x.float(), weight.float(), None if layer_bias is None else layer_bias.float())
         torch.testing.assert_close(layer(x).float(), expected, **tolerance)
+
+
+def test_dense_decode_weights_serve_few_rows_as_f_linear_and_skip_the_lm_head():
+    gen = torch.Generator().manual_seed(0)
+    layer, head = Linear(96, 160, bias=True, dtype=torch.float32), Linear(96, 50, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(160, 96, generator=gen))
+        layer.bias.copy_(torch.randn(160, generator=gen))
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    model = nn.Module()
+    model.layer, model.lm_head = layer, head
+    if not prepack_linear_weights(model, keep_dense=True):
+        pytest.skip("torch has no oneDNN here")
+    assert layer.weight is None and layer.packed_weight is not None and layer.dense_weight is not None
+    assert head.dense_weight is None and head.packed_weight is not None
+    for rows in (1, DENSE_DECODE_MAX_ROWS):  # the dense path: F.linear's own values
+        x = torch.randn(rows, 96, generator=gen)
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+    x = torch.randn(DENSE_DECODE_MAX_ROWS + 1, 96, generator=gen)  # the packed path
+    expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+    assert torch.equal(layer(x), expected)
 
 
 def test_prepack_skips_other_dtypes():

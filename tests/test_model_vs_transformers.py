@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core_svc.models.layers import Linear
 from tests.conftest import report_divergence
 from tests.helpers import first_divergence, hf_greedy, hf_model, make_engine, run_engine
 
@@ -64,6 +65,23 @@ def test_greedy_matches_transformers_with_staggered_arrivals(checkpoint, arch):
     prompts = random_prompts(hf_model(path).config.vocab_size, PROMPT_LENS)
     results, _ = run_engine(make_engine(path), prompts, MAX_NEW_TOKENS, ARRIVAL_STEPS)
     assert_matches(f"{arch}/staggered", results, references(path, prompts))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers_with_dense_decode_weights(checkpoint, arch):
+    """``dense_decode_weights``: steps of at most a few rows (each prompt alone, then the staggered batch as it
+    drains) use the dense weights, larger ones the prepacked ones."""
+    path = checkpoint(arch)
+    prompts = random_prompts(hf_model(path).config.vocab_size, PROMPT_LENS)
+    engine = make_engine(path, dense_decode_weights=True)
+    decoder = [m for n, m in engine.model_runner.model.named_modules() if isinstance(m, Linear) and n != "lm_head"]
+    if all(m.packed_weight is None for m in decoder):
+        pytest.skip("torch has no oneDNN here: nothing is prepacked")
+    assert all(m.dense_weight is not None for m in decoder)
+    alone = [run_engine(engine, [prompt], MAX_NEW_TOKENS)[0][0] for prompt in prompts[:3]]
+    assert_matches(f"{arch}/dense alone", alone, references(path, prompts)[:3])
+    results, _ = run_engine(engine, prompts, MAX_NEW_TOKENS, ARRIVAL_STEPS)
+    assert_matches(f"{arch}/dense staggered", results, references(path, prompts))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,6 +14,11 @@ from torch import nn
 from core_svc.models.arch import AttentionDims
 from kernels import AttentionBackend, AttentionMetadata
 
+# Rows up to which a ``Linear`` with a dense copy (``prepack(keep_dense=True)``) uses it: one request's decode is
+# one row; at one thread MKL's dense path took 20-35% less CPU than the packed weight at 1 and 2 rows, but up to
+# 1.5x more at 4 and 10-15% more at 64 (``small``'s projections, docs/benchmarks.md).
+DENSE_DECODE_MAX_ROWS = 2
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight can be handed to oneDNN in its own blocked layout (``prepack()``), on CPU.
@@ -27,21 +32,31 @@ class Linear(nn.Linear):
     """
 
     packed_weight: torch.Tensor | None = None
+    # [out_features, in_features], kept beside packed_weight by prepack(keep_dense=True) for few-row inputs
+    dense_weight: torch.Tensor | None = None
 
-    def prepack(self) -> None:
-        """Reorder the weight for oneDNN and drop the dense copy (the packed one replaces it, not doubling it)."""
+    def prepack(self, keep_dense: bool = False) -> None:
+        """Reorder the weight for oneDNN and drop the dense copy (the packed one replaces it, not doubling it);
+        ``keep_dense``: keep it (twice the weight's memory) for inputs of at most ``DENSE_DECODE_MAX_ROWS`` rows,
+        where MKL's matrix-vector path beats the packed weight."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        self.dense_weight = self.weight.detach() if keep_dense else None
         self.register_parameter("weight", None)  # what ``self.weight = None`` does to a parameter, typed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
+        if self.dense_weight is not None and x.numel() <= DENSE_DECODE_MAX_ROWS * x.shape[-1]:
+            return F.linear(x, self.dense_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def prepack_linear_weights(model: nn.Module) -> bool:
-    """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16 when torch has oneDNN; returns
-    whether it did. Other dtypes, devices and builds keep ``F.linear``."""
+def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
+    """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16 when torch has oneDNN (with
+    ``keep_dense``: each float32 one but the LM head keeps its dense weight for few-row inputs); returns whether it
+    did. Other dtypes, devices
+    and builds keep ``F.linear``."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not torch.backends.mkldnn.is_available():
         return False
@@ -50,8 +65,13 @@ def prepack_linear_weights(model: nn.Module) -> bool:
         return False
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False  # oneDNN's bfloat16 needs AVX-512 (or AVX-NE-CONVERT); F.linear serves it then
-    for module in linears:
-        module.prepack()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            # The LM head's packed weight is as fast as dense at one row and faster at a few: no copy for it.
+            # float32 only: MKL's dense path was measured against the packed one in float32, not in bfloat16.
+            module.prepack(
+                keep_dense=keep_dense and weight.dtype == torch.float32 and name.rpartition(".")[2] != "lm_head"
+            )
     return True
 
 
