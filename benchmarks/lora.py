@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import Machine, RequestSet
+from benchmarks.workload import Machine, RequestSet, write_json
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -101,10 +101,8 @@ def run(
 
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    json_path, _ = write_json(report, out_dir, name)
+    return json_path
 
 
 def format_report(report: dict[str, Any]) -> str:

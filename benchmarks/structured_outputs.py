@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import Machine, RequestSet
+from benchmarks.workload import Machine, RequestSet, write_json
 
 # Bounded values everywhere (a JSON "number" is not: its digits may go on), so every document can complete; a
 # random-weight model still fills strings up to maxLength with long tokens, so allow output_len >= 128.
@@ -102,10 +102,8 @@ def run(model: Path, requests: RequestSet, dtype: str = "float32", repeats: int 
 
 
 def write_report(report: dict[str, Any], out_dir: Path, name: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    json_path, _ = write_json(report, out_dir, name)
+    return json_path
 
 
 def format_report(report: dict[str, Any]) -> str:
