@@ -55,8 +55,7 @@ class Linear(nn.Linear):
 def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16 when torch has oneDNN (with
     ``keep_dense``: each float32 one but the LM head keeps its dense weight for few-row inputs); returns whether it
-    did. Other dtypes, devices
-    and builds keep ``F.linear``."""
+    did. Other dtypes, devices and builds keep ``F.linear``."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not torch.backends.mkldnn.is_available():
         return False
