@@ -8,6 +8,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -99,6 +100,23 @@ def test_split_stack_returns_what_the_in_process_llm_returns(services, reference
         assert streamed[-1].usage.completion_tokens == 20
         final = asyncio.run(generate(frontend.address, prompt, greedy(api.OUTPUT_KIND_FINAL_ONLY)))
         assert len(final) == 1 and joined(final) == (reference[prompt].text, reference[prompt].token_ids)
+
+
+def _mapped_files(pid: int) -> set[str]:
+    """The files mapped into a live process's memory (its shared libraries among them), from /proc."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split(maxsplit=5)[5].strip() for line in maps if len(line.split(maxsplit=5)) == 6}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps (Linux)")
+def test_a_split_frontend_never_loads_torch_though_it_is_installed(services, reference):
+    """The frontend hides torch from its own imports (as in its image, which has none), so transformers loads the
+    tokenizer without it; the core, in the same environment, has torch's library mapped."""
+    core, (frontend, _) = services
+    prompt = PROMPTS[0]
+    assert joined(asyncio.run(generate(frontend.address, prompt, greedy())))[1] == reference[prompt].token_ids
+    assert any(Path(f).name.startswith("libtorch_cpu") for f in _mapped_files(core.process.pid))
+    assert not any("libtorch" in Path(f).name for f in _mapped_files(frontend.process.pid))
 
 
 def test_streamed_ids_go_with_their_text_and_usage_counts_them(services, model):

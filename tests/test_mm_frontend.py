@@ -520,9 +520,8 @@ TORCHLESS_SCRIPT = """
 import sys
 import threading
 import time
-sys.path.insert(0, {tests!r})
-from torchless import _WithoutTorch
-sys.meta_path[:] = [_WithoutTorch(f) for f in sys.meta_path]
+from frontend_svc.without_torch import hide_torch
+hide_torch()
 from collections.abc import Callable
 from pathlib import Path
 from PIL import Image
@@ -544,7 +543,7 @@ print("torch imported:", "torch" in sys.modules)
 
 
 def test_frontend_processes_images_without_torch(llava_dir: Path, qwen_dir: Path) -> None:
-    script = TORCHLESS_SCRIPT.format(tests=str(Path(__file__).parent), llava=str(llava_dir), qwen=str(qwen_dir))
+    script = TORCHLESS_SCRIPT.format(llava=str(llava_dir), qwen=str(qwen_dir))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
