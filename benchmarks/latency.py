@@ -140,11 +140,15 @@ def _peer(engine: peers.PeerEngine) -> Callable[[list[int], int], Timing]:
     return run
 
 
-def load_engines(model: Path, settings: Settings) -> tuple[dict[str, Callable[[list[int], int], Timing]], dict]:
-    """Each engine's timed single-request run, by label, and the engines skipped with their reason."""
+def load_engines(
+    model: Path, settings: Settings
+) -> tuple[dict[str, Callable[[list[int], int], Timing]], dict[str, str], dict[str, str]]:
+    """Each engine's timed single-request run, by label; the engines skipped, with their reason; the notes of the
+    engines run other than by default (``peers.PeerEngine.note``), by label."""
     max_len = max(settings.prompt_lens) + settings.output_len + 1
     engines: dict[str, Callable[[list[int], int], Timing]] = {}
     skipped: dict[str, str] = {}
+    notes: dict[str, str] = {}
     for name in settings.engines:
         if name == "splitserve":
             for dtype in settings.dtypes:
@@ -162,9 +166,11 @@ def load_engines(model: Path, settings: Settings) -> tuple[dict[str, Callable[[l
                     continue
                 engine = peers.load_peer(model, name, precision, settings.num_threads, max_len)
                 engines[engine.label] = _peer(engine)
+                if engine.note is not None:
+                    notes[engine.label] = engine.note
         else:
             raise ValueError(f"unknown engine {name!r}; known: splitserve, transformers, {', '.join(peers.PEERS)}")
-    return engines, skipped
+    return engines, skipped, notes
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -181,7 +187,7 @@ def run(model: Path, tokenizer: Any, settings: Settings) -> dict[str, Any]:
 
     torch.set_num_threads(settings.num_threads)
     load_before = list(os.getloadavg())
-    engines, skipped = load_engines(model, settings)
+    engines, skipped, notes = load_engines(model, settings)
     prompts = prompts_for(tokenizer, settings.prompt_lens, settings.seed)
     for label, engine in engines.items():  # warm-up: first calls allocate and pack
         logger.info("warming up %s", label)
@@ -223,6 +229,7 @@ def run(model: Path, tokenizer: Any, settings: Settings) -> dict[str, Any]:
         "repeats": settings.repeats,
         "rows": rows,
         "skipped": skipped,
+        "notes": notes,
     }
 
 
@@ -264,6 +271,8 @@ def format_report(report: dict[str, Any]) -> str:
         )
     for engine, reason in report["skipped"].items():
         lines.append(f"skipped {engine}: {reason}")
+    for engine, note in report.get("notes", {}).items():
+        lines.append(f"note {engine}: {note}")
     lines += target_lines(report)
     return "\n".join(lines)
 

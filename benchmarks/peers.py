@@ -16,9 +16,13 @@ Every peer decodes greedily, ``output_len`` tokens per request, EOS suppressed, 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,6 +212,7 @@ class PeerEngine:
     handle: Any  # ctranslate2.Generator or llama_cpp.Llama
     eos_token_id: int | None
     token_strings: list[str]  # CTranslate2 takes tokens as strings: id -> its vocabulary string
+    note: str | None = None  # how it runs other than by default, and why (the reports print it)
 
     @property
     def label(self) -> str:
@@ -288,17 +293,67 @@ def load_peer(model: Path, peer: str, precision: str, num_threads: int, max_cont
     import llama_cpp
 
     path = convert_gguf(model, precision)
-    handle = llama_cpp.Llama(
-        str(path),
-        n_ctx=max_context,
-        n_batch=512,
-        n_threads=num_threads,
-        n_threads_batch=num_threads,
-        n_gpu_layers=0,
-        verbose=False,
-        logits_all=False,
-    )
-    return PeerEngine(peer, precision, handle, eos_id, [])
+    note = None
+    failure = llama_cpp_extra_buffers_failure(path, num_threads)
+    if failure is not None:
+        note = f"extra buffer types off (with them llama.cpp {failure} at its first decode on this machine)"
+        logger.warning("llama.cpp %s: %s", precision, note)
+    with _llama_cpp_model_params(use_extra_bufts=failure is None):
+        handle = llama_cpp.Llama(
+            str(path),
+            n_ctx=max_context,
+            n_batch=512,
+            n_threads=num_threads,
+            n_threads_batch=num_threads,
+            n_gpu_layers=0,
+            verbose=False,
+            logits_all=False,
+        )
+    return PeerEngine(peer, precision, handle, eos_id, [], note)
+
+
+_EXTRA_BUFFERS_FAILURES: dict[tuple[str, int], str | None] = {}
+
+
+def llama_cpp_extra_buffers_failure(path: Path, num_threads: int) -> str | None:
+    """How a llama.cpp decode of ``path`` with its extra buffer types (its default) failed in a child process, or
+    None when it ran; checked once per file and thread count.
+
+    llama-cpp-python 0.3.36 built on this project's AMX machine died with SIGILL (at ``tilezero``, in
+    ``ggml_backend_amx_mul_mat``) at the first q8_0 decode there; f32 and f16 files use no extra buffer type on
+    x86. Without them, q8_0 runs llama.cpp's AVX-512 / AVX2 dot products, what it runs on CPUs without AMX.
+    """
+    key = (str(path), num_threads)
+    if key not in _EXTRA_BUFFERS_FAILURES:
+        probe = [sys.executable, "-m", "benchmarks.peers", str(path), str(num_threads)]
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=300, check=False)
+        failure = None
+        if result.returncode < 0:
+            failure = f"died with {signal.Signals(-result.returncode).name}"
+        elif result.returncode > 0:
+            failure = f"exited with {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"
+        _EXTRA_BUFFERS_FAILURES[key] = failure
+    return _EXTRA_BUFFERS_FAILURES[key]
+
+
+@contextlib.contextmanager
+def _llama_cpp_model_params(use_extra_bufts: bool) -> Iterator[None]:
+    """llama-cpp-python's ``Llama`` takes no ``use_extra_bufts``; it starts from ``llama_model_default_params()``,
+    which this replaces while a model loads."""
+    import llama_cpp.llama_cpp as capi
+
+    default = capi.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = use_extra_bufts
+        return p
+
+    capi.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        capi.llama_model_default_params = default
 
 
 def llama_cpp_batch(
@@ -365,3 +420,19 @@ def llama_cpp_batch(
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
     return outputs
+
+
+def _decode_a_few(path: Path, num_threads: int) -> None:
+    """4 greedy tokens from ``path`` on llama.cpp with its extra buffer types (``llama_cpp_extra_buffers_failure``'s
+    child process)."""
+    import llama_cpp
+
+    with _llama_cpp_model_params(use_extra_bufts=True):
+        llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=num_threads, n_threads_batch=num_threads, verbose=False)
+    for i, _ in enumerate(llm.generate([1, 2, 3], top_k=1, temp=0.0)):
+        if i == 3:
+            return
+
+
+if __name__ == "__main__":
+    _decode_a_few(Path(sys.argv[1]), int(sys.argv[2]))

@@ -414,7 +414,7 @@ def _peer_runs(
         start = time.perf_counter()
         outputs = engine.generate_batch(requests.prompts, requests.output_len)
         wall = time.perf_counter() - start
-        extra = {"num_threads": num_threads, "precision": precision}
+        extra = {"num_threads": num_threads, "precision": precision, "note": engine.note}
         results.append(_result(peer, "float32", engine.label, requests, outputs, wall, flops, peak, **extra))
         del engine
         gc.collect()

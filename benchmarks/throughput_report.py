@@ -121,6 +121,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
         )
     lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
+    for r in report["results"]:
+        if r.get("extra", {}).get("note"):
+            lines.append(f"note {r['label']}: {r['extra']['note']}")
     # reports before int8 held one drift, bfloat16's
     drifts = report.get("logprob_drift") or {"bfloat16": report.get("bfloat16_logprob_drift")}
     for precision, drift in drifts.items():

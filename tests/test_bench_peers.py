@@ -195,3 +195,25 @@ def test_latency_run_interleaves_engines_and_summarizes_each(checkpoint):
     assert report["skipped"] == {} and report["num_threads"] == 1
     text = latency.format_report(report)
     assert "splitserve float32" in text and "1.00x, 1.00x" in text
+
+
+def test_llama_cpp_extra_buffers_are_probed_once_in_a_child_and_a_crash_is_named(monkeypatch, tmp_path):
+    """The probe's child process: killed by a signal -> the signal's name; a clean exit -> None; one probe per file
+    and thread count."""
+    import signal
+    import subprocess
+
+    calls = []
+
+    def fake_run(argv, **kwargs):
+        calls.append(argv)
+        code = -int(signal.SIGILL) if argv[-2].endswith("q8_0.gguf") else 0
+        return subprocess.CompletedProcess(argv, code, "", "")
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    monkeypatch.setattr(peers, "_EXTRA_BUFFERS_FAILURES", {})
+    q8, f32 = tmp_path / "q8_0.gguf", tmp_path / "f32.gguf"
+    assert peers.llama_cpp_extra_buffers_failure(q8, 1) == "died with SIGILL"
+    assert peers.llama_cpp_extra_buffers_failure(q8, 1) == "died with SIGILL"
+    assert peers.llama_cpp_extra_buffers_failure(f32, 1) is None
+    assert [argv[-3:] for argv in calls] == [["benchmarks.peers", str(q8), "1"], ["benchmarks.peers", str(f32), "1"]]
