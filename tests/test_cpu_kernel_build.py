@@ -148,7 +148,7 @@ def test_a_compile_error_is_reported_with_the_compilers_last_lines(tmp_path, mon
     with pytest.raises(cpu_ops.KernelBuildError) as caught:
         cpu_ops.build(build_dir)
     error = caught.value
-    assert error.reason.startswith("compiling paged_attention_cpu.cpp failed (exit 1)")
+    assert error.reason.startswith("compiling paged_attention_cpu.cpp, int8_rows_cpu.cpp failed (exit 1)")
     assert "error: expected declaration" in error.reason
     assert f"command: {compiler} -O3" in error.details and "error: expected declaration" in error.details
     # Nothing half-made is left: only the lock file.

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from core_svc.config import CoreConfig
 from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
+from core_svc.models import quantization
 from core_svc.models.quantization import (
     INT8PACK_MAX_ROWS,
     Int8Linear,
@@ -56,8 +57,37 @@ def reference_w8a8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
     return exact, bound
 
 
+def _row_kernels_loaded() -> bool:
+    from kernels.attention import cpu_ops
+    from splitserve.base import envs
+
+    try:
+        cpu_ops.load(envs.kernel_dir())
+    except RuntimeError:
+        return False
+    return True
+
+
+# int8_linear_w8a8's two ways: torch's ops, and the compiled row kernels once the CPU kernels' library is loaded
+ROW_PASSES = [
+    "torch",
+    pytest.param(
+        "kernel", marks=pytest.mark.skipif(not _row_kernels_loaded(), reason="the CPU kernels cannot be built here")
+    ),
+]
+
+
+@pytest.fixture(params=ROW_PASSES)
+def row_passes(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(quantization, "_row_kernels", lambda: None)
+    else:
+        assert quantization._row_kernels() is not None
+    return request.param
+
+
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [(5, 131, 67), (17, 64, 33), (64, 200, 96)])
-def test_w8a8_matmul_against_a_float64_reference_on_odd_shapes(rows, in_features, out_features):
+def test_w8a8_matmul_against_a_float64_reference_on_odd_shapes(rows, in_features, out_features, row_passes):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator)
     x[1] = 0.0  # an all-zero row: scale clamped, q 0, output the bias
@@ -75,6 +105,31 @@ def test_w8a8_matmul_against_a_float64_reference_on_odd_shapes(rows, in_features
     assert torch.equal(out[1], bias)
     xq, x_scales = quantize_int8_per_row(x)
     assert xq.dtype == torch.int8 and int(xq.abs().max()) == 127 and x_scales.shape == (rows, 1)
+
+
+@pytest.mark.skipif(not _row_kernels_loaded(), reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(5, 131, 67), (64, 512, 96), (3, 1408, 16)])
+def test_row_kernels_equal_torchs_ops_bit_for_bit(rows, in_features, out_features, dtype):
+    """The compiled passes against the torch ops they replace: the same int8 values and scales (an all-zero row's q
+    0), the same rescaled products with and without a bias."""
+    ops = quantization._row_kernels()
+    generator = torch.Generator().manual_seed(rows * in_features)
+    x = (torch.randn(rows, in_features, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
+    x[0] = 0.0
+    q_ref, scales_ref = quantize_int8_per_row(x)
+    q, scales = torch.empty(x.shape, dtype=torch.int8), torch.empty(rows)
+    ops.quantize_rows_int8(q, scales, x)
+    assert torch.equal(q, q_ref) and not q[0].any()
+    assert torch.equal(scales[1:], scales_ref[1:, 0])
+    w_q, w_scales = quantize_int8_per_channel(torch.randn(out_features, in_features, generator=generator))
+    acc = torch._int_mm(q, w_q.t())
+    bias = torch.randn(out_features, generator=generator)
+    out = torch.empty(acc.shape)
+    ops.dequantize_rows(out, acc, scales, w_scales, None)
+    assert torch.equal(out, acc.float().mul_(scales_ref).mul_(w_scales))
+    ops.dequantize_rows(out, acc, scales, w_scales, bias)
+    assert torch.equal(out, acc.float().mul_(scales_ref).mul_(w_scales) + bias)
 
 
 def test_int8_linear_routes_by_rows():

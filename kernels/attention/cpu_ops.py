@@ -1,6 +1,6 @@
 """Builds and loads the C++ CPU kernels (``csrc/``): one compiler call, one binary per build key.
 
-``load(build_dir)`` compiles ``csrc/paged_attention_cpu.cpp`` the first time (one call of the C++ compiler,
+``load(build_dir)`` compiles ``csrc/*.cpp`` (``_SOURCES``) the first time (one call of the C++ compiler,
 ``$CXX`` or else ``c++``; about 20 s on 2 cores) into ``build_dir/splitserve_cpu_<key>.so`` and loads it with
 ``torch.ops.load_library``, which registers ``torch.ops.splitserve_cpu.*``. The key is a hash of everything the
 binary depends on: the source, the flags, the compiler (its path and ``--version``), torch's version and C++ ABI,
@@ -44,12 +44,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+# paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py)
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp"))
+_SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
 # -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
 # kernel's OpenMP pragmas, resolved against the OpenMP runtime torch has already loaded. -ffast-math: vectorized
-# expf (glibc libmvec) and reassociated sums; the kernel sees finite scores only. The rest are the flags torch's
-# extension builder (2.13) uses for a CPU library.
+# expf (glibc libmvec) and reassociated sums; the attention kernel sees finite scores only (int8_rows_cpu.cpp turns
+# it off for itself). The rest are the flags torch's extension builder (2.13) uses for a CPU library.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++20", "-shared"]
 _COMPILE_TIMEOUT_S = 900
 _ERROR_TAIL_LINES = 20
@@ -174,7 +176,7 @@ def _build_spec() -> _BuildSpec:
         raise KernelBuildError(f"the C++ compiler {compiler} does not run: {e}") from e
     cflags = [*_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     inputs = {
-        "source_sha256": hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+        "source_sha256": [hashlib.sha256(source.read_bytes()).hexdigest() for source in _SOURCES],
         "cflags": cflags,
         "cxx": cxx,
         "compiler": os.path.realpath(compiler),
@@ -206,7 +208,7 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
         *spec.cxx,
         *spec.cflags,
         *(f"-isystem{include}" for include in cpp_extension.include_paths("cpu")),
-        str(_SOURCE),
+        *(str(source) for source in _SOURCES),
         "-o",
         str(tmp),
         *(f"-L{lib}" for lib in cpp_extension.library_paths("cpu")),
@@ -221,7 +223,7 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
         if result.returncode != 0:
             tail = "\n".join(result.stdout.splitlines()[-_ERROR_TAIL_LINES:])
             raise KernelBuildError(
-                f"compiling {_SOURCE.name} failed (exit {result.returncode}); the compiler's last lines: "
+                f"compiling {_SOURCE_NAMES} failed (exit {result.returncode}); the compiler's last lines: "
                 f"{' | '.join(tail.splitlines()[-3:])}",
                 f"command: {shlex.join(command)}\n{tail}",
                 fix="read the compiler's output (logged below); set CXX to another C++ compiler (g++ 9 or newer) "
@@ -242,7 +244,7 @@ def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
         )
     except subprocess.TimeoutExpired as e:
         raise KernelBuildError(
-            f"compiling {_SOURCE.name} took more than {_COMPILE_TIMEOUT_S} s",
+            f"compiling {_SOURCE_NAMES} took more than {_COMPILE_TIMEOUT_S} s",
             fix="build it ahead of time, when the machine is less busy (splitserve build-kernels), and restart",
         ) from e
     except OSError as e:  # the compiler went away since its --version answered

@@ -1,0 +1,103 @@
+// The passes around an int8 x int8 -> int32 matmul of W8A8 (core_svc/models/quantization.py), one pass each
+// instead of torch's six (abs, amax, clamp, divide, round, cast) and four (cast, two products, cast):
+// - quantize_rows_int8: dynamic symmetric int8 per row, scale = max(max|x_row|, FLT_MIN) / 127 and
+//   q = round_half_even(x / scale), the values of quantize_int8_per_row bit for bit, an all-zero row's q 0;
+// - dequantize_rows: out = acc * row_scale * col_scale (+ bias), float32.
+// Rows are independent: split over torch's threads when there is enough work for a parallel region to pay.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+
+// The library builds with -ffast-math (for the attention kernel), under which GCC replaced x / scale by a product
+// with 1 / scale here: these functions round as torch's ops do, so without its unsafe math optimizations and
+// without fused multiply-adds; GCC's builtins (not <cmath>'s inline wrappers, compiled with the library's flags)
+// keep the loops vectorized under these options.
+#pragma GCC optimize("no-unsafe-math-optimizations", "fp-contract=off")
+
+namespace {
+
+// Elements per parallel work share: a region for less costs more (fork, barrier) than it saves.
+constexpr int64_t kGrainElements = 1 << 16;
+
+template <typename scalar_t>
+void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, int64_t end, int64_t k) {
+  for (int64_t r = begin; r < end; ++r) {
+    const scalar_t* row = x + r * k;
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < k; ++i) amax = __builtin_fmaxf(amax, __builtin_fabsf(static_cast<float>(row[i])));
+    const float scale = std::max(amax, FLT_MIN) / 127.0f;
+    scales[r] = scale;
+    int8_t* q_row = q + r * k;
+    if (amax == 0.0f) {  // the scale is subnormal (0 where the FPU flushes them): q is 0 either way
+      std::fill(q_row, q_row + k, int8_t{0});
+      continue;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(static_cast<float>(row[i]) / scale)));
+  }
+}
+
+void quantize_rows_int8(at::Tensor q, at::Tensor scales, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [num_rows, in_features]");
+  TORCH_CHECK(q.sizes() == x.sizes() && q.is_contiguous() && q.scalar_type() == at::kChar, "q: int8, x's shape");
+  TORCH_CHECK(scales.numel() == x.size(0) && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "scales: float32, one per row");
+  const int64_t rows = x.size(0), k = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_int8", [&] {
+    const scalar_t* x_ptr = x.data_ptr<scalar_t>();
+    int8_t* q_ptr = q.data_ptr<int8_t>();
+    float* s_ptr = scales.data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(k, 1)),
+                     [&](int64_t begin, int64_t end) { quantize_rows(x_ptr, q_ptr, s_ptr, begin, end, k); });
+  });
+}
+
+void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_scales,
+                     const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "acc: contiguous int32 2-D");
+  TORCH_CHECK(out.sizes() == acc.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "out: float32, acc's shape");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(row_scales.numel() == rows && row_scales.is_contiguous() && row_scales.scalar_type() == at::kFloat,
+              "row_scales: float32, one per row");
+  TORCH_CHECK(col_scales.numel() == n && col_scales.is_contiguous() && col_scales.scalar_type() == at::kFloat,
+              "col_scales: float32, one per column");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "bias: float32, one per column");
+    b = bias->data_ptr<float>();
+  }
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const float* rs = row_scales.data_ptr<float>();
+  const float* cs = col_scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* a_row = a + r * n;
+      float* o_row = o + r * n;
+      const float s = rs[r];
+      if (b != nullptr) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o_row[j] = static_cast<float>(a_row[j]) * s * cs[j] + b[j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o_row[j] = static_cast<float>(a_row[j]) * s * cs[j];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
+  m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
+  m.def("dequantize_rows(Tensor(a!) out, Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias) -> ()");
+  m.impl("dequantize_rows", c10::DispatchKey::CPU, &dequantize_rows);
+}
