@@ -5,11 +5,16 @@ quantizer written here (float64) replaced by their dequantized values."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from core_svc.config import CoreConfig
 from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
@@ -130,6 +135,36 @@ def test_row_kernels_equal_torchs_ops_bit_for_bit(rows, in_features, out_feature
     assert torch.equal(out, acc.float().mul_(scales_ref).mul_(w_scales))
     ops.dequantize_rows(out, acc, scales, w_scales, bias)
     assert torch.equal(out, acc.float().mul_(scales_ref).mul_(w_scales) + bias)
+
+
+def test_int_mm_exactness_is_what_a_product_shows():
+    """``int_mm_is_exact`` against an independent random product, in this process; and in a child whose oneDNN is
+    held to AVX2 (no VNNI), where the int8 sums saturate, False."""
+    generator = torch.Generator().manual_seed(7)
+    a = torch.randint(-127, 128, (64, 512), dtype=torch.int8, generator=generator)
+    b = torch.randint(-127, 128, (512, 96), dtype=torch.int8, generator=generator)
+    exact = torch.equal(torch._int_mm(a, b).double(), a.double() @ b.double())
+    assert quantization.int_mm_is_exact() == exact
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    child = "from core_svc.models.quantization import int_mm_is_exact; print(int_mm_is_exact())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    result = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["False"]
+
+
+def test_int8_linear_without_exact_int_mm_multiplies_by_the_dequantized_weight(monkeypatch):
+    monkeypatch.setattr(quantization, "int_mm_is_exact", lambda: False)
+    generator = torch.Generator().manual_seed(3)
+    linear = nn.Linear(64, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=generator))
+        linear.bias.copy_(torch.randn(48, generator=generator))
+    layer = Int8Linear(linear)
+    x = torch.randn(16, 64, generator=generator)
+    expected = x.double() @ layer.dequantized_weight().double().T + linear.bias.detach().double()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_linear_routes_by_rows():

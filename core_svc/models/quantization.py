@@ -14,14 +14,17 @@ The matmul takes one of two routes by the number of rows (``python -m benchmarks
 - more rows (batches, prefill): the activations are quantized too, per row (dynamic, symmetric: llama.cpp's q8_0
   and CTranslate2's int8 do the same), and ``torch._int_mm`` multiplies int8 by int8 into int32 (oneDNN: AMX or
   VNNI where the CPU has them), 2-7x float32's speed at 64 rows; the weight-only kernel has no blocking over rows
-  and falls behind float32 from about 16 rows.
+  and falls behind float32 from about 16 rows. On CPUs without VNNI, where oneDNN's int8 sums saturate
+  (``int_mm_is_exact``), the dequantized weight in float instead.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from core_svc.models.layers import Linear
@@ -89,6 +92,24 @@ def _row_kernels() -> Any:
     return _ROW_KERNELS
 
 
+@functools.cache
+def int_mm_is_exact() -> bool:
+    """Whether ``torch._int_mm`` on this CPU returns exact int32 sums, checked once per process on products that
+    reach int16's limits.
+
+    oneDNN's int8 matmul on CPUs without VNNI or AMX int8 (AVX2 only; AVX-512 without VNNI, as Skylake) multiplies
+    u8 by s8 pairs into saturating int16 (``vpmaddubsw``): with ``ONEDNN_MAX_CPU_ISA=AVX2`` on the project's AMX
+    machine, 16,383 of 16,384 sums of a random [64, 512] by [512, 256] product were wrong, by up to 130,077. There
+    W8A8 would be wrong, so ``Int8Linear`` multiplies by its dequantized weight instead.
+    """
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=generator)
+    b = torch.randint(-127, 128, (256, 32), dtype=torch.int8, generator=generator)
+    a[0], b[:, 0] = 127, 127  # 256 * 127^2: every pair of products over int16's range
+    exact = (a.double() @ b.double()).to(torch.int64)
+    return bool(torch.equal(torch._int_mm(a, b).to(torch.int64), exact))
+
+
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 of ``weight`` [out_features, in_features] (any float dtype).
 
@@ -105,7 +126,8 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 class Int8Linear(nn.Module):
     """A ``Linear`` whose weight is int8 per output channel (``quantize_int8_per_channel``); bias kept as is. Few
-    rows: weight-only (``torch._weight_int8pack_mm``); more: W8A8 (``int8_linear_w8a8``).
+    rows: weight-only (``torch._weight_int8pack_mm``); more: W8A8 (``int8_linear_w8a8``), or on a CPU where
+    ``torch._int_mm`` is not exact (``int_mm_is_exact``) the dequantized weight.
 
     ``x`` [num_rows, in_features] in float32 or bfloat16 -> [num_rows, out_features] in ``x``'s dtype.
     """
@@ -127,7 +149,10 @@ class Int8Linear(nn.Module):
         if x.shape[0] <= INT8PACK_MAX_ROWS and self.in_features % INT8PACK_IN_FEATURES_MULTIPLE == 0:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales_bf16).to(x.dtype)
             return out if self.bias is None else out + self.bias
-        return int8_linear_w8a8(x, self.weight_int8, self.scales, self.bias)
+        if int_mm_is_exact():
+            return int8_linear_w8a8(x, self.weight_int8, self.scales, self.bias)
+        weight = self.dequantized_weight().to(x.dtype)
+        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def dequantized_weight(self) -> torch.Tensor:
         """``q * scales[:, None]`` [out_features, in_features] float32: the weight this layer multiplies by."""
