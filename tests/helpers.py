@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from core_svc.config import CoreConfig
@@ -139,3 +141,23 @@ def features_from_the_wire(features: list[MultiModalFeature], identifier: str) -
         for f in features
     ]
     return request_from_pb(pb.EngineCoreRequest(request_id="wire", prompt_token_ids=[0], mm_features=items)).mm_features
+
+
+def cpu_kernels_loaded() -> bool:
+    """Load the compiled CPU kernels' library (``kernels/attention/cpu_ops.py``; built first if need be): whether
+    it could be, here."""
+    from kernels.attention import cpu_ops
+    from splitserve.base import envs
+
+    try:
+        cpu_ops.load(envs.kernel_dir())
+    except RuntimeError:
+        return False
+    return True
+
+
+def needs_cpu_kernels(value: str) -> Any:
+    """``value`` as a pytest parameter skipped where the compiled CPU kernels cannot be built."""
+    return pytest.param(
+        value, marks=pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+    )

@@ -9,25 +9,11 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata, get_attention_backend
-from kernels.attention import cpu_ops
 from kernels.attention.selector import FALLBACK_COST
 from splitserve.base import envs
+from tests.helpers import needs_cpu_kernels
 
-
-def _cpu_backend_available() -> bool:
-    try:
-        cpu_ops.load(envs.kernel_dir())
-    except RuntimeError:
-        return False
-    return True
-
-
-BACKENDS = [
-    "torch_ref",
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not _cpu_backend_available(), reason="the CPU kernel cannot be built here")
-    ),
-]
+BACKENDS = ["torch_ref", needs_cpu_kernels("cpu")]
 
 
 def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, window: int | None):

@@ -26,7 +26,7 @@ from core_svc.models.quantization import (
     quantize_int8_per_channel,
     quantize_int8_per_row,
 )
-from tests.helpers import make_engine, run_engine
+from tests.helpers import cpu_kernels_loaded, make_engine, needs_cpu_kernels, run_engine
 
 QUANTIZED_FRAGMENTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -62,24 +62,8 @@ def reference_w8a8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
     return exact, bound
 
 
-def _row_kernels_loaded() -> bool:
-    from kernels.attention import cpu_ops
-    from splitserve.base import envs
-
-    try:
-        cpu_ops.load(envs.kernel_dir())
-    except RuntimeError:
-        return False
-    return True
-
-
 # int8_linear_w8a8's two ways: torch's ops, and the compiled row kernels once the CPU kernels' library is loaded
-ROW_PASSES = [
-    "torch",
-    pytest.param(
-        "kernel", marks=pytest.mark.skipif(not _row_kernels_loaded(), reason="the CPU kernels cannot be built here")
-    ),
-]
+ROW_PASSES = ["torch", needs_cpu_kernels("kernel")]
 
 
 @pytest.fixture(params=ROW_PASSES)
@@ -112,7 +96,7 @@ def test_w8a8_matmul_against_a_float64_reference_on_odd_shapes(rows, in_features
     assert xq.dtype == torch.int8 and int(xq.abs().max()) == 127 and x_scales.shape == (rows, 1)
 
 
-@pytest.mark.skipif(not _row_kernels_loaded(), reason="the CPU kernels cannot be built here")
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [(5, 131, 67), (64, 512, 96), (3, 1408, 16)])
 def test_row_kernels_equal_torchs_ops_bit_for_bit(rows, in_features, out_features, dtype):
