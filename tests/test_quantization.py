@@ -62,6 +62,10 @@ def reference_w8a8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
     return exact, bound
 
 
+def _vnni_gemv_built() -> bool:
+    return cpu_kernels_loaded() and quantization._vnni_gemv() is not None
+
+
 # int8_linear_w8a8's two ways: torch's ops, and the compiled row kernels once the CPU kernels' library is loaded
 ROW_PASSES = ["torch", needs_cpu_kernels("kernel")]
 
@@ -121,6 +125,23 @@ def test_row_kernels_equal_torchs_ops_bit_for_bit(rows, in_features, out_feature
     assert torch.equal(out, acc.float().mul_(scales_ref).mul_(w_scales) + bias)
 
 
+@pytest.mark.skipif(not _vnni_gemv_built(), reason="no AVX-512 VNNI kernel here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 512, 1536), (4, 131, 67), (3, 1408, 1029)])
+def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_features, dtype):
+    """A few rows through int8_gemv (u8 offset corrected by the weight rows' sums, a masked tail past the last 64
+    columns, out_features not a multiple of its block of 4) against int8_linear_w8a8, with and without a bias."""
+    generator = torch.Generator().manual_seed(out_features)
+    for bias in (True, False):
+        linear = nn.Linear(in_features, out_features, bias=bias)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+        layer = Int8Linear(linear)
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        reference = int8_linear_w8a8(x, layer.weight_int8, layer.scales, None if layer.bias is None else layer.bias)
+        assert torch.equal(layer(x), reference)
+
+
 def test_int_mm_exactness_is_what_a_product_shows():
     """``int_mm_is_exact`` against an independent random product, in this process; and in a child whose oneDNN is
     held to AVX2 (no VNNI), where the int8 sums saturate, False."""
@@ -151,7 +172,16 @@ def test_int8_linear_without_exact_int_mm_multiplies_by_the_dequantized_weight(m
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_linear_routes_by_rows():
+@pytest.mark.parametrize(
+    "few_rows",
+    [
+        "int8pack",
+        pytest.param("vnni", marks=pytest.mark.skipif(not _vnni_gemv_built(), reason="no AVX-512 VNNI kernel here")),
+    ],
+)
+def test_int8_linear_routes_by_rows(few_rows, monkeypatch):
+    if few_rows == "int8pack":
+        monkeypatch.setattr(quantization, "_vnni_gemv", lambda: None)
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=True)
     with torch.no_grad():
@@ -164,11 +194,15 @@ def test_int8_linear_routes_by_rows():
     x = torch.randn(INT8PACK_MAX_ROWS + 3, 96, generator=generator)
     exact, _ = reference_w8a8(x, linear.weight)
     torch.testing.assert_close(layer(x).double(), exact + linear.bias.double(), rtol=1e-6, atol=1e-5)
-    # one row: bfloat16 activations into torch._weight_int8pack_mm, its bfloat16 output rounded (2^-8 relative)
     x1 = x[:1]
-    expected1 = x1.bfloat16().double() @ w.double().T + linear.bias.double()
     out1 = layer(x1)
     assert out1.dtype == torch.float32
+    if few_rows == "vnni":  # one row: quantized as in W8A8, the integer dot products of int8_gemv
+        exact1, _ = reference_w8a8(x1, linear.weight)
+        torch.testing.assert_close(out1.double(), exact1 + linear.bias.double(), rtol=1e-6, atol=1e-5)
+        return
+    # one row: bfloat16 activations into torch._weight_int8pack_mm, its bfloat16 output rounded (2^-8 relative)
+    expected1 = x1.bfloat16().double() @ w.double().T + linear.bias.double()
     torch.testing.assert_close(out1.double(), expected1, rtol=2**-7, atol=2e-2)
     # 2 rows of a width torch._weight_int8pack_mm reads out of bounds (not a multiple of 16): W8A8 instead
     odd = Int8Linear(torch.nn.Linear(40, 24, bias=False))

@@ -11,6 +11,11 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // The library builds with -ffast-math (for the attention kernel), under which GCC replaced x / scale by a product
 // with 1 / scale here: these functions round as torch's ops do, so without its unsafe math optimizations and
@@ -22,6 +27,9 @@ namespace {
 
 // Elements per parallel work share: a region for less costs more (fork, barrier) than it saves.
 constexpr int64_t kGrainElements = 1 << 16;
+// Most activation rows int8_gemv takes (one request's decode is one), and the weight rows it reads together.
+constexpr int64_t kMaxGemvRows = 4;
+constexpr int64_t kGemvBlock = 4;
 
 template <typename scalar_t>
 void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, int64_t end, int64_t k) {
@@ -93,9 +101,99 @@ void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& ro
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kHasVnni = true;
+
+// out[m, n] = (sum_k xq[m, k] * w[n, k]) * x_scales[m] * w_scales[n] (+ bias[n]) for a few rows m: each weight row
+// is read once for all of them. VNNI multiplies u8 by s8 (vpdpbusd, four products into each int32 lane, no
+// saturation), so the activations go in as xq + 128 and 128 * sum_k w[n, k] (w_sums) comes off: exact int32 sums,
+// the values of the W8A8 path (int8_linear_w8a8) bit for bit.
+void int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales, const at::Tensor& w,
+               const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias) {
+  const int64_t rows = xq.size(0), k = xq.size(1), n = w.size(0);
+  const uint8_t* xu_ptr = nullptr;
+  std::vector<uint8_t> xu(rows * k);
+  const int8_t* x_ptr = xq.data_ptr<int8_t>();
+  for (int64_t i = 0; i < rows * k; ++i) xu[i] = static_cast<uint8_t>(static_cast<int32_t>(x_ptr[i]) + 128);
+  xu_ptr = xu.data();
+  const int8_t* w_ptr = w.data_ptr<int8_t>();
+  const int32_t* sums = w_sums.data_ptr<int32_t>();
+  const float* xs = x_scales.data_ptr<float>();
+  const float* ws = w_scales.data_ptr<float>();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const int64_t tail = k % 64;
+  const __mmask64 tail_mask = tail == 0 ? 0 : (~0ULL >> (64 - tail));
+  // Matrices of up to 1024 rows run on the calling thread: a parallel region would cost more than it saves.
+  at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
+    // kGemvBlock weight rows at a time: as many independent streams from memory, and the activations' chunk
+    // loaded once for them.
+    for (int64_t j0 = begin; j0 < end; j0 += kGemvBlock) {
+      const int64_t block = std::min<int64_t>(kGemvBlock, end - j0);
+      __m512i acc[kGemvBlock][kMaxGemvRows];
+      for (int64_t r = 0; r < block; ++r)
+        for (int64_t m = 0; m < rows; ++m) acc[r][m] = _mm512_setzero_si512();
+      for (int64_t i = 0; i < k; i += 64) {
+        const __mmask64 mask = i + 64 <= k ? ~0ULL : tail_mask;
+        __m512i xv[kMaxGemvRows];
+        for (int64_t m = 0; m < rows; ++m) xv[m] = _mm512_maskz_loadu_epi8(mask, xu_ptr + m * k + i);
+        for (int64_t r = 0; r < block; ++r) {
+          const __m512i wv = _mm512_maskz_loadu_epi8(mask, w_ptr + (j0 + r) * k + i);
+          for (int64_t m = 0; m < rows; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv[m], wv);
+        }
+      }
+      for (int64_t r = 0; r < block; ++r) {
+        const int64_t j = j0 + r;
+        for (int64_t m = 0; m < rows; ++m) {
+          const int32_t total = _mm512_reduce_add_epi32(acc[r][m]) - 128 * sums[j];
+          const float value = static_cast<float>(total) * xs[m] * ws[j];
+          o[m * n + j] = b != nullptr ? value + b[j] : value;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasVnni = false;
+
+void int8_gemv(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+               const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "int8_gemv needs AVX-512 VNNI (int8_gemv_available() says whether this build has it)");
+}
+#endif
+
+void checked_int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales, const at::Tensor& w,
+                       const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.scalar_type() == at::kChar, "xq: contiguous int8 2-D");
+  TORCH_CHECK(xq.size(0) <= kMaxGemvRows, "int8_gemv takes at most ", kMaxGemvRows, " rows");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar && w.size(1) == xq.size(1),
+              "w: contiguous int8 [out_features, in_features]");
+  const int64_t rows = xq.size(0), n = w.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == n && out.is_contiguous() &&
+                  out.scalar_type() == at::kFloat,
+              "out: contiguous float32 [rows, out_features]");
+  TORCH_CHECK(x_scales.numel() == rows && x_scales.is_contiguous() && x_scales.scalar_type() == at::kFloat,
+              "x_scales: float32, one per row");
+  TORCH_CHECK(w_scales.numel() == n && w_scales.is_contiguous() && w_scales.scalar_type() == at::kFloat,
+              "w_scales: float32, one per output feature");
+  TORCH_CHECK(w_sums.numel() == n && w_sums.is_contiguous() && w_sums.scalar_type() == at::kInt,
+              "w_sums: int32, one per output feature");
+  if (bias.has_value())
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "bias: float32, one per output feature");
+  int8_gemv(out, xq, x_scales, w, w_scales, w_sums, bias);
+}
+
+bool int8_gemv_available() { return kHasVnni; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.def("int8_gemv(Tensor(a!) out, Tensor xq, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w_sums, "
+        "Tensor? bias) -> ()");
+  m.impl("int8_gemv", c10::DispatchKey::CPU, &checked_int8_gemv);
+  m.def("int8_gemv_available() -> bool");
+  m.impl("int8_gemv_available", &int8_gemv_available);
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
   m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
   m.def("dequantize_rows(Tensor(a!) out, Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias) -> ()");
