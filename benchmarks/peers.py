@@ -312,6 +312,7 @@ def load_peer(model: Path, peer: str, precision: str, num_threads: int, max_cont
     return PeerEngine(peer, precision, handle, eos_id, [], note)
 
 
+_PROBE_TIMEOUT_S = 300
 _EXTRA_BUFFERS_FAILURES: dict[tuple[str, int], str | None] = {}
 
 
@@ -326,12 +327,20 @@ def llama_cpp_extra_buffers_failure(path: Path, num_threads: int) -> str | None:
     key = (str(path), num_threads)
     if key not in _EXTRA_BUFFERS_FAILURES:
         probe = [sys.executable, "-m", "benchmarks.peers", str(path), str(num_threads)]
-        result = subprocess.run(probe, capture_output=True, text=True, timeout=300, check=False)
         failure = None
-        if result.returncode < 0:
-            failure = f"died with {signal.Signals(-result.returncode).name}"
-        elif result.returncode > 0:
-            failure = f"exited with {result.returncode}: {result.stderr.strip().splitlines()[-1:]}"
+        try:
+            result = subprocess.run(probe, capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            failure = f"did not finish a 4-token decode in {_PROBE_TIMEOUT_S} s"
+        else:
+            if result.returncode < 0:
+                try:
+                    failure = f"died with {signal.Signals(-result.returncode).name}"
+                except ValueError:
+                    failure = f"died with signal {-result.returncode}"
+            elif result.returncode > 0:
+                last = result.stderr.strip().splitlines()[-1:]
+                failure = f"exited with {result.returncode}" + (f": {last[0]}" if last else "")
         _EXTRA_BUFFERS_FAILURES[key] = failure
     return _EXTRA_BUFFERS_FAILURES[key]
 

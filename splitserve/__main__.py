@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from splitserve.entrypoints.cli import main
+from splitserve.entrypoints.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -278,3 +278,18 @@ def test_generate_help_names_no_flag_it_lacks(monkeypatch):
     assert "--max-receive-message-mib" not in parsers["splitserve generate"].format_help()
     core = _help_entries(parsers["splitserve core"].format_help())
     assert "tells it to its frontends and sizes its default receive limit" in core["--limit-mm-per-prompt"]
+
+
+def test_an_in_process_frontend_command_leaves_torch_importable():
+    """``splitserve frontend`` hides torch only in its own server process (``run``): ``main`` called in-process,
+    here refused for a bad flag, leaves the caller's imports alone."""
+    child = (
+        "import importlib.util\n"
+        "from splitserve.entrypoints.cli import main\n"
+        "code = main(['frontend', '--core', 'localhost:1', '--max-n', '0'])\n"
+        "import torch\n"
+        "print(code, importlib.util.find_spec('torch') is not None)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["2", "True"]

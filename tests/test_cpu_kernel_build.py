@@ -176,3 +176,22 @@ def test_the_key_changes_with_the_compiler(tmp_path, monkeypatch):
         names.append(path.name)
     assert names[0] != names[1]
     assert sorted(p.name for p in (tmp_path / "kernels").glob("*.so")) == sorted(names)
+
+
+def test_loading_the_library_keeps_subnormal_floats():
+    """GCC links crtfastmath.o into the -ffast-math library, whose constructor turns on flush-to-zero for the
+    loading thread; the load turns it back off (in a fresh process: no other test's load before it)."""
+    child = (
+        "import torch\n"
+        "from kernels.attention import cpu_ops\n"
+        "from splitserve.base import envs\n"
+        "before = float(torch.tensor(1e-39) * 1.0)\n"
+        "cpu_ops.load(envs.kernel_dir())\n"
+        "print(before, float(torch.tensor(1e-39) * 1.0))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600)
+    if result.returncode != 0 and "KernelBuildError" in result.stderr:
+        pytest.skip("the CPU kernels cannot be built here")
+    assert result.returncode == 0, result.stderr[-2000:]
+    before, after = (float(v) for v in result.stdout.split())
+    assert before == after > 0.0

@@ -142,6 +142,19 @@ def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_featu
         assert torch.equal(layer(x), reference)
 
 
+@pytest.mark.parametrize("row_passes_for_nan", ROW_PASSES)
+def test_a_nan_in_a_row_makes_that_rows_products_nan_either_way(row_passes_for_nan, monkeypatch):
+    if row_passes_for_nan == "torch":
+        monkeypatch.setattr(quantization, "_row_kernels", lambda: None)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 64, generator=generator)
+    x[2, 9] = float("nan")
+    q, scales = quantize_int8_per_channel(torch.randn(16, 64, generator=generator))
+    out = int8_linear_w8a8(x, q, scales, None)
+    assert bool(out[2].isnan().all())
+    assert bool(out[[0, 1, 3, 4, 5, 6]].isfinite().all())
+
+
 def test_int_mm_exactness_is_what_a_product_shows():
     """``int_mm_is_exact`` against an independent random product, in this process; and in a child whose oneDNN is
     held to AVX2 (no VNNI), where the int8 sums saturate, False."""

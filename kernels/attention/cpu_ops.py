@@ -137,12 +137,17 @@ def _load(build_dir: Path) -> Path | KernelBuildError:
     if hasattr(torch.ops.splitserve_cpu, "paged_decode_attention"):
         logger.info("the CPU attention kernel is already loaded in this process; not loading %s", path)
         return path
+    flushed_before = _denormals_flushed()
     try:
         torch.ops.load_library(str(path))
     except OSError as e:
         return KernelBuildError(
             f"cannot load the CPU attention kernel {path}: {e}", fix=f"remove {path}, which is then built again"
         )
+    if _denormals_flushed() and not flushed_before:
+        # GCC (12 here) links crtfastmath.o into a -ffast-math shared library, whose constructor set the loading
+        # thread's flush-to-zero and denormals-are-zero bits: torch.tensor(1e-39) * 1 became 0 (found in review).
+        torch.set_flush_denormal(False)
     built = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(path.stat().st_mtime))
     logger.info("loaded the CPU attention kernel from %s (built %s)", path, built)
     return path
@@ -186,6 +191,11 @@ def _build_spec() -> _BuildSpec:
     }
     # The paths of torch's headers and libraries are left out: a torch version has the same in every virtualenv.
     return _BuildSpec(cxx, cflags, hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16])
+
+
+def _denormals_flushed() -> bool:
+    """Whether this thread's float arithmetic flushes subnormal results to zero."""
+    return float(torch.tensor(1e-39, dtype=torch.float32) * 1.0) == 0.0
 
 
 def _lock(lock: IO[str], path: Path) -> None:

@@ -379,10 +379,6 @@ def core_tls_from_args(args: argparse.Namespace) -> Any:
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
-    from frontend_svc.without_torch import hide_torch
-
-    # First: the frontend image has no torch; installed beside it, transformers would import it (a slower start).
-    hide_torch()
     import asyncio
 
     from frontend_svc.core_discovery import CoreTarget
@@ -712,6 +708,12 @@ def main(argv: list[str] | None = None, *, exit_after_serving: bool = False) -> 
     try:
         if hasattr(args, "model_tag"):  # MODEL and --model are one setting
             args.model = model_from_args(args)
+        if exit_after_serving and args.func is cmd_frontend:
+            # The frontend image has no torch; installed beside it, transformers would import it (a slower start).
+            # Only where this process is the frontend's: hidden, torch stays hidden for the rest of the process.
+            from frontend_svc.without_torch import hide_torch
+
+            hide_torch()
         code = args.func(args)
     except (EngineError, FrontendError, ModelNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

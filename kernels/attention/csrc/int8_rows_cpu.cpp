@@ -1,7 +1,8 @@
 // The passes around an int8 x int8 -> int32 matmul of W8A8 (core_svc/models/quantization.py), one pass each
 // instead of torch's six (abs, amax, clamp, divide, round, cast) and four (cast, two products, cast):
 // - quantize_rows_int8: dynamic symmetric int8 per row, scale = max(max|x_row|, FLT_MIN) / 127 and
-//   q = round_half_even(x / scale), the values of quantize_int8_per_row bit for bit, an all-zero row's q 0;
+//   q = round_half_even(x / scale), the values of quantize_int8_per_row bit for bit, an all-zero row's q 0 (a row
+//   with a NaN: q 0 and a NaN scale, so its products are NaN as through torch's ops);
 // - dequantize_rows: out = acc * row_scale * col_scale (+ bias), float32.
 // Rows are independent: split over torch's threads when there is enough work for a parallel region to pay.
 #include <ATen/ATen.h>
@@ -21,7 +22,7 @@
 // with 1 / scale here: these functions round as torch's ops do, so without its unsafe math optimizations and
 // without fused multiply-adds; GCC's builtins (not <cmath>'s inline wrappers, compiled with the library's flags)
 // keep the loops vectorized under these options.
-#pragma GCC optimize("no-unsafe-math-optimizations", "fp-contract=off")
+#pragma GCC optimize("no-unsafe-math-optimizations", "no-finite-math-only", "fp-contract=off")
 
 namespace {
 
@@ -36,15 +37,21 @@ void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, i
   for (int64_t r = begin; r < end; ++r) {
     const scalar_t* row = x + r * k;
     float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < k; ++i) amax = __builtin_fmaxf(amax, __builtin_fabsf(static_cast<float>(row[i])));
-    const float scale = std::max(amax, FLT_MIN) / 127.0f;
-    scales[r] = scale;
+    int nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
+    for (int64_t i = 0; i < k; ++i) {
+      const float v = static_cast<float>(row[i]);
+      amax = __builtin_fmaxf(amax, __builtin_fabsf(v));
+      nan |= __builtin_isnan(v);
+    }
     int8_t* q_row = q + r * k;
-    if (amax == 0.0f) {  // the scale is subnormal (0 where the FPU flushes them): q is 0 either way
+    if (amax == 0.0f || nan) {  // all zero: q 0 (the scale is subnormal); a NaN: the row's products NaN, as torch's
+      scales[r] = nan ? __builtin_nanf("") : FLT_MIN / 127.0f;
       std::fill(q_row, q_row + k, int8_t{0});
       continue;
     }
+    const float scale = amax / 127.0f;
+    scales[r] = scale;
 #pragma omp simd
     for (int64_t i = 0; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(static_cast<float>(row[i]) / scale)));
   }
