@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from frontend_svc.engine_types import LoRARequest
@@ -165,16 +165,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_pooling_params_list(pooling_params, len(prompt_list))
         priorities = _as_priority_list(priority, len(prompt_list))
-        engine = self.llm_engine
-        request_ids: list[str] = []
-        try:
-            for prompt, params, request_priority in zip(prompt_list, params_list, priorities, strict=True):
-                request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, params, priority=request_priority)
-                request_ids.append(request_id)
-        except Exception:
-            engine.abort_request(request_ids)
-            raise
+        request_ids = self._add_all(zip(prompt_list, params_list, priorities, [None] * len(prompt_list), strict=True))
         outputs = self._run_engine(request_ids, len(request_ids), use_tqdm)
         return [output for output in outputs if isinstance(output, PoolingRequestOutput)]
 
@@ -204,22 +195,29 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
         lora_requests = _as_lora_list(lora_request, len(prompts))
+        final_only = [params.clone() for params in params_list]
+        for params in final_only:
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+        request_ids = self._add_all(zip(prompts, final_only, priorities, lora_requests, strict=True))
+        outputs = self._run_engine(request_ids, sum(params.n for params in params_list), use_tqdm)
+        return [output for output in outputs if isinstance(output, RequestOutput)]
+
+    def _add_all(
+        self, requests: Iterable[tuple[PromptType, SamplingParams | PoolingParams, int, LoRARequest | None]]
+    ) -> list[str]:
+        """Add each (prompt, params, priority, LoRA request) under a new id; returns the ids. One refused aborts
+        those added before it (nothing is left running) and raises."""
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                final_only = params.clone()
-                final_only.output_kind = RequestOutputKind.FINAL_ONLY
+            for prompt, params, priority, lora_request in requests:
                 request_id = str(next(self._request_counter))
-                engine.add_request(
-                    request_id, prompt, final_only, priority=priorities[i], lora_request=lora_requests[i]
-                )
+                engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)
             raise
-        outputs = self._run_engine(request_ids, sum(params.n for params in params_list), use_tqdm)
-        return [output for output in outputs if isinstance(output, RequestOutput)]
+        return request_ids
 
     def _run_engine(
         self, request_ids: list[str], num_completions: int, use_tqdm: bool | Callable[..., Any]

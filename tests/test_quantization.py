@@ -63,7 +63,7 @@ def reference_w8a8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _vnni_gemv_built() -> bool:
-    return cpu_kernels_loaded() and quantization._vnni_gemv() is not None
+    return cpu_kernels_loaded() and quantization._vnni_ops() is not None
 
 
 # int8_linear_w8a8's two ways: torch's ops, and the compiled row kernels once the CPU kernels' library is loaded
@@ -142,10 +142,7 @@ def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_featu
         assert torch.equal(layer(x), reference)
 
 
-@pytest.mark.parametrize("row_passes_for_nan", ROW_PASSES)
-def test_a_nan_in_a_row_makes_that_rows_products_nan_either_way(row_passes_for_nan, monkeypatch):
-    if row_passes_for_nan == "torch":
-        monkeypatch.setattr(quantization, "_row_kernels", lambda: None)
+def test_a_nan_in_a_row_makes_that_rows_products_nan_either_way(row_passes):
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(7, 64, generator=generator)
     x[2, 9] = float("nan")
@@ -194,7 +191,7 @@ def test_int8_linear_without_exact_int_mm_multiplies_by_the_dequantized_weight(m
 )
 def test_int8_linear_routes_by_rows(few_rows, monkeypatch):
     if few_rows == "int8pack":
-        monkeypatch.setattr(quantization, "_vnni_gemv", lambda: None)
+        monkeypatch.setattr(quantization, "_vnni_ops", lambda: None)
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=True)
     with torch.no_grad():

@@ -13,4 +13,4 @@ if __name__ == "__main__":
     hide_torch()
     from splitserve.entrypoints.cli import main
 
-    sys.exit(main(sys.argv[1:], exit_after_serving=True))
+    sys.exit(main(sys.argv[1:], owns_process=True))

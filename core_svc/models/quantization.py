@@ -67,13 +67,20 @@ def int8_linear_w8a8(
         if bias is not None:
             out += bias
         return out.to(x.dtype)
-    x_int8 = torch.empty(x.shape, dtype=torch.int8)
-    x_scales = torch.empty(x.shape[0], dtype=torch.float32)
-    ops.quantize_rows_int8(x_int8, x_scales, x)
+    x_int8, x_scales = _quantize_rows(ops, x)
     acc = torch._int_mm(x_int8, weight_int8.t())
     out = torch.empty(acc.shape, dtype=torch.float32)
     ops.dequantize_rows(out, acc, x_scales, scales, None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def _quantize_rows(ops: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int8_per_row`` through the compiled pass: ``x`` [num_rows, in_features] contiguous -> int8 of its
+    shape and float32 [num_rows] scales."""
+    x_int8 = torch.empty(x.shape, dtype=torch.int8)
+    x_scales = torch.empty(x.shape[0], dtype=torch.float32)
+    ops.quantize_rows_int8(x_int8, x_scales, x)
+    return x_int8, x_scales
 
 
 _ROW_KERNELS: Any = None
@@ -95,19 +102,19 @@ def _row_kernels() -> Any:
     return _ROW_KERNELS
 
 
-_VNNI_GEMV: Any = None
+_VNNI_OPS: Any = None
 
 
-def _vnni_gemv() -> Any:
+def _vnni_ops() -> Any:
     """The compiled ops (``_row_kernels``) when their build has the AVX-512 VNNI matrix-vector kernel
     (``int8_gemv``), else None: few rows then go to ``torch._weight_int8pack_mm``."""
-    global _VNNI_GEMV
-    if _VNNI_GEMV is None:
+    global _VNNI_OPS
+    if _VNNI_OPS is None:
         ops = _row_kernels()
         if ops is None or not ops.int8_gemv_available():
             return None
-        _VNNI_GEMV = ops
-    return _VNNI_GEMV
+        _VNNI_OPS = ops
+    return _VNNI_OPS
 
 
 @functools.cache
@@ -169,8 +176,9 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT8PACK_MAX_ROWS and _vnni_gemv() is not None and x.is_contiguous():
-            return self._vnni_gemv(x)
+        vnni = _vnni_ops() if x.shape[0] <= INT8PACK_MAX_ROWS and x.is_contiguous() else None
+        if vnni is not None:
+            return self._forward_vnni(vnni, x)
         if x.shape[0] <= INT8PACK_MAX_ROWS and self.in_features % INT8PACK_IN_FEATURES_MULTIPLE == 0:
             out = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight_int8, self.scales_bf16).to(x.dtype)
             return out if self.bias is None else out + self.bias
@@ -179,13 +187,10 @@ class Int8Linear(nn.Module):
         weight = self.dequantized_weight().to(x.dtype)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
-    def _vnni_gemv(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_vnni(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
         """Few rows on a CPU with AVX-512 VNNI: the activations quantized per row as in W8A8, then the compiled
         matrix-vector kernel (``int8_gemv``), which reads each int8 weight row once with integer dot products."""
-        ops = _vnni_gemv()
-        x_int8 = torch.empty(x.shape, dtype=torch.int8)
-        x_scales = torch.empty(x.shape[0], dtype=torch.float32)
-        ops.quantize_rows_int8(x_int8, x_scales, x)
+        x_int8, x_scales = _quantize_rows(ops, x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.float()
         ops.int8_gemv(out, x_int8, x_scales, self.weight_int8, self.scales, self.weight_sums, bias)

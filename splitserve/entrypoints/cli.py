@@ -683,13 +683,14 @@ def end_process(code: int) -> NoReturn:
 def run() -> NoReturn:
     """The ``splitserve`` program: ``main`` on the process's arguments, then its exit (``end_process`` once a server
     command has run)."""
-    sys.exit(main(exit_after_serving=True))
+    sys.exit(main(owns_process=True))
 
 
-def main(argv: list[str] | None = None, *, exit_after_serving: bool = False) -> int:
+def main(argv: list[str] | None = None, *, owns_process: bool = False) -> int:
     """Run ``splitserve ARGV``; returns the exit status: 2 and one line on stderr for an error the user can fix
-    (a bad flag, a model that cannot be found, a refused setting). ``exit_after_serving``: a server command ends
-    the process when its server has stopped (``run``); in-process callers leave it False."""
+    (a bad flag, a model that cannot be found, a refused setting). ``owns_process``: this call is the process's
+    program (``run``): ``frontend`` hides torch from it, and a server command ends it when its server has stopped;
+    in-process callers leave it False."""
     args = build_parser().parse_args(argv)
     from splitserve.base.logging_config import LOG_FORMAT
 
@@ -708,7 +709,7 @@ def main(argv: list[str] | None = None, *, exit_after_serving: bool = False) -> 
     try:
         if hasattr(args, "model_tag"):  # MODEL and --model are one setting
             args.model = model_from_args(args)
-        if exit_after_serving and args.func is cmd_frontend:
+        if owns_process and args.func is cmd_frontend:
             # The frontend image has no torch; installed beside it, transformers would import it (a slower start).
             # Only where this process is the frontend's: hidden, torch stays hidden for the rest of the process.
             from frontend_svc.without_torch import hide_torch
@@ -718,9 +719,9 @@ def main(argv: list[str] | None = None, *, exit_after_serving: bool = False) -> 
     except (EngineError, FrontendError, ModelNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if exit_after_serving and args.func in SERVER_COMMANDS:
+    if owns_process and args.func in SERVER_COMMANDS:
         end_process(code)
-    return int(code)
+    return code
 
 
 if __name__ == "__main__":
