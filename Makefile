@@ -28,9 +28,9 @@ $(BIN)/.kernels: $(BIN)/.installed $(KERNEL_SOURCES)
 
 setup: $(BIN)/.installed $(BIN)/.kernels
 
-# TEST_WORKERS=2: two pytest-xdist workers, each taking whole test files (their module fixtures start servers
-# once); see tests/README.md. The default, 0, is one pytest process.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers by default, each taking whole test files (their module fixtures start servers once);
+# see tests/README.md. TEST_WORKERS=0 runs one pytest process.
+TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
