@@ -36,6 +36,7 @@ TARGETS = (
     ("splitserve float32", "llama.cpp f32"),
     ("splitserve float32-dense", "llama.cpp f32"),
     ("splitserve bfloat16", "llama.cpp f16"),
+    ("splitserve bfloat16-dense", "llama.cpp f16"),
     ("splitserve int8", "llama.cpp q8_0"),
 )
 

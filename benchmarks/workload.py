@@ -25,12 +25,12 @@ PROMPT_LEN_RANGE = (16, 1024)
 
 def splitserve_precision(name: str) -> dict[str, str | bool]:
     """``CoreConfig`` fields of a splitserve precision the benchmarks name: a dtype (float32, bfloat16,
-    float16), int8: float32 with int8 linears (``--quantization int8``), or float32-dense: float32 with dense
-    weights for few-row steps (``--dense-decode-weights``)."""
+    float16), int8: float32 with int8 linears (``--quantization int8``), or a dtype with ``-dense``
+    (float32-dense, bfloat16-dense): that dtype with dense weights for few-row steps (``--dense-decode-weights``)."""
     if name == "int8":
         return {"dtype": "float32", "quantization": "int8"}
-    if name == "float32-dense":
-        return {"dtype": "float32", "dense_decode_weights": True}
+    if name.endswith("-dense"):
+        return {"dtype": name.removesuffix("-dense"), "dense_decode_weights": True}
     return {"dtype": name}
 
 

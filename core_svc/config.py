@@ -48,14 +48,16 @@ class CoreConfig:
             default_help="none: the weights in --dtype",
         ),
     )
-    # CPU float32 without quantization (ignored otherwise): each decoder linear weight kept dense beside its
-    # oneDNN-prepacked copy, and steps of at most DENSE_DECODE_MAX_ROWS rows (one request's decode) use the dense
-    # one through MKL, 20-35% less CPU per projection than the packed one at one row; the decoder's linear weights
-    # take twice their memory (core_svc.models.layers.Linear, docs/benchmarks.md).
+    # CPU float32 or bfloat16 without quantization (ignored otherwise): linear weights kept dense beside their
+    # oneDNN-prepacked copies, and steps of few rows (one request's decode) use the dense ones through the compiled
+    # matrix-vector kernel (at most GEMV_MAX_ROWS rows; float32 without AVX-512: MKL, at most
+    # DENSE_DECODE_MAX_ROWS); the kept weights take twice their memory (core_svc.models.layers.prepack_linear_weights
+    # says which are kept; docs/benchmarks.md).
     dense_decode_weights: bool = field(
         default=False,
         metadata=flag(
-            "CPU float32: keep dense linear weights beside the prepacked ones for few-row (one-request) decode steps"
+            "CPU float32 and bfloat16: keep dense linear weights beside the prepacked ones for few-row (one-request) "
+            "decode steps (twice those weights' memory)"
         ),
     )
     block_size: int = field(default=16, metadata=flag("tokens per KV block", unit="tokens"))

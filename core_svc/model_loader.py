@@ -16,13 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from core_svc.config import QUANTIZATION_METHODS
 from core_svc.errors import ModelLoadError
 from core_svc.image_processor_config import QWEN2_VL_MODEL_TYPES, read_image_processor_config
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import ServedModel
-from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, RotaryEmbedding, prepack_linear_weights
+from core_svc.models.layers import (
+    DENSE_DECODE_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    Linear,
+    RotaryEmbedding,
+    compiled_gemv,
+    prepack_linear_weights,
+)
 from core_svc.models.llama import LlamaForCausalLM
 from core_svc.models.llava import LlavaForConditionalGeneration
 from core_svc.models.quantization import quantize_linear_weights
@@ -70,6 +78,16 @@ def load_hf_config(path: Path) -> object:
         return AutoConfig.from_pretrained(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
+def _dense_copies(model: nn.Module, dtype: torch.dtype) -> str:
+    """What ``prepack_linear_weights(keep_dense=True)`` kept, for the load log: "" when nothing."""
+    kept = sum(isinstance(m, Linear) and m.dense_weight is not None for m in model.modules())
+    if not kept:
+        return ""
+    if compiled_gemv(dtype) is not None:
+        return f"; {kept} keep a dense copy for steps of at most {GEMV_MAX_ROWS} rows (compiled matrix-vector kernel)"
+    return f"; {kept} keep a dense copy for steps of at most {DENSE_DECODE_MAX_ROWS} rows (MKL)"
 
 
 def load_model(
@@ -126,10 +144,7 @@ def load_model(
     elif quantization is not None:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}")
     elif prepack_linear_weights(model, keep_dense=dense_decode_weights):
-        logger.info(
-            "linear weights prepacked for oneDNN%s",
-            f" (dense copies kept for steps of at most {DENSE_DECODE_MAX_ROWS} rows)" if dense_decode_weights else "",
-        )
+        logger.info("linear weights prepacked for oneDNN%s", _dense_copies(model, dtype))
     load_time_s = time.perf_counter() - start
     logger.info(
         "Model loading took %s (%s parameters, %s) and %.2f seconds",

@@ -10,6 +10,7 @@ def test_splitserve_precision_names():
     assert splitserve_precision("int8") == {"dtype": "float32", "quantization": "int8"}
     assert splitserve_precision("bfloat16") == {"dtype": "bfloat16"}
     assert splitserve_precision("float32-dense") == {"dtype": "float32", "dense_decode_weights": True}
+    assert splitserve_precision("bfloat16-dense") == {"dtype": "bfloat16", "dense_decode_weights": True}
 
 
 def test_int8_and_bfloat16_targets_over_float32():

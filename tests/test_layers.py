@@ -7,14 +7,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core_svc.models import layers
 from core_svc.models.layers import (
     DENSE_DECODE_MAX_ROWS,
+    GEMV_MAX_ROWS,
     Linear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
     prepack_linear_weights,
+    tied_lm_head,
 )
+from tests.helpers import cpu_kernels_loaded, needs_cpu_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,15 +42,22 @@ def test_prepacked_linear_matches_f_linear(dtype, bias):
         torch.testing.assert_close(layer(x).float(), expected, **tolerance)
 
 
-def test_dense_decode_weights_serve_few_rows_as_f_linear_and_skip_the_lm_head():
-    gen = torch.Generator().manual_seed(0)
-    layer, head = Linear(96, 160, bias=True, dtype=torch.float32), Linear(96, 50, bias=False, dtype=torch.float32)
+def _layer_and_head(dtype: torch.dtype, gen: torch.Generator) -> tuple[nn.Module, Linear, Linear]:
+    layer, head = Linear(96, 160, bias=True, dtype=dtype), Linear(96, 50, bias=False, dtype=dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(160, 96, generator=gen))
         layer.bias.copy_(torch.randn(160, generator=gen))
-    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+        head.weight.copy_(torch.randn(50, 96, generator=gen))
     model = nn.Module()
     model.layer, model.lm_head = layer, head
+    return model, layer, head
+
+
+def test_dense_decode_weights_without_the_kernel_serve_few_rows_as_f_linear_and_skip_the_lm_head(monkeypatch):
+    monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)  # a build without the matrix-vector kernel
+    gen = torch.Generator().manual_seed(0)
+    model, layer, head = _layer_and_head(torch.float32, gen)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     if not prepack_linear_weights(model, keep_dense=True):
         pytest.skip("torch has no oneDNN here")
     assert layer.weight is None and layer.packed_weight is not None and layer.dense_weight is not None
@@ -57,6 +68,61 @@ def test_dense_decode_weights_serve_few_rows_as_f_linear_and_skip_the_lm_head():
     x = torch.randn(DENSE_DECODE_MAX_ROWS + 1, 96, generator=gen)  # the packed path
     expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
     assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype):
+    gen = torch.Generator().manual_seed(0)
+    model, layer, head = _layer_and_head(dtype, gen)
+    weight, bias, head_weight = (t.detach().clone() for t in (layer.weight, layer.bias, head.weight))
+    if not cpu_kernels_loaded() or layers.compiled_gemv(dtype) is None:
+        pytest.skip(f"no compiled matrix-vector kernel for {dtype} here")
+    if not prepack_linear_weights(model, keep_dense=True):
+        pytest.skip("torch has no oneDNN here")
+    assert layer.dense_weight is not None
+    assert (head.dense_weight is not None) == (dtype == torch.bfloat16)  # float32's LM head: packed only
+    for rows in (1, 2, GEMV_MAX_ROWS):  # the kernel: float32 sums of the dense weight, rounded once to dtype
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        expected = x.double() @ weight.double().T + bias.double()
+        assert_rounded_once(layer(x), expected, dtype)
+        head_out = head(x)
+        if dtype == torch.bfloat16:
+            assert_rounded_once(head_out, x.double() @ head_weight.double().T, dtype)
+        else:
+            packed = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
+            assert torch.equal(head_out, packed)
+    x = torch.randn(GEMV_MAX_ROWS + 1, 96, generator=gen).to(dtype)  # the packed path
+    expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+    assert torch.equal(layer(x), expected)
+
+
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7}  # stored fraction bits
+
+
+def assert_rounded_once(actual: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, terms: int = 96) -> None:
+    """``actual`` is ``exact`` (float64) up to float32 summation error, then one rounding to ``dtype``: within half
+    a unit in the last place of ``dtype`` plus the float32 sums' error (``terms`` products)."""
+    assert actual.dtype == dtype
+    _, exponent = torch.frexp(exact)  # |exact| in [2^(e-1), 2^e)
+    ulp = torch.ldexp(torch.ones_like(exact), exponent - 1 - MANTISSA_BITS[dtype])
+    sum_error = terms * 2**-24 * exact.abs().max().item()
+    assert ((actual.double() - exact).abs() <= ulp / 2 + sum_error).all()
+
+
+@pytest.mark.parametrize("route", ["F.linear", needs_cpu_kernels("kernel")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_tied_lm_head_matches_the_product_with_the_embedding(monkeypatch, route, dtype, rows):
+    if route == "F.linear":
+        monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)
+    elif layers.compiled_gemv(dtype) is None:
+        pytest.skip(f"no compiled matrix-vector kernel for {dtype} here")
+    gen = torch.Generator().manual_seed(0)
+    embedding = torch.randn(1000, 72, generator=gen).to(dtype)  # 72: a tail after whole vectors of 16 and 32
+    hidden = torch.randn(rows, 72, generator=gen).to(dtype)
+    logits = tied_lm_head(hidden, embedding)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
+    assert_rounded_once(logits.to(dtype), hidden.double() @ embedding.double().T, dtype)
 
 
 def test_prepack_skips_other_dtypes():
@@ -94,3 +160,37 @@ def test_rms_norm_equals_transformers_bit_for_bit(dtype, num_tokens):
         ours.weight.copy_(weight)
         reference.weight.copy_(weight)
         assert torch.equal(ours(x), reference(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"), [(1, 37, 9), (2, 100, 1100), (3, 64, 17), (4, 33, 2051)]
+)
+def test_compiled_gemv_on_tails_of_every_kind(dtype, rows, in_features, out_features):
+    """The kernel's edges: a vector tail (in_features not a multiple of 16 or 32), a block tail (out_features not a
+    multiple of 8), over 1024 output rows (two parallel shares where torch runs two threads), with and without
+    a bias."""
+    if not cpu_kernels_loaded() or layers.compiled_gemv(dtype) is None:
+        pytest.skip(f"no compiled matrix-vector kernel for {dtype} here")
+    ops = layers.compiled_gemv(dtype)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    for b in (None, bias):
+        out = layers.gemv(ops, x, weight, b)
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert out.shape == (rows, out_features)
+        assert_rounded_once(out, exact, dtype, terms=in_features)
+
+
+def test_compiled_gemv_names_what_is_wrong():
+    if not cpu_kernels_loaded() or layers.compiled_gemv(torch.float32) is None:
+        pytest.skip("no compiled float32 matrix-vector kernel here")
+    ops, weight = layers.compiled_gemv(torch.float32), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
+        ops.gemv(torch.empty(5, 8), torch.randn(5, 16), weight, None)
+    with pytest.raises(RuntimeError, match="in w's dtype"):
+        ops.gemv(torch.empty(1, 8), torch.randn(1, 16, dtype=torch.float64), weight, None)
+    with pytest.raises(RuntimeError, match="bias: float32"):
+        ops.gemv(torch.empty(1, 8), torch.randn(1, 16), weight, torch.randn(7))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_svc.models.layers import Linear
+from core_svc.models.layers import Linear, compiled_gemv
 from tests.conftest import report_divergence
 from tests.helpers import first_divergence, hf_greedy, hf_model, make_engine, run_engine
 
@@ -177,3 +177,35 @@ def test_seeded_sampling_is_independent_of_batch(checkpoint):
     unseeded = {"temperature": 0.9, "top_p": 0.95, "logprobs": None}
     varied, _ = run_engine(engine, target * 4, 24, **unseeded)
     assert len({tuple(r.token_ids) for r in varied}) > 1  # unseeded draws do differ
+
+
+def test_bfloat16_dense_decode_weights_stay_as_close_to_float32_as_the_packed_ones(checkpoint):
+    """bfloat16 with ``dense_decode_weights``: one request's decode steps go through the compiled matrix-vector
+    kernel (LM head included) where the build has it, else the packed weights. At every decode step where the
+    float32 engine (which matches transformers, above) and both bfloat16 engines have produced the same tokens so
+    far, the dense path's top-5 logprobs drift from float32's no more than the packed bfloat16 path's do: the two
+    differ only in the order of float32 sums before the one rounding to bfloat16."""
+    path = checkpoint("llama")
+    prompts = random_prompts(hf_model(path).config.vocab_size, PROMPT_LENS)[:3]
+    engines = {
+        "float32": make_engine(path),
+        "packed": make_engine(path, dtype="bfloat16"),
+        "dense": make_engine(path, dtype="bfloat16", dense_decode_weights=True),
+    }
+    if compiled_gemv(torch.bfloat16) is not None:  # the kernel's path is the one taken
+        model = engines["dense"].model_runner.model
+        assert all(m.dense_weight is not None for m in model.modules() if isinstance(m, Linear))
+    drifts: dict[str, list[float]] = {"packed": [], "dense": []}
+    for prompt in prompts:  # one at a time: every decode step has one row
+        results = {
+            name: run_engine(engine, [prompt], MAX_NEW_TOKENS, logprobs=5)[0][0] for name, engine in engines.items()
+        }
+        reference = results["float32"]
+        for step in range(1, MAX_NEW_TOKENS):  # step 0 is the prefill's (packed weights in all three)
+            if any(r.token_ids[:step] != reference.token_ids[:step] for r in results.values()):
+                break
+            for name in drifts:
+                ours = results[name].logprobs[step]
+                drifts[name] += [abs(ours[t] - v) for t, v in reference.logprobs[step].items() if t in ours]
+    assert len(drifts["dense"]) >= 10, "too few decode steps agreed to compare"
+    assert max(drifts["dense"]) <= 2 * max(drifts["packed"]) + 0.02, (max(drifts["dense"]), max(drifts["packed"]))

@@ -127,10 +127,13 @@ def test_row_kernels_equal_torchs_ops_bit_for_bit(rows, in_features, out_feature
 
 @pytest.mark.skipif(not _vnni_gemv_built(), reason="no AVX-512 VNNI kernel here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 512, 1536), (4, 131, 67), (3, 1408, 1029)])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"), [(1, 512, 1536), (4, 131, 67), (3, 1408, 1029), (2, 64, 5)]
+)
 def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_features, dtype):
     """A few rows through int8_gemv (u8 offset corrected by the weight rows' sums, a masked tail past the last 64
-    columns, out_features not a multiple of its block of 4) against int8_linear_w8a8, with and without a bias."""
+    columns, out_features not a multiple of its block of 8, or below it) against int8_linear_w8a8, with and without
+    a bias."""
     generator = torch.Generator().manual_seed(out_features)
     for bias in (True, False):
         linear = nn.Linear(in_features, out_features, bias=bias)

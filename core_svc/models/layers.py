@@ -6,6 +6,7 @@ Shapes at boundaries: hidden ``[num_tokens, hidden_size]``, per-head ``[num_toke
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,11 +14,51 @@ from torch import nn
 
 from core_svc.models.arch import AttentionDims
 from kernels import AttentionBackend, AttentionMetadata
+from kernels.attention.cpu_ops import loaded_ops
 
-# Rows up to which a ``Linear`` with a dense copy (``prepack(keep_dense=True)``) uses it: one request's decode is
-# one row; at one thread MKL's dense path took 20-35% less CPU than the packed weight at 1 and 2 rows, but up to
-# 1.5x more at 4 and 10-15% more at 64 (``small``'s projections, docs/benchmarks.md).
+# Rows up to which a ``Linear`` with a dense copy (``prepack(keep_dense=True)``) uses it through MKL's ``F.linear``:
+# one request's decode is one row; at one thread MKL's dense path took 20-35% less CPU than the packed weight at 1
+# and 2 rows, but up to 1.5x more at 4 and 10-15% more at 64 (``small``'s projections, docs/benchmarks.md).
 DENSE_DECODE_MAX_ROWS = 2
+# Rows up to which it uses the compiled matrix-vector kernel instead (``gemv``, kernels/attention/csrc/gemv_cpu.cpp;
+# its limit), where the build has one for the weight's dtype: faster than the packed weight and than MKL at 1, 2
+# and 4 rows in float32 and bfloat16 (docs/benchmarks.md).
+GEMV_MAX_ROWS = 4
+
+
+def compiled_gemv(dtype: torch.dtype) -> Any:
+    """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) when they are loaded and their build has a
+    matrix-vector kernel for ``dtype`` (float32 with AVX-512F, bfloat16 with AVX512_BF16), else None."""
+    ops = loaded_ops()
+    if ops is None:
+        return None
+    if dtype not in _GEMV_AVAILABLE:
+        _GEMV_AVAILABLE[dtype] = bool(ops.gemv_available(dtype))
+    return ops if _GEMV_AVAILABLE[dtype] else None
+
+
+_GEMV_AVAILABLE: dict[torch.dtype, bool] = {}  # per dtype, once the kernels are loaded (a build per process)
+
+
+def gemv(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``ops.gemv`` (``compiled_gemv``): ``x`` [..., in_features] of at most
+    ``GEMV_MAX_ROWS`` rows in ``weight``'s dtype, ``weight`` dense [out_features, in_features] -> [...,
+    out_features] in that dtype; float32 sums (and bias), rounded once to the dtype."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)
+    ops.gemv(out, x2, weight, None if bias is None else bias.float())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def tied_lm_head(hidden: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+    """Logits through a tied LM head: ``hidden`` [num_rows, hidden_size] times the token embedding ``embedding``
+    [vocab_size, hidden_size] (dense: it also serves lookups, so it is never prepacked) -> float32 [num_rows,
+    vocab_size]. Few rows on CPU go through the compiled matrix-vector kernel where the build has one for the dtype
+    (``compiled_gemv``; no copy needed), the rest through ``F.linear``."""
+    ops = None
+    if hidden.shape[0] <= GEMV_MAX_ROWS and embedding.device.type == "cpu" and hidden.dtype == embedding.dtype:
+        ops = compiled_gemv(embedding.dtype)
+    return (F.linear(hidden, embedding) if ops is None else gemv(ops, hidden, embedding, None)).float()
 
 
 class Linear(nn.Linear):
@@ -37,8 +78,9 @@ class Linear(nn.Linear):
 
     def prepack(self, keep_dense: bool = False) -> None:
         """Reorder the weight for oneDNN and drop the dense copy (the packed one replaces it, not doubling it);
-        ``keep_dense``: keep it (twice the weight's memory) for inputs of at most ``DENSE_DECODE_MAX_ROWS`` rows,
-        where MKL's matrix-vector path beats the packed weight."""
+        ``keep_dense``: keep it (twice the weight's memory) for inputs of few rows, where the compiled
+        matrix-vector kernel (at most ``GEMV_MAX_ROWS`` rows) or MKL's (at most ``DENSE_DECODE_MAX_ROWS``) beats
+        the packed weight."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         self.dense_weight = self.weight.detach() if keep_dense else None
         self.register_parameter("weight", None)  # what ``self.weight = None`` does to a parameter, typed
@@ -47,15 +89,25 @@ class Linear(nn.Linear):
         # x: [..., in_features] -> [..., out_features]
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        if self.dense_weight is not None and x.numel() <= DENSE_DECODE_MAX_ROWS * x.shape[-1]:
-            return F.linear(x, self.dense_weight, self.bias)
+        if self.dense_weight is not None:
+            rows = x.numel() // x.shape[-1]
+            ops = compiled_gemv(self.dense_weight.dtype) if rows <= GEMV_MAX_ROWS else None
+            if ops is not None:
+                return gemv(ops, x, self.dense_weight, self.bias)
+            if rows <= DENSE_DECODE_MAX_ROWS:
+                return F.linear(x, self.dense_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
-    """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16 when torch has oneDNN (with
-    ``keep_dense``: each float32 one but the LM head keeps its dense weight for few-row inputs); returns whether it
-    did. Other dtypes, devices and builds keep ``F.linear``."""
+    """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16 when torch has oneDNN; returns
+    whether it did. Other dtypes, devices and builds keep ``F.linear``.
+
+    ``keep_dense``: layers keep their dense weight for few-row inputs where that was measured faster than the packed
+    one (``small``, one thread; docs/benchmarks.md): the decoder's projections in float32 (the compiled
+    matrix-vector kernel where the build has it, ``compiled_gemv``, else MKL) and in bfloat16 with the kernel; the
+    LM head in bfloat16 with the kernel (in float32 the packed LM head was as fast as either dense path in a decode
+    step; oneDNN's one-row bfloat16 path reads its weight at about half the kernel's rate)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not torch.backends.mkldnn.is_available():
         return False
@@ -64,13 +116,14 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
         return False
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False  # oneDNN's bfloat16 needs AVX-512 (or AVX-NE-CONVERT); F.linear serves it then
+    kernel = compiled_gemv(weight.dtype) is not None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            # The LM head's packed weight is as fast as dense at one row and faster at a few: no copy for it.
-            # float32 only: MKL's dense path was measured against the packed one in float32, not in bfloat16.
-            module.prepack(
-                keep_dense=keep_dense and weight.dtype == torch.float32 and name.rpartition(".")[2] != "lm_head"
-            )
+            if name.rpartition(".")[2] == "lm_head":
+                dense = weight.dtype == torch.bfloat16 and kernel
+            else:
+                dense = kernel or weight.dtype == torch.float32
+            module.prepack(keep_dense=keep_dense and dense)
     return True
 
 

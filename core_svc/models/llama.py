@@ -13,7 +13,7 @@ from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import ServedModel
-from core_svc.models.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from core_svc.models.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, tied_lm_head
 from kernels import AttentionBackend, AttentionMetadata
 
 # checkpoint name fragment -> (our fused parameter fragment, shard index in the fused output dimension)
@@ -121,8 +121,8 @@ class LlamaForCausalLM(ServedModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
-        if self.lm_head is None:  # tied: the embedding, not prepacked (it also serves lookups)
-            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.lm_head is None:  # tied: the embedding
+            return tied_lm_head(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden).float()
 
     def checkpoint_param_name(self, name: str) -> tuple[str, int | None] | None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core_svc.models.layers import Linear
+from kernels.attention.cpu_ops import loaded_ops
 
 INT8PACK_MAX_ROWS = 4  # most rows sent to torch._weight_int8pack_mm; more go through int8_linear_w8a8
 INT8PACK_IN_FEATURES_MULTIPLE = 16  # torch._weight_int8pack_mm only for in_features a multiple of this (see above)
@@ -83,23 +84,13 @@ def _quantize_rows(ops: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return x_int8, x_scales
 
 
-_ROW_KERNELS: Any = None
-
-
 def _row_kernels() -> Any:
     """``torch.ops.splitserve_cpu`` once the CPU kernels' library (``kernels/attention/cpu_ops.py``) is loaded
     (the CPU attention backend loads it when the engine starts), with its one-pass row kernels: the values of
     ``quantize_int8_per_row`` bit for bit and the same products rounded once each, in a pass each instead of
     torch's six and four (30% of an int8 batch step's time, profiled on ``small``). None while it is not loaded:
     the torch ops above then."""
-    global _ROW_KERNELS
-    if _ROW_KERNELS is None:
-        try:
-            torch.ops.splitserve_cpu.quantize_rows_int8  # noqa: B018  (raises while the library is not loaded)
-        except (AttributeError, RuntimeError):
-            return None
-        _ROW_KERNELS = torch.ops.splitserve_cpu
-    return _ROW_KERNELS
+    return loaded_ops()
 
 
 _VNNI_OPS: Any = None

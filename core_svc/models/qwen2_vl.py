@@ -21,7 +21,7 @@ from transformers.activations import ACT2FN
 from core_svc.image_processor_config import ImageProcessorConfig
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import SupportsMultiModal
-from core_svc.models.layers import Linear, RMSNorm
+from core_svc.models.layers import Linear, RMSNorm, tied_lm_head
 from core_svc.models.llama import LlamaModel, fused_param_name, fused_shard_sizes
 from core_svc.models.mrope import MRotaryEmbedding, get_mrope_input_positions
 from core_svc.models.multimodal import FLOAT_DTYPES, wire_tensor_violation
@@ -502,8 +502,8 @@ class Qwen2VLForConditionalGeneration(SupportsMultiModal):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.lm_head is None:  # tied: the embedding
+            return tied_lm_head(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden).float()
 
     def checkpoint_param_name(self, name: str) -> tuple[str, int | None] | None:

@@ -38,14 +38,17 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py)
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp"))
+# paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py); one request's
+# matrix-vector products (core_svc/models/layers.py)
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp", "gemv_cpu.cpp")
+)
 _SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
 # -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
@@ -271,6 +274,24 @@ def _cpu_signature() -> str:
     except (OSError, StopIteration):
         pass
     return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def loaded_ops() -> Any:
+    """``torch.ops.splitserve_cpu`` once this process has loaded the kernels (``load``; the CPU attention backend
+    does when an engine starts), else None. Its ops beside attention: ``gemv`` and ``gemv_available``
+    (``csrc/gemv_cpu.cpp``), ``int8_gemv``, ``quantize_rows_int8`` and ``dequantize_rows``
+    (``csrc/int8_rows_cpu.cpp``)."""
+    global _LOADED_OPS
+    if _LOADED_OPS is None:
+        try:
+            torch.ops.splitserve_cpu.paged_decode_attention  # noqa: B018  (raises while the library is not loaded)
+        except (AttributeError, RuntimeError):
+            return None
+        _LOADED_OPS = torch.ops.splitserve_cpu
+    return _LOADED_OPS
+
+
+_LOADED_OPS: Any = None
 
 
 def paged_decode_attention(

@@ -28,9 +28,11 @@ namespace {
 
 // Elements per parallel work share: a region for less costs more (fork, barrier) than it saves.
 constexpr int64_t kGrainElements = 1 << 16;
-// Most activation rows int8_gemv takes (one request's decode is one), and the weight rows it reads together.
+// Most activation rows int8_gemv takes (one request's decode is one), the weight rows it reads together, and how far
+// ahead of its loads it prefetches (8 KB: the best of 1-32 KB over small's 33 matrices, docs/benchmarks.md).
 constexpr int64_t kMaxGemvRows = 4;
-constexpr int64_t kGemvBlock = 4;
+constexpr int kGemvBlock = 8;
+constexpr int64_t kPrefetchBytes = 8192;
 
 template <typename scalar_t>
 void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, int64_t end, int64_t k) {
@@ -111,6 +113,53 @@ void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& ro
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kHasVnni = true;
 
+// kGemvBlock weight rows of out[:, j0 : j0 + BLOCK] for ROWS activation rows. The loop bounds are constants, so the
+// BLOCK x ROWS accumulators stay in registers (with a runtime row count they lived on the stack: the loop took 1.7x
+// the time). Each 64-byte load of a weight row is followed by a prefetch kPrefetchBytes further on: a row of
+// small's projections is 8 cache lines, too short a stream for the hardware prefetcher, which left one core
+// reading int8 weights at half float32's rate.
+template <int ROWS, int BLOCK>
+inline void int8_gemv_block(const uint8_t* xu, int64_t k, const int8_t* w, const int32_t* sums, const float* xs,
+                            const float* ws, const float* b, float* o, int64_t n, int64_t j0, __mmask64 tail_mask) {
+  __m512i acc[BLOCK][ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < BLOCK; ++r)
+#pragma GCC unroll 4
+    for (int m = 0; m < ROWS; ++m) acc[r][m] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += 64) {
+    const __mmask64 mask = i + 64 <= k ? ~0ULL : tail_mask;
+    __m512i xv[ROWS];
+#pragma GCC unroll 4
+    for (int m = 0; m < ROWS; ++m) xv[m] = _mm512_maskz_loadu_epi8(mask, xu + m * k + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < BLOCK; ++r) {
+      const int8_t* row = w + (j0 + r) * k + i;
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, row);
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int m = 0; m < ROWS; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv[m], wv);
+    }
+  }
+  for (int r = 0; r < BLOCK; ++r) {
+    const int64_t j = j0 + r;
+    for (int m = 0; m < ROWS; ++m) {
+      const int32_t total = _mm512_reduce_add_epi32(acc[r][m]) - 128 * sums[j];
+      const float value = static_cast<float>(total) * xs[m] * ws[j];
+      o[m * n + j] = b != nullptr ? value + b[j] : value;
+    }
+  }
+}
+
+template <int ROWS>
+void int8_gemv_rows(const uint8_t* xu, int64_t k, const int8_t* w, const int32_t* sums, const float* xs,
+                    const float* ws, const float* b, float* o, int64_t n, int64_t begin, int64_t end,
+                    __mmask64 tail_mask) {
+  int64_t j0 = begin;
+  for (; j0 + kGemvBlock <= end; j0 += kGemvBlock)
+    int8_gemv_block<ROWS, kGemvBlock>(xu, k, w, sums, xs, ws, b, o, n, j0, tail_mask);
+  for (; j0 < end; ++j0) int8_gemv_block<ROWS, 1>(xu, k, w, sums, xs, ws, b, o, n, j0, tail_mask);
+}
+
 // out[m, n] = (sum_k xq[m, k] * w[n, k]) * x_scales[m] * w_scales[n] (+ bias[n]) for a few rows m: each weight row
 // is read once for all of them. VNNI multiplies u8 by s8 (vpdpbusd, four products into each int32 lane, no
 // saturation), so the activations go in as xq + 128 and 128 * sum_k w[n, k] (w_sums) comes off: exact int32 sums,
@@ -118,11 +167,10 @@ constexpr bool kHasVnni = true;
 void int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales, const at::Tensor& w,
                const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias) {
   const int64_t rows = xq.size(0), k = xq.size(1), n = w.size(0);
-  const uint8_t* xu_ptr = nullptr;
   std::vector<uint8_t> xu(rows * k);
   const int8_t* x_ptr = xq.data_ptr<int8_t>();
   for (int64_t i = 0; i < rows * k; ++i) xu[i] = static_cast<uint8_t>(static_cast<int32_t>(x_ptr[i]) + 128);
-  xu_ptr = xu.data();
+  const uint8_t* xu_ptr = xu.data();
   const int8_t* w_ptr = w.data_ptr<int8_t>();
   const int32_t* sums = w_sums.data_ptr<int32_t>();
   const float* xs = x_scales.data_ptr<float>();
@@ -133,30 +181,11 @@ void int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales,
   const __mmask64 tail_mask = tail == 0 ? 0 : (~0ULL >> (64 - tail));
   // Matrices of up to 1024 rows run on the calling thread: a parallel region would cost more than it saves.
   at::parallel_for(0, n, 1024, [&](int64_t begin, int64_t end) {
-    // kGemvBlock weight rows at a time: as many independent streams from memory, and the activations' chunk
-    // loaded once for them.
-    for (int64_t j0 = begin; j0 < end; j0 += kGemvBlock) {
-      const int64_t block = std::min<int64_t>(kGemvBlock, end - j0);
-      __m512i acc[kGemvBlock][kMaxGemvRows];
-      for (int64_t r = 0; r < block; ++r)
-        for (int64_t m = 0; m < rows; ++m) acc[r][m] = _mm512_setzero_si512();
-      for (int64_t i = 0; i < k; i += 64) {
-        const __mmask64 mask = i + 64 <= k ? ~0ULL : tail_mask;
-        __m512i xv[kMaxGemvRows];
-        for (int64_t m = 0; m < rows; ++m) xv[m] = _mm512_maskz_loadu_epi8(mask, xu_ptr + m * k + i);
-        for (int64_t r = 0; r < block; ++r) {
-          const __m512i wv = _mm512_maskz_loadu_epi8(mask, w_ptr + (j0 + r) * k + i);
-          for (int64_t m = 0; m < rows; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv[m], wv);
-        }
-      }
-      for (int64_t r = 0; r < block; ++r) {
-        const int64_t j = j0 + r;
-        for (int64_t m = 0; m < rows; ++m) {
-          const int32_t total = _mm512_reduce_add_epi32(acc[r][m]) - 128 * sums[j];
-          const float value = static_cast<float>(total) * xs[m] * ws[j];
-          o[m * n + j] = b != nullptr ? value + b[j] : value;
-        }
-      }
+    switch (rows) {
+      case 1: int8_gemv_rows<1>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
+      case 2: int8_gemv_rows<2>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
+      case 3: int8_gemv_rows<3>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
+      default: int8_gemv_rows<4>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
     }
   });
 }
