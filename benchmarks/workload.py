@@ -29,7 +29,7 @@ def splitserve_precision(name: str) -> dict[str, str | bool]:
     (float32-dense, bfloat16-dense): that dtype with dense weights for few-row steps (``--dense-decode-weights``)."""
     if name == "int8":
         return {"dtype": "float32", "quantization": "int8"}
-    if name.endswith("-dense"):
+    if name in ("float32-dense", "bfloat16-dense"):  # the dtypes that keep dense copies (prepack_linear_weights)
         return {"dtype": name.removesuffix("-dense"), "dense_decode_weights": True}
     return {"dtype": name}
 

@@ -36,7 +36,8 @@ from core_svc.models.llava import LlavaForConditionalGeneration
 from core_svc.models.quantization import quantize_linear_weights
 from core_svc.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from kernels import AttentionBackend
-from splitserve.base import model_files
+from kernels.attention import cpu_ops
+from splitserve.base import envs, model_files
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,22 @@ def load_hf_config(path: Path) -> object:
         return AutoConfig.from_pretrained(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
+def _load_cpu_kernels_for_dense_weights() -> None:
+    """Load the compiled CPU kernels (``kernels.attention.cpu_ops.load``; the CPU attention backend already has,
+    unless another backend was chosen) before ``prepack_linear_weights(keep_dense=True)`` decides which dense
+    copies pay, so that the decision and every later step see the same kernels. Without them float32 still keeps
+    its copies, for MKL, and the log says so."""
+    try:
+        cpu_ops.load(envs.kernel_dir())
+    except cpu_ops.KernelBuildError as e:
+        logger.warning(
+            "--dense-decode-weights without the compiled matrix-vector kernel (%s): float32 keeps dense copies for "
+            "MKL at most %d rows, bfloat16 none",
+            e.reason,
+            DENSE_DECODE_MAX_ROWS,
+        )
 
 
 def _dense_copies(model: nn.Module, dtype: torch.dtype) -> str:
@@ -143,8 +160,11 @@ def load_model(
         )
     elif quantization is not None:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}")
-    elif prepack_linear_weights(model, keep_dense=dense_decode_weights):
-        logger.info("linear weights prepacked for oneDNN%s", _dense_copies(model, dtype))
+    else:
+        if dense_decode_weights and device.type == "cpu":
+            _load_cpu_kernels_for_dense_weights()
+        if prepack_linear_weights(model, keep_dense=dense_decode_weights):
+            logger.info("linear weights prepacked for oneDNN%s", _dense_copies(model, dtype))
     load_time_s = time.perf_counter() - start
     logger.info(
         "Model loading took %s (%s parameters, %s) and %.2f seconds",

@@ -81,12 +81,15 @@ def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype):
         pytest.skip("torch has no oneDNN here")
     assert layer.dense_weight is not None
     assert (head.dense_weight is not None) == (dtype == torch.bfloat16)  # float32's LM head: packed only
+    ops = layers.compiled_gemv(dtype)
     for rows in (1, 2, GEMV_MAX_ROWS):  # the kernel: float32 sums of the dense weight, rounded once to dtype
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         expected = x.double() @ weight.double().T + bias.double()
+        assert torch.equal(layer(x), layers.gemv(ops, x, weight, bias))  # the kernel's own values: its route
         assert_rounded_once(layer(x), expected, dtype)
         head_out = head(x)
         if dtype == torch.bfloat16:
+            assert torch.equal(head_out, layers.gemv(ops, x, head_weight, None))
             assert_rounded_once(head_out, x.double() @ head_weight.double().T, dtype)
         else:
             packed = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
@@ -122,6 +125,11 @@ def test_tied_lm_head_matches_the_product_with_the_embedding(monkeypatch, route,
     hidden = torch.randn(rows, 72, generator=gen).to(dtype)
     logits = tied_lm_head(hidden, embedding)
     assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
+    kernel = layers.compiled_gemv(dtype)
+    if route == "kernel" and rows <= GEMV_MAX_ROWS:  # the kernel's own values: its route
+        assert torch.equal(logits, layers.gemv(kernel, hidden, embedding, None).float())
+    else:
+        assert torch.equal(logits, F.linear(hidden, embedding).float())
     assert_rounded_once(logits.to(dtype), hidden.double() @ embedding.double().T, dtype)
 
 
@@ -164,7 +172,8 @@ def test_rms_norm_equals_transformers_bit_for_bit(dtype, num_tokens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("rows", "in_features", "out_features"), [(1, 37, 9), (2, 100, 1100), (3, 64, 17), (4, 33, 2051)]
+    ("rows", "in_features", "out_features"),
+    [(1, 37, 9), (2, 100, 1100), (3, 64, 17), (4, 33, 2051), (1, 5, 3), (4, 15, 7)],
 )
 def test_compiled_gemv_on_tails_of_every_kind(dtype, rows, in_features, out_features):
     """The kernel's edges: a vector tail (in_features not a multiple of 16 or 32), a block tail (out_features not a
@@ -190,6 +199,8 @@ def test_compiled_gemv_names_what_is_wrong():
     ops, weight = layers.compiled_gemv(torch.float32), torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
         ops.gemv(torch.empty(5, 8), torch.randn(5, 16), weight, None)
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 0"):
+        ops.gemv(torch.empty(0, 8), torch.randn(0, 16), weight, None)
     with pytest.raises(RuntimeError, match="in w's dtype"):
         ops.gemv(torch.empty(1, 8), torch.randn(1, 16, dtype=torch.float64), weight, None)
     with pytest.raises(RuntimeError, match="bias: float32"):

@@ -201,11 +201,12 @@ def test_bfloat16_dense_decode_weights_stay_as_close_to_float32_as_the_packed_on
             name: run_engine(engine, [prompt], MAX_NEW_TOKENS, logprobs=5)[0][0] for name, engine in engines.items()
         }
         reference = results["float32"]
-        for step in range(1, MAX_NEW_TOKENS):  # step 0 is the prefill's (packed weights in all three)
+        for step in range(MAX_NEW_TOKENS):  # step 0: the prefill's (its LM head row through the kernel when dense)
             if any(r.token_ids[:step] != reference.token_ids[:step] for r in results.values()):
                 break
             for name in drifts:
                 ours = results[name].logprobs[step]
                 drifts[name] += [abs(ours[t] - v) for t, v in reference.logprobs[step].items() if t in ours]
     assert len(drifts["dense"]) >= 10, "too few decode steps agreed to compare"
-    assert max(drifts["dense"]) <= 2 * max(drifts["packed"]) + 0.02, (max(drifts["dense"]), max(drifts["packed"]))
+    # measured: 0.143 for both on this checkpoint; a wrong weight or dropped column moves logprobs by nats
+    assert max(drifts["dense"]) <= 1.25 * max(drifts["packed"]) + 0.02, (max(drifts["dense"]), max(drifts["packed"]))

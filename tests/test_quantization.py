@@ -128,7 +128,8 @@ def test_row_kernels_equal_torchs_ops_bit_for_bit(rows, in_features, out_feature
 @pytest.mark.skipif(not _vnni_gemv_built(), reason="no AVX-512 VNNI kernel here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("rows", "in_features", "out_features"), [(1, 512, 1536), (4, 131, 67), (3, 1408, 1029), (2, 64, 5)]
+    ("rows", "in_features", "out_features"),
+    [(1, 512, 1536), (4, 131, 67), (3, 1408, 1029), (2, 64, 5), (1, 17, 3)],
 )
 def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_features, dtype):
     """A few rows through int8_gemv (u8 offset corrected by the weight rows' sums, a masked tail past the last 64
@@ -143,6 +144,23 @@ def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_featu
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
         reference = int8_linear_w8a8(x, layer.weight_int8, layer.scales, None if layer.bias is None else layer.bias)
         assert torch.equal(layer(x), reference)
+
+
+def test_int8_linear_takes_zero_rows_and_int8_gemv_refuses_them():
+    layer = Int8Linear(nn.Linear(64, 40, bias=True))
+    assert layer(torch.empty(0, 64)).shape == (0, 40)
+    if _vnni_gemv_built():
+        ops = quantization._vnni_ops()
+        with pytest.raises(RuntimeError, match="1 to 4 rows, got 0"):
+            ops.int8_gemv(
+                torch.empty(0, 40),
+                torch.empty(0, 64, dtype=torch.int8),
+                torch.empty(0),
+                layer.weight_int8,
+                layer.scales,
+                layer.weight_sums,
+                None,
+            )
 
 
 def test_a_nan_in_a_row_makes_that_rows_products_nan_either_way(row_passes):

@@ -56,8 +56,9 @@ def tied_lm_head(hidden: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
     vocab_size]. Few rows on CPU go through the compiled matrix-vector kernel where the build has one for the dtype
     (``compiled_gemv``; no copy needed), the rest through ``F.linear``."""
     ops = None
-    if hidden.shape[0] <= GEMV_MAX_ROWS and embedding.device.type == "cpu" and hidden.dtype == embedding.dtype:
-        ops = compiled_gemv(embedding.dtype)
+    rows = hidden.numel() // hidden.shape[-1]
+    if 1 <= rows <= GEMV_MAX_ROWS and embedding.device.type == "cpu" and embedding.is_contiguous():
+        ops = compiled_gemv(embedding.dtype) if hidden.dtype == embedding.dtype else None
     return (F.linear(hidden, embedding) if ops is None else gemv(ops, hidden, embedding, None)).float()
 
 
@@ -91,7 +92,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self.dense_weight is not None:
             rows = x.numel() // x.shape[-1]
-            ops = compiled_gemv(self.dense_weight.dtype) if rows <= GEMV_MAX_ROWS else None
+            ops = compiled_gemv(self.dense_weight.dtype) if 1 <= rows <= GEMV_MAX_ROWS else None
             if ops is not None:
                 return gemv(ops, x, self.dense_weight, self.bias)
             if rows <= DENSE_DECODE_MAX_ROWS:
@@ -104,10 +105,12 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     whether it did. Other dtypes, devices and builds keep ``F.linear``.
 
     ``keep_dense``: layers keep their dense weight for few-row inputs where that was measured faster than the packed
-    one (``small``, one thread; docs/benchmarks.md): the decoder's projections in float32 (the compiled
-    matrix-vector kernel where the build has it, ``compiled_gemv``, else MKL) and in bfloat16 with the kernel; the
-    LM head in bfloat16 with the kernel (in float32 the packed LM head was as fast as either dense path in a decode
-    step; oneDNN's one-row bfloat16 path reads its weight at about half the kernel's rate)."""
+    one (``small``, one thread; docs/benchmarks.md): every ``Linear`` but the LM head (a vision tower's and
+    projector's included) in float32 (the compiled matrix-vector kernel where the build has it and it is loaded,
+    ``compiled_gemv``, else MKL) and in bfloat16 with the kernel; the LM head in bfloat16 with the kernel (in float32
+    the packed LM head was as fast as either dense path in a decode step; oneDNN's one-row bfloat16 path reads its
+    weight at about 0.6x the kernel's rate). The kernels must be loaded before this call for their rows to count
+    (``model_loader.load_model`` loads them first)."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not torch.backends.mkldnn.is_available():
         return False

@@ -167,7 +167,7 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        vnni = _vnni_ops() if x.shape[0] <= INT8PACK_MAX_ROWS and x.is_contiguous() else None
+        vnni = _vnni_ops() if 1 <= x.shape[0] <= INT8PACK_MAX_ROWS and x.is_contiguous() else None
         if vnni is not None:
             return self._forward_vnni(vnni, x)
         if x.shape[0] <= INT8PACK_MAX_ROWS and self.in_features % INT8PACK_IN_FEATURES_MULTIPLE == 0:

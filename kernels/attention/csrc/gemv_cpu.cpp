@@ -127,7 +127,8 @@ void gemv_typed(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const
       case 1: gemv_rows<T, 1>(x_ptr, w_ptr, bias, o, k, n, begin, end); break;
       case 2: gemv_rows<T, 2>(x_ptr, w_ptr, bias, o, k, n, begin, end); break;
       case 3: gemv_rows<T, 3>(x_ptr, w_ptr, bias, o, k, n, begin, end); break;
-      default: gemv_rows<T, 4>(x_ptr, w_ptr, bias, o, k, n, begin, end); break;
+      case 4: gemv_rows<T, 4>(x_ptr, w_ptr, bias, o, k, n, begin, end); break;
+      default: break;  // gemv allows 1 to kMaxRows
     }
   });
 }

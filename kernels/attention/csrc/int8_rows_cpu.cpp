@@ -185,7 +185,8 @@ void int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales,
       case 1: int8_gemv_rows<1>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
       case 2: int8_gemv_rows<2>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
       case 3: int8_gemv_rows<3>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
-      default: int8_gemv_rows<4>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
+      case 4: int8_gemv_rows<4>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
+      default: break;  // checked_int8_gemv allows 1 to kMaxGemvRows
     }
   });
 }
@@ -201,7 +202,8 @@ void int8_gemv(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tenso
 void checked_int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales, const at::Tensor& w,
                        const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.scalar_type() == at::kChar, "xq: contiguous int8 2-D");
-  TORCH_CHECK(xq.size(0) <= kMaxGemvRows, "int8_gemv takes at most ", kMaxGemvRows, " rows");
+  TORCH_CHECK(xq.size(0) >= 1 && xq.size(0) <= kMaxGemvRows, "int8_gemv takes 1 to ", kMaxGemvRows, " rows, got ",
+              xq.size(0));
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar && w.size(1) == xq.size(1),
               "w: contiguous int8 [out_features, in_features]");
   const int64_t rows = xq.size(0), n = w.size(0);

@@ -1,0 +1,150 @@
+"""One request's linear layers on CPU: a pass over every weight matrix of ``small`` with one row, each route side by
+side.
+
+``python -m benchmarks.gemv [--num-threads 1] [--rows 1] [--repeats 15]`` builds ``small``'s 33 weight matrices
+(8 layers of qkv [1024, 512], o [512, 512], gate_up [2816, 512], down [512, 1408], and the LM head [32000, 512];
+random values) once per precision, each layer its own (as in a model, so a pass reads 160 MB in float32 and the
+next pass finds little of it in the caches), and times one pass over all of them per route, the routes
+interleaved round by round:
+- float32: ``packed`` (oneDNN's prepacked weight, what ``Linear`` runs by default), ``mkl`` (``F.linear`` on the
+  dense weight), ``gemv`` (the compiled kernel on the dense weight, ``--dense-decode-weights``);
+- bfloat16: ``packed``, ``gemv``;
+- int8: ``int8pack`` (``torch._weight_int8pack_mm``, weight-only), ``int8_gemv`` (the compiled VNNI kernel, with the
+  activations' per-row quantization).
+A route the machine cannot run (no compiled kernel, no AVX-512 BF16 or VNNI) is left out and named. Prints the
+median ms per pass, the weight bytes read per second, and each route's ratio to the first of its precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.workload import Machine
+from core_svc.models.layers import compiled_gemv
+from core_svc.models.quantization import Int8Linear, _quantize_rows, _vnni_ops
+from kernels.attention import cpu_ops
+from splitserve.base import envs
+
+# small: hidden 512, 8 heads and 4 KV heads of 64 (qkv: 512 + 2 * 256 rows), intermediate 1408, 8 layers,
+# vocabulary 32000 (benchmarks/workload.py's preset)
+LAYER_SHAPES = ((1024, 512), (512, 512), (2816, 512), (512, 1408))
+SHAPES = (*LAYER_SHAPES * 8, (32000, 512))
+
+Pass = Callable[[], object]
+
+
+def gemv_pass(ops: Any, weights: list[torch.Tensor], xs: dict[int, torch.Tensor], rows: int) -> Pass:
+    """A pass of the compiled ``gemv`` over ``weights``, ``xs`` the activations by in_features."""
+
+    def run() -> None:
+        for w in weights:
+            ops.gemv(torch.empty(rows, w.shape[0], dtype=w.dtype), xs[w.shape[1]], w, None)
+
+    return run
+
+
+def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
+    """Every route this machine can run, by precision, and a line for each it cannot."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in SHAPES]
+    x32 = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
+    out: dict[str, dict[str, Pass]] = {"float32": {}, "bfloat16": {}, "int8": {}}
+    missing: list[str] = []
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+
+    def packed_pass(ws: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> Pass:
+        return lambda: [
+            torch.ops.mkldnn._linear_pointwise(xs[w_k], p, None, "none", [], "")
+            for (_, w_k), p in zip(SHAPES, ws, strict=True)
+        ]
+
+    out["float32"]["packed"] = packed_pass(packed, x32)
+    out["float32"]["mkl"] = lambda: [F.linear(x32[w.shape[1]], w) for w in weights]
+    bf16 = [w.bfloat16() for w in weights]
+    x16 = {k: v.bfloat16() for k, v in x32.items()}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        out["bfloat16"]["packed"] = packed_pass([torch.ops.mkldnn._reorder_linear_weight(w) for w in bf16], x16)
+    else:
+        missing.append("bfloat16 packed: oneDNN has no bfloat16 here")
+    for dtype, ws, xs in ((torch.float32, weights, x32), (torch.bfloat16, bf16, x16)):
+        ops = compiled_gemv(dtype)
+        if ops is None:
+            missing.append(f"{str(dtype).removeprefix('torch.')} gemv: no compiled kernel for it here")
+            continue
+        out[str(dtype).removeprefix("torch.")]["gemv"] = gemv_pass(ops, ws, xs, rows)
+    int8 = []
+    for w in weights:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w
+        int8.append(Int8Linear(linear))
+    out["int8"]["int8pack"] = lambda: [
+        torch._weight_int8pack_mm(x16[layer.in_features], layer.weight_int8, layer.scales_bf16) for layer in int8
+    ]
+    vnni = _vnni_ops()
+    if vnni is None:
+        missing.append("int8 int8_gemv: no AVX-512 VNNI kernel here")
+    else:
+
+        def int8_gemv() -> None:
+            for layer in int8:
+                xq, scales = _quantize_rows(vnni, x32[layer.in_features])
+                out_ = torch.empty(rows, layer.out_features)
+                vnni.int8_gemv(out_, xq, scales, layer.weight_int8, layer.scales, layer.weight_sums, None)
+
+        out["int8"]["int8_gemv"] = int8_gemv
+    return {k: v for k, v in out.items() if v}, missing
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (1-4)")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.num_threads)
+    try:
+        cpu_ops.load(envs.kernel_dir())
+    except cpu_ops.KernelBuildError as e:
+        print(f"the compiled kernels are not available ({e.reason}): their routes are left out")
+    machine = Machine.current("cpu")
+    flags = ", ".join(machine.cpu_flags)
+    threads = torch.get_num_threads()
+    print(f"CPU {machine.cpu} ({machine.cores} CPUs; flags {flags}), torch {torch.__version__}, {threads} threads")
+    with torch.inference_mode():
+        by_precision, missing = routes(args.rows)
+        for line in missing:
+            print(f"left out: {line}")
+        every = {(p, r): fn for p, rs in by_precision.items() for r, fn in rs.items()}
+        for fn in every.values():
+            fn()
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in every}
+        for _ in range(args.repeats):
+            for key, fn in every.items():
+                start = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - start)
+    bytes_per_element = {"float32": 4, "bfloat16": 2, "int8": 1}
+    elements = sum(n * k for n, k in SHAPES)
+    print(
+        f"one pass over {len(SHAPES)} weight matrices ({elements / 1e6:.1f}M weights), {args.rows} row(s); "
+        f"median of {args.repeats}"
+    )
+    print(f"{'precision':>10} {'route':>10} {'ms/pass':>8} {'GB/s':>6}  vs first")
+    for precision, rs in by_precision.items():
+        first = None
+        for route in rs:
+            ms = statistics.median(times[(precision, route)]) * 1e3
+            first = first or ms
+            gbs = elements * bytes_per_element[precision] / ms / 1e6
+            print(f"{precision:>10} {route:>10} {ms:8.2f} {gbs:6.2f}  {ms / first:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
