@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,3 +207,74 @@ def test_compiled_gemv_names_what_is_wrong():
         ops.gemv(torch.empty(1, 8), torch.randn(1, 16, dtype=torch.float64), weight, None)
     with pytest.raises(RuntimeError, match="bias: float32"):
         ops.gemv(torch.empty(1, 8), torch.randn(1, 16), weight, torch.randn(7))
+
+
+def few_row_kernels() -> Any:
+    if not cpu_kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built here")
+    return layers.few_row_ops(torch.zeros(1, 8))
+
+
+def within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int) -> bool:
+    """Every element of ``actual`` within ``ulps`` units in the last place (of ``expected``'s dtype) of
+    ``expected``."""
+    exact = expected.double()
+    _, exponent = torch.frexp(exact)
+    ulp = torch.ldexp(torch.ones_like(exact), exponent - 1 - MANTISSA_BITS[expected.dtype])
+    return bool(((actual.double() - exact).abs() <= ulps * ulp).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_equals_apply_rotary_bit_for_bit(dtype):
+    ops = few_row_kernels()
+    gen = torch.Generator().manual_seed(0)
+    head_size, positions = 64, torch.tensor([0, 5, 77])
+    rotary = RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, head_size, 2).float() / head_size), 1.0, 128, dtype)
+    qkv = torch.randn(3, 7 * head_size, generator=gen).to(dtype)  # q: 4 heads, k: 2, v: 1
+    qk = qkv[:, : 6 * head_size].view(3, 6, head_size)  # a strided view, as Attention's
+    expected = apply_rotary(qk, *rotary.tables(positions))
+    v_before = qkv[:, 6 * head_size :].clone()
+    ops.rotary_in_place(qk, *rotary.tables(positions))
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, 6 * head_size :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_is_the_residual_sum_and_the_norm(dtype, with_residual):
+    ops = few_row_kernels()
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(200, 1e-6, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(200, generator=gen))
+    x = (torch.randn(3, 200, generator=gen) * 4).to(dtype)
+    residual = torch.randn(3, 200, generator=gen).to(dtype)
+    stream = residual + x if with_residual else x
+    out = norm.forward_few_rows(ops, x, residual if with_residual else None)
+    if with_residual:
+        assert torch.equal(residual, stream)  # the same sum, rounded once to the dtype, in place
+    expected = norm(stream)  # transformers' arithmetic (bit for bit in float32, tests above)
+    # the mean of squares summed in another order: its inverse root an ulp apart, then two rounded products
+    # (measured: 2.3e-7 relative in float32)
+    assert within_ulps(out, expected, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_is_silu_of_gate_times_up(dtype):
+    ops = few_row_kernels()
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(2, 2 * 300, generator=gen) * 5).to(dtype)
+    out = torch.empty(2, 300, dtype=dtype)
+    ops.silu_and_mul(out, gate_up)
+    gate, up = gate_up.split(300, dim=-1)
+    # exp from another library (an ulp), then the quotient and the product (measured: 2.7e-7 relative in float32)
+    assert within_ulps(out, F.silu(gate) * up, 4)
+
+
+def test_few_row_ops_only_for_one_to_four_rows_on_cpu():
+    few_row_kernels()
+    assert layers.few_row_ops(torch.zeros(1, 8)) is not None
+    assert layers.few_row_ops(torch.zeros(GEMV_MAX_ROWS, 8)) is not None
+    assert layers.few_row_ops(torch.zeros(GEMV_MAX_ROWS + 1, 8)) is None
+    assert layers.few_row_ops(torch.zeros(0, 8)) is None
+    assert layers.few_row_ops(torch.zeros(1, 8, device="meta")) is None

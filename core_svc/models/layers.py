@@ -1,5 +1,10 @@
 """Building blocks of Llama-family decoders, written to match transformers' arithmetic op for op in float32.
 
+On CPU, once the compiled kernels are loaded, a forward of at most ``GEMV_MAX_ROWS`` rows (a decode step of a few
+requests) runs each layer's elementwise work in fused calls (``few_row_ops``), equal to the ops here up to the
+order of RMSNorm's sum of squares and SiLU's exp (a few float32 ulps), and ``--dense-decode-weights`` runs its
+matrix products through the compiled matrix-vector kernel (``gemv``: float32 sums in another order).
+
 Shapes at boundaries: hidden ``[num_tokens, hidden_size]``, per-head ``[num_tokens, num_heads, head_size]``.
 """
 
@@ -48,6 +53,19 @@ def gemv(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)
     ops.gemv(out, x2, weight, None if bias is None else bias.float())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def few_row_ops(hidden: torch.Tensor) -> Any:
+    """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) for a forward of ``hidden`` [num_tokens,
+    hidden_size] on CPU of at most ``GEMV_MAX_ROWS`` rows (a decode step of a few requests) once they are loaded,
+    else None. With them a decoder layer runs its elementwise work between matrix products in one call each
+    (``add_rms_norm``, ``rotary_in_place``, ``silu_and_mul``; kernels/attention/csrc/layer_ops_cpu.cpp): after a
+    product has streamed its weights through the caches, every torch operator pays to bring its own code and data
+    back, so one request's decode step spent milliseconds in 20-odd small operators per layer. The values are
+    transformers' up to the order of RMSNorm's sum of squares and SiLU's exp (about one ulp)."""
+    if hidden.device.type != "cpu" or not 1 <= hidden.shape[0] <= GEMV_MAX_ROWS:
+        return None
+    return loaded_ops()
 
 
 def tied_lm_head(hidden: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
@@ -149,6 +167,13 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(input_dtype)
 
+    def forward_few_rows(self, ops: Any, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """``few_row_ops``' path: ``residual += x`` in place when given, then the norm of ``residual`` (else of
+        ``x``), in one call. x, residual: [num_tokens, hidden_size] in the weight's dtype."""
+        out = torch.empty_like(x)
+        ops.add_rms_norm(out, x, residual, self.weight, self.eps)
+        return out
+
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021, RoFormer) with a precomputed cos/sin table.
@@ -222,8 +247,9 @@ class Attention(nn.Module):
         hidden: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        ops: Any = None,
     ) -> torch.Tensor:
-        # rope: RotaryEmbedding.tables of this step's positions; hidden: [num_tokens, hidden_size]
+        # rope: RotaryEmbedding.tables of this step's positions; hidden: [num_tokens, hidden_size]; ops: few_row_ops'
         num_tokens, dims = hidden.shape[0], self.dims
         qkv = self.qkv_proj(hidden)
         # q and k as one [num_tokens, num_heads + num_kv_heads, head_size] view, so RoPE is one pass
@@ -231,7 +257,10 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, dims.num_kv_heads, dims.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : dims.num_heads]), self.k_norm(qk[:, dims.num_heads :])), dim=1)
-        qk = apply_rotary(qk, *rope)
+        if ops is None:
+            qk = apply_rotary(qk, *rope)
+        else:
+            ops.rotary_in_place(qk, *rope)  # into qkv (or the normed copy): the same products, one call
         q, k = qk[:, : dims.num_heads], qk[:, dims.num_heads :]
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, dims.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -247,13 +276,22 @@ class GatedMLP(nn.Module):
         act: Callable[[torch.Tensor], torch.Tensor],
         bias: bool,
         dtype: torch.dtype,
+        silu: bool = False,
     ) -> None:
+        """``silu``: ``act`` is SiLU (``hidden_act`` "silu"), which ``few_row_ops``' path fuses with the product."""
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.act = act
+        self.silu = silu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        # x: [num_tokens, hidden_size]; ops: few_row_ops'
+        gate_up = self.gate_up_proj(x)
+        if ops is not None and self.silu:
+            out = torch.empty(*gate_up.shape[:-1], self.intermediate_size, dtype=gate_up.dtype)
+            ops.silu_and_mul(out, gate_up.contiguous())
+            return self.down_proj(out)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate).mul_(up))

@@ -7,13 +7,23 @@ q/k norm, sliding windows. Parameter names follow transformers' except that q/k/
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import ServedModel
-from core_svc.models.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, tied_lm_head
+from core_svc.models.layers import (
+    Attention,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    few_row_ops,
+    tied_lm_head,
+)
 from kernels import AttentionBackend, AttentionMetadata
 
 # checkpoint name fragment -> (our fused parameter fragment, shard index in the fused output dimension)
@@ -38,7 +48,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg.layer_attention[layer_index], backend, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ACT2FN[cfg.hidden_act], cfg.mlp_bias, dtype)
+        self.mlp = GatedMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            ACT2FN[cfg.hidden_act],
+            cfg.mlp_bias,
+            dtype,
+            silu=cfg.hidden_act == "silu",
+        )
 
     def forward(
         self,
@@ -49,6 +66,28 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_few_rows(
+        self,
+        ops: Any,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` through ``few_row_ops``' kernels, the residual stream kept apart (vLLM's layout): ``hidden``
+        is the previous layer's MLP output, not yet added to ``residual`` (None in the first layer, whose input
+        ``hidden`` is the stream itself). Returns (this layer's MLP output, the stream before it); the same sums
+        in the same order as ``forward``."""
+        if residual is None:
+            residual = hidden.clone()  # added to in place below
+            normed = self.input_layernorm.forward_few_rows(ops, hidden, None)
+        else:
+            normed = self.input_layernorm.forward_few_rows(ops, hidden, residual)
+        attn = self.self_attn(rope, normed, kv_cache, metadata, ops)
+        normed = self.post_attention_layernorm.forward_few_rows(ops, attn, residual)
+        return self.mlp(normed, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -85,9 +124,15 @@ class LlamaModel(nn.Module):
         # [num_tokens, hidden_size] -> hidden [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata)
-        return self.norm(hidden)
+        ops = few_row_ops(hidden)
+        if ops is None:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer(rope, hidden, kv_cache, metadata)
+            return self.norm(hidden)
+        residual = None
+        for layer, kv_cache in zip(cast(list[DecoderLayer], self.layers), kv_caches, strict=True):
+            hidden, residual = layer.forward_few_rows(ops, rope, hidden, residual, kv_cache, metadata)
+        return self.norm.forward_few_rows(ops, hidden, residual)
 
 
 class LlamaForCausalLM(ServedModel):

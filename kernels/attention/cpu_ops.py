@@ -36,6 +36,7 @@ import shlex
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -45,9 +46,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 # paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py); one request's
-# matrix-vector products (core_svc/models/layers.py)
+# matrix-vector products and a decoder layer's elementwise work between them (core_svc/models/layers.py)
 _SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp", "gemv_cpu.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp", "gemv_cpu.cpp", "layer_ops_cpu.cpp")
 )
 _SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
@@ -211,17 +213,23 @@ def _lock(lock: IO[str], path: Path) -> None:
 
 
 def _compile(spec: _BuildSpec, path: Path) -> None:
-    """Compile into a temporary file beside ``path`` and rename it into place; call with the build lock held."""
+    """Compile into a temporary file beside ``path`` and rename it into place; call with the build lock held.
+    Each source is compiled on its own, as many at once as the process has CPUs, then the objects are linked."""
     from torch.utils import cpp_extension  # 0.25 s of imports: only when compiling
 
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # of builds killed half-way: none runs, we hold the lock
+    for stale in path.parent.glob(f".{path.name}.*.tmp*"):  # of builds killed half-way: none runs, we hold the lock
         stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    command = [
+    objects = [tmp.with_name(f"{tmp.name}.{source.stem}.o") for source in _SOURCES]
+    includes = [f"-isystem{include}" for include in cpp_extension.include_paths("cpu")]
+    compiles = [
+        [*spec.cxx, *spec.cflags, *includes, "-c", str(source), "-o", str(obj)]
+        for source, obj in zip(_SOURCES, objects, strict=True)
+    ]
+    link = [
         *spec.cxx,
         *spec.cflags,
-        *(f"-isystem{include}" for include in cpp_extension.include_paths("cpu")),
-        *(str(source) for source in _SOURCES),
+        *(str(obj) for obj in objects),
         "-o",
         str(tmp),
         *(f"-L{lib}" for lib in cpp_extension.library_paths("cpu")),
@@ -232,20 +240,28 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
     logger.info("compiling the CPU attention kernel (first use of this build, about 20 s on 2 cores): %s", path)
     start = time.perf_counter()
     try:
-        result = _run_compiler(command)
-        if result.returncode != 0:
-            tail = "\n".join(result.stdout.splitlines()[-_ERROR_TAIL_LINES:])
-            raise KernelBuildError(
-                f"compiling {_SOURCE_NAMES} failed (exit {result.returncode}); the compiler's last lines: "
-                f"{' | '.join(tail.splitlines()[-3:])}",
-                f"command: {shlex.join(command)}\n{tail}",
-                fix="read the compiler's output (logged below); set CXX to another C++ compiler (g++ 9 or newer) "
-                "and restart",
-            )
+        with ThreadPoolExecutor(max_workers=max(1, min(len(compiles), len(os.sched_getaffinity(0))))) as pool:
+            for command, result in zip(compiles, pool.map(_run_compiler, compiles), strict=True):
+                _check(command, result)
+        _check(link, _run_compiler(link))
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        for leftover in (tmp, *objects):
+            leftover.unlink(missing_ok=True)
     logger.info("compiled the CPU attention kernel in %.1f s: %s", time.perf_counter() - start, path)
+
+
+def _check(command: list[str], result: subprocess.CompletedProcess[str]) -> None:
+    """Raises KernelBuildError, with the compiler's last lines, when ``command`` failed."""
+    if result.returncode != 0:
+        tail = "\n".join(result.stdout.splitlines()[-_ERROR_TAIL_LINES:])
+        raise KernelBuildError(
+            f"compiling {_SOURCE_NAMES} failed (exit {result.returncode}); the compiler's last lines: "
+            f"{' | '.join(tail.splitlines()[-3:])}",
+            f"command: {shlex.join(command)}\n{tail}",
+            fix="read the compiler's output (logged below); set CXX to another C++ compiler (g++ 9 or newer) "
+            "and restart",
+        )
 
 
 def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:

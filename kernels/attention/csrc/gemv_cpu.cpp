@@ -14,7 +14,7 @@
 // about 1e-7 relative in float32); a bfloat16 result is its float32 sum plus the bias, rounded once to the nearest
 // bfloat16 (ties to even), as oneDNN rounds its float32 accumulator. gemv_available(dtype) says whether this build
 // has the kernel.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

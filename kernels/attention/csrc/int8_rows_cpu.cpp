@@ -5,7 +5,8 @@
 //   with a NaN: q 0 and a NaN scale, so its products are NaN as through torch's ops);
 // - dequantize_rows: out = acc * row_scale * col_scale (+ bias), float32.
 // Rows are independent: split over torch's threads when there is enough work for a parallel region to pay.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -6,7 +6,8 @@
 // Scores and accumulators are float32 whatever the cache dtype. A batch of one request runs on the calling thread:
 // an OpenMP region for a single work item only adds a fork and a barrier, which on a busy machine waits for a
 // descheduled thread (milliseconds per call).
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>

@@ -1,0 +1,166 @@
+// A decoder layer's elementwise work between its matrix products, one call each instead of torch's 5-8 operators
+// (core_svc/models/llama.py, decode steps of few rows):
+// - add_rms_norm: residual += x (when given), then out = weight * rms_norm(residual) (Zhang & Sennrich 2019);
+// - rotary_in_place: RoPE (Su et al. 2021) as core_svc/models/layers.py's apply_rotary, on a view of the fused qkv;
+// - silu_and_mul: out = silu(gate) * up of a fused gate_up row (SwiGLU, Shazeer 2020).
+// Why a call each: after a matrix product has streamed megabytes of weights through the core's caches, every
+// torch operator pays tens of microseconds to bring its own code and data back (docs/benchmarks.md measured 28 us
+// more per operator after a product than without one), so one request's decode step spent milliseconds there.
+//
+// Each rounds where transformers' modules round: every operation in float32, its result rounded to the tensors'
+// dtype where torch's operator would (the residual sum, RMSNorm's normalized value before the weight's product,
+// each RoPE product and their sum, SiLU and its product). What differs: RMSNorm's mean of squares is summed in
+// float64 and rounded once (torch sums float32 in its own order: about one float32 ulp of the mean apart), and
+// SiLU's exp is glibc's (torch's is SLEEF's; both within one ulp).
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+// Rounds as the operators above: no reassociation, no contraction of a product and a sum into one rounding.
+#pragma GCC optimize("no-unsafe-math-optimizations", "no-finite-math-only", "fp-contract=off")
+
+namespace {
+
+// Elements per parallel work share: a region for less costs more (fork, barrier) than it saves.
+constexpr int64_t kGrainElements = 1 << 16;
+
+template <typename T>
+inline T round_to(float v) {
+  return static_cast<T>(v);
+}
+
+template <typename scalar_t>
+void add_rms_norm_rows(scalar_t* out, const scalar_t* x, scalar_t* residual, const scalar_t* weight, float eps,
+                       int64_t begin, int64_t end, int64_t hidden, int64_t x_stride, int64_t out_stride,
+                       int64_t residual_stride) {
+  std::vector<float> row(hidden);
+  for (int64_t r = begin; r < end; ++r) {
+    const scalar_t* x_row = x + r * x_stride;
+    if (residual != nullptr) {
+      scalar_t* res_row = residual + r * residual_stride;
+      for (int64_t i = 0; i < hidden; ++i) {
+        res_row[i] = round_to<scalar_t>(static_cast<float>(res_row[i]) + static_cast<float>(x_row[i]));
+        row[i] = static_cast<float>(res_row[i]);
+      }
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<float>(x_row[i]);
+    }
+    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hidden; ++i) sum += static_cast<double>(row[i]) * static_cast<double>(row[i]);
+    const float mean = static_cast<float>(sum / static_cast<double>(hidden));
+    const float inv = 1.0f / __builtin_sqrtf(mean + eps);
+    scalar_t* out_row = out + r * out_stride;
+    for (int64_t i = 0; i < hidden; ++i) {
+      const scalar_t normed = round_to<scalar_t>(row[i] * inv);
+      out_row[i] = round_to<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(normed));
+    }
+  }
+}
+
+void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                  const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] with contiguous rows");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == hidden && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type(),
+              "out: x's shape and dtype, contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == hidden && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight: [hidden] in x's dtype");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == hidden &&
+                    residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
+                "residual: x's shape and dtype, contiguous rows");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* res = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    const int64_t res_stride = residual.has_value() ? residual->stride(0) : 0;
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(hidden, 1)),
+                     [&](int64_t begin, int64_t end) {
+                       add_rms_norm_rows(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), res,
+                                         weight.data_ptr<scalar_t>(), static_cast<float>(eps), begin, end, hidden,
+                                         x.stride(0), out.stride(0), res_stride);
+                     });
+  });
+}
+
+// x: [tokens, heads, head_size], heads and elements contiguous within a token (a view of the fused qkv);
+// cos, signed_sin: [tokens, head_size] contiguous (RotaryEmbedding.tables, the first half of sin negated).
+// x[i] <- x[i] * cos[i] + x[(i + half) % head_size] * signed_sin[i], each product and the sum rounded to the dtype.
+void rotary_in_place(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x: [tokens, heads, head_size], contiguous within a token");
+  const int64_t tokens = x.size(0), heads = x.size(1), head_size = x.size(2), half = head_size / 2;
+  TORCH_CHECK(head_size % 2 == 0, "head_size must be even");
+  for (const at::Tensor* table : {&cos, &signed_sin}) {
+    TORCH_CHECK(table->is_contiguous() && table->numel() == tokens * head_size &&
+                    table->scalar_type() == x.scalar_type(),
+                "cos and signed_sin: [tokens, head_size] contiguous in x's dtype");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_in_place", [&] {
+    scalar_t* base = x.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = signed_sin.data_ptr<scalar_t>();
+    const int64_t token_stride = x.stride(0);
+    at::parallel_for(0, tokens * heads, std::max<int64_t>(1, kGrainElements / head_size), [&](int64_t begin,
+                                                                                              int64_t end) {
+      std::vector<float> row(head_size);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t t = item / heads, h = item % heads;
+        scalar_t* v = base + t * token_stride + h * head_size;
+        const scalar_t* ct = c + t * head_size;
+        const scalar_t* st = s + t * head_size;
+        for (int64_t i = 0; i < head_size; ++i) row[i] = static_cast<float>(v[i]);
+        for (int64_t i = 0; i < head_size; ++i) {
+          const float rolled = row[i < half ? i + half : i - half];
+          const scalar_t a = round_to<scalar_t>(row[i] * static_cast<float>(ct[i]));
+          const scalar_t b = round_to<scalar_t>(rolled * static_cast<float>(st[i]));
+          v[i] = round_to<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+    });
+  });
+}
+
+// x: [rows, 2 * intermediate] contiguous (gate, then up); out: [rows, intermediate] contiguous.
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: contiguous [rows, 2 * intermediate]");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == rows && out.size(1) == inter &&
+                  out.scalar_type() == x.scalar_type(),
+              "out: contiguous [rows, intermediate] in x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(inter, 1)),
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t r = begin; r < end; ++r) {
+                         const scalar_t* gate = in + r * 2 * inter;
+                         const scalar_t* up = gate + inter;
+                         scalar_t* o_row = o + r * inter;
+                         for (int64_t i = 0; i < inter; ++i) {
+                           const float g = static_cast<float>(gate[i]);
+                           const scalar_t act = round_to<scalar_t>(g / (1.0f + __builtin_expf(-g)));
+                           o_row[i] = round_to<scalar_t>(static_cast<float>(act) * static_cast<float>(up[i]));
+                         }
+                       }
+                     });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.def("add_rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.def("rotary_in_place(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
+  m.impl("rotary_in_place", c10::DispatchKey::CPU, &rotary_in_place);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+}
