@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.workload import Machine
 from core_svc.models.layers import compiled_gemv
-from core_svc.models.quantization import Int8Linear, _quantize_rows, _vnni_ops
+from core_svc.models.quantization import Int8Linear, _vnni_ops
 from kernels.attention import cpu_ops
 from splitserve.base import envs
 
@@ -94,9 +94,10 @@ def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
 
         def int8_gemv() -> None:
             for layer in int8:
-                xq, scales = _quantize_rows(vnni, x32[layer.in_features])
                 out_ = torch.empty(rows, layer.out_features)
-                vnni.int8_gemv(out_, xq, scales, layer.weight_int8, layer.scales, layer.weight_sums, None)
+                vnni.int8_gemv(
+                    out_, x32[layer.in_features], None, layer.weight_int8, layer.scales, layer.weight_sums, None
+                )
 
         out["int8"]["int8_gemv"] = int8_gemv
     return {k: v for k, v in out.items() if v}, missing

@@ -143,24 +143,27 @@ def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_featu
         layer = Int8Linear(linear)
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
         reference = int8_linear_w8a8(x, layer.weight_int8, layer.scales, None if layer.bias is None else layer.bias)
-        assert torch.equal(layer(x), reference)
+        assert torch.equal(layer(x), reference)  # float rows, quantized inside int8_gemv
+        ops = quantization._vnni_ops()
+        x_int8, x_scales = quantization._quantize_rows(ops, x)  # int8 rows with their scales: the same values
+        out = torch.empty(rows, out_features)
+        bias_f32 = None if layer.bias is None else layer.bias.float()
+        ops.int8_gemv(out, x_int8, x_scales, layer.weight_int8, layer.scales, layer.weight_sums, bias_f32)
+        assert torch.equal(out.to(dtype), reference)
 
 
-def test_int8_linear_takes_zero_rows_and_int8_gemv_refuses_them():
+def test_int8_linear_takes_zero_rows_and_int8_gemv_names_what_is_wrong():
     layer = Int8Linear(nn.Linear(64, 40, bias=True))
     assert layer(torch.empty(0, 64)).shape == (0, 40)
     if _vnni_gemv_built():
         ops = quantization._vnni_ops()
+        weights = (layer.weight_int8, layer.scales, layer.weight_sums, None)
         with pytest.raises(RuntimeError, match="1 to 4 rows, got 0"):
-            ops.int8_gemv(
-                torch.empty(0, 40),
-                torch.empty(0, 64, dtype=torch.int8),
-                torch.empty(0),
-                layer.weight_int8,
-                layer.scales,
-                layer.weight_sums,
-                None,
-            )
+            ops.int8_gemv(torch.empty(0, 40), torch.empty(0, 64, dtype=torch.int8), torch.empty(0), *weights)
+        with pytest.raises(RuntimeError, match="x_scales: float32, one per row of int8 x"):
+            ops.int8_gemv(torch.empty(1, 40), torch.zeros(1, 64, dtype=torch.int8), None, *weights)
+        with pytest.raises(RuntimeError, match="x_scales: only with int8 x"):
+            ops.int8_gemv(torch.empty(1, 40), torch.zeros(1, 64), torch.ones(1), *weights)
 
 
 def test_a_nan_in_a_row_makes_that_rows_products_nan_either_way(row_passes):

@@ -179,13 +179,12 @@ class Int8Linear(nn.Module):
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def _forward_vnni(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
-        """Few rows on a CPU with AVX-512 VNNI: the activations quantized per row as in W8A8, then the compiled
-        matrix-vector kernel (``int8_gemv``), which reads each int8 weight row once with integer dot products."""
-        x_int8, x_scales = _quantize_rows(ops, x)
+        """Few rows on a CPU with AVX-512 VNNI: the compiled matrix-vector kernel (``int8_gemv``) quantizes the
+        activations per row as in W8A8 and reads each int8 weight row once with integer dot products, in one call."""
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.float()
-        ops.int8_gemv(out, x_int8, x_scales, self.weight_int8, self.scales, self.weight_sums, bias)
-        return out.to(x.dtype)
+        ops.int8_gemv(out, x, None, self.weight_int8, self.scales, self.weight_sums, bias)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
         """``q * scales[:, None]`` [out_features, in_features] float32: the weight this layer multiplies by."""

@@ -165,19 +165,15 @@ void int8_gemv_rows(const uint8_t* xu, int64_t k, const int8_t* w, const int32_t
 // is read once for all of them. VNNI multiplies u8 by s8 (vpdpbusd, four products into each int32 lane, no
 // saturation), so the activations go in as xq + 128 and 128 * sum_k w[n, k] (w_sums) comes off: exact int32 sums,
 // the values of the W8A8 path (int8_linear_w8a8) bit for bit.
-void int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales, const at::Tensor& w,
-               const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias) {
-  const int64_t rows = xq.size(0), k = xq.size(1), n = w.size(0);
+void int8_gemv_core(float* o, const int8_t* x_ptr, const float* xs, int64_t rows, int64_t k, const at::Tensor& w,
+                    const at::Tensor& w_scales, const at::Tensor& w_sums, const float* b) {
+  const int64_t n = w.size(0);
   std::vector<uint8_t> xu(rows * k);
-  const int8_t* x_ptr = xq.data_ptr<int8_t>();
   for (int64_t i = 0; i < rows * k; ++i) xu[i] = static_cast<uint8_t>(static_cast<int32_t>(x_ptr[i]) + 128);
   const uint8_t* xu_ptr = xu.data();
   const int8_t* w_ptr = w.data_ptr<int8_t>();
   const int32_t* sums = w_sums.data_ptr<int32_t>();
-  const float* xs = x_scales.data_ptr<float>();
   const float* ws = w_scales.data_ptr<float>();
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
   const int64_t tail = k % 64;
   const __mmask64 tail_mask = tail == 0 ? 0 : (~0ULL >> (64 - tail));
   // Matrices of up to 1024 rows run on the calling thread: a parallel region would cost more than it saves.
@@ -187,32 +183,32 @@ void int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales,
       case 2: int8_gemv_rows<2>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
       case 3: int8_gemv_rows<3>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
       case 4: int8_gemv_rows<4>(xu_ptr, k, w_ptr, sums, xs, ws, b, o, n, begin, end, tail_mask); break;
-      default: break;  // checked_int8_gemv allows 1 to kMaxGemvRows
+      default: break;  // int8_gemv allows 1 to kMaxGemvRows
     }
   });
 }
 #else
 constexpr bool kHasVnni = false;
 
-void int8_gemv(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-               const at::Tensor&, const c10::optional<at::Tensor>&) {
+void int8_gemv_core(float*, const int8_t*, const float*, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const float*) {
   TORCH_CHECK(false, "int8_gemv needs AVX-512 VNNI (int8_gemv_available() says whether this build has it)");
 }
 #endif
 
-void checked_int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x_scales, const at::Tensor& w,
-                       const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.scalar_type() == at::kChar, "xq: contiguous int8 2-D");
-  TORCH_CHECK(xq.size(0) >= 1 && xq.size(0) <= kMaxGemvRows, "int8_gemv takes 1 to ", kMaxGemvRows, " rows, got ",
-              xq.size(0));
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar && w.size(1) == xq.size(1),
+// x: int8 rows with their scales (quantize_rows_int8's), or float32 / bfloat16 / float16 rows with x_scales None,
+// quantized here as quantize_rows_int8 does (the same values: one call instead of three for a decode step).
+void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& w,
+               const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous 2-D");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxGemvRows, "int8_gemv takes 1 to ", kMaxGemvRows, " rows, got ", rows);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar && w.size(1) == k,
               "w: contiguous int8 [out_features, in_features]");
-  const int64_t rows = xq.size(0), n = w.size(0);
+  const int64_t n = w.size(0);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == n && out.is_contiguous() &&
                   out.scalar_type() == at::kFloat,
               "out: contiguous float32 [rows, out_features]");
-  TORCH_CHECK(x_scales.numel() == rows && x_scales.is_contiguous() && x_scales.scalar_type() == at::kFloat,
-              "x_scales: float32, one per row");
   TORCH_CHECK(w_scales.numel() == n && w_scales.is_contiguous() && w_scales.scalar_type() == at::kFloat,
               "w_scales: float32, one per output feature");
   TORCH_CHECK(w_sums.numel() == n && w_sums.is_contiguous() && w_sums.scalar_type() == at::kInt,
@@ -220,7 +216,22 @@ void checked_int8_gemv(at::Tensor out, const at::Tensor& xq, const at::Tensor& x
   if (bias.has_value())
     TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
                 "bias: float32, one per output feature");
-  int8_gemv(out, xq, x_scales, w, w_scales, w_sums, bias);
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kChar) {
+    TORCH_CHECK(x_scales.has_value() && x_scales->numel() == rows && x_scales->is_contiguous() &&
+                    x_scales->scalar_type() == at::kFloat,
+                "x_scales: float32, one per row of int8 x");
+    int8_gemv_core(out.data_ptr<float>(), x.data_ptr<int8_t>(), x_scales->data_ptr<float>(), rows, k, w, w_scales,
+                   w_sums, b);
+    return;
+  }
+  TORCH_CHECK(!x_scales.has_value(), "x_scales: only with int8 x (float x is quantized here)");
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> xs(rows);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_gemv", [&] {
+    quantize_rows(x.data_ptr<scalar_t>(), xq.data(), xs.data(), 0, rows, k);
+  });
+  int8_gemv_core(out.data_ptr<float>(), xq.data(), xs.data(), rows, k, w, w_scales, w_sums, b);
 }
 
 bool int8_gemv_available() { return kHasVnni; }
@@ -228,9 +239,9 @@ bool int8_gemv_available() { return kHasVnni; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("int8_gemv(Tensor(a!) out, Tensor xq, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w_sums, "
+  m.def("int8_gemv(Tensor(a!) out, Tensor x, Tensor? x_scales, Tensor w, Tensor w_scales, Tensor w_sums, "
         "Tensor? bias) -> ()");
-  m.impl("int8_gemv", c10::DispatchKey::CPU, &checked_int8_gemv);
+  m.impl("int8_gemv", c10::DispatchKey::CPU, &int8_gemv);
   m.def("int8_gemv_available() -> bool");
   m.impl("int8_gemv_available", &int8_gemv_available);
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
