@@ -148,11 +148,35 @@ def test_a_compile_error_is_reported_with_the_compilers_last_lines(tmp_path, mon
     with pytest.raises(cpu_ops.KernelBuildError) as caught:
         cpu_ops.build(build_dir)
     error = caught.value
-    assert error.reason.startswith(f"compiling {cpu_ops._SOURCE_NAMES} failed (exit 1)")
-    assert "paged_attention_cpu.cpp, int8_rows_cpu.cpp, gemv_cpu.cpp, layer_ops_cpu.cpp" in error.reason
+    assert error.reason.startswith("compiling paged_attention_cpu.cpp failed (exit 1)")  # the first source's
     assert "error: expected declaration" in error.reason
     assert f"command: {compiler} -O3" in error.details and "error: expected declaration" in error.details
     # Nothing half-made is left: only the lock file.
+    assert [p.name for p in build_dir.iterdir()] == [next(build_dir.glob("*.lock")).name]
+
+
+# A compiler that fails when its arguments hold FAILS_ON and otherwise writes an empty file where -o points.
+SELECTIVE_COMPILER = """case "$*" in *FAILS_ON*) echo "broken" >&2; exit 2;; esac
+out=""; prev=""; for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done; : > "$out"
+"""
+
+
+@pytest.mark.parametrize(
+    ("fails_on", "reason"),
+    [
+        ("layer_ops_cpu.cpp", "compiling layer_ops_cpu.cpp failed (exit 2)"),
+        ("-lc10", "linking paged_attention_cpu.cpp"),
+    ],
+)
+def test_one_failing_step_is_named_and_nothing_is_left(tmp_path, monkeypatch, fails_on, reason):
+    """Each source compiles on its own and then they link: a failure names its step, and the objects the other
+    steps wrote are removed with it."""
+    compiler = write_fake_compiler(tmp_path / "fake-c++", SELECTIVE_COMPILER.replace("FAILS_ON", fails_on))
+    monkeypatch.setenv("CXX", str(compiler))
+    build_dir = tmp_path / "kernels"
+    with pytest.raises(cpu_ops.KernelBuildError) as caught:
+        cpu_ops.build(build_dir)
+    assert caught.value.reason.startswith(reason)
     assert [p.name for p in build_dir.iterdir()] == [next(build_dir.glob("*.lock")).name]
 
 

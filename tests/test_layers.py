@@ -278,3 +278,54 @@ def test_few_row_ops_only_for_one_to_four_rows_on_cpu():
     assert layers.few_row_ops(torch.zeros(GEMV_MAX_ROWS + 1, 8)) is None
     assert layers.few_row_ops(torch.zeros(0, 8)) is None
     assert layers.few_row_ops(torch.zeros(1, 8, device="meta")) is None
+
+
+class _MixingBackend:
+    """An attention stand-in that uses q, k and v of every head (no KV cache): enough to carry RoPE's output on."""
+
+    def forward(self, q, k, v, kv_cache, metadata, scale, sliding_window):  # noqa: ANN001, ANN201
+        group = q.shape[1] // k.shape[1]
+        return q * 0.5 + (k + v).repeat_interleave(group, dim=1)
+
+
+@pytest.mark.parametrize("variant", ["llama", "biases", "gelu", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_row_forward_equals_the_torch_path(monkeypatch, variant, dtype):
+    """A whole decoder through ``few_row_ops``' kernels (residual kept apart, fused norms, RoPE and SiLU) against
+    the same model through the torch operators: every rounding at the same place, so the results differ only where
+    RMSNorm's sum of squares and SiLU's exp do (a few float32 ulps, now and then a bfloat16 ulp)."""
+    few_row_kernels()
+    from transformers import LlamaConfig, Qwen3Config
+
+    from core_svc.models import llama
+    from core_svc.models.arch import ModelArchConfig
+
+    shape = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, max_position_embeddings=512)
+    hf = {
+        "llama": LlamaConfig(**shape, architectures=["LlamaForCausalLM"]),
+        "biases": LlamaConfig(**shape, attention_bias=True, mlp_bias=True, architectures=["LlamaForCausalLM"]),
+        "gelu": LlamaConfig(**shape, hidden_act="gelu_pytorch_tanh", architectures=["LlamaForCausalLM"]),
+        "qwen3": Qwen3Config(**shape, head_dim=96, architectures=["Qwen3ForCausalLM"]),  # q/k norm, wider heads
+    }[variant]
+    model = llama.LlamaModel(ModelArchConfig.from_hf_config(hf), _MixingBackend(), dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale, offset = (0.3, 1.0) if "norm" in name else (0.08, 0.0)
+            param.copy_((offset + scale * torch.randn(param.shape, generator=gen)).to(dtype))
+    for rows in (1, GEMV_MAX_ROWS):
+        ids, positions = torch.arange(rows) * 7 + 3, torch.arange(rows) + 10
+        kv_caches = [torch.empty(0)] * len(model.layers)
+        with torch.no_grad():
+            fused = model(ids, positions, kv_caches, None)
+            monkeypatch.setattr(llama, "few_row_ops", lambda hidden: None)
+            reference = model(ids, positions, kv_caches, None)
+            monkeypatch.undo()
+        error = (fused.float() - reference.float()).abs().max() / reference.float().abs().max()
+        if dtype == torch.bfloat16:
+            # a normed value now and then rounds to the neighbouring bfloat16 (measured: equal in 7 of the 8 cases
+            # here, 2.7% of the values one ulp apart in the other)
+            assert error <= 2**-7 and (fused != reference).float().mean() < 0.1
+        else:
+            assert error < 4e-6

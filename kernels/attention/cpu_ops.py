@@ -1,12 +1,12 @@
-"""Builds and loads the C++ CPU kernels (``csrc/``): one compiler call, one binary per build key.
+"""Builds and loads the C++ CPU kernels (``csrc/``): one binary per build key.
 
-``load(build_dir)`` compiles ``csrc/*.cpp`` (``_SOURCES``) the first time (one call of the C++ compiler,
-``$CXX`` or else ``c++``; about 20 s on 2 cores) into ``build_dir/splitserve_cpu_<key>.so`` and loads it with
-``torch.ops.load_library``, which registers ``torch.ops.splitserve_cpu.*``. The key is a hash of everything the
-binary depends on: the source, the flags, the compiler (its path and ``--version``), torch's version and C++ ABI,
-and the CPU's feature flags (``-march=native``). A later load, in any process, finds the file by its key and does
-not compile, whichever ninja or virtualenv is on PATH; a change of any input gives another key, so another file,
-built once beside the first.
+``load(build_dir)`` compiles ``csrc/*.cpp`` (``_SOURCES``) the first time (the C++ compiler, ``$CXX`` or else
+``c++``, once per source, as many at once as the process may use CPUs, then a link; about 20 s on 2 cores) into
+``build_dir/splitserve_cpu_<key>.so`` and loads it with ``torch.ops.load_library``, which registers
+``torch.ops.splitserve_cpu.*``. The key is a hash of everything the binary depends on: the sources, the flags,
+the compiler (its path and ``--version``), torch's version and C++ ABI, and the CPU's feature flags
+(``-march=native``). A later load, in any process, finds the file by its key and does not compile, whichever ninja
+or virtualenv is on PATH; a change of any input gives another key, so another file, built once beside the first.
 
 Why not ``torch.utils.cpp_extension.load``: its ninja build decides whether to rebuild from the ninja command line
 it records, which holds the virtualenv's paths and depends on which ninja runs it (the system's or the wheel's),
@@ -54,10 +54,15 @@ _SOURCES = tuple(
 _SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
 # -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
-# kernel's OpenMP pragmas, resolved against the OpenMP runtime torch has already loaded. -ffast-math: vectorized
-# expf (glibc libmvec) and reassociated sums; the attention kernel sees finite scores only (int8_rows_cpu.cpp turns
-# it off for itself). The rest are the flags torch's extension builder (2.13) uses for a CPU library.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++20", "-shared"]
+# kernel's OpenMP pragmas, resolved against the OpenMP runtime torch has already loaded. The rest are the flags
+# torch's extension builder (2.13) uses for a CPU library.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-shared"]
+# -ffast-math for the attention kernel only: vectorized expf (glibc libmvec) and reassociated sums over finite
+# scores. The other sources round as torch's operators do (and their own pragmas also keep products and sums
+# apart); under -ffast-math GCC had replaced a division by a product with the reciprocal and called libmvec's expf,
+# up to 4 ulps from torch's SiLU.
+_FAST_MATH_SOURCES = ("paged_attention_cpu.cpp",)
+_FAST_MATH = "-ffast-math"
 _COMPILE_TIMEOUT_S = 900
 _ERROR_TAIL_LINES = 20
 
@@ -188,6 +193,7 @@ def _build_spec() -> _BuildSpec:
     inputs = {
         "source_sha256": [hashlib.sha256(source.read_bytes()).hexdigest() for source in _SOURCES],
         "cflags": cflags,
+        "fast_math_sources": list(_FAST_MATH_SOURCES),
         "cxx": cxx,
         "compiler": os.path.realpath(compiler),
         "compiler_version": version,
@@ -223,7 +229,7 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
     objects = [tmp.with_name(f"{tmp.name}.{source.stem}.o") for source in _SOURCES]
     includes = [f"-isystem{include}" for include in cpp_extension.include_paths("cpu")]
     compiles = [
-        [*spec.cxx, *spec.cflags, *includes, "-c", str(source), "-o", str(obj)]
+        [*spec.cxx, *spec.cflags, *_source_flags(source), *includes, "-c", str(source), "-o", str(obj)]
         for source, obj in zip(_SOURCES, objects, strict=True)
     ]
     link = [
@@ -240,10 +246,10 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
     logger.info("compiling the CPU attention kernel (first use of this build, about 20 s on 2 cores): %s", path)
     start = time.perf_counter()
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(len(compiles), len(os.sched_getaffinity(0))))) as pool:
-            for command, result in zip(compiles, pool.map(_run_compiler, compiles), strict=True):
-                _check(command, result)
-        _check(link, _run_compiler(link))
+        with ThreadPoolExecutor(max_workers=max(1, min(len(compiles), _usable_cpus()))) as pool:
+            for source, command, result in zip(_SOURCES, compiles, pool.map(_run_compiler, compiles), strict=True):
+                _check(f"compiling {source.name}", command, result)
+        _check(f"linking {_SOURCE_NAMES}", link, _run_compiler(link))
         os.replace(tmp, path)
     finally:
         for leftover in (tmp, *objects):
@@ -251,12 +257,23 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
     logger.info("compiled the CPU attention kernel in %.1f s: %s", time.perf_counter() - start, path)
 
 
-def _check(command: list[str], result: subprocess.CompletedProcess[str]) -> None:
-    """Raises KernelBuildError, with the compiler's last lines, when ``command`` failed."""
+def _source_flags(source: Path) -> list[str]:
+    return [_FAST_MATH] if source.name in _FAST_MATH_SOURCES else []
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform has one), for parallel compiles."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _check(step: str, command: list[str], result: subprocess.CompletedProcess[str]) -> None:
+    """Raises KernelBuildError, naming ``step`` and with the compiler's last lines, when ``command`` failed."""
     if result.returncode != 0:
         tail = "\n".join(result.stdout.splitlines()[-_ERROR_TAIL_LINES:])
         raise KernelBuildError(
-            f"compiling {_SOURCE_NAMES} failed (exit {result.returncode}); the compiler's last lines: "
+            f"{step} failed (exit {result.returncode}); the compiler's last lines: "
             f"{' | '.join(tail.splitlines()[-3:])}",
             f"command: {shlex.join(command)}\n{tail}",
             fix="read the compiler's output (logged below); set CXX to another C++ compiler (g++ 9 or newer) "
@@ -295,8 +312,8 @@ def _cpu_signature() -> str:
 def loaded_ops() -> Any:
     """``torch.ops.splitserve_cpu`` once this process has loaded the kernels (``load``; the CPU attention backend
     does when an engine starts), else None. Its ops beside attention: ``gemv`` and ``gemv_available``
-    (``csrc/gemv_cpu.cpp``), ``int8_gemv``, ``quantize_rows_int8`` and ``dequantize_rows``
-    (``csrc/int8_rows_cpu.cpp``)."""
+    (``csrc/gemv_cpu.cpp``), ``add_rms_norm``, ``rotary_in_place`` and ``silu_and_mul`` (``csrc/layer_ops_cpu.cpp``),
+    ``int8_gemv``, ``quantize_rows_int8`` and ``dequantize_rows`` (``csrc/int8_rows_cpu.cpp``)."""
     global _LOADED_OPS
     if _LOADED_OPS is None:
         try:

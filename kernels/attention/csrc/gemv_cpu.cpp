@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-// Sums in the order written, without fast-math's reassociation (the library builds with -ffast-math).
+// Sums in the order written (only the attention kernel builds with -ffast-math; this keeps it so if that changes).
 #pragma GCC optimize("no-unsafe-math-optimizations", "no-finite-math-only")
 
 namespace {
