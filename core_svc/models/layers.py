@@ -62,7 +62,7 @@ def few_row_ops(hidden: torch.Tensor) -> Any:
     (``add_rms_norm``, ``rotary_in_place``, ``silu_and_mul``; kernels/attention/csrc/layer_ops_cpu.cpp): after a
     product has streamed its weights through the caches, every torch operator pays to bring its own code and data
     back, so one request's decode step spent milliseconds in 20-odd small operators per layer. The values are
-    transformers' up to the order of RMSNorm's sum of squares and SiLU's exp (about one ulp)."""
+    transformers' up to the order of RMSNorm's sum of squares and SiLU's exp (a few float32 ulps)."""
     if hidden.device.type != "cpu" or not 1 <= hidden.shape[0] <= GEMV_MAX_ROWS:
         return None
     return loaded_ops()
