@@ -88,11 +88,11 @@ def test_paged_attention_matches_dense(backend_name, dtype, window, step):
 
     backend = get_attention_backend(backend_name, "cpu", envs.kernel_dir())
     assert backend.name == backend_name
-    # key and value as the model passes them: views into one fused projection output, rows not contiguous
-    fused = torch.cat((key, value), dim=1)
-    out = backend.forward(
-        query, fused[:, :num_kv_heads], fused[:, num_kv_heads:], kv_cache, metadata, head_size**-0.5, window
-    )
+    # query, key and value as the model passes them: views into one fused projection output, rows not contiguous
+    fused = torch.cat((query, key, value), dim=1)
+    q_view, k_view = fused[:, :num_heads], fused[:, num_heads : num_heads + num_kv_heads]
+    v_view = fused[:, num_heads + num_kv_heads :]
+    out = backend.forward(q_view, k_view, v_view, kv_cache, metadata, head_size**-0.5, window)
 
     assert out.shape == query.shape and out.dtype == dtype
     atol = 1e-5 if dtype == torch.float32 else 2e-2

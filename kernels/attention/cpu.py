@@ -47,7 +47,7 @@ class CpuAttentionBackend(TorchRefAttentionBackend):
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         cpu_ops.decode_attention_with_kv_write(
             output,
-            query.contiguous(),
+            query,  # a view of the fused projection: the kernel reads its rows in place
             key,
             value,
             kv_cache[0],
@@ -72,7 +72,7 @@ class CpuAttentionBackend(TorchRefAttentionBackend):
         num_decodes = metadata.num_decodes
         cpu_ops.paged_decode_attention(
             output[:num_decodes],  # contiguous: forward allocates output so
-            query[:num_decodes].contiguous(),
+            query[:num_decodes],
             kv_cache[0],
             kv_cache[1],
             metadata.block_table[:num_decodes],

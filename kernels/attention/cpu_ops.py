@@ -340,8 +340,9 @@ def paged_decode_attention(
     """Attention of one query token per request over its paged keys and values, written into ``out``.
 
     Args:
-        out, query: ``[num_reqs, num_heads, head_size]``, contiguous, the cache's dtype (float32, bfloat16 or
-            float16; scores and sums are float32).
+        out, query: ``[num_reqs, num_heads, head_size]``, the cache's dtype (float32, bfloat16 or float16; scores
+            and sums are float32); ``out`` contiguous, ``query`` contiguous within each row (a view of a fused q/k/v
+            projection is fine).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, contiguous.
         block_table: ``[num_reqs, max_blocks]`` int32; seq_lens: ``[num_reqs]`` int32, at least 1.
         sliding_window: keys at positions > seq_len - 1 - W only; None for full attention.

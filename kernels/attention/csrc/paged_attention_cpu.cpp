@@ -56,7 +56,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       scores.resize(num_heads * n);
-      const scalar_t* q_row = q_ptr + r * num_heads * head_size;
+      const scalar_t* q_row = q_ptr + r * query.stride(0);  // heads contiguous within a row, rows at any stride
       for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
       const int32_t* blocks = table + r * max_blocks;
       for (int64_t t = first; t < len; ++t) {
@@ -96,12 +96,14 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   }
 }
 
-// out, query: [num_reqs, num_heads, head_size]; key_cache, value_cache: [num_blocks, block_size, num_kv_heads,
-// head_size]; block_table: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (>= 1); sliding_window <= 0: none.
+// out, query: [num_reqs, num_heads, head_size] (query's rows at any stride); key_cache, value_cache: [num_blocks,
+// block_size, num_kv_heads, head_size]; block_table: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (>= 1); sliding_window <= 0: none.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query: [num_reqs, num_heads, head_size], contiguous within a row (a view of a fused projection is fine)");
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == at::kInt, "block_table: contiguous int32");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt, "seq_lens: contiguous int32");
