@@ -345,3 +345,16 @@ def test_cpu_flags_reads_the_flags_line(tmp_path):
     )
     assert cpu_flags(cpuinfo) == frozenset({"fpu", "avx2", "amx_bf16"})
     assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+def test_row_quantization_rounds_halves_to_even_in_the_vector_and_tail_parts():
+    """Values exactly halfway between integers once divided by the row's scale (1.0 here: 127 is the largest),
+    in the first 16 values (the AVX-512 path for float32) and after them (the scalar tail)."""
+    halves = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5]
+    x = torch.tensor([[127.0, *halves, *([0.0] * 7), *halves, 4.5]])  # 25 values: 16 in vectors, 9 in the tail
+    expected_q, expected_scales = quantize_int8_per_row(x)
+    assert expected_q[0, 1:9].tolist() == [0, 2, 2, 0, -2, -2, 4, 126]  # torch.round: halves to even
+    for dtype in (torch.float32, torch.bfloat16):
+        q, scales = quantization._quantize_rows(quantization._row_kernels(), x.to(dtype))
+        assert torch.equal(q, expected_q) and torch.equal(scales, expected_scales[:, 0])

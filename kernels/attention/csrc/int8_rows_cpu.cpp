@@ -35,18 +35,70 @@ constexpr int64_t kMaxGemvRows = 4;
 constexpr int kGemvBlock = 8;
 constexpr int64_t kPrefetchBytes = 8192;
 
+// A row's largest magnitude, and whether it holds a NaN.
+template <typename scalar_t>
+inline float row_amax(const scalar_t* row, int64_t k, bool& nan) {
+  float amax = 0.0f;
+  int any_nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : any_nan)
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = static_cast<float>(row[i]);
+    amax = __builtin_fmaxf(amax, __builtin_fabsf(v));
+    any_nan |= __builtin_isnan(v);
+  }
+  nan = any_nan != 0;
+  return amax;
+}
+
+// q = round_half_even(x / scale) for a row whose values are at most 127 * scale in magnitude.
+template <typename scalar_t>
+inline void quantize_values(const scalar_t* row, int8_t* q_row, float scale, int64_t k) {
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(static_cast<float>(row[i]) / scale)));
+}
+
+#if defined(__AVX512F__)
+// float32 rows 16 values at a time (GCC left the loops above scalar: 3 ns per value): the same IEEE quotients and
+// round-half-to-even, then exact conversions.
+template <>
+inline float row_amax<float>(const float* row, int64_t k, bool& nan) {
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 unordered = 0;
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const __m512 v = _mm512_loadu_ps(row + i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  float result = _mm512_reduce_max_ps(amax);
+  bool any_nan = unordered != 0;
+  for (; i < k; ++i) {
+    result = __builtin_fmaxf(result, __builtin_fabsf(row[i]));
+    any_nan |= __builtin_isnan(row[i]);
+  }
+  nan = any_nan;
+  return result;
+}
+
+template <>
+inline void quantize_values<float>(const float* row, int8_t* q_row, float scale, int64_t k) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), s),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q_row + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rounded)));
+  }
+  for (; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(row[i] / scale)));
+}
+#endif
+
 template <typename scalar_t>
 void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, int64_t end, int64_t k) {
   for (int64_t r = begin; r < end; ++r) {
     const scalar_t* row = x + r * k;
-    float amax = 0.0f;
-    int nan = 0;
-#pragma omp simd reduction(max : amax) reduction(| : nan)
-    for (int64_t i = 0; i < k; ++i) {
-      const float v = static_cast<float>(row[i]);
-      amax = __builtin_fmaxf(amax, __builtin_fabsf(v));
-      nan |= __builtin_isnan(v);
-    }
+    bool nan = false;
+    const float amax = row_amax(row, k, nan);
     int8_t* q_row = q + r * k;
     if (amax == 0.0f || nan) {  // all zero: q 0 (the scale is subnormal); a NaN: the row's products NaN, as torch's
       scales[r] = nan ? __builtin_nanf("") : FLT_MIN / 127.0f;
@@ -55,8 +107,7 @@ void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, i
     }
     const float scale = amax / 127.0f;
     scales[r] = scale;
-#pragma omp simd
-    for (int64_t i = 0; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(static_cast<float>(row[i]) / scale)));
+    quantize_values(row, q_row, scale, k);
   }
 }
 
