@@ -49,9 +49,14 @@ def gemv(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``F.linear(x, weight, bias)`` through ``ops.gemv`` (``compiled_gemv``): ``x`` [..., in_features] of at most
     ``GEMV_MAX_ROWS`` rows in ``weight``'s dtype, ``weight`` dense [out_features, in_features] -> [...,
     out_features] in that dtype; float32 sums (and bias), rounded once to the dtype."""
+    bias32 = bias if bias is None or bias.dtype == torch.float32 else bias.float()
+    if x.dim() == 2 and x.is_contiguous():  # a decode step's rows: no reshape, each torch call here costs (few_row_ops)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype)
+        ops.gemv(out, x, weight, bias32)
+        return out
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)
-    ops.gemv(out, x2, weight, None if bias is None else bias.float())
+    ops.gemv(out, x2, weight, bias32)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -182,7 +182,7 @@ class Int8Linear(nn.Module):
         """Few rows on a CPU with AVX-512 VNNI: the compiled matrix-vector kernel (``int8_gemv``) quantizes the
         activations per row as in W8A8 and reads each int8 weight row once with integer dot products, in one call."""
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        bias = None if self.bias is None else self.bias.float()
+        bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
         ops.int8_gemv(out, x, None, self.weight_int8, self.scales, self.weight_sums, bias)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
