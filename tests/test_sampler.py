@@ -7,9 +7,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from core_svc import sampler as sampler_module
 from core_svc.input_batch import CachedRequestState, build_sampling_metadata
 from core_svc.sampler import Sampler, argmax
 from core_svc.sampling_params import SamplingParams
+from tests.helpers import needs_cpu_kernels
 
 LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
 VOCAB = len(LOGITS)
@@ -226,13 +228,26 @@ def test_rank_counts_ties_like_vllm():
     assert lists.logprob_token_ids == [[2, 0]]
 
 
-@pytest.mark.parametrize("vocab_size", [100, 256, 8192, 32000, 50257])
-def test_two_stage_argmax_equals_torch_argmax_with_ties(vocab_size):
+@pytest.mark.parametrize("route", ["torch", needs_cpu_kernels("kernel")])
+@pytest.mark.parametrize("vocab_size", [5, 100, 256, 8192, 32000, 50257])
+def test_argmax_equals_torch_argmax_with_ties(monkeypatch, route, vocab_size):
+    """Both routes of ``argmax``: torch's two stages, and the compiled ``argmax_rows`` once the kernels are loaded
+    (vectors of 16 and a scalar tail)."""
+    if route == "torch":
+        monkeypatch.setattr(sampler_module, "loaded_ops", lambda: None)
+    else:
+        assert sampler_module.loaded_ops() is not None
     gen = torch.Generator().manual_seed(vocab_size)
-    x = torch.randn(6, vocab_size, generator=gen)
+    wide = torch.randn(9, vocab_size + 3, generator=gen)
+    x = wide[:, :vocab_size]  # rows at a stride, as a slice of a wider buffer
     x[1] = 1.0  # all tied: the first index
-    x[2, 7] = x[2, vocab_size - 1] = 9.0  # tie between the first chunk and the (short) last one
+    x[2, 7 % vocab_size] = x[2, vocab_size - 1] = 9.0  # tie between the first chunk and the (short) last one
     x[3, vocab_size - 1] = 9.0  # maximum in the last column
     x[4, 200 % vocab_size] = x[4, 130 % vocab_size] = 9.0  # two maxima, possibly in one chunk
     x[5, vocab_size - 1] = float("nan")  # NaN counts as the maximum, in the tail chunk too
+    x[6, 3] = float("nan")  # the first of two NaNs, beside an infinity
+    x[6, vocab_size - 1] = float("nan")
+    x[6, 1] = float("inf")
+    x[7] = float("-inf")  # every value -inf: the first index
+    x[8, vocab_size // 2] = float("inf")
     assert torch.equal(argmax(x), x.argmax(dim=-1))

@@ -46,10 +46,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 # paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py); one request's
-# matrix-vector products and a decoder layer's elementwise work between them (core_svc/models/layers.py)
+# matrix-vector products and a decoder layer's elementwise work between them (core_svc/models/layers.py); the
+# greedy token of each row (core_svc/sampler.py)
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp", "gemv_cpu.cpp", "layer_ops_cpu.cpp")
+    for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp", "gemv_cpu.cpp", "layer_ops_cpu.cpp", "argmax_cpu.cpp")
 )
 _SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
@@ -313,7 +314,8 @@ def loaded_ops() -> Any:
     """``torch.ops.splitserve_cpu`` once this process has loaded the kernels (``load``; the CPU attention backend
     does when an engine starts), else None. Its ops beside attention: ``gemv`` and ``gemv_available``
     (``csrc/gemv_cpu.cpp``), ``add_rms_norm``, ``rotary_in_place`` and ``silu_and_mul`` (``csrc/layer_ops_cpu.cpp``),
-    ``int8_gemv``, ``quantize_rows_int8`` and ``dequantize_rows`` (``csrc/int8_rows_cpu.cpp``)."""
+    ``int8_gemv``, ``quantize_rows_int8`` and ``dequantize_rows`` (``csrc/int8_rows_cpu.cpp``), ``argmax_rows``
+    (``csrc/argmax_cpu.cpp``)."""
     global _LOADED_OPS
     if _LOADED_OPS is None:
         try:
