@@ -263,7 +263,8 @@ def _source_flags(source: Path) -> list[str]:
 
 
 def _usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the platform has one), for parallel compiles."""
+    """The CPUs this process may run on (its affinity where the platform has one), for parallel compiles: the rule
+    of ``splitserve.base.cpu_threads.affinity_cpus``, which ``kernels`` may not import (.importlinter)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
