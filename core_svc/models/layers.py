@@ -49,15 +49,20 @@ def gemv(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``F.linear(x, weight, bias)`` through ``ops.gemv`` (``compiled_gemv``): ``x`` [..., in_features] of at most
     ``GEMV_MAX_ROWS`` rows in ``weight``'s dtype, ``weight`` dense [out_features, in_features] -> [...,
     out_features] in that dtype; float32 sums (and bias), rounded once to the dtype."""
-    bias32 = bias if bias is None or bias.dtype == torch.float32 else bias.float()
-    if x.dim() == 2 and x.is_contiguous():  # a decode step's rows: no reshape, each torch call here costs (few_row_ops)
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype)
-        ops.gemv(out, x, weight, bias32)
-        return out
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    # a decode step's rows are 2-D and contiguous: no reshape, view or cast there (each torch call costs, few_row_ops)
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)
-    ops.gemv(out, x2, weight, bias32)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    ops.gemv(out, x2, weight, bias if bias is None or bias.dtype == torch.float32 else bias.float())
+    return out if x2 is x else out.view(*x.shape[:-1], weight.shape[0])
+
+
+def gemv_route(x: torch.Tensor, weight: torch.Tensor) -> Any:
+    """``compiled_gemv``'s ops when ``gemv(ops, x, weight, ...)`` applies: 1 to ``GEMV_MAX_ROWS`` rows of ``x`` in
+    the dtype of ``weight``, a contiguous CPU weight, a kernel for that dtype in the loaded build; else None."""
+    rows = x.numel() // x.shape[-1]
+    if not 1 <= rows <= GEMV_MAX_ROWS or weight.device.type != "cpu" or x.dtype != weight.dtype:
+        return None
+    return compiled_gemv(weight.dtype) if weight.is_contiguous() else None
 
 
 def few_row_ops(hidden: torch.Tensor) -> Any:
@@ -78,10 +83,7 @@ def tied_lm_head(hidden: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
     [vocab_size, hidden_size] (dense: it also serves lookups, so it is never prepacked) -> float32 [num_rows,
     vocab_size]. Few rows on CPU go through the compiled matrix-vector kernel where the build has one for the dtype
     (``compiled_gemv``; no copy needed), the rest through ``F.linear``."""
-    ops = None
-    rows = hidden.numel() // hidden.shape[-1]
-    if 1 <= rows <= GEMV_MAX_ROWS and embedding.device.type == "cpu" and embedding.is_contiguous():
-        ops = compiled_gemv(embedding.dtype) if hidden.dtype == embedding.dtype else None
+    ops = gemv_route(hidden, embedding)
     return (F.linear(hidden, embedding) if ops is None else gemv(ops, hidden, embedding, None)).float()
 
 
@@ -114,11 +116,10 @@ class Linear(nn.Linear):
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         if self.dense_weight is not None:
-            rows = x.numel() // x.shape[-1]
-            ops = compiled_gemv(self.dense_weight.dtype) if 1 <= rows <= GEMV_MAX_ROWS else None
+            ops = gemv_route(x, self.dense_weight)
             if ops is not None:
                 return gemv(ops, x, self.dense_weight, self.bias)
-            if rows <= DENSE_DECODE_MAX_ROWS:
+            if x.numel() <= DENSE_DECODE_MAX_ROWS * x.shape[-1]:
                 return F.linear(x, self.dense_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
