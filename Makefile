@@ -22,7 +22,7 @@ $(BIN)/.installed: pyproject.toml
 
 # The CPU attention kernel, compiled here (about 20 s) so that the first core start does not; again when its
 # source changes. Without a C++ compiler setup goes on: cores then say why they use the slower reference backend.
-KERNEL_SOURCES := $(wildcard kernels/attention/csrc/*.cpp) kernels/attention/cpu_ops.py
+KERNEL_SOURCES := $(wildcard kernels/attention/csrc/*.cpp kernels/attention/csrc/*.h) kernels/attention/cpu_ops.py
 $(BIN)/.kernels: $(BIN)/.installed $(KERNEL_SOURCES)
 	@if $(BIN)/splitserve build-kernels; then touch $@; else echo "setup goes on without the CPU attention kernel"; fi
 

@@ -10,7 +10,9 @@ decoded twice. The first pass is timed plainly, per ``EngineCore.step`` (wall an
 decode step is the ms per output token. The second pass wraps the step's parts in timers and gives the breakdown
 of a decode step: scheduler, input preparation, the forward split into the decoder's linear layers, attention
 (KV write included) and the rest of the forward (norms, RoPE, residuals, activation, embedding, Python), the LM
-head (``compute_logits``), sampling, output building, the scheduler's update, and the rest of the step. The trees
+head (``compute_logits``), sampling, output building, the scheduler's update, and the rest of the step. Where a
+step runs the whole decoder in one compiled call (``FewRowDecoder``, core_svc/models/few_row_decoder.py), that call
+is the ``decoder`` part (its products, attention and norms together) and linear and attention are 0. The trees
 run alternately, ``--repeats`` children each, so a shared machine's drift falls on both; the load average is
 recorded with each child.
 
@@ -36,6 +38,7 @@ from typing import Any, cast
 PHASES = (
     "schedule",
     "inputs",
+    "decoder",
     "linear",
     "attention",
     "forward_rest",
@@ -64,7 +67,8 @@ def _timed(table: dict[str, float], key: str, fn: Callable[..., Any]) -> Callabl
 def instrument(core: Any) -> dict[str, float]:
     """Wrap ``core``'s step parts (instance attributes, so only this core) in timers adding seconds into the
     returned table: ``step`` ``schedule`` ``update`` ``execute`` ``update_states`` ``prepare`` ``forward``
-    ``linear`` (the decoder's, not the LM head) ``attention`` ``lm_head`` ``output``."""
+    ``decoder`` (the one-call decoder's) ``linear`` (the decoder's, not the LM head) ``attention`` ``lm_head``
+    ``output``."""
     from core_svc.models.layers import Linear
 
     table: dict[str, float] = defaultdict(float)
@@ -78,6 +82,15 @@ def instrument(core: Any) -> dict[str, float]:
     runner._make_output = _timed(table, "output", runner._make_output)
     model.compute_logits = _timed(table, "lm_head", model.compute_logits)
     model.forward = _timed(table, "forward", model.forward)
+    inner = getattr(model, "model", None)
+    if hasattr(inner, "few_row_decoder"):  # trees since the one-call decoder (core_svc/models/few_row_decoder.py)
+        few_row_decoder = inner.few_row_decoder
+
+        def timed_decoder() -> Any:
+            decoder = few_row_decoder()
+            return None if decoder is None else _TimedDecoder(decoder, table)
+
+        inner.few_row_decoder = timed_decoder
     backends = set()
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":
@@ -87,6 +100,14 @@ def instrument(core: Any) -> dict[str, float]:
             backends.add(id(backend))
             backend.forward = _timed(table, "attention", backend.forward)
     return table
+
+
+class _TimedDecoder:
+    """A ``FewRowDecoder`` (a torch script object, whose methods cannot be replaced) whose ``forward`` adds its time
+    to the ``instrument`` table's ``decoder``."""
+
+    def __init__(self, decoder: Any, table: dict[str, float]) -> None:
+        self.forward = _timed(table, "decoder", decoder.forward)
 
 
 def breakdown(table: dict[str, float], num_steps: int, prefix: str = "") -> dict[str, float]:
@@ -102,9 +123,10 @@ def breakdown(table: dict[str, float], num_steps: int, prefix: str = "") -> dict
     return {
         "schedule": get("schedule"),
         "inputs": get("update_states") + get("prepare"),
+        "decoder": get("decoder"),
         "linear": get("linear"),
         "attention": get("attention"),
-        "forward_rest": get("forward") - get("linear") - get("attention"),
+        "forward_rest": get("forward") - get("decoder") - get("linear") - get("attention"),
         "lm_head": get("lm_head"),
         "sampling": get("execute")
         - get("update_states")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.workload import Machine
 from core_svc.models.layers import compiled_gemv
-from core_svc.models.quantization import Int8Linear, _vnni_ops
+from core_svc.models.quantization import Int8Linear, vnni_ops
 from kernels.attention import cpu_ops
 from splitserve.base import envs
 
@@ -87,7 +87,7 @@ def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
     out["int8"]["int8pack"] = lambda: [
         torch._weight_int8pack_mm(x16[layer.in_features], layer.weight_int8, layer.scales_bf16) for layer in int8
     ]
-    vnni = _vnni_ops()
+    vnni = vnni_ops()
     if vnni is None:
         missing.append("int8 int8_gemv: no AVX-512 VNNI kernel here")
     else:

@@ -283,6 +283,8 @@ def test_few_row_ops_only_for_one_to_four_rows_on_cpu():
 class _MixingBackend:
     """An attention stand-in that uses q, k and v of every head (no KV cache): enough to carry RoPE's output on."""
 
+    name = "mixing"  # not the "cpu" backend, so LlamaModel keeps its per-layer path (few_row_decoder.py)
+
     def forward(self, q, k, v, kv_cache, metadata, scale, sliding_window):  # noqa: ANN001, ANN201
         group = q.shape[1] // k.shape[1]
         return q * 0.5 + (k + v).repeat_interleave(group, dim=1)

@@ -63,7 +63,7 @@ def reference_w8a8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _vnni_gemv_built() -> bool:
-    return cpu_kernels_loaded() and quantization._vnni_ops() is not None
+    return cpu_kernels_loaded() and quantization.vnni_ops() is not None
 
 
 # int8_linear_w8a8's two ways: torch's ops, and the compiled row kernels once the CPU kernels' library is loaded
@@ -144,7 +144,7 @@ def test_int8_gemv_equals_the_w8a8_path_bit_for_bit(rows, in_features, out_featu
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
         reference = int8_linear_w8a8(x, layer.weight_int8, layer.scales, None if layer.bias is None else layer.bias)
         assert torch.equal(layer(x), reference)  # float rows, quantized inside int8_gemv
-        ops = quantization._vnni_ops()
+        ops = quantization.vnni_ops()
         x_int8, x_scales = quantization._quantize_rows(ops, x)  # int8 rows with their scales: the same values
         out = torch.empty(rows, out_features)
         bias_f32 = None if layer.bias is None else layer.bias.float()
@@ -156,7 +156,7 @@ def test_int8_linear_takes_zero_rows_and_int8_gemv_names_what_is_wrong():
     layer = Int8Linear(nn.Linear(64, 40, bias=True))
     assert layer(torch.empty(0, 64)).shape == (0, 40)
     if _vnni_gemv_built():
-        ops = quantization._vnni_ops()
+        ops = quantization.vnni_ops()
         weights = (layer.weight_int8, layer.scales, layer.weight_sums, None)
         with pytest.raises(RuntimeError, match="1 to 4 rows, got 0"):
             ops.int8_gemv(torch.empty(0, 40), torch.empty(0, 64, dtype=torch.int8), torch.empty(0), *weights)
@@ -215,7 +215,7 @@ def test_int8_linear_without_exact_int_mm_multiplies_by_the_dequantized_weight(m
 )
 def test_int8_linear_routes_by_rows(few_rows, monkeypatch):
     if few_rows == "int8pack":
-        monkeypatch.setattr(quantization, "_vnni_ops", lambda: None)
+        monkeypatch.setattr(quantization, "vnni_ops", lambda: None)
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=True)
     with torch.no_grad():

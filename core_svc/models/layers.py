@@ -180,6 +180,11 @@ class RMSNorm(nn.Module):
         ops.add_rms_norm(out, x, residual, self.weight, self.eps)
         return out
 
+    def forward_in_place(self, ops: Any, x: torch.Tensor) -> None:
+        """``few_row_ops``' norm of each row of ``x`` [rows, hidden_size] (rows at any stride, each contiguous),
+        written over it: ``forward_few_rows`` without a residual."""
+        ops.add_rms_norm(x, x, None, self.weight, self.eps)
+
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021, RoFormer) with a precomputed cos/sin table.
@@ -262,7 +267,12 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, dims.num_heads + dims.num_kv_heads, dims.head_size)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, dims.num_kv_heads, dims.head_size)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, : dims.num_heads]), self.k_norm(qk[:, dims.num_heads :])), dim=1)
+            if ops is None:
+                qk = torch.cat((self.q_norm(qk[:, : dims.num_heads]), self.k_norm(qk[:, dims.num_heads :])), dim=1)
+            else:  # in place in qkv, a call per row and norm (at most GEMV_MAX_ROWS rows), as FewRowDecoder does
+                for row in qk:
+                    self.q_norm.forward_in_place(ops, row[: dims.num_heads])
+                    self.k_norm.forward_in_place(ops, row[dims.num_heads :])
         if ops is None:
             qk = apply_rotary(qk, *rope)
         else:

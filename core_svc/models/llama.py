@@ -14,6 +14,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
+from core_svc.models.few_row_decoder import build_few_row_decoder
 from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import (
     Attention,
@@ -111,6 +112,21 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # few_row_decoder's: built at the first decode step of few rows; False: not applicable (or turned off)
+        self._few_row_decoder: Any = None
+
+    def few_row_decoder(self) -> Any:
+        """The compiled decoder for decode-only steps of few rows on CPU (``few_row_decoder.build_few_row_decoder``:
+        the per-layer path's values in one call), built on first use over this model's weights, or None where it
+        does not apply. ``disable_few_row_decoder`` keeps the per-layer path."""
+        if self._few_row_decoder is None:
+            decoder = build_few_row_decoder(self)
+            self._few_row_decoder = False if decoder is None else decoder
+        return None if self._few_row_decoder is False else self._few_row_decoder
+
+    def disable_few_row_decoder(self) -> None:
+        """Run every decode step layer by layer (tests compare the two paths)."""
+        self._few_row_decoder = False
 
     def forward(
         self,
@@ -129,6 +145,10 @@ class LlamaModel(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer(rope, hidden, kv_cache, metadata)
             return self.norm(hidden)
+        decoder = self.few_row_decoder()
+        if decoder is not None and metadata.num_decodes == hidden.shape[0]:  # the loop below in one compiled call
+            slots, table, lens = metadata.slot_mapping, metadata.block_table, metadata.seq_lens
+            return decoder.forward(hidden.contiguous(), rope[0], rope[1], kv_caches, slots, table, lens)
         residual = None
         for layer, kv_cache in zip(cast(list[DecoderLayer], self.layers), kv_caches, strict=True):
             hidden, residual = layer.forward_few_rows(ops, rope, hidden, residual, kv_cache, metadata)

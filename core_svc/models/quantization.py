@@ -96,7 +96,7 @@ def _row_kernels() -> Any:
 _VNNI_OPS: Any = None
 
 
-def _vnni_ops() -> Any:
+def vnni_ops() -> Any:
     """The compiled ops (``_row_kernels``) when their build has the AVX-512 VNNI matrix-vector kernel
     (``int8_gemv``), else None: few rows then go to ``torch._weight_int8pack_mm``."""
     global _VNNI_OPS
@@ -167,7 +167,7 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        vnni = _vnni_ops() if 1 <= x.shape[0] <= INT8PACK_MAX_ROWS and x.is_contiguous() else None
+        vnni = vnni_ops() if 1 <= x.shape[0] <= INT8PACK_MAX_ROWS and x.is_contiguous() else None
         if vnni is not None:
             return self._forward_vnni(vnni, x)
         if x.shape[0] <= INT8PACK_MAX_ROWS and self.in_features % INT8PACK_IN_FEATURES_MULTIPLE == 0:

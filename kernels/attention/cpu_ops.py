@@ -47,11 +47,20 @@ logger = logging.getLogger(__name__)
 
 # paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py); one request's
 # matrix-vector products and a decoder layer's elementwise work between them (core_svc/models/layers.py); the
-# greedy token of each row (core_svc/sampler.py)
+# greedy token of each row (core_svc/sampler.py); a decode step of a few rows through a whole decoder, calling the
+# others through cpu_ops.h (core_svc/models/few_row_decoder.py)
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention_cpu.cpp", "int8_rows_cpu.cpp", "gemv_cpu.cpp", "layer_ops_cpu.cpp", "argmax_cpu.cpp")
+    for name in (
+        "paged_attention_cpu.cpp",
+        "int8_rows_cpu.cpp",
+        "gemv_cpu.cpp",
+        "layer_ops_cpu.cpp",
+        "argmax_cpu.cpp",
+        "decoder_cpu.cpp",
+    )
 )
+_HEADERS = (Path(__file__).parent / "csrc" / "cpu_ops.h",)
 _SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
 # -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
@@ -192,7 +201,7 @@ def _build_spec() -> _BuildSpec:
         raise KernelBuildError(f"the C++ compiler {compiler} does not run: {e}") from e
     cflags = [*_CFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     inputs = {
-        "source_sha256": [hashlib.sha256(source.read_bytes()).hexdigest() for source in _SOURCES],
+        "source_sha256": [hashlib.sha256(source.read_bytes()).hexdigest() for source in (*_SOURCES, *_HEADERS)],
         "cflags": cflags,
         "fast_math_sources": list(_FAST_MATH_SOURCES),
         "cxx": cxx,

@@ -14,6 +14,8 @@
 // about 1e-7 relative in float32); a bfloat16 result is its float32 sum plus the bias, rounded once to the nearest
 // bfloat16 (ties to even), as oneDNN rounds its float32 accumulator. gemv_available(dtype) says whether this build
 // has the kernel.
+#include "cpu_ops.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -137,6 +139,10 @@ constexpr bool kHasFloat = false;
 constexpr bool kHasBFloat16 = false;
 #endif
 
+}  // namespace
+
+namespace splitserve_cpu {
+
 bool gemv_available(at::ScalarType dtype) {
   return (dtype == at::kFloat && kHasFloat) || (dtype == at::kBFloat16 && kHasBFloat16);
 }
@@ -168,11 +174,11 @@ void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::o
 #endif
 }
 
-}  // namespace
+}  // namespace splitserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
-  m.impl("gemv", c10::DispatchKey::CPU, &gemv);
+  m.impl("gemv", c10::DispatchKey::CPU, &splitserve_cpu::gemv);
   m.def("gemv_available(ScalarType dtype) -> bool");
-  m.impl("gemv_available", &gemv_available);
+  m.impl("gemv_available", &splitserve_cpu::gemv_available);
 }

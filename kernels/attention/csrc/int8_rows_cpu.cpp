@@ -5,6 +5,8 @@
 //   with a NaN: q 0 and a NaN scale, so its products are NaN as through torch's ops);
 // - dequantize_rows: out = acc * row_scale * col_scale (+ bias), float32.
 // Rows are independent: split over torch's threads when there is enough work for a parallel region to pay.
+#include "cpu_ops.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -247,6 +249,10 @@ void int8_gemv_core(float*, const int8_t*, const float*, int64_t, int64_t, const
 }
 #endif
 
+}  // namespace
+
+namespace splitserve_cpu {
+
 // x: int8 rows with their scales (quantize_rows_int8's), or float32 / bfloat16 / float16 rows with x_scales None,
 // quantized here as quantize_rows_int8 does (the same values: one call instead of three for a decode step).
 void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& w,
@@ -287,14 +293,14 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tens
 
 bool int8_gemv_available() { return kHasVnni; }
 
-}  // namespace
+}  // namespace splitserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("int8_gemv(Tensor(a!) out, Tensor x, Tensor? x_scales, Tensor w, Tensor w_scales, Tensor w_sums, "
         "Tensor? bias) -> ()");
-  m.impl("int8_gemv", c10::DispatchKey::CPU, &int8_gemv);
+  m.impl("int8_gemv", c10::DispatchKey::CPU, &splitserve_cpu::int8_gemv);
   m.def("int8_gemv_available() -> bool");
-  m.impl("int8_gemv_available", &int8_gemv_available);
+  m.impl("int8_gemv_available", &splitserve_cpu::int8_gemv_available);
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
   m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
   m.def("dequantize_rows(Tensor(a!) out, Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias) -> ()");

@@ -15,6 +15,8 @@
 // SLEEF's): up to 4 float32 ulps apart measured (hidden size 3584); in bfloat16 a normed value now and then rounds
 // to the neighbouring value (2.7% of a small model's outputs one ulp apart in one case of 8). The file
 // builds without -ffast-math (kernels/attention/cpu_ops.py), which would call libmvec's less exact vector expf.
+#include "cpu_ops.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -65,6 +67,10 @@ void add_rms_norm_rows(scalar_t* out, const scalar_t* x, scalar_t* residual, con
     }
   }
 }
+
+}  // namespace
+
+namespace splitserve_cpu {
 
 void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                   const at::Tensor& weight, double eps) {
@@ -157,13 +163,13 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   });
 }
 
-}  // namespace
+}  // namespace splitserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &splitserve_cpu::add_rms_norm);
   m.def("rotary_in_place(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
-  m.impl("rotary_in_place", c10::DispatchKey::CPU, &rotary_in_place);
+  m.impl("rotary_in_place", c10::DispatchKey::CPU, &splitserve_cpu::rotary_in_place);
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &splitserve_cpu::silu_and_mul);
 }

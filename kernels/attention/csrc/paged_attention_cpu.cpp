@@ -6,6 +6,8 @@
 // Scores and accumulators are float32 whatever the cache dtype. A batch of one request runs on the calling thread:
 // an OpenMP region for a single work item only adds a fork and a barrier, which on a busy machine waits for a
 // descheduled thread (milliseconds per call).
+#include "cpu_ops.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -96,6 +98,10 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   }
 }
 
+}  // namespace
+
+namespace splitserve_cpu {
+
 // out, query: [num_reqs, num_heads, head_size] (query's rows at any stride); key_cache, value_cache: [num_blocks,
 // block_size, num_kv_heads, head_size]; block_table: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (>= 1); sliding_window <= 0: none.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -163,14 +169,14 @@ void decode_attention_with_kv_write(at::Tensor out, const at::Tensor& query, con
   paged_decode_attention(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
 }
 
-}  // namespace
+}  // namespace splitserve_cpu
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale, int sliding_window) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &splitserve_cpu::paged_decode_attention);
   m.def("decode_attention_with_kv_write(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
         "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
         "float scale, int sliding_window) -> ()");
-  m.impl("decode_attention_with_kv_write", c10::DispatchKey::CPU, &decode_attention_with_kv_write);
+  m.impl("decode_attention_with_kv_write", c10::DispatchKey::CPU, &splitserve_cpu::decode_attention_with_kv_write);
 }

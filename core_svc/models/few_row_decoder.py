@@ -1,0 +1,99 @@
+"""One compiled call per decode step of a few requests on CPU: ``FewRowDecoder`` (kernels/attention/csrc/
+decoder_cpu.cpp) over a ``LlamaModel``'s own weight tensors.
+
+``LlamaModel.forward`` hands it a decode-only step of 1 to ``GEMV_MAX_ROWS`` rows (each one request's one new token)
+once the CPU kernels are loaded. It runs ``DecoderLayer.forward_few_rows`` for every layer, and the final norm, with
+the same kernels and products in the same order, so its output and the keys and values it stores are that path's
+bit for bit; what it removes is Python and torch's dispatch between them (about 0.3 ms per layer of ``small``: 2.5
+of one request's 11 ms float32 forward; docs/benchmarks.md, "One call per decode step").
+
+It covers every projection ``Linear`` and ``Int8Linear`` run at these rows (``gemv`` on dense copies, torch's
+``F.linear`` and oneDNN's packed product, ``int8_gemv``), SiLU-gated MLPs and the ``cpu`` attention backend. Anything
+else (LoRA adapters' wrappers, int8 without the AVX-512 VNNI kernel, another activation or backend) keeps the
+per-layer path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, Linear, compiled_gemv
+from core_svc.models.quantization import Int8Linear, vnni_ops
+from kernels.attention.cpu_ops import loaded_ops
+
+
+def build_few_row_decoder(model: Any) -> Any:
+    """``torch.classes.splitserve_cpu.FewRowDecoder`` over ``model``'s (a ``LlamaModel``) weights, holding the same
+    tensors (no copies but float32 casts of non-float32 biases), or None when the kernels are not loaded or any
+    layer is outside what it covers (module docstring)."""
+    if loaded_ops() is None or not model.layers:
+        return None
+    norms = [model.norm]
+    for layer in model.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    dims = model.layers[0].self_attn.dims
+    for layer in model.layers:
+        attn = layer.self_attn
+        if (
+            attn.backend.name != "cpu"
+            or not layer.mlp.silu
+            or (attn.dims.num_heads, attn.dims.num_kv_heads, attn.dims.head_size)
+            != (dims.num_heads, dims.num_kv_heads, dims.head_size)
+        ):
+            return None
+    if any(norm.eps != model.norm.eps for norm in norms):
+        return None
+    first = model.layers[0].self_attn
+    decoder = torch.classes.splitserve_cpu.FewRowDecoder(
+        model.norm.weight, model.norm.eps, dims.num_heads, dims.num_kv_heads, dims.head_size, first.scale
+    )
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = attn.q_norm, attn.k_norm
+        decoder.add_layer(
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            dims.rms_norm_eps if q_norm is None else q_norm.eps,
+            attn.dims.sliding_window or 0,
+        )
+        for name, module in (
+            ("qkv", attn.qkv_proj),
+            ("o", attn.o_proj),
+            ("gate_up", mlp.gate_up_proj),
+            ("down", mlp.down_proj),
+        ):
+            projection = _projection(module, model.norm.weight.dtype)
+            if projection is None:
+                return None
+            decoder.add_projection(name, *projection)
+    return decoder
+
+
+def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
+    """``add_projection``'s (kind, weight, packed, dense_max_rows, bias, scales, sums) for a projection run as
+    ``Linear.forward`` and ``Int8Linear.forward`` run it at 1 to ``GEMV_MAX_ROWS`` rows: ``gemv`` on a dense copy
+    where the build has it for ``dtype``; else torch's products (``F.linear`` on the dense copy up to
+    ``DENSE_DECODE_MAX_ROWS`` rows, oneDNN's on the packed weight); ``int8_gemv``. None for anything else (an
+    adapter's wrapper, int8 without the VNNI kernel, a weight in another dtype)."""
+    if type(module) is Int8Linear:
+        if vnni_ops() is None:
+            return None
+        bias = None if module.bias is None else module.bias.detach().float()
+        return "int8", module.weight_int8, None, 0, bias, module.scales, module.weight_sums
+    if type(module) is not Linear:
+        return None
+    bias = None if module.bias is None else module.bias.detach()
+    if module.packed_weight is None:  # F.linear on the weight at every row count
+        weight = module.weight.detach()
+        usable = weight.dtype == dtype and weight.is_contiguous()
+        return ("torch", weight, None, 0, bias, None, None) if usable else None
+    dense, packed = module.dense_weight, module.packed_weight
+    if packed.dtype != dtype or (dense is not None and (dense.dtype != dtype or not dense.is_contiguous())):
+        return None
+    if dense is not None and dense.is_contiguous() and compiled_gemv(dtype) is not None:
+        return "gemv", dense, None, 0, None if bias is None else bias.float(), None, None
+    return "torch", dense, packed, DENSE_DECODE_MAX_ROWS if dense is not None else 0, bias, None, None

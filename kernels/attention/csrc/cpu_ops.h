@@ -1,0 +1,33 @@
+// The CPU kernels other sources call directly (decoder_cpu.cpp): each is also registered as
+// torch.ops.splitserve_cpu.<name>, whose schema and checks it keeps (see the defining source).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace splitserve_cpu {
+
+// gemv_cpu.cpp: out [rows, n] = x [rows, k] @ w.T (+ bias, float32) for 1-4 rows, float32 or bfloat16.
+bool gemv_available(at::ScalarType dtype);
+void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+
+// int8_rows_cpu.cpp: float32 out [rows, n] of 1-4 rows x against an int8 weight per output channel.
+bool int8_gemv_available();
+void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& w,
+               const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias);
+
+// layer_ops_cpu.cpp: a decoder layer's elementwise work.
+void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                  const at::Tensor& weight, double eps);
+void rotary_in_place(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin);
+void silu_and_mul(at::Tensor out, const at::Tensor& x);
+
+// paged_attention_cpu.cpp: decode attention over the paged KV cache, after the new keys and values are stored.
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale, int64_t sliding_window);
+void decode_attention_with_kv_write(at::Tensor out, const at::Tensor& query, const at::Tensor& key,
+                                    const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                                    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                    const at::Tensor& seq_lens, double scale, int64_t sliding_window);
+
+}  // namespace splitserve_cpu

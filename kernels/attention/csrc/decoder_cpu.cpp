@@ -1,0 +1,287 @@
+// A decode step of a few requests through a whole Llama-family decoder in one call (FewRowDecoder.forward), for
+// core_svc/models/llama.py: the layers of LlamaModel's few-row path (DecoderLayer.forward_few_rows), their kernels
+// and products called from here, in its order and on its values, so the results are that path's bit for bit.
+//
+// Why: with every matrix product a compiled pass over its weight, one request's decode step still spent
+// milliseconds between the passes, in Python and in torch's dispatch of 20-odd calls per layer (allocations, views,
+// argument parsing), each after a weight pass had pushed its code and data out of the core's caches
+// (docs/benchmarks.md, "One call per decode step"). Here a layer is ten C++ calls on buffers allocated once per step.
+//
+// What it covers (the Python side decides, core_svc/models/few_row_decoder.py): 1-4 rows that are each one
+// request's one new token (a decode-only step); projections as Projection lists them; RMSNorm, optional per-head
+// q/k RMSNorm (Qwen3), RoPE from the step's cos / signed-sin rows, GQA, sliding windows, SiLU-gated MLPs.
+#include "cpu_ops.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;  // gemv's and int8_gemv's limit
+
+// oneDNN's product with a weight reordered into its own layout (torch.ops.mkldnn._linear_pointwise, what
+// core_svc/models/layers.py's Linear runs on a prepacked weight), found once.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                            c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// One linear layer, run as Linear.forward / Int8Linear.forward run it at 1-4 rows:
+// - kGemv: weight dense [out_features, in_features] in the activations' dtype, through gemv; bias float32;
+// - kInt8: weight int8 with float32 scales and int32 row sums, through int8_gemv; bias float32;
+// - kTorch: torch's own products: at::linear on the dense weight up to dense_max_rows rows, else oneDNN's on the
+//   packed one (either may be absent where the other serves every row count); bias in the activations' dtype.
+struct Projection {
+  enum class Kind { kGemv, kInt8, kTorch };
+  Kind kind = Kind::kGemv;
+  at::Tensor weight, packed;
+  int64_t dense_max_rows = 0;
+  c10::optional<at::Tensor> bias, scales, sums;
+
+  bool defined() const { return weight.defined() || packed.defined(); }
+  int64_t out_features() const { return weight.defined() ? weight.size(0) : packed.size(0); }
+
+  // out [rows, out_features] in the activations' dtype; x [rows, in_features] contiguous; wide: float32, at least
+  // rows * out_features long, for an int8 weight under non-float32 activations (int8_gemv's float32 result, then
+  // rounded once, as Int8Linear's .to(dtype)).
+  void apply(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wide) const {
+    switch (kind) {
+      case Kind::kGemv:
+        splitserve_cpu::gemv(out, x, weight, bias);
+        return;
+      case Kind::kInt8:
+        if (out.scalar_type() == at::kFloat) {
+          splitserve_cpu::int8_gemv(out, x, c10::nullopt, weight, *scales, *sums, bias);
+        } else {
+          const at::Tensor result = wide.narrow(0, 0, out.numel()).view(out.sizes());
+          splitserve_cpu::int8_gemv(result, x, c10::nullopt, weight, *scales, *sums, bias);
+          out.copy_(result);
+        }
+        return;
+      case Kind::kTorch:
+        if (weight.defined() && x.size(0) <= dense_max_rows) {
+          out.copy_(at::linear(x, weight, bias));
+        } else {
+          out.copy_(onednn_linear(x, packed, bias));
+        }
+        return;
+    }
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  double qk_eps = 0.0;
+  int64_t sliding_window = 0;  // <= 0: full attention
+  Projection qkv, o, gate_up, down;
+};
+
+class FewRowDecoder : public torch::CustomClassHolder {
+ public:
+  // final_norm: [hidden_size] in the activations' dtype; eps: the decoder norms' epsilon; scale: attention's
+  // softmax scale; the head counts and size those of every layer.
+  FewRowDecoder(at::Tensor final_norm, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                double scale)
+      : final_norm_(std::move(final_norm)),
+        eps_(eps),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_size_(head_size),
+        scale_(scale) {
+    TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.is_contiguous(), "final_norm: contiguous [hidden_size]");
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_size > 0 &&
+                    head_size % 2 == 0,
+                "num_heads must be a positive multiple of num_kv_heads, head_size positive and even");
+  }
+
+  // Appends a layer; its four projections follow through add_projection.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, double qk_eps, int64_t sliding_window) {
+    for (const at::Tensor* norm : {&input_norm, &post_norm}) {
+      TORCH_CHECK(norm->dim() == 1 && norm->numel() == hidden_size() && norm->is_contiguous() &&
+                      norm->scalar_type() == dtype(),
+                  "layer norms: contiguous [hidden_size] in final_norm's dtype");
+    }
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm: both or neither");
+    TORCH_CHECK(layers_.empty() || layers_.front().q_norm.has_value() == q_norm.has_value(),
+                "q/k norms in every layer or in none");
+    TORCH_CHECK(layers_.empty() || layers_.back().down.defined(), "add_layer before the last layer's projections");
+    if (q_norm.has_value()) {
+      for (const at::Tensor* norm : {&*q_norm, &*k_norm}) {
+        TORCH_CHECK(norm->dim() == 1 && norm->numel() == head_size_ && norm->is_contiguous() &&
+                        norm->scalar_type() == dtype(),
+                    "q_norm, k_norm: contiguous [head_size] in final_norm's dtype");
+      }
+    }
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
+                            qk_eps, sliding_window});
+  }
+
+  // The last added layer's projection `name` (qkv, o, gate_up, down), of `kind` (Projection's): "gemv" (weight
+  // dense in final_norm's dtype, bias float32), "int8" (weight int8, scales float32 and sums int32 per output
+  // feature, bias float32) or "torch" (weight dense and used up to dense_max_rows rows, and / or packed by oneDNN
+  // for more; bias in final_norm's dtype).
+  void add_projection(const std::string& name, const std::string& kind, c10::optional<at::Tensor> weight,
+                      c10::optional<at::Tensor> packed, int64_t dense_max_rows, c10::optional<at::Tensor> bias,
+                      c10::optional<at::Tensor> scales, c10::optional<at::Tensor> sums) {
+    TORCH_CHECK(!layers_.empty(), "add_projection before add_layer");
+    Layer& layer = layers_.back();
+    const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+    Projection* slot = nullptr;
+    std::array<int64_t, 2> shape{};
+    if (name == "qkv") {
+      slot = &layer.qkv, shape = {q_size + 2 * kv_size, hidden_size()};
+    } else if (name == "o") {
+      slot = &layer.o, shape = {hidden_size(), q_size};
+    } else if (name == "gate_up") {
+      const at::Tensor& any = weight.has_value() ? *weight : *packed;
+      const int64_t rows = layers_.size() > 1 ? layers_.front().gate_up.out_features() : any.size(0);
+      slot = &layer.gate_up, shape = {rows, hidden_size()};
+      TORCH_CHECK(rows % 2 == 0, "gate_up: an even number of output features (gate, then up), the same in every layer");
+    } else if (name == "down") {
+      TORCH_CHECK(layer.gate_up.defined(), "down after gate_up");
+      slot = &layer.down, shape = {hidden_size(), layer.gate_up.out_features() / 2};
+    } else {
+      TORCH_CHECK(false, "projection name must be qkv, o, gate_up or down, got ", name);
+    }
+    Projection projection;
+    const bool int8 = kind == "int8", torch_kind = kind == "torch";
+    TORCH_CHECK(int8 || torch_kind || kind == "gemv", name, ": kind must be gemv, int8 or torch, got ", kind);
+    projection.kind = int8 ? Projection::Kind::kInt8 : torch_kind ? Projection::Kind::kTorch : Projection::Kind::kGemv;
+    TORCH_CHECK(weight.has_value() || (torch_kind && packed.has_value()), name, ": a weight");
+    TORCH_CHECK(!packed.has_value() || torch_kind, name, ": a packed weight only of kind torch");
+    TORCH_CHECK(int8 == scales.has_value() && int8 == sums.has_value(), name, ": scales and sums for kind int8 only");
+    if (weight.has_value()) {
+      TORCH_CHECK(weight->dim() == 2 && weight->size(0) == shape[0] && weight->size(1) == shape[1] &&
+                      weight->is_contiguous(),
+                  name, ": a contiguous weight [", shape[0], ", ", shape[1], "]");
+      TORCH_CHECK(weight->scalar_type() == (int8 ? at::kChar : dtype()), name, ": the weight's dtype must be ",
+                  int8 ? "int8" : "final_norm's");
+      projection.weight = *std::move(weight);
+    }
+    if (packed.has_value()) {
+      TORCH_CHECK(packed->is_mkldnn() && packed->dim() == 2 && packed->size(0) == shape[0] &&
+                      packed->size(1) == shape[1] && packed->scalar_type() == dtype(),
+                  name, ": a packed weight (torch.ops.mkldnn._reorder_linear_weight's) [", shape[0], ", ", shape[1],
+                  "] in final_norm's dtype");
+      projection.packed = *std::move(packed);
+    }
+    projection.dense_max_rows = projection.packed.defined() ? dense_max_rows : kMaxRows;
+    TORCH_CHECK(!int8 || splitserve_cpu::int8_gemv_available(), name, ": kind int8 needs a build with int8_gemv");
+    TORCH_CHECK(int8 || torch_kind || splitserve_cpu::gemv_available(dtype()), name,
+                ": kind gemv needs a build with gemv for final_norm's dtype");
+    if (bias.has_value()) {
+      const at::ScalarType bias_dtype = torch_kind ? dtype() : at::kFloat;
+      TORCH_CHECK(bias->scalar_type() == bias_dtype && bias->numel() == shape[0] && bias->is_contiguous(), name,
+                  ": bias ", torch_kind ? "in final_norm's dtype" : "float32", ", one per output feature");
+    }
+    projection.bias = std::move(bias), projection.scales = std::move(scales), projection.sums = std::move(sums);
+    *slot = std::move(projection);
+  }
+
+  // hidden: [rows, hidden_size] (1-4 rows, the embeddings of one new token per request), contiguous, in
+  // final_norm's dtype; cos, signed_sin: [rows, head_size] rows of RotaryEmbedding.tables, contiguous;
+  // kv_caches: a [2, num_blocks, block_size, num_kv_heads, head_size] cache per layer; slot_mapping [>= rows] int64;
+  // block_table [>= rows, max_blocks] int32; seq_lens [>= rows] int32 (AttentionMetadata's). Stores each layer's
+  // new keys and values and returns the final norm's output [rows, hidden_size].
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& signed_sin,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens) {
+    const int64_t rows = hidden.size(0), q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+    TORCH_CHECK(!layers_.empty() && layers_.back().down.defined(), "a layer without its four projections");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size() && hidden.is_contiguous() &&
+                    hidden.scalar_type() == dtype(),
+                "hidden: contiguous [rows, hidden_size] in final_norm's dtype");
+    TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "FewRowDecoder takes 1 to ", kMaxRows, " rows, got ", rows);
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "a KV cache per layer: ", layers_.size(), ", got ",
+                kv_caches.size());
+    const auto options = hidden.options();
+    const int64_t qkv_width = q_size + 2 * kv_size, inter = layers_.front().gate_up.out_features() / 2;
+    at::Tensor residual = hidden.clone();
+    at::Tensor normed = at::empty({rows, hidden_size()}, options), mlp_out = at::empty({rows, hidden_size()}, options);
+    at::Tensor qkv = at::empty({rows, qkv_width}, options), attn = at::empty({rows, num_heads_, head_size_}, options);
+    at::Tensor gate_up = at::empty({rows, 2 * inter}, options), act = at::empty({rows, inter}, options);
+    at::Tensor wide;  // int8 projections' float32 results under other dtypes
+    if (dtype() != at::kFloat) wide = at::empty({rows * std::max(qkv_width, 2 * inter)}, options.dtype(at::kFloat));
+    // Views of qkv: q and k heads together for RoPE, each alone for attention; per row for the q/k norms.
+    const at::Tensor qk = qkv.as_strided({rows, num_heads_ + num_kv_heads_, head_size_}, {qkv_width, head_size_, 1});
+    const at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
+    const at::Tensor v = qkv.as_strided({rows, num_kv_heads_, head_size_}, {qkv_width, head_size_, 1}, q_size + kv_size);
+    const at::Tensor attn_rows = attn.view({rows, q_size});
+    std::vector<at::Tensor> q_heads, k_heads;
+    if (layers_.front().q_norm.has_value()) {
+      for (int64_t r = 0; r < rows; ++r) {
+        q_heads.push_back(q.select(0, r));
+        k_heads.push_back(k.select(0, r));
+      }
+    }
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      const at::Tensor& cache = kv_caches[i];
+      TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "kv_caches[", i, "]: [2, num_blocks, block_size, "
+                  "num_kv_heads, head_size]");
+      if (i == 0) {
+        splitserve_cpu::add_rms_norm(normed, hidden, c10::nullopt, layer.input_norm, eps_);
+      } else {
+        splitserve_cpu::add_rms_norm(normed, mlp_out, residual, layer.input_norm, eps_);
+      }
+      layer.qkv.apply(qkv, normed, wide);
+      if (layer.q_norm.has_value()) {
+        for (int64_t r = 0; r < rows; ++r) {
+          splitserve_cpu::add_rms_norm(q_heads[r], q_heads[r], c10::nullopt, *layer.q_norm, layer.qk_eps);
+          splitserve_cpu::add_rms_norm(k_heads[r], k_heads[r], c10::nullopt, *layer.k_norm, layer.qk_eps);
+        }
+      }
+      splitserve_cpu::rotary_in_place(qk, cos, signed_sin);
+      splitserve_cpu::decode_attention_with_kv_write(attn, q, k, v, cache.select(0, 0), cache.select(0, 1),
+                                                     slot_mapping, block_table, seq_lens, scale_,
+                                                     layer.sliding_window);
+      layer.o.apply(mlp_out, attn_rows, wide);
+      splitserve_cpu::add_rms_norm(normed, mlp_out, residual, layer.post_norm, eps_);
+      layer.gate_up.apply(gate_up, normed, wide);
+      splitserve_cpu::silu_and_mul(act, gate_up);
+      layer.down.apply(mlp_out, act, wide);
+    }
+    at::Tensor out = at::empty({rows, hidden_size()}, options);
+    splitserve_cpu::add_rms_norm(out, mlp_out, residual, final_norm_, eps_);
+    return out;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  int64_t hidden_size() const { return final_norm_.numel(); }
+  at::ScalarType dtype() const { return final_norm_.scalar_type(); }
+
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t num_heads_, num_kv_heads_, head_size_;
+  double scale_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.class_<FewRowDecoder>("FewRowDecoder")
+      .def(torch::init<at::Tensor, double, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &FewRowDecoder::add_layer)
+      .def("add_projection", &FewRowDecoder::add_projection)
+      .def("num_layers", &FewRowDecoder::num_layers)
+      .def("forward", &FewRowDecoder::forward);
+}

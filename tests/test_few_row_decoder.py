@@ -1,0 +1,194 @@
+"""The compiled few-row decoder (core_svc/models/few_row_decoder.py, kernels/attention/csrc/decoder_cpu.cpp) against
+the per-layer path it replaces: the same outputs and the same stored keys and values, bit for bit, for every kind
+of projection and layer it covers; and the models it must leave to the per-layer path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from core_svc.models import few_row_decoder, layers, llama
+from core_svc.models.arch import ModelArchConfig
+from core_svc.models.layers import GEMV_MAX_ROWS, prepack_linear_weights
+from core_svc.models.llama import LlamaModel
+from core_svc.models.quantization import quantize_linear_weights, vnni_ops
+from kernels import AttentionMetadata
+from kernels.attention.torch_ref import TorchRefAttentionBackend
+from tests.helpers import cpu_kernels_loaded
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 40
+
+
+def _kernels() -> None:
+    if not cpu_kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built here")
+
+
+def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
+    """A 3-layer decoder of ``variant`` with seeded random weights, its projections as ``weights`` says: "dense"
+    (packed for oneDNN plus the dense copies gemv or F.linear read), "packed" (oneDNN's only), "plain" (F.linear's
+    weight, never packed) or "int8"."""
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+
+    from kernels.attention.cpu import CpuAttentionBackend
+    from splitserve.base import envs
+
+    shape = dict(vocab_size=300, hidden_size=256, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, max_position_embeddings=512)
+    hf = {
+        "llama": LlamaConfig(**shape, architectures=["LlamaForCausalLM"]),
+        "biases": LlamaConfig(**shape, attention_bias=True, mlp_bias=True, architectures=["LlamaForCausalLM"]),
+        "qwen3": Qwen3Config(**shape, head_dim=96, architectures=["Qwen3ForCausalLM"]),  # q/k norm, wider heads
+        "mistral": MistralConfig(**shape, sliding_window=5, architectures=["MistralForCausalLM"]),
+    }[variant]
+    model = LlamaModel(ModelArchConfig.from_hf_config(hf), CpuAttentionBackend(envs.kernel_dir()), dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale, offset = (0.3, 1.0) if "norm" in name else (0.08, 0.0)
+            param.copy_((offset + scale * torch.randn(param.shape, generator=gen)).to(dtype))
+    if weights == "int8":
+        quantize_linear_weights(model)
+    elif weights != "plain" and not prepack_linear_weights(model, keep_dense=weights == "dense"):
+        pytest.skip(f"torch has no oneDNN for {dtype} here")
+    return model
+
+
+def _step(model: LlamaModel, seq_lens: list[int], gen: torch.Generator) -> tuple[Any, ...]:
+    """A decode step of one new token per request (sequence lengths after it ``seq_lens``) over KV caches holding
+    random keys and values for the earlier tokens, in blocks scattered through the cache."""
+    dims = model.layers[0].self_attn.dims
+    dtype = model.norm.weight.dtype
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, dims.num_kv_heads, dims.head_size)
+    kv_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in model.layers]
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    order = torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1  # block 0 is the null block
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for row, n in enumerate(seq_lens):
+        used = -(-n // BLOCK_SIZE)
+        block_table[row, :used] = order[row * max_blocks : row * max_blocks + used].int()
+    slots = [
+        int(block_table[row, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+        for row, n in enumerate(seq_lens)
+    ]
+    rows = len(seq_lens)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        num_decodes=rows,
+    )
+    input_ids = torch.randint(0, 300, (rows,), generator=gen)
+    positions = torch.tensor([n - 1 for n in seq_lens])
+    return input_ids, positions, kv_caches, metadata
+
+
+def _not_called(*args: Any) -> None:
+    raise AssertionError("the per-layer path ran")
+
+
+WEIGHTS = [
+    ("llama", torch.float32, "dense"),
+    ("llama", torch.bfloat16, "dense"),
+    ("llama", torch.float32, "packed"),
+    ("llama", torch.float32, "plain"),
+    ("biases", torch.float32, "dense"),
+    ("biases", torch.bfloat16, "packed"),
+    ("biases", torch.bfloat16, "int8"),
+    ("qwen3", torch.float32, "dense"),
+    ("qwen3", torch.bfloat16, "dense"),
+    ("mistral", torch.float32, "int8"),
+    ("mistral", torch.bfloat16, "packed"),
+    ("llama", torch.float32, "int8"),
+]
+
+
+@pytest.mark.parametrize(("variant", "dtype", "weights"), WEIGHTS)
+def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dtype, weights):
+    """Dense copies go to gemv where the build has it for the dtype, else (and without the kernel, forced below for
+    float32) to F.linear up to 2 rows and oneDNN beyond: each route the per-layer path takes."""
+    _kernels()
+    if weights == "int8" and vnni_ops() is None:
+        pytest.skip("this build has no int8_gemv (AVX-512 VNNI)")
+    model = _model(variant, dtype, weights)
+    assert model.few_row_decoder() is not None
+    _compare(monkeypatch, model, dtype)
+
+
+def test_dense_copies_without_gemv_go_through_f_linear_then_onednn(monkeypatch):
+    """A build without gemv (an AVX2 CPU): dense copies serve F.linear up to DENSE_DECODE_MAX_ROWS rows."""
+    _kernels()
+    monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)
+    monkeypatch.setattr(few_row_decoder, "compiled_gemv", lambda dtype: None)
+    model = _model("biases", torch.float32, "dense")
+    assert all(m.dense_weight is not None for m in model.modules() if isinstance(m, layers.Linear))
+    assert model.few_row_decoder() is not None
+    _compare(monkeypatch, model, torch.float32)
+
+
+def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    # one request; then GEMV_MAX_ROWS at lengths across block edges, past the sliding window, at a first token
+    for seq_lens in ([9], [1, 4, 5, 13][:GEMV_MAX_ROWS]):
+        input_ids, positions, caches, metadata = _step(model, seq_lens, gen)
+        reference_caches = [cache.clone() for cache in caches]
+        with torch.no_grad(), monkeypatch.context() as patch:
+            patch.setattr(llama.DecoderLayer, "forward_few_rows", _not_called)  # the step is one call
+            fused = model(input_ids, positions, caches, metadata)
+        with torch.no_grad():
+            decoder = model._few_row_decoder
+            model.disable_few_row_decoder()
+            reference = model(input_ids, positions, reference_caches, metadata)
+            model._few_row_decoder = decoder
+        assert fused.dtype == dtype and fused.shape == (len(seq_lens), 256)
+        assert torch.equal(fused, reference)
+        for cache, expected in zip(caches, reference_caches, strict=True):
+            assert torch.equal(cache, expected)  # the new keys and values in their slots, the rest untouched
+
+
+def test_models_it_does_not_cover_keep_the_per_layer_path(monkeypatch):
+    _kernels()
+    # an activation other than SiLU
+    gelu = _model("llama", torch.float32, "plain")
+    gelu.layers[1].mlp.silu = False
+    assert gelu.few_row_decoder() is None
+    # a projection wrapped for LoRA adapters
+    wrapped = _model("llama", torch.float32, "plain")
+    wrapped.layers[2].self_attn.o_proj = torch.nn.Sequential(wrapped.layers[2].self_attn.o_proj)
+    assert wrapped.few_row_decoder() is None
+    # int8 weights on a CPU without the VNNI kernel (torch._weight_int8pack_mm's route)
+    monkeypatch.setattr(few_row_decoder, "vnni_ops", lambda: None)
+    assert _model("llama", torch.float32, "int8").few_row_decoder() is None
+    # the reference attention backend
+    other = _model("llama", torch.float32, "plain")
+    for layer in other.layers:
+        layer.self_attn.backend = TorchRefAttentionBackend()
+    assert other.few_row_decoder() is None
+
+
+def test_malformed_inputs_are_refused_with_the_reason():
+    _kernels()
+    model = _model("llama", torch.float32, "plain")
+    decoder = model.few_row_decoder()
+    gen = torch.Generator().manual_seed(2)
+    input_ids, positions, caches, metadata = _step(model, [3, 3, 3, 3, 3], gen)
+    hidden = model.embed_tokens(input_ids)
+    cos, sin = model.rotary.tables(positions)
+    args = (metadata.slot_mapping, metadata.block_table, metadata.seq_lens)
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
+        decoder.forward(hidden, cos, sin, caches, *args)
+    with pytest.raises(RuntimeError, match="a KV cache per layer: 3, got 2"):
+        decoder.forward(hidden[:1], cos[:1], sin[:1], caches[:2], *args)
+    with pytest.raises(RuntimeError, match="final_norm's dtype"):
+        decoder.forward(hidden[:1].double(), cos[:1], sin[:1], caches, *args)
+    with pytest.raises(RuntimeError, match="projection name must be qkv, o, gate_up or down, got up"):
+        decoder.add_projection("up", "torch", torch.zeros(8, 256), None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]"):
+        decoder.add_projection("down", "torch", torch.zeros(256, 351), None, 0, None, None, None)
