@@ -82,7 +82,7 @@ def instrument(core: Any) -> dict[str, float]:
     runner._make_output = _timed(table, "output", runner._make_output)
     model.compute_logits = _timed(table, "lm_head", model.compute_logits)
     model.forward = _timed(table, "forward", model.forward)
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)
     if hasattr(inner, "few_row_decoder"):  # trees since the one-call decoder (core_svc/models/few_row_decoder.py)
         few_row_decoder = inner.few_row_decoder
 
