@@ -43,11 +43,12 @@ STEPS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_paged_attention_matches_dense(backend_name, dtype, window, step):
+@pytest.mark.parametrize("head_size", [32, 64, 128])  # the CPU kernel: 64 and 128 compiled apart, others at run time
+def test_paged_attention_matches_dense(backend_name, dtype, window, step, head_size):
     """Each kind of step (``STEPS``) with GQA, scattered blocks, and a block size that does not divide the
     lengths."""
     gen = torch.Generator().manual_seed(0)
-    num_heads, num_kv_heads, head_size, block_size, num_blocks = 8, 2, 32, 4, 64
+    num_heads, num_kv_heads, block_size, num_blocks = 8, 2, 4, 64
     requests = STEPS[step]
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
     free_blocks = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # block 0 is the null block

@@ -21,19 +21,36 @@
 
 namespace {
 
-template <typename scalar_t>
-inline float dot(const float* q, const scalar_t* k, int64_t head_size) {
+// HEAD: the head size as a constant (64, 128: every inner loop then has a constant trip count, fully unrolled and
+// vectorized, 2.2x the runtime-bounded loops' speed for 64 requests of 200 tokens, docs/benchmarks.md), or 0 for any
+// size read at run time.
+template <int HEAD>
+struct HeadSize {
+  explicit HeadSize(int64_t) {}
+  static constexpr int64_t value() { return HEAD; }
+};
+template <>
+struct HeadSize<0> {
+  explicit HeadSize(int64_t size) : size_(size) {}
+  int64_t value() const { return size_; }
+  int64_t size_;
+};
+
+template <typename scalar_t, typename Head>
+inline float dot(const float* q, const scalar_t* k, Head head) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < head_size; ++d) sum += q[d] * static_cast<float>(k[d]);
+  for (int64_t d = 0; d < head.value(); ++d) sum += q[d] * static_cast<float>(k[d]);
   return sum;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, int HEAD>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                    double scale, int64_t sliding_window) {
-  const int64_t num_reqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_reqs = query.size(0), num_heads = query.size(1);
+  const HeadSize<HEAD> head_size(query.size(2));
+  const int64_t hs = head_size.value();
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_table.size(1);
@@ -43,15 +60,15 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
-  const int64_t row_stride = num_kv_heads * head_size;  // between consecutive slots of the cache
+  const int64_t row_stride = num_kv_heads * hs;  // between consecutive slots of the cache
 
-  // One work item per request: its cache rows ([num_kv_heads, head_size] per slot) are read front to back once.
-  // Dynamic scheduling: sequence lengths are long-tailed, so equal static shares of requests are not equal work.
-  // No more threads than requests, and no parallel region at all for one.
+  // One work item per request: its cache rows ([num_kv_heads, head_size] per slot) are read front to back once,
+  // block by block (no division per token). Dynamic scheduling: sequence lengths are long-tailed, so equal static
+  // shares of requests are not equal work. No more threads than requests, and no parallel region at all for one.
   const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_reqs)));
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
-    std::vector<float> q(num_heads * head_size), acc(num_heads * head_size), scores;
+    std::vector<float> q(num_heads * hs), acc(num_heads * hs), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < num_reqs; ++r) {
       const int64_t len = lens[r];
@@ -59,14 +76,22 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       const int64_t n = len - first;
       scores.resize(num_heads * n);
       const scalar_t* q_row = q_ptr + r * query.stride(0);  // heads contiguous within a row, rows at any stride
-      for (int64_t i = 0; i < num_heads * head_size; ++i) q[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
+      for (int64_t i = 0; i < num_heads * hs; ++i) q[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
       const int32_t* blocks = table + r * max_blocks;
-      for (int64_t t = first; t < len; ++t) {
-        const scalar_t* k = k_ptr + (static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size) * row_stride;
-        for (int64_t head = 0; head < num_heads; ++head) {
-          scores[head * n + (t - first)] = dot(q.data() + head * head_size, k + (head / group) * head_size, head_size);
+      // The slots [first, len) block by block: (block's cache offset, first slot in it, slots in it, token index).
+      auto for_each_slot = [&](const scalar_t* cache, auto&& body) {
+        for (int64_t t = first; t < len;) {
+          const int64_t offset = t % block_size, count = std::min(block_size - offset, len - t);
+          const scalar_t* slot = cache + (static_cast<int64_t>(blocks[t / block_size]) * block_size + offset) * row_stride;
+          for (int64_t i = 0; i < count; ++i, slot += row_stride) body(slot, t - first + i);
+          t += count;
         }
-      }
+      };
+      for_each_slot(k_ptr, [&](const scalar_t* k, int64_t j) {
+        for (int64_t head = 0; head < num_heads; ++head) {
+          scores[head * n + j] = dot(q.data() + head * hs, k + (head / group) * hs, head_size);
+        }
+      });
       for (int64_t head = 0; head < num_heads; ++head) {
         float* s = scores.data() + head * n;
         float m = std::numeric_limits<float>::lowest();
@@ -82,18 +107,17 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = first; t < len; ++t) {
-        const scalar_t* v = v_ptr + (static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size) * row_stride;
+      for_each_slot(v_ptr, [&](const scalar_t* v, int64_t j) {
         for (int64_t head = 0; head < num_heads; ++head) {
-          const float p = scores[head * n + (t - first)];
-          const scalar_t* v_head = v + (head / group) * head_size;
-          float* a = acc.data() + head * head_size;
+          const float p = scores[head * n + j];
+          const scalar_t* v_head = v + (head / group) * hs;
+          float* a = acc.data() + head * hs;
 #pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) a[d] += p * static_cast<float>(v_head[d]);
+          for (int64_t d = 0; d < head_size.value(); ++d) a[d] += p * static_cast<float>(v_head[d]);
         }
-      }
-      scalar_t* o_row = o_ptr + r * num_heads * head_size;
-      for (int64_t i = 0; i < num_heads * head_size; ++i) o_row[i] = static_cast<scalar_t>(acc[i]);
+      });
+      scalar_t* o_row = o_ptr + r * num_heads * hs;
+      for (int64_t i = 0; i < num_heads * hs; ++i) o_row[i] = static_cast<scalar_t>(acc[i]);
     }
   }
 }
@@ -124,7 +148,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
               "query, cache and out must share a dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+    switch (query.size(2)) {
+      case 64:
+        decode_kernel<scalar_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+        break;
+      case 128:
+        decode_kernel<scalar_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+        break;
+      default:
+        decode_kernel<scalar_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+    }
   });
 }
 
