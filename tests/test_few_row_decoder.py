@@ -37,8 +37,11 @@ def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
 
     shape = dict(vocab_size=300, hidden_size=256, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4)
     shape |= dict(num_key_value_heads=2, max_position_embeddings=512)
+    narrow = shape | dict(intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
     hf = {
         "llama": LlamaConfig(**shape, architectures=["LlamaForCausalLM"]),
+        # hidden wider than qkv and gate_up: the scratch row of int8 results under bfloat16 must fit o and down
+        "narrow": LlamaConfig(**narrow, architectures=["LlamaForCausalLM"]),
         "biases": LlamaConfig(**shape, attention_bias=True, mlp_bias=True, architectures=["LlamaForCausalLM"]),
         "qwen3": Qwen3Config(**shape, head_dim=96, architectures=["Qwen3ForCausalLM"]),  # q/k norm, wider heads
         "mistral": MistralConfig(**shape, sliding_window=5, architectures=["MistralForCausalLM"]),
@@ -49,6 +52,9 @@ def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
         for name, param in model.named_parameters():
             scale, offset = (0.3, 1.0) if "norm" in name else (0.08, 0.0)
             param.copy_((offset + scale * torch.randn(param.shape, generator=gen)).to(dtype))
+    if variant == "qwen3":  # per-head norms with their own epsilon: each norm must use its own
+        for layer in model.layers:
+            layer.self_attn.q_norm.eps = layer.self_attn.k_norm.eps = 0.25
     if weights == "int8":
         quantize_linear_weights(model)
     elif weights != "plain" and not prepack_linear_weights(model, keep_dense=weights == "dense"):
@@ -107,6 +113,7 @@ WEIGHTS = [
     ("mistral", torch.float32, "int8"),
     ("mistral", torch.bfloat16, "packed"),
     ("llama", torch.float32, "int8"),
+    ("narrow", torch.bfloat16, "int8"),
 ]
 
 
@@ -135,22 +142,35 @@ def test_dense_copies_without_gemv_go_through_f_linear_then_onednn(monkeypatch):
 
 def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
-    # one request; then GEMV_MAX_ROWS at lengths across block edges, past the sliding window, at a first token
-    for seq_lens in ([9], [1, 4, 5, 13][:GEMV_MAX_ROWS]):
+    # 1 to GEMV_MAX_ROWS requests (F.linear on dense copies up to 2 rows, oneDNN beyond) at lengths across block
+    # edges, past the sliding window, at a first token
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        seq_lens = [9, 1, 13, 5][:rows]
         input_ids, positions, caches, metadata = _step(model, seq_lens, gen)
         reference_caches = [cache.clone() for cache in caches]
         with torch.no_grad(), monkeypatch.context() as patch:
             patch.setattr(llama.DecoderLayer, "forward_few_rows", _not_called)  # the step is one call
             fused = model(input_ids, positions, caches, metadata)
         with torch.no_grad():
-            decoder = model._few_row_decoder
-            model.disable_few_row_decoder()
+            model.few_row_decoder_enabled = False
             reference = model(input_ids, positions, reference_caches, metadata)
-            model._few_row_decoder = decoder
-        assert fused.dtype == dtype and fused.shape == (len(seq_lens), 256)
+            model.few_row_decoder_enabled = True
+        assert fused.dtype == dtype and fused.shape == (rows, 256)
         assert torch.equal(fused, reference)
         for cache, expected in zip(caches, reference_caches, strict=True):
             assert torch.equal(cache, expected)  # the new keys and values in their slots, the rest untouched
+
+
+def test_replaced_weights_rebuild_the_decoder(monkeypatch):
+    """Weights prepacked or quantized after a first decode step: the decoder is built again over the new ones."""
+    _kernels()
+    model = _model("llama", torch.float32, "plain")
+    first = model.few_row_decoder()
+    assert first is not None
+    if not prepack_linear_weights(model):
+        pytest.skip("torch has no oneDNN for float32 here")
+    assert model.few_row_decoder() is not None and model.few_row_decoder() is not first
+    _compare(monkeypatch, model, torch.float32)
 
 
 def test_models_it_does_not_cover_keep_the_per_layer_path(monkeypatch):
@@ -190,5 +210,7 @@ def test_malformed_inputs_are_refused_with_the_reason():
         decoder.forward(hidden[:1].double(), cos[:1], sin[:1], caches, *args)
     with pytest.raises(RuntimeError, match="projection name must be qkv, o, gate_up or down, got up"):
         decoder.add_projection("up", "torch", torch.zeros(8, 256), None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match="gate_up: a weight"):
+        decoder.add_projection("gate_up", "torch", None, None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]"):
         decoder.add_projection("down", "torch", torch.zeros(256, 351), None, 0, None, None, None)

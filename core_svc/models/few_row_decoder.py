@@ -37,13 +37,14 @@ def build_few_row_decoder(model: Any) -> Any:
     for layer in model.layers:
         attn = layer.self_attn
         if (
-            attn.backend.name != "cpu"
+            getattr(attn.backend, "name", None) != "cpu"
             or not layer.mlp.silu
+            or (attn.q_norm is None) != (model.layers[0].self_attn.q_norm is None)
             or (attn.dims.num_heads, attn.dims.num_kv_heads, attn.dims.head_size)
             != (dims.num_heads, dims.num_kv_heads, dims.head_size)
         ):
             return None
-    if any(norm.eps != model.norm.eps for norm in norms):
+    if any(norm.eps != model.norm.eps or norm.weight.dtype != model.norm.weight.dtype for norm in norms):
         return None
     first = model.layers[0].self_attn
     decoder = torch.classes.splitserve_cpu.FewRowDecoder(
@@ -52,6 +53,8 @@ def build_few_row_decoder(model: Any) -> Any:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm, k_norm = attn.q_norm, attn.k_norm
+        if q_norm is not None and k_norm is not None and not _same_norms(q_norm, k_norm, model.norm.weight.dtype):
+            return None
         decoder.add_layer(
             layer.input_layernorm.weight,
             layer.post_attention_layernorm.weight,
@@ -71,6 +74,12 @@ def build_few_row_decoder(model: Any) -> Any:
                 return None
             decoder.add_projection(name, *projection)
     return decoder
+
+
+def _same_norms(q_norm: Any, k_norm: Any, dtype: torch.dtype) -> bool:
+    """Whether a layer's q and k norms share an epsilon (the decoder takes one per layer) and the activations'
+    dtype."""
+    return q_norm.eps == k_norm.eps and q_norm.weight.dtype == k_norm.weight.dtype == dtype
 
 
 def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:

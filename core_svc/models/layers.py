@@ -151,7 +151,18 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
             else:
                 dense = kernel or weight.dtype == torch.float32
             module.prepack(keep_dense=keep_dense and dense)
+    notify_weights_replaced(model)
     return True
+
+
+def notify_weights_replaced(model: nn.Module) -> None:
+    """Tell every module of ``model`` that keeps objects built over its weight tensors (``LlamaModel``'s few-row
+    decoder, through its ``weights_replaced``) that those tensors were replaced, so they are built again when next
+    used. ``prepack_linear_weights`` and ``quantize_linear_weights`` call it."""
+    for module in model.modules():
+        hook = getattr(module, "weights_replaced", None)
+        if callable(hook):
+            hook()
 
 
 class RMSNorm(nn.Module):

@@ -112,21 +112,25 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # few_row_decoder's: built at the first decode step of few rows; False: not applicable (or turned off)
+        # few_row_decoder's: None until built at the first decode step of few rows; False where it does not apply
         self._few_row_decoder: Any = None
+        self.few_row_decoder_enabled = True  # False: every step layer by layer (tests compare the two paths)
 
     def few_row_decoder(self) -> Any:
         """The compiled decoder for decode-only steps of few rows on CPU (``few_row_decoder.build_few_row_decoder``:
-        the per-layer path's values in one call), built on first use over this model's weights, or None where it
-        does not apply. ``disable_few_row_decoder`` keeps the per-layer path."""
+        the per-layer path's values in one call), built on first use over this model's weight tensors, or None
+        where it does not apply or ``few_row_decoder_enabled`` is False."""
+        if not self.few_row_decoder_enabled:
+            return None
         if self._few_row_decoder is None:
             decoder = build_few_row_decoder(self)
             self._few_row_decoder = False if decoder is None else decoder
         return None if self._few_row_decoder is False else self._few_row_decoder
 
-    def disable_few_row_decoder(self) -> None:
-        """Run every decode step layer by layer (tests compare the two paths)."""
-        self._few_row_decoder = False
+    def weights_replaced(self) -> None:
+        """Its weight tensors were replaced (``layers.notify_weights_replaced``): the few-row decoder, which holds
+        the old ones, is built again at its next use."""
+        self._few_row_decoder = None
 
     def forward(
         self,

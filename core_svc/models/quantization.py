@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_svc.models.layers import Linear
+from core_svc.models.layers import Linear, notify_weights_replaced
 from kernels.attention.cpu_ops import loaded_ops
 
 INT8PACK_MAX_ROWS = 4  # most rows sent to torch._weight_int8pack_mm; more go through int8_linear_w8a8
@@ -205,4 +205,5 @@ def quantize_linear_weights(model: nn.Module) -> int:
             raise ValueError(f"int8 quantization runs on CPU only; {name} is on {module.weight.device}")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, Int8Linear(module))
+    notify_weights_replaced(model)
     return len(targets)

@@ -142,6 +142,9 @@ class FewRowDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(!layers_.empty(), "add_projection before add_layer");
     Layer& layer = layers_.back();
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+    const bool int8 = kind == "int8", torch_kind = kind == "torch";
+    TORCH_CHECK(int8 || torch_kind || kind == "gemv", name, ": kind must be gemv, int8 or torch, got ", kind);
+    TORCH_CHECK(weight.has_value() || (torch_kind && packed.has_value()), name, ": a weight");
     Projection* slot = nullptr;
     std::array<int64_t, 2> shape{};
     if (name == "qkv") {
@@ -160,10 +163,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
       TORCH_CHECK(false, "projection name must be qkv, o, gate_up or down, got ", name);
     }
     Projection projection;
-    const bool int8 = kind == "int8", torch_kind = kind == "torch";
-    TORCH_CHECK(int8 || torch_kind || kind == "gemv", name, ": kind must be gemv, int8 or torch, got ", kind);
     projection.kind = int8 ? Projection::Kind::kInt8 : torch_kind ? Projection::Kind::kTorch : Projection::Kind::kGemv;
-    TORCH_CHECK(weight.has_value() || (torch_kind && packed.has_value()), name, ": a weight");
     TORCH_CHECK(!packed.has_value() || torch_kind, name, ": a packed weight only of kind torch");
     TORCH_CHECK(int8 == scales.has_value() && int8 == sums.has_value(), name, ": scales and sums for kind int8 only");
     if (weight.has_value()) {
@@ -208,6 +208,9 @@ class FewRowDecoder : public torch::CustomClassHolder {
                     hidden.scalar_type() == dtype(),
                 "hidden: contiguous [rows, hidden_size] in final_norm's dtype");
     TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "FewRowDecoder takes 1 to ", kMaxRows, " rows, got ", rows);
+    TORCH_CHECK(hidden.device().is_cpu() && cos.device().is_cpu() && signed_sin.device().is_cpu() &&
+                    slot_mapping.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
+                "CPU tensors only");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "a KV cache per layer: ", layers_.size(), ", got ",
                 kv_caches.size());
     const auto options = hidden.options();
@@ -217,7 +220,9 @@ class FewRowDecoder : public torch::CustomClassHolder {
     at::Tensor qkv = at::empty({rows, qkv_width}, options), attn = at::empty({rows, num_heads_, head_size_}, options);
     at::Tensor gate_up = at::empty({rows, 2 * inter}, options), act = at::empty({rows, inter}, options);
     at::Tensor wide;  // int8 projections' float32 results under other dtypes
-    if (dtype() != at::kFloat) wide = at::empty({rows * std::max(qkv_width, 2 * inter)}, options.dtype(at::kFloat));
+    if (dtype() != at::kFloat) {
+      wide = at::empty({rows * std::max({qkv_width, 2 * inter, hidden_size()})}, options.dtype(at::kFloat));
+    }
     // Views of qkv: q and k heads together for RoPE, each alone for attention; per row for the q/k norms.
     const at::Tensor qk = qkv.as_strided({rows, num_heads_ + num_kv_heads_, head_size_}, {qkv_width, head_size_, 1});
     const at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
@@ -233,8 +238,8 @@ class FewRowDecoder : public torch::CustomClassHolder {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const at::Tensor& cache = kv_caches[i];
-      TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2, "kv_caches[", i, "]: [2, num_blocks, block_size, "
-                  "num_kv_heads, head_size]");
+      TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.device().is_cpu(), "kv_caches[", i,
+                  "]: [2, num_blocks, block_size, num_kv_heads, head_size] on the CPU");
       if (i == 0) {
         splitserve_cpu::add_rms_norm(normed, hidden, c10::nullopt, layer.input_norm, eps_);
       } else {
