@@ -22,8 +22,9 @@
 namespace {
 
 // HEAD: the head size as a constant (64, 128: every inner loop then has a constant trip count, fully unrolled and
-// vectorized, 2.2x the runtime-bounded loops' speed for 64 requests of 200 tokens, docs/benchmarks.md), or 0 for any
-// size read at run time.
+// vectorized: 1.7x the runtime-bounded loops' speed for 64 requests of 200 tokens), or 0 for any size read at run
+// time. With the next block's prefetch below, one thread's decode attention over 64 requests of 64-400 tokens went
+// from 7.4 to 2.6-3.4 ms (python -m benchmarks.decode_attention; docs/benchmarks.md, "One call per decode step").
 template <int HEAD>
 struct HeadSize {
   explicit HeadSize(int64_t) {}
@@ -79,11 +80,22 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       for (int64_t i = 0; i < num_heads * hs; ++i) q[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
       const int32_t* blocks = table + r * max_blocks;
       // The slots [first, len) block by block: (block's cache offset, first slot in it, slots in it, token index).
+      const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
       auto for_each_slot = [&](const scalar_t* cache, auto&& body) {
         for (int64_t t = first; t < len;) {
           const int64_t offset = t % block_size, count = std::min(block_size - offset, len - t);
           const scalar_t* slot = cache + (static_cast<int64_t>(blocks[t / block_size]) * block_size + offset) * row_stride;
-          for (int64_t i = 0; i < count; ++i, slot += row_stride) body(slot, t - first + i);
+          // the same slot of the next block, fetched while this one is read: blocks are scattered, so the hardware
+          // prefetcher's stream ends at each block's end
+          const int64_t next_block = (t + count) / block_size;
+          const char* ahead = t + count < len ? reinterpret_cast<const char*>(
+              cache + static_cast<int64_t>(blocks[next_block]) * block_size * row_stride) : nullptr;
+          for (int64_t i = 0; i < count; ++i, slot += row_stride) {
+            if (ahead != nullptr) {
+              for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + i * row_bytes + b);
+            }
+            body(slot, t - first + i);
+          }
           t += count;
         }
       };

@@ -1,0 +1,146 @@
+"""One request's decoder forward on CPU, the one-call decoder (``FewRowDecoder``, core_svc/models/few_row_decoder.py)
+against the per-layer path it replaces, side by side in one process.
+
+``python -m benchmarks.few_row_decoder [--num-threads 1] [--rows 1] [--context 128] [--rounds 40]`` builds a
+``LlamaModel`` of ``small``'s shape (8 layers, hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408; random
+weights: the work does not depend on them) per precision: ``float32`` (oneDNN's packed weights, the default),
+``float32-dense`` and ``bfloat16-dense`` (``--dense-decode-weights``: the compiled ``gemv``), ``bfloat16`` (packed)
+and ``int8`` (``--quantization int8``: ``int8_gemv``). It times a decode step's forward (every layer and the final
+norm, not the LM head) of ``--rows`` requests over ``--context`` cached tokens each, the two paths alternating
+round by round (5 forwards a round), and prints the median ms per forward of each, their difference and ratio. The
+two give the same values bit for bit (tests/test_few_row_decoder.py). A precision the machine cannot run (no
+oneDNN bfloat16, no VNNI kernel) is left out and named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.workload import Machine
+from core_svc.models.arch import ModelArchConfig
+from core_svc.models.layers import compiled_gemv, prepack_linear_weights
+from core_svc.models.llama import LlamaModel
+from core_svc.models.quantization import quantize_linear_weights, vnni_ops
+from kernels import AttentionMetadata
+from kernels.attention import cpu_ops
+from kernels.attention.cpu import CpuAttentionBackend
+from splitserve.base import envs
+
+PRECISIONS = ("float32", "float32-dense", "bfloat16", "bfloat16-dense", "int8")
+BLOCK_SIZE = 16
+
+
+def build(precision: str) -> LlamaModel | str:
+    """``small``'s decoder in ``precision``, or why this machine cannot run it."""
+    from transformers import LlamaConfig
+
+    dtype = torch.bfloat16 if precision.startswith("bfloat16") else torch.float32
+    hf = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        architectures=["LlamaForCausalLM"],
+    )
+    model = LlamaModel(ModelArchConfig.from_hf_config(hf), CpuAttentionBackend(envs.kernel_dir()), dtype).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_((torch.randn(param.shape, generator=gen) * 0.02 + (1.0 if "norm" in name else 0.0)).to(dtype))
+    if precision == "int8":
+        if vnni_ops() is None:
+            return "no AVX-512 VNNI kernel (int8_gemv) in this build"
+        quantize_linear_weights(model)
+    else:
+        dense = precision.endswith("-dense")
+        if dense and compiled_gemv(dtype) is None:
+            return f"no gemv for {dtype} in this build"
+        if not prepack_linear_weights(model, keep_dense=dense):
+            return f"torch has no oneDNN for {dtype} here"
+    return model if model.few_row_decoder() is not None else "the one-call decoder does not cover it"
+
+
+def step(model: LlamaModel, rows: int, context: int) -> tuple[Any, ...]:
+    """A decode step of ``rows`` requests, each with ``context`` tokens cached before its new one."""
+    dtype = model.norm.weight.dtype
+    length = context + 1
+    per_request = -(-length // BLOCK_SIZE)
+    kv_caches = [torch.randn(2, rows * per_request + 1, BLOCK_SIZE, 4, 64).to(dtype) for _ in model.layers]
+    table = (torch.arange(rows * per_request, dtype=torch.int32) + 1).view(rows, per_request)
+    slots = [int(table[r, context // BLOCK_SIZE]) * BLOCK_SIZE + context % BLOCK_SIZE for r in range(rows)]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.full((rows,), length, dtype=torch.int32),
+        block_table=table,
+        query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=[length] * rows,
+        max_query_len=1,
+        max_seq_len=length,
+        num_decodes=rows,
+    )
+    return torch.arange(rows) + 5, torch.full((rows,), context), kv_caches, metadata
+
+
+def measure(model: LlamaModel, rows: int, context: int, rounds: int) -> dict[str, float]:
+    """Median ms per forward of each path (``one call``, ``per layer``), alternating round by round."""
+    args = step(model, rows, context)
+    times: dict[str, list[float]] = {"one call": [], "per layer": []}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for path in times:
+                model.few_row_decoder_enabled = path == "one call"
+                start = time.perf_counter()
+                for _ in range(5):
+                    model(*args)
+                times[path].append((time.perf_counter() - start) / 5 * 1e3)
+    model.few_row_decoder_enabled = True
+    return {path: statistics.median(values) for path, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=1, help="requests in the step (1-4)")
+    parser.add_argument("--context", type=int, default=128, help="tokens cached per request")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.num_threads)
+    cpu_ops.load(envs.kernel_dir())
+    machine = Machine.current("cpu")
+    print(
+        f"CPU {machine.cpu} ({machine.cores} CPUs; flags {', '.join(machine.cpu_flags)}), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {args.rows} row(s) over {args.context} cached tokens, median of "
+        f"{args.rounds} rounds"
+    )
+    print(f"{'precision':>15} {'one call ms':>12} {'per layer ms':>13} {'saved ms':>9}  ratio")
+    results: dict[str, Any] = {}
+    for precision in PRECISIONS:
+        model = build(precision)
+        if isinstance(model, str):
+            print(f"{precision:>15}  left out: {model}")
+            results[precision] = model
+            continue
+        ms = measure(model, args.rows, args.context, args.rounds)
+        fused, layered = ms["one call"], ms["per layer"]
+        print(f"{precision:>15} {fused:>12.2f} {layered:>13.2f} {layered - fused:>9.2f}  {fused / layered:.2f}x")
+        results[precision] = ms
+    if args.out is not None:
+        report = {"machine": dataclasses.asdict(machine), "args": {k: str(v) for k, v in vars(args).items()}, "ms": results}
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
