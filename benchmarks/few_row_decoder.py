@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{precision:>15} {fused:>12.2f} {layered:>13.2f} {layered - fused:>9.2f}  {fused / layered:.2f}x")
         results[precision] = ms
     if args.out is not None:
-        report = {"machine": dataclasses.asdict(machine), "args": {k: str(v) for k, v in vars(args).items()}, "ms": results}
+        report = {
+            "machine": dataclasses.asdict(machine),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "ms": results,
+        }
         args.out.write_text(json.dumps(report, indent=2, default=str))
 
 

@@ -1,7 +1,7 @@
 """Builds and loads the C++ CPU kernels (``csrc/``): one binary per build key.
 
 ``load(build_dir)`` compiles ``csrc/*.cpp`` (``_SOURCES``) the first time (the C++ compiler, ``$CXX`` or else
-``c++``, once per source, as many at once as the process may use CPUs, then a link; about 20 s on 2 cores) into
+``c++``, once per source, as many at once as the process may use CPUs, then a link; about 40 s on 2 cores) into
 ``build_dir/splitserve_cpu_<key>.so`` and loads it with ``torch.ops.load_library``, which registers
 ``torch.ops.splitserve_cpu.*``. The key is a hash of everything the binary depends on: the sources, the flags,
 the compiler (its path and ``--version``), torch's version and C++ ABI, and the CPU's feature flags
@@ -78,7 +78,7 @@ _ERROR_TAIL_LINES = 20
 
 
 INSTALL_A_COMPILER = (
-    "install a C++ compiler (g++, or set CXX to one) and restart, which builds the kernel once (about 20 s)"
+    "install a C++ compiler (g++, or set CXX to one) and restart, which builds the kernel once (about 40 s)"
 )
 
 
@@ -253,7 +253,7 @@ def _compile(spec: _BuildSpec, path: Path) -> None:
         "-ltorch_cpu",
         "-ltorch",
     ]
-    logger.info("compiling the CPU attention kernel (first use of this build, about 20 s on 2 cores): %s", path)
+    logger.info("compiling the CPU attention kernel (first use of this build, about 40 s on 2 cores): %s", path)
     start = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(len(compiles), _usable_cpus()))) as pool:
