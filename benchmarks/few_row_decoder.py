@@ -10,6 +10,11 @@ norm, not the LM head) of ``--rows`` requests over ``--context`` cached tokens e
 round by round (5 forwards a round), and prints the median ms per forward of each, their difference and ratio. The
 two give the same values bit for bit (tests/test_few_row_decoder.py). A precision the machine cannot run (no
 oneDNN bfloat16, no VNNI kernel) is left out and named.
+
+``--model DIR`` (a checkpoint, e.g. the ``small`` bench one) also measures the whole engine: an in-process
+``EngineCore`` per precision decodes one greedy request (128 seeded prompt ids, ``--output-len`` tokens) with the
+one-call decoder on and off in turn, ``--engine-rounds`` times each, and prints the medians of each request's median
+decode step (ms per output token).
 """
 
 from __future__ import annotations
@@ -109,6 +114,46 @@ def measure(model: LlamaModel, rows: int, context: int, rounds: int) -> dict[str
     return {path: statistics.median(values) for path, values in times.items()}
 
 
+ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
+    "float32": {"dtype": "float32"},
+    "float32-dense": {"dtype": "float32", "dense_decode_weights": True},
+    "bfloat16": {"dtype": "bfloat16"},
+    "bfloat16-dense": {"dtype": "bfloat16", "dense_decode_weights": True},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+}
+
+
+def measure_engine(model: Path, precision: str, output_len: int, rounds: int, threads: int) -> dict[str, float]:
+    """Median ms per output token of one request on an ``EngineCore`` of ``model`` with ``threads`` compute
+    threads, the one-call decoder on and off in turn (``rounds`` requests each)."""
+    import random
+
+    from benchmarks.decode_profile import decode
+    from core_svc.config import CoreConfig
+    from core_svc.engine_core import EngineCore
+
+    prompt = [random.Random(0).randrange(3, 30000) for _ in range(128)]
+    num_kv_blocks = -(-(len(prompt) + output_len) // BLOCK_SIZE) + 1
+    core = EngineCore(
+        CoreConfig(
+            model=str(model),
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=num_kv_blocks,
+            num_threads=threads,
+            **ENGINE_OPTIONS[precision],
+        )
+    )
+    decoder_model: Any = core.model_runner.model.model
+    decode(core, "warmup", prompt[:16], 8)
+    times: dict[str, list[float]] = {"one call": [], "per layer": []}
+    for round_index in range(rounds):
+        for path in times:
+            decoder_model.few_row_decoder_enabled = path == "one call"
+            _, step_s, _ = decode(core, f"{path}-{round_index}", prompt, output_len)
+            times[path].append(statistics.median(step_s) * 1e3)
+    return {path: statistics.median(values) for path, values in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-threads", type=int, default=1)
@@ -116,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens cached per request")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint: also time the whole engine")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens per engine request")
+    parser.add_argument("--engine-rounds", type=int, default=6, help="engine requests per path")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.num_threads)
     cpu_ops.load(envs.kernel_dir())
@@ -137,6 +185,16 @@ def main(argv: list[str] | None = None) -> None:
         fused, layered = ms["one call"], ms["per layer"]
         print(f"{precision:>15} {fused:>12.2f} {layered:>13.2f} {layered - fused:>9.2f}  {fused / layered:.2f}x")
         results[precision] = ms
+    if args.model is not None:
+        print(f"engine, one request ({args.model}): ms per output token, median of {args.engine_rounds} requests each")
+        print(f"{'precision':>15} {'one call ms':>12} {'per layer ms':>13} {'saved ms':>9}  ratio")
+        for precision in PRECISIONS:
+            if isinstance(results[precision], str):
+                continue
+            ms = measure_engine(args.model, precision, args.output_len, args.engine_rounds, args.num_threads)
+            fused, layered = ms["one call"], ms["per layer"]
+            print(f"{precision:>15} {fused:>12.2f} {layered:>13.2f} {layered - fused:>9.2f}  {fused / layered:.2f}x")
+            results[f"engine {precision}"] = ms
     if args.out is not None:
         report = {
             "machine": dataclasses.asdict(machine),
