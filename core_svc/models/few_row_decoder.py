@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, Linear, compiled_gemv
-from core_svc.models.quantization import Int8Linear, vnni_ops
+from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, GEMV_MAX_ROWS, Linear, compiled_gemv
+from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, vnni_ops
 from kernels.attention.cpu_ops import loaded_ops
 
 
@@ -89,7 +89,7 @@ def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
     ``DENSE_DECODE_MAX_ROWS`` rows, oneDNN's on the packed weight); ``int8_gemv``. None for anything else (an
     adapter's wrapper, int8 without the VNNI kernel, a weight in another dtype)."""
     if type(module) is Int8Linear:
-        if vnni_ops() is None:
+        if vnni_ops() is None or INT8PACK_MAX_ROWS < GEMV_MAX_ROWS:  # int8_gemv only up to INT8PACK_MAX_ROWS rows
             return None
         bias = None if module.bias is None else module.bias.detach().float()
         return "int8", module.weight_int8, None, 0, bias, module.scales, module.weight_sums
@@ -103,6 +103,6 @@ def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
     dense, packed = module.dense_weight, module.packed_weight
     if packed.dtype != dtype or (dense is not None and (dense.dtype != dtype or not dense.is_contiguous())):
         return None
-    if dense is not None and dense.is_contiguous() and compiled_gemv(dtype) is not None:
+    if dense is not None and compiled_gemv(dtype) is not None:
         return "gemv", dense, None, 0, None if bias is None else bias.float(), None, None
     return "torch", dense, packed, DENSE_DECODE_MAX_ROWS if dense is not None else 0, bias, None, None
