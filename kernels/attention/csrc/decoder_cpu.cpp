@@ -89,6 +89,8 @@ struct Layer {
   double qk_eps = 0.0;
   int64_t sliding_window = 0;  // <= 0: full attention
   Projection qkv, o, gate_up, down;
+
+  bool complete() const { return qkv.defined() && o.defined() && gate_up.defined() && down.defined(); }
 };
 
 class FewRowDecoder : public torch::CustomClassHolder {
@@ -120,7 +122,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm: both or neither");
     TORCH_CHECK(layers_.empty() || layers_.front().q_norm.has_value() == q_norm.has_value(),
                 "q/k norms in every layer or in none");
-    TORCH_CHECK(layers_.empty() || layers_.back().down.defined(), "add_layer before the last layer's projections");
+    TORCH_CHECK(layers_.empty() || layers_.back().complete(), "add_layer before the last layer's four projections");
     if (q_norm.has_value()) {
       for (const at::Tensor* norm : {&*q_norm, &*k_norm}) {
         TORCH_CHECK(norm->dim() == 1 && norm->numel() == head_size_ && norm->is_contiguous() &&
@@ -203,7 +205,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& seq_lens) {
     const int64_t rows = hidden.size(0), q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
-    TORCH_CHECK(!layers_.empty() && layers_.back().down.defined(), "a layer without its four projections");
+    TORCH_CHECK(!layers_.empty() && layers_.back().complete(), "a layer without its four projections");
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size() && hidden.is_contiguous() &&
                     hidden.scalar_type() == dtype(),
                 "hidden: contiguous [rows, hidden_size] in final_norm's dtype");
