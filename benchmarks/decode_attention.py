@@ -42,19 +42,7 @@ def make_batch(
     for i, n in enumerate(blocks_per_req):
         block_table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
-    last = seq_lens.long() - 1
-    slots = block_table[torch.arange(num_reqs), last // BLOCK_SIZE].long() * BLOCK_SIZE + last % BLOCK_SIZE
-    metadata = AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
-        seq_lens=seq_lens,
-        block_table=block_table,
-        query_start_loc_cpu=list(range(num_reqs + 1)),
-        seq_lens_cpu=seq_lens.tolist(),
-        max_query_len=1,
-        max_seq_len=int(seq_lens.max()),
-        num_decodes=num_reqs,
-    )
+    metadata = AttentionMetadata.for_decodes(block_table, seq_lens, BLOCK_SIZE)
     query = torch.randn(num_reqs, NUM_HEADS, HEAD_SIZE, generator=gen)
     key = torch.randn(num_reqs, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
     value = torch.randn(num_reqs, NUM_KV_HEADS, HEAD_SIZE, generator=gen)

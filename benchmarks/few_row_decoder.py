@@ -83,18 +83,7 @@ def step(model: LlamaModel, rows: int, context: int) -> tuple[Any, ...]:
     per_request = -(-length // BLOCK_SIZE)
     kv_caches = [torch.randn(2, rows * per_request + 1, BLOCK_SIZE, 4, 64).to(dtype) for _ in model.layers]
     table = (torch.arange(rows * per_request, dtype=torch.int32) + 1).view(rows, per_request)
-    slots = [int(table[r, context // BLOCK_SIZE]) * BLOCK_SIZE + context % BLOCK_SIZE for r in range(rows)]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-        seq_lens=torch.full((rows,), length, dtype=torch.int32),
-        block_table=table,
-        query_start_loc_cpu=list(range(rows + 1)),
-        seq_lens_cpu=[length] * rows,
-        max_query_len=1,
-        max_seq_len=length,
-        num_decodes=rows,
-    )
+    metadata = AttentionMetadata.for_decodes(table, torch.full((rows,), length, dtype=torch.int32), BLOCK_SIZE)
     return torch.arange(rows) + 5, torch.full((rows,), context), kv_caches, metadata
 
 

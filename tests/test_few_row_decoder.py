@@ -75,22 +75,8 @@ def _step(model: LlamaModel, seq_lens: list[int], gen: torch.Generator) -> tuple
     for row, n in enumerate(seq_lens):
         used = -(-n // BLOCK_SIZE)
         block_table[row, :used] = order[row * max_blocks : row * max_blocks + used].int()
-    slots = [
-        int(block_table[row, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-        for row, n in enumerate(seq_lens)
-    ]
+    metadata = AttentionMetadata.for_decodes(block_table, torch.tensor(seq_lens, dtype=torch.int32), BLOCK_SIZE)
     rows = len(seq_lens)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        query_start_loc_cpu=list(range(rows + 1)),
-        seq_lens_cpu=list(seq_lens),
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        num_decodes=rows,
-    )
     input_ids = torch.randint(0, 300, (rows,), generator=gen)
     positions = torch.tensor([n - 1 for n in seq_lens])
     return input_ids, positions, kv_caches, metadata

@@ -34,6 +34,25 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @classmethod
+    def for_decodes(cls, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """A decode-only step (benchmarks and tests): request i's one new token at position ``seq_lens[i] - 1``,
+        its slot from ``block_table`` [num_reqs, max_blocks] int32; ``seq_lens`` [num_reqs] int32, at least 1."""
+        num_reqs = seq_lens.shape[0]
+        last = seq_lens.long() - 1
+        slots = block_table[torch.arange(num_reqs), last // block_size].long() * block_size + last % block_size
+        return cls(
+            slot_mapping=slots,
+            query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
+            seq_lens=seq_lens,
+            block_table=block_table,
+            query_start_loc_cpu=list(range(num_reqs + 1)),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=num_reqs,
+        )
+
 
 class AttentionBackend(Protocol):
     """Stores new keys/values in the paged cache and computes causal attention over each request's cache."""

@@ -269,8 +269,6 @@ class FewRowDecoder : public torch::CustomClassHolder {
     return out;
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   int64_t hidden_size() const { return final_norm_.numel(); }
   at::ScalarType dtype() const { return final_norm_.scalar_type(); }
@@ -289,6 +287,5 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
       .def(torch::init<at::Tensor, double, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &FewRowDecoder::add_layer)
       .def("add_projection", &FewRowDecoder::add_projection)
-      .def("num_layers", &FewRowDecoder::num_layers)
       .def("forward", &FewRowDecoder::forward);
 }
