@@ -304,13 +304,19 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     check_device(device)  # --device cuda where torch cannot use a GPU: the reason and its fix, before any work
     load_before = list(os.getloadavg())  # the machine is shared: how busy it was, beside the results
     flops = ModelFlops.from_checkpoint(model)
+    num_threads = cpu_threads.detect_threads(settings.num_threads).num_threads
+    # Before the peak: MFU's denominator is the peak of the threads every backend runs on (two hyperthreads of one
+    # core measure 1.3x one thread's peak, not 2x)
+    torch.set_num_threads(num_threads)  # transformers' too
     # int8: its MFU over float32's peak (its integer products run at another peak, not measured)
     peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes} - {"int8"})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     peaks["int8"] = peaks["float32"]
-    logger.info("matmul peak: %s", ", ".join(f"{dt} {p / 1e9:.0f} GFLOP/s" for dt, p in peaks.items()))
-    num_threads = cpu_threads.detect_threads(settings.num_threads).num_threads
-    torch.set_num_threads(num_threads)  # transformers' too
+    logger.info(
+        "matmul peak on %d threads: %s",
+        num_threads,
+        ", ".join(f"{dt} {p / 1e9:.0f} GFLOP/s" for dt, p in peaks.items()),
+    )
     core_config = {"device": device, "num_threads": num_threads, **settings.core_config}
     results: list[BackendResult] = []
     skipped: dict[str, str] = {}  # backend -> why it did not run
