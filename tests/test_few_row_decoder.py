@@ -135,7 +135,7 @@ def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype) -> None:
         input_ids, positions, caches, metadata = _step(model, seq_lens, gen)
         reference_caches = [cache.clone() for cache in caches]
         with torch.no_grad(), monkeypatch.context() as patch:
-            patch.setattr(llama.DecoderLayer, "forward_few_rows", _not_called)  # the step is one call
+            patch.setattr(llama.DecoderLayer, "forward_fused", _not_called)  # the step is one call
             fused = model(input_ids, positions, caches, metadata)
         with torch.no_grad():
             model.few_row_decoder_enabled = False

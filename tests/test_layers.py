@@ -212,7 +212,7 @@ def test_compiled_gemv_names_what_is_wrong():
 def few_row_kernels() -> Any:
     if not cpu_kernels_loaded():
         pytest.skip("the CPU kernels cannot be built here")
-    return layers.few_row_ops(torch.zeros(1, 8))
+    return layers.fused_layer_ops(torch.zeros(1, 8))
 
 
 def within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int) -> bool:
@@ -250,7 +250,7 @@ def test_add_rms_norm_is_the_residual_sum_and_the_norm(dtype, with_residual):
     x = (torch.randn(3, 200, generator=gen) * 4).to(dtype)
     residual = torch.randn(3, 200, generator=gen).to(dtype)
     stream = residual + x if with_residual else x
-    out = norm.forward_few_rows(ops, x, residual if with_residual else None)
+    out = norm.forward_fused(ops, x, residual if with_residual else None)
     if with_residual:
         assert torch.equal(residual, stream)  # the same sum, rounded once to the dtype, in place
     expected = norm(stream)  # transformers' arithmetic (bit for bit in float32, tests above)
@@ -260,24 +260,27 @@ def test_add_rms_norm_is_the_residual_sum_and_the_norm(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_is_silu_of_gate_times_up(dtype):
+@pytest.mark.parametrize("rows", [2, 70])
+def test_silu_and_mul_is_silu_of_gate_times_up(dtype, rows):
     ops = few_row_kernels()
     gen = torch.Generator().manual_seed(2)
-    gate_up = (torch.randn(2, 2 * 300, generator=gen) * 5).to(dtype)
-    out = torch.empty(2, 300, dtype=dtype)
+    gate_up = (torch.randn(rows, 2 * 300, generator=gen) * 5).to(dtype)  # 300: vector lanes and a remainder
+    # exp's edges: e^-g underflows (g > 87.3), overflows (g < -88.8: silu is -0), is 1 (g near 0)
+    edges = torch.tensor([100.0, 87.5, -87.0, -90.0, -100.0, 0.0, 1e-30, -1e-30, 20.0, -20.0])
+    gate_up[0, : len(edges)] = edges.to(dtype)
+    out = torch.empty(rows, 300, dtype=dtype)
     ops.silu_and_mul(out, gate_up)
     gate, up = gate_up.split(300, dim=-1)
     # exp from another library (an ulp), then the quotient and the product (measured: 2.7e-7 relative in float32)
     assert within_ulps(out, F.silu(gate) * up, 4)
 
 
-def test_few_row_ops_only_for_one_to_four_rows_on_cpu():
+def test_fused_layer_ops_for_every_row_count_on_cpu():
     few_row_kernels()
-    assert layers.few_row_ops(torch.zeros(1, 8)) is not None
-    assert layers.few_row_ops(torch.zeros(GEMV_MAX_ROWS, 8)) is not None
-    assert layers.few_row_ops(torch.zeros(GEMV_MAX_ROWS + 1, 8)) is None
-    assert layers.few_row_ops(torch.zeros(0, 8)) is None
-    assert layers.few_row_ops(torch.zeros(1, 8, device="meta")) is None
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 2048):
+        assert layers.fused_layer_ops(torch.zeros(rows, 8)) is not None
+    assert layers.fused_layer_ops(torch.zeros(0, 8)) is None
+    assert layers.fused_layer_ops(torch.zeros(1, 8, device="meta")) is None
 
 
 class _MixingBackend:
@@ -292,8 +295,8 @@ class _MixingBackend:
 
 @pytest.mark.parametrize("variant", ["llama", "biases", "gelu", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_few_row_forward_equals_the_torch_path(monkeypatch, variant, dtype):
-    """A whole decoder through ``few_row_ops``' kernels (residual kept apart, fused norms, RoPE and SiLU) against
+def test_fused_forward_equals_the_torch_path(monkeypatch, variant, dtype):
+    """A whole decoder through ``fused_layer_ops``' kernels (residual kept apart, fused norms, RoPE and SiLU) against
     the same model through the torch operators: every rounding at the same place, so the results differ only where
     RMSNorm's sum of squares and SiLU's exp do (a few float32 ulps, now and then a bfloat16 ulp)."""
     few_row_kernels()
@@ -316,12 +319,12 @@ def test_few_row_forward_equals_the_torch_path(monkeypatch, variant, dtype):
         for name, param in model.named_parameters():
             scale, offset = (0.3, 1.0) if "norm" in name else (0.08, 0.0)
             param.copy_((offset + scale * torch.randn(param.shape, generator=gen)).to(dtype))
-    for rows in (1, GEMV_MAX_ROWS):
+    for rows in (1, GEMV_MAX_ROWS, 37):  # 37: a batch or a prefill (Qwen3's q/k norms through torch there)
         ids, positions = torch.arange(rows) * 7 + 3, torch.arange(rows) + 10
         kv_caches = [torch.empty(0)] * len(model.layers)
         with torch.no_grad():
             fused = model(ids, positions, kv_caches, None)
-            monkeypatch.setattr(llama, "few_row_ops", lambda hidden: None)
+            monkeypatch.setattr(llama, "fused_layer_ops", lambda hidden: None)
             reference = model(ids, positions, kv_caches, None)
             monkeypatch.undo()
         error = (fused.float() - reference.float()).abs().max() / reference.float().abs().max()

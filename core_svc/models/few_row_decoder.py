@@ -2,7 +2,7 @@
 decoder_cpu.cpp) over a ``LlamaModel``'s own weight tensors.
 
 ``LlamaModel.forward`` hands it a decode-only step of 1 to ``GEMV_MAX_ROWS`` rows (each one request's one new token)
-once the CPU kernels are loaded. It runs ``DecoderLayer.forward_few_rows`` for every layer, and the final norm, with
+once the CPU kernels are loaded. It runs ``DecoderLayer.forward_fused`` for every layer, and the final norm, with
 the same kernels and products in the same order, so its output and the keys and values it stores are that path's
 bit for bit; what it removes is Python and torch's dispatch between them (about 0.3 ms per layer of ``small``: 2.5
 of one request's 11 ms float32 forward; docs/benchmarks.md, "One call per decode step").

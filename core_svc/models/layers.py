@@ -1,9 +1,10 @@
 """Building blocks of Llama-family decoders, written to match transformers' arithmetic op for op in float32.
 
-On CPU, once the compiled kernels are loaded, a forward of at most ``GEMV_MAX_ROWS`` rows (a decode step of a few
-requests) runs each layer's elementwise work in fused calls (``few_row_ops``), equal to the ops here up to the
-order of RMSNorm's sum of squares and SiLU's exp (a few float32 ulps), and ``--dense-decode-weights`` runs its
-matrix products through the compiled matrix-vector kernel (``gemv``: float32 sums in another order).
+On CPU, once the compiled kernels are loaded, every forward runs each layer's elementwise work in fused calls
+(``fused_layer_ops``), equal to the ops here up to the order of RMSNorm's sum of squares and SiLU's exp (a few
+float32 ulps), and ``--dense-decode-weights`` runs the matrix products of forwards of at most ``GEMV_MAX_ROWS``
+rows (a decode step of a few requests) through the compiled matrix-vector kernel (``gemv``: float32 sums in another
+order).
 
 Shapes at boundaries: hidden ``[num_tokens, hidden_size]``, per-head ``[num_tokens, num_heads, head_size]``.
 """
@@ -49,7 +50,7 @@ def gemv(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``F.linear(x, weight, bias)`` through ``ops.gemv`` (``compiled_gemv``): ``x`` [..., in_features] of at most
     ``GEMV_MAX_ROWS`` rows in ``weight``'s dtype, ``weight`` dense [out_features, in_features] -> [...,
     out_features] in that dtype; float32 sums (and bias), rounded once to the dtype."""
-    # a decode step's rows are 2-D and contiguous: no reshape, view or cast there (each torch call costs, few_row_ops)
+    # a decode step's rows are 2-D and contiguous: no reshape, view or cast there (each torch call costs)
     x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=weight.dtype)
     ops.gemv(out, x2, weight, bias if bias is None or bias.dtype == torch.float32 else bias.float())
@@ -65,15 +66,16 @@ def gemv_route(x: torch.Tensor, weight: torch.Tensor) -> Any:
     return compiled_gemv(weight.dtype) if weight.is_contiguous() else None
 
 
-def few_row_ops(hidden: torch.Tensor) -> Any:
+def fused_layer_ops(hidden: torch.Tensor) -> Any:
     """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) for a forward of ``hidden`` [num_tokens,
-    hidden_size] on CPU of at most ``GEMV_MAX_ROWS`` rows (a decode step of a few requests) once they are loaded,
-    else None. With them a decoder layer runs its elementwise work between matrix products in one call each
-    (``add_rms_norm``, ``rotary_in_place``, ``silu_and_mul``; kernels/attention/csrc/layer_ops_cpu.cpp): after a
-    product has streamed its weights through the caches, every torch operator pays to bring its own code and data
-    back, so one request's decode step spent milliseconds in 20-odd small operators per layer. The values are
+    hidden_size] on CPU once they are loaded, else None. With them a decoder layer runs its elementwise work between
+    matrix products in one call each (``add_rms_norm``, ``rotary_in_place``, ``silu_and_mul``;
+    kernels/attention/csrc/layer_ops_cpu.cpp). One request: after a product has streamed its weights through the
+    caches, every torch operator pays to bring its own code and data back, so a decode step spent milliseconds in
+    20-odd small operators per layer. A batch: each operator reads and writes the whole activation again (a 64-row
+    float32 step spent 1.5 s of 17 in norms, RoPE and SiLU, 0.5 s fused; docs/benchmarks.md). The values are
     transformers' up to the order of RMSNorm's sum of squares and SiLU's exp (a few float32 ulps)."""
-    if hidden.device.type != "cpu" or not 1 <= hidden.shape[0] <= GEMV_MAX_ROWS:
+    if hidden.device.type != "cpu" or hidden.shape[0] < 1:
         return None
     return loaded_ops()
 
@@ -184,16 +186,16 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(input_dtype)
 
-    def forward_few_rows(self, ops: Any, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """``few_row_ops``' path: ``residual += x`` in place when given, then the norm of ``residual`` (else of
+    def forward_fused(self, ops: Any, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """``fused_layer_ops``' path: ``residual += x`` in place when given, then the norm of ``residual`` (else of
         ``x``), in one call. x, residual: [num_tokens, hidden_size] in the weight's dtype."""
         out = torch.empty_like(x)
         ops.add_rms_norm(out, x, residual, self.weight, self.eps)
         return out
 
     def forward_in_place(self, ops: Any, x: torch.Tensor) -> None:
-        """``few_row_ops``' norm of each row of ``x`` [rows, hidden_size] (rows at any stride, each contiguous),
-        written over it: ``forward_few_rows`` without a residual."""
+        """``fused_layer_ops``' norm of each row of ``x`` [rows, hidden_size] (rows at any stride, each contiguous),
+        written over it: ``forward_fused`` without a residual."""
         ops.add_rms_norm(x, x, None, self.weight, self.eps)
 
 
@@ -271,14 +273,15 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         ops: Any = None,
     ) -> torch.Tensor:
-        # rope: RotaryEmbedding.tables of this step's positions; hidden: [num_tokens, hidden_size]; ops: few_row_ops'
+        # rope: RotaryEmbedding.tables of this step's positions; hidden: [num_tokens, hidden_size];
+        # ops: fused_layer_ops'
         num_tokens, dims = hidden.shape[0], self.dims
         qkv = self.qkv_proj(hidden)
         # q and k as one [num_tokens, num_heads + num_kv_heads, head_size] view, so RoPE is one pass
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, dims.num_heads + dims.num_kv_heads, dims.head_size)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, dims.num_kv_heads, dims.head_size)
         if self.q_norm is not None and self.k_norm is not None:
-            if ops is None:
+            if ops is None or num_tokens > GEMV_MAX_ROWS:
                 qk = torch.cat((self.q_norm(qk[:, : dims.num_heads]), self.k_norm(qk[:, dims.num_heads :])), dim=1)
             else:  # in place in qkv, a call per row and norm (at most GEMV_MAX_ROWS rows), as FewRowDecoder does
                 for row in qk:
@@ -305,7 +308,7 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         silu: bool = False,
     ) -> None:
-        """``silu``: ``act`` is SiLU (``hidden_act`` "silu"), which ``few_row_ops``' path fuses with the product."""
+        """``silu``: ``act`` is SiLU (``hidden_act`` "silu"), which ``fused_layer_ops``' path fuses with the product."""
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
@@ -314,7 +317,7 @@ class GatedMLP(nn.Module):
         self.silu = silu
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
-        # x: [num_tokens, hidden_size]; ops: few_row_ops'
+        # x: [num_tokens, hidden_size]; ops: fused_layer_ops'
         gate_up = self.gate_up_proj(x)
         if ops is not None and self.silu:
             out = torch.empty(*gate_up.shape[:-1], self.intermediate_size, dtype=gate_up.dtype)

@@ -17,12 +17,13 @@ from core_svc.models.arch import ModelArchConfig
 from core_svc.models.few_row_decoder import build_few_row_decoder
 from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import (
+    GEMV_MAX_ROWS,
     Attention,
     GatedMLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    few_row_ops,
+    fused_layer_ops,
     tied_lm_head,
 )
 from kernels import AttentionBackend, AttentionMetadata
@@ -68,7 +69,7 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def forward_few_rows(
+    def forward_fused(
         self,
         ops: Any,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -77,17 +78,17 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` through ``few_row_ops``' kernels, the residual stream kept apart (vLLM's layout): ``hidden``
+        """``forward`` through ``fused_layer_ops``' kernels, the residual stream kept apart (vLLM's layout): ``hidden``
         is the previous layer's MLP output, not yet added to ``residual`` (None in the first layer, whose input
         ``hidden`` is the stream itself). Returns (this layer's MLP output, the stream before it); the same sums
         in the same order as ``forward``."""
         if residual is None:
             residual = hidden.clone()  # added to in place below
-            normed = self.input_layernorm.forward_few_rows(ops, hidden, None)
+            normed = self.input_layernorm.forward_fused(ops, hidden, None)
         else:
-            normed = self.input_layernorm.forward_few_rows(ops, hidden, residual)
+            normed = self.input_layernorm.forward_fused(ops, hidden, residual)
         attn = self.self_attn(rope, normed, kv_cache, metadata, ops)
-        normed = self.post_attention_layernorm.forward_few_rows(ops, attn, residual)
+        normed = self.post_attention_layernorm.forward_fused(ops, attn, residual)
         return self.mlp(normed, ops), residual
 
 
@@ -144,19 +145,20 @@ class LlamaModel(nn.Module):
         # [num_tokens, hidden_size] -> hidden [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.tables(positions)
-        ops = few_row_ops(hidden)
+        ops = fused_layer_ops(hidden)
         if ops is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer(rope, hidden, kv_cache, metadata)
             return self.norm(hidden)
         decoder = self.few_row_decoder()
-        if decoder is not None and metadata.num_decodes == hidden.shape[0]:  # the loop below in one compiled call
+        # a decode-only step of few rows: the loop below in one compiled call
+        if decoder is not None and metadata.num_decodes == hidden.shape[0] <= GEMV_MAX_ROWS:
             slots, table, lens = metadata.slot_mapping, metadata.block_table, metadata.seq_lens
             return decoder.forward(hidden.contiguous(), rope[0], rope[1], kv_caches, slots, table, lens)
         residual = None
         for layer, kv_cache in zip(cast(list[DecoderLayer], self.layers), kv_caches, strict=True):
-            hidden, residual = layer.forward_few_rows(ops, rope, hidden, residual, kv_cache, metadata)
-        return self.norm.forward_few_rows(ops, hidden, residual)
+            hidden, residual = layer.forward_fused(ops, rope, hidden, residual, kv_cache, metadata)
+        return self.norm.forward_fused(ops, hidden, residual)
 
 
 class LlamaForCausalLM(ServedModel):

@@ -1,5 +1,5 @@
 // A decode step of a few requests through a whole Llama-family decoder in one call (FewRowDecoder.forward), for
-// core_svc/models/llama.py: the layers of LlamaModel's few-row path (DecoderLayer.forward_few_rows), their kernels
+// core_svc/models/llama.py: the layers of LlamaModel's fused path (DecoderLayer.forward_fused), their kernels
 // and products called from here, in its order and on its values, so the results are that path's bit for bit.
 //
 // Why: with every matrix product a compiled pass over its weight, one request's decode step still spent
