@@ -11,7 +11,7 @@ from benchmarks import contention, single_request
 from benchmarks.workload import pyplot, write_json
 
 TARGETS = {
-    "mfu": 0.40,
+    "mfu": 0.50,  # issue 18: float32 on small at least half the measured matmul peak (40% before it)
     "vs transformers generate_batch": 2.5,
     "vs transformers generate": 3.0,
     "bfloat16 over float32": 1.5,  # issue 18: a 16-bit or int8 path at least 1.5x float32
@@ -170,7 +170,7 @@ def write_report(report: dict[str, Any], out_dir: Path, name: str) -> tuple[Path
     ax_mfu.set_xlabel("MFU, % of measured matmul peak")
     gpu = report["machine"].get("gpu")
     if not gpu:
-        ax_mfu.axvline(100 * TARGETS["mfu"], color="gray", linestyle="--", label="40% target")
+        ax_mfu.axvline(100 * TARGETS["mfu"], color="gray", linestyle="--", label=f"{100 * TARGETS['mfu']:.0f}% target")
         ax_mfu.legend(loc="lower right")
     rs = report["request_set"]
     where = gpu["name"] if gpu else f"{report['torch_threads']} threads"

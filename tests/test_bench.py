@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
@@ -345,9 +346,19 @@ def test_single_request_summary_by_hand():
         single_request.summarize((0.02, []), 10**6, bandwidth, setting)
 
 
-def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint):
+def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint, monkeypatch):
     """The device-independent parts of the GPU benchmark, run on CPU: the machine named with its CPU flags, the
-    single-request ITL measured at the core (one gap per token after the first) against the weight-read bound."""
+    single-request ITL measured at the core (one gap per token after the first) against the weight-read bound; the
+    matmul peak (MFU's denominator) measured on the thread count the backends run on, not torch's default."""
+    peak_threads: list[int] = []
+
+    def recording_peak(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        peak_threads.append(torch.get_num_threads())
+        return matmul_peak(*args, **kwargs)
+
+    monkeypatch.setattr(throughput, "matmul_peak", recording_peak)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a default other than the run's one thread
     path = checkpoint("llama", "tiny")
     requests = make_request_set(2, 3, AutoTokenizer.from_pretrained(path), seed=0)
     settings = throughput.Settings.for_device(
@@ -359,8 +370,14 @@ def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint):
         single_request_output_len=5,
         matmul_sizes=(64,),
         copy_bytes=4 * 2**20,
+        num_threads=1,
     )
-    report = throughput.run(path, requests, settings)
+    try:
+        report = throughput.run(path, requests, settings)
+    finally:
+        torch.set_num_threads(threads_before)
+    assert peak_threads == [1, 1]  # before the runs and after, float32 each
+    assert report["num_threads"] == 1
     assert report["device"] == "cpu" and report["machine"]["gpu"] is None
     assert set(report["machine"]["cpu_flags"]) <= set(MATMUL_CPU_FLAGS)
     [result] = report["results"]
