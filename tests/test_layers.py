@@ -265,8 +265,9 @@ def test_silu_and_mul_is_silu_of_gate_times_up(dtype, rows):
     ops = few_row_kernels()
     gen = torch.Generator().manual_seed(2)
     gate_up = (torch.randn(rows, 2 * 300, generator=gen) * 5).to(dtype)  # 300: vector lanes and a remainder
-    # exp's edges: e^-g underflows (g > 87.3), overflows (g < -88.8: silu is -0), is 1 (g near 0)
-    edges = torch.tensor([100.0, 87.5, -87.0, -90.0, -100.0, 0.0, 1e-30, -1e-30, 20.0, -20.0])
+    # exp's edges: e^-g below float32's normals (g > 86.5, the kernel's clamp), near its overflow (g < -88.38, where
+    # the kernel's 2^n reaches 2^128) and past it (g < -88.72: silu is -0), 1 (g near 0)
+    edges = torch.tensor([100.0, 87.5, -87.0, -88.5, -88.7, -90.0, -100.0, 0.0, 1e-30, -1e-30, 20.0, -20.0])
     gate_up[0, : len(edges)] = edges.to(dtype)
     out = torch.empty(rows, 300, dtype=dtype)
     ops.silu_and_mul(out, gate_up)

@@ -46,7 +46,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py); one request's
-# matrix-vector products and a decoder layer's elementwise work between them (core_svc/models/layers.py); the
+# matrix-vector products, and a decoder layer's elementwise work between its products (core_svc/models/layers.py); the
 # greedy token of each row (core_svc/sampler.py); a decode step of a few rows through a whole decoder, calling the
 # others through cpu_ops.h (core_svc/models/few_row_decoder.py)
 _SOURCES = tuple(
