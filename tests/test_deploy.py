@@ -671,3 +671,28 @@ def test_the_frontend_refuses_a_bad_core_address(capsys):
 
     assert main(["frontend", "--model", "m", "--core", "dns:///splitserve-core"]) == 2
     assert "core address 'dns:///splitserve-core'" in capsys.readouterr().err
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The kernel may offer a port it offered before once that one is released; a caller that takes an HTTP port,
+    then a frontend's gRPC port, before binding either, must not get the same one twice (a frontend then failed with
+    "Address already in use")."""
+    offered = iter([41000, 41000, 41000, 41001])
+
+    class FakeSocket:
+        def __init__(self, *args: object) -> None:
+            self.port = 0
+
+        def bind(self, address: tuple[str, int]) -> None:
+            assert address == ("127.0.0.1", 0)
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(stack, "_HANDED_OUT", set())
+    monkeypatch.setattr(stack.socket, "socket", FakeSocket)
+    assert [stack.free_port(), stack.free_port()] == [41000, 41001]

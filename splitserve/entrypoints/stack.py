@@ -26,11 +26,20 @@ ENGINE_CORE_GRPC_SERVICE = "splitserve.engine.v1.EngineCore"
 GENERATION_GRPC_SERVICE = "splitserve.frontend.v1.Generation"
 
 
+_HANDED_OUT: set[int] = set()  # every port free_port returned in this process
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on loopback right now, and not one this process was handed before: a caller often takes
+    several before any is bound (a frontend's HTTP port, then its gRPC port), and the kernel may offer a released
+    port again."""
+    while True:
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass(frozen=True)
