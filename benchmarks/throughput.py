@@ -223,15 +223,18 @@ def _observe(llm: Any, model: str, hook_s: list[float]) -> Any:
     return provider
 
 
-def observability_cost(model: Path, requests: RequestSet, repeats: int) -> dict[str, Any]:
+def observability_cost(
+    model: Path, requests: RequestSet, repeats: int, core_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """splitserve float32 with observability off (the default: no tracing, no metrics) and on, ``repeats`` runs
-    each, alternating. The ratio of medians is what turning it on costs; off, the engine makes no call into it."""
+    each, alternating. The ratio of medians is what turning it on costs; off, the engine makes no call into it.
+    ``core_config``: more ``CoreConfig`` fields of every run (``device``, ``num_threads``, ...)."""
     off: list[float] = []
     on: list[float] = []
     hook_fraction: list[float] = []  # of each "on" run's wall time, spent in the engine's observability hooks
     for _ in range(repeats):
         for observed, tok_s in ((False, off), (True, on)):
-            wall, outputs, facts = run_splitserve(model, requests, "float32", observed=observed)
+            wall, outputs, facts = run_splitserve(model, requests, "float32", observed=observed, **(core_config or {}))
             tok_s.append(sum(len(o) for o in outputs) / wall)
             if observed:
                 hook_fraction.append(facts["observability_hook_s"] / wall)
@@ -357,7 +360,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         logger.info(
             "running splitserve float32 with observability off and on, %d times each", settings.observability_repeats
         )
-        observability = observability_cost(model, requests, settings.observability_repeats)
+        observability = observability_cost(model, requests, settings.observability_repeats, core_config)
         logger.info("  observability on / off: %.3f", observability["on_over_off"])
     latency = None
     if settings.single_request_output_len:
