@@ -1,5 +1,6 @@
 """One request's decoder forward on CPU, the one-call decoder (``FewRowDecoder``, core_svc/models/few_row_decoder.py)
-against the per-layer path it replaces, side by side in one process.
+against the per-layer path it replaces, side by side in one process; with ``--compare fused-ops``, a step of any
+row count with the fused layer ops (``fused_layer_ops``) against torch's operators between the products.
 
 ``python -m benchmarks.few_row_decoder [--num-threads 1] [--rows 1] [--context 128] [--rounds 40]`` builds a
 ``LlamaModel`` of ``small``'s shape (8 layers, hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408; random
@@ -10,6 +11,10 @@ norm, not the LM head) of ``--rows`` requests over ``--context`` cached tokens e
 round by round (5 forwards a round), and prints the median ms per forward of each, their difference and ratio. The
 two give the same values bit for bit (tests/test_few_row_decoder.py). A precision the machine cannot run (no
 oneDNN bfloat16, no VNNI kernel) is left out and named.
+
+``--compare fused-ops --rows 64 --context 200`` times the same forward, the one call off, with ``add_rms_norm``,
+``rotary_in_place`` and ``silu_and_mul`` against torch's operators (``LlamaModel.fused_ops_enabled``; the values a
+few float32 ulps apart, tests/test_layers.py), for a batch's decode step.
 
 ``--model DIR`` (a checkpoint, e.g. the ``small`` bench one) also measures the whole engine: an in-process
 ``EngineCore`` per precision decodes one greedy request (128 seeded prompt ids, ``--output-len`` tokens) with the
@@ -87,19 +92,27 @@ def step(model: LlamaModel, rows: int, context: int) -> tuple[Any, ...]:
     return torch.arange(rows) + 5, torch.full((rows,), context), kv_caches, metadata
 
 
-def measure(model: LlamaModel, rows: int, context: int, rounds: int) -> dict[str, float]:
-    """Median ms per forward of each path (``one call``, ``per layer``), alternating round by round."""
+# --compare: the two paths timed, each as (few_row_decoder_enabled, fused_ops_enabled)
+PATHS = {
+    "one-call": {"one call": (True, True), "per layer": (False, True)},
+    "fused-ops": {"fused ops": (False, True), "torch ops": (False, False)},
+}
+
+
+def measure(model: LlamaModel, rows: int, context: int, rounds: int, compare: str = "one-call") -> dict[str, float]:
+    """Median ms per forward of each path of ``PATHS[compare]``, alternating round by round."""
     args = step(model, rows, context)
-    times: dict[str, list[float]] = {"one call": [], "per layer": []}
+    paths = PATHS[compare]
+    times: dict[str, list[float]] = {path: [] for path in paths}
     with torch.inference_mode():
         for _ in range(rounds):
-            for path in times:
-                model.few_row_decoder_enabled = path == "one call"
+            for path, (one_call, fused_ops) in paths.items():
+                model.few_row_decoder_enabled, model.fused_ops_enabled = one_call, fused_ops
                 start = time.perf_counter()
                 for _ in range(5):
                     model(*args)
                 times[path].append((time.perf_counter() - start) / 5 * 1e3)
-    model.few_row_decoder_enabled = True
+    model.few_row_decoder_enabled = model.fused_ops_enabled = True
     return {path: statistics.median(values) for path, values in times.items()}
 
 
@@ -146,7 +159,8 @@ def measure_engine(model: Path, precision: str, output_len: int, rounds: int, th
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--rows", type=int, default=1, help="requests in the step (1-4)")
+    parser.add_argument("--compare", choices=tuple(PATHS), default="one-call", help="the two paths timed")
+    parser.add_argument("--rows", type=int, default=1, help="requests in the step (1-4 for one-call)")
     parser.add_argument("--context", type=int, default=128, help="tokens cached per request")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
@@ -162,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()} threads; {args.rows} row(s) over {args.context} cached tokens, median of "
         f"{args.rounds} rounds"
     )
-    print(f"{'precision':>15} {'one call ms':>12} {'per layer ms':>13} {'saved ms':>9}  ratio")
+    new_path, old_path = PATHS[args.compare]
+    print(f"{'precision':>15} {new_path + ' ms':>12} {old_path + ' ms':>13} {'saved ms':>9}  ratio")
     results: dict[str, Any] = {}
     for precision in PRECISIONS:
         model = build(precision)
@@ -170,11 +185,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{precision:>15}  left out: {model}")
             results[precision] = model
             continue
-        ms = measure(model, args.rows, args.context, args.rounds)
-        fused, layered = ms["one call"], ms["per layer"]
+        ms = measure(model, args.rows, args.context, args.rounds, args.compare)
+        fused, layered = ms[new_path], ms[old_path]
         print(f"{precision:>15} {fused:>12.2f} {layered:>13.2f} {layered - fused:>9.2f}  {fused / layered:.2f}x")
         results[precision] = ms
-    if args.model is not None:
+    if args.model is not None and args.compare == "one-call":
         print(f"engine, one request ({args.model}): ms per output token, median of {args.engine_rounds} requests each")
         print(f"{'precision':>15} {'one call ms':>12} {'per layer ms':>13} {'saved ms':>9}  ratio")
         for precision in PRECISIONS:

@@ -116,6 +116,7 @@ class LlamaModel(nn.Module):
         # few_row_decoder's: None until built at the first decode step of few rows; False where it does not apply
         self._few_row_decoder: Any = None
         self.few_row_decoder_enabled = True  # False: every step layer by layer (tests compare the two paths)
+        self.fused_ops_enabled = True  # False: torch's operators between the products (tests and benchmarks compare)
 
     def few_row_decoder(self) -> Any:
         """The compiled decoder for decode-only steps of few rows on CPU (``few_row_decoder.build_few_row_decoder``:
@@ -145,7 +146,7 @@ class LlamaModel(nn.Module):
         # [num_tokens, hidden_size] -> hidden [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.tables(positions)
-        ops = fused_layer_ops(hidden)
+        ops = fused_layer_ops(hidden) if self.fused_ops_enabled else None
         if ops is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer(rope, hidden, kv_cache, metadata)
