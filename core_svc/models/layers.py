@@ -72,8 +72,9 @@ def fused_layer_ops(hidden: torch.Tensor) -> Any:
     matrix products in one call each (``add_rms_norm``, ``rotary_in_place``, ``silu_and_mul``;
     kernels/attention/csrc/layer_ops_cpu.cpp). One request: after a product has streamed its weights through the
     caches, every torch operator pays to bring its own code and data back, so a decode step spent milliseconds in
-    20-odd small operators per layer. A batch: each operator reads and writes the whole activation again (a 64-row
-    float32 step spent 1.5 s of 17 in norms, RoPE and SiLU, 0.5 s fused; docs/benchmarks.md). The values are
+    20-odd small operators per layer. A batch: each operator reads and writes the whole activation again (the
+    64-request float32 run of ``bench throughput`` spent 1.3 s of its 16.7 s of operators in norms, RoPE, SiLU and
+    residual adds, 0.46 s fused; docs/benchmarks.md, "Fused layer ops for batches"). The values are
     transformers' up to the order of RMSNorm's sum of squares and SiLU's exp (a few float32 ulps)."""
     if hidden.device.type != "cpu" or hidden.shape[0] < 1:
         return None
