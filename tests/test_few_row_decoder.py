@@ -165,7 +165,7 @@ def test_models_it_does_not_cover_keep_the_per_layer_path(monkeypatch):
     gelu = _model("llama", torch.float32, "plain")
     gelu.layers[1].mlp.silu = False
     assert gelu.few_row_decoder() is None
-    # a projection wrapped for LoRA adapters
+    # a projection in a wrapper other than LoRA's
     wrapped = _model("llama", torch.float32, "plain")
     wrapped.layers[2].self_attn.o_proj = torch.nn.Sequential(wrapped.layers[2].self_attn.o_proj)
     assert wrapped.few_row_decoder() is None
@@ -177,6 +177,56 @@ def test_models_it_does_not_cover_keep_the_per_layer_path(monkeypatch):
     for layer in other.layers:
         layer.self_attn.backend = TorchRefAttentionBackend()
     assert other.few_row_decoder() is None
+
+
+@pytest.mark.parametrize("weights", ["dense", "int8"])
+def test_lora_wrapped_projections_take_one_call_only_in_steps_without_an_adapter(monkeypatch, weights):
+    """An engine with --enable-lora: its projections wrapped (after a first decoder was built, which is then built
+    again), a step without adapter rows is one call over the base projections, bit for bit the per-layer path's; a
+    step with adapter rows takes the per-layer path, which adds them."""
+    _kernels()
+    if weights == "int8" and vnni_ops() is None:
+        pytest.skip("this build has no int8_gemv (AVX-512 VNNI)")
+    from core_svc.lora.layers import LoRABatch, LoRASlots, wrap_lora_modules
+
+    model = _model("llama", torch.float32, weights)
+    first = model.few_row_decoder()
+    holder = torch.nn.Module()
+    holder.model = model  # wrap_lora_modules names projections as a causal LM holds them: model.layers.N...
+    sizes = {"qkv_proj": [256, 128, 128], "gate_up_proj": [352, 352], "o_proj": [256], "down_proj": [256]}
+    batch = LoRABatch()
+    slots = LoRASlots(max_loras=1, max_lora_rank=4, dtype=torch.float32, device=torch.device("cpu"))
+    wrapped = wrap_lora_modules(holder, sizes, slots, batch)
+    gen = torch.Generator().manual_seed(3)
+    for (_, kind), module in wrapped.items():
+        in_features = 352 if kind == "down_proj" else 256
+        module.set_slot(
+            0,
+            [
+                (torch.randn(4, in_features, generator=gen) * 0.1, torch.randn(size, 4, generator=gen))
+                for size in sizes[kind]
+            ],
+        )
+    assert model.few_row_decoder() is not None and model.few_row_decoder() is not first
+    _compare(monkeypatch, model, torch.float32)  # no adapter rows in these steps
+
+    input_ids, positions, caches, metadata = _step(model, [9, 13], gen)
+    calls: list[int] = []
+    per_layer = llama.DecoderLayer.forward_fused
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return per_layer(*args)
+
+    with torch.no_grad(), monkeypatch.context() as patch:
+        patch.setattr(llama.DecoderLayer, "forward_fused", counted)
+        base = model(input_ids, positions, [cache.clone() for cache in caches], metadata)
+        assert calls == []  # one call
+        batch.segments = [(0, 0, 2)]
+        adapted = model(input_ids, positions, [cache.clone() for cache in caches], metadata)
+        assert len(calls) == len(model.layers)  # layer by layer, with the adapter
+        batch.segments = []
+    assert (adapted - base).abs().max() > 1e-3  # the adapter's update is in the output
 
 
 def test_malformed_inputs_are_refused_with_the_reason():

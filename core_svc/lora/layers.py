@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from core_svc.lora.adapter import NUM_SLICES
+from core_svc.models.layers import notify_weights_replaced
 
 # A decoder projection the core adapts: "model.layers.3.self_attn.qkv_proj" -> (3, "qkv_proj").
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
@@ -154,6 +155,7 @@ def wrap_lora_modules(
         wrapped[(layer, kind)] = lora_module
     if not wrapped:
         raise ValueError("the model has no decoder projection LoRA adapters apply to (Llama-family models only)")
+    notify_weights_replaced(model)  # a few-row decoder built before holds the projections without their adapters
     return wrapped
 
 

@@ -8,20 +8,31 @@ bit for bit; what it removes is Python and torch's dispatch between them (about 
 of one request's 11 ms float32 forward; docs/benchmarks.md, "One call per decode step").
 
 It covers every projection ``Linear`` and ``Int8Linear`` run at these rows (``gemv`` on dense copies, torch's
-``F.linear`` and oneDNN's packed product, ``int8_gemv``), SiLU-gated MLPs and the ``cpu`` attention backend. Anything
-else (LoRA adapters' wrappers, int8 without the AVX-512 VNNI kernel, another activation or backend) keeps the
-per-layer path.
+``F.linear`` and oneDNN's packed product, ``int8_gemv``), SiLU-gated MLPs and the ``cpu`` attention backend; a
+projection wrapped for LoRA adapters (``AdapterWrapper``) by its base projection, so a step in which no request uses an
+adapter (``lora_batches``: ``LlamaModel.forward`` checks) is one call too. Anything else (int8 without the AVX-512
+VNNI kernel, another activation or backend, another wrapper) keeps the per-layer path.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, GEMV_MAX_ROWS, Linear, compiled_gemv
 from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, vnni_ops
 from kernels.attention.cpu_ops import loaded_ops
+
+
+@runtime_checkable
+class AdapterWrapper(Protocol):
+    """A projection wrapped for LoRA adapters (``core_svc.lora.layers.LoRALinear``; that package imports this one,
+    so its wrapper is known by these attributes): the base projection, and the step's adapter rows, shared by every
+    wrapper of the model (``LoRABatch``: ``active`` when a row of the step uses an adapter)."""
+
+    base: Any
+    batch: Any
 
 
 def build_few_row_decoder(model: Any) -> Any:
@@ -76,6 +87,13 @@ def build_few_row_decoder(model: Any) -> Any:
     return decoder
 
 
+def lora_batches(model: Any) -> tuple[Any, ...]:
+    """The step batches (``LoRABatch``) of ``model``'s projections wrapped for LoRA adapters (``AdapterWrapper``),
+    each once: the decoder runs their base projections only, so a step may take it only while none is active."""
+    batches = {id(m.batch): m.batch for m in model.modules() if isinstance(m, AdapterWrapper)}
+    return tuple(batches.values())
+
+
 def _same_norms(q_norm: Any, k_norm: Any, dtype: torch.dtype) -> bool:
     """Whether a layer's q and k norms share an epsilon (the decoder takes one per layer) and the activations'
     dtype."""
@@ -86,8 +104,10 @@ def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """``add_projection``'s (kind, weight, packed, dense_max_rows, bias, scales, sums) for a projection run as
     ``Linear.forward`` and ``Int8Linear.forward`` run it at 1 to ``GEMV_MAX_ROWS`` rows: ``gemv`` on a dense copy
     where the build has it for ``dtype``; else torch's products (``F.linear`` on the dense copy up to
-    ``DENSE_DECODE_MAX_ROWS`` rows, oneDNN's on the packed weight); ``int8_gemv``. None for anything else (an
-    adapter's wrapper, int8 without the VNNI kernel, a weight in another dtype)."""
+    ``DENSE_DECODE_MAX_ROWS`` rows, oneDNN's on the packed weight); ``int8_gemv``; a ``LoRALinear``'s base
+    projection. None for anything else (another wrapper, int8 without the VNNI kernel, a weight in another dtype)."""
+    if isinstance(module, AdapterWrapper):
+        module = module.base
     if type(module) is Int8Linear:
         if vnni_ops() is None or INT8PACK_MAX_ROWS < GEMV_MAX_ROWS:  # int8_gemv only up to INT8PACK_MAX_ROWS rows
             return None

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
-from core_svc.models.few_row_decoder import build_few_row_decoder
+from core_svc.models.few_row_decoder import build_few_row_decoder, lora_batches
 from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import (
     GEMV_MAX_ROWS,
@@ -115,6 +115,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # few_row_decoder's: None until built at the first decode step of few rows; False where it does not apply
         self._few_row_decoder: Any = None
+        self._lora_batches: tuple[Any, ...] = ()  # of its LoRA-wrapped projections: it runs none of their adapters
         self.few_row_decoder_enabled = True  # False: every step layer by layer (tests compare the two paths)
         self.fused_ops_enabled = True  # False: torch's operators between the products (tests and benchmarks compare)
 
@@ -127,11 +128,12 @@ class LlamaModel(nn.Module):
         if self._few_row_decoder is None:
             decoder = build_few_row_decoder(self)
             self._few_row_decoder = False if decoder is None else decoder
+            self._lora_batches = lora_batches(self)
         return None if self._few_row_decoder is False else self._few_row_decoder
 
     def weights_replaced(self) -> None:
-        """Its weight tensors were replaced (``layers.notify_weights_replaced``): the few-row decoder, which holds
-        the old ones, is built again at its next use."""
+        """Its weight tensors or projection modules were replaced (``layers.notify_weights_replaced``): the few-row
+        decoder, which holds the old ones, is built again at its next use."""
         self._few_row_decoder = None
 
     def forward(
@@ -152,8 +154,9 @@ class LlamaModel(nn.Module):
                 hidden = layer(rope, hidden, kv_cache, metadata)
             return self.norm(hidden)
         decoder = self.few_row_decoder()
-        # a decode-only step of few rows: the loop below in one compiled call
-        if decoder is not None and metadata.num_decodes == hidden.shape[0] <= GEMV_MAX_ROWS:
+        # a decode-only step of few rows, no adapter in it: the loop below in one compiled call
+        one_call = decoder is not None and metadata.num_decodes == hidden.shape[0] <= GEMV_MAX_ROWS
+        if one_call and not any(batch.active for batch in self._lora_batches):
             slots, table, lens = metadata.slot_mapping, metadata.block_table, metadata.seq_lens
             return decoder.forward(hidden.contiguous(), rope[0], rope[1], kv_caches, slots, table, lens)
         residual = None
