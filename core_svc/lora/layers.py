@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from core_svc.lora.adapter import NUM_SLICES
-from core_svc.models.layers import notify_weights_replaced
+from core_svc.models.layers import AdapterWrapper, notify_weights_replaced
 
 # A decoder projection the core adapts: "model.layers.3.self_attn.qkv_proj" -> (3, "qkv_proj").
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
@@ -56,7 +56,7 @@ class LoRABatch:
         return bool(self.segments)
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(AdapterWrapper):
     """A projection with ``max_loras`` adapter slots (see the module docstring).
 
     Args:

@@ -16,23 +16,13 @@ VNNI kernel, another activation or backend, another wrapper) keeps the per-layer
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, GEMV_MAX_ROWS, Linear, compiled_gemv
+from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, GEMV_MAX_ROWS, AdapterWrapper, Linear, compiled_gemv
 from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, vnni_ops
 from kernels.attention.cpu_ops import loaded_ops
-
-
-@runtime_checkable
-class AdapterWrapper(Protocol):
-    """A projection wrapped for LoRA adapters (``core_svc.lora.layers.LoRALinear``; that package imports this one,
-    so its wrapper is known by these attributes): the base projection, and the step's adapter rows, shared by every
-    wrapper of the model (``LoRABatch``: ``active`` when a row of the step uses an adapter)."""
-
-    base: Any
-    batch: Any
 
 
 def build_few_row_decoder(model: Any) -> Any:

@@ -168,6 +168,16 @@ def notify_weights_replaced(model: nn.Module) -> None:
             hook()
 
 
+class AdapterWrapper(nn.Module):
+    """A projection wrapped for adapters (``core_svc.lora.layers.LoRALinear``, whose package imports this one): its
+    ``base`` projection, and ``batch``, the step's adapter rows shared by every wrapper of the model (``LoRABatch``:
+    ``active`` when a row of the step uses an adapter). ``FewRowDecoder`` runs the base projection in steps where
+    ``batch`` is not active."""
+
+    base: nn.Module
+    batch: Any
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as transformers' LlamaRMSNorm."""
 
