@@ -674,18 +674,22 @@ def test_the_frontend_refuses_a_bad_core_address(capsys):
 
 
 def test_free_port_never_hands_out_a_port_twice(monkeypatch):
-    """The kernel may offer a port it offered before once that one is released; a caller that takes an HTTP port,
-    then a frontend's gRPC port, before binding either, must not get the same one twice (a frontend then failed with
-    "Address already in use")."""
-    offered = iter([41000, 41000, 41000, 41001])
+    """A caller that takes an HTTP port, then a frontend's gRPC port, before binding either, must not get the same
+    one twice (a frontend then failed with "Address already in use"): not from the random draw, nor from the
+    kernel, which may offer a released port again. A port another process holds is passed over."""
+    offered_by_kernel = iter([41000, 41000, 41001])
+    taken_elsewhere = {41002}
 
     class FakeSocket:
         def __init__(self, *args: object) -> None:
             self.port = 0
 
         def bind(self, address: tuple[str, int]) -> None:
-            assert address == ("127.0.0.1", 0)
-            self.port = next(offered)
+            host, port = address
+            assert host == "127.0.0.1"
+            if port in taken_elsewhere:
+                raise OSError(98, "Address already in use")
+            self.port = port or next(offered_by_kernel)
 
         def getsockname(self) -> tuple[str, int]:
             return ("127.0.0.1", self.port)
@@ -693,6 +697,18 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
         def close(self) -> None:
             pass
 
+    draws = iter([41002, 41000] + [41000] * 200)  # taken elsewhere, then one port drawn again and again
     monkeypatch.setattr(stack, "_HANDED_OUT", set())
     monkeypatch.setattr(stack.socket, "socket", FakeSocket)
+    monkeypatch.setattr(stack.random, "randrange", lambda low, high: next(draws))
     assert [stack.free_port(), stack.free_port()] == [41000, 41001]
+
+
+def test_free_port_is_below_the_kernels_ephemeral_range():
+    """Outgoing connections and binds to port 0 draw from the ephemeral range: a port chosen below it is not taken
+    by them before the caller binds it."""
+    low = stack._ephemeral_low()
+    if low <= stack._LOWEST_PORT:
+        pytest.skip(f"the ephemeral range starts at {low}: no room below it")
+    ports = [stack.free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(stack._LOWEST_PORT <= port < low for port in ports)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,19 +28,41 @@ GENERATION_GRPC_SERVICE = "splitserve.frontend.v1.Generation"
 
 
 _HANDED_OUT: set[int] = set()  # every port free_port returned in this process
+_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000  # below: ports services commonly take
 
 
 def free_port() -> int:
     """A TCP port free on loopback right now, and not one this process was handed before: a caller often takes
-    several before any is bound (a frontend's HTTP port, then its gRPC port), and the kernel may offer a released
-    port again."""
-    while True:
+    several before any is bound (a frontend's HTTP port, then its gRPC port). Drawn at random below the kernel's
+    ephemeral range (``ip_local_port_range``), from which every outgoing connection and every bind to port 0 on the
+    machine takes its port, so that none of those takes it between now and the caller's bind; the kernel's choice
+    (port 0) where that range leaves no room or no port there is free."""
+    ephemeral_low = _ephemeral_low()
+    candidates = (
+        [random.randrange(_LOWEST_PORT, ephemeral_low) for _ in range(64)] if ephemeral_low > _LOWEST_PORT else []
+    )
+    for port in [*candidates, *[0] * 64]:
+        if port in _HANDED_OUT:
+            continue
         with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             port = sock.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+    raise OSError("no free TCP port on 127.0.0.1")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        return int(_PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass(frozen=True)
