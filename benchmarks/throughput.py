@@ -308,8 +308,8 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     load_before = list(os.getloadavg())  # the machine is shared: how busy it was, beside the results
     flops = ModelFlops.from_checkpoint(model)
     num_threads = cpu_threads.detect_threads(settings.num_threads).num_threads
-    # Before the peak: MFU's denominator is the peak of the threads every backend runs on (two hyperthreads of one
-    # core measure 1.3x one thread's peak, not 2x)
+    # Before the peak: MFU's denominator is the peak of the threads every backend runs on (on this project's 2-vCPU
+    # machine two threads measured about 2x one thread's float32 peak: 244-300 against 117-141 GFLOP/s)
     torch.set_num_threads(num_threads)  # transformers' too
     # int8: its MFU over float32's peak (its integer products run at another peak, not measured)
     peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes} - {"int8"})
