@@ -1,13 +1,14 @@
-"""One request's linear layers on CPU: a pass over every weight matrix of ``small`` with one row, each route side by
-side.
+"""A decode step's linear layers on CPU: a pass over every weight matrix of ``small`` with a few rows, each route side
+by side.
 
-``python -m benchmarks.gemv [--num-threads 1] [--rows 1] [--repeats 15]`` builds ``small``'s 33 weight matrices
-(8 layers of qkv [1024, 512], o [512, 512], gate_up [2816, 512], down [512, 1408], and the LM head [32000, 512];
-random values) once per precision, each layer its own (as in a model, so a pass reads 160 MB in float32 and the
-next pass finds little of it in the caches), and times one pass over all of them per route, the routes
-interleaved round by round:
-- float32: ``packed`` (oneDNN's prepacked weight, what ``Linear`` runs by default), ``mkl`` (``F.linear`` on the
-  dense weight), ``gemv`` (the compiled kernel on the dense weight, ``--dense-decode-weights``);
+``python -m benchmarks.gemv [--num-threads 1] [--rows 1] [--repeats 15] [--no-lm-head]`` builds ``small``'s 33
+weight matrices (8 layers of qkv [1024, 512], o [512, 512], gate_up [2816, 512], down [512, 1408], and the LM head
+[32000, 512]; ``--no-lm-head``: the 32 projections only; random values) once per precision, each layer its own (as
+in a model, so a pass reads 160 MB in float32 and the next pass finds little of it in the caches), and times one
+pass over all of them per route, the routes interleaved round by round:
+- float32: ``packed`` (oneDNN's prepacked weight, what float32's LM head runs), ``column-major`` (``F.linear`` on
+  the weight stored transposed, what float32's projections run), ``mkl`` (``F.linear`` on the weight as loaded),
+  ``gemv`` (the compiled kernel on the dense weight, ``--dense-decode-weights``; at most 4 rows);
 - bfloat16: ``packed``, ``gemv``;
 - int8: ``int8pack`` (``torch._weight_int8pack_mm``, weight-only), ``int8_gemv`` (the compiled VNNI kernel, with the
   activations' per-row quantization).
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.workload import Machine
-from core_svc.models.layers import compiled_gemv
+from core_svc.models.layers import GEMV_MAX_ROWS, compiled_gemv
 from core_svc.models.quantization import Int8Linear, vnni_ops
 from kernels.attention import cpu_ops
 from splitserve.base import envs
@@ -50,11 +51,11 @@ def gemv_pass(ops: Any, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]
     return run
 
 
-def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
-    """Every route this machine can run, by precision, and a line for each it cannot."""
+def routes(rows: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[dict[str, dict[str, Pass]], list[str]]:
+    """Every route this machine can run for weights of ``shapes``, by precision, and a line for each it cannot."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in SHAPES]
-    x32 = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes]
+    x32 = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
     out: dict[str, dict[str, Pass]] = {"float32": {}, "bfloat16": {}, "int8": {}}
     missing: list[str] = []
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
@@ -62,10 +63,12 @@ def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
     def packed_pass(ws: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> Pass:
         return lambda: [
             torch.ops.mkldnn._linear_pointwise(xs[w_k], p, None, "none", [], "")
-            for (_, w_k), p in zip(SHAPES, ws, strict=True)
+            for (_, w_k), p in zip(shapes, ws, strict=True)
         ]
 
     out["float32"]["packed"] = packed_pass(packed, x32)
+    column_major = [w.t().contiguous().t() for w in weights]
+    out["float32"]["column-major"] = lambda: [F.linear(x32[w.shape[1]], w) for w in column_major]
     out["float32"]["mkl"] = lambda: [F.linear(x32[w.shape[1]], w) for w in weights]
     bf16 = [w.bfloat16() for w in weights]
     x16 = {k: v.bfloat16() for k, v in x32.items()}
@@ -75,8 +78,9 @@ def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
         missing.append("bfloat16 packed: oneDNN has no bfloat16 here")
     for dtype, ws, xs in ((torch.float32, weights, x32), (torch.bfloat16, bf16, x16)):
         ops = compiled_gemv(dtype)
-        if ops is None:
-            missing.append(f"{str(dtype).removeprefix('torch.')} gemv: no compiled kernel for it here")
+        if ops is None or rows > GEMV_MAX_ROWS:
+            why = "no compiled kernel for it here" if ops is None else f"at most {GEMV_MAX_ROWS} rows"
+            missing.append(f"{str(dtype).removeprefix('torch.')} gemv: {why}")
             continue
         out[str(dtype).removeprefix("torch.")]["gemv"] = gemv_pass(ops, ws, xs, rows)
     int8 = []
@@ -88,8 +92,8 @@ def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
         torch._weight_int8pack_mm(x16[layer.in_features], layer.weight_int8, layer.scales_bf16) for layer in int8
     ]
     vnni = vnni_ops()
-    if vnni is None:
-        missing.append("int8 int8_gemv: no AVX-512 VNNI kernel here")
+    if vnni is None or rows > GEMV_MAX_ROWS:
+        missing.append(f"int8 int8_gemv: {'no AVX-512 VNNI kernel here' if vnni is None else 'at most 4 rows'}")
     else:
 
         def int8_gemv() -> None:
@@ -106,8 +110,9 @@ def routes(rows: int) -> tuple[dict[str, dict[str, Pass]], list[str]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--rows", type=int, default=1, help="activation rows (1-4)")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (gemv routes: at most 4)")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--no-lm-head", action="store_true", help="the 32 projections only")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.num_threads)
     try:
@@ -119,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     print(f"CPU {machine.cpu} ({machine.cores} CPUs; flags {flags}), torch {torch.__version__}, {threads} threads")
     with torch.inference_mode():
-        by_precision, missing = routes(args.rows)
+        shapes = SHAPES[:-1] if args.no_lm_head else SHAPES
+        by_precision, missing = routes(args.rows, shapes)
         for line in missing:
             print(f"left out: {line}")
         every = {(p, r): fn for p, rs in by_precision.items() for r, fn in rs.items()}
@@ -132,19 +138,19 @@ def main(argv: list[str] | None = None) -> None:
                 fn()
                 times[key].append(time.perf_counter() - start)
     bytes_per_element = {"float32": 4, "bfloat16": 2, "int8": 1}
-    elements = sum(n * k for n, k in SHAPES)
+    elements = sum(n * k for n, k in shapes)
     print(
-        f"one pass over {len(SHAPES)} weight matrices ({elements / 1e6:.1f}M weights), {args.rows} row(s); "
+        f"one pass over {len(shapes)} weight matrices ({elements / 1e6:.1f}M weights), {args.rows} row(s); "
         f"median of {args.repeats}"
     )
-    print(f"{'precision':>10} {'route':>10} {'ms/pass':>8} {'GB/s':>6}  vs first")
+    print(f"{'precision':>10} {'route':>12} {'ms/pass':>8} {'GB/s':>6}  vs first")
     for precision, rs in by_precision.items():
         first = None
         for route in rs:
             ms = statistics.median(times[(precision, route)]) * 1e3
             first = first or ms
             gbs = elements * bytes_per_element[precision] / ms / 1e6
-            print(f"{precision:>10} {route:>10} {ms:8.2f} {gbs:6.2f}  {ms / first:.2f}x")
+            print(f"{precision:>10} {route:>12} {ms:8.2f} {gbs:6.2f}  {ms / first:.2f}x")
 
 
 if __name__ == "__main__":

@@ -49,15 +49,15 @@ class CoreConfig:
         ),
     )
     # CPU float32 or bfloat16 without quantization (ignored otherwise): linear weights kept dense beside their
-    # oneDNN-prepacked copies, and steps of few rows (one request's decode) use the dense ones through the compiled
-    # matrix-vector kernel (at most GEMV_MAX_ROWS rows; float32 without AVX-512: MKL, at most
-    # DENSE_DECODE_MAX_ROWS); the kept weights take twice their memory (core_svc.models.layers.prepack_linear_weights
+    # batch layout (column-major or oneDNN-packed), and steps of few rows (one request's decode) use the dense ones
+    # through the compiled matrix-vector kernel (at most GEMV_MAX_ROWS rows; nothing is kept where the build has no
+    # kernel for the dtype); the kept weights take twice their memory (core_svc.models.layers.prepack_linear_weights
     # says which are kept; docs/benchmarks.md).
     dense_decode_weights: bool = field(
         default=False,
         metadata=flag(
-            "CPU float32 and bfloat16: keep dense linear weights beside the prepacked ones for few-row (one-request) "
-            "decode steps (twice those weights' memory)"
+            "CPU float32 and bfloat16: keep dense linear weights beside their batch layout for few-row (one-request) "
+            "decode steps through the compiled matrix-vector kernel (twice those weights' memory)"
         ),
     )
     block_size: int = field(default=16, metadata=flag("tokens per KV block", unit="tokens"))

@@ -24,7 +24,6 @@ from core_svc.image_processor_config import QWEN2_VL_MODEL_TYPES, read_image_pro
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import (
-    DENSE_DECODE_MAX_ROWS,
     GEMV_MAX_ROWS,
     Linear,
     RotaryEmbedding,
@@ -84,27 +83,28 @@ def load_hf_config(path: Path) -> object:
 def _load_cpu_kernels_for_dense_weights() -> None:
     """Load the compiled CPU kernels (``kernels.attention.cpu_ops.load``; the CPU attention backend already has,
     unless another backend was chosen) before ``prepack_linear_weights(keep_dense=True)`` decides which dense
-    copies pay, so that the decision and every later step see the same kernels. Without them float32 still keeps
-    its copies, for MKL, and the log says so."""
+    copies pay, so that the decision and every later step see the same kernels. Without them no copy is kept, and
+    the log says so."""
     try:
         cpu_ops.load(envs.kernel_dir())
     except cpu_ops.KernelBuildError as e:
         logger.warning(
-            "--dense-decode-weights without the compiled matrix-vector kernel (%s): float32 keeps dense copies for "
-            "MKL at most %d rows, bfloat16 none",
-            e.reason,
-            DENSE_DECODE_MAX_ROWS,
+            "--dense-decode-weights without the compiled matrix-vector kernel (%s): no dense copies kept", e.reason
         )
 
 
-def _dense_copies(model: nn.Module, dtype: torch.dtype) -> str:
-    """What ``prepack_linear_weights(keep_dense=True)`` kept, for the load log: "" when nothing."""
-    kept = sum(isinstance(m, Linear) and m.dense_weight is not None for m in model.modules())
-    if not kept:
-        return ""
-    if compiled_gemv(dtype) is not None:
-        return f"; {kept} keep a dense copy for steps of at most {GEMV_MAX_ROWS} rows (compiled matrix-vector kernel)"
-    return f"; {kept} keep a dense copy for steps of at most {DENSE_DECODE_MAX_ROWS} rows (MKL)"
+def _layouts(model: nn.Module, dtype: torch.dtype) -> str:
+    """What ``prepack_linear_weights`` made of the linear weights, for the load log."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    packed = sum(m.packed_weight is not None for m in linears)
+    column_major = sum(m.weight is not None and not m.weight.is_contiguous() for m in linears)
+    text = ", ".join(
+        f"{n} {what}" for n, what in ((column_major, "column-major (MKL)"), (packed, "packed for oneDNN")) if n
+    )
+    kept = sum(m.dense_weight is not None for m in linears)
+    if kept and compiled_gemv(dtype) is not None:
+        text += f"; {kept} keep a dense copy for steps of at most {GEMV_MAX_ROWS} rows (compiled matrix-vector kernel)"
+    return text
 
 
 def load_model(
@@ -125,8 +125,8 @@ def load_model(
         dtype: parameter dtype; None keeps the checkpoint's.
         quantization: None, or "int8": every ``Linear`` weight quantized to int8 per output channel after
             loading (``quantize_linear_weights``; CPU only), instead of being prepacked.
-        dense_decode_weights: prepacked linear weights keep their dense copy for steps of few rows
-            (``prepack_linear_weights``).
+        dense_decode_weights: linear weights keep their dense copy for steps of few rows beside their batch
+            layout (``prepack_linear_weights``).
 
     Raises:
         ModelLoadError: missing or unreadable files, unsupported architecture or option, a missing, unexpected
@@ -145,7 +145,7 @@ def load_model(
             module.build_table()
     _load_weights(model, _weight_files(path))
     model.eval()
-    # Counted before prepacking, which turns the linear weights into oneDNN's layout.
+    # Counted before prepacking, which lays the linear weights out anew (packed ones have no storage to count).
     params = list(model.parameters())  # shared (tied) parameters once
     num_parameters = sum(p.numel() for p in params)
     weights_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -164,7 +164,7 @@ def load_model(
         if dense_decode_weights and device.type == "cpu":
             _load_cpu_kernels_for_dense_weights()
         if prepack_linear_weights(model, keep_dense=dense_decode_weights):
-            logger.info("linear weights prepacked for oneDNN%s", _dense_copies(model, dtype))
+            logger.info("linear weights laid out for batches: %s", _layouts(model, dtype))
     load_time_s = time.perf_counter() - start
     logger.info(
         "Model loading took %s (%s parameters, %s) and %.2f seconds",

@@ -452,3 +452,19 @@ def test_machine_names_the_gpu(monkeypatch):
         "cuda": "13.0",
     }
     assert Machine.current("cpu").gpu is None
+
+
+def test_gemv_routes_compute_the_same_products():
+    """``benchmarks.gemv``'s float32 routes (the layouts ``Linear`` runs) give one product each, the same one."""
+    from benchmarks import gemv
+
+    shapes = ((48, 32), (16, 48))
+    by_precision, missing = gemv.routes(5, shapes)
+    float32 = by_precision["float32"]
+    assert {"packed", "column-major", "mkl"} <= set(float32)
+    assert any(line.startswith("float32 gemv:") for line in missing)  # 5 rows: past the kernel's limit
+    results = {route: run() for route, run in float32.items()}
+    for route, outputs in results.items():
+        assert [tuple(o.shape) for o in outputs] == [(5, 48), (5, 16)], route
+        for out, expected in zip(outputs, results["mkl"], strict=True):
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)

@@ -28,8 +28,8 @@ def _kernels() -> None:
 
 def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
     """A 3-layer decoder of ``variant`` with seeded random weights, its projections as ``weights`` says: "dense"
-    (packed for oneDNN plus the dense copies gemv or F.linear read), "packed" (oneDNN's only), "plain" (F.linear's
-    weight, never packed) or "int8"."""
+    (prepacked plus the dense copies gemv reads), "packed" (prepacked only: column-major in float32, oneDNN's in
+    bfloat16), "plain" (F.linear's weight as loaded) or "int8"."""
     from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     from kernels.attention.cpu import CpuAttentionBackend
@@ -105,8 +105,8 @@ WEIGHTS = [
 
 @pytest.mark.parametrize(("variant", "dtype", "weights"), WEIGHTS)
 def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dtype, weights):
-    """Dense copies go to gemv where the build has it for the dtype, else (and without the kernel, forced below for
-    float32) to F.linear up to 2 rows and oneDNN beyond: each route the per-layer path takes."""
+    """Dense copies go to gemv where the build has it for the dtype; column-major weights (float32) to F.linear,
+    packed ones (bfloat16) to oneDNN: each route the per-layer path takes."""
     _kernels()
     if weights == "int8" and vnni_ops() is None:
         pytest.skip("this build has no int8_gemv (AVX-512 VNNI)")
@@ -115,21 +115,22 @@ def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dt
     _compare(monkeypatch, model, dtype)
 
 
-def test_dense_copies_without_gemv_go_through_f_linear_then_onednn(monkeypatch):
-    """A build without gemv (an AVX2 CPU): dense copies serve F.linear up to DENSE_DECODE_MAX_ROWS rows."""
+def test_without_gemv_the_column_major_weights_serve_every_row(monkeypatch):
+    """A build without gemv (an AVX2 CPU): no dense copies are kept; float32's column-major weights go through
+    F.linear at every row count."""
     _kernels()
     monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)
     monkeypatch.setattr(few_row_decoder, "compiled_gemv", lambda dtype: None)
     model = _model("biases", torch.float32, "dense")
-    assert all(m.dense_weight is not None for m in model.modules() if isinstance(m, layers.Linear))
+    projections = [m for m in model.modules() if isinstance(m, layers.Linear)]
+    assert all(m.dense_weight is None and m.weight.t().is_contiguous() for m in projections)
     assert model.few_row_decoder() is not None
     _compare(monkeypatch, model, torch.float32)
 
 
 def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
-    # 1 to GEMV_MAX_ROWS requests (F.linear on dense copies up to 2 rows, oneDNN beyond) at lengths across block
-    # edges, past the sliding window, at a first token
+    # 1 to GEMV_MAX_ROWS requests at lengths across block edges, past the sliding window, at a first token
     for rows in range(1, GEMV_MAX_ROWS + 1):
         seq_lens = [9, 1, 13, 5][:rows]
         input_ids, positions, caches, metadata = _step(model, seq_lens, gen)
@@ -250,3 +251,7 @@ def test_malformed_inputs_are_refused_with_the_reason():
         decoder.add_projection("gate_up", "torch", None, None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]"):
         decoder.add_projection("down", "torch", torch.zeros(256, 351), None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\] \(or, for kind torch"):
+        decoder.add_projection("down", "torch", torch.zeros(256, 704)[:, ::2], None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]$"):  # column-major: torch only
+        decoder.add_projection("down", "gemv", torch.zeros(352, 256).t(), None, 0, None, None, None)

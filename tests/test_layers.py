@@ -11,7 +11,6 @@ from torch import nn
 
 from core_svc.models import layers
 from core_svc.models.layers import (
-    DENSE_DECODE_MAX_ROWS,
     GEMV_MAX_ROWS,
     Linear,
     RMSNorm,
@@ -36,7 +35,11 @@ def test_prepacked_linear_matches_f_linear(dtype, bias):
     model = nn.Sequential(layer)
     if not prepack_linear_weights(model):
         pytest.skip("torch has no oneDNN here")
-    assert layer.weight is None and layer.packed_weight is not None
+    if dtype == torch.float32:  # column-major: the same values, stored transposed
+        assert layer.packed_weight is None and layer.weight.t().is_contiguous() and not layer.weight.is_contiguous()
+        assert torch.equal(layer.weight, weight)
+    else:
+        assert layer.weight is None and layer.packed_weight is not None
     tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.5, "rtol": 2e-2}
     for shape in [(1, 96), (37, 96), (4, 5, 96)]:
         x = torch.randn(*shape, generator=gen).to(dtype)
@@ -55,21 +58,40 @@ def _layer_and_head(dtype: torch.dtype, gen: torch.Generator) -> tuple[nn.Module
     return model, layer, head
 
 
-def test_dense_decode_weights_without_the_kernel_serve_few_rows_as_f_linear_and_skip_the_lm_head(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepack_lays_out_float32_projections_column_major_and_packs_the_rest(dtype):
+    gen = torch.Generator().manual_seed(0)
+    model, layer, head = _layer_and_head(dtype, gen)
+    weight, bias, head_weight = (t.detach().clone() for t in (layer.weight, layer.bias, head.weight))
+    if not prepack_linear_weights(model):
+        pytest.skip("torch has no oneDNN here")
+    assert layer.dense_weight is None and head.dense_weight is None
+    assert head.weight is None and head.packed_weight is not None  # an LM head is packed in either dtype
+    if dtype == torch.float32:
+        assert layer.packed_weight is None and layer.weight.t().is_contiguous() and torch.equal(layer.weight, weight)
+    else:
+        assert layer.weight is None and layer.packed_weight is not None
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        if dtype == torch.float32:  # sgemm on the transposed storage: F.linear's sums up to their order
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+        else:
+            expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+            assert torch.equal(layer(x), expected)
+        packed_head = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
+        assert torch.equal(head(x), packed_head)
+        tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.5, "rtol": 2e-2}
+        torch.testing.assert_close(head(x).float(), x.float() @ head_weight.float().T, **tolerance)
+
+
+def test_dense_decode_weights_without_the_kernel_keep_no_copies(monkeypatch):
     monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)  # a build without the matrix-vector kernel
     gen = torch.Generator().manual_seed(0)
     model, layer, head = _layer_and_head(torch.float32, gen)
-    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     if not prepack_linear_weights(model, keep_dense=True):
         pytest.skip("torch has no oneDNN here")
-    assert layer.weight is None and layer.packed_weight is not None and layer.dense_weight is not None
-    assert head.dense_weight is None and head.packed_weight is not None
-    for rows in (1, DENSE_DECODE_MAX_ROWS):  # the dense path: F.linear's own values
-        x = torch.randn(rows, 96, generator=gen)
-        assert torch.equal(layer(x), F.linear(x, weight, bias))
-    x = torch.randn(DENSE_DECODE_MAX_ROWS + 1, 96, generator=gen)  # the packed path
-    expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
-    assert torch.equal(layer(x), expected)
+    assert layer.dense_weight is None and head.dense_weight is None
+    assert layer.weight.t().is_contiguous() and head.packed_weight is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,9 +118,12 @@ def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype):
         else:
             packed = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
             assert torch.equal(head_out, packed)
-    x = torch.randn(GEMV_MAX_ROWS + 1, 96, generator=gen).to(dtype)  # the packed path
-    expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
-    assert torch.equal(layer(x), expected)
+    x = torch.randn(GEMV_MAX_ROWS + 1, 96, generator=gen).to(dtype)  # the batch layout
+    if dtype == torch.float32:
+        assert layer.weight.t().is_contiguous() and torch.equal(layer(x), F.linear(x, layer.weight, bias))
+    else:
+        expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+        assert torch.equal(layer(x), expected)
 
 
 MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7}  # stored fraction bits

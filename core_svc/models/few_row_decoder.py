@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from core_svc.models.layers import DENSE_DECODE_MAX_ROWS, GEMV_MAX_ROWS, AdapterWrapper, Linear, compiled_gemv
+from core_svc.models.layers import GEMV_MAX_ROWS, AdapterWrapper, Linear, compiled_gemv
 from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, vnni_ops
 from kernels.attention.cpu_ops import loaded_ops
 
@@ -93,9 +93,9 @@ def _same_norms(q_norm: Any, k_norm: Any, dtype: torch.dtype) -> bool:
 def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """``add_projection``'s (kind, weight, packed, dense_max_rows, bias, scales, sums) for a projection run as
     ``Linear.forward`` and ``Int8Linear.forward`` run it at 1 to ``GEMV_MAX_ROWS`` rows: ``gemv`` on a dense copy
-    where the build has it for ``dtype``; else torch's products (``F.linear`` on the dense copy up to
-    ``DENSE_DECODE_MAX_ROWS`` rows, oneDNN's on the packed weight); ``int8_gemv``; a ``LoRALinear``'s base
-    projection. None for anything else (another wrapper, int8 without the VNNI kernel, a weight in another dtype)."""
+    where the build has it for ``dtype``; else torch's products (``F.linear`` on the weight as loaded or
+    column-major, oneDNN's on the packed weight); ``int8_gemv``; a ``LoRALinear``'s base projection. None for
+    anything else (another wrapper, int8 without the VNNI kernel, a weight in another dtype)."""
     if isinstance(module, AdapterWrapper):
         module = module.base
     if type(module) is Int8Linear:
@@ -106,13 +106,12 @@ def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
     if type(module) is not Linear:
         return None
     bias = None if module.bias is None else module.bias.detach()
+    dense = module.dense_weight
+    if dense is not None and compiled_gemv(dtype) is not None:
+        usable = dense.dtype == dtype and dense.is_contiguous()
+        return ("gemv", dense, None, 0, None if bias is None else bias.float(), None, None) if usable else None
     if module.packed_weight is None:  # F.linear on the weight at every row count
         weight = module.weight.detach()
-        usable = weight.dtype == dtype and weight.is_contiguous()
-        return ("torch", weight, None, 0, bias, None, None) if usable else None
-    dense, packed = module.dense_weight, module.packed_weight
-    if packed.dtype != dtype or (dense is not None and (dense.dtype != dtype or not dense.is_contiguous())):
-        return None
-    if dense is not None and compiled_gemv(dtype) is not None:
-        return "gemv", dense, None, 0, None if bias is None else bias.float(), None, None
-    return "torch", dense, packed, DENSE_DECODE_MAX_ROWS if dense is not None else 0, bias, None, None
+        return ("torch", weight, None, 0, bias, None, None) if weight.dtype == dtype else None
+    packed = module.packed_weight
+    return ("torch", None, packed, 0, bias, None, None) if packed.dtype == dtype else None

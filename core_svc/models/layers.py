@@ -22,13 +22,9 @@ from core_svc.models.arch import AttentionDims
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.attention.cpu_ops import loaded_ops
 
-# Rows up to which a ``Linear`` with a dense copy (``prepack(keep_dense=True)``) uses it through MKL's ``F.linear``:
-# one request's decode is one row; at one thread MKL's dense path took 20-35% less CPU than the packed weight at 1
-# and 2 rows, but up to 1.5x more at 4 and 10-15% more at 64 (``small``'s projections, docs/benchmarks.md).
-DENSE_DECODE_MAX_ROWS = 2
-# Rows up to which it uses the compiled matrix-vector kernel instead (``gemv``, kernels/attention/csrc/gemv_cpu.cpp;
-# its limit), where the build has one for the weight's dtype: faster than the packed weight and than MKL at 1, 2
-# and 4 rows in float32 and bfloat16 (docs/benchmarks.md).
+# Rows up to which a ``Linear`` with a dense copy (``prepack(keep_dense=True)``) uses the compiled matrix-vector
+# kernel (``gemv``, kernels/attention/csrc/gemv_cpu.cpp; its limit), where the build has one for the weight's dtype:
+# faster than the packed weight and than MKL at 1, 2 and 4 rows in float32 and bfloat16 (docs/benchmarks.md).
 GEMV_MAX_ROWS = 4
 
 
@@ -91,53 +87,63 @@ def tied_lm_head(hidden: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight can be handed to oneDNN in its own blocked layout (``prepack()``), on CPU.
+    """``nn.Linear`` whose weight can be laid out once for the CPU's fastest product (``prepack()``).
 
-    torch's CPU ``F.linear`` in float32 goes to MKL's sgemm, which repacks the weight on every call; at decode
-    batch sizes (16-128 rows) that repacking is a large share of the work. A weight reordered once for oneDNN
-    (``torch.ops.mkldnn._reorder_linear_weight``, what torch's own inductor does for frozen CPU models) runs
-    1.2-2x faster there in float32 and bfloat16 and about the same on 2048-row prefill chunks (measured on this
-    project's 2-core AVX-512 machine; ``docs/benchmarks.md``). The results differ from sgemm's in rounding only
-    (summation order): ~1e-7 relative.
+    torch's CPU ``F.linear`` in float32 goes to MKL's sgemm, which with the weight as stored ([out_features,
+    in_features], the product's transposed operand) repacks it on every call. Two layouts avoid that, each measured
+    faster where it is used (``small``, one thread, this project's 2-core AVX-512 machine; docs/benchmarks.md,
+    "Column-major float32 weights"):
+
+    - column-major (float32's projections): the same values stored as [in_features, out_features] (``weight`` is
+      their transposed view), which sgemm multiplies as they are: a decode step's projections at 32-128 rows took
+      1.1-1.4x less time than oneDNN's packed weight, at one row 1.35x less (about the compiled matrix-vector
+      kernel's rate), and 2048-row prefill chunks the same. Bit for bit F.linear's values on this machine.
+    - oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what torch's own inductor does for frozen
+      CPU models): bfloat16 (AMX or AVX-512 BF16), and float32's LM head, whose 32,000-wide product it ran 1.2-1.4x
+      faster than the column-major one from 4 rows up (1.15x slower at one row). Rounding differs from sgemm's in
+      the summation order only: ~1e-7 relative.
     """
 
-    packed_weight: torch.Tensor | None = None
-    # [out_features, in_features], kept beside packed_weight by prepack(keep_dense=True) for few-row inputs
+    packed_weight: torch.Tensor | None = None  # oneDNN's layout; ``weight`` is then None
+    # [out_features, in_features], kept beside the batch layout by prepack(keep_dense=True) for few-row inputs
     dense_weight: torch.Tensor | None = None
 
-    def prepack(self, keep_dense: bool = False) -> None:
-        """Reorder the weight for oneDNN and drop the dense copy (the packed one replaces it, not doubling it);
-        ``keep_dense``: keep it (twice the weight's memory) for inputs of few rows, where the compiled
-        matrix-vector kernel (at most ``GEMV_MAX_ROWS`` rows) or MKL's (at most ``DENSE_DECODE_MAX_ROWS``) beats
-        the packed weight."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        self.dense_weight = self.weight.detach() if keep_dense else None
+    def prepack(self, keep_dense: bool = False, column_major: bool = False) -> None:
+        """Lay the weight out for batches: ``column_major``, its values stored transposed (``weight`` becomes a
+        view [out_features, in_features] of them, strides (1, out_features)); else oneDNN's layout (``weight`` is
+        dropped, the packed one replaces it rather than doubling it). ``keep_dense``: keep the row-major weight as
+        well (twice its memory) for inputs of at most ``GEMV_MAX_ROWS`` rows, through the compiled matrix-vector
+        kernel."""
+        weight = self.weight.detach()
+        self.dense_weight = weight if keep_dense else None
+        if column_major:
+            self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+            return
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.register_parameter("weight", None)  # what ``self.weight = None`` does to a parameter, typed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        if self.packed_weight is None:
-            return F.linear(x, self.weight, self.bias)
         if self.dense_weight is not None:
             ops = gemv_route(x, self.dense_weight)
             if ops is not None:
                 return gemv(ops, x, self.dense_weight, self.bias)
-            if x.numel() <= DENSE_DECODE_MAX_ROWS * x.shape[-1]:
-                return F.linear(x, self.dense_weight, self.bias)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16 when torch has oneDNN; returns
-    whether it did. Other dtypes, devices and builds keep ``F.linear``.
+    whether it did. Float32 projections take the column-major layout, float32's LM head and every bfloat16 weight
+    oneDNN's (``Linear``). Other dtypes, devices and builds keep ``F.linear`` on the weight as loaded.
 
-    ``keep_dense``: layers keep their dense weight for few-row inputs where that was measured faster than the packed
-    one (``small``, one thread; docs/benchmarks.md): every ``Linear`` but the LM head (a vision tower's and
-    projector's included) in float32 (the compiled matrix-vector kernel where the build has it and it is loaded,
-    ``compiled_gemv``, else MKL) and in bfloat16 with the kernel; the LM head in bfloat16 with the kernel (in float32
-    the packed LM head was as fast as either dense path in a decode step; oneDNN's one-row bfloat16 path reads its
-    weight at about 0.6x the kernel's rate). The kernels must be loaded before this call for their rows to count
-    (``model_loader.load_model`` loads them first)."""
+    ``keep_dense``: layers keep their dense weight for few-row inputs where the compiled matrix-vector kernel is in
+    the loaded build for the dtype (``compiled_gemv``; the kernels must be loaded before this call, as
+    ``model_loader.load_model`` does): every ``Linear`` but the LM head (a vision tower's and projector's included),
+    and in bfloat16 the LM head too (in float32 the packed LM head was as fast as the kernel in a decode step;
+    oneDNN's one-row bfloat16 path reads its weight at about 0.6x the kernel's rate). Without the kernel nothing is
+    kept: the column-major float32 weight is as fast through MKL at 1-2 rows as a dense copy was."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not torch.backends.mkldnn.is_available():
         return False
@@ -149,11 +155,10 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     kernel = compiled_gemv(weight.dtype) is not None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            if name.rpartition(".")[2] == "lm_head":
-                dense = weight.dtype == torch.bfloat16 and kernel
-            else:
-                dense = kernel or weight.dtype == torch.float32
-            module.prepack(keep_dense=keep_dense and dense)
+            lm_head = name.rpartition(".")[2] == "lm_head"
+            dense = kernel and (not lm_head or weight.dtype == torch.bfloat16)
+            column_major = weight.dtype == torch.float32 and not lm_head
+            module.prepack(keep_dense=keep_dense and dense, column_major=column_major)
     notify_weights_replaced(model)
     return True
 

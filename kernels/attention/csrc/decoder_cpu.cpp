@@ -43,8 +43,9 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 // One linear layer, run as Linear.forward / Int8Linear.forward run it at 1-4 rows:
 // - kGemv: weight dense [out_features, in_features] in the activations' dtype, through gemv; bias float32;
 // - kInt8: weight int8 with float32 scales and int32 row sums, through int8_gemv; bias float32;
-// - kTorch: torch's own products: at::linear on the dense weight up to dense_max_rows rows, else oneDNN's on the
-//   packed one (either may be absent where the other serves every row count); bias in the activations' dtype.
+// - kTorch: torch's own products: at::linear on the weight (row- or column-major) up to dense_max_rows rows, else
+//   oneDNN's on the packed one (either may be absent where the other serves every row count); bias in the
+//   activations' dtype.
 struct Projection {
   enum class Kind { kGemv, kInt8, kTorch };
   Kind kind = Kind::kGemv;
@@ -136,8 +137,8 @@ class FewRowDecoder : public torch::CustomClassHolder {
 
   // The last added layer's projection `name` (qkv, o, gate_up, down), of `kind` (Projection's): "gemv" (weight
   // dense in final_norm's dtype, bias float32), "int8" (weight int8, scales float32 and sums int32 per output
-  // feature, bias float32) or "torch" (weight dense and used up to dense_max_rows rows, and / or packed by oneDNN
-  // for more; bias in final_norm's dtype).
+  // feature, bias float32) or "torch" (weight row- or column-major and used up to dense_max_rows rows, and / or
+  // packed by oneDNN for more; bias in final_norm's dtype).
   void add_projection(const std::string& name, const std::string& kind, c10::optional<at::Tensor> weight,
                       c10::optional<at::Tensor> packed, int64_t dense_max_rows, c10::optional<at::Tensor> bias,
                       c10::optional<at::Tensor> scales, c10::optional<at::Tensor> sums) {
@@ -169,9 +170,13 @@ class FewRowDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(!packed.has_value() || torch_kind, name, ": a packed weight only of kind torch");
     TORCH_CHECK(int8 == scales.has_value() && int8 == sums.has_value(), name, ": scales and sums for kind int8 only");
     if (weight.has_value()) {
+      // kind torch also takes a column-major weight (a transposed view of [in_features, out_features]: float32's
+      // layout for batches, core_svc/models/layers.py's Linear), which at::linear multiplies as it is
+      const bool column_major = torch_kind && weight->dim() == 2 && weight->t().is_contiguous();
       TORCH_CHECK(weight->dim() == 2 && weight->size(0) == shape[0] && weight->size(1) == shape[1] &&
-                      weight->is_contiguous(),
-                  name, ": a contiguous weight [", shape[0], ", ", shape[1], "]");
+                      (weight->is_contiguous() || column_major),
+                  name, ": a contiguous weight [", shape[0], ", ", shape[1], "]",
+                  torch_kind ? " (or, for kind torch, a transposed view of a contiguous one)" : "");
       TORCH_CHECK(weight->scalar_type() == (int8 ? at::kChar : dtype()), name, ": the weight's dtype must be ",
                   int8 ? "int8" : "final_norm's");
       projection.weight = *std::move(weight);
