@@ -2,8 +2,9 @@
 
 ``python -m benchmarks.decode_attention [--model DIR]`` prints, per case, the median time of one attention call of
 each backend (a layer of the ``small`` preset: 8 query heads, 4 KV heads of 64, float32, block size 16) and their
-ratio; with ``--model``, also the engine's output tokens/s with each backend (64 requests, prompts of 64-400
-random tokens, 64 greedy output tokens each). Together: what falling back to the reference costs
+ratio, and the kernel's time over a bfloat16 cache (``--kv-cache-dtype bfloat16``: half the bytes read) with its
+ratio to the float32 cache's; with ``--model``, also the engine's output tokens/s with each backend (64 requests,
+prompts of 64-400 random tokens, 64 greedy output tokens each). Together: what falling back to the reference costs
 (``kernels.attention.backend`` quotes it). The requests' blocks are scattered over the cache, as after a while
 of serving.
 """
@@ -29,9 +30,10 @@ CASES = [(64, (64, 400)), (64, (512, 1536)), (8, (512, 1536))]
 
 
 def make_batch(
-    num_reqs: int, lengths: tuple[int, int], seed: int = 0
+    num_reqs: int, lengths: tuple[int, int], seed: int = 0, cache_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """One decode token per request over a random cache: (query, key, value, kv_cache) and the metadata."""
+    """One decode token per request over a random cache in ``cache_dtype`` (float32 queries, keys and values):
+    (query, key, value, kv_cache) and the metadata."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = torch.randint(lengths[0], lengths[1] + 1, (num_reqs,), generator=gen, dtype=torch.int32)
     blocks_per_req = [-(int(n) // -BLOCK_SIZE) for n in seq_lens]
@@ -41,7 +43,7 @@ def make_batch(
     block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
     for i, n in enumerate(blocks_per_req):
         block_table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(cache_dtype)
     metadata = AttentionMetadata.for_decodes(block_table, seq_lens, BLOCK_SIZE)
     query = torch.randn(num_reqs, NUM_HEADS, HEAD_SIZE, generator=gen)
     key = torch.randn(num_reqs, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
@@ -89,12 +91,17 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="also run the engine on this checkpoint")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; one layer of 'small', float32")
-    print(f"{'requests':>8} {'context':>10} {'kernel ms':>10} {'torch_ref ms':>13} {'ratio':>6}")
+    header = f"{'requests':>8} {'context':>10} {'kernel ms':>10} {'torch_ref ms':>13} {'ratio':>6}"
+    print(f"{header} {'kernel, bf16 cache ms':>22} {'ratio':>6}")
     for num_reqs, lengths in CASES:
         batch = make_batch(num_reqs, lengths)
         kernel, reference = (time_backend(name, batch, args.repeats) for name in ("cpu", "torch_ref"))
+        narrow = time_backend("cpu", make_batch(num_reqs, lengths, cache_dtype=torch.bfloat16), args.repeats)
         context = f"{lengths[0]}-{lengths[1]}"
-        print(f"{num_reqs:>8} {context:>10} {kernel * 1e3:>10.2f} {reference * 1e3:>13.2f} {reference / kernel:>6.1f}")
+        print(
+            f"{num_reqs:>8} {context:>10} {kernel * 1e3:>10.2f} {reference * 1e3:>13.2f} {reference / kernel:>6.1f} "
+            f"{narrow * 1e3:>22.2f} {kernel / narrow:>6.2f}"
+        )
     if args.model is not None:
         kernel = engine_output_tokens_per_s(args.model, "cpu")
         reference = engine_output_tokens_per_s(args.model, "torch_ref")

@@ -30,7 +30,7 @@ from typing import Any
 from benchmarks import peers, single_request
 from benchmarks.device_limits import copy_bandwidth, matmul_peak
 from benchmarks.hf_backends import run_hf_generate, run_hf_generate_batch
-from benchmarks.workload import Machine, ModelFlops, RequestSet, splitserve_precision
+from benchmarks.workload import Machine, ModelFlops, RequestSet, matmul_dtype, splitserve_precision
 from splitserve.base import cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -311,10 +311,8 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     # Before the peak: MFU's denominator is the peak of the threads every backend runs on (on this project's 2-vCPU
     # machine two threads measured about 2x one thread's float32 peak: 244-300 against 117-141 GFLOP/s)
     torch.set_num_threads(num_threads)  # transformers' too
-    # int8: its MFU over float32's peak (its integer products run at another peak, not measured)
-    peak_dtypes = sorted({"float32", settings.hf_dtype, *settings.dtypes} - {"int8"})
+    peak_dtypes = sorted({"float32", settings.hf_dtype, *map(matmul_dtype, settings.dtypes)})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
-    peaks["int8"] = peaks["float32"]
     logger.info(
         "matmul peak on %d threads: %s",
         num_threads,
@@ -337,7 +335,8 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
             if backend == "splitserve":
                 wall, outputs, facts = run_splitserve(model, requests, dtype, **core_config)
                 label = f"splitserve {dtype}"
-                results.append(_result(backend, dtype, label, requests, outputs, wall, flops, peaks[dtype], **facts))
+                dtype_peak = peaks[matmul_dtype(dtype)]
+                results.append(_result(backend, dtype, label, requests, outputs, wall, flops, dtype_peak, **facts))
             elif backend == "hf-generate":
                 wall, outputs = run_hf_generate(model, requests, dtype, settings.hf_batch_size, device)
                 label = f"transformers generate (batch {settings.hf_batch_size})"
@@ -375,11 +374,11 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         contended = contention.run(model, head.prompts, head.output_len, options)
     # The peak again, after the runs: a shared machine's speed drifts; MFU is over the higher of the two.
     peaks_after = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
-    peaks_after["int8"] = peaks_after["float32"]
     peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
     for r in results:
-        r.mfu_lm_head_every_token *= peaks[r.dtype] / peak[r.dtype]
-        r.mfu *= peaks[r.dtype] / peak[r.dtype]
+        dtype = matmul_dtype(r.dtype)
+        r.mfu_lm_head_every_token *= peaks[dtype] / peak[dtype]
+        r.mfu *= peaks[dtype] / peak[dtype]
     _compare(results)
     drift: dict[str, dict[str, float]] = {}  # precision -> its logprob drift against float32
     if "splitserve" in settings.backends and "float32" in settings.dtypes:

@@ -14,6 +14,8 @@ from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, image_limit, par
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "bfloat16"]  # vLLM's --kv-cache-dtype names (its fp8 ones are not served)
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 Quantization = Literal["int8"]  # core_svc.models.quantization
 QUANTIZATION_METHODS = ("int8",)
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -39,6 +41,15 @@ class CoreConfig:
     model: str = field(metadata=NOT_A_FLAG)  # local Hugging Face folder or hub id
     device: Device = field(default="cpu", metadata=flag("where the model runs"))
     dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
+    # vLLM's --kv-cache-dtype: auto stores keys and values in the model's dtype. bfloat16 under a float32 model halves
+    # the KV cache's bytes per token (twice the tokens in the same budget) and what each decode step's attention
+    # reads, rounding every key and value once to bfloat16 (CPU attention backends; docs/benchmarks.md).
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto",
+        metadata=flag(
+            "the KV cache's dtype; bfloat16 halves a float32 model's KV memory", default_help="auto: the model's"
+        ),
+    )
     # vLLM's --quantization: int8 weights per output channel, quantized at load from the float checkpoint; batches
     # quantize the activations per row too (W8A8: core_svc.models.quantization).
     quantization: Quantization | None = field(
@@ -262,6 +273,8 @@ class CoreConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {self.quantization!r}"

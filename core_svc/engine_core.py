@@ -81,6 +81,32 @@ logger = logging.getLogger(__name__)
 # engine loop's command poll (adds, aborts) while idle, EngineLoop._apply_commands.
 GRAMMAR_WAIT_S = 0.05
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Attention backends that store keys and values narrower than float32 queries, widening what they read
+NARROW_KV_CACHE_BACKENDS = ("cpu", "torch_ref")
+
+
+def kv_cache_dtype_for(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV cache tensors' dtype for ``--kv-cache-dtype name`` under a model in ``model_dtype`` served by the
+    attention backend named ``backend``: the model's for auto.
+
+    Raises:
+        ValueError: a cache dtype other than the model's under a model that is not float32, or on a backend that
+            stores only the model's dtype (``NARROW_KV_CACHE_BACKENDS`` serve it).
+    """
+    if name == "auto" or _DTYPES[name] == model_dtype:
+        return model_dtype
+    model = str(model_dtype).removeprefix("torch.")
+    if model_dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype {name} under a {model} model: a KV cache narrower than the model's dtype is served for "
+            f"float32 models only (use kv_cache_dtype auto)"
+        )
+    if backend not in NARROW_KV_CACHE_BACKENDS:
+        raise ValueError(
+            f"kv_cache_dtype {name} under a float32 model needs the {' or '.join(NARROW_KV_CACHE_BACKENDS)} attention "
+            f"backend; the {backend} backend stores keys and values in the model's dtype (use kv_cache_dtype auto)"
+        )
+    return _DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -145,6 +171,7 @@ class EngineCore:
         with self.startup.phase("kernel"):
             spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
             backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
+        self.kv_cache_dtype = kv_cache_dtype_for(config.kv_cache_dtype, dtype or arch.dtype, backend.name)
         # Device memory before the weights: what the KV budget is measured from on CUDA.
         baseline = gpu_memory.MemorySnapshot.measure(device) if device.type == "cuda" else None
         if baseline is not None and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
@@ -188,14 +215,20 @@ class EngineCore:
         self.model_runner = ModelRunner(
             loaded,
             RunnerConfig(
-                config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.seed
+                config.block_size,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                config.seed,
+                self.kv_cache_dtype,
             ),
         )
         if self.lora_manager is not None:
             self.model_runner.set_lora(self.lora_manager, self._lora_batch)
         with self.startup.phase("KV cache") as phase:
             self.num_kv_blocks = self._num_kv_blocks(loaded, baseline)
-            kv_cache_bytes = self.num_kv_blocks * loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
+            bytes_per_token = loaded.arch.kv_cache_bytes_per_token(self.kv_cache_dtype)
+            kv_cache_bytes = self.num_kv_blocks * bytes_per_token * config.block_size
             self.model_runner.initialize_kv_cache(self.num_kv_blocks)
             phase.note = format_bytes(kv_cache_bytes)
         self.uses_decode_graphs = (
@@ -722,7 +755,7 @@ class EngineCore:
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        bytes_per_block = loaded.arch.kv_cache_bytes_per_token(self.dtype) * config.block_size
+        bytes_per_block = loaded.arch.kv_cache_bytes_per_token(self.kv_cache_dtype) * config.block_size
         if config.kv_cache_memory_gib is not None:
             budget_bytes, source = (
                 int(config.kv_cache_memory_gib * 2**30),
@@ -764,7 +797,7 @@ class EngineCore:
             info.num_kv_blocks - 1,
             info.block_size,
             format_bytes(kv_cache_bytes),
-            info.dtype,
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
         if info.kv_cache_tokens < info.max_model_len:
             # vLLM refuses to start here; a small cache is useful on CPUs and in tests, so warn and let requests

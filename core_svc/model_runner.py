@@ -57,6 +57,7 @@ class RunnerConfig:
     max_num_batched_tokens: int  # most tokens in a step
     max_model_len: int  # most tokens of a request
     seed: int = 0  # seeds the generator of unseeded random sampling
+    kv_cache_dtype: torch.dtype | None = None  # the KV cache tensors' dtype; None: the model's
 
     @property
     def max_num_blocks_per_req(self) -> int:
@@ -97,6 +98,7 @@ class ModelRunner:
         self.block_size = config.block_size
         param = next(loaded.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.kv_cache_dtype = config.kv_cache_dtype or self.dtype
         self.kv_caches: list[torch.Tensor] = []  # [2, num_kv_blocks, block_size, num_kv_heads, head_size] per layer
         self.uses_mrope = loaded.model.uses_mrope
         limits = BufferLimits(
@@ -183,7 +185,8 @@ class ModelRunner:
         which pads block tables, never holds NaN."""
         shape = (2, num_kv_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_size)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_hidden_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(self.arch.num_hidden_layers)
         ]
 
     @torch.inference_mode()
@@ -205,7 +208,8 @@ class ModelRunner:
         if not kv_caches:
             shape = (2, 1, self.block_size, self.arch.num_key_value_heads, self.arch.head_size)
             kv_caches = [
-                torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_hidden_layers)
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                for _ in range(self.arch.num_hidden_layers)
             ]
         buffers = self.buffers
         starts = np.cumsum([0, *lengths])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -33,9 +34,13 @@ class Greedy:
     logprobs: list[torch.Tensor]  # per step: [vocab_size] float32 log-softmax of the step's logits
 
 
-def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> Greedy:
-    """transformers ``generate`` (greedy, float32) with the per-step logits turned into logprobs."""
+def hf_greedy(
+    path: Path, prompt: list[int], max_new_tokens: int, make_cache: Callable[[], Any] | None = None
+) -> Greedy:
+    """transformers ``generate`` (greedy, float32) with the per-step logits turned into logprobs; ``make_cache``:
+    makes the ``past_key_values`` it starts from (a ``transformers.Cache``), else generate makes its own."""
     model = hf_model(path)
+    extra = {} if make_cache is None else {"cache": make_cache()}
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
@@ -44,6 +49,7 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> Greedy:
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=0,
+            **extra,
         )
     logprobs = [step[0].float().log_softmax(-1) for step in out.logits]
     return Greedy(out.sequences[0, len(prompt) :].tolist(), logprobs)

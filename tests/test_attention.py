@@ -39,18 +39,27 @@ STEPS = {
 }
 
 
+# (queries' dtype, the KV cache's): the model's dtype, or a bfloat16 cache under float32 (--kv-cache-dtype)
+DTYPES = {
+    "float32": (torch.float32, torch.float32),
+    "bfloat16": (torch.bfloat16, torch.bfloat16),
+    "float32, bfloat16 cache": (torch.float32, torch.bfloat16),
+}
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", list(DTYPES))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("head_size", [32, 64, 128])  # the CPU kernel: 64 and 128 compiled apart, others at run time
-def test_paged_attention_matches_dense(backend_name, dtype, window, step, head_size):
+def test_paged_attention_matches_dense(backend_name, dtypes, window, step, head_size):
     """Each kind of step (``STEPS``) with GQA, scattered blocks, and a block size that does not divide the
-    lengths."""
+    lengths. A narrower cache: attention over the keys and values rounded to it, the fresh ones included."""
+    dtype, cache_dtype = DTYPES[dtypes]
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, block_size, num_blocks = 8, 2, 4, 64
     requests = STEPS[step]
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=cache_dtype)
     free_blocks = torch.randperm(num_blocks - 1, generator=gen).add(1).tolist()  # block 0 is the null block
     all_keys, all_values, tables, slots = [], [], [], []
     for cached, new in requests:
@@ -99,11 +108,15 @@ def test_paged_attention_matches_dense(backend_name, dtype, window, step, head_s
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (cached, _) in enumerate(requests):
         rows = slice(query_start_loc[i], query_start_loc[i + 1])
-        expected = _dense_attention(query[rows], all_keys[i], all_values[i], cached, window)
+        keys, values = all_keys[i].to(cache_dtype), all_values[i].to(cache_dtype)  # as the cache holds them
+        expected = _dense_attention(query[rows], keys, values, cached, window)
         torch.testing.assert_close(out[rows].float(), expected, atol=atol, rtol=0, msg=f"request {i}")
     # The step's keys and values landed in their slots.
     flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    assert torch.equal(flat[0, metadata.slot_mapping], key) and torch.equal(flat[1, metadata.slot_mapping], value)
+    written = (key.to(cache_dtype), value.to(cache_dtype))  # rounded to nearest even, as torch's .to()
+    assert torch.equal(flat[0, metadata.slot_mapping], written[0]) and torch.equal(
+        flat[1, metadata.slot_mapping], written[1]
+    )
 
 
 def test_unknown_backend_names_the_known_ones():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.throughput_report import check_targets
-from benchmarks.workload import splitserve_precision
+from benchmarks.workload import matmul_dtype, splitserve_precision
 
 
 def test_splitserve_precision_names():
@@ -11,6 +11,24 @@ def test_splitserve_precision_names():
     assert splitserve_precision("bfloat16") == {"dtype": "bfloat16"}
     assert splitserve_precision("float32-dense") == {"dtype": "float32", "dense_decode_weights": True}
     assert splitserve_precision("bfloat16-dense") == {"dtype": "bfloat16", "dense_decode_weights": True}
+    assert splitserve_precision("float32-kv-bfloat16") == {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
+    # the peak each one's MFU is over: its compute dtype; int8's integer products stand over float32's
+    names = ("float32", "int8", "float32-dense", "float32-kv-bfloat16", "bfloat16", "bfloat16-dense")
+    assert [matmul_dtype(n) for n in names] == ["float32"] * 4 + ["bfloat16"] * 2
+
+
+def test_a_bfloat16_kv_cache_run_gets_its_own_mfu_line():
+    report = {
+        "device": "cpu",
+        "results": [
+            {"label": "splitserve float32", "output_tok_s": 200.0, "mfu": 0.45, "ratios": {}},
+            {"label": "splitserve float32-kv-bfloat16", "output_tok_s": 230.0, "mfu": 0.52, "ratios": {}},
+        ],
+    }
+    checks = {c.name: c for c in check_targets(report)}
+    assert (checks["splitserve float32 MFU"].measured, checks["splitserve float32 MFU"].met) == (0.45, False)
+    line = checks["splitserve float32-kv-bfloat16 MFU"]
+    assert (line.measured, line.met) == (0.52, True)
 
 
 def test_int8_and_bfloat16_targets_over_float32():

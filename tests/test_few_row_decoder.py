@@ -62,11 +62,14 @@ def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
     return model
 
 
-def _step(model: LlamaModel, seq_lens: list[int], gen: torch.Generator) -> tuple[Any, ...]:
-    """A decode step of one new token per request (sequence lengths after it ``seq_lens``) over KV caches holding
-    random keys and values for the earlier tokens, in blocks scattered through the cache."""
+def _step(
+    model: LlamaModel, seq_lens: list[int], gen: torch.Generator, cache_dtype: torch.dtype | None = None
+) -> tuple[Any, ...]:
+    """A decode step of one new token per request (sequence lengths after it ``seq_lens``) over KV caches
+    (``cache_dtype``, else the model's) holding random keys and values for the earlier tokens, in blocks scattered
+    through the cache."""
     dims = model.layers[0].self_attn.dims
-    dtype = model.norm.weight.dtype
+    dtype = cache_dtype or model.norm.weight.dtype
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, dims.num_kv_heads, dims.head_size)
     kv_caches = [torch.randn(shape, generator=gen).to(dtype) for _ in model.layers]
     max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
@@ -128,12 +131,12 @@ def test_without_gemv_the_column_major_weights_serve_every_row(monkeypatch):
     _compare(monkeypatch, model, torch.float32)
 
 
-def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype) -> None:
+def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> None:
     gen = torch.Generator().manual_seed(1)
     # 1 to GEMV_MAX_ROWS requests at lengths across block edges, past the sliding window, at a first token
     for rows in range(1, GEMV_MAX_ROWS + 1):
         seq_lens = [9, 1, 13, 5][:rows]
-        input_ids, positions, caches, metadata = _step(model, seq_lens, gen)
+        input_ids, positions, caches, metadata = _step(model, seq_lens, gen, cache_dtype)
         reference_caches = [cache.clone() for cache in caches]
         with torch.no_grad(), monkeypatch.context() as patch:
             patch.setattr(llama.DecoderLayer, "forward_fused", _not_called)  # the step is one call
@@ -146,6 +149,15 @@ def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype) -> None:
         assert torch.equal(fused, reference)
         for cache, expected in zip(caches, reference_caches, strict=True):
             assert torch.equal(cache, expected)  # the new keys and values in their slots, the rest untouched
+
+
+@pytest.mark.parametrize("weights", ["dense", "packed"])
+def test_a_bfloat16_kv_cache_under_float32_is_one_call_too(monkeypatch, weights):
+    """``--kv-cache-dtype bfloat16``: the one call stores and reads the narrower cache as the per-layer path does."""
+    _kernels()
+    model = _model("llama", torch.float32, weights)
+    assert model.few_row_decoder() is not None
+    _compare(monkeypatch, model, torch.float32, torch.bfloat16)
 
 
 def test_replaced_weights_rebuild_the_decoder(monkeypatch):

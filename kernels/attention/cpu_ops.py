@@ -352,10 +352,14 @@ def paged_decode_attention(
     """Attention of one query token per request over its paged keys and values, written into ``out``.
 
     Args:
-        out, query: ``[num_reqs, num_heads, head_size]``, the cache's dtype (float32, bfloat16 or float16; scores
-            and sums are float32); ``out`` contiguous, ``query`` contiguous within each row (a view of a fused q/k/v
-            projection is fine).
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, contiguous.
+        out, query: ``[num_reqs, num_heads, head_size]``, float32, bfloat16 or float16 (scores and sums are
+            float32); ``out`` contiguous, ``query`` contiguous within each row (a view of a fused q/k/v projection
+            is fine).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, contiguous, in the query's
+            dtype or, under float32 queries, bfloat16 or float16 (``--kv-cache-dtype``; widened as read).
+
+    Raises:
+        RuntimeError: shapes, strides or dtypes other than these, each named.
         block_table: ``[num_reqs, max_blocks]`` int32; seq_lens: ``[num_reqs]`` int32, at least 1.
         sliding_window: keys at positions > seq_len - 1 - W only; None for full attention.
     """
@@ -381,8 +385,8 @@ def decode_attention_with_kv_write(
     one call per layer in place of the KV write's index copies and the attention.
 
     Args:
-        key, value: ``[num_reqs, num_kv_heads, head_size]``, the cache's dtype, contiguous within each head (a view
-            of a fused q/k/v projection is fine).
+        key, value: ``[num_reqs, num_kv_heads, head_size]``, the query's dtype, contiguous within each head (a view
+            of a fused q/k/v projection is fine); stored rounded to nearest even where the cache is narrower.
         slot_mapping: ``[>= num_reqs]`` int64, the slot of each request's new token.
         the rest: as ``paged_decode_attention``.
     """

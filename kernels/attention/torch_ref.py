@@ -4,6 +4,8 @@ against.
 Decode requests (one query token) are batched into one ``scaled_dot_product_attention`` call over their gathered,
 padded block tables. Each prefill chunk gets its own call: over the keys and values it brings when nothing of its
 request is cached yet, else over its request's gathered blocks with a causal mask offset by the cached tokens.
+A cache narrower than the queries (``--kv-cache-dtype bfloat16`` under a float32 model) is widened as it is read,
+and a first chunk's own keys and values are rounded as the cache rounds them.
 """
 
 from __future__ import annotations
@@ -15,11 +17,18 @@ from kernels.attention.backend import AttentionMetadata
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping`` (int64 slots)."""
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``slot_mapping`` (int64 slots), rounded
+    to the cache's dtype where it is narrower (``--kv-cache-dtype``)."""
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """Keys or values as the cache holds them, in ``x``'s dtype: rounded through a narrower cache dtype, so a
+    prefill over the step's own keys sees what a later step reads back."""
+    return x if x.dtype == kv_cache.dtype else x.to(kv_cache.dtype).to(x.dtype)
 
 
 def prefill_attention(
@@ -42,13 +51,13 @@ def prefill_attention(
         num_context = seq_len - (end - start)
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, q_len, head_size]
         if num_context == 0:
-            keys = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, seq_len, head_size]
-            values = value[start:end].transpose(0, 1).unsqueeze(0)
+            keys = as_cached(key[start:end], kv_cache).transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, seq_len, D]
+            values = as_cached(value[start:end], kv_cache).transpose(0, 1).unsqueeze(0)
         else:
             num_blocks = -(seq_len // -block_size)
             block_table = metadata.block_table[i : i + 1, :num_blocks].long()
-            keys = _gather(kv_cache[0], block_table)[:, :, :seq_len]
-            values = _gather(kv_cache[1], block_table)[:, :, :seq_len]
+            keys = _gather(kv_cache[0], block_table)[:, :, :seq_len].to(query.dtype)
+            values = _gather(kv_cache[1], block_table)[:, :, :seq_len].to(query.dtype)
         if num_context == 0 and (sliding_window is None or sliding_window >= seq_len):
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -97,8 +106,8 @@ class TorchRefAttentionBackend:
         seq_lens = metadata.seq_lens[:num_decodes].long()  # [D]
         num_blocks = -(max(metadata.seq_lens_cpu[:num_decodes]) // -block_size)
         block_table = metadata.block_table[:num_decodes, :num_blocks].long()  # [D, nb]
-        keys = _gather(kv_cache[0], block_table)  # [D, num_kv_heads, nb * block_size, head_size]
-        values = _gather(kv_cache[1], block_table)
+        keys = _gather(kv_cache[0], block_table).to(query.dtype)  # [D, num_kv_heads, nb * block_size, head_size]
+        values = _gather(kv_cache[1], block_table).to(query.dtype)
         key_pos = torch.arange(keys.shape[2], device=query.device)
         mask = key_pos[None, :] < seq_lens[:, None]  # [D, L]
         if sliding_window is not None:

@@ -3,7 +3,9 @@
 // The algorithm is vLLM's paged_attention_v1 (Kwon et al. 2023, "Efficient Memory Management for Large Language
 // Model Serving with PagedAttention") laid out for CPU threads: one work item per request, whose keys and values are
 // read in place, slot by slot, once for all query heads (GQA maps query head i to KV head i / (num_heads / num_kv_heads)).
-// Scores and accumulators are float32 whatever the cache dtype. A batch of one request runs on the calling thread:
+// Scores and accumulators are float32 whatever the cache dtype, which is the query's, or bfloat16 / float16 under
+// float32 queries (--kv-cache-dtype: keys and values rounded once as they are stored, widened as they are read,
+// halving the bytes a decode step reads). A batch of one request runs on the calling thread:
 // an OpenMP region for a single work item only adds a fork and a barrier, which on a busy machine waits for a
 // descheduled thread (milliseconds per call).
 #include "cpu_ops.h"
@@ -37,15 +39,15 @@ struct HeadSize<0> {
   int64_t size_;
 };
 
-template <typename scalar_t, typename Head>
-inline float dot(const float* q, const scalar_t* k, Head head) {
+template <typename cache_t, typename Head>
+inline float dot(const float* q, const cache_t* k, Head head) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < head.value(); ++d) sum += q[d] * static_cast<float>(k[d]);
   return sum;
 }
 
-template <typename scalar_t, int HEAD>
+template <typename scalar_t, typename cache_t, int HEAD>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                    double scale, int64_t sliding_window) {
@@ -56,8 +58,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_table.size(1);
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = value_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
@@ -80,11 +82,11 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       for (int64_t i = 0; i < num_heads * hs; ++i) q[i] = static_cast<float>(q_row[i]) * static_cast<float>(scale);
       const int32_t* blocks = table + r * max_blocks;
       // The slots [first, len) block by block: (block's cache offset, first slot in it, slots in it, token index).
-      const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(scalar_t));
-      auto for_each_slot = [&](const scalar_t* cache, auto&& body) {
+      const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(cache_t));
+      auto for_each_slot = [&](const cache_t* cache, auto&& body) {
         for (int64_t t = first; t < len;) {
           const int64_t offset = t % block_size, count = std::min(block_size - offset, len - t);
-          const scalar_t* slot = cache + (static_cast<int64_t>(blocks[t / block_size]) * block_size + offset) * row_stride;
+          const cache_t* slot = cache + (static_cast<int64_t>(blocks[t / block_size]) * block_size + offset) * row_stride;
           // the same slot of the next block, fetched while this one is read: blocks are scattered, so the hardware
           // prefetcher's stream ends at each block's end
           const int64_t next_block = (t + count) / block_size;
@@ -99,7 +101,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           t += count;
         }
       };
-      for_each_slot(k_ptr, [&](const scalar_t* k, int64_t j) {
+      for_each_slot(k_ptr, [&](const cache_t* k, int64_t j) {
         for (int64_t head = 0; head < num_heads; ++head) {
           scores[head * n + j] = dot(q.data() + head * hs, k + (head / group) * hs, head_size);
         }
@@ -119,10 +121,10 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         for (int64_t t = 0; t < n; ++t) s[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_slot(v_ptr, [&](const scalar_t* v, int64_t j) {
+      for_each_slot(v_ptr, [&](const cache_t* v, int64_t j) {
         for (int64_t head = 0; head < num_heads; ++head) {
           const float p = scores[head * n + j];
-          const scalar_t* v_head = v + (head / group) * hs;
+          const cache_t* v_head = v + (head / group) * hs;
           float* a = acc.data() + head * hs;
 #pragma omp simd
           for (int64_t d = 0; d < head_size.value(); ++d) a[d] += p * static_cast<float>(v_head[d]);
@@ -137,6 +139,32 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 }  // namespace
 
 namespace splitserve_cpu {
+
+template <typename scalar_t, typename cache_t>
+void decode_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  switch (query.size(2)) {
+    case 64:
+      decode_kernel<scalar_t, cache_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
+                                           sliding_window);
+      break;
+    case 128:
+      decode_kernel<scalar_t, cache_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
+                                            sliding_window);
+      break;
+    default:
+      decode_kernel<scalar_t, cache_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
+                                          sliding_window);
+  }
+}
+
+// The cache dtype is the query's, or a 16-bit one under float32 queries.
+void check_cache_dtype(const at::Tensor& query, const at::Tensor& key_cache) {
+  const at::ScalarType q = query.scalar_type(), c = key_cache.scalar_type();
+  TORCH_CHECK(c == q || (q == at::kFloat && (c == at::kBFloat16 || c == at::kHalf)),
+              "the cache's dtype must be the query's, or bfloat16 or float16 under float32 queries; got a ", c,
+              " cache under ", q, " queries");
+}
 
 // out, query: [num_reqs, num_heads, head_size] (query's rows at any stride); key_cache, value_cache: [num_blocks,
 // block_size, num_kv_heads, head_size]; block_table: [num_reqs, max_blocks] int32; seq_lens: [num_reqs] int32 (>= 1); sliding_window <= 0: none.
@@ -157,39 +185,43 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= query.size(0) && seq_lens.size(0) >= query.size(0),
               "block_table and seq_lens need a row per request");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, cache and out must share a dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    switch (query.size(2)) {
-      case 64:
-        decode_kernel<scalar_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
-        break;
-      case 128:
-        decode_kernel<scalar_t, 128>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
-        break;
-      default:
-        decode_kernel<scalar_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
-    }
-  });
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "out must have the query's dtype, and the value cache the key cache's");
+  check_cache_dtype(query, key_cache);
+  if (key_cache.scalar_type() == query.scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+      decode_heads<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
+                                       sliding_window);
+    });
+  } else {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(key_cache.scalar_type(), "paged_decode_attention", [&] {
+      decode_heads<float, scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+    });
+  }
 }
 
 // paged_decode_attention of a decode-only batch, after storing each request's new key and value ([num_reqs,
-// num_kv_heads, head_size], any row stride) in its slot_mapping slot (int64): one call per layer for what would
-// otherwise be the KV write's index copies and the attention.
-template <typename scalar_t>
+// num_kv_heads, head_size], any row stride; in the query's dtype) in its slot_mapping slot (int64), rounded to the
+// cache's dtype where it is narrower: one call per layer for what would otherwise be the KV write's index copies and
+// the attention.
+template <typename scalar_t, typename cache_t>
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
               const at::Tensor& slot_mapping) {
   const int64_t num_reqs = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   const int64_t row = num_kv_heads * head_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  scalar_t* k_cache = key_cache.data_ptr<scalar_t>();
-  scalar_t* v_cache = value_cache.data_ptr<scalar_t>();
+  cache_t* k_cache = key_cache.data_ptr<cache_t>();
+  cache_t* v_cache = value_cache.data_ptr<cache_t>();
   const scalar_t* k = key.data_ptr<scalar_t>();
   const scalar_t* v = value.data_ptr<scalar_t>();
   for (int64_t r = 0; r < num_reqs; ++r) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      std::copy_n(k + r * key.stride(0) + h * key.stride(1), head_size, k_cache + slots[r] * row + h * head_size);
-      std::copy_n(v + r * value.stride(0) + h * value.stride(1), head_size, v_cache + slots[r] * row + h * head_size);
+      // c10's float to bfloat16 / float16 conversions round to nearest even, as torch's .to() does
+      std::transform(k + r * key.stride(0) + h * key.stride(1), k + r * key.stride(0) + h * key.stride(1) + head_size,
+                     k_cache + slots[r] * row + h * head_size, [](scalar_t x) { return static_cast<cache_t>(x); });
+      std::transform(v + r * value.stride(0) + h * value.stride(1),
+                     v + r * value.stride(0) + h * value.stride(1) + head_size, v_cache + slots[r] * row + h * head_size,
+                     [](scalar_t x) { return static_cast<cache_t>(x); });
     }
   }
 }
@@ -202,15 +234,23 @@ void decode_attention_with_kv_write(at::Tensor out, const at::Tensor& query, con
   TORCH_CHECK(key.size(0) == query.size(0) && key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
               "key and value need a row per request and the cache's heads and head size");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key and value rows must be contiguous within a head");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
-              "key, value and cache must share a dtype");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key and value must have the query's dtype, and the value cache the key cache's");
+  check_cache_dtype(query, key_cache);
   TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.size(0) >= key.size(0),
               "slot_mapping: contiguous int64, a slot per request");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "decode_attention_with_kv_write", [&] {
-    write_kv<scalar_t>(key, value, key_cache, value_cache, slot_mapping);
-  });
+  if (key_cache.scalar_type() == key.scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "decode_attention_with_kv_write", [&] {
+      write_kv<scalar_t, scalar_t>(key, value, key_cache, value_cache, slot_mapping);
+    });
+  } else {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(key_cache.scalar_type(), "decode_attention_with_kv_write", [&] {
+      write_kv<float, scalar_t>(key, value, key_cache, value_cache, slot_mapping);
+    });
+  }
   paged_decode_attention(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
 }
 

@@ -1,0 +1,58 @@
+"""``--kv-cache-dtype``: which caches are served, their size, and the kernel's refusals. Their values are tested
+against attention over rounded keys and values (tests/test_attention.py) and transformers with a rounding cache
+(tests/test_model_vs_transformers.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from core_svc.config import CoreConfig
+from core_svc.engine_core import kv_cache_dtype_for
+from tests.helpers import cpu_kernels_loaded, make_engine
+
+
+def test_unknown_cache_dtypes_are_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, bfloat16, got 'fp8'"):
+        CoreConfig(model="m", kv_cache_dtype="fp8")  # type: ignore[arg-type]  # what a bad flag would pass
+
+
+def test_which_model_and_backend_take_a_narrower_cache():
+    assert kv_cache_dtype_for("auto", torch.float32, "triton") == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float16, "cpu") == torch.float16
+    assert kv_cache_dtype_for("bfloat16", torch.float32, "cpu") == torch.bfloat16
+    assert kv_cache_dtype_for("bfloat16", torch.float32, "torch_ref") == torch.bfloat16
+    assert kv_cache_dtype_for("bfloat16", torch.bfloat16, "flash_attn") == torch.bfloat16  # the model's own
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 under a float16 model: .* float32 models only"):
+        kv_cache_dtype_for("bfloat16", torch.float16, "cpu")
+    with pytest.raises(ValueError, match="needs the cpu or torch_ref attention backend; the triton backend stores"):
+        kv_cache_dtype_for("bfloat16", torch.float32, "triton")
+
+
+def test_a_bfloat16_cache_holds_twice_the_blocks_of_a_float32_one_in_the_same_memory(checkpoint, caplog):
+    path = checkpoint("llama")
+    budget = {"kv_cache_memory_gib": 0.01}
+    plain = make_engine(path, **budget)
+    with caplog.at_level(logging.INFO, logger="core_svc.engine_core"):
+        narrow = make_engine(path, kv_cache_dtype="bfloat16", **budget)
+    assert plain.model_runner.kv_caches[0].dtype == torch.float32 and plain.dtype == torch.float32
+    assert narrow.model_runner.kv_caches[0].dtype == torch.bfloat16 and narrow.dtype == torch.float32
+    arch = plain.arch
+    per_block = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_size * plain.config.block_size
+    assert plain.num_kv_blocks == int(0.01 * 2**30) // (4 * per_block)
+    assert narrow.num_kv_blocks == int(0.01 * 2**30) // (2 * per_block)
+    assert narrow.model_runner.kv_cache_bytes == narrow.num_kv_blocks * 2 * per_block
+    assert any("KV cache size" in r.message and r.message.endswith("bfloat16)") for r in caplog.records)
+
+
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+def test_the_kernel_names_a_cache_dtype_it_does_not_serve():
+    from kernels.attention import cpu_ops
+
+    query = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 1, 64)  # float32 under bfloat16 queries: wider, never served
+    table, lens = torch.ones(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16 under float32 queries; got a Float cache under"):
+        cpu_ops.paged_decode_attention(torch.empty_like(query), query, cache, cache, table, lens, 0.125, None)
