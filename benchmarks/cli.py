@@ -92,7 +92,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-lens", default="128,512", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="runs of every engine and prompt length, interleaved")
-    p.add_argument("--dtypes", default="float32,bfloat16,int8", help="splitserve precisions, comma-separated")
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16,int8",
+        help="splitserve precisions, comma-separated (as bench throughput's, and bfloat16-dense)",
+    )
     p.add_argument(
         "--engines",
         default="splitserve,transformers,ctranslate2,llama.cpp",
@@ -181,8 +185,9 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtypes",
         default=None,
-        help="splitserve precisions, comma-separated; int8: --quantization int8 "
-        "(default: float32,bfloat16,int8; cuda: bfloat16)",
+        help="splitserve precisions, comma-separated; int8: --quantization int8, float32-dense: "
+        "--dense-decode-weights, float32-kv-bfloat16: --kv-cache-dtype bfloat16 (default: float32,bfloat16,int8; "
+        "cuda: bfloat16)",
     )
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
     p.add_argument(

@@ -4,7 +4,7 @@ row count with the fused layer ops (``fused_layer_ops``) against torch's operato
 
 ``python -m benchmarks.few_row_decoder [--num-threads 1] [--rows 1] [--context 128] [--rounds 40]`` builds a
 ``LlamaModel`` of ``small``'s shape (8 layers, hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408; random
-weights: the work does not depend on them) per precision: ``float32`` (oneDNN's packed weights, the default),
+weights: the work does not depend on them) per precision: ``float32`` (column-major weights, the default),
 ``float32-dense`` and ``bfloat16-dense`` (``--dense-decode-weights``: the compiled ``gemv``), ``bfloat16`` (packed)
 and ``int8`` (``--quantization int8``: ``int8_gemv``). It times a decode step's forward (every layer and the final
 norm, not the LM head) of ``--rows`` requests over ``--context`` cached tokens each, the two paths alternating

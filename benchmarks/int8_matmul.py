@@ -3,8 +3,9 @@
 ``python -m benchmarks.int8_matmul [--num-threads 1] [--repeats 7]`` prints, for each weight shape [N, K] of the
 benchmark's ``small`` checkpoint (qkv, o, gate_up, down, the LM head) and rows 1, 4, 16, 64 and 256, the best
 time of one call (interleaved repeats, the best of each: the machine's load only ever adds) of:
-- float32: oneDNN with the weight prepacked (``core_svc.models.layers.Linear``, what float32 runs);
-- bfloat16: the same in bfloat16;
+- float32: the weight column-major through MKL (``core_svc.models.layers.Linear``, what float32's projections
+  run);
+- bfloat16: oneDNN with the weight prepacked (what bfloat16 runs);
 - int8pack: ``torch._weight_int8pack_mm`` (weight-only, bfloat16 activations);
 - w8a8: activations quantized per row and ``torch._int_mm`` (int8 x int8 -> int32), rescaled
   (``core_svc.models.quantization.int8_linear_w8a8``, the quantization of the activations included).
@@ -51,7 +52,7 @@ def routes(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
     with torch.no_grad():
         f32.weight.copy_(weight)
         bf16.weight.copy_(weight)
-    f32.prepack()
+    f32.prepack(column_major=True)
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         bf16.prepack()
     q, scales = quantize_int8_per_channel(weight)

@@ -67,9 +67,6 @@ def check_targets(report: dict[str, Any]) -> list[TargetCheck]:
                 continue
             key = "vs transformers generate_batch" if "generate_batch" in label else "vs transformers generate"
             rows.append(TargetCheck(f"splitserve float32 {key}", ratio, TARGETS[key], False))
-    narrow_kv = by_label.get("splitserve float32-kv-bfloat16")
-    if narrow_kv:  # the same target with a bfloat16 KV cache (--kv-cache-dtype bfloat16), reported beside it
-        rows.append(TargetCheck("splitserve float32-kv-bfloat16 MFU", narrow_kv["mfu"], TARGETS["mfu"], False))
     for precision in ("bfloat16", "int8"):
         reduced = by_label.get(f"splitserve {precision}")
         if fp32 and reduced:

@@ -43,7 +43,8 @@ class CoreConfig:
     dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
     # vLLM's --kv-cache-dtype: auto stores keys and values in the model's dtype. bfloat16 under a float32 model halves
     # the KV cache's bytes per token (twice the tokens in the same budget) and what each decode step's attention
-    # reads, rounding every key and value once to bfloat16 (CPU attention backends; docs/benchmarks.md).
+    # reads, rounding every key and value once to bfloat16 (the cpu and torch_ref attention backends; measured in
+    # docs/benchmarks.md, "Column-major float32 weights and a bfloat16 KV cache").
     kv_cache_dtype: KVCacheDType = field(
         default="auto",
         metadata=flag(
@@ -275,6 +276,17 @@ class CoreConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        # what the flags alone rule out (core_svc.engine_core.kv_cache_dtype_for checks the model and backend)
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
+            raise ValueError(
+                "kv_cache_dtype bfloat16 under dtype float16: a KV cache narrower than the model's dtype is served "
+                "for float32 models only (use kv_cache_dtype auto)"
+            )
+        if self.kv_cache_dtype != "auto" and self.attention_backend in ("triton", "flash_attn"):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} needs the cpu or torch_ref attention backend, not "
+                f"{self.attention_backend}, which stores keys and values in the model's dtype"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {self.quantization!r}"

@@ -69,7 +69,7 @@ from core_svc.sleep_mode import (
 from core_svc.startup import StartupTimes
 from core_svc.stats import RequestStatsTracker, StatsSink
 from core_svc.structured_output import StructuredOutputManager
-from kernels import AttentionSpec, get_attention_backend
+from kernels import AttentionBackend, AttentionSpec, get_attention_backend
 from splitserve.base import envs
 from splitserve.base.pooling_params import PoolerConfig, load_pooler_config, pooling_params_violation
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
@@ -81,17 +81,15 @@ logger = logging.getLogger(__name__)
 # engine loop's command poll (adds, aborts) while idle, EngineLoop._apply_commands.
 GRAMMAR_WAIT_S = 0.05
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Attention backends that store keys and values narrower than float32 queries, widening what they read
-NARROW_KV_CACHE_BACKENDS = ("cpu", "torch_ref")
 
 
-def kv_cache_dtype_for(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
-    """The KV cache tensors' dtype for ``--kv-cache-dtype name`` under a model in ``model_dtype`` served by the
-    attention backend named ``backend``: the model's for auto.
+def kv_cache_dtype_for(name: str, model_dtype: torch.dtype, backend: AttentionBackend) -> torch.dtype:
+    """The KV cache tensors' dtype for ``--kv-cache-dtype name`` under a model in ``model_dtype`` served by
+    ``backend``: the model's for auto.
 
     Raises:
         ValueError: a cache dtype other than the model's under a model that is not float32, or on a backend that
-            stores only the model's dtype (``NARROW_KV_CACHE_BACKENDS`` serve it).
+            stores only the model's dtype (one without ``supports_narrow_kv_cache``: cpu and torch_ref have it).
     """
     if name == "auto" or _DTYPES[name] == model_dtype:
         return model_dtype
@@ -101,10 +99,10 @@ def kv_cache_dtype_for(name: str, model_dtype: torch.dtype, backend: str) -> tor
             f"kv_cache_dtype {name} under a {model} model: a KV cache narrower than the model's dtype is served for "
             f"float32 models only (use kv_cache_dtype auto)"
         )
-    if backend not in NARROW_KV_CACHE_BACKENDS:
+    if not backend.supports_narrow_kv_cache:
         raise ValueError(
-            f"kv_cache_dtype {name} under a float32 model needs the {' or '.join(NARROW_KV_CACHE_BACKENDS)} attention "
-            f"backend; the {backend} backend stores keys and values in the model's dtype (use kv_cache_dtype auto)"
+            f"kv_cache_dtype {name} under a float32 model needs the cpu or torch_ref attention backend; the "
+            f"{backend.name} backend stores keys and values in the model's dtype (use kv_cache_dtype auto)"
         )
     return _DTYPES[name]
 
@@ -171,7 +169,7 @@ class EngineCore:
         with self.startup.phase("kernel"):
             spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
             backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
-        self.kv_cache_dtype = kv_cache_dtype_for(config.kv_cache_dtype, dtype or arch.dtype, backend.name)
+        self.kv_cache_dtype = kv_cache_dtype_for(config.kv_cache_dtype, dtype or arch.dtype, backend)
         # Device memory before the weights: what the KV budget is measured from on CUDA.
         baseline = gpu_memory.MemorySnapshot.measure(device) if device.type == "cuda" else None
         if baseline is not None and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:

@@ -80,17 +80,16 @@ def load_hf_config(path: Path) -> object:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
 
 
-def _load_cpu_kernels_for_dense_weights() -> None:
+def _load_cpu_kernels_for_dense_weights() -> str | None:
     """Load the compiled CPU kernels (``kernels.attention.cpu_ops.load``; the CPU attention backend already has,
     unless another backend was chosen) before ``prepack_linear_weights(keep_dense=True)`` decides which dense
-    copies pay, so that the decision and every later step see the same kernels. Without them no copy is kept, and
-    the log says so."""
+    copies pay, so that the decision and every later step see the same kernels. Returns why they cannot be
+    loaded, or None."""
     try:
         cpu_ops.load(envs.kernel_dir())
     except cpu_ops.KernelBuildError as e:
-        logger.warning(
-            "--dense-decode-weights without the compiled matrix-vector kernel (%s): no dense copies kept", e.reason
-        )
+        return e.reason
+    return None
 
 
 def _layouts(model: nn.Module, dtype: torch.dtype) -> str:
@@ -161,10 +160,18 @@ def load_model(
     elif quantization is not None:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}")
     else:
+        kernels_missing = None
         if dense_decode_weights and device.type == "cpu":
-            _load_cpu_kernels_for_dense_weights()
+            kernels_missing = _load_cpu_kernels_for_dense_weights()
         if prepack_linear_weights(model, keep_dense=dense_decode_weights):
             logger.info("linear weights laid out for batches: %s", _layouts(model, dtype))
+        if dense_decode_weights and device.type == "cpu" and compiled_gemv(dtype) is None:
+            logger.warning(
+                "--dense-decode-weights has no effect here: no compiled matrix-vector kernel for %s (%s); no dense "
+                "copies kept",
+                str(dtype).removeprefix("torch."),
+                kernels_missing or "this CPU lacks its instructions: float32 needs AVX-512F, bfloat16 AVX512_BF16",
+            )
     load_time_s = time.perf_counter() - start
     logger.info(
         "Model loading took %s (%s parameters, %s) and %.2f seconds",

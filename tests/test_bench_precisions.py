@@ -17,7 +17,8 @@ def test_splitserve_precision_names():
     assert [matmul_dtype(n) for n in names] == ["float32"] * 4 + ["bfloat16"] * 2
 
 
-def test_a_bfloat16_kv_cache_run_gets_its_own_mfu_line():
+def test_a_bfloat16_kv_cache_run_is_not_checked_against_the_float32_mfu_target():
+    """Its MFU is in the table; the float32 target is float32's, cache included."""
     report = {
         "device": "cpu",
         "results": [
@@ -25,10 +26,8 @@ def test_a_bfloat16_kv_cache_run_gets_its_own_mfu_line():
             {"label": "splitserve float32-kv-bfloat16", "output_tok_s": 230.0, "mfu": 0.52, "ratios": {}},
         ],
     }
-    checks = {c.name: c for c in check_targets(report)}
-    assert (checks["splitserve float32 MFU"].measured, checks["splitserve float32 MFU"].met) == (0.45, False)
-    line = checks["splitserve float32-kv-bfloat16 MFU"]
-    assert (line.measured, line.met) == (0.52, True)
+    checks = check_targets(report)
+    assert [(c.name, c.measured, c.met) for c in checks] == [("splitserve float32 MFU", 0.45, False)]
 
 
 def test_int8_and_bfloat16_targets_over_float32():

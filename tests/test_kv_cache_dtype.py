@@ -20,15 +20,31 @@ def test_unknown_cache_dtypes_are_refused_naming_the_choices():
 
 
 def test_which_model_and_backend_take_a_narrower_cache():
-    assert kv_cache_dtype_for("auto", torch.float32, "triton") == torch.float32
-    assert kv_cache_dtype_for("auto", torch.float16, "cpu") == torch.float16
-    assert kv_cache_dtype_for("bfloat16", torch.float32, "cpu") == torch.bfloat16
-    assert kv_cache_dtype_for("bfloat16", torch.float32, "torch_ref") == torch.bfloat16
-    assert kv_cache_dtype_for("bfloat16", torch.bfloat16, "flash_attn") == torch.bfloat16  # the model's own
+    from types import SimpleNamespace
+
+    from kernels.attention.cpu import CpuAttentionBackend
+    from kernels.attention.torch_ref import TorchRefAttentionBackend
+
+    triton = SimpleNamespace(name="triton", supports_narrow_kv_cache=False)  # as TritonAttentionBackend declares
+    cpu, torch_ref = CpuAttentionBackend, TorchRefAttentionBackend  # the classes declare it
+    assert kv_cache_dtype_for("auto", torch.float32, triton) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float16, cpu) == torch.float16
+    assert kv_cache_dtype_for("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert kv_cache_dtype_for("bfloat16", torch.float32, torch_ref) == torch.bfloat16
+    assert kv_cache_dtype_for("bfloat16", torch.bfloat16, triton) == torch.bfloat16  # the model's own
     with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 under a float16 model: .* float32 models only"):
-        kv_cache_dtype_for("bfloat16", torch.float16, "cpu")
+        kv_cache_dtype_for("bfloat16", torch.float16, cpu)
     with pytest.raises(ValueError, match="needs the cpu or torch_ref attention backend; the triton backend stores"):
-        kv_cache_dtype_for("bfloat16", torch.float32, "triton")
+        kv_cache_dtype_for("bfloat16", torch.float32, triton)
+
+
+def test_what_the_flags_alone_rule_out_is_refused_before_anything_loads():
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 under dtype float16: .* float32 models only"):
+        CoreConfig(model="m", dtype="float16", kv_cache_dtype="bfloat16")
+    for backend in ("triton", "flash_attn"):
+        with pytest.raises(ValueError, match=f"needs the cpu or torch_ref attention backend, not {backend}"):
+            CoreConfig(model="m", attention_backend=backend, kv_cache_dtype="bfloat16")
+    assert CoreConfig(model="m", dtype="bfloat16", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
 
 
 def test_a_bfloat16_cache_holds_twice_the_blocks_of_a_float32_one_in_the_same_memory(checkpoint, caplog):

@@ -94,6 +94,21 @@ def test_dense_decode_weights_without_the_kernel_keep_no_copies(monkeypatch):
     assert layer.weight.t().is_contiguous() and head.packed_weight is not None
 
 
+def test_dense_decode_weights_without_the_kernel_say_they_have_no_effect(checkpoint, monkeypatch, caplog):
+    from core_svc import model_loader
+    from tests.helpers import make_engine
+
+    monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)  # a CPU without the kernel's instructions
+    monkeypatch.setattr(model_loader, "compiled_gemv", lambda dtype: None)
+    with caplog.at_level("WARNING", logger="core_svc.model_loader"):
+        engine = make_engine(checkpoint("llama"), dense_decode_weights=True)
+    assert all(m.dense_weight is None for m in engine.model_runner.model.modules() if isinstance(m, Linear))
+    assert any(
+        "--dense-decode-weights has no effect here: no compiled matrix-vector kernel for float32" in r.message
+        for r in caplog.records
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype):
     gen = torch.Generator().manual_seed(0)

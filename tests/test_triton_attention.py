@@ -358,6 +358,9 @@ def test_only_the_triton_backend_is_cuda_graph_safe():
     assert TritonAttentionBackend.supports_cuda_graphs is True
     assert TorchRefAttentionBackend.supports_cuda_graphs is False
     assert CpuAttentionBackend.supports_cuda_graphs is False
+    # --kv-cache-dtype bfloat16 under float32: the CPU backends round and widen; the CUDA ones store the model's dtype
+    assert CpuAttentionBackend.supports_narrow_kv_cache and TorchRefAttentionBackend.supports_narrow_kv_cache
+    assert TritonAttentionBackend.supports_narrow_kv_cache is False
 
 
 def test_selector_picks_triton(tmp_path):

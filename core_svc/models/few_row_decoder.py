@@ -110,8 +110,9 @@ def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
     if dense is not None and compiled_gemv(dtype) is not None:
         usable = dense.dtype == dtype and dense.is_contiguous()
         return ("gemv", dense, None, 0, None if bias is None else bias.float(), None, None) if usable else None
-    if module.packed_weight is None:  # F.linear on the weight at every row count
+    if module.packed_weight is None:  # F.linear on the weight (row- or column-major) at every row count
         weight = module.weight.detach()
-        return ("torch", weight, None, 0, bias, None, None) if weight.dtype == dtype else None
+        usable = weight.dtype == dtype and (weight.is_contiguous() or weight.t().is_contiguous())
+        return ("torch", weight, None, 0, bias, None, None) if usable else None
     packed = module.packed_weight
     return ("torch", None, packed, 0, bias, None, None) if packed.dtype == dtype else None

@@ -134,9 +134,10 @@ class Linear(nn.Linear):
 
 
 def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
-    """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16 when torch has oneDNN; returns
-    whether it did. Float32 projections take the column-major layout, float32's LM head and every bfloat16 weight
-    oneDNN's (``Linear``). Other dtypes, devices and builds keep ``F.linear`` on the weight as loaded.
+    """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16; returns whether it did. Float32
+    projections take the column-major layout, float32's LM head and every bfloat16 weight oneDNN's (``Linear``)
+    where torch has it. Other dtypes and devices, and what needs oneDNN where torch has none, keep ``F.linear`` on
+    the weight as loaded.
 
     ``keep_dense``: layers keep their dense weight for few-row inputs where the compiled matrix-vector kernel is in
     the loaded build for the dtype (``compiled_gemv``; the kernels must be loaded before this call, as
@@ -145,12 +146,13 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     oneDNN's one-row bfloat16 path reads its weight at about 0.6x the kernel's rate). Without the kernel nothing is
     kept: the column-major float32 weight is as fast through MKL at 1-2 rows as a dense copy was."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    if not linears or not torch.backends.mkldnn.is_available():
+    if not linears:
         return False
     weight = linears[0].weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    onednn = torch.backends.mkldnn.is_available()
+    if weight.dtype == torch.bfloat16 and not (onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False  # oneDNN's bfloat16 needs AVX-512 (or AVX-NE-CONVERT); F.linear serves it then
     kernel = compiled_gemv(weight.dtype) is not None
     for name, module in model.named_modules():
@@ -158,7 +160,8 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
             lm_head = name.rpartition(".")[2] == "lm_head"
             dense = kernel and (not lm_head or weight.dtype == torch.bfloat16)
             column_major = weight.dtype == torch.float32 and not lm_head
-            module.prepack(keep_dense=keep_dense and dense, column_major=column_major)
+            if column_major or onednn:  # a float32 LM head without oneDNN keeps F.linear on its weight
+                module.prepack(keep_dense=keep_dense and dense, column_major=column_major)
     notify_weights_replaced(model)
     return True
 

@@ -61,6 +61,9 @@ class AttentionBackend(Protocol):
     # True when forward reads only device tensors of the metadata and launches work sized by tensor shapes alone,
     # so a CUDA graph captured once replays correctly with new metadata contents (the CUDA graph runner reads it).
     supports_cuda_graphs: bool
+    # True when the KV cache may be narrower than float32 queries (--kv-cache-dtype bfloat16): keys and values are
+    # rounded to the cache's dtype as they are stored and widened as they are read (core_svc.engine_core checks).
+    supports_narrow_kv_cache: bool
 
     def forward(
         self,
@@ -73,9 +76,10 @@ class AttentionBackend(Protocol):
         sliding_window: int | None,
     ) -> torch.Tensor:
         """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at ``metadata.slot_mapping`` in
-        ``kv_cache``, then compute causal attention of ``query`` ``[num_tokens, num_heads, head_size]`` over each
-        request's cached keys and values (GQA when num_heads is a multiple of num_kv_heads). A query at position p
-        sees keys at positions k with k <= p and, with a sliding window W, k > p - W (transformers' convention).
+        ``kv_cache`` (rounded to its dtype where it is narrower), then compute causal attention of ``query``
+        ``[num_tokens, num_heads, head_size]`` over each request's cached keys and values (GQA when num_heads is a
+        multiple of num_kv_heads). A query at position p sees keys at positions k with k <= p and, with a sliding
+        window W, k > p - W (transformers' convention).
 
         Returns ``[num_tokens, num_heads, head_size]`` in the query's dtype.
         """

@@ -22,6 +22,7 @@ from kernels.attention.torch_ref import TorchRefAttentionBackend
 class CpuAttentionBackend(TorchRefAttentionBackend):
     name = "cpu"
     supports_cuda_graphs = False
+    supports_narrow_kv_cache = True  # the compiled kernel converts as it writes and reads; the rest is torch_ref's
 
     def __init__(self, build_dir: Path) -> None:
         """Loads the kernel, compiling it first if ``build_dir`` has no binary for it (``cpu_ops.load``).

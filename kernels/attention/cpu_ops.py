@@ -357,11 +357,11 @@ def paged_decode_attention(
             is fine).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, contiguous, in the query's
             dtype or, under float32 queries, bfloat16 or float16 (``--kv-cache-dtype``; widened as read).
+        block_table: ``[num_reqs, max_blocks]`` int32; seq_lens: ``[num_reqs]`` int32, at least 1.
+        sliding_window: keys at positions > seq_len - 1 - W only; None for full attention.
 
     Raises:
         RuntimeError: shapes, strides or dtypes other than these, each named.
-        block_table: ``[num_reqs, max_blocks]`` int32; seq_lens: ``[num_reqs]`` int32, at least 1.
-        sliding_window: keys at positions > seq_len - 1 - W only; None for full attention.
     """
     torch.ops.splitserve_cpu.paged_decode_attention(
         out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window or 0

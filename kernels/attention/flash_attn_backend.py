@@ -92,6 +92,7 @@ class FlashAttnBackend:
 
     name = "flash_attn"
     supports_cuda_graphs = True  # the decode-only call reads nothing from the host
+    supports_narrow_kv_cache = False
 
     def __init__(self) -> None:
         import flash_attn

@@ -45,8 +45,9 @@ FALLBACK_COST = (
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a backend must fit (vLLM's ``get_attn_backend`` takes the same): the dtype of the queries, keys,
-    values and KV cache, tokens per KV block, and the head size (elements)."""
+    """What a backend must fit (vLLM's ``get_attn_backend`` takes the same): the dtype of the queries, keys and
+    values (the KV cache's is the same, or narrower on a backend that ``supports_narrow_kv_cache``:
+    ``core_svc.engine_core.kv_cache_dtype_for``), tokens per KV block, and the head size (elements)."""
 
     dtype: torch.dtype
     block_size: int

@@ -73,6 +73,7 @@ def prefill_attention(
 class TorchRefAttentionBackend:
     name = "torch_ref"
     supports_cuda_graphs = False  # loops over requests with the *_cpu lists
+    supports_narrow_kv_cache = True  # write_kv rounds, every read widens (as_cached for a first chunk's own)
 
     def forward(
         self,

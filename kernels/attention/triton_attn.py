@@ -42,6 +42,7 @@ _MIN_PROGRAMS_UNSPLIT = 128
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True
+    supports_narrow_kv_cache = False
 
     def __init__(self, device: torch.device | str) -> None:
         """A backend for tensors on ``device``.

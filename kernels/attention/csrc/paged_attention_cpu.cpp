@@ -141,8 +141,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 namespace splitserve_cpu {
 
 template <typename scalar_t, typename cache_t>
-void decode_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+static void decode_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         double scale, int64_t sliding_window) {
   switch (query.size(2)) {
     case 64:
       decode_kernel<scalar_t, cache_t, 64>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
@@ -159,7 +160,7 @@ void decode_heads(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 }
 
 // The cache dtype is the query's, or a 16-bit one under float32 queries.
-void check_cache_dtype(const at::Tensor& query, const at::Tensor& key_cache) {
+static void check_cache_dtype(const at::Tensor& query, const at::Tensor& key_cache) {
   const at::ScalarType q = query.scalar_type(), c = key_cache.scalar_type();
   TORCH_CHECK(c == q || (q == at::kFloat && (c == at::kBFloat16 || c == at::kHalf)),
               "the cache's dtype must be the query's, or bfloat16 or float16 under float32 queries; got a ", c,
@@ -205,8 +206,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 // cache's dtype where it is narrower: one call per layer for what would otherwise be the KV write's index copies and
 // the attention.
 template <typename scalar_t, typename cache_t>
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-              const at::Tensor& slot_mapping) {
+static void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                     at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const int64_t num_reqs = key.size(0), num_kv_heads = key.size(1), head_size = key.size(2);
   const int64_t row = num_kv_heads * head_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
