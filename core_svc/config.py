@@ -44,7 +44,7 @@ class CoreConfig:
     # vLLM's --kv-cache-dtype: auto stores keys and values in the model's dtype. bfloat16 under a float32 model halves
     # the KV cache's bytes per token (twice the tokens in the same budget) and what each decode step's attention
     # reads, rounding every key and value once to bfloat16 (the cpu and torch_ref attention backends; measured in
-    # docs/benchmarks.md, "Column-major float32 weights and a bfloat16 KV cache").
+    # docs/benchmarks.md, "Column-major float32 weights, and a bfloat16 KV cache").
     kv_cache_dtype: KVCacheDType = field(
         default="auto",
         metadata=flag(

@@ -92,7 +92,7 @@ class Linear(nn.Linear):
     torch's CPU ``F.linear`` in float32 goes to MKL's sgemm, which with the weight as stored ([out_features,
     in_features], the product's transposed operand) repacks it on every call. Two layouts avoid that, each measured
     faster where it is used (``small``, one thread, this project's 2-core AVX-512 machine; docs/benchmarks.md,
-    "Column-major float32 weights"):
+    "Column-major float32 weights, and a bfloat16 KV cache"):
 
     - column-major (float32's projections): the same values stored as [in_features, out_features] (``weight`` is
       their transposed view), which sgemm multiplies as they are: a decode step's projections at 32-128 rows took
