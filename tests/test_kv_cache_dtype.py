@@ -72,3 +72,27 @@ def test_the_kernel_names_a_cache_dtype_it_does_not_serve():
     table, lens = torch.ones(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="bfloat16 or float16 under float32 queries; got a Float cache under"):
         cpu_ops.paged_decode_attention(torch.empty_like(query), query, cache, cache, table, lens, 0.125, None)
+
+
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+def test_the_kernel_stores_keys_in_bfloat16_as_torch_rounds_them_nan_and_inf_included():
+    """Ties, the largest finite values (rounding to inf), infinities and NaNs, one with a full payload (which a
+    rounding that skips the NaN test turns into -0.0), through the decode kernel's KV write."""
+    from kernels.attention import cpu_ops
+
+    bits = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF]
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    key = torch.randn(1, 1, 64)
+    key[0, 0, : len(bits)] = special
+    value = -key
+    query = torch.zeros(1, 1, 64)
+    caches = [torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
+    table, lens = torch.tensor([[1]], dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    slots = torch.tensor([16 + 3])  # block 1, slot 3
+    out = torch.empty_like(query)
+    k_cache, v_cache = caches
+    cpu_ops.decode_attention_with_kv_write(out, query, key, value, k_cache, v_cache, slots, table, lens, 0.125, None)
+    for cache, expected in ((caches[0], key), (caches[1], value)):
+        stored = cache[1, 3, 0]
+        torch.testing.assert_close(stored, expected[0, 0].to(torch.bfloat16), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(caches[0][1, 3, 0, 7]) and torch.isnan(caches[1][1, 3, 0, 8])  # the full-payload NaNs

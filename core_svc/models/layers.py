@@ -24,7 +24,8 @@ from kernels.attention.cpu_ops import loaded_ops
 
 # Rows up to which a ``Linear`` with a dense copy (``prepack(keep_dense=True)``) uses the compiled matrix-vector
 # kernel (``gemv``, kernels/attention/csrc/gemv_cpu.cpp; its limit), where the build has one for the weight's dtype:
-# faster than the packed weight and than MKL at 1, 2 and 4 rows in float32 and bfloat16 (docs/benchmarks.md).
+# faster than the packed weight at 1-4 rows in bfloat16, and than the column-major weight at 2-4 rows in float32
+# (about the same at one row; docs/benchmarks.md).
 GEMV_MAX_ROWS = 4
 
 

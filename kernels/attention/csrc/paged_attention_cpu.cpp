@@ -18,6 +18,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -45,6 +47,23 @@ inline float dot(const float* q, const cache_t* k, Head head) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < head.value(); ++d) sum += q[d] * static_cast<float>(k[d]);
   return sum;
+}
+
+// x converted to T (a key or value as the cache stores it, an output row in the query's dtype). float to bfloat16
+// rounds to nearest even, as c10's conversion and torch's .to() do, and keeps a NaN a NaN: this file is built with
+// -ffast-math, under which c10's std::isnan test folds away (a NaN with a full payload rounded to -0.0), so the test
+// here is on the bits.
+template <typename T, typename S>
+inline T convert(S x) {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::BFloat16 convert<c10::BFloat16, float>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return c10::BFloat16(0x7fc0, c10::BFloat16::from_bits());
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
 }
 
 template <typename scalar_t, typename cache_t, int HEAD>
@@ -131,7 +150,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         }
       });
       scalar_t* o_row = o_ptr + r * num_heads * hs;
-      for (int64_t i = 0; i < num_heads * hs; ++i) o_row[i] = static_cast<scalar_t>(acc[i]);
+      for (int64_t i = 0; i < num_heads * hs; ++i) o_row[i] = convert<scalar_t, float>(acc[i]);
     }
   }
 }
@@ -217,12 +236,11 @@ static void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor&
   const scalar_t* v = value.data_ptr<scalar_t>();
   for (int64_t r = 0; r < num_reqs; ++r) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      // c10's float to bfloat16 / float16 conversions round to nearest even, as torch's .to() does
       std::transform(k + r * key.stride(0) + h * key.stride(1), k + r * key.stride(0) + h * key.stride(1) + head_size,
-                     k_cache + slots[r] * row + h * head_size, [](scalar_t x) { return static_cast<cache_t>(x); });
+                     k_cache + slots[r] * row + h * head_size, convert<cache_t, scalar_t>);
       std::transform(v + r * value.stride(0) + h * value.stride(1),
                      v + r * value.stride(0) + h * value.stride(1) + head_size, v_cache + slots[r] * row + h * head_size,
-                     [](scalar_t x) { return static_cast<cache_t>(x); });
+                     convert<cache_t, scalar_t>);
     }
   }
 }
