@@ -3,6 +3,8 @@ logprobs, with staggered arrivals, forced chunked prefill, prefix-cache hits and
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -218,7 +220,9 @@ def _bfloat16_kv_cache() -> object:
     from transformers import DynamicCache
 
     class BFloat16KVCache(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             rounded = (key_states.bfloat16().float(), value_states.bfloat16().float())
             return super().update(*rounded, layer_idx, *args, **kwargs)
 
