@@ -253,6 +253,21 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _peak_dtype(precision: str, device: str) -> str:
+    """The dtype whose matmul peak ``precision``'s MFU is over (``matmul_dtype``), as the core computes it on
+    ``device``: float32 for a 16-bit dtype on a CPU without arithmetic in it, where the core loads float32
+    (``core_svc.cpu_dtype``; timing the emulated 16-bit product for a peak took over 20 minutes held to AVX2)."""
+    import torch
+
+    from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
+
+    dtype = matmul_dtype(precision)
+    if torch.device(device).type != "cpu":
+        return dtype
+    computed, _ = cpu_compute_dtype(getattr(torch, dtype), cpu_flags())
+    return str(computed).removeprefix("torch.")
+
+
 def logprob_drift(
     model: Path, requests: RequestSet, precision: str, num_requests: int = 8, device: str = "cpu"
 ) -> dict[str, float]:
@@ -311,7 +326,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     # Before the peak: MFU's denominator is the peak of the threads every backend runs on (on this project's 2-vCPU
     # machine two threads measured about 2x one thread's float32 peak: 244-300 against 117-141 GFLOP/s)
     torch.set_num_threads(num_threads)  # transformers' too
-    peak_dtypes = sorted({"float32", settings.hf_dtype, *map(matmul_dtype, settings.dtypes)})
+    peak_dtypes = sorted({_peak_dtype(d, device) for d in ("float32", settings.hf_dtype, *settings.dtypes)})
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     logger.info(
         "matmul peak on %d threads: %s",
@@ -335,17 +350,19 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
             if backend == "splitserve":
                 wall, outputs, facts = run_splitserve(model, requests, dtype, **core_config)
                 label = f"splitserve {dtype}"
-                dtype_peak = peaks[matmul_dtype(dtype)]
+                dtype_peak = peaks[_peak_dtype(dtype, device)]
                 results.append(_result(backend, dtype, label, requests, outputs, wall, flops, dtype_peak, **facts))
             elif backend == "hf-generate":
                 wall, outputs = run_hf_generate(model, requests, dtype, settings.hf_batch_size, device)
                 label = f"transformers generate (batch {settings.hf_batch_size})"
                 extra = {"batch_size": settings.hf_batch_size}
-                results.append(_result(backend, dtype, label, requests, outputs, wall, flops, peaks[dtype], **extra))
+                dtype_peak = peaks[_peak_dtype(dtype, device)]
+                results.append(_result(backend, dtype, label, requests, outputs, wall, flops, dtype_peak, **extra))
             elif backend == "hf-generate-batch":
                 wall, outputs = run_hf_generate_batch(model, requests, dtype, device)
                 label = "transformers generate_batch"
-                results.append(_result(backend, dtype, label, requests, outputs, wall, flops, peaks[dtype]))
+                dtype_peak = peaks[_peak_dtype(dtype, device)]
+                results.append(_result(backend, dtype, label, requests, outputs, wall, flops, dtype_peak))
             else:
                 raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
             _release(device)
@@ -376,7 +393,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     peaks_after = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
     for r in results:
-        dtype = matmul_dtype(r.dtype)
+        dtype = _peak_dtype(r.dtype, device)
         r.mfu_lm_head_every_token *= peaks[dtype] / peak[dtype]
         r.mfu *= peaks[dtype] / peak[dtype]
     _compare(results)

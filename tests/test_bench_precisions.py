@@ -71,3 +71,16 @@ def test_reduced_precisions_against_the_peers_of_their_class():
     assert checks["splitserve int8 vs ctranslate2 int8"] == (3.0, True)
     assert checks["splitserve int8 vs llama.cpp q8_0"] == (1.5, False)
     assert "splitserve bfloat16 vs ctranslate2 int8" not in checks
+
+
+def test_a_16_bit_precision_the_cpu_cannot_compute_is_measured_against_float32s_peak(monkeypatch):
+    """On an AVX2-only CPU the core runs bfloat16 in float32 (core_svc.cpu_dtype), so its MFU is over float32's
+    peak, and no emulated bfloat16 product is timed."""
+    import core_svc.cpu_dtype
+    from benchmarks.throughput import _peak_dtype
+
+    monkeypatch.setattr(core_svc.cpu_dtype, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    assert [_peak_dtype(p, "cpu") for p in ("bfloat16", "bfloat16-dense", "int8", "float32")] == ["float32"] * 4
+    monkeypatch.setattr(core_svc.cpu_dtype, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert _peak_dtype("bfloat16", "cpu") == "bfloat16" and _peak_dtype("float16", "cpu") == "float32"
+    assert _peak_dtype("bfloat16", "cuda") == "bfloat16"
