@@ -6,7 +6,9 @@ and converting them to float32 per matmul is no better: measured here with torch
 held to AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``), a [2816, 512]
 projection took 1.6 ms at 1 row and 6.7 ms at 64 rows that way against float32's 0.7 and 6.6 ms, and bfloat16
 matmuls took 0.6 and 35.5 ms. So on such a CPU the core warns and loads float32 (float16 likewise, needing
-``avx512_fp16`` or ``amx_fp16``); weight-only int8 (``--quantization int8``) is the compressed path there.
+``avx512_fp16`` or ``amx_fp16``). The compressed paths there, measured held to AVX2 (docs/benchmarks.md, "Held to
+AVX2"): ``--quantization int8`` for one request (0.77-0.88x float32's time per token; its batches 0.57x float32's
+throughput, the integer products being inexact without VNNI), ``--kv-cache-dtype bfloat16`` for the KV cache.
 """
 
 from __future__ import annotations
@@ -46,5 +48,6 @@ def cpu_compute_dtype(requested: torch.dtype, flags: frozenset[str]) -> tuple[to
     return torch.float32, (
         f"dtype {name} asked for, but this CPU has no {name} arithmetic (none of the flags {', '.join(needed)}): "
         f"torch would emulate it at a fraction of float32's speed, so the model runs in float32 instead; "
-        f"--quantization int8 compresses the weights on this CPU"
+        f"--quantization int8 compresses the weights on this CPU (one request's decode faster than float32, batches "
+        f"slower), --kv-cache-dtype bfloat16 the KV cache"
     )
