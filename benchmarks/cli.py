@@ -95,7 +95,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtypes",
         default="float32,bfloat16,int8",
-        help="splitserve precisions, comma-separated (as bench throughput's, and bfloat16-dense)",
+        help="splitserve precisions, comma-separated, as bench throughput's",
     )
     p.add_argument(
         "--engines",
@@ -185,9 +185,9 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtypes",
         default=None,
-        help="splitserve precisions, comma-separated; int8: --quantization int8, float32-dense: "
-        "--dense-decode-weights, float32-kv-bfloat16: --kv-cache-dtype bfloat16 (default: float32,bfloat16,int8; "
-        "cuda: bfloat16)",
+        help="splitserve precisions, comma-separated: a dtype; int8: --quantization int8; float32-dense, "
+        "bfloat16-dense: --dense-decode-weights; float32-kv-bfloat16: --kv-cache-dtype bfloat16 (default: "
+        "float32,bfloat16,int8; cuda: bfloat16)",
     )
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
     p.add_argument(

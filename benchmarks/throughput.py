@@ -254,9 +254,10 @@ def _release(device: str) -> None:
 
 
 def _peak_dtype(precision: str, device: str) -> str:
-    """The dtype whose matmul peak ``precision``'s MFU is over (``matmul_dtype``), as the core computes it on
-    ``device``: float32 for a 16-bit dtype on a CPU without arithmetic in it, where the core loads float32
-    (``core_svc.cpu_dtype``; timing the emulated 16-bit product for a peak took over 20 minutes held to AVX2)."""
+    """The dtype whose matmul peak splitserve's ``precision``'s MFU is over (``matmul_dtype``), as the core computes
+    it on ``device``: float32 for a 16-bit dtype on a CPU without arithmetic in it, where the core loads float32
+    (``core_svc.cpu_dtype``; timing the emulated 16-bit product for a peak took over 20 minutes held to AVX2).
+    transformers' runs are over the peak of the dtype they are asked for, which they compute in."""
     import torch
 
     from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
@@ -326,7 +327,14 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     # Before the peak: MFU's denominator is the peak of the threads every backend runs on (on this project's 2-vCPU
     # machine two threads measured about 2x one thread's float32 peak: 244-300 against 117-141 GFLOP/s)
     torch.set_num_threads(num_threads)  # transformers' too
-    peak_dtypes = sorted({_peak_dtype(d, device) for d in ("float32", settings.hf_dtype, *settings.dtypes)})
+    hf = any(b.startswith("hf-") for b in settings.backends)  # transformers computes in hf_dtype as asked
+
+    def peak_key(backend: str, precision: str) -> str:
+        return precision if backend.startswith("hf-") else _peak_dtype(precision, device)
+
+    peak_dtypes = sorted(
+        {_peak_dtype(d, device) for d in ("float32", *settings.dtypes)} | ({settings.hf_dtype} if hf else set())
+    )
     peaks = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     logger.info(
         "matmul peak on %d threads: %s",
@@ -350,18 +358,18 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
             if backend == "splitserve":
                 wall, outputs, facts = run_splitserve(model, requests, dtype, **core_config)
                 label = f"splitserve {dtype}"
-                dtype_peak = peaks[_peak_dtype(dtype, device)]
+                dtype_peak = peaks[peak_key(backend, dtype)]
                 results.append(_result(backend, dtype, label, requests, outputs, wall, flops, dtype_peak, **facts))
             elif backend == "hf-generate":
                 wall, outputs = run_hf_generate(model, requests, dtype, settings.hf_batch_size, device)
                 label = f"transformers generate (batch {settings.hf_batch_size})"
                 extra = {"batch_size": settings.hf_batch_size}
-                dtype_peak = peaks[_peak_dtype(dtype, device)]
+                dtype_peak = peaks[peak_key(backend, dtype)]
                 results.append(_result(backend, dtype, label, requests, outputs, wall, flops, dtype_peak, **extra))
             elif backend == "hf-generate-batch":
                 wall, outputs = run_hf_generate_batch(model, requests, dtype, device)
                 label = "transformers generate_batch"
-                dtype_peak = peaks[_peak_dtype(dtype, device)]
+                dtype_peak = peaks[peak_key(backend, dtype)]
                 results.append(_result(backend, dtype, label, requests, outputs, wall, flops, dtype_peak))
             else:
                 raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -393,7 +401,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     peaks_after = {dt: matmul_peak(dt, device, settings.matmul_sizes).flops_per_s for dt in peak_dtypes}
     peak = {dt: max(peaks[dt], peaks_after[dt]) for dt in peaks}
     for r in results:
-        dtype = _peak_dtype(r.dtype, device)
+        dtype = peak_key(r.backend, r.dtype)
         r.mfu_lm_head_every_token *= peaks[dtype] / peak[dtype]
         r.mfu *= peaks[dtype] / peak[dtype]
     _compare(results)

@@ -276,16 +276,21 @@ class CoreConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        # what the flags alone rule out (core_svc.engine_core.kv_cache_dtype_for checks the model and backend)
-        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
-            raise ValueError(
-                "kv_cache_dtype bfloat16 under dtype float16: a KV cache narrower than the model's dtype is served "
-                "for float32 models only (use kv_cache_dtype auto)"
+        # What the flags alone rule out: a float32 model's narrower cache on a backend that stores the model's dtype
+        # (core_svc.engine_core.kv_cache_dtype_for checks the model's dtype as loaded, and the chosen backend).
+        if (
+            self.kv_cache_dtype == "bfloat16"
+            and self.dtype == "float32"
+            and self.attention_backend
+            in (
+                "triton",
+                "flash_attn",
             )
-        if self.kv_cache_dtype != "auto" and self.attention_backend in ("triton", "flash_attn"):
+        ):
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype} needs the cpu or torch_ref attention backend, not "
-                f"{self.attention_backend}, which stores keys and values in the model's dtype"
+                f"kv_cache_dtype bfloat16 under a float32 model needs the cpu or torch_ref attention backend; the "
+                f"{self.attention_backend} backend stores keys and values in the model's dtype "
+                f"(use kv_cache_dtype auto)"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(

@@ -96,8 +96,8 @@ def kv_cache_dtype_for(name: str, model_dtype: torch.dtype, backend: AttentionBa
     model = str(model_dtype).removeprefix("torch.")
     if model_dtype != torch.float32:
         raise ValueError(
-            f"kv_cache_dtype {name} under a {model} model: a KV cache narrower than the model's dtype is served for "
-            f"float32 models only (use kv_cache_dtype auto)"
+            f"kv_cache_dtype {name} under a {model} model: a KV cache in a dtype other than the model's is served "
+            f"for float32 models only (use kv_cache_dtype auto)"
         )
     if not backend.supports_narrow_kv_cache:
         raise ValueError(

@@ -92,6 +92,19 @@ def _load_cpu_kernels_for_dense_weights() -> str | None:
     return None
 
 
+def _why_none(dtype: torch.dtype, kernels_missing: str | None) -> str:
+    """Why ``prepack_linear_weights(keep_dense=True)`` kept no dense copy of a CPU model in ``dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    if kernels_missing is not None:
+        return f"the compiled CPU kernels are not loaded ({kernels_missing})"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the compiled matrix-vector kernel has no {name} build"
+    if compiled_gemv(dtype) is None:
+        needs = "AVX-512F" if dtype == torch.float32 else "AVX512_BF16"
+        return f"no compiled matrix-vector kernel for {name} on this CPU (it needs {needs})"
+    return f"torch has no oneDNN {name} here, so the weights keep their loaded layout"
+
+
 def _layouts(model: nn.Module, dtype: torch.dtype) -> str:
     """What ``prepack_linear_weights`` made of the linear weights, for the load log."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -165,12 +178,10 @@ def load_model(
             kernels_missing = _load_cpu_kernels_for_dense_weights()
         if prepack_linear_weights(model, keep_dense=dense_decode_weights):
             logger.info("linear weights laid out for batches: %s", _layouts(model, dtype))
-        if dense_decode_weights and device.type == "cpu" and compiled_gemv(dtype) is None:
+        kept = any(isinstance(m, Linear) and m.dense_weight is not None for m in model.modules())
+        if dense_decode_weights and device.type == "cpu" and not kept:
             logger.warning(
-                "--dense-decode-weights has no effect here: no compiled matrix-vector kernel for %s (%s); no dense "
-                "copies kept",
-                str(dtype).removeprefix("torch."),
-                kernels_missing or "this CPU lacks its instructions: float32 needs AVX-512F, bfloat16 AVX512_BF16",
+                "--dense-decode-weights has no effect here: %s; no dense copies kept", _why_none(dtype, kernels_missing)
             )
     load_time_s = time.perf_counter() - start
     logger.info(

@@ -84,6 +84,15 @@ def test_prepack_lays_out_float32_projections_column_major_and_packs_the_rest(dt
         torch.testing.assert_close(head(x).float(), x.float() @ head_weight.float().T, **tolerance)
 
 
+def test_without_onednn_float32_projections_are_column_major_and_the_lm_head_as_loaded(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    model, layer, head = _layer_and_head(torch.float32, torch.Generator().manual_seed(0))
+    head_weight = head.weight
+    assert prepack_linear_weights(model)
+    assert layer.packed_weight is None and layer.weight.t().is_contiguous() and not layer.weight.is_contiguous()
+    assert head.packed_weight is None and head.weight is head_weight
+
+
 def test_dense_decode_weights_without_the_kernel_keep_no_copies(monkeypatch):
     monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)  # a build without the matrix-vector kernel
     gen = torch.Generator().manual_seed(0)

@@ -338,6 +338,23 @@ def test_cpu_compute_dtype_by_flags(requested, flags, expected, missing):
         assert warning is not None and f"(none of the flags {missing})" in warning and "runs in float32" in warning
 
 
+@pytest.mark.parametrize(
+    ("requested", "flags", "advice"),
+    [
+        (torch.bfloat16, {"avx2", "fma"}, "--quantization int8 compresses the weights on this CPU (one request's"),
+        (torch.bfloat16, {"avx2", "avx512f", "avx512_vnni"}, "--quantization int8 compresses the weights and runs "),
+        (torch.float16, {"avx2", "avx512_vnni", "avx512_bf16"}, "--dtype bfloat16 runs in 16 bits on this CPU"),
+    ],
+)
+def test_the_fallback_warning_names_what_compresses_on_this_cpu(requested, flags, advice):
+    """int8 batches are faster than float32 only with int8 dot products (VNNI, AMX: exact integer sums); a CPU
+    with bfloat16 but not float16 is pointed at bfloat16."""
+    _, warning = cpu_compute_dtype(requested, frozenset(flags))
+    assert (
+        warning is not None and advice in warning and warning.endswith("--kv-cache-dtype bfloat16 halves the KV cache")
+    )
+
+
 def test_cpu_flags_reads_the_flags_line(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(

@@ -361,6 +361,9 @@ def test_only_the_triton_backend_is_cuda_graph_safe():
     # --kv-cache-dtype bfloat16 under float32: the CPU backends round and widen; the CUDA ones store the model's dtype
     assert CpuAttentionBackend.supports_narrow_kv_cache and TorchRefAttentionBackend.supports_narrow_kv_cache
     assert TritonAttentionBackend.supports_narrow_kv_cache is False
+    from kernels.attention.flash_attn_backend import FlashAttnBackend  # imports without the flash-attn package
+
+    assert FlashAttnBackend.supports_narrow_kv_cache is False
 
 
 def test_selector_picks_triton(tmp_path):

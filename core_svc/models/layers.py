@@ -98,7 +98,8 @@ class Linear(nn.Linear):
     - column-major (float32's projections): the same values stored as [in_features, out_features] (``weight`` is
       their transposed view), which sgemm multiplies as they are: a decode step's projections at 32-128 rows took
       1.1-1.4x less time than oneDNN's packed weight, at one row 1.35x less (about the compiled matrix-vector
-      kernel's rate), and 2048-row prefill chunks the same. Bit for bit F.linear's values on this machine.
+      kernel's rate); 2048-row prefill chunks the same alone, 1.1x more in the engine. F.linear's values (bit for
+      bit in the case checked; MKL sums in the same order).
     - oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what torch's own inductor does for frozen
       CPU models): bfloat16 (AMX or AVX-512 BF16), and float32's LM head, whose 32,000-wide product it ran 1.2-1.4x
       faster than the column-major one from 4 rows up (1.15x slower at one row). Rounding differs from sgemm's in
