@@ -278,15 +278,8 @@ class CoreConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         # What the flags alone rule out: a float32 model's narrower cache on a backend that stores the model's dtype
         # (core_svc.engine_core.kv_cache_dtype_for checks the model's dtype as loaded, and the chosen backend).
-        if (
-            self.kv_cache_dtype == "bfloat16"
-            and self.dtype == "float32"
-            and self.attention_backend
-            in (
-                "triton",
-                "flash_attn",
-            )
-        ):
+        stores_model_dtype = self.attention_backend in ("triton", "flash_attn")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float32" and stores_model_dtype:
             raise ValueError(
                 f"kv_cache_dtype bfloat16 under a float32 model needs the cpu or torch_ref attention backend; the "
                 f"{self.attention_backend} backend stores keys and values in the model's dtype "

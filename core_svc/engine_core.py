@@ -144,7 +144,8 @@ class EngineCore:
         DeviceUnavailableError: from the constructor, first, when the device is ``cuda`` and torch cannot use a GPU.
         ModelLoadError: from the constructor, when the checkpoint cannot be served.
         ValueError: from the constructor, when max_model_len exceeds the model's, the KV budget holds no block,
-            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``),
+            the attention backend asked for cannot serve this model (``kernels.get_attention_backend``), a
+            ``kv_cache_dtype`` the model's dtype or the backend cannot serve (``kv_cache_dtype_for``),
             ``enable_lora`` is set for a model outside the Llama family, or ``lora_modules`` without it.
         InvalidRequestError: from the constructor, an adapter of ``lora_modules`` that cannot be served.
     """
