@@ -253,3 +253,24 @@ def test_bfloat16_kv_cache_matches_transformers_with_its_keys_and_values_rounded
     # measured: 4.8e-6 (float32 sums in another order) against 2.9e-4 for transformers without the rounding
     assert max(ours_vs_rounded) < 5e-5, max(ours_vs_rounded)
     assert max(plain_vs_rounded) > 10 * max(ours_vs_rounded), (max(plain_vs_rounded), max(ours_vs_rounded))
+
+
+def test_bfloat16_kv_cache_prefix_hits_read_what_a_miss_computes(checkpoint):
+    """With a bfloat16 KV cache, a prompt whose prefix comes from the cache (prefill over rounded cached keys)
+    and the same prompt computed whole (prefill over its own keys, rounded as the cache rounds them) give the same
+    tokens and logprobs, and match transformers with the rounding cache."""
+    path = checkpoint("llama")
+    prompts = shared_prefix_prompts(hf_model(path).config.vocab_size)
+    engine = make_engine(path, kv_cache_dtype="bfloat16")
+    first, _ = run_engine(engine, prompts, MAX_NEW_TOKENS, [0, 3, 6, 9], logprobs=1)
+    assert [r.num_cached_tokens for r in first] == [0, 96, 128, 96]  # later arrivals hit the shared blocks
+    misses, _ = run_engine(
+        make_engine(path, kv_cache_dtype="bfloat16", enable_prefix_caching=False), prompts, MAX_NEW_TOKENS, logprobs=1
+    )
+    assert all(r.num_cached_tokens == 0 for r in misses)
+    rounded = [hf_greedy(path, p, MAX_NEW_TOKENS, make_cache=_bfloat16_kv_cache) for p in prompts]
+    assert_matches("llama/bfloat16 KV cache, prefix hits", first, rounded)
+    for hit, miss in zip(first, misses, strict=True):
+        assert hit.token_ids == miss.token_ids
+        for step, token in enumerate(hit.token_ids):
+            assert abs(hit.logprobs[step][token] - miss.logprobs[step][token]) < 5e-5
