@@ -178,12 +178,20 @@ static void decode_heads(at::Tensor& out, const at::Tensor& query, const at::Ten
   }
 }
 
-// The cache dtype is the query's, or a 16-bit one under float32 queries.
-static void check_cache_dtype(const at::Tensor& query, const at::Tensor& key_cache) {
+// f(scalar_t{}, cache_t{}) for the query's dtype and the cache's: the same dtype, or bfloat16 / float16 under
+// float32 queries; any other pair is refused, naming both.
+template <typename F>
+static void dispatch_cache_dtype(const at::Tensor& query, const at::Tensor& key_cache, F&& f) {
   const at::ScalarType q = query.scalar_type(), c = key_cache.scalar_type();
   TORCH_CHECK(c == q || (q == at::kFloat && (c == at::kBFloat16 || c == at::kHalf)),
               "the cache's dtype must be the query's, or bfloat16 or float16 under float32 queries; got a ", c,
               " cache under ", q, " queries");
+  if (c == q) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q, "paged_decode_attention",
+                                    [&] { f(scalar_t{}, scalar_t{}); });
+  } else {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(c, "paged_decode_attention", [&] { f(float{}, scalar_t{}); });
+  }
 }
 
 // out, query: [num_reqs, num_heads, head_size] (query's rows at any stride); key_cache, value_cache: [num_blocks,
@@ -207,17 +215,10 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
               "out must have the query's dtype, and the value cache the key cache's");
-  check_cache_dtype(query, key_cache);
-  if (key_cache.scalar_type() == query.scalar_type()) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-      decode_heads<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
-                                       sliding_window);
-    });
-  } else {
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(key_cache.scalar_type(), "paged_decode_attention", [&] {
-      decode_heads<float, scalar_t>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
-    });
-  }
+  dispatch_cache_dtype(query, key_cache, [&](auto q, auto c) {
+    decode_heads<decltype(q), decltype(c)>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
+                                           sliding_window);
+  });
 }
 
 // paged_decode_attention of a decode-only batch, after storing each request's new key and value ([num_reqs,
@@ -256,20 +257,13 @@ void decode_attention_with_kv_write(at::Tensor out, const at::Tensor& query, con
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "key and value must have the query's dtype, and the value cache the key cache's");
-  check_cache_dtype(query, key_cache);
   TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.size(0) >= key.size(0),
               "slot_mapping: contiguous int64, a slot per request");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  if (key_cache.scalar_type() == key.scalar_type()) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "decode_attention_with_kv_write", [&] {
-      write_kv<scalar_t, scalar_t>(key, value, key_cache, value_cache, slot_mapping);
-    });
-  } else {
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(key_cache.scalar_type(), "decode_attention_with_kv_write", [&] {
-      write_kv<float, scalar_t>(key, value, key_cache, value_cache, slot_mapping);
-    });
-  }
+  dispatch_cache_dtype(query, key_cache, [&](auto q, auto c) {
+    write_kv<decltype(q), decltype(c)>(key, value, key_cache, value_cache, slot_mapping);
+  });
   paged_decode_attention(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
 }
 
