@@ -92,9 +92,12 @@ def _load_cpu_kernels_for_dense_weights() -> str | None:
     return None
 
 
-def _why_none(dtype: torch.dtype, kernels_missing: str | None) -> str:
-    """Why ``prepack_linear_weights(keep_dense=True)`` kept no dense copy of a CPU model in ``dtype``."""
+def _why_none(dtype: torch.dtype, kernels_missing: str | None, amx: bool) -> str:
+    """Why ``prepack_linear_weights(keep_dense=True)`` kept no dense copy of a CPU model in ``dtype``; ``amx``: its
+    weights stayed dense for the AMX kernel."""
     name = str(dtype).removeprefix("torch.")
+    if amx:
+        return f"the {name} weights stay dense for the AMX kernel, and few rows already use the matrix-vector kernel"
     if kernels_missing is not None:
         return f"the compiled CPU kernels are not loaded ({kernels_missing})"
     if dtype not in (torch.float32, torch.bfloat16):
@@ -110,10 +113,17 @@ def _layouts(model: nn.Module, dtype: torch.dtype) -> str:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     packed = sum(m.packed_weight is not None for m in linears)
     column_major = sum(m.weight is not None and not m.weight.is_contiguous() for m in linears)
+    amx = sum(m.amx for m in linears)
     text = ", ".join(
-        f"{n} {what}" for n, what in ((column_major, "column-major (MKL)"), (packed, "packed for oneDNN")) if n
+        f"{n} {what}"
+        for n, what in (
+            (column_major, "column-major (MKL)"),
+            (amx, f"dense for the AMX kernel (the matrix-vector kernel up to {GEMV_MAX_ROWS} rows)"),
+            (packed, "packed for oneDNN"),
+        )
+        if n
     )
-    kept = sum(m.dense_weight is not None for m in linears)
+    kept = sum(m.dense_weight is not None and not m.amx for m in linears)
     if kept and compiled_gemv(dtype) is not None:
         text += f"; {kept} keep a dense copy for steps of at most {GEMV_MAX_ROWS} rows (compiled matrix-vector kernel)"
     return text
@@ -178,10 +188,13 @@ def load_model(
             kernels_missing = _load_cpu_kernels_for_dense_weights()
         if prepack_linear_weights(model, keep_dense=dense_decode_weights):
             logger.info("linear weights laid out for batches: %s", _layouts(model, dtype))
-        kept = any(isinstance(m, Linear) and m.dense_weight is not None for m in model.modules())
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        kept = any(m.dense_weight is not None and not m.amx for m in linears)
         if dense_decode_weights and device.type == "cpu" and not kept:
+            amx = any(m.amx for m in linears)
             logger.warning(
-                "--dense-decode-weights has no effect here: %s; no dense copies kept", _why_none(dtype, kernels_missing)
+                "--dense-decode-weights has no effect here: %s; no dense copies kept",
+                _why_none(dtype, kernels_missing, amx),
             )
     load_time_s = time.perf_counter() - start
     logger.info(

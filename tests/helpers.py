@@ -167,3 +167,16 @@ def needs_cpu_kernels(value: str) -> Any:
     return pytest.param(
         value, marks=pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
     )
+
+
+MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7}  # stored fraction bits
+
+
+def assert_rounded_once(actual: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, terms: int = 96) -> None:
+    """``actual`` is ``exact`` (float64) up to float32 summation error, then one rounding to ``dtype``: within half
+    a unit in the last place of ``dtype`` plus the float32 sums' error (``terms`` products)."""
+    assert actual.dtype == dtype
+    _, exponent = torch.frexp(exact)  # |exact| in [2^(e-1), 2^e)
+    ulp = torch.ldexp(torch.ones_like(exact), exponent - 1 - MANTISSA_BITS[dtype])
+    sum_error = terms * 2**-24 * exact.abs().max().item()
+    assert ((actual.double() - exact).abs() <= ulp / 2 + sum_error).all()

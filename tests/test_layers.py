@@ -19,7 +19,7 @@ from core_svc.models.layers import (
     prepack_linear_weights,
     tied_lm_head,
 )
-from tests.helpers import cpu_kernels_loaded, needs_cpu_kernels
+from tests.helpers import MANTISSA_BITS, assert_rounded_once, cpu_kernels_loaded, needs_cpu_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,6 +38,8 @@ def test_prepacked_linear_matches_f_linear(dtype, bias):
     if dtype == torch.float32:  # column-major: the same values, stored transposed
         assert layer.packed_weight is None and layer.weight.t().is_contiguous() and not layer.weight.is_contiguous()
         assert torch.equal(layer.weight, weight)
+    elif layers.compiled_amx_linear() is not None:  # AMX: the weight as loaded, nothing beside it
+        assert layer.amx and layer.packed_weight is None and torch.equal(layer.weight, weight)
     else:
         assert layer.weight is None and layer.packed_weight is not None
     tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.5, "rtol": 2e-2}
@@ -59,7 +61,8 @@ def _layer_and_head(dtype: torch.dtype, gen: torch.Generator) -> tuple[nn.Module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prepack_lays_out_float32_projections_column_major_and_packs_the_rest(dtype):
+def test_prepack_lays_out_float32_projections_column_major_and_packs_the_rest(dtype, monkeypatch):
+    monkeypatch.setattr(layers, "compiled_amx_linear", lambda: None)  # without AMX (tests/test_amx_linear.py)
     gen = torch.Generator().manual_seed(0)
     model, layer, head = _layer_and_head(dtype, gen)
     weight, bias, head_weight = (t.detach().clone() for t in (layer.weight, layer.bias, head.weight))
@@ -119,7 +122,8 @@ def test_dense_decode_weights_without_the_kernel_say_they_have_no_effect(checkpo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype):
+def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype, monkeypatch):
+    monkeypatch.setattr(layers, "compiled_amx_linear", lambda: None)  # copies beside oneDNN's layout, not AMX's
     gen = torch.Generator().manual_seed(0)
     model, layer, head = _layer_and_head(dtype, gen)
     weight, bias, head_weight = (t.detach().clone() for t in (layer.weight, layer.bias, head.weight))
@@ -148,19 +152,6 @@ def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype):
     else:
         expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
         assert torch.equal(layer(x), expected)
-
-
-MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7}  # stored fraction bits
-
-
-def assert_rounded_once(actual: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, terms: int = 96) -> None:
-    """``actual`` is ``exact`` (float64) up to float32 summation error, then one rounding to ``dtype``: within half
-    a unit in the last place of ``dtype`` plus the float32 sums' error (``terms`` products)."""
-    assert actual.dtype == dtype
-    _, exponent = torch.frexp(exact)  # |exact| in [2^(e-1), 2^e)
-    ulp = torch.ldexp(torch.ones_like(exact), exponent - 1 - MANTISSA_BITS[dtype])
-    sum_error = terms * 2**-24 * exact.abs().max().item()
-    assert ((actual.double() - exact).abs() <= ulp / 2 + sum_error).all()
 
 
 @pytest.mark.parametrize("route", ["F.linear", needs_cpu_kernels("kernel")])

@@ -43,6 +43,58 @@ def compiled_gemv(dtype: torch.dtype) -> Any:
 _GEMV_AVAILABLE: dict[torch.dtype, bool] = {}  # per dtype, once the kernels are loaded (a build per process)
 
 
+# The compiled AMX kernel's shape limits (kernels/attention/csrc/amx_linear_cpu.cpp): in_features a multiple of a
+# tile's 32 bfloat16 values, out_features of a tile's 16 rows.
+AMX_IN_FEATURES_MULTIPLE = 32
+AMX_OUT_FEATURES_MULTIPLE = 16
+# Rows up to which a bfloat16 product over a dense weight goes to the AMX kernel; above, oneDNN's own product of the
+# dense weight (F.linear, which repacks it per call) was faster: at 512-2048 rows (prefill chunks) within 5-15% of
+# its product over a prepacked weight, where the AMX kernel took 1.1-1.6x (docs/benchmarks.md).
+AMX_MAX_ROWS = 256
+
+
+def compiled_amx_linear() -> Any:
+    """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) when they are loaded and their build can
+    multiply bfloat16 on AMX over a dense weight (``amx_linear``: AMX-BF16 and AVX512_BF16 in the build, the tile
+    registers granted by the kernel), else None."""
+    ops = loaded_ops()
+    if ops is None:
+        return None
+    if _AMX_AVAILABLE[0] is None:
+        _AMX_AVAILABLE[0] = bool(ops.amx_linear_available())
+    return ops if _AMX_AVAILABLE[0] else None
+
+
+_AMX_AVAILABLE: list[bool | None] = [None]  # once the kernels are loaded (a build per process)
+
+
+def amx_fits(weight: torch.Tensor) -> bool:
+    """Whether ``amx_linear`` takes ``weight`` as it is: a contiguous bfloat16 CPU [out_features, in_features] within
+    the kernel's shape limits (``AMX_*_MULTIPLE``)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.shape[0] % AMX_OUT_FEATURES_MULTIPLE == 0
+        and weight.shape[1] % AMX_IN_FEATURES_MULTIPLE == 0
+    )
+
+
+def amx_linear(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` [..., in_features] bfloat16 and ``weight`` dense bfloat16
+    [out_features, in_features] that ``amx_fits`` -> bfloat16 [..., out_features]: through ``ops.amx_linear``
+    (``compiled_amx_linear``; float32 sums and bias, rounded once to bfloat16) for 1 to ``AMX_MAX_ROWS`` rows, through
+    ``F.linear`` for more."""
+    rows = x.numel() // x.shape[-1]
+    if not 1 <= rows <= AMX_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16)
+    ops.amx_linear(out, x2, weight, None if bias is None else bias.float())
+    return out if x2 is x else out.view(*x.shape[:-1], weight.shape[0])
+
+
 def gemv(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``ops.gemv`` (``compiled_gemv``): ``x`` [..., in_features] of at most
     ``GEMV_MAX_ROWS`` rows in ``weight``'s dtype, ``weight`` dense [out_features, in_features] -> [...,
@@ -82,9 +134,13 @@ def tied_lm_head(hidden: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
     """Logits through a tied LM head: ``hidden`` [num_rows, hidden_size] times the token embedding ``embedding``
     [vocab_size, hidden_size] (dense: it also serves lookups, so it is never prepacked) -> float32 [num_rows,
     vocab_size]. Few rows on CPU go through the compiled matrix-vector kernel where the build has one for the dtype
-    (``compiled_gemv``; no copy needed), the rest through ``F.linear``."""
+    (``compiled_gemv``; no copy needed), more rows in bfloat16 through the AMX kernel where it has that
+    (``compiled_amx_linear``), the rest through ``F.linear``."""
     ops = gemv_route(hidden, embedding)
-    return (F.linear(hidden, embedding) if ops is None else gemv(ops, hidden, embedding, None)).float()
+    if ops is not None:
+        return gemv(ops, hidden, embedding, None).float()
+    amx = compiled_amx_linear() if hidden.dtype == torch.bfloat16 and amx_fits(embedding) else None
+    return (F.linear(hidden, embedding) if amx is None else amx_linear(amx, hidden, embedding, None)).float()
 
 
 class Linear(nn.Linear):
@@ -101,22 +157,38 @@ class Linear(nn.Linear):
       kernel's rate); 2048-row prefill chunks the same alone, 1.1x more in the engine. F.linear's values (bit for
       bit in the case checked; MKL sums in the same order).
     - oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what torch's own inductor does for frozen
-      CPU models): bfloat16 (AMX or AVX-512 BF16), and float32's LM head, whose 32,000-wide product it ran 1.2-1.4x
-      faster than the column-major one from 4 rows up (1.15x slower at one row). Rounding differs from sgemm's in
-      the summation order only: ~1e-7 relative.
+      CPU models): bfloat16 without AMX (AVX-512 BF16), and float32's LM head, whose 32,000-wide product it ran
+      1.2-1.4x faster than the column-major one from 4 rows up (1.15x slower at one row). Rounding differs from
+      sgemm's in the summation order only: ~1e-7 relative.
+
+    And one that keeps the weight as loaded: bfloat16 on a CPU with AMX (``prepack(amx=True)``), multiplied by the
+    matrix-vector kernel up to ``GEMV_MAX_ROWS`` rows (one request: about twice oneDNN's packed one-row rate), by
+    the compiled AMX kernel up to ``AMX_MAX_ROWS`` (decode batches: about oneDNN's packed product's time), and by
+    oneDNN's own product of it above (prefill chunks: within 5-15% of the packed one), so one weight serves every
+    step (``amx_linear``).
     """
 
     packed_weight: torch.Tensor | None = None  # oneDNN's layout; ``weight`` is then None
+    amx: bool = False  # ``weight`` dense bfloat16 for ``amx_linear`` above GEMV_MAX_ROWS rows
     # [out_features, in_features], kept beside the batch layout by prepack(keep_dense=True) for few-row inputs
     dense_weight: torch.Tensor | None = None
 
-    def prepack(self, keep_dense: bool = False, column_major: bool = False) -> None:
-        """Lay the weight out for batches: ``column_major``, its values stored transposed (``weight`` becomes a
-        view [out_features, in_features] of them, strides (1, out_features)); else oneDNN's layout (``weight`` is
+    def prepack(self, keep_dense: bool = False, column_major: bool = False, amx: bool = False) -> None:
+        """Lay the weight out for batches: ``amx``, as it is (bfloat16 that ``amx_fits``; the kernels must be
+        loaded), for the AMX kernel, and for the matrix-vector kernel at few rows (``dense_weight`` is ``weight``
+        itself: no copy); ``column_major``, its values stored transposed (``weight`` becomes a view
+        [out_features, in_features] of them, strides (1, out_features)); else oneDNN's layout (``weight`` is
         dropped, the packed one replaces it rather than doubling it). ``keep_dense``: keep the row-major weight as
         well (twice its memory) for inputs of at most ``GEMV_MAX_ROWS`` rows, through the compiled matrix-vector
         kernel."""
         weight = self.weight.detach()
+        if amx:
+            if not amx_fits(weight) or compiled_amx_linear() is None:
+                raise ValueError(f"prepack(amx=True): no AMX kernel for a {tuple(weight.shape)} {weight.dtype} weight")
+            self.amx = True
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.dense_weight = self.weight.detach() if compiled_gemv(weight.dtype) is not None else None
+            return
         self.dense_weight = weight if keep_dense else None
         if column_major:
             self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
@@ -130,6 +202,8 @@ class Linear(nn.Linear):
             ops = gemv_route(x, self.dense_weight)
             if ops is not None:
                 return gemv(ops, x, self.dense_weight, self.bias)
+        if self.amx and x.dtype == torch.bfloat16:
+            return amx_linear(compiled_amx_linear(), x, self.weight, self.bias)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -137,9 +211,11 @@ class Linear(nn.Linear):
 
 def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16; returns whether it did. Float32
-    projections take the column-major layout, float32's LM head and every bfloat16 weight oneDNN's (``Linear``)
-    where torch has it. Other dtypes and devices, and what needs oneDNN where torch has none, keep ``F.linear`` on
-    the weight as loaded.
+    projections take the column-major layout, float32's LM head oneDNN's (``Linear``) where torch has it. bfloat16
+    weights stay as loaded for the AMX kernel where the loaded build has it (``compiled_amx_linear``; the kernels
+    must be loaded before this call, as the CPU attention backend does) and the weight's shape fits
+    (``amx_fits``), else take oneDNN's layout. Other dtypes and devices, and what needs oneDNN where torch has
+    none, keep ``F.linear`` on the weight as loaded.
 
     ``keep_dense``: layers keep their dense weight for few-row inputs where the compiled matrix-vector kernel is in
     the loaded build for the dtype (``compiled_gemv``; the kernels must be loaded before this call, as
@@ -157,8 +233,12 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     if weight.dtype == torch.bfloat16 and not (onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return False  # oneDNN's bfloat16 needs AVX-512 (or AVX-NE-CONVERT); F.linear serves it then
     kernel = compiled_gemv(weight.dtype) is not None
+    amx = weight.dtype == torch.bfloat16 and compiled_amx_linear() is not None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
+            if amx and amx_fits(module.weight):
+                module.prepack(amx=True)
+                continue
             lm_head = name.rpartition(".")[2] == "lm_head"
             dense = kernel and (not lm_head or weight.dtype == torch.bfloat16)
             column_major = weight.dtype == torch.float32 and not lm_head
