@@ -9,10 +9,12 @@ pass over all of them per route, the routes interleaved round by round:
 - float32: ``packed`` (oneDNN's prepacked weight, what float32's LM head runs), ``column-major`` (``F.linear`` on
   the weight stored transposed, what float32's projections run), ``mkl`` (``F.linear`` on the weight as loaded),
   ``gemv`` (the compiled kernel on the dense weight, ``--dense-decode-weights``; at most 4 rows);
-- bfloat16: ``packed``, ``gemv``;
+- bfloat16: ``packed`` (oneDNN's prepacked weight, what bfloat16 runs without AMX), ``amx`` (the compiled AMX kernel
+  on the dense weight, what bfloat16 runs at 5 to ``AMX_MAX_ROWS`` rows on a CPU with AMX), ``dense`` (``F.linear``
+  on the dense weight: oneDNN repacks it per call; what it runs above ``AMX_MAX_ROWS`` rows there), ``gemv``;
 - int8: ``int8pack`` (``torch._weight_int8pack_mm``, weight-only), ``int8_gemv`` (the compiled VNNI kernel, with the
   activations' per-row quantization).
-A route the machine cannot run (no compiled kernel, no AVX-512 BF16 or VNNI) is left out and named. Prints the
+A route the machine cannot run (no compiled kernel, no AVX-512 BF16, AMX or VNNI) is left out and named. Prints the
 median ms per pass, the weight bytes read per second, and each route's ratio to the first of its precision.
 """
 
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.workload import Machine
-from core_svc.models.layers import GEMV_MAX_ROWS, compiled_gemv
+from core_svc.models.layers import AMX_MAX_ROWS, GEMV_MAX_ROWS, amx_fits, compiled_amx_linear, compiled_gemv
 from core_svc.models.quantization import Int8Linear, vnni_ops
 from kernels.attention import cpu_ops
 from splitserve.base import envs
@@ -76,6 +78,20 @@ def routes(rows: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[dic
         out["bfloat16"]["packed"] = packed_pass([torch.ops.mkldnn._reorder_linear_weight(w) for w in bf16], x16)
     else:
         missing.append("bfloat16 packed: oneDNN has no bfloat16 here")
+    out["bfloat16"]["dense"] = lambda: [F.linear(x16[w.shape[1]], w) for w in bf16]
+    amx = compiled_amx_linear()
+    if amx is None or rows > AMX_MAX_ROWS or not all(amx_fits(w) for w in bf16):
+        why = "no AMX kernel here" if amx is None else f"at most {AMX_MAX_ROWS} rows, shapes the kernel takes"
+        missing.append(f"bfloat16 amx: {why}")
+    else:
+
+        def amx_pass() -> list[torch.Tensor]:
+            outs = [torch.empty(rows, w.shape[0], dtype=torch.bfloat16) for w in bf16]
+            for o, w in zip(outs, bf16, strict=True):
+                amx.amx_linear(o, x16[w.shape[1]], w, None)
+            return outs
+
+        out["bfloat16"]["amx"] = amx_pass
     for dtype, ws, xs in ((torch.float32, weights, x32), (torch.bfloat16, bf16, x16)):
         ops = compiled_gemv(dtype)
         if ops is None or rows > GEMV_MAX_ROWS:
@@ -110,7 +126,7 @@ def routes(rows: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[dic
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--rows", type=int, default=1, help="activation rows (gemv routes: at most 4)")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (gemv routes: at most 4; amx: 256)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--no-lm-head", action="store_true", help="the 32 projections only")
     args = parser.parse_args(argv)

@@ -69,7 +69,8 @@ class CoreConfig:
         default=False,
         metadata=flag(
             "CPU float32 and bfloat16: keep dense linear weights beside their batch layout for few-row (one-request) "
-            "decode steps through the compiled matrix-vector kernel (twice those weights' memory)"
+            "decode steps through the compiled matrix-vector kernel (twice those weights' memory; bfloat16 on an AMX "
+            "CPU is dense already)"
         ),
     )
     block_size: int = field(default=16, metadata=flag("tokens per KV block", unit="tokens"))

@@ -468,3 +468,20 @@ def test_gemv_routes_compute_the_same_products():
         assert [tuple(o.shape) for o in outputs] == [(5, 48), (5, 16)], route
         for out, expected in zip(outputs, results["mkl"], strict=True):
             torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_gemv_bfloat16_routes_compute_the_same_products():
+    """``benchmarks.gemv``'s bfloat16 routes past the matrix-vector kernel's rows (oneDNN's packed weight, F.linear
+    on the dense one, the AMX kernel where it runs) give one product each, up to the order of float32 sums."""
+    from benchmarks import gemv
+    from core_svc.models.layers import compiled_amx_linear
+
+    by_precision, missing = gemv.routes(5, ((48, 32), (16, 64)))
+    bfloat16 = by_precision["bfloat16"]
+    assert "dense" in bfloat16
+    assert ("amx" in bfloat16) == (compiled_amx_linear() is not None)
+    results = {route: run() for route, run in bfloat16.items()}
+    for route, outputs in results.items():
+        assert [tuple(o.shape) for o in outputs] == [(5, 48), (5, 16)], route
+        for out, expected in zip(outputs, results["dense"], strict=True):
+            torch.testing.assert_close(out.float(), expected.float(), atol=0.05, rtol=1e-2)

@@ -4,7 +4,8 @@ On CPU, once the compiled kernels are loaded, every forward runs each layer's el
 (``fused_layer_ops``), equal to the ops here up to the order of RMSNorm's sum of squares and SiLU's exp (a few
 float32 ulps), and ``--dense-decode-weights`` runs the matrix products of forwards of at most ``GEMV_MAX_ROWS``
 rows (a decode step of a few requests) through the compiled matrix-vector kernel (``gemv``: float32 sums in another
-order).
+order). bfloat16 weights on a CPU with AMX stay dense and need no flag for that: ``gemv`` up to ``GEMV_MAX_ROWS``
+rows, the compiled AMX kernel up to ``AMX_MAX_ROWS`` (``amx_linear``), oneDNN above.
 
 Shapes at boundaries: hidden ``[num_tokens, hidden_size]``, per-head ``[num_tokens, num_heads, head_size]``.
 """
