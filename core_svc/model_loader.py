@@ -80,11 +80,12 @@ def load_hf_config(path: Path) -> object:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
 
 
-def _load_cpu_kernels_for_dense_weights() -> str | None:
+def _load_cpu_kernels_for_layouts() -> str | None:
     """Load the compiled CPU kernels (``kernels.attention.cpu_ops.load``; the CPU attention backend already has,
-    unless another backend was chosen) before ``prepack_linear_weights(keep_dense=True)`` decides which dense
-    copies pay, so that the decision and every later step see the same kernels. Returns why they cannot be
-    loaded, or None."""
+    unless another backend was chosen) before ``prepack_linear_weights`` decides which dense copies pay
+    (``keep_dense=True``) and whether bfloat16 weights stay dense for the AMX kernel, so that the decision does not
+    depend on the attention backend and every later step sees the same kernels. Returns why they cannot be loaded,
+    or None."""
     try:
         cpu_ops.load(envs.kernel_dir())
     except cpu_ops.KernelBuildError as e:
@@ -184,8 +185,9 @@ def load_model(
         raise ModelLoadError(f"unknown quantization {quantization!r}; choices: {', '.join(QUANTIZATION_METHODS)}")
     else:
         kernels_missing = None
-        if dense_decode_weights and device.type == "cpu":
-            kernels_missing = _load_cpu_kernels_for_dense_weights()
+        weights_dtype = next(model.parameters()).dtype
+        if device.type == "cpu" and (dense_decode_weights or weights_dtype == torch.bfloat16):
+            kernels_missing = _load_cpu_kernels_for_layouts()
         if prepack_linear_weights(model, keep_dense=dense_decode_weights):
             logger.info("linear weights laid out for batches: %s", _layouts(model, dtype))
         linears = [m for m in model.modules() if isinstance(m, Linear)]

@@ -135,13 +135,21 @@ class ModelRunner:
 
     def weights_bytes(self) -> int:
         """Bytes of the model's tensors: parameters, buffers and the weights its layers hold in their own layout
-        (oneDNN-prepacked linear weights); a tied one once; 0 while discarded."""
+        (oneDNN-prepacked linear weights, dense copies); memory that several tensors view (a tied weight, a
+        ``Linear``'s ``dense_weight`` over its own weight) once; 0 while discarded."""
         if self._model is None:
             return 0
-        tensors = {id(t): t for t in [*self._model.parameters(), *self._model.buffers()]}
+        tensors = [*self._model.parameters(), *self._model.buffers()]
         for module in self._model.modules():
-            tensors.update((id(v), v) for v in vars(module).values() if isinstance(v, torch.Tensor))
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+            tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        by_memory: dict[object, int] = {}
+        for t in tensors:
+            if t.is_mkldnn:  # oneDNN's opaque layout has no storage to share
+                by_memory[id(t)] = t.numel() * t.element_size()
+            else:
+                storage = t.untyped_storage()
+                by_memory[(storage.data_ptr(), storage.device)] = storage.nbytes()
+        return sum(by_memory.values())
 
     def release_kv_cache(self) -> int:
         """Drop the KV cache tensors (and the decode graphs, which read them); returns the bytes released.

@@ -5,6 +5,7 @@ packed path. Skipped where the build or the CPU has no AMX-BF16."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from core_svc.models import layers
-from core_svc.models.layers import AMX_MAX_ROWS, GEMV_MAX_ROWS, Linear, prepack_linear_weights, tied_lm_head
+from core_svc.models.layers import (
+    AMX_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    Linear,
+    RotaryEmbedding,
+    prepack_linear_weights,
+    tied_lm_head,
+)
 from tests.helpers import assert_rounded_once, cpu_kernels_loaded, make_engine, run_engine
 
 pytestmark = pytest.mark.skipif(
@@ -54,6 +62,8 @@ SHAPES = [
 def test_the_kernel_is_the_exact_product_rounded_once_on_any_thread_count(
     threads, rows, out_features, in_features, with_bias
 ):
+    """Within half a bfloat16 ulp (plus float32's summation error) of the exact product, on one thread and on two;
+    the same bits on both (only out_features past 32 blocks of 32 split the work: the last shape)."""
     ops = layers.compiled_amx_linear()
     x, w, bias = _operands(rows, out_features, in_features)
     exact = x.double() @ w.double().T + (bias.double() if with_bias else 0.0)
@@ -88,9 +98,10 @@ def test_the_kernel_flushes_subnormal_inputs_as_oneDNN_does():
     [
         ({"in_features": 72}, "in_features must be a positive multiple of 32, got 72"),
         ({"out_features": 40}, "out_features must be a positive multiple of 16, got 40"),
-        ({"w_dtype": torch.float32}, "w: contiguous bfloat16"),
-        ({"x_transposed": True}, "x: contiguous bfloat16"),
-        ({"out_rows": 3}, "out: contiguous bfloat16 [rows, out_features]"),
+        ({"w_dtype": torch.float32}, "w: contiguous bfloat16 [out_features, in_features], got Float [32, 64]"),
+        ({"x_transposed": True}, "x: contiguous bfloat16 [rows, in_features=64] with at least one row, got BFloat16"),
+        ({"x_in_features": 96}, "in_features=64] with at least one row, got BFloat16 [4, 96]"),
+        ({"out_rows": 3}, "out: contiguous bfloat16 [rows, out_features] = [4, 32], got BFloat16 [3, 32]"),
         ({"bias_dtype": torch.bfloat16}, "bias: float32, one per output feature"),
     ],
 )
@@ -101,8 +112,10 @@ def test_the_kernel_names_what_it_refuses(change, message):
     w = w.to(change.get("w_dtype", torch.bfloat16))
     if change.get("x_transposed"):
         x = torch.randn(in_features, 4).bfloat16().t()
+    if "x_in_features" in change:
+        x = torch.randn(4, change["x_in_features"]).bfloat16()
     out = torch.empty(change.get("out_rows", 4), out_features, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
         ops.amx_linear(out, x, w, bias.to(change.get("bias_dtype", torch.float32)))
 
 
@@ -175,6 +188,17 @@ def test_the_engine_logs_the_layout_and_why_dense_decode_weights_adds_nothing(ch
         assert any("--dense-decode-weights has no effect here: the bfloat16 weights stay dense" in m for m in messages)
 
 
+def test_the_dense_weight_beside_an_amx_weight_is_not_counted_twice(checkpoint):
+    """``weights_bytes`` (what sleep level 2 reports freed) counts the memory an AMX ``Linear``'s ``dense_weight``
+    shares with its weight once: the model's parameters and buffers, nothing more."""
+    engine = make_engine(checkpoint("llama"), dtype="bfloat16")
+    model = engine.model_runner.model
+    assert all(m.amx and m.dense_weight is not None for m in model.modules() if isinstance(m, Linear))
+    held = [*model.parameters(), *model.buffers()]
+    held += [m.inv_freq for m in model.modules() if isinstance(m, RotaryEmbedding)]  # a plain tensor attribute
+    assert engine.model_runner.weights_bytes() == sum(t.numel() * t.element_size() for t in held)
+
+
 def test_a_bfloat16_batch_on_amx_stays_as_close_to_float32_as_the_packed_path(checkpoint, monkeypatch):
     """Eight requests at once (decode steps of eight rows: the AMX kernel's; the prefill over the AMX kernel or
     F.linear by its rows): at every step where float32 (which matches transformers, tests/test_model_vs_transformers.py)
@@ -206,3 +230,10 @@ def test_a_bfloat16_batch_on_amx_stays_as_close_to_float32_as_the_packed_path(ch
     assert len(drifts["amx"]) >= 50, "too few steps agreed to compare"
     # a wrong weight block, row or rounding moves logprobs by nats; reordered float32 sums by the same as oneDNN's
     assert max(drifts["amx"]) <= 1.25 * max(drifts["packed"]) + 0.02, (max(drifts["amx"]), max(drifts["packed"]))
+
+
+def test_prepack_for_amx_names_a_weight_the_kernel_does_not_take():
+    layer = Linear(72, 160, bias=False, dtype=torch.bfloat16)  # in_features not a multiple of 32
+    with pytest.raises(ValueError, match=re.escape("in_features of 32, got (160, 72) torch.bfloat16 on cpu")):
+        layer.prepack(amx=True)
+    assert layer.weight is not None and not layer.amx  # left as it was

@@ -163,7 +163,8 @@ def test_level_2_drops_the_weights_too_and_reloads_them(
     result, _ = engine.sleep(2)
     freed = before - rss()
     assert result.kv_cache_bytes_freed == KV_CACHE_BYTES
-    assert result.weights_bytes_freed >= checkpoint_bytes * 0.99  # prepacked layouts are no smaller
+    # prepacked layouts are no smaller; memory two tensors view (an AMX Linear's dense_weight) counted once
+    assert checkpoint_bytes * 0.99 <= result.weights_bytes_freed <= checkpoint_bytes * 1.1
     # 0.95 of the sum: more than the KV cache and most of the weights (a quarter of it).
     assert freed >= 0.95 * (KV_CACHE_BYTES + checkpoint_bytes), f"RSS fell by {freed / 2**20:.1f} MiB"
     assert sleep_states(registry)["discard_all"] == 1.0

@@ -48,9 +48,11 @@ _GEMV_AVAILABLE: dict[torch.dtype, bool] = {}  # per dtype, once the kernels are
 # tile's 32 bfloat16 values, out_features of a tile's 16 rows.
 AMX_IN_FEATURES_MULTIPLE = 32
 AMX_OUT_FEATURES_MULTIPLE = 16
-# Rows up to which a bfloat16 product over a dense weight goes to the AMX kernel; above, oneDNN's own product of the
-# dense weight (F.linear, which repacks it per call) was faster: at 512-2048 rows (prefill chunks) within 5-15% of
-# its product over a prepacked weight, where the AMX kernel took 1.1-1.6x (docs/benchmarks.md).
+# Rows up to which a bfloat16 product over a dense weight goes to the AMX kernel (at 256 rows 0.94x the time of
+# oneDNN's product over a prepacked weight on small's projections, where oneDNN's product of the dense weight, which
+# it repacks per call, took 1.31x). Above, that F.linear: at 512 and 2048 rows (prefill chunks) it and the AMX kernel
+# were each within about 10% of the packed product, which of the two ahead changing from run to run
+# (docs/benchmarks.md, "bfloat16 on AMX over the dense weight").
 AMX_MAX_ROWS = 256
 
 
@@ -77,6 +79,8 @@ def amx_fits(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.is_contiguous()
+        and weight.shape[0] > 0
+        and weight.shape[1] > 0
         and weight.shape[0] % AMX_OUT_FEATURES_MULTIPLE == 0
         and weight.shape[1] % AMX_IN_FEATURES_MULTIPLE == 0
     )
@@ -165,8 +169,8 @@ class Linear(nn.Linear):
     And one that keeps the weight as loaded: bfloat16 on a CPU with AMX (``prepack(amx=True)``), multiplied by the
     matrix-vector kernel up to ``GEMV_MAX_ROWS`` rows (one request: about twice oneDNN's packed one-row rate), by
     the compiled AMX kernel up to ``AMX_MAX_ROWS`` (decode batches: about oneDNN's packed product's time), and by
-    oneDNN's own product of it above (prefill chunks: within 5-15% of the packed one), so one weight serves every
-    step (``amx_linear``).
+    oneDNN's own product of it above (prefill chunks: about the packed one's time), so one weight serves every step
+    (``amx_linear``).
     """
 
     packed_weight: torch.Tensor | None = None  # oneDNN's layout; ``weight`` is then None
@@ -181,11 +185,21 @@ class Linear(nn.Linear):
         [out_features, in_features] of them, strides (1, out_features)); else oneDNN's layout (``weight`` is
         dropped, the packed one replaces it rather than doubling it). ``keep_dense``: keep the row-major weight as
         well (twice its memory) for inputs of at most ``GEMV_MAX_ROWS`` rows, through the compiled matrix-vector
-        kernel."""
+        kernel.
+
+        Raises:
+            ValueError: ``amx`` where the loaded kernels have no AMX kernel, or for a weight it does not take.
+        """
         weight = self.weight.detach()
         if amx:
-            if not amx_fits(weight) or compiled_amx_linear() is None:
-                raise ValueError(f"prepack(amx=True): no AMX kernel for a {tuple(weight.shape)} {weight.dtype} weight")
+            if compiled_amx_linear() is None:
+                raise ValueError("prepack(amx=True): the loaded CPU kernels have no AMX kernel (or none are loaded)")
+            if not amx_fits(weight):
+                raise ValueError(
+                    f"prepack(amx=True): the AMX kernel takes a contiguous bfloat16 CPU weight with out_features a "
+                    f"multiple of {AMX_OUT_FEATURES_MULTIPLE} and in_features of {AMX_IN_FEATURES_MULTIPLE}, got "
+                    f"{tuple(weight.shape)} {weight.dtype} on {weight.device}"
+                )
             self.amx = True
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.dense_weight = self.weight.detach() if compiled_gemv(weight.dtype) is not None else None
@@ -203,8 +217,8 @@ class Linear(nn.Linear):
             ops = gemv_route(x, self.dense_weight)
             if ops is not None:
                 return gemv(ops, x, self.dense_weight, self.bias)
-        if self.amx and x.dtype == torch.bfloat16:
-            return amx_linear(compiled_amx_linear(), x, self.weight, self.bias)
+        if self.amx and x.dtype == torch.bfloat16 and (ops := compiled_amx_linear()) is not None:
+            return amx_linear(ops, x, self.weight, self.bias)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

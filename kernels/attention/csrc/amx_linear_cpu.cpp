@@ -20,9 +20,9 @@
 // memory.
 //
 // Where it pays (python -m benchmarks.gemv, docs/benchmarks.md): at 5-256 rows, about oneDNN's packed product's
-// time on small's projections (often less), and 1.0-1.4x its time on the 32,000-wide LM head; from about 512
-// rows oneDNN is faster (its sums keep the tiles busier), so core_svc/models/layers.py sends more rows to
-// oneDNN's own product of the dense weight (which repacks it per call, a few percent at those rows).
+// time on small's projections (often less), and 1.0-1.4x its time on the 32,000-wide LM head; from 512 rows it and
+// oneDNN's own product of the dense weight (which repacks it per call) were each within about 10% of the packed
+// product, so core_svc/models/layers.py leaves those rows to oneDNN.
 //
 // Needs in_features % 32 == 0 and out_features % 16 == 0 (every decoder projection and LM head of the supported
 // families; other shapes keep oneDNN's path, core_svc/models/layers.py), a build with AMX-BF16 and AVX512_BF16,
@@ -210,16 +210,20 @@ void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const 
   TORCH_CHECK(amx_linear_available(),
               "amx_linear: this build or CPU has no AMX-BF16 kernel (amx_linear_available says whether it has)");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
-              "w: contiguous bfloat16 [out_features, in_features]");
+              "w: contiguous bfloat16 [out_features, in_features], got ", w.scalar_type(), " ", w.sizes(),
+              w.is_contiguous() ? "" : " (not contiguous)");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % kTileK == 0 && k > 0, "w: in_features must be a positive multiple of ", kTileK, ", got ", k);
   TORCH_CHECK(n % kTileN == 0 && n > 0, "w: out_features must be a positive multiple of ", kTileN, ", got ", n);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == k && x.size(0) > 0,
-              "x: contiguous bfloat16 [rows, in_features] with at least one row");
+              "x: contiguous bfloat16 [rows, in_features=", k, "] with at least one row, got ", x.scalar_type(), " ",
+              x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
   const int64_t rows = x.size(0);
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.size(0) == rows &&
                   out.size(1) == n,
-              "out: contiguous bfloat16 [rows, out_features]");
+              "out: contiguous bfloat16 [rows, out_features] = [", rows, ", ", n, "], got ", out.scalar_type(), " ",
+              out.sizes(), out.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(!out.is_alias_of(w), "out: must not share memory with w");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
@@ -249,7 +253,7 @@ void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const 
         for (int64_t row0 = chunk, pass = 0; row0 < chunk_end; row0 += 2 * kTileN, ++pass) {
           const int64_t first = pass * rows_per_pass;
           const int64_t count = prefetch ? std::clamp<int64_t>(2 * kTileN - first, 0, rows_per_pass) : 0;
-          const c10::BFloat16* from = w_ptr + (ahead + std::min<int64_t>(first, 2 * kTileN)) * k;
+          const c10::BFloat16* from = count > 0 ? w_ptr + (ahead + first) * k : nullptr;
           if (feature0 + 2 * kTileN <= n) {
             multiply_block<2>(w_ptr, p_ptr, b, o_ptr, n, k, rows, row0, feature0, from, count);
           } else {
