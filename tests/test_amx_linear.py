@@ -53,7 +53,8 @@ SHAPES = [
     (64, 1024, 512),  # small's qkv projection at a decode batch
     (70, 512, 1408),  # small's down projection
     (300, 80, 96),  # rows past a chunk of 256 (the kernel's kRowChunk)
-    (40, 2096, 64),  # more blocks than a parallel share (32), prefetching to the end, a last block of 16
+    (40, 2096, 64),  # more blocks than a parallel share, prefetching to the end, a last block of 16
+    (250, 80, 1024),  # a parallel share of one block (and the re-layout of x split in shares too)
 ]
 
 
@@ -63,7 +64,8 @@ def test_the_kernel_is_the_exact_product_rounded_once_on_any_thread_count(
     threads, rows, out_features, in_features, with_bias
 ):
     """Within half a bfloat16 ulp (plus float32's summation error) of the exact product, on one thread and on two;
-    the same bits on both (only out_features past 32 blocks of 32 split the work: the last shape)."""
+    the same bits on both (a product of more than one share of about 4M multiply-adds is split over the threads: the
+    fourth, the fifth and the last two shapes)."""
     ops = layers.compiled_amx_linear()
     x, w, bias = _operands(rows, out_features, in_features)
     exact = x.double() @ w.double().T + (bias.double() if with_bias else 0.0)

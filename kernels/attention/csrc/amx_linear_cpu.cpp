@@ -17,7 +17,8 @@
 // walked 32 output features at a time (a 32 x in_features block, re-read from L1/L2 for every 32 rows of x, at
 // most kRowChunk rows per walk), and a block further on is prefetched into L2 while the current one is
 // multiplied: tile loads wait for their data in order, so without the prefetch every block's first pass waits on
-// memory.
+// memory. Threads share out the 32-feature blocks (kShareMultiplyAdds each at least), every output computed by one
+// of them in the same order, so a result does not depend on the thread count.
 //
 // Where it pays (python -m benchmarks.gemv, docs/benchmarks.md): at 5-256 rows, about oneDNN's packed product's
 // time on small's projections (often less), and 1.0-1.4x its time on the 32,000-wide LM head; from 512 rows it and
@@ -57,9 +58,12 @@ constexpr int64_t kRowChunk = 256;
 // How many 32-feature blocks ahead the weight is prefetched into L2 (1-8 measured at 64 and 256 rows over small's
 // projections and LM head: 2 the best or within noise of it).
 constexpr int64_t kPrefetchBlocks = 2;
-// 32-feature weight blocks per parallel work share: a small matrix runs on the calling thread, where a parallel
-// region costs more than it saves.
-constexpr int64_t kGrainBlocks = 32;
+// Multiply-adds per parallel work share (about 10 us of AMX work): a product smaller than two shares runs on the
+// calling thread, where a parallel region costs more than it saves; a larger one is split over 32-feature blocks
+// whatever its shape (a decode batch's 1024-feature qkv projection of small is four shares at 64 rows).
+constexpr int64_t kShareMultiplyAdds = int64_t{4} << 20;
+// Pairs of x re-laid per parallel work share.
+constexpr int64_t kShareRelayoutPairs = int64_t{1} << 16;
 
 #if defined(SPLITSERVE_AMX)
 constexpr int kArchReqXcompPerm = 0x1023;  // linux/arch/x86/include/uapi/asm/prctl.h
@@ -118,18 +122,20 @@ inline void transpose_16x16(__m512i r[16]) {
 // x [rows, k] (k / 2 a multiple of 16) as pairs: packed[block][k / 2][16] 32-bit pairs, block = 16 rows of x,
 // `padded` rows in all, those past `rows` zero. A B tile (16 pairs of k x 16 rows) is then 1 KiB contiguous.
 void relayout_rows(const uint32_t* x, int64_t rows, int64_t padded, int64_t k_pairs, uint32_t* packed) {
-  const int64_t blocks = padded / kTileN;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t valid = std::clamp<int64_t>(rows - b * kTileN, 0, kTileN);
-    for (int64_t p = 0; p < k_pairs; p += 16) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) {
-        r[i] = i < valid ? _mm512_loadu_si512(x + (b * kTileN + i) * k_pairs + p) : _mm512_setzero_si512();
+  const int64_t grain = std::max<int64_t>(1, kShareRelayoutPairs / (kTileN * k_pairs));
+  at::parallel_for(0, padded / kTileN, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t valid = std::clamp<int64_t>(rows - b * kTileN, 0, kTileN);
+      for (int64_t p = 0; p < k_pairs; p += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          r[i] = i < valid ? _mm512_loadu_si512(x + (b * kTileN + i) * k_pairs + p) : _mm512_setzero_si512();
+        }
+        transpose_16x16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(packed + (b * k_pairs + p + i) * kTileN, r[i]);
       }
-      transpose_16x16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(packed + (b * k_pairs + p + i) * kTileN, r[i]);
     }
-  }
+  });
 }
 
 // A 16 x 16 float32 block of out.T (sums[feature][row]) into out rows row0.. (at most `rows` of them), features
@@ -239,7 +245,8 @@ void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const 
   const c10::BFloat16* p_ptr = packed.data_ptr<c10::BFloat16>();
   c10::BFloat16* o_ptr = out.data_ptr<c10::BFloat16>();
   const int64_t blocks = (n + 2 * kTileN - 1) / (2 * kTileN);  // of 32 features; a last one of 16 if n % 32
-  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, kShareMultiplyAdds / (2 * kTileN * k * padded));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
     for (int64_t chunk = 0; chunk < padded; chunk += kRowChunk) {
       const int64_t chunk_end = std::min(padded, chunk + kRowChunk);
