@@ -121,6 +121,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
         )
     lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
+    integer = [r["label"] for r in report["results"] if r["label"].endswith((" int8", " q8_0"))]
+    if integer:
+        lines.append(
+            f"MFU of {', '.join(integer)}: over float32's matmul peak (the integer products' own peak is not "
+            "measured), so not a share of what they could reach; it can pass 100%"
+        )
     for r in report["results"]:
         if r.get("extra", {}).get("note"):
             lines.append(f"note {r['label']}: {r['extra']['note']}")

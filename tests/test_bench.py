@@ -396,6 +396,29 @@ def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint, mon
     assert "single request (float32" in throughput_report.format_report(report)
 
 
+def test_report_says_whose_peak_an_integer_runs_mfu_is_over():
+    """int8 and q8_0 runs' MFU divides by float32's matmul peak (no integer peak is measured): the report says so
+    under the table, naming those runs, and says nothing of it without them."""
+    machine = {"cpu": "x", "cores": 2, "torch": "2.13.0", "transformers": "5.24.0", "triton": "3.9.0"}
+
+    def result(label: str, mfu: float) -> dict:
+        return {
+            "backend": label.split()[0], "label": label, "wall_s": 1.0, "output_tok_s": 1.0, "total_tok_s": 2.0,
+            "mfu": mfu, "mfu_lm_head_every_token": mfu, "exact_match": None, "ratios": {},
+        }  # fmt: skip
+
+    report = {
+        "device": "cpu", "machine": machine, "model": "m", "matmul_peak_gflops": {"float32": 131.0},
+        "request_set": {"num_requests": 64, "prompt_len_mean": 137.0, "output_len": 128},
+        "results": [result("splitserve float32", 0.48), result("splitserve int8", 1.01), result("llama.cpp q8_0", 0.1)],
+        "single_request": None,
+    }  # fmt: skip
+    text = throughput_report.format_report(report)
+    assert "MFU of splitserve int8, llama.cpp q8_0: over float32's matmul peak" in text
+    report["results"] = report["results"][:1]
+    assert "over float32's matmul peak" not in throughput_report.format_report(report)
+
+
 def test_gpu_report_targets_and_device_line():
     """On CUDA the targets are issue 16's: at least 5x transformers generate_batch, the single-request ITL at most
     10x the weight-read bound; the report names the GPU."""
