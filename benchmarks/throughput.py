@@ -19,10 +19,12 @@ the targets are then the issue's GPU ones (``throughput_report.GPU_TARGETS``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,7 +137,12 @@ def run_splitserve(
 ) -> tuple[float, list[list[int]], dict]:
     """Wall seconds, token ids per request, and engine facts, after a two-request warm-up. ``observed``: with
     the core's Prometheus metrics and a span per request (exported in memory), as a traced server runs.
-    ``core_config``: more ``CoreConfig`` fields (``device``, ``num_kv_blocks``, ...)."""
+    ``core_config``: more ``CoreConfig`` fields (``device``, ``num_kv_blocks``, ...).
+
+    The timed run has the heap built so far left out of garbage collection (``startup_heap_frozen``), as both
+    servers have it once loaded (``splitserve.base.server_lifecycle``): in this process, holding the command's
+    imports, full collections otherwise walked some 330,000 objects during the run (0.15-0.18 s of collections,
+    5-15% of the float32 run's time; docs/benchmarks.md)."""
     from frontend_svc import LLM, SamplingParams
     from frontend_svc.inproc_client import InprocClient
     from frontend_svc.input_processor import TokensPrompt
@@ -152,9 +159,10 @@ def run_splitserve(
         engine = llm.llm_engine
         preemptions_before = engine.num_preemptions
         hook_s[0] = 0.0
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        with startup_heap_frozen():
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - start
         hooks = hook_s[0]
         info = engine.engine_info
         client = engine.engine_core
@@ -178,6 +186,19 @@ def run_splitserve(
         llm.close()
         if provider is not None:
             provider.shutdown()
+
+
+@contextlib.contextmanager
+def startup_heap_frozen() -> Iterator[None]:
+    """Inside: every object alive on entry is left out of garbage collection (``gc.collect()``, then
+    ``gc.freeze()``), as the servers leave their startup heap once loaded; on exit they are given back
+    (``gc.unfreeze()``), so that what dies later is collected."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _runner_facts(core: Any, num_slots: int) -> dict[str, Any]:

@@ -35,15 +35,7 @@ CONVERT_CHUNK_SIZE = 128
 
 
 class InprocClient(EngineCoreClient):
-    """Owns an engine core in this process.
-
-    Once the core is built, the heap so far (modules, tokenizer, the model's Python objects) is left out of garbage
-    collection (``gc.freeze``), as the servers do after loading (``splitserve.base.server_lifecycle``) and as vLLM's
-    engine-core process does: every full collection otherwise walks those few hundred thousand objects again (on
-    ``small``'s 64-request float32 set they took 0.15-0.18 s of full collections per run, and the runs went 5% faster
-    without them: docs/benchmarks.md). ``shutdown`` gives them back to the collector (``gc.unfreeze``), so that an
-    engine dropped later is collected.
-    """
+    """Owns an engine core in this process."""
 
     def __init__(self, model: str, **core_config: Any) -> None:
         from splitserve.base import cpu_threads, envs
@@ -60,8 +52,6 @@ class InprocClient(EngineCoreClient):
         self._core_edge: InprocCore | None = InprocCore(model, **core_config)
         # The EngineCore itself, for introspection and tests (Any: core_svc is imported here only, lazily).
         self.engine_core: Any = self._core_edge.engine_core
-        gc.collect()
-        gc.freeze()
 
     def _edge(self) -> Any:
         if self._core_edge is None:
@@ -128,7 +118,6 @@ class InprocClient(EngineCoreClient):
             self._core_edge.shutdown()
             self._core_edge = None
             self.engine_core = None
-            gc.unfreeze()  # the heap frozen at startup, this engine's objects among it, is collectable again
             gc.collect()  # the model and KV cache go now, not at some later collection
 
 

@@ -396,6 +396,31 @@ def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint, mon
     assert "single request (float32" in throughput_report.format_report(report)
 
 
+def test_the_timed_run_has_the_startup_heap_frozen_and_gives_it_back():
+    """``startup_heap_frozen``: inside, what was alive on entry is out of garbage collection (as in the servers once
+    loaded); after, it is collectable again, and a cycle dropped inside is then collected."""
+    import gc
+    import weakref
+
+    from benchmarks.throughput import startup_heap_frozen
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle: only the collector frees it
+    dead = weakref.ref(node)
+    gc.unfreeze()
+    with startup_heap_frozen():
+        assert gc.get_freeze_count() > 1000
+        del node
+        gc.collect()
+        assert dead() is not None  # frozen: not collected
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert dead() is None
+
+
 def test_report_says_whose_peak_an_integer_runs_mfu_is_over():
     """int8 and q8_0 runs' MFU divides by float32's matmul peak (no integer peak is measured): the report says so
     under the table, naming those runs, and says nothing of it without them."""

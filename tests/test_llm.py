@@ -342,19 +342,6 @@ def test_core_memory_is_released_on_close_and_on_garbage_collection(llama2_model
     assert kv_cache() is None
 
 
-def test_an_in_process_core_leaves_its_startup_heap_out_of_collection_until_closed(llama2_model):
-    """After the core is built, the heap so far is frozen (``gc.freeze``: full collections skip it, as the servers
-    do after loading); closing gives it back, so that the closed engine's objects are collected."""
-    gc.unfreeze()
-    llm = LLM(str(llama2_model), num_kv_blocks=65)
-    assert gc.get_freeze_count() > 10_000  # the modules, the tokenizer, the model's Python objects
-    core = weakref.ref(llm.llm_engine.engine_core.engine_core)
-    llm.close()
-    assert gc.get_freeze_count() == 0
-    gc.collect()
-    assert core() is None
-
-
 def test_importing_the_frontend_imports_no_torch_and_no_core():
     code = "import sys, frontend_svc; print(sorted(m for m in ('torch', 'core_svc', 'kernels') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

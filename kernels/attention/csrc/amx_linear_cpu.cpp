@@ -58,9 +58,10 @@ constexpr int64_t kRowChunk = 256;
 // How many 32-feature blocks ahead the weight is prefetched into L2 (1-8 measured at 64 and 256 rows over small's
 // projections and LM head: 2 the best or within noise of it).
 constexpr int64_t kPrefetchBlocks = 2;
-// Multiply-adds per parallel work share (about 10 us of AMX work): a product smaller than two shares runs on the
-// calling thread, where a parallel region costs more than it saves; a larger one is split over 32-feature blocks
-// whatever its shape (a decode batch's 1024-feature qkv projection of small is four shares at 64 rows).
+// Multiply-adds per parallel work share, at least (about 10 us of AMX work): a product of at most one share runs on
+// the calling thread, where a parallel region costs more than it saves; a larger one is split over 32-feature blocks
+// whatever its shape (a decode batch's 1024-feature qkv projection of small at 64 rows, 32M multiply-adds, is
+// eight shares of four blocks).
 constexpr int64_t kShareMultiplyAdds = int64_t{4} << 20;
 // Pairs of x re-laid per parallel work share.
 constexpr int64_t kShareRelayoutPairs = int64_t{1} << 16;
