@@ -53,7 +53,7 @@ constexpr int64_t kTileK = 32;  // in_features per A tile (64 bytes of bfloat16)
 constexpr int64_t kTileN = 16;  // output features per A tile, and rows of x per B tile
 // Rows of x per walk over the weight: the walk's re-laid x (kRowChunk x in_features bfloat16, 256-704 KiB for
 // small's projections) stays in L2. The best of 64-1024 for 256- and 2048-row products over small's projections
-// (64: 1.4x the time at 256 rows; 256-1024 within 3%).
+// (64: 1.4x the time at 256 rows; 256-1024 within 5%).
 constexpr int64_t kRowChunk = 256;
 // How many 32-feature blocks ahead the weight is prefetched into L2 (1-8 measured at 64 and 256 rows over small's
 // projections and LM head: 2 the best or within noise of it).
