@@ -6,9 +6,11 @@ weight matrices (8 layers of qkv [1024, 512], o [512, 512], gate_up [2816, 512],
 [32000, 512]; ``--no-lm-head``: the 32 projections only; random values) once per precision, each layer its own (as
 in a model, so a pass reads 160 MB in float32 and the next pass finds little of it in the caches), and times one
 pass over all of them per route, the routes interleaved round by round:
-- float32: ``packed`` (oneDNN's prepacked weight, what float32's LM head runs), ``column-major`` (``F.linear`` on
-  the weight stored transposed, what float32's projections run), ``mkl`` (``F.linear`` on the weight as loaded),
-  ``gemv`` (the compiled kernel on the dense weight, ``--dense-decode-weights``; at most 4 rows);
+- float32: ``packed`` (oneDNN's prepacked weight, what float32's LM head runs without the panel kernel),
+  ``column-major`` (``F.linear`` on the weight stored transposed, what float32's projections run without it),
+  ``panels`` (the compiled panel kernel on ``pack_panels``' layout, what every float32 ``Linear`` runs where the
+  build has AVX-512F), ``mkl`` (``F.linear`` on the weight as loaded), ``gemv`` (the compiled kernel on the dense
+  weight, ``--dense-decode-weights``; at most 4 rows);
 - bfloat16: ``packed`` (oneDNN's prepacked weight, what bfloat16 runs without AMX), ``amx`` (the compiled AMX kernel
   on the dense weight, what bfloat16 runs at 5 to ``AMX_MAX_ROWS`` rows on a CPU with AMX), ``dense`` (``F.linear``
   on the dense weight: oneDNN repacks it per call; what it runs above ``AMX_MAX_ROWS`` rows there), ``gemv``;
@@ -30,7 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.workload import Machine
-from core_svc.models.layers import AMX_MAX_ROWS, GEMV_MAX_ROWS, amx_fits, compiled_amx_linear, compiled_gemv
+from core_svc.models.layers import (
+    AMX_MAX_ROWS,
+    GEMV_MAX_ROWS,
+    amx_fits,
+    compiled_amx_linear,
+    compiled_gemv,
+    compiled_panel_linear,
+    pack_panels,
+)
 from core_svc.models.quantization import Int8Linear, vnni_ops
 from kernels.attention import cpu_ops
 from splitserve.base import envs
@@ -71,6 +81,19 @@ def routes(rows: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[dic
     out["float32"]["packed"] = packed_pass(packed, x32)
     column_major = [w.t().contiguous().t() for w in weights]
     out["float32"]["column-major"] = lambda: [F.linear(x32[w.shape[1]], w) for w in column_major]
+    panel_ops = compiled_panel_linear()
+    if panel_ops is None:
+        missing.append("float32 panels: no panel kernel here (it needs AVX-512F)")
+    else:
+        panels = [pack_panels(w) for w in weights]
+
+        def panel_pass() -> list[torch.Tensor]:
+            outs = [torch.empty(rows, w.shape[0]) for w in weights]
+            for o, w, p in zip(outs, weights, panels, strict=True):
+                panel_ops.panel_linear(o, x32[w.shape[1]], p, None)
+            return outs
+
+        out["float32"]["panels"] = panel_pass
     out["float32"]["mkl"] = lambda: [F.linear(x32[w.shape[1]], w) for w in weights]
     bf16 = [w.bfloat16() for w in weights]
     x16 = {k: v.bfloat16() for k, v in x32.items()}

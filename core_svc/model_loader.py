@@ -25,6 +25,7 @@ from core_svc.models.arch import ModelArchConfig
 from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import (
     GEMV_MAX_ROWS,
+    PANEL_WIDTH,
     Linear,
     RotaryEmbedding,
     compiled_gemv,
@@ -83,7 +84,8 @@ def load_hf_config(path: Path) -> object:
 def _load_cpu_kernels_for_layouts() -> str | None:
     """Load the compiled CPU kernels (``kernels.attention.cpu_ops.load``; the CPU attention backend already has,
     unless another backend was chosen) before ``prepack_linear_weights`` decides which dense copies pay
-    (``keep_dense=True``) and whether bfloat16 weights stay dense for the AMX kernel, so that the decision does not
+    (``keep_dense=True``), whether bfloat16 weights stay dense for the AMX kernel and whether float32 ones take the
+    panel kernel's layout, so that the decision does not
     depend on the attention backend and every later step sees the same kernels. Returns why they cannot be loaded,
     or None."""
     try:
@@ -113,11 +115,13 @@ def _layouts(model: nn.Module, dtype: torch.dtype) -> str:
     """What ``prepack_linear_weights`` made of the linear weights, for the load log."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     packed = sum(m.packed_weight is not None for m in linears)
+    panels = sum(m.panel_weight is not None for m in linears)
     column_major = sum(m.weight is not None and not m.weight.is_contiguous() for m in linears)
     amx = sum(m.amx for m in linears)
     text = ", ".join(
         f"{n} {what}"
         for n, what in (
+            (panels, f"in panels of {PANEL_WIDTH} output features (the float32 panel kernel)"),
             (column_major, "column-major (MKL)"),
             (amx, f"dense for the AMX kernel (the matrix-vector kernel up to {GEMV_MAX_ROWS} rows)"),
             (packed, "packed for oneDNN"),
@@ -186,7 +190,7 @@ def load_model(
     else:
         kernels_missing = None
         weights_dtype = next(model.parameters()).dtype
-        if device.type == "cpu" and (dense_decode_weights or weights_dtype == torch.bfloat16):
+        if device.type == "cpu" and (dense_decode_weights or weights_dtype in (torch.float32, torch.bfloat16)):
             kernels_missing = _load_cpu_kernels_for_layouts()
         if prepack_linear_weights(model, keep_dense=dense_decode_weights):
             logger.info("linear weights laid out for batches: %s", _layouts(model, dtype))

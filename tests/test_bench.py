@@ -505,11 +505,13 @@ def test_machine_names_the_gpu(monkeypatch):
 def test_gemv_routes_compute_the_same_products():
     """``benchmarks.gemv``'s float32 routes (the layouts ``Linear`` runs) give one product each, the same one."""
     from benchmarks import gemv
+    from core_svc.models.layers import compiled_panel_linear
 
     shapes = ((48, 32), (16, 48))
     by_precision, missing = gemv.routes(5, shapes)
     float32 = by_precision["float32"]
     assert {"packed", "column-major", "mkl"} <= set(float32)
+    assert ("panels" in float32) == (compiled_panel_linear() is not None)
     assert any(line.startswith("float32 gemv:") for line in missing)  # 5 rows: past the kernel's limit
     results = {route: run() for route, run in float32.items()}
     for route, outputs in results.items():

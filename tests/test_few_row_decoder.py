@@ -28,8 +28,9 @@ def _kernels() -> None:
 
 def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
     """A 3-layer decoder of ``variant`` with seeded random weights, its projections as ``weights`` says: "dense"
-    (prepacked plus the dense copies gemv reads), "packed" (prepacked only: column-major in float32, oneDNN's in
-    bfloat16), "plain" (F.linear's weight as loaded) or "int8"."""
+    (prepacked plus the dense copies gemv reads), "packed" (prepacked only: in panels in float32 where the build has
+    the panel kernel, else column-major; oneDNN's in bfloat16), "column-major" (float32 prepacked as without the
+    panel kernel), "plain" (F.linear's weight as loaded) or "int8"."""
     from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     from kernels.attention.cpu import CpuAttentionBackend
@@ -57,6 +58,14 @@ def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
             layer.self_attn.q_norm.eps = layer.self_attn.k_norm.eps = 0.25
     if weights == "int8":
         quantize_linear_weights(model)
+    elif weights == "column-major":
+        saved = layers._PANELS_AVAILABLE[0]
+        layers._PANELS_AVAILABLE[0] = False
+        try:
+            prepack_linear_weights(model)
+        finally:
+            layers._PANELS_AVAILABLE[0] = saved
+        assert all(m.panel_weight is None for m in model.modules() if isinstance(m, layers.Linear))
     elif weights != "plain" and not prepack_linear_weights(model, keep_dense=weights == "dense"):
         pytest.skip(f"torch has no oneDNN for {dtype} here")
     return model
@@ -93,6 +102,8 @@ WEIGHTS = [
     ("llama", torch.float32, "dense"),
     ("llama", torch.bfloat16, "dense"),
     ("llama", torch.float32, "packed"),
+    ("llama", torch.float32, "column-major"),
+    ("biases", torch.float32, "packed"),
     ("llama", torch.float32, "plain"),
     ("biases", torch.float32, "dense"),
     ("biases", torch.bfloat16, "packed"),
@@ -108,8 +119,8 @@ WEIGHTS = [
 
 @pytest.mark.parametrize(("variant", "dtype", "weights"), WEIGHTS)
 def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dtype, weights):
-    """Dense copies go to gemv where the build has it for the dtype; column-major weights (float32) to F.linear,
-    packed ones (bfloat16) to oneDNN: each route the per-layer path takes."""
+    """Dense copies go to gemv where the build has it for the dtype; float32 panels to panel_linear, column-major
+    weights (float32) to F.linear, packed ones (bfloat16) to oneDNN: each route the per-layer path takes."""
     _kernels()
     if weights == "int8" and vnni_ops() is None:
         pytest.skip("this build has no int8_gemv (AVX-512 VNNI)")
@@ -119,11 +130,12 @@ def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dt
 
 
 def test_without_gemv_the_column_major_weights_serve_every_row(monkeypatch):
-    """A build without gemv (an AVX2 CPU): no dense copies are kept; float32's column-major weights go through
-    F.linear at every row count."""
+    """A build without gemv and panel_linear (an AVX2 CPU): no dense copies are kept; float32's column-major
+    weights go through F.linear at every row count."""
     _kernels()
     monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)
     monkeypatch.setattr(few_row_decoder, "compiled_gemv", lambda dtype: None)
+    monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # it needs AVX-512F too
     model = _model("biases", torch.float32, "dense")
     projections = [m for m in model.modules() if isinstance(m, layers.Linear)]
     assert all(m.dense_weight is None and m.weight.t().is_contiguous() for m in projections)
@@ -258,12 +270,12 @@ def test_malformed_inputs_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="final_norm's dtype"):
         decoder.forward(hidden[:1].double(), cos[:1], sin[:1], caches, *args)
     with pytest.raises(RuntimeError, match="projection name must be qkv, o, gate_up or down, got up"):
-        decoder.add_projection("up", "torch", torch.zeros(8, 256), None, 0, None, None, None)
+        decoder.add_projection("up", 8, "torch", torch.zeros(8, 256), None, 0, None, None, None)
     with pytest.raises(RuntimeError, match="gate_up: a weight"):
-        decoder.add_projection("gate_up", "torch", None, None, 0, None, None, None)
+        decoder.add_projection("gate_up", 704, "torch", None, None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]"):
-        decoder.add_projection("down", "torch", torch.zeros(256, 351), None, 0, None, None, None)
+        decoder.add_projection("down", 256, "torch", torch.zeros(256, 351), None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\] \(or, for kind torch"):
-        decoder.add_projection("down", "torch", torch.zeros(256, 704)[:, ::2], None, 0, None, None, None)
+        decoder.add_projection("down", 256, "torch", torch.zeros(256, 704)[:, ::2], None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]$"):  # column-major: torch only
-        decoder.add_projection("down", "gemv", torch.zeros(352, 256).t(), None, 0, None, None, None)
+        decoder.add_projection("down", 256, "gemv", torch.zeros(352, 256).t(), None, 0, None, None, None)

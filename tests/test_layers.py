@@ -35,7 +35,10 @@ def test_prepacked_linear_matches_f_linear(dtype, bias):
     model = nn.Sequential(layer)
     if not prepack_linear_weights(model):
         pytest.skip("torch has no oneDNN here")
-    if dtype == torch.float32:  # column-major: the same values, stored transposed
+    if dtype == torch.float32 and layers.compiled_panel_linear() is not None:  # panels replace the weight
+        assert layer.weight is None and layer.packed_weight is None
+        assert torch.equal(layer.panel_weight, layers.pack_panels(weight))
+    elif dtype == torch.float32:  # column-major: the same values, stored transposed
         assert layer.packed_weight is None and layer.weight.t().is_contiguous() and not layer.weight.is_contiguous()
         assert torch.equal(layer.weight, weight)
     elif layers.compiled_amx_linear() is not None:  # AMX: the weight as loaded, nothing beside it
@@ -63,6 +66,7 @@ def _layer_and_head(dtype: torch.dtype, gen: torch.Generator) -> tuple[nn.Module
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepack_lays_out_float32_projections_column_major_and_packs_the_rest(dtype, monkeypatch):
     monkeypatch.setattr(layers, "compiled_amx_linear", lambda: None)  # without AMX (tests/test_amx_linear.py)
+    monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # nor panels (tests/test_panel_linear.py)
     gen = torch.Generator().manual_seed(0)
     model, layer, head = _layer_and_head(dtype, gen)
     weight, bias, head_weight = (t.detach().clone() for t in (layer.weight, layer.bias, head.weight))
@@ -89,6 +93,7 @@ def test_prepack_lays_out_float32_projections_column_major_and_packs_the_rest(dt
 
 def test_without_onednn_float32_projections_are_column_major_and_the_lm_head_as_loaded(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # a build without the panel kernel
     model, layer, head = _layer_and_head(torch.float32, torch.Generator().manual_seed(0))
     head_weight = head.weight
     assert prepack_linear_weights(model)
@@ -98,6 +103,7 @@ def test_without_onednn_float32_projections_are_column_major_and_the_lm_head_as_
 
 def test_dense_decode_weights_without_the_kernel_keep_no_copies(monkeypatch):
     monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)  # a build without the matrix-vector kernel
+    monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # nor the panel kernel
     gen = torch.Generator().manual_seed(0)
     model, layer, head = _layer_and_head(torch.float32, gen)
     if not prepack_linear_weights(model, keep_dense=True):
@@ -124,6 +130,7 @@ def test_dense_decode_weights_without_the_kernel_say_they_have_no_effect(checkpo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_decode_weights_with_the_kernel_serve_up_to_four_rows(dtype, monkeypatch):
     monkeypatch.setattr(layers, "compiled_amx_linear", lambda: None)  # copies beside oneDNN's layout, not AMX's
+    monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # nor panels (tests/test_panel_linear.py)
     gen = torch.Generator().manual_seed(0)
     model, layer, head = _layer_and_head(dtype, gen)
     weight, bias, head_weight = (t.detach().clone() for t in (layer.weight, layer.bias, head.weight))

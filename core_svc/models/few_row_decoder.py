@@ -8,10 +8,11 @@ bit for bit; what it removes is Python and torch's dispatch between them (about 
 of one request's 11 ms float32 forward; docs/benchmarks.md, "One call per decode step").
 
 It covers every projection ``Linear`` and ``Int8Linear`` run at these rows (``gemv`` on dense copies, torch's
-``F.linear`` and oneDNN's packed product, ``int8_gemv``), SiLU-gated MLPs and the ``cpu`` attention backend; a
-projection wrapped for LoRA adapters (``AdapterWrapper``) by its base projection, so a step in which no request uses an
-adapter (``lora_batches``: ``LlamaModel.forward`` checks) is one call too. Anything else (int8 without the AVX-512
-VNNI kernel, another activation or backend, another wrapper) keeps the per-layer path.
+``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``), SiLU-gated MLPs and
+the ``cpu`` attention backend; a projection wrapped for LoRA adapters (``AdapterWrapper``) by its base projection,
+so a step in which no request uses an adapter (``lora_batches``: ``LlamaModel.forward`` checks) is one call too.
+Anything else (int8 without the AVX-512 VNNI kernel, another activation or backend, another wrapper) keeps the
+per-layer path.
 """
 
 from __future__ import annotations
@@ -91,28 +92,33 @@ def _same_norms(q_norm: Any, k_norm: Any, dtype: torch.dtype) -> bool:
 
 
 def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
-    """``add_projection``'s (kind, weight, packed, dense_max_rows, bias, scales, sums) for a projection run as
-    ``Linear.forward`` and ``Int8Linear.forward`` run it at 1 to ``GEMV_MAX_ROWS`` rows: ``gemv`` on a dense copy
-    where the build has it for ``dtype``; else torch's products (``F.linear`` on the weight as loaded or
-    column-major, oneDNN's on the packed weight); ``int8_gemv``; a ``LoRALinear``'s base projection. None for
-    anything else (another wrapper, int8 without the VNNI kernel, a weight in another dtype)."""
+    """``add_projection``'s (out_features, kind, weight, packed, dense_max_rows, bias, scales, sums) for a
+    projection run as ``Linear.forward`` and ``Int8Linear.forward`` run it at 1 to ``GEMV_MAX_ROWS`` rows: ``gemv``
+    on a dense copy where the build has it for ``dtype``; else ``panel_linear`` on float32 panels, or torch's
+    products (``F.linear`` on the weight as loaded or column-major, oneDNN's on the packed weight); ``int8_gemv``; a
+    ``LoRALinear``'s base projection. None for anything else (another wrapper, int8 without the VNNI kernel, a
+    weight in another dtype)."""
     if isinstance(module, AdapterWrapper):
         module = module.base
     if type(module) is Int8Linear:
         if vnni_ops() is None or INT8PACK_MAX_ROWS < GEMV_MAX_ROWS:  # int8_gemv only up to INT8PACK_MAX_ROWS rows
             return None
         bias = None if module.bias is None else module.bias.detach().float()
-        return "int8", module.weight_int8, None, 0, bias, module.scales, module.weight_sums
+        return module.out_features, "int8", module.weight_int8, None, 0, bias, module.scales, module.weight_sums
     if type(module) is not Linear:
         return None
+    n = module.out_features
     bias = None if module.bias is None else module.bias.detach()
     dense = module.dense_weight
     if dense is not None and compiled_gemv(dtype) is not None:
         usable = dense.dtype == dtype and dense.is_contiguous()
-        return ("gemv", dense, None, 0, None if bias is None else bias.float(), None, None) if usable else None
+        return (n, "gemv", dense, None, 0, None if bias is None else bias.float(), None, None) if usable else None
+    if module.panel_weight is not None:
+        usable = module.panel_weight.dtype == dtype == torch.float32
+        return (n, "panels", module.panel_weight, None, 0, bias, None, None) if usable else None
     if module.packed_weight is None:  # F.linear on the weight (row- or column-major) at every row count
         weight = module.weight.detach()
         usable = weight.dtype == dtype and (weight.is_contiguous() or weight.t().is_contiguous())
-        return ("torch", weight, None, 0, bias, None, None) if usable else None
+        return (n, "torch", weight, None, 0, bias, None, None) if usable else None
     packed = module.packed_weight
-    return ("torch", None, packed, 0, bias, None, None) if packed.dtype == dtype else None
+    return (n, "torch", None, packed, 0, bias, None, None) if packed.dtype == dtype else None

@@ -100,6 +100,49 @@ def amx_linear(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out if x2 is x else out.view(*x.shape[:-1], weight.shape[0])
 
 
+# Output features per panel of float32's batch layout (kernels/attention/csrc/panel_linear_cpu.cpp's kPanel).
+PANEL_WIDTH = 32
+
+
+def compiled_panel_linear() -> Any:
+    """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) when they are loaded and their build can
+    multiply float32 over a weight in panels (``panel_linear``: AVX-512F in the build), else None."""
+    ops = loaded_ops()
+    if ops is None:
+        return None
+    if _PANELS_AVAILABLE[0] is None:
+        _PANELS_AVAILABLE[0] = bool(ops.panel_linear_available())
+    return ops if _PANELS_AVAILABLE[0] else None
+
+
+_PANELS_AVAILABLE: list[bool | None] = [None]  # once the kernels are loaded (a build per process)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out_features, in_features] -> contiguous [ceil(out_features / PANEL_WIDTH), in_features,
+    PANEL_WIDTH] in its dtype, ``panels[p, k, j] = weight[PANEL_WIDTH * p + j, k]``, the last panel's missing
+    features zero: the layout ``panel_linear`` multiplies (each panel one contiguous stream of the weight)."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL_WIDTH)
+    padded = F.pad(weight, (0, 0, 0, num_panels * PANEL_WIDTH - out_features))
+    return padded.view(num_panels, PANEL_WIDTH, in_features).transpose(1, 2).contiguous()
+
+
+def panel_linear(
+    ops: Any, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 ``x`` [..., in_features] and ``panels = pack_panels(weight)``
+    (float32; ``out_features`` its weight's) -> float32 [..., out_features], through ``ops.panel_linear``
+    (``compiled_panel_linear``): each output one float32 sum over in_features in order, plus the bias, whatever
+    the number of rows (a row's result does not depend on the rows beside it)."""
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
+    if x2.shape[0] == 0:
+        return out.view(*x.shape[:-1], out_features)
+    ops.panel_linear(out, x2, panels, bias)
+    return out if x2 is x else out.view(*x.shape[:-1], out_features)
+
+
 def gemv(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through ``ops.gemv`` (``compiled_gemv``): ``x`` [..., in_features] of at most
     ``GEMV_MAX_ROWS`` rows in ``weight``'s dtype, ``weight`` dense [out_features, in_features] -> [...,
@@ -152,19 +195,26 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose weight can be laid out once for the CPU's fastest product (``prepack()``).
 
     torch's CPU ``F.linear`` in float32 goes to MKL's sgemm, which with the weight as stored ([out_features,
-    in_features], the product's transposed operand) repacks it on every call. Two layouts avoid that, each measured
-    faster where it is used (``small``, one thread, this project's 2-core AVX-512 machine; docs/benchmarks.md,
-    "Column-major float32 weights, and a bfloat16 KV cache"):
+    in_features], the product's transposed operand) repacks it on every call. These layouts avoid that, each
+    measured faster where it is used (``small``, one thread, this project's 2-core AVX-512 machine;
+    docs/benchmarks.md):
 
-    - column-major (float32's projections): the same values stored as [in_features, out_features] (``weight`` is
-      their transposed view), which sgemm multiplies as they are: a decode step's projections at 32-128 rows took
-      1.1-1.4x less time than oneDNN's packed weight, at one row 1.35x less (about the compiled matrix-vector
-      kernel's rate); 2048-row prefill chunks the same alone, 1.1x more in the engine. F.linear's values (bit for
-      bit in the case checked; MKL sums in the same order).
+    - panels (float32, every ``Linear``, where the build has the AVX-512F panel kernel): ``pack_panels``'s
+      [ceil(out_features / 32), in_features, 32], multiplied by the compiled ``panel_linear`` at every row count.
+      Over the column-major layout below, small's projections at 16 rows took 0.6-0.7x the time, at 64 rows
+      0.9-0.95x, at one row and at prefill chunks about the same; over oneDNN's packed LM head 0.75-0.8x at 64 rows
+      ("float32 products over weight panels"). Sums in order over in_features, so rounding differs from sgemm's in
+      the order only (~1e-7 relative) and a row's result does not depend on the batch beside it.
+    - column-major (float32's projections without the panel kernel): the same values stored as [in_features,
+      out_features] (``weight`` is their transposed view), which sgemm multiplies as they are: a decode step's
+      projections at 32-128 rows took 1.1-1.4x less time than oneDNN's packed weight, at one row 1.35x less (about
+      the compiled matrix-vector kernel's rate); 2048-row prefill chunks the same alone, 1.1x more in the engine
+      ("Column-major float32 weights, and a bfloat16 KV cache"). F.linear's values (bit for bit in the case
+      checked; MKL sums in the same order).
     - oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what torch's own inductor does for frozen
-      CPU models): bfloat16 without AMX (AVX-512 BF16), and float32's LM head, whose 32,000-wide product it ran
-      1.2-1.4x faster than the column-major one from 4 rows up (1.15x slower at one row). Rounding differs from
-      sgemm's in the summation order only: ~1e-7 relative.
+      CPU models): bfloat16 without AMX (AVX-512 BF16), and float32's LM head without the panel kernel, whose
+      32,000-wide product it ran 1.2-1.4x faster than the column-major one from 4 rows up (1.15x slower at one
+      row). Rounding differs from sgemm's in the summation order only: ~1e-7 relative.
 
     And one that keeps the weight as loaded: bfloat16 on a CPU with AMX (``prepack(amx=True)``), multiplied by the
     matrix-vector kernel up to ``GEMV_MAX_ROWS`` rows (one request: about twice oneDNN's packed one-row rate), by
@@ -174,21 +224,26 @@ class Linear(nn.Linear):
     """
 
     packed_weight: torch.Tensor | None = None  # oneDNN's layout; ``weight`` is then None
+    panel_weight: torch.Tensor | None = None  # float32 in panels (``pack_panels``); ``weight`` is then None
     amx: bool = False  # ``weight`` dense bfloat16 for ``amx_linear`` above GEMV_MAX_ROWS rows
     # [out_features, in_features], kept beside the batch layout by prepack(keep_dense=True) for few-row inputs
     dense_weight: torch.Tensor | None = None
 
-    def prepack(self, keep_dense: bool = False, column_major: bool = False, amx: bool = False) -> None:
+    def prepack(
+        self, keep_dense: bool = False, column_major: bool = False, amx: bool = False, panels: bool = False
+    ) -> None:
         """Lay the weight out for batches: ``amx``, as it is (bfloat16 that ``amx_fits``; the kernels must be
         loaded), for the AMX kernel, and for the matrix-vector kernel at few rows (``dense_weight`` is ``weight``
-        itself: no copy); ``column_major``, its values stored transposed (``weight`` becomes a view
-        [out_features, in_features] of them, strides (1, out_features)); else oneDNN's layout (``weight`` is
-        dropped, the packed one replaces it rather than doubling it). ``keep_dense``: keep the row-major weight as
-        well (twice its memory) for inputs of at most ``GEMV_MAX_ROWS`` rows, through the compiled matrix-vector
-        kernel.
+        itself: no copy); ``panels``, float32 in panels of ``PANEL_WIDTH`` output features for the panel kernel
+        (``pack_panels``; ``weight`` is dropped, the panels replace it; the kernels must be loaded);
+        ``column_major``, its values stored transposed (``weight`` becomes a view [out_features, in_features] of
+        them, strides (1, out_features)); else oneDNN's layout (``weight`` is dropped, the packed one replaces it
+        rather than doubling it). ``keep_dense``: keep the row-major weight as well (twice its memory) for inputs of
+        at most ``GEMV_MAX_ROWS`` rows, through the compiled matrix-vector kernel.
 
         Raises:
-            ValueError: ``amx`` where the loaded kernels have no AMX kernel, or for a weight it does not take.
+            ValueError: ``amx`` or ``panels`` where the loaded kernels have no such kernel, or for a weight it does
+                not take.
         """
         weight = self.weight.detach()
         if amx:
@@ -203,6 +258,20 @@ class Linear(nn.Linear):
             self.amx = True
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.dense_weight = self.weight.detach() if compiled_gemv(weight.dtype) is not None else None
+            return
+        if panels:
+            if compiled_panel_linear() is None:
+                raise ValueError(
+                    "prepack(panels=True): the loaded CPU kernels have no panel kernel (or none are loaded)"
+                )
+            if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() == 0:
+                raise ValueError(
+                    f"prepack(panels=True): the panel kernel takes a non-empty float32 CPU weight, got "
+                    f"{tuple(weight.shape)} {weight.dtype} on {weight.device}"
+                )
+            self.dense_weight = weight if keep_dense else None
+            self.panel_weight = pack_panels(weight)
+            self.register_parameter("weight", None)
             return
         self.dense_weight = weight if keep_dense else None
         if column_major:
@@ -219,6 +288,8 @@ class Linear(nn.Linear):
                 return gemv(ops, x, self.dense_weight, self.bias)
         if self.amx and x.dtype == torch.bfloat16 and (ops := compiled_amx_linear()) is not None:
             return amx_linear(ops, x, self.weight, self.bias)
+        if self.panel_weight is not None:
+            return panel_linear(compiled_panel_linear(), x, self.panel_weight, self.out_features, self.bias)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -226,7 +297,9 @@ class Linear(nn.Linear):
 
 def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
     """``Linear.prepack`` every ``Linear`` of a CPU model in float32 or bfloat16; returns whether it did. Float32
-    projections take the column-major layout, float32's LM head oneDNN's (``Linear``) where torch has it. bfloat16
+    weights take the panel layout where the loaded build has the panel kernel (``compiled_panel_linear``; the
+    kernels must be loaded before this call, as ``model_loader.load_model`` does), else the projections take the
+    column-major layout and the LM head oneDNN's (``Linear``) where torch has it. bfloat16
     weights stay as loaded for the AMX kernel where the loaded build has it (``compiled_amx_linear``; the kernels
     must be loaded before this call, as the CPU attention backend does) and the weight's shape fits
     (``amx_fits``), else take oneDNN's layout. Other dtypes and devices, and what needs oneDNN where torch has
@@ -249,6 +322,7 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
         return False  # oneDNN's bfloat16 needs AVX-512 (or AVX-NE-CONVERT); F.linear serves it then
     kernel = compiled_gemv(weight.dtype) is not None
     amx = weight.dtype == torch.bfloat16 and compiled_amx_linear() is not None
+    panels = weight.dtype == torch.float32 and compiled_panel_linear() is not None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             if amx and amx_fits(module.weight):
@@ -256,6 +330,9 @@ def prepack_linear_weights(model: nn.Module, keep_dense: bool = False) -> bool:
                 continue
             lm_head = name.rpartition(".")[2] == "lm_head"
             dense = kernel and (not lm_head or weight.dtype == torch.bfloat16)
+            if panels:
+                module.prepack(keep_dense=keep_dense and dense, panels=True)
+                continue
             column_major = weight.dtype == torch.float32 and not lm_head
             if column_major or onednn:  # a float32 LM head without oneDNN keeps F.linear on its weight
                 module.prepack(keep_dense=keep_dense and dense, column_major=column_major)

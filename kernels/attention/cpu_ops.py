@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # matrix-vector products, and a decoder layer's elementwise work between its products (core_svc/models/layers.py); the
 # greedy token of each row (core_svc/sampler.py); a decode step of a few rows through a whole decoder, calling the
 # others through cpu_ops.h (core_svc/models/few_row_decoder.py); bfloat16 products of many rows on AMX over the dense
-# weight (core_svc/models/layers.py)
+# weight, and float32 products of many rows over the weight in panels (core_svc/models/layers.py)
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
@@ -60,6 +60,7 @@ _SOURCES = tuple(
         "argmax_cpu.cpp",
         "decoder_cpu.cpp",
         "amx_linear_cpu.cpp",
+        "panel_linear_cpu.cpp",
     )
 )
 _HEADERS = (Path(__file__).parent / "csrc" / "cpu_ops.h",)
@@ -327,7 +328,8 @@ def loaded_ops() -> Any:
     does when an engine starts), else None. Its ops beside attention: ``gemv`` and ``gemv_available``
     (``csrc/gemv_cpu.cpp``), ``add_rms_norm``, ``rotary_in_place`` and ``silu_and_mul`` (``csrc/layer_ops_cpu.cpp``),
     ``int8_gemv``, ``quantize_rows_int8`` and ``dequantize_rows`` (``csrc/int8_rows_cpu.cpp``), ``argmax_rows``
-    (``csrc/argmax_cpu.cpp``), ``amx_linear`` and ``amx_linear_available`` (``csrc/amx_linear_cpu.cpp``)."""
+    (``csrc/argmax_cpu.cpp``), ``amx_linear`` and ``amx_linear_available`` (``csrc/amx_linear_cpu.cpp``),
+    ``panel_linear`` and ``panel_linear_available`` (``csrc/panel_linear_cpu.cpp``)."""
     global _LOADED_OPS
     if _LOADED_OPS is None:
         try:

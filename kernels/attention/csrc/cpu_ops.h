@@ -15,6 +15,11 @@ bool int8_gemv_available();
 void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& w,
                const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias);
 
+// panel_linear_cpu.cpp: float32 out [rows, n] = x [rows, k] @ w.T (+ bias) over w laid out in panels of 32 output
+// features ([ceil(n / 32), k, 32]).
+bool panel_linear_available();
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
+
 // layer_ops_cpu.cpp: a decoder layer's elementwise work.
 void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                   const at::Tensor& weight, double eps);

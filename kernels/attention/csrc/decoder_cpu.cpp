@@ -43,18 +43,21 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 // One linear layer, run as Linear.forward / Int8Linear.forward run it at 1-4 rows:
 // - kGemv: weight dense [out_features, in_features] in the activations' dtype, through gemv; bias float32;
 // - kInt8: weight int8 with float32 scales and int32 row sums, through int8_gemv; bias float32;
+// - kPanels: weight float32 in panels of 32 output features ([ceil(out_features / 32), in_features, 32]), through
+//   panel_linear; bias float32;
 // - kTorch: torch's own products: at::linear on the weight (row- or column-major) up to dense_max_rows rows, else
 //   oneDNN's on the packed one (either may be absent where the other serves every row count); bias in the
 //   activations' dtype.
 struct Projection {
-  enum class Kind { kGemv, kInt8, kTorch };
+  enum class Kind { kGemv, kInt8, kTorch, kPanels };
   Kind kind = Kind::kGemv;
   at::Tensor weight, packed;
+  int64_t features = 0;  // out_features
   int64_t dense_max_rows = 0;
   c10::optional<at::Tensor> bias, scales, sums;
 
   bool defined() const { return weight.defined() || packed.defined(); }
-  int64_t out_features() const { return weight.defined() ? weight.size(0) : packed.size(0); }
+  int64_t out_features() const { return features; }
 
   // out [rows, out_features] in the activations' dtype; x [rows, in_features] contiguous; wide: float32, at least
   // rows * out_features long, for an int8 weight under non-float32 activations (int8_gemv's float32 result, then
@@ -63,6 +66,9 @@ struct Projection {
     switch (kind) {
       case Kind::kGemv:
         splitserve_cpu::gemv(out, x, weight, bias);
+        return;
+      case Kind::kPanels:
+        splitserve_cpu::panel_linear(out, x, weight, bias);
         return;
       case Kind::kInt8:
         if (out.scalar_type() == at::kFloat) {
@@ -135,18 +141,21 @@ class FewRowDecoder : public torch::CustomClassHolder {
                             qk_eps, sliding_window});
   }
 
-  // The last added layer's projection `name` (qkv, o, gate_up, down), of `kind` (Projection's): "gemv" (weight
-  // dense in final_norm's dtype, bias float32), "int8" (weight int8, scales float32 and sums int32 per output
-  // feature, bias float32) or "torch" (weight row- or column-major and used up to dense_max_rows rows, and / or
-  // packed by oneDNN for more; bias in final_norm's dtype).
-  void add_projection(const std::string& name, const std::string& kind, c10::optional<at::Tensor> weight,
-                      c10::optional<at::Tensor> packed, int64_t dense_max_rows, c10::optional<at::Tensor> bias,
-                      c10::optional<at::Tensor> scales, c10::optional<at::Tensor> sums) {
+  // The last added layer's projection `name` (qkv, o, gate_up, down) of out_features outputs, of `kind`
+  // (Projection's): "gemv" (weight dense in final_norm's dtype, bias float32), "int8" (weight int8, scales float32
+  // and sums int32 per output feature, bias float32), "panels" (weight float32 in panels, bias float32) or "torch"
+  // (weight row- or column-major and used up to dense_max_rows rows, and / or packed by oneDNN for more; bias in
+  // final_norm's dtype).
+  void add_projection(const std::string& name, int64_t out_features, const std::string& kind,
+                      c10::optional<at::Tensor> weight, c10::optional<at::Tensor> packed, int64_t dense_max_rows,
+                      c10::optional<at::Tensor> bias, c10::optional<at::Tensor> scales,
+                      c10::optional<at::Tensor> sums) {
     TORCH_CHECK(!layers_.empty(), "add_projection before add_layer");
     Layer& layer = layers_.back();
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
-    const bool int8 = kind == "int8", torch_kind = kind == "torch";
-    TORCH_CHECK(int8 || torch_kind || kind == "gemv", name, ": kind must be gemv, int8 or torch, got ", kind);
+    const bool int8 = kind == "int8", torch_kind = kind == "torch", panels = kind == "panels";
+    TORCH_CHECK(int8 || torch_kind || panels || kind == "gemv", name, ": kind must be gemv, int8, panels or torch, got ",
+                kind);
     TORCH_CHECK(weight.has_value() || (torch_kind && packed.has_value()), name, ": a weight");
     Projection* slot = nullptr;
     std::array<int64_t, 2> shape{};
@@ -155,8 +164,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
     } else if (name == "o") {
       slot = &layer.o, shape = {hidden_size(), q_size};
     } else if (name == "gate_up") {
-      const at::Tensor& any = weight.has_value() ? *weight : *packed;
-      const int64_t rows = layers_.size() > 1 ? layers_.front().gate_up.out_features() : any.size(0);
+      const int64_t rows = layers_.size() > 1 ? layers_.front().gate_up.out_features() : out_features;
       slot = &layer.gate_up, shape = {rows, hidden_size()};
       TORCH_CHECK(rows % 2 == 0, "gate_up: an even number of output features (gate, then up), the same in every layer");
     } else if (name == "down") {
@@ -165,11 +173,23 @@ class FewRowDecoder : public torch::CustomClassHolder {
     } else {
       TORCH_CHECK(false, "projection name must be qkv, o, gate_up or down, got ", name);
     }
+    TORCH_CHECK(out_features == shape[0], name, ": out_features ", shape[0], " expected, got ", out_features);
     Projection projection;
-    projection.kind = int8 ? Projection::Kind::kInt8 : torch_kind ? Projection::Kind::kTorch : Projection::Kind::kGemv;
+    projection.kind = int8         ? Projection::Kind::kInt8
+                      : torch_kind ? Projection::Kind::kTorch
+                      : panels     ? Projection::Kind::kPanels
+                                   : Projection::Kind::kGemv;
+    projection.features = shape[0];
     TORCH_CHECK(!packed.has_value() || torch_kind, name, ": a packed weight only of kind torch");
     TORCH_CHECK(int8 == scales.has_value() && int8 == sums.has_value(), name, ": scales and sums for kind int8 only");
-    if (weight.has_value()) {
+    if (weight.has_value() && panels) {
+      TORCH_CHECK(weight->dim() == 3 && weight->size(0) == (shape[0] + 31) / 32 && weight->size(1) == shape[1] &&
+                      weight->size(2) == 32 && weight->is_contiguous() && weight->scalar_type() == at::kFloat &&
+                      dtype() == at::kFloat,
+                  name, ": contiguous float32 panels [", (shape[0] + 31) / 32, ", ", shape[1],
+                  ", 32] under float32 activations");
+      projection.weight = *std::move(weight);
+    } else if (weight.has_value()) {
       // kind torch also takes a column-major weight (a transposed view of [in_features, out_features]: float32's
       // layout for batches, core_svc/models/layers.py's Linear), which at::linear multiplies as it is
       const bool column_major = torch_kind && weight->dim() == 2 && weight->t().is_contiguous();
@@ -190,7 +210,9 @@ class FewRowDecoder : public torch::CustomClassHolder {
     }
     projection.dense_max_rows = projection.packed.defined() ? dense_max_rows : kMaxRows;
     TORCH_CHECK(!int8 || splitserve_cpu::int8_gemv_available(), name, ": kind int8 needs a build with int8_gemv");
-    TORCH_CHECK(int8 || torch_kind || splitserve_cpu::gemv_available(dtype()), name,
+    TORCH_CHECK(!panels || splitserve_cpu::panel_linear_available(), name,
+                ": kind panels needs a build with panel_linear");
+    TORCH_CHECK(int8 || torch_kind || panels || splitserve_cpu::gemv_available(dtype()), name,
                 ": kind gemv needs a build with gemv for final_norm's dtype");
     if (bias.has_value()) {
       const at::ScalarType bias_dtype = torch_kind ? dtype() : at::kFloat;
