@@ -288,8 +288,8 @@ class Linear(nn.Linear):
                 return gemv(ops, x, self.dense_weight, self.bias)
         if self.amx and x.dtype == torch.bfloat16 and (ops := compiled_amx_linear()) is not None:
             return amx_linear(ops, x, self.weight, self.bias)
-        if self.panel_weight is not None:
-            return panel_linear(compiled_panel_linear(), x, self.panel_weight, self.out_features, self.bias)
+        if self.panel_weight is not None:  # laid out so only where the loaded kernels have panel_linear
+            return panel_linear(loaded_ops(), x, self.panel_weight, self.out_features, self.bias)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

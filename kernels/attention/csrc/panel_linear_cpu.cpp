@@ -9,7 +9,8 @@
 // MKL over the column-major weight this kernel took 0.6-0.7x the time at 16 rows, 0.88-0.97x at 64, about the same
 // at one row and at 128-256, and 1.0-1.25x at 512-2048-row prefill chunks (MKL's micro-kernel is the faster one
 // where nothing waits on memory); over the 32,000-wide LM head against oneDNN's packed product, 0.65-0.85x from 2
-// rows up and 0.85-0.95x at one. A whole float32 batch of bench throughput took 0.86-0.88x the time.
+// rows up and 0.85-0.95x at one. Whole float32 runs of bench throughput (64 requests, prefill about half the
+// products' work) alternating with the column-major layout came out within the spread between runs.
 //
 // How (the register-blocked micro-kernel of Goto and van de Geijn, "Anatomy of High-Performance Matrix
 // Multiplication", ACM TOMS 34(3), 2008, and of BLIS): a panel's 32 output features are two 16-float vectors, and a
@@ -52,8 +53,10 @@ constexpr int kRowBlock = 14;
 // blocks pass over them. 128-512 measured over small's projections and LM head at 16-256 rows: 256 the best or
 // within noise of it.
 constexpr int64_t kDepth = 256;
-// Rows of x per walk over the weight, at most; fewer where K is large, so the chunk (rows x K floats) stays within
-// kChunkBytes of L2 (2 MiB per core on the machines measured): a panel meets every row of the chunk.
+// Rows of x per walk over the weight, at most (the rows split into walks as even as they can be); fewer where K is
+// large, so the chunk (rows x K floats) stays within kChunkBytes of L2 (2 MiB per core on the machines measured): a
+// panel meets every row of the chunk. Walks of 28, 64 and 128 rows were measured too (small's projections at
+// 512 and 1458 rows, prefill chunks): none clearly ahead of 256 alone, and 64 no better in the engine.
 constexpr int64_t kRowChunk = 256;
 constexpr int64_t kChunkBytes = int64_t{1} << 20;
 // Multiply-adds per parallel work share, at least: a product of at most one share runs on the calling thread, where
@@ -263,11 +266,14 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = panels.data_ptr<float>();
   float* o_ptr = out.data_ptr<float>();
-  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (k * int64_t{sizeof(float)}), kRowBlock, kRowChunk);
+  const int64_t most = std::clamp<int64_t>(kChunkBytes / (k * int64_t{sizeof(float)}), kRowBlock, kRowChunk);
+  const int64_t chunks = (rows + most - 1) / most;
   const int64_t grain = std::max<int64_t>(1, kShareMultiplyAdds / (kPanel * k * rows));
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t row0 = 0; row0 < rows; row0 += chunk) {
-      multiply_panels(x_ptr + row0 * k, w_ptr, b, o_ptr + row0 * n, std::min(chunk, rows - row0), n, k, begin, end);
+    for (int64_t c = 0, row0 = 0; c < chunks; ++c) {
+      const int64_t chunk_rows = rows / chunks + (c < rows % chunks);
+      multiply_panels(x_ptr + row0 * k, w_ptr, b, o_ptr + row0 * n, chunk_rows, n, k, begin, end);
+      row0 += chunk_rows;
     }
   });
 #endif
