@@ -83,7 +83,7 @@ def routes(rows: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[dic
     out["float32"]["column-major"] = lambda: [F.linear(x32[w.shape[1]], w) for w in column_major]
     panel_ops = compiled_panel_linear()
     if panel_ops is None:
-        missing.append("float32 panels: no panel kernel here (it needs AVX-512F)")
+        missing.append("float32 panels: no panel kernel loaded (the kernels not built, or no AVX-512F)")
     else:
         panels = [pack_panels(w) for w in weights]
 

@@ -4,7 +4,7 @@
 benchmark's ``small`` checkpoint (qkv, o, gate_up, down, the LM head) and rows 1, 4, 16, 64 and 256, the best
 time of one call (interleaved repeats, the best of each: the machine's load only ever adds) of:
 - float32: the weight column-major through MKL (``core_svc.models.layers.Linear``, what float32's projections
-  run);
+  run without the panel kernel);
 - bfloat16: oneDNN with the weight prepacked (what bfloat16 runs);
 - int8pack: ``torch._weight_int8pack_mm`` (weight-only, bfloat16 activations);
 - w8a8: activations quantized per row and ``torch._int_mm`` (int8 x int8 -> int32), rescaled

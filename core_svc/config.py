@@ -61,10 +61,10 @@ class CoreConfig:
         ),
     )
     # CPU float32 or bfloat16 without quantization (ignored otherwise): linear weights kept dense beside their
-    # batch layout (column-major or oneDNN-packed), and steps of few rows (one request's decode) use the dense ones
-    # through the compiled matrix-vector kernel (at most GEMV_MAX_ROWS rows; nothing is kept where the build has no
-    # kernel for the dtype); the kept weights take twice their memory (core_svc.models.layers.prepack_linear_weights
-    # says which are kept; docs/benchmarks.md).
+    # batch layout (panels, column-major or oneDNN-packed), and steps of few rows (one request's decode) use the
+    # dense ones through the compiled matrix-vector kernel (at most GEMV_MAX_ROWS rows; nothing is kept where the
+    # build has no kernel for the dtype); the kept weights take twice their memory
+    # (core_svc.models.layers.prepack_linear_weights says which are kept; docs/benchmarks.md).
     dense_decode_weights: bool = field(
         default=False,
         metadata=flag(

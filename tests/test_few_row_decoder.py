@@ -277,5 +277,13 @@ def test_malformed_inputs_are_refused_with_the_reason():
         decoder.add_projection("down", 256, "torch", torch.zeros(256, 351), None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\] \(or, for kind torch"):
         decoder.add_projection("down", 256, "torch", torch.zeros(256, 704)[:, ::2], None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match=r"down: out_features 256 expected, got 255"):
+        decoder.add_projection("down", 255, "panels", torch.zeros(8, 352, 32), None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match=r"down: contiguous float32 panels \[8, 352, 32\] under float32"):
+        decoder.add_projection("down", 256, "panels", torch.zeros(8, 351, 32), None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match=r"down: contiguous float32 panels"):
+        decoder.add_projection("down", 256, "panels", torch.zeros(8, 352, 32).bfloat16(), None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match="down: bias float32, one per output feature"):
+        decoder.add_projection("down", 256, "panels", torch.zeros(8, 352, 32), None, 0, torch.zeros(255), None, None)
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]$"):  # column-major: torch only
         decoder.add_projection("down", 256, "gemv", torch.zeros(352, 256).t(), None, 0, None, None, None)

@@ -4,12 +4,12 @@
 //
 // Why: a decode batch's rows are too few for MKL's sgemm over the column-major weight (float32's batch layout
 // before this kernel) or oneDNN's product over its packed one to hide the wait for a weight that the attention
-// between products has pushed out of the caches. Over small's eight layers of projections (python -m
-// benchmarks.gemv, docs/benchmarks.md, "float32 products over weight panels"; one thread, alternating), against
-// MKL over the column-major weight this kernel took 0.6-0.7x the time at 16 rows, 0.88-0.97x at 64, about the same
-// at one row and at 128-256, and 1.0-1.25x at 512-2048-row prefill chunks (MKL's micro-kernel is the faster one
-// where nothing waits on memory); over the 32,000-wide LM head against oneDNN's packed product, 0.65-0.85x from 2
-// rows up and 0.85-0.95x at one. Whole float32 runs of bench throughput (64 requests, prefill about half the
+// between products has pushed out of the caches. Over small's 33 weight matrices (python -m benchmarks.gemv,
+// docs/benchmarks.md, "float32 products over weight panels"; one thread, routes interleaved), this kernel took 0.63x
+// the column-major route's time at 16 rows, 0.89x at 64, 0.90x at 256 and 1.01x at one row, and over the
+// projections at a 1458-row prefill chunk 1.07-1.18x (MKL's micro-kernel is the faster one where nothing waits on
+// memory); on the 32,000-wide LM head alone, against oneDNN's packed product, 0.65-0.85x from 2 rows up and
+// 0.85-0.95x at one. Whole float32 runs of bench throughput (64 requests, prefill about half the
 // products' work) alternating with the column-major layout came out within the spread between runs.
 //
 // How (the register-blocked micro-kernel of Goto and van de Geijn, "Anatomy of High-Performance Matrix
@@ -123,7 +123,8 @@ void multiply_rows(int rows, const float* x, int64_t k_stride, const float* pane
 
 // One to four rows (a request or a few decoding alone): the pass is bounded by the memory, not by the multiply-adds,
 // so kStreams panels are walked side by side (more independent loads in flight), each k step loading a 128-byte row
-// of each and prefetching the one kStreamAhead floats (64 steps of k) further on into L1. At one row a panel at a
+// of each and prefetching the first 64-byte line of the row kStreamAhead floats (64 steps of k) further on into L1
+// (the measured form; the second line is left to the hardware's adjacent-line prefetch). At one row a panel at a
 // time ran small's projections at 0.84-0.92x MKL's rate over the column-major weight, four side by side at
 // 0.97-1.04x; two at two to four rows were level with or ahead of the register-blocked walk.
 constexpr int64_t kStreamAhead = 64 * kPanel;
