@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,16 @@ def real_or_builtin(name: str) -> Path:
     """The real tokenizer when present, else the builtin one (for tests that need some real-world tokenizer)."""
     path = SHARED_TOKENIZERS / name
     return path if (path / "tokenizer.json").is_file() else builtin_tokenizer_dir()
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    """torch's thread count, as it was before the test, restored after it (for tests that set it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -172,6 +172,18 @@ def needs_cpu_kernels(value: str) -> Any:
 MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7}  # stored fraction bits
 
 
+def linear_operands(
+    rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Seeded operands of a linear layer: x [rows, in_features] and weight [out_features, in_features] (values
+    about 0.1) in ``dtype``, and a float32 bias [out_features]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(out_features, generator=gen)
+    return x, w, bias
+
+
 def assert_rounded_once(actual: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, terms: int = 96) -> None:
     """``actual`` is ``exact`` (float64) up to float32 summation error, then one rounding to ``dtype``: within half
     a unit in the last place of ``dtype`` plus the float32 sums' error (``terms`` products)."""

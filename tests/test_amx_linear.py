@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from core_svc.models.layers import (
     prepack_linear_weights,
     tied_lm_head,
 )
-from tests.helpers import assert_rounded_once, cpu_kernels_loaded, make_engine, run_engine
+from tests.helpers import assert_rounded_once, cpu_kernels_loaded, linear_operands, make_engine, run_engine
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_loaded() or layers.compiled_amx_linear() is None,
@@ -30,19 +29,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def _operands(rows: int, out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    w = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
-    bias = torch.randn(out_features, generator=gen)
-    return x, w, bias
+    return linear_operands(rows, out_features, in_features, torch.bfloat16, seed)
 
 
 # (rows, out_features, in_features)

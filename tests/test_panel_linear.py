@@ -5,7 +5,6 @@ row. Skipped where the build has no AVX-512F."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 
 from core_svc.models import layers
 from core_svc.models.layers import GEMV_MAX_ROWS, PANEL_WIDTH, Linear, pack_panels, prepack_linear_weights
-from tests.helpers import assert_rounded_once, cpu_kernels_loaded, make_engine
+from tests.helpers import assert_rounded_once, cpu_kernels_loaded, linear_operands, make_engine
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_loaded() or layers.compiled_panel_linear() is None,
@@ -21,19 +20,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def _operands(rows: int, out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=gen)
-    w = torch.randn(out_features, in_features, generator=gen) * 0.1
-    bias = torch.randn(out_features, generator=gen)
-    return x, w, bias
+    return linear_operands(rows, out_features, in_features, torch.float32, seed)
 
 
 def test_pack_panels_lays_out_32_features_per_panel_and_pads_the_last_with_zeros():
