@@ -47,12 +47,14 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // output features per panel: two AVX-512 vectors of float32
-// Rows per register block: 2 x 14 sums and the panel's two vectors take 30 of the 32 vector registers.
-constexpr int kRowBlock = 14;
-// k per walk of a panel: its 256 x 32 floats (32 KiB) stay in L1 (48 KiB on the machines measured) while the row
-// blocks pass over them. 128-512 measured over small's projections and LM head at 16-256 rows: 256 the best or
-// within noise of it.
-constexpr int64_t kDepth = 256;
+// Rows per register block: 6 rows x 4 vectors (two panels) of sums and the panels' four vectors take 28 of the 32
+// vector registers. Over a weight held in L2 (512 x 512, 252 rows) this block ran at 1.1-1.4x the rate of one of 14
+// rows x one panel (2 x 14 sums), which had run at 0.84-0.93x MKL's: per multiply-add it loads 0.42 values where
+// that one loaded 0.57.
+constexpr int kRowBlock = 6;
+// k per walk of a pair of panels: their 2 x 128 x 32 floats (32 KiB) stay in L1 (48 KiB on the machines measured)
+// while the row blocks pass over them.
+constexpr int64_t kDepth = 128;
 // Rows of x per walk over the weight, at most (the rows split into walks as even as they can be); fewer where K is
 // large, so the chunk (rows x K floats) stays within kChunkBytes of L2 (2 MiB per core on the machines measured): a
 // panel meets every row of the chunk. Walks of 28, 64 and 128 rows were measured too (small's projections at
@@ -64,59 +66,77 @@ constexpr int64_t kChunkBytes = int64_t{1} << 20;
 constexpr int64_t kShareMultiplyAdds = int64_t{4} << 20;
 
 #if defined(__AVX512F__)
-// Sums of rows [0, kRows) of x (rows at stride k_stride, from k0) with a panel's slice of `depth` values of k, into
-// out's 32 columns (rows at stride n): stored, or added to what is there (`accumulate`, the slices after the first),
-// plus the bias after the last slice (`bias` non-null, its 32 columns). `mask0`/`mask1`: which of the columns exist.
-// Meanwhile `prefetch_lines` 64-byte lines from `prefetch` on are brought into L2.
-template <int kRows>
-void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t depth, float* out, int64_t n,
-                    bool accumulate, const float* bias, __mmask16 mask0, __mmask16 mask1, const float* prefetch,
-                    int64_t prefetch_lines) {
-  __m512 sum0[kRows], sum1[kRows];
+// A slice of `depth` values of k of the weight to prefetch, as two ranges of 64-byte lines (the slices of two
+// panels lie a panel apart): `first_count` lines from `first`, then `second_count` from `second`.
+struct PrefetchLines {
+  const float* first = nullptr;
+  int64_t first_count = 0;
+  const float* second = nullptr;
+  int64_t second_count = 0;
+  int64_t count() const { return first_count + second_count; }
+  const float* line(int64_t i) const { return i < first_count ? first + i * 16 : second + (i - first_count) * 16; }
+};
+
+// Sums of rows [0, kRows) of x (rows at stride k_stride) with a slice of `depth` values of k of kPanels adjacent
+// panels (each `panel_stride` floats after the one before), into out's 32 x kPanels columns (rows at stride n):
+// stored, or added to what is there (`accumulate`, the slices after the first), plus the bias after the last slice
+// (`bias` non-null, its columns). `masks[v]`: which of vector v's 16 columns exist. Meanwhile the `prefetch`
+// lines are brought into L2, spread evenly over the walk.
+template <int kRows, int kPanels>
+void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t panel_stride, int64_t depth,
+                    float* out, int64_t n, bool accumulate, const float* bias, const __mmask16* masks,
+                    const PrefetchLines& prefetch) {
+  constexpr int kVectors = 2 * kPanels;
+  __m512 sum[kRows][kVectors];
   for (int i = 0; i < kRows; ++i) {
-    sum0[i] = accumulate ? _mm512_maskz_loadu_ps(mask0, out + i * n) : _mm512_setzero_ps();
-    sum1[i] = accumulate ? _mm512_maskz_loadu_ps(mask1, out + i * n + 16) : _mm512_setzero_ps();
+    for (int v = 0; v < kVectors; ++v) {
+      sum[i][v] = accumulate ? _mm512_maskz_loadu_ps(masks[v], out + i * n + 16 * v) : _mm512_setzero_ps();
+    }
   }
-  // the prefetches, spread evenly over the walk: `per_step` lines every `every` steps of k
-  const int64_t per_step = (prefetch_lines + depth - 1) / depth;
-  const int64_t every = per_step > 0 ? std::max<int64_t>(1, depth * per_step / prefetch_lines) : depth;
+  // `per_step` lines every `every` steps of k
+  const int64_t lines = prefetch.count();
+  const int64_t per_step = (lines + depth - 1) / depth;
+  const int64_t every = per_step > 0 ? std::max<int64_t>(1, depth * per_step / lines) : depth;
   int64_t line = 0, countdown = 0;
   for (int64_t k = 0; k < depth; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
-    const __m512 w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    __m512 w[kVectors];
+    for (int q = 0; q < kPanels; ++q) {
+      w[2 * q] = _mm512_loadu_ps(panel + q * panel_stride + k * kPanel);
+      w[2 * q + 1] = _mm512_loadu_ps(panel + q * panel_stride + k * kPanel + 16);
+    }
     if (--countdown <= 0) {
       countdown = every;
-      for (int64_t j = 0; j < per_step && line < prefetch_lines; ++j, ++line) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + line * 16), _MM_HINT_T1);
+      for (int64_t j = 0; j < per_step && line < lines; ++j, ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch.line(line)), _MM_HINT_T1);
       }
     }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int i = 0; i < kRows; ++i) {
       const __m512 xi = _mm512_set1_ps(x[i * k_stride + k]);
-      sum0[i] = _mm512_fmadd_ps(xi, w0, sum0[i]);
-      sum1[i] = _mm512_fmadd_ps(xi, w1, sum1[i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) sum[i][v] = _mm512_fmadd_ps(xi, w[v], sum[i][v]);
     }
   }
-  const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask0, bias);
-  const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask1, bias + 16);
-  for (int i = 0; i < kRows; ++i) {
-    _mm512_mask_storeu_ps(out + i * n, mask0, bias == nullptr ? sum0[i] : _mm512_add_ps(sum0[i], b0));
-    _mm512_mask_storeu_ps(out + i * n + 16, mask1, bias == nullptr ? sum1[i] : _mm512_add_ps(sum1[i], b1));
+  for (int v = 0; v < kVectors; ++v) {
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[v], bias + 16 * v);
+    for (int i = 0; i < kRows; ++i) {
+      _mm512_mask_storeu_ps(out + i * n + 16 * v, masks[v], bias == nullptr ? sum[i][v] : _mm512_add_ps(sum[i][v], b));
+    }
   }
 }
 
-// multiply_block<rows> for a row count known only at run time (1 to kRowBlock).
-template <int kRows = kRowBlock>
-void multiply_rows(int rows, const float* x, int64_t k_stride, const float* panel, int64_t depth, float* out,
-                   int64_t n, bool accumulate, const float* bias, __mmask16 mask0, __mmask16 mask1,
-                   const float* prefetch, int64_t prefetch_lines) {
+// multiply_block<rows, kPanels> for a row count known only at run time (1 to kRowBlock).
+template <int kPanels, int kRows = kRowBlock>
+void multiply_rows(int rows, const float* x, int64_t k_stride, const float* panel, int64_t panel_stride,
+                   int64_t depth, float* out, int64_t n, bool accumulate, const float* bias, const __mmask16* masks,
+                   const PrefetchLines& prefetch) {
   if constexpr (kRows > 0) {
     if (rows == kRows) {
-      multiply_block<kRows>(x, k_stride, panel, depth, out, n, accumulate, bias, mask0, mask1, prefetch,
-                            prefetch_lines);
+      multiply_block<kRows, kPanels>(x, k_stride, panel, panel_stride, depth, out, n, accumulate, bias, masks,
+                                     prefetch);
     } else {
-      multiply_rows<kRows - 1>(rows, x, k_stride, panel, depth, out, n, accumulate, bias, mask0, mask1, prefetch,
-                               prefetch_lines);
+      multiply_rows<kPanels, kRows - 1>(rows, x, k_stride, panel, panel_stride, depth, out, n, accumulate, bias,
+                                        masks, prefetch);
     }
   }
 }
@@ -190,35 +210,58 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
   }
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t base = rows / blocks, longer = rows % blocks;
-  // The walk reads panels [begin, end) in memory order, a slice (up to kDepth x 32 floats) at a time: the first
-  // slice is brought into L2 before it starts, each later one while the slice before it is multiplied.
-  const float* walk_end = panels + end * k * kPanel;
-  const float* first = panels + begin * k * kPanel;
-  for (const float* line = first; line < std::min(walk_end, first + kDepth * kPanel); line += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+  // The walk reads panels [begin, end) two at a time, a slice (up to kDepth values of k) of both at once: the first
+  // slices are brought into L2 before it starts, each later pair while the pair before it is multiplied.
+  const int64_t panel_stride = k * kPanel;
+  for (int64_t q = begin; q < std::min(end, begin + 2); ++q) {
+    const float* first = panels + q * panel_stride;
+    for (const float* line = first; line < first + std::min(kDepth, k) * kPanel; line += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+    }
   }
-  for (int64_t p = begin; p < end; ++p) {
+  for (int64_t p = begin; p < end; p += 2) {
+    const int64_t count_here = std::min<int64_t>(2, end - p);
     const int64_t feature0 = p * kPanel;
-    const int64_t valid = std::min(kPanel, n - feature0);
-    const auto mask0 = static_cast<__mmask16>(valid >= 16 ? 0xffff : (1u << valid) - 1);
-    const auto mask1 = static_cast<__mmask16>(valid >= 32 ? 0xffff : valid <= 16 ? 0 : (1u << (valid - 16)) - 1);
-    const float* panel = panels + p * k * kPanel;
+    __mmask16 masks[4];
+    for (int v = 0; v < 4; ++v) {
+      const int64_t valid = std::clamp<int64_t>(n - feature0 - 16 * v, 0, 16);
+      masks[v] = static_cast<__mmask16>(valid == 16 ? 0xffff : (1u << valid) - 1);
+    }
+    const float* panel = panels + p * panel_stride;
     for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
       const int64_t depth = std::min(kDepth, k - k0);
       const bool last = k0 + depth == k;
-      // the next slice (2 lines per k), a share of it per row block
-      const float* next = panel + (k0 + depth) * kPanel;
-      const int64_t next_depth = last ? std::min(kDepth, k) : std::min(kDepth, k - k0 - depth);
-      const int64_t lines = next < walk_end ? 2 * next_depth : 0;
+      // the next slices in the walk: these panels' next ones, or the next pair's first; a share per row block
+      const int64_t next_p = last ? p + 2 : p, next_k0 = last ? 0 : k0 + depth;
+      const int64_t next_count = std::clamp<int64_t>(end - next_p, 0, 2);
+      const int64_t per_panel = 2 * std::min(kDepth, k - next_k0);  // lines of one panel's slice
+      const float* next = panels + next_p * panel_stride + next_k0 * kPanel;
+      const int64_t lines = next_count * per_panel;
       const int64_t share = (lines + blocks - 1) / blocks;
       int64_t row = 0;
       for (int64_t b = 0; b < blocks; ++b) {
         const int block_rows = static_cast<int>(base + (b < longer));
-        const int64_t from = b * share;
-        const int64_t count = std::clamp<int64_t>(lines - from, 0, share);
-        multiply_rows(block_rows, x + row * k + k0, k, panel + k0 * kPanel, depth, out + row * n + feature0, n,
-                      k0 > 0, last && bias != nullptr ? bias + feature0 : nullptr, mask0, mask1,
-                      count > 0 ? next + from * 16 : nullptr, count);
+        const int64_t from = std::min(lines, b * share), to = std::min(lines, from + share);
+        PrefetchLines prefetch;
+        if (from < per_panel) {
+          prefetch.first = next + from * 16;
+          prefetch.first_count = std::min(to, per_panel) - from;
+        }
+        if (to > per_panel) {
+          const int64_t second_from = std::max(from, per_panel) - per_panel;
+          prefetch.second = next + panel_stride + second_from * 16;
+          prefetch.second_count = to - per_panel - second_from;
+        }
+        const float* block_x = x + row * k + k0;
+        float* block_out = out + row * n + feature0;
+        const float* block_bias = last && bias != nullptr ? bias + feature0 : nullptr;
+        if (count_here == 2) {
+          multiply_rows<2>(block_rows, block_x, k, panel + k0 * kPanel, panel_stride, depth, block_out, n, k0 > 0,
+                           block_bias, masks, prefetch);
+        } else {
+          multiply_rows<1>(block_rows, block_x, k, panel + k0 * kPanel, panel_stride, depth, block_out, n, k0 > 0,
+                           block_bias, masks, prefetch);
+        }
         row += block_rows;
       }
     }
