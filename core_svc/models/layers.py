@@ -205,10 +205,10 @@ class Linear(nn.Linear):
 
     - panels (float32, every ``Linear``, where the build has the AVX-512F panel kernel): ``pack_panels``'s
       [ceil(out_features / 32), in_features, 32], multiplied by the compiled ``panel_linear`` at every row count.
-      Over the column-major layout below, small's 33 weight matrices took 0.63x the time at 16 rows, 0.89x at 64,
-      0.90x at 256, about the same at one row, and the projections 1.07-1.18x at a 1458-row prefill chunk
-      ("float32 products over weight panels"). Sums in order over in_features, so rounding differs from sgemm's in
-      the order only (~1e-7 relative) and a row's result does not depend on the batch beside it.
+      Over the column-major layout below, small's 33 weight matrices took 0.63-0.72x the time at 16 rows,
+      0.89-1.01x at 64, 0.90-0.98x at 256, about the same at one row, and the projections 0.95-1.14x at a 1458-row
+      prefill chunk ("float32 products over weight panels"). Sums in order over in_features, so rounding differs
+      from sgemm's in the order only (~1e-7 relative) and a row's result does not depend on the batch beside it.
     - column-major (float32's projections without the panel kernel): the same values stored as [in_features,
       out_features] (``weight`` is their transposed view), which sgemm multiplies as they are: a decode step's
       projections at 32-128 rows took 1.1-1.4x less time than oneDNN's packed weight, at one row 1.35x less (about

@@ -5,24 +5,24 @@
 // Why: a decode batch's rows are too few for MKL's sgemm over the column-major weight (float32's batch layout
 // before this kernel) or oneDNN's product over its packed one to hide the wait for a weight that the attention
 // between products has pushed out of the caches. Over small's 33 weight matrices (python -m benchmarks.gemv,
-// docs/benchmarks.md, "float32 products over weight panels"; one thread, routes interleaved), this kernel took 0.63x
-// the column-major route's time at 16 rows, 0.89x at 64, 0.90x at 256 and 1.01x at one row, and over the
-// projections at a 1458-row prefill chunk 1.07-1.18x (MKL's micro-kernel is the faster one where nothing waits on
-// memory); on the 32,000-wide LM head alone, against oneDNN's packed product, 0.65-0.85x from 2 rows up and
-// 0.85-0.95x at one. Whole float32 runs of bench throughput (64 requests, prefill about half the
+// docs/benchmarks.md, "float32 products over weight panels"; one thread, routes interleaved), this kernel took
+// 0.63-0.72x the column-major route's time at 16 rows, 0.89-1.01x at 64, 0.90-0.98x at 256 and about the same at
+// one row, and over the projections at a 1458-row prefill chunk 0.95-1.14x (the machine's phase moved these); on
+// the 32,000-wide LM head alone, against oneDNN's packed product, 0.65-0.85x from 2 rows up and 0.85-0.95x at one
+// (measured with one-panel blocks). Whole float32 runs of bench throughput (64 requests, prefill about half the
 // products' work) alternating with the column-major layout came out within the spread between runs.
 //
 // How (the register-blocked micro-kernel of Goto and van de Geijn, "Anatomy of High-Performance Matrix
 // Multiplication", ACM TOMS 34(3), 2008, and of BLIS): a panel's 32 output features are two 16-float vectors, and a
-// block of up to kRowBlock rows of x keeps its 2 x kRowBlock sums in registers (28 of the 32 AVX-512 registers)
-// while it walks k: per k, two vector loads of the panel and, for each row, one broadcast of x and two fused
-// multiply-adds. The panel is walked kDepth values of k at a time (its 32 KiB slice stays in L1 while every row
-// block of the chunk passes over it). A thread's panels are one contiguous stream (K x 128 bytes each), read in
-// order: its first slice is prefetched into L2 before the walk, and each next slice while the one before it is
-// multiplied, its cache lines spread over the row blocks' walks. Rows are walked kRowChunk at a time (fewer where K
-// is large), so the rows of x a panel meets stay in L2. One to four rows (multiply_few_rows) are a pass bounded by
-// the memory: several panels are walked side by side instead. Threads share out panels (kShareMultiplyAdds each at
-// least).
+// block of up to kRowBlock rows of x keeps the sums of two panels (4 x kRowBlock vectors) in registers while it
+// walks k: per k, four vector loads of the panels and, for each row, one broadcast of x and four fused
+// multiply-adds (an odd last panel alone: two). Panels are walked in pairs, kDepth values of k at a time (the
+// pair's 32 KiB slice stays in L1 while every row block of the chunk passes over it). A thread's panels are one
+// contiguous stream (K x 128 bytes each), read in order: its first slices are prefetched into L2 before the walk,
+// and each next pair of slices while the pair before it is multiplied, their cache lines spread over the row
+// blocks' walks. Rows are walked kRowChunk at a time (fewer where K is large), so the rows of x a panel meets stay
+// in L2. One to four rows (multiply_few_rows) are a pass bounded by the memory: several panels are walked side by
+// side instead. Threads share out panels (kShareMultiplyAdds each at least).
 //
 // Every output is one sum over k in order (an FMA chain; partial sums stored and reloaded between slices of k
 // unchanged), so a row's result does not depend on the other rows, on how rows were blocked, or on the thread
