@@ -59,12 +59,9 @@ def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
     if weights == "int8":
         quantize_linear_weights(model)
     elif weights == "column-major":
-        saved = layers._PANELS_AVAILABLE[0]
-        layers._PANELS_AVAILABLE[0] = False
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(layers, "compiled_panel_linear", lambda: None)
             prepack_linear_weights(model)
-        finally:
-            layers._PANELS_AVAILABLE[0] = saved
         assert all(m.panel_weight is None for m in model.modules() if isinstance(m, layers.Linear))
     elif weights != "plain" and not prepack_linear_weights(model, keep_dense=weights == "dense"):
         pytest.skip(f"torch has no oneDNN for {dtype} here")

@@ -66,6 +66,12 @@ constexpr int64_t kChunkBytes = int64_t{1} << 20;
 constexpr int64_t kShareMultiplyAdds = int64_t{4} << 20;
 
 #if defined(__AVX512F__)
+// Which of the 16 output columns from `feature0` on exist (of n).
+inline __mmask16 column_mask(int64_t n, int64_t feature0) {
+  const int64_t valid = std::clamp<int64_t>(n - feature0, 0, 16);
+  return static_cast<__mmask16>(valid == 16 ? 0xffff : (1u << valid) - 1);
+}
+
 // A slice of `depth` values of k of the weight to prefetch, as two ranges of 64-byte lines (the slices of two
 // panels lie a panel apart): `first_count` lines from `first`, then `second_count` from `second`.
 struct PrefetchLines {
@@ -175,9 +181,7 @@ void multiply_few_rows(const float* x, const float* panels, const float* bias, f
     }
     for (int u = 0; u < kStreams; ++u) {
       const int64_t f0 = (p + u) * kPanel;
-      const int64_t valid = std::min(kPanel, n - f0);
-      const auto m0 = static_cast<__mmask16>(valid >= 16 ? 0xffff : (1u << valid) - 1);
-      const auto m1 = static_cast<__mmask16>(valid >= 32 ? 0xffff : valid <= 16 ? 0 : (1u << (valid - 16)) - 1);
+      const __mmask16 m0 = column_mask(n, f0), m1 = column_mask(n, f0 + 16);
       const __m512 b0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, bias + f0);
       const __m512 b1 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, bias + f0 + 16);
       for (int i = 0; i < kRows; ++i) {  // as multiply_block stores: the bias added only where there is one
@@ -195,7 +199,6 @@ void multiply_few_rows(const float* x, const float* panels, const float* bias, f
 // Panels [begin, end) for `rows` rows of x (from x, into out).
 void multiply_panels(const float* x, const float* panels, const float* bias, float* out, int64_t rows, int64_t n,
                      int64_t k, int64_t begin, int64_t end) {
-  // row blocks as even as they can be: `blocks` of `base` or `base + 1` rows (64 rows: 13, 13, 13, 13, 12)
   switch (rows) {
     case 1:
       return multiply_few_rows<1, 4>(x, panels, bias, out, n, k, begin, end);
@@ -208,6 +211,7 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
     default:
       break;
   }
+  // row blocks as even as they can be: `blocks` of `base` or `base + 1` rows (64 rows: nine of 6, two of 5)
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t base = rows / blocks, longer = rows % blocks;
   // The walk reads panels [begin, end) two at a time, a slice (up to kDepth values of k) of both at once: the first
@@ -223,10 +227,7 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
     const int64_t count_here = std::min<int64_t>(2, end - p);
     const int64_t feature0 = p * kPanel;
     __mmask16 masks[4];
-    for (int v = 0; v < 4; ++v) {
-      const int64_t valid = std::clamp<int64_t>(n - feature0 - 16 * v, 0, 16);
-      masks[v] = static_cast<__mmask16>(valid == 16 ? 0xffff : (1u << valid) - 1);
-    }
+    for (int v = 0; v < 4; ++v) masks[v] = column_mask(n, feature0 + 16 * v);
     const float* panel = panels + p * panel_stride;
     for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
       const int64_t depth = std::min(kDepth, k - k0);
