@@ -8,7 +8,11 @@ time of one call (interleaved repeats, the best of each: the machine's load only
 - bfloat16: oneDNN with the weight prepacked (what bfloat16 runs);
 - int8pack: ``torch._weight_int8pack_mm`` (weight-only, bfloat16 activations);
 - w8a8: activations quantized per row and ``torch._int_mm`` (int8 x int8 -> int32), rescaled
-  (``core_svc.models.quantization.int8_linear_w8a8``, the quantization of the activations included).
+  (``core_svc.models.quantization.int8_linear_w8a8``, the quantization of the activations included; its sums are
+  wrong on CPUs without VNNI, where it is timed all the same);
+- int8panels: activations quantized per row (the compiled pass) and the compiled AVX2 kernel ``int8_panel_linear``
+  over the weight in panels (what ``Int8Linear`` runs at every row count on CPUs without VNNI); "-" where the
+  build has no such kernel.
 ``Int8Linear`` picks its route from this table (``INT8PACK_MAX_ROWS``).
 """
 
@@ -20,8 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from core_svc.models.layers import Linear
-from core_svc.models.quantization import int8_linear_w8a8, quantize_int8_per_channel
+from core_svc.models.layers import Linear, compiled_ops_where
+from core_svc.models.quantization import int8_linear_w8a8, pack_int8_panels, quantize_int8_per_channel
+from kernels.attention import cpu_ops
+from splitserve.base import envs
 
 # small: hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408, vocabulary 32000
 SHAPES = {"qkv": (1024, 512), "o": (512, 512), "gate_up": (2816, 512), "down": (512, 1408), "lm_head": (32000, 512)}
@@ -43,7 +49,7 @@ def best_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, flo
 
 
 def routes(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
-    """The four routes for a [n, k] weight and ``rows`` rows of activations."""
+    """The routes for a [n, k] weight and ``rows`` rows of activations (int8panels where the build has it)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(n, k, generator=gen) * 0.05
     x = torch.randn(rows, k, generator=gen)
@@ -57,12 +63,25 @@ def routes(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
         bf16.prepack()
     q, scales = quantize_int8_per_channel(weight)
     scales_bf16, x_bf16 = scales.to(torch.bfloat16), x.to(torch.bfloat16)
-    return {
+    found = {
         "float32": lambda: f32(x),
         "bfloat16": lambda: bf16(x_bf16),
         "int8pack": lambda: torch._weight_int8pack_mm(x_bf16, q, scales_bf16),
         "w8a8": lambda: int8_linear_w8a8(x, q, scales, None),
     }
+    ops = compiled_ops_where("int8_panel_linear_available")
+    if ops is not None:
+        panels = pack_int8_panels(q)
+
+        def int8panels() -> torch.Tensor:
+            x_int8, x_scales = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows)
+            ops.quantize_rows_int8(x_int8, x_scales, x)
+            out = torch.empty(rows, n)
+            ops.int8_panel_linear(out, x_int8, x_scales, panels, scales, None)
+            return out
+
+        found["int8panels"] = int8panels
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,13 +90,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.num_threads)
+    try:
+        cpu_ops.load(envs.kernel_dir())
+    except cpu_ops.KernelBuildError as e:
+        print(f"no compiled CPU kernels ({e.reason}): no int8panels column")
+    names = ("float32", "bfloat16", "int8pack", "w8a8", "int8panels")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {args.repeats}, ms per call")
-    print(f"{'weight [N, K]':>22} {'rows':>5} {'float32':>9} {'bfloat16':>9} {'int8pack':>9} {'w8a8':>9}")
+    print(f"{'weight [N, K]':>22} {'rows':>5} " + " ".join(f"{name:>10}" for name in names))
     with torch.inference_mode():
         for name, (n, k) in SHAPES.items():
             for rows in ROWS:
                 ms = best_ms(routes(n, k, rows), args.repeats)
-                cells = " ".join(f"{ms[r]:9.3f}" for r in ("float32", "bfloat16", "int8pack", "w8a8"))
+                cells = " ".join(f"{ms[r]:10.3f}" if r in ms else f"{'-':>10}" for r in names)
                 print(f"{name + f' [{n}, {k}]':>22} {rows:5d} {cells}")
 
 

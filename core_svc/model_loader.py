@@ -83,7 +83,8 @@ def load_hf_config(path: Path) -> object:
 
 def _load_cpu_kernels_for_layouts() -> str | None:
     """Load the compiled CPU kernels (``kernels.attention.cpu_ops.load``; the CPU attention backend already has,
-    unless another backend was chosen) before ``prepack_linear_weights`` decides which dense copies pay
+    unless another backend was chosen) before ``quantize_linear_weights`` decides whether int8 weights take the AVX2
+    kernel's panels, or ``prepack_linear_weights`` which dense copies pay
     (``keep_dense=True``), whether bfloat16 weights stay dense for the AMX kernel and whether float32 ones take the
     panel kernel's layout, so that the decision does not
     depend on the attention backend and every later step sees the same kernels. Returns why they cannot be loaded,
@@ -177,12 +178,17 @@ def load_model(
     num_parameters = sum(p.numel() for p in params)
     weights_bytes = sum(p.numel() * p.element_size() for p in params)
     if quantization == "int8":
+        if device.type == "cpu":
+            _load_cpu_kernels_for_layouts()
         num_quantized = quantize_linear_weights(model)
         tensors = [*model.parameters(), *model.buffers()]
+        panels = any(getattr(m, "weight_panels", None) is not None for m in model.modules())
         logger.info(
-            "%d linear weights quantized to int8 per output channel (W8A8 beyond a few rows): %s of weights and "
-            "buffers now",
+            "%d linear weights quantized to int8 per output channel (%s): %s of weights and buffers now",
             num_quantized,
+            "a second copy in panels for the AVX2 int8 kernel, W8A8 at every row count"
+            if panels
+            else "W8A8 beyond a few rows",
             format_bytes(sum(t.numel() * t.element_size() for t in tensors)),
         )
     elif quantization is not None:

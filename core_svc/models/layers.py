@@ -30,7 +30,7 @@ from kernels.attention.cpu_ops import loaded_ops
 GEMV_MAX_ROWS = 4
 
 
-def _ops_where(probe: str, *args: Any) -> Any:
+def compiled_ops_where(probe: str, *args: Any) -> Any:
     """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) when they are loaded and their ``probe``
     op (``gemv_available``, ``amx_linear_available``, ...) answers true for ``args``, else None; each answer asked
     once per process (a build per process)."""
@@ -49,7 +49,7 @@ _AVAILABLE: dict[tuple[Any, ...], bool] = {}
 def compiled_gemv(dtype: torch.dtype) -> Any:
     """The CPU kernels' ops when they are loaded and their build has a matrix-vector kernel for ``dtype`` (float32
     with AVX-512F, bfloat16 with AVX512_BF16), else None."""
-    return _ops_where("gemv_available", dtype)
+    return compiled_ops_where("gemv_available", dtype)
 
 
 # The compiled AMX kernel's shape limits (kernels/attention/csrc/amx_linear_cpu.cpp): in_features a multiple of a
@@ -68,7 +68,7 @@ def compiled_amx_linear() -> Any:
     """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) when they are loaded and their build can
     multiply bfloat16 on AMX over a dense weight (``amx_linear``: AMX-BF16 and AVX512_BF16 in the build, the tile
     registers granted by the kernel), else None."""
-    return _ops_where("amx_linear_available")
+    return compiled_ops_where("amx_linear_available")
 
 
 def amx_fits(weight: torch.Tensor) -> bool:
@@ -107,7 +107,7 @@ PANEL_WIDTH = 32
 def compiled_panel_linear() -> Any:
     """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) when they are loaded and their build can
     multiply float32 over a weight in panels (``panel_linear``: AVX-512F in the build), else None."""
-    return _ops_where("panel_linear_available")
+    return compiled_ops_where("panel_linear_available")
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

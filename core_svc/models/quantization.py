@@ -17,8 +17,16 @@ The matmul takes one of two routes by the number of rows (``python -m benchmarks
 - more rows (batches, prefill): the activations are quantized too, per row (dynamic, symmetric: llama.cpp's q8_0
   and CTranslate2's int8 do the same), and ``torch._int_mm`` multiplies int8 by int8 into int32 (oneDNN: AMX or
   VNNI where the CPU has them), 2-7x float32's speed at 64 rows; the weight-only kernel has no blocking over rows
-  and falls behind float32 from about 16 rows. On CPUs without VNNI, where oneDNN's int8 sums saturate
-  (``int_mm_is_exact``), the dequantized weight in float instead.
+  and falls behind float32 from about 16 rows.
+
+On x86 CPUs without int8 dot products (AVX2 without VNNI: ``has_int8_dot_products``), where oneDNN's int8 product
+saturates its sums or runs slowly, every row count goes to the compiled AVX2 kernel ``int8_panel_linear`` over a
+second copy of the weight laid out in panels of 16 output features (``pack_int8_panels``): the W8A8 values above,
+its int32 sums from ``vpmaddwd`` exact. Over small's five matrices on a Zen 3 core (``python -m
+benchmarks.int8_matmul``, one thread) it took 0.42-0.69x float32's time at 64 and 256 rows, and over the five
+together 0.83x the weight-only kernel's time at one row, 0.54x at four. Without that kernel (no AVX2, or the kernels
+not loaded) the routes above run: few rows through ``torch._weight_int8pack_mm``, more through ``torch._int_mm``
+where it is exact (on that Zen 3 about 70x slower than the kernel) or else the dequantized weight in float.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_svc.models.layers import Linear, notify_weights_replaced
+from core_svc.cpu_dtype import cpu_flags
+from core_svc.models.layers import Linear, compiled_ops_where, notify_weights_replaced
 from kernels.attention.cpu_ops import loaded_ops
 
 INT8PACK_MAX_ROWS = 4  # most rows sent to torch._weight_int8pack_mm; more go through int8_linear_w8a8
 INT8PACK_IN_FEATURES_MULTIPLE = 16  # torch._weight_int8pack_mm only for in_features a multiple of this (see above)
+INT8_PANEL_WIDTH = 16  # output features per panel of int8_panel_linear (two AVX2 vectors of int32 sums)
 
 
 def quantize_int8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +139,37 @@ def int_mm_is_exact() -> bool:
         return False
 
 
+INT8_DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@functools.cache
+def has_int8_dot_products() -> bool:
+    """Whether this CPU's ``/proc/cpuinfo`` flags name int8 dot-product instructions (``INT8_DOT_PRODUCT_FLAGS``),
+    which oneDNN's int8 product (``torch._int_mm``) and ``int8_gemv`` run on. Without them oneDNN's product either
+    saturates its sums (``int_mm_is_exact``: an Intel Xeon held to AVX2) or is exact and slow (an AMD Zen 3: 124 ms
+    for 64 rows of small's gate_up projection, against 1.6 ms through ``int8_panel_linear``)."""
+    return bool(cpu_flags() & INT8_DOT_PRODUCT_FLAGS)
+
+
+def int8_panel_ops() -> Any:
+    """The compiled ops (``_row_kernels``) when int8 products on this CPU go to ``int8_panel_linear``: its build has
+    the AVX2 kernel and the CPU has no int8 dot products (``has_int8_dot_products``; with them, oneDNN's int8
+    product and ``int8_gemv`` are the faster routes). Else None."""
+    return None if has_int8_dot_products() else compiled_ops_where("int8_panel_linear_available")
+
+
+def pack_int8_panels(weight_int8: torch.Tensor) -> torch.Tensor:
+    """int8 ``weight_int8`` [out_features, in_features] -> contiguous int8 [ceil(out_features / 16),
+    ceil(in_features / 2), 16, 2] with ``panels[p, j, f, i] = weight_int8[16 p + f, 2 j + i]``, zero past
+    out_features and in_features: the layout ``int8_panel_linear`` multiplies (per pair of in_features, a panel's
+    16 output features in 32 contiguous bytes)."""
+    out_features, in_features = weight_int8.shape
+    num_panels, pairs = -(-out_features // INT8_PANEL_WIDTH), -(-in_features // 2)
+    padded = weight_int8.new_zeros(num_panels * INT8_PANEL_WIDTH, pairs * 2)
+    padded[:out_features, :in_features] = weight_int8
+    return padded.view(num_panels, INT8_PANEL_WIDTH, pairs, 2).transpose(1, 2).contiguous()
+
+
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 of ``weight`` [out_features, in_features] (any float dtype).
 
@@ -144,19 +185,24 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class Int8Linear(nn.Module):
-    """A ``Linear`` whose weight is int8 per output channel (``quantize_int8_per_channel``); bias kept as is. Few
-    rows: weight-only (``torch._weight_int8pack_mm``); more: W8A8 (``int8_linear_w8a8``), or on a CPU where
-    ``torch._int_mm`` is not exact (``int_mm_is_exact``) the dequantized weight.
+    """A ``Linear`` whose weight is int8 per output channel (``quantize_int8_per_channel``); bias kept as is.
 
-    ``x`` [num_rows, in_features] in float32 or bfloat16 -> [num_rows, out_features] in ``x``'s dtype.
+    With ``panels`` (where ``int8_panel_ops`` holds: AVX2 without int8 dot products) it keeps a second copy in
+    panels (``pack_int8_panels``), which every row count multiplies through ``int8_panel_linear`` (W8A8). Otherwise
+    few rows: ``int8_gemv`` (VNNI) or weight-only (``torch._weight_int8pack_mm``); more: W8A8
+    (``int8_linear_w8a8``), or on a CPU where ``torch._int_mm`` is not exact (``int_mm_is_exact``) the dequantized
+    weight.
+
+    ``x`` [..., in_features] in float32 or bfloat16 -> [..., out_features] in ``x``'s dtype.
     """
 
     weight_int8: torch.Tensor  # [out_features, in_features] int8, a buffer
     weight_sums: torch.Tensor  # [out_features] int32: each row's sum, a buffer
     scales: torch.Tensor  # [out_features] float32, a buffer
     scales_bf16: torch.Tensor  # [out_features] bfloat16: torch._weight_int8pack_mm wants the activations' dtype
+    weight_panels: torch.Tensor | None  # pack_int8_panels(weight_int8) where int8_panel_linear serves, a buffer
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, panels: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scales = quantize_int8_per_channel(linear.weight)
@@ -164,9 +210,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
         self.register_buffer("weight_sums", q.sum(dim=1, dtype=torch.int32))  # int8_gemv's u8 offset correction
+        self.register_buffer("weight_panels", pack_int8_panels(q) if panels else None)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        panel_ops = int8_panel_ops() if self.weight_panels is not None else None
+        if panel_ops is not None:
+            return self._forward_panels(panel_ops, x)
+        if x.dim() != 2:
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         vnni = vnni_ops() if 1 <= x.shape[0] <= INT8PACK_MAX_ROWS and x.is_contiguous() else None
         if vnni is not None:
             return self._forward_vnni(vnni, x)
@@ -186,6 +238,18 @@ class Int8Linear(nn.Module):
         ops.int8_gemv(out, x, None, self.weight_int8, self.scales, self.weight_sums, bias)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def _forward_panels(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
+        """Any number of rows on a CPU without VNNI: the activations quantized per row as in W8A8, then
+        ``int8_panel_linear`` over ``weight_panels`` (exact int32 sums, each rescaled once)."""
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if x2.shape[0] > 0:
+            x_int8, x_scales = _quantize_rows(ops, x2)
+            bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+            ops.int8_panel_linear(out, x_int8, x_scales, self.weight_panels, self.scales, bias)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     def dequantized_weight(self) -> torch.Tensor:
         """``q * scales[:, None]`` [out_features, in_features] float32: the weight this layer multiplies by."""
         return self.weight_int8.float() * self.scales[:, None]
@@ -193,17 +257,19 @@ class Int8Linear(nn.Module):
 
 def quantize_linear_weights(model: nn.Module) -> int:
     """Replace every ``Linear`` of a CPU ``model`` (the decoders' fused qkv, o, gate_up and down projections,
-    an untied LM head, a vision tower's) by its ``Int8Linear``; returns how many. Call it after the weights are
-    loaded and instead of ``prepack_linear_weights``.
+    an untied LM head, a vision tower's) by its ``Int8Linear``, with int8 panels where ``int8_panel_ops`` holds (so
+    load the compiled kernels first); returns how many. Call it after the weights are loaded and instead of
+    ``prepack_linear_weights``.
 
     Raises:
         ValueError: a weight on a device other than the CPU (``torch._weight_int8pack_mm`` is CPU-only here).
     """
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
+    panels = int8_panel_ops() is not None
     for name, module in targets:
         if module.weight.device.type != "cpu":
             raise ValueError(f"int8 quantization runs on CPU only; {name} is on {module.weight.device}")
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, Int8Linear(module))
+        setattr(model.get_submodule(parent_name), child, Int8Linear(module, panels=panels))
     notify_weights_replaced(model)
     return len(targets)

@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 # matrix-vector products, and a decoder layer's elementwise work between its products (core_svc/models/layers.py); the
 # greedy token of each row (core_svc/sampler.py); a decode step of a few rows through a whole decoder, calling the
 # others through cpu_ops.h (core_svc/models/few_row_decoder.py); bfloat16 products of many rows on AMX over the dense
-# weight, and float32 products of many rows over the weight in panels (core_svc/models/layers.py)
+# weight, and float32 products of many rows over the weight in panels (core_svc/models/layers.py); int8 products over
+# the weight in panels on CPUs without AVX-512 VNNI (core_svc/models/quantization.py)
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
@@ -61,6 +62,7 @@ _SOURCES = tuple(
         "decoder_cpu.cpp",
         "amx_linear_cpu.cpp",
         "panel_linear_cpu.cpp",
+        "int8_panel_linear_cpu.cpp",
     )
 )
 _HEADERS = (Path(__file__).parent / "csrc" / "cpu_ops.h",)
@@ -68,8 +70,12 @@ _SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
 # -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
 # kernel's OpenMP pragmas, resolved against the OpenMP runtime torch has already loaded. The rest are the flags
-# torch's extension builder (2.13) uses for a CPU library.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-shared"]
+# torch's extension builder (2.13) uses for a CPU library, and -fno-trapping-math: no source reads floating-point
+# exception flags, and without it GCC left loops with a comparison unvectorized on AVX2 (the clamp in SiLU's exp:
+# "control flow in loop"), where AVX-512's masks had let it through: silu_and_mul took 10 ns per value on a Zen 3.
+# The values are unchanged. A source's `#pragma GCC optimize("no-unsafe-math-optimizations")` turns trapping math
+# back on, so those pragmas name "no-trapping-math" too.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-shared", "-fno-trapping-math"]
 # -ffast-math for the attention kernel only: vectorized expf (glibc libmvec) and reassociated sums over finite
 # scores. The other sources round as torch's operators do (and their own pragmas also keep products and sums
 # apart); under -ffast-math GCC had replaced a division by a product with the reciprocal and called libmvec's expf,

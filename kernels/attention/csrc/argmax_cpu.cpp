@@ -12,7 +12,7 @@
 #include <immintrin.h>
 #endif
 
-#pragma GCC optimize("no-unsafe-math-optimizations", "no-finite-math-only")
+#pragma GCC optimize("no-unsafe-math-optimizations", "no-trapping-math", "no-finite-math-only")
 
 namespace {
 

@@ -28,7 +28,7 @@
 #endif
 
 // Sums in the order written (only the attention kernel builds with -ffast-math; this keeps it so if that changes).
-#pragma GCC optimize("no-unsafe-math-optimizations", "no-finite-math-only")
+#pragma GCC optimize("no-unsafe-math-optimizations", "no-trapping-math", "no-finite-math-only")
 
 namespace {
 

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -25,7 +25,7 @@
 // without -ffast-math (kernels/attention/cpu_ops.py), under which GCC had replaced x / scale by a product with
 // 1 / scale (87 of 2000 scales one ulp off); the pragma keeps that so whatever the flags. GCC's builtins stand in
 // for <cmath>'s inline wrappers; the loops on float32 rows are written with AVX-512 intrinsics (GCC left them scalar).
-#pragma GCC optimize("no-unsafe-math-optimizations", "no-finite-math-only", "fp-contract=off")
+#pragma GCC optimize("no-unsafe-math-optimizations", "no-trapping-math", "no-finite-math-only", "fp-contract=off")
 
 namespace {
 
@@ -90,6 +90,45 @@ inline void quantize_values<float>(const float* row, int8_t* q_row, float scale,
     const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), s),
                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q_row + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rounded)));
+  }
+  for (; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(row[i] / scale)));
+}
+#elif defined(__AVX2__)
+// The same passes 8 values at a time on CPUs with AVX2 but not AVX-512 (where int8 batches quantize every
+// projection's rows: int8_panel_linear_cpu.cpp).
+template <>
+inline float row_amax<float>(const float* row, int64_t k, bool& nan) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float result = 0.0f;
+  for (const float lane : lanes) result = __builtin_fmaxf(result, lane);
+  bool any_nan = _mm256_movemask_ps(unordered) != 0;
+  for (; i < k; ++i) {
+    result = __builtin_fmaxf(result, __builtin_fabsf(row[i]));
+    any_nan |= __builtin_isnan(row[i]);
+  }
+  nan = any_nan;
+  return result;
+}
+
+template <>
+inline void quantize_values<float>(const float* row, int8_t* q_row, float scale, int64_t k) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 rounded = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), s),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i q32 = _mm256_cvtps_epi32(rounded);  // in [-127, 127]: the packs below do not saturate
+    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q_row + i), _mm_packs_epi16(q16, q16));
   }
   for (; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(row[i] / scale)));
 }

@@ -29,7 +29,7 @@
 #include <vector>
 
 // Rounds as the operators above: no reassociation, no contraction of a product and a sum into one rounding.
-#pragma GCC optimize("no-unsafe-math-optimizations", "no-finite-math-only", "fp-contract=off")
+#pragma GCC optimize("no-unsafe-math-optimizations", "no-trapping-math", "no-finite-math-only", "fp-contract=off")
 
 namespace {
 
