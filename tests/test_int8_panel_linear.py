@@ -70,7 +70,7 @@ SHAPES = [
     (13, 100, 64),  # blocks of 6, 6 and 1
     (64, 2816, 512),  # small's gate_up projection at a decode batch
     (300, 48, 512),  # rows past a chunk (42 blocks of 6 at 512 in_features)
-    (40, 24, 4000),  # a chunk cut to 10 blocks by a wide in_features
+    (40, 24, 4000),  # a chunk cut to 5 blocks (30 rows) by a wide in_features
     (8, 4112, 96),  # more panels than a parallel share: split over two threads
 ]
 
@@ -156,6 +156,8 @@ def test_int8_linear_on_panels_is_w8a8_at_every_row_count(rows, monkeypatch):
     exact = (xq.double() @ wq.double().T) * x_scales.double() * w_scales.double() + linear.bias.double()
     assert out.dtype == torch.float32 and out.shape == (rows, 40)
     torch.testing.assert_close(out.double(), exact, rtol=1e-6, atol=1e-5)
+    # and bit for bit: the same int8 values, exact sums, each rescaling one float32 rounding in the stated order
+    assert torch.equal(out, _expected(xq, wq, x_scales.view(-1), w_scales, linear.bias.detach()))
     # bfloat16 activations: the same product, rounded to bfloat16 once
     out16 = layer(x.bfloat16())
     assert out16.dtype == torch.bfloat16
@@ -172,6 +174,48 @@ def test_int8_linear_on_panels_takes_3d_empty_and_non_contiguous_inputs(monkeypa
     assert torch.equal(out.view(10, 40), layer(x.view(10, 72)))
     assert torch.equal(layer(x.view(10, 72)[::2]), layer(x.view(10, 72)[::2].contiguous()))
     assert layer(torch.empty(0, 72)).shape == (0, 40)
+
+
+def test_the_kernel_refuses_in_features_where_int32_sums_could_overflow():
+    k = 1 << 17  # 2^17 products of -128 x -128 reach 2^31
+    x = torch.full((1, k), -128, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="in_features 131072 from 131072 up"):
+        _ops().int8_panel_linear(torch.empty(1, 1), x, torch.ones(1), pack_int8_panels(x), torch.ones(1), None)
+    x = x[:, 1:].contiguous()  # one fewer: the extreme sum 2^31 - 2^14 is exact
+    out = torch.empty(1, 1)
+    _ops().int8_panel_linear(out, x, torch.ones(1), pack_int8_panels(x), torch.ones(1), None)
+    assert out.item() == float((1 << 31) - (1 << 14))
+
+
+@pytest.mark.parametrize("in_features", [8, 16, 17, 9, 40])
+def test_row_quantization_equals_torchs_on_infinite_subnormal_and_zero_rows(in_features):
+    """The compiled pass (AVX2 or AVX-512 where built) against ``quantize_int8_per_row``, bit for bit, on rows an inf
+    makes NaN-scaled (inf / inf lanes 0, in the vector part and in the tail), rows of subnormals (the scale from
+    torch's clamp to the smallest normal) and zero rows."""
+    x = torch.randn(6, in_features, generator=torch.Generator().manual_seed(in_features))
+    x[0, 3] = float("inf")
+    x[1, in_features - 1] = -float("inf")
+    x[2] = 1e-40
+    x[3, : in_features // 2] = 1e-45
+    x[3, in_features // 2 :] = 0.0
+    x[4] = 0.0
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0])
+    _ops().quantize_rows_int8(q, scales, x)
+    q_ref, scales_ref = quantize_int8_per_row(x)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(scales, scales_ref.view(-1))
+
+
+def test_an_infinite_activation_makes_only_that_rows_products_nan(monkeypatch):
+    """As through torch's ops: the row's scale is inf, its int8 values 0, its products 0 x inf."""
+    monkeypatch.setattr(quantization, "has_int8_dot_products", lambda: False)
+    layer = Int8Linear(_linear(64, 24, seed=3), panels=True)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    x[1, 3] = float("inf")
+    out = layer(x)
+    assert bool(out[1].isnan().all())
+    assert bool(out[[0, 2, 3, 4]].isfinite().all())
 
 
 def test_a_nan_in_a_row_makes_only_that_rows_products_nan(monkeypatch):

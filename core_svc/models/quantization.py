@@ -153,8 +153,8 @@ def has_int8_dot_products() -> bool:
 
 def int8_panel_ops() -> Any:
     """The compiled ops (``_row_kernels``) when int8 products on this CPU go to ``int8_panel_linear``: its build has
-    the AVX2 kernel and the CPU has no int8 dot products (``has_int8_dot_products``; with them, oneDNN's int8
-    product and ``int8_gemv`` are the faster routes). Else None."""
+    the AVX2 kernel and the CPU has no int8 dot products (``has_int8_dot_products``; with them oneDNN's int8 product
+    runs on them, and ``int8_gemv`` too where they are AVX-512 VNNI). Else None."""
     return None if has_int8_dot_products() else compiled_ops_where("int8_panel_linear_available")
 
 

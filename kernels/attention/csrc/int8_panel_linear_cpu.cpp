@@ -20,8 +20,8 @@
 // The loop is written in assembly: GCC hoisted the six broadcasts of a step ahead of the products and spilled the
 // sums to the stack (half the rate). The rows of x are widened to int16 and interleaved per block of 6 (x_blocks
 // [blocks, ceil(K / 2), 6] int32 pairs) once per chunk of rows, so a block's broadcasts read one contiguous stream;
-// a chunk is at most kChunkBytes of them (L2). Threads share out panels. The int32 sums are exact
-// (|sum| <= K * 127^2 < 2^31 for K up to 133,000); each output is then (float(sum) * x_scale) * w_scale (+ bias),
+// a chunk is at most kChunkBytes of them (L2), or one block where K is wider. Threads share out panels. The int32
+// sums are exact (|sum| <= K * 128^2 < 2^31 for K < 2^17); each output is then (float(sum) * x_scale) * w_scale (+ bias),
 // rounded as dequantize_rows (int8_rows_cpu.cpp) rounds it, so the result equals the W8A8 path through
 // torch._int_mm where its sums are exact, bit for bit.
 #include "cpu_ops.h"
@@ -49,6 +49,8 @@ constexpr int kRowBlock = 6;    // rows per register block: 6 x 2 vectors of sum
 // Bytes of interleaved int16 rows per chunk (the chunk stays in L2, 512 KiB per core on Zen 3, while every panel
 // passes over it).
 constexpr int64_t kChunkBytes = 256 * 1024;
+// in_features from which K products of -128 x -128 reach 2^31.
+constexpr int64_t kMaxInFeatures = int64_t{1} << 17;
 // Multiply-adds per thread's share at least: a parallel region for less costs more than it saves.
 constexpr int64_t kShareMultiplyAdds = 1 << 20;
 
@@ -141,7 +143,8 @@ void int8_panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& x_
               "x: contiguous int8 [rows, in_features] with at least one row and ceil(in_features / 2) = ", pairs,
               ", got ", x.scalar_type(), " ", x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k <= 133000, "x: in_features ", k, " over 133,000, where int32 sums of int8 products could overflow");
+  TORCH_CHECK(k < kMaxInFeatures, "x: in_features ", k, " from ", kMaxInFeatures,
+              " up, where int32 sums of int8 products (128^2 each at most) could overflow");
   TORCH_CHECK(x_scales.dim() == 1 && x_scales.numel() == rows && x_scales.is_contiguous() &&
                   x_scales.scalar_type() == at::kFloat,
               "x_scales: contiguous float32 [rows=", rows, "], got ", x_scales.scalar_type(), " ", x_scales.sizes());

@@ -24,7 +24,8 @@
 // These functions round as torch's ops do: no unsafe math optimizations, no fused multiply-adds. The file builds
 // without -ffast-math (kernels/attention/cpu_ops.py), under which GCC had replaced x / scale by a product with
 // 1 / scale (87 of 2000 scales one ulp off); the pragma keeps that so whatever the flags. GCC's builtins stand in
-// for <cmath>'s inline wrappers; the loops on float32 rows are written with AVX-512 intrinsics (GCC left them scalar).
+// for <cmath>'s inline wrappers; the loops on float32 rows are written with AVX-512 or AVX2 intrinsics (GCC left them
+// scalar).
 #pragma GCC optimize("no-unsafe-math-optimizations", "no-trapping-math", "no-finite-math-only", "fp-contract=off")
 
 namespace {
@@ -126,7 +127,10 @@ inline void quantize_values<float>(const float* row, int8_t* q_row, float scale,
   for (; i + 8 <= k; i += 8) {
     const __m256 rounded = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), s),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256i q32 = _mm256_cvtps_epi32(rounded);  // in [-127, 127]: the packs below do not saturate
+    // in [-127, 127], or NaN where x is infinite (inf / inf: the row's scale is inf), which converts to INT_MIN:
+    // those lanes 0, as torch's cast and the AVX-512 path give them, so that the packs below never saturate
+    const __m256 ordered = _mm256_cmp_ps(rounded, rounded, _CMP_ORD_Q);
+    const __m256i q32 = _mm256_and_si256(_mm256_cvtps_epi32(rounded), _mm256_castps_si256(ordered));
     const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(q_row + i), _mm_packs_epi16(q16, q16));
   }
@@ -146,7 +150,7 @@ void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, i
       std::fill(q_row, q_row + k, int8_t{0});
       continue;
     }
-    const float scale = amax / 127.0f;
+    const float scale = std::max(amax, FLT_MIN) / 127.0f;  // a subnormal amax as torch's clamp(min=tiny)
     scales[r] = scale;
     quantize_values(row, q_row, scale, k);
   }
