@@ -64,12 +64,17 @@ def _expected(x, w, x_scales, w_scales, bias) -> torch.Tensor:
 
 # (rows, out_features, in_features)
 SHAPES = [
-    (1, 1024, 512),  # one request: one block, five of its rows empty
+    (1, 1024, 512),  # one request: four panels side by side
+    (1, 70, 33),  # one row: four panels side by side, then the partial fifth alone
+    (2, 100, 37),  # two rows: three pairs of panels side by side, the partial seventh alone
+    (4, 20, 16),  # four rows: the block of 6, two of its rows empty
     (5, 40, 37),  # a partial block, a partial last panel, an odd in_features
     (6, 16, 1),  # one whole block, one panel, a single in_feature
     (13, 100, 64),  # blocks of 6, 6 and 1
     (64, 2816, 512),  # small's gate_up projection at a decode batch
     (300, 48, 512),  # rows past a chunk (42 blocks of 6 at 512 in_features)
+    (253, 40, 512),  # a last chunk of one row: the one-row walk
+    (254, 40, 512),  # a last chunk of two rows: the two-row walk
     (40, 24, 4000),  # a chunk cut to 5 blocks (30 rows) by a wide in_features
     (8, 4112, 96),  # more panels than a parallel share: split over two threads
 ]

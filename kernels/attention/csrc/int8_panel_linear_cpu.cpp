@@ -46,6 +46,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel: two AVX2 vectors of int32 sums
 constexpr int kRowBlock = 6;    // rows per register block: 6 x 2 vectors of sums, 4 registers for the step
+constexpr int64_t kMaxFewRows = 2;  // rows up to which multiply_few_rows walks panels side by side instead
 // Bytes of interleaved int16 rows per chunk (the chunk stays in L2, 512 KiB per core on Zen 3, while every panel
 // passes over it).
 constexpr int64_t kChunkBytes = 256 * 1024;
@@ -55,6 +56,27 @@ constexpr int64_t kMaxInFeatures = int64_t{1} << 17;
 constexpr int64_t kShareMultiplyAdds = 1 << 20;
 
 #if defined(__AVX2__)
+// out[:columns] = (float(sums) * x_scale) * w_scales (+ bias) for one row's 16 sums (two vectors of 8).
+inline void store_row(const __m256i* sums, float x_scale, const float* w_scales, const float* bias, int columns,
+                      float* out) {
+  const __m256 row_scale = _mm256_set1_ps(x_scale);
+  __m256 out0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[0]), row_scale), _mm256_loadu_ps(w_scales));
+  __m256 out1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[1]), row_scale), _mm256_loadu_ps(w_scales + 8));
+  if (bias != nullptr) {
+    out0 = _mm256_add_ps(out0, _mm256_loadu_ps(bias));
+    out1 = _mm256_add_ps(out1, _mm256_loadu_ps(bias + 8));
+  }
+  if (columns == kPanel) {
+    _mm256_storeu_ps(out, out0);
+    _mm256_storeu_ps(out + 8, out1);
+  } else {
+    alignas(32) float staged[kPanel];
+    _mm256_store_ps(staged, out0);
+    _mm256_store_ps(staged + 8, out1);
+    std::memcpy(out, staged, columns * sizeof(float));
+  }
+}
+
 // The sums of a block of 6 interleaved rows (x_block: [pairs, 6] int32) against one panel ([pairs, 16, 2] int8),
 // scaled and stored: out[r, f] = (float(sum) * x_scales[r]) * w_scales[f] (+ bias[f]) for r < rows, f < columns.
 void multiply_block(const int32_t* x_block, int64_t pairs, const int8_t* panel, const float* x_scales, int rows,
@@ -92,28 +114,69 @@ void multiply_block(const int32_t* x_block, int64_t pairs, const int8_t* panel, 
       : "cc", "memory", "xmm12", "xmm13", "xmm14", "xmm15");
 #undef SPLITSERVE_INT8_ROW
   const __m256i sums[kRowBlock][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
-  const __m256 scale0 = _mm256_loadu_ps(w_scales), scale1 = _mm256_loadu_ps(w_scales + 8);
-  const __m256 bias0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-  const __m256 bias1 = bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-  for (int r = 0; r < rows; ++r) {
-    const __m256 row_scale = _mm256_set1_ps(x_scales[r]);
-    __m256 out0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[r][0]), row_scale), scale0);
-    __m256 out1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[r][1]), row_scale), scale1);
-    if (bias != nullptr) {
-      out0 = _mm256_add_ps(out0, bias0);
-      out1 = _mm256_add_ps(out1, bias1);
-    }
-    float* row_out = out + r * ldo;
-    if (columns == kPanel) {
-      _mm256_storeu_ps(row_out, out0);
-      _mm256_storeu_ps(row_out + 8, out1);
-    } else {
-      alignas(32) float staged[kPanel];
-      _mm256_store_ps(staged, out0);
-      _mm256_store_ps(staged + 8, out1);
-      std::memcpy(row_out, staged, columns * sizeof(float));
+  for (int r = 0; r < rows; ++r) store_row(sums[r], x_scales[r], w_scales, bias, columns, out + r * ldo);
+}
+
+// One or two rows (a request's decode), bounded by reading the weight: ROWS rows against PANELS panels side by side
+// (consecutive ones, panel_bytes apart), their sums in registers (ROWS x PANELS x 2 vectors, at most 8), each row's
+// two int16 values of x broadcast once per pair of k for every panel. The block of 6 multiplies 4-5 rows of zeros
+// there: over small's projections and LM head this walk took 0.4-0.6x the block's time at one row and 0.6-0.85x at
+// two; at four rows (one panel at a time) it took 1.15-1.2x, so three and four rows take the block.
+template <int ROWS, int PANELS>
+void multiply_few_rows(const int32_t* x_block, int64_t pairs, const int8_t* panels, const float* x_scales,
+                       const float* const* w_scales, const float* const* bias, const int* columns, float* out,
+                       int64_t ldo) {
+  static_assert(ROWS * PANELS <= 4, "ROWS x PANELS x 2 vectors of sums, at most 8 registers");
+  __m256i sums[ROWS][PANELS][2];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int q = 0; q < PANELS; ++q) sums[r][q][0] = sums[r][q][1] = _mm256_setzero_si256();
+  }
+  const int64_t panel_bytes = pairs * 2 * kPanel;
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m256i x[ROWS];
+    for (int r = 0; r < ROWS; ++r) x[r] = _mm256_set1_epi32(x_block[j * kRowBlock + r]);
+    for (int q = 0; q < PANELS; ++q) {
+      const int8_t* step = panels + q * panel_bytes + j * 2 * kPanel;
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step + 16)));
+      for (int r = 0; r < ROWS; ++r) {
+        sums[r][q][0] = _mm256_add_epi32(sums[r][q][0], _mm256_madd_epi16(x[r], w0));
+        sums[r][q][1] = _mm256_add_epi32(sums[r][q][1], _mm256_madd_epi16(x[r], w1));
+      }
     }
   }
+  for (int q = 0; q < PANELS; ++q) {
+    for (int r = 0; r < ROWS; ++r) {
+      store_row(sums[r][q], x_scales[r], w_scales[q], bias[q], columns[q], out + r * ldo + q * kPanel);
+    }
+  }
+}
+
+// Panels [begin, end) of ROWS (1 or 2) rows: 4 / ROWS of them side by side, the rest one at a time.
+template <int ROWS>
+void multiply_panels_few_rows(const int32_t* x_block, int64_t pairs, const int8_t* panels, const float* x_scales,
+                              const float* w_scales, const float* tail_scales, const float* bias,
+                              const float* tail_bias, int64_t num_panels, int tail, float* out, int64_t ldo,
+                              int64_t begin, int64_t end) {
+  constexpr int kSide = 4 / ROWS;
+  const int64_t panel_bytes = pairs * 2 * kPanel;
+  int64_t p = begin;
+  const auto walk = [&]<int PANELS>() {
+    const float* scales[PANELS];
+    const float* biases[PANELS];
+    int columns[PANELS];
+    for (int q = 0; q < PANELS; ++q) {
+      const bool last = p + q == num_panels - 1;
+      scales[q] = last ? tail_scales : w_scales + (p + q) * kPanel;
+      biases[q] = bias == nullptr ? nullptr : last ? tail_bias : bias + (p + q) * kPanel;
+      columns[q] = last ? tail : static_cast<int>(kPanel);
+    }
+    multiply_few_rows<ROWS, PANELS>(x_block, pairs, panels + p * panel_bytes, x_scales, scales, biases, columns,
+                                    out + p * kPanel, ldo);
+    p += PANELS;
+  };
+  while (p + kSide <= end) walk.template operator()<kSide>();
+  while (p < end) walk.template operator()<1>();
 }
 #endif
 
@@ -205,6 +268,14 @@ void int8_panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& x_
       }
     }
     at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+      if (chunk_rows <= kMaxFewRows) {
+        const auto few = [&]<int ROWS>() {
+          multiply_panels_few_rows<ROWS>(x_blocks.data(), pairs, w_ptr, xs_ptr + row0, ws_ptr, tail_scales, b,
+                                         tail_bias, num_panels, static_cast<int>(tail), o_ptr + row0 * n, n, begin,
+                                         end);
+        };
+        return chunk_rows == 1 ? few.template operator()<1>() : few.template operator()<2>();
+      }
       for (int64_t p = begin; p < end; ++p) {
         const bool last = p == num_panels - 1;
         const int columns = static_cast<int>(last ? tail : kPanel);
