@@ -60,6 +60,18 @@ inline void quantize_values(const scalar_t* row, int8_t* q_row, float scale, int
   for (int64_t i = 0; i < k; ++i) q_row[i] = static_cast<int8_t>(static_cast<int32_t>(__builtin_nearbyintf(static_cast<float>(row[i]) / scale)));
 }
 
+#if defined(__AVX2__)
+// row_amax's scalar tail from value i on, after a vector part that found result and any_nan.
+inline float finish_row_amax(const float* row, int64_t i, int64_t k, float result, bool any_nan, bool& nan) {
+  for (; i < k; ++i) {
+    result = __builtin_fmaxf(result, __builtin_fabsf(row[i]));
+    any_nan |= __builtin_isnan(row[i]);
+  }
+  nan = any_nan;
+  return result;
+}
+#endif
+
 #if defined(__AVX512F__)
 // float32 rows 16 values at a time (GCC left the loops above scalar: 3 ns per value): the same IEEE quotients and
 // round-half-to-even, then exact conversions.
@@ -75,12 +87,7 @@ inline float row_amax<float>(const float* row, int64_t k, bool& nan) {
   }
   float result = _mm512_reduce_max_ps(amax);
   bool any_nan = unordered != 0;
-  for (; i < k; ++i) {
-    result = __builtin_fmaxf(result, __builtin_fabsf(row[i]));
-    any_nan |= __builtin_isnan(row[i]);
-  }
-  nan = any_nan;
-  return result;
+  return finish_row_amax(row, i, k, result, any_nan, nan);
 }
 
 template <>
@@ -112,12 +119,7 @@ inline float row_amax<float>(const float* row, int64_t k, bool& nan) {
   float result = 0.0f;
   for (const float lane : lanes) result = __builtin_fmaxf(result, lane);
   bool any_nan = _mm256_movemask_ps(unordered) != 0;
-  for (; i < k; ++i) {
-    result = __builtin_fmaxf(result, __builtin_fabsf(row[i]));
-    any_nan |= __builtin_isnan(row[i]);
-  }
-  nan = any_nan;
-  return result;
+  return finish_row_amax(row, i, k, result, any_nan, nan);
 }
 
 template <>
