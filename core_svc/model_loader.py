@@ -83,12 +83,11 @@ def load_hf_config(path: Path) -> object:
 
 def _load_cpu_kernels_for_layouts() -> str | None:
     """Load the compiled CPU kernels (``kernels.attention.cpu_ops.load``; the CPU attention backend already has,
-    unless another backend was chosen) before ``quantize_linear_weights`` decides whether int8 weights take the AVX2
-    kernel's panels, or ``prepack_linear_weights`` which dense copies pay
+    unless another backend was chosen) before the weights are laid out: ``quantize_linear_weights`` decides whether
+    int8 weights take the AVX2 kernel's panels; ``prepack_linear_weights`` which dense copies pay
     (``keep_dense=True``), whether bfloat16 weights stay dense for the AMX kernel and whether float32 ones take the
-    panel kernel's layout, so that the decision does not
-    depend on the attention backend and every later step sees the same kernels. Returns why they cannot be loaded,
-    or None."""
+    panel kernel's layout. So the decisions do not depend on the attention backend, and every later step sees the
+    same kernels. Returns why they cannot be loaded, or None."""
     try:
         cpu_ops.load(envs.kernel_dir())
     except cpu_ops.KernelBuildError as e:

@@ -24,7 +24,8 @@ saturates its sums or runs slowly, every row count goes to the compiled AVX2 ker
 second copy of the weight laid out in panels of 16 output features (``pack_int8_panels``): the W8A8 values above,
 its int32 sums from ``vpmaddwd`` exact. Over small's five matrices on a Zen 3 core (``python -m
 benchmarks.int8_matmul``, one thread) it took 0.42-0.69x float32's time at 64 and 256 rows, and over the five
-together 0.83x the weight-only kernel's time at one row, 0.54x at four. Without that kernel (no AVX2, or the kernels
+together 0.83x the weight-only kernel's time at one row, 0.54x at four (before its one- and two-row walk, which
+took 0.4-0.6x the time of its blocks at one row). Without that kernel (no AVX2, or the kernels
 not loaded) the routes above run: few rows through ``torch._weight_int8pack_mm``, more through ``torch._int_mm``
 where it is exact (on that Zen 3 about 70x slower than the kernel) or else the dequantized weight in float.
 """
