@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from core_svc.models import few_row_decoder, layers, llama
+from core_svc.models import few_row_decoder, layers, llama, quantization
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.layers import GEMV_MAX_ROWS, prepack_linear_weights
 from core_svc.models.llama import LlamaModel
-from core_svc.models.quantization import quantize_linear_weights, vnni_ops
+from core_svc.models.quantization import Int8Linear, int8_panel_ops, quantize_linear_weights, vnni_ops
 from kernels import AttentionMetadata
 from kernels.attention.torch_ref import TorchRefAttentionBackend
 from tests.helpers import cpu_kernels_loaded
@@ -30,7 +30,8 @@ def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
     """A 3-layer decoder of ``variant`` with seeded random weights, its projections as ``weights`` says: "dense"
     (prepacked plus the dense copies gemv reads), "packed" (prepacked only: in panels in float32 where the build has
     the panel kernel, else column-major; oneDNN's in bfloat16), "column-major" (float32 prepacked as without the
-    panel kernel), "plain" (F.linear's weight as loaded) or "int8"."""
+    panel kernel), "plain" (F.linear's weight as loaded), "int8" (int8 on this CPU's route) or "int8-panels" (int8
+    in panels for int8_panel_linear, as on a CPU without int8 dot products)."""
     from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     from kernels.attention.cpu import CpuAttentionBackend
@@ -56,8 +57,10 @@ def _model(variant: str, dtype: torch.dtype, weights: str) -> LlamaModel:
     if variant == "qwen3":  # per-head norms with their own epsilon: each norm must use its own
         for layer in model.layers:
             layer.self_attn.q_norm.eps = layer.self_attn.k_norm.eps = 0.25
-    if weights == "int8":
+    if weights in ("int8", "int8-panels"):  # "int8-panels" under _int8_route's CPU without int8 dot products
         quantize_linear_weights(model)
+        panels = [m.weight_panels is not None for m in model.modules() if isinstance(m, Int8Linear)]
+        assert all(panels) if weights == "int8-panels" else not any(panels) or int8_panel_ops() is not None
     elif weights == "column-major":
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(layers, "compiled_panel_linear", lambda: None)
@@ -111,7 +114,26 @@ WEIGHTS = [
     ("mistral", torch.bfloat16, "packed"),
     ("llama", torch.float32, "int8"),
     ("narrow", torch.bfloat16, "int8"),
+    ("biases", torch.bfloat16, "int8-panels"),
+    ("qwen3", torch.float32, "int8-panels"),
+    ("mistral", torch.float32, "int8-panels"),
+    ("narrow", torch.bfloat16, "int8-panels"),
 ]
+
+
+def _int8_route(monkeypatch: Any, weights: str) -> None:
+    """Skips where this build has no kernel for ``weights``' int8 route; for "int8-panels", has the CPU treated as
+    one without int8 dot products (so the panels laid out at load are what Int8Linear multiplies)."""
+    if weights == "int8" and vnni_ops() is None and int8_panel_ops() is None:
+        pytest.skip("this build has neither int8_gemv (AVX-512 VNNI) nor int8_panel_linear (AVX2)")
+    if weights == "int8-panels":
+        if loaded_int8_panel_linear() is None:
+            pytest.skip("this build has no int8_panel_linear (AVX2)")
+        monkeypatch.setattr(quantization, "has_int8_dot_products", lambda: False)
+
+
+def loaded_int8_panel_linear() -> Any:
+    return layers.compiled_ops_where("int8_panel_linear_available")
 
 
 @pytest.mark.parametrize(("variant", "dtype", "weights"), WEIGHTS)
@@ -119,8 +141,7 @@ def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dt
     """Dense copies go to gemv where the build has it for the dtype; float32 panels to panel_linear, column-major
     weights (float32) to F.linear, packed ones (bfloat16) to oneDNN: each route the per-layer path takes."""
     _kernels()
-    if weights == "int8" and vnni_ops() is None:
-        pytest.skip("this build has no int8_gemv (AVX-512 VNNI)")
+    _int8_route(monkeypatch, weights)
     model = _model(variant, dtype, weights)
     assert model.few_row_decoder() is not None
     _compare(monkeypatch, model, dtype)
@@ -191,8 +212,9 @@ def test_models_it_does_not_cover_keep_the_per_layer_path(monkeypatch):
     wrapped = _model("llama", torch.float32, "plain")
     wrapped.layers[2].self_attn.o_proj = torch.nn.Sequential(wrapped.layers[2].self_attn.o_proj)
     assert wrapped.few_row_decoder() is None
-    # int8 weights on a CPU without the VNNI kernel (torch._weight_int8pack_mm's route)
+    # int8 weights on a CPU without the VNNI kernel or the AVX2 panels (torch._weight_int8pack_mm's route)
     monkeypatch.setattr(few_row_decoder, "vnni_ops", lambda: None)
+    monkeypatch.setattr(quantization, "int8_panel_ops", lambda: None)
     assert _model("llama", torch.float32, "int8").few_row_decoder() is None
     # the reference attention backend
     other = _model("llama", torch.float32, "plain")
@@ -201,14 +223,13 @@ def test_models_it_does_not_cover_keep_the_per_layer_path(monkeypatch):
     assert other.few_row_decoder() is None
 
 
-@pytest.mark.parametrize("weights", ["dense", "int8"])
+@pytest.mark.parametrize("weights", ["dense", "int8", "int8-panels"])
 def test_lora_wrapped_projections_take_one_call_only_in_steps_without_an_adapter(monkeypatch, weights):
     """An engine with --enable-lora: its projections wrapped (after a first decoder was built, which is then built
     again), a step without adapter rows is one call over the base projections, bit for bit the per-layer path's; a
     step with adapter rows takes the per-layer path, which adds them."""
     _kernels()
-    if weights == "int8" and vnni_ops() is None:
-        pytest.skip("this build has no int8_gemv (AVX-512 VNNI)")
+    _int8_route(monkeypatch, weights)
     from core_svc.lora.layers import LoRABatch, LoRASlots, wrap_lora_modules
 
     model = _model("llama", torch.float32, weights)
@@ -286,5 +307,17 @@ def test_malformed_inputs_are_refused_with_the_reason():
     )
     with pytest.raises(RuntimeError, match=refusal):
         decoder.add_projection("down", 256, "panels", torch.zeros(8, 352, 32), None, 0, torch.zeros(255), None, None)
+    panels = torch.zeros(16, 176, 16, 2, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="down: scales for kinds int8 and int8_panels only"):
+        decoder.add_projection("down", 256, "int8_panels", panels, None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match=r"down: scales contiguous float32 \[256\]"):
+        decoder.add_projection("down", 256, "int8_panels", panels, None, 0, None, torch.ones(255), None)
+    if loaded_int8_panel_linear() is not None:
+        with pytest.raises(RuntimeError, match=r"down: contiguous int8 panels \[16, 176, 16, 2\]"):
+            decoder.add_projection("down", 256, "int8_panels", panels[:, :175], None, 0, None, torch.ones(256), None)
+        with pytest.raises(RuntimeError, match=r"down: bias float32, one per output feature"):
+            decoder.add_projection(
+                "down", 256, "int8_panels", panels, None, 0, torch.zeros(256).double(), torch.ones(256), None
+            )
     with pytest.raises(RuntimeError, match=r"down: a contiguous weight \[256, 352\]$"):  # column-major: torch only
         decoder.add_projection("down", 256, "gemv", torch.zeros(352, 256).t(), None, 0, None, None, None)

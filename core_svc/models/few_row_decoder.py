@@ -8,11 +8,12 @@ bit for bit; what it removes is Python and torch's dispatch between them (about 
 of one request's 11 ms float32 forward; docs/benchmarks.md, "One call per decode step").
 
 It covers every projection ``Linear`` and ``Int8Linear`` run at these rows (``gemv`` on dense copies, torch's
-``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``), SiLU-gated MLPs and
+``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``, ``int8_panel_linear`` on
+int8 panels), SiLU-gated MLPs and
 the ``cpu`` attention backend; a projection wrapped for LoRA adapters (``AdapterWrapper``) by its base projection,
 so a step in which no request uses an adapter (``lora_batches``: ``LlamaModel.forward`` checks) is one call too.
-Anything else (int8 without the AVX-512 VNNI kernel, another activation or backend, another wrapper) keeps the
-per-layer path.
+Anything else (int8 on ``torch._weight_int8pack_mm``'s route, another activation or backend, another wrapper) keeps
+the per-layer path.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from core_svc.models.layers import GEMV_MAX_ROWS, AdapterWrapper, Linear, compiled_gemv
-from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, vnni_ops
+from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, int8_panel_ops, vnni_ops
 from kernels.attention.cpu_ops import loaded_ops
 
 
@@ -95,15 +96,17 @@ def _projection(module: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
     """``add_projection``'s (out_features, kind, weight, packed, dense_max_rows, bias, scales, sums) for a
     projection run as ``Linear.forward`` and ``Int8Linear.forward`` run it at 1 to ``GEMV_MAX_ROWS`` rows: ``gemv``
     on a dense copy where the build has it for ``dtype``; else ``panel_linear`` on float32 panels, or torch's
-    products (``F.linear`` on the weight as loaded or column-major, oneDNN's on the packed weight); ``int8_gemv``; a
-    ``LoRALinear``'s base projection. None for anything else (another wrapper, int8 without the VNNI kernel, a
-    weight in another dtype)."""
+    products (``F.linear`` on the weight as loaded or column-major, oneDNN's on the packed weight);
+    ``int8_panel_linear`` on int8 panels, else ``int8_gemv``; a ``LoRALinear``'s base projection. None for anything
+    else (another wrapper, int8 on ``torch._weight_int8pack_mm``'s route, a weight in another dtype)."""
     if isinstance(module, AdapterWrapper):
         module = module.base
     if type(module) is Int8Linear:
+        bias = None if module.bias is None else module.bias.detach().float()
+        if module.weight_panels is not None and int8_panel_ops() is not None:  # Int8Linear's _forward_panels
+            return module.out_features, "int8_panels", module.weight_panels, None, 0, bias, module.scales, None
         if vnni_ops() is None or INT8PACK_MAX_ROWS < GEMV_MAX_ROWS:  # int8_gemv only up to INT8PACK_MAX_ROWS rows
             return None
-        bias = None if module.bias is None else module.bias.detach().float()
         return module.out_features, "int8", module.weight_int8, None, 0, bias, module.scales, module.weight_sums
     if type(module) is not Linear:
         return None

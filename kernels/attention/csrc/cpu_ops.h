@@ -15,6 +15,16 @@ bool int8_gemv_available();
 void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& w,
                const at::Tensor& w_scales, const at::Tensor& w_sums, const c10::optional<at::Tensor>& bias);
 
+// int8_rows_cpu.cpp: q int8 [rows, k] and scales float32 [rows] of x [rows, k] (float32, bfloat16 or float16),
+// dynamic symmetric int8 per row.
+void quantize_rows_int8(at::Tensor q, at::Tensor scales, const at::Tensor& x);
+
+// int8_panel_linear_cpu.cpp: float32 out [rows, n] of int8 rows x (with their float32 scales) against an int8
+// weight in panels of 16 output features ([ceil(n / 16), ceil(k / 2), 16, 2]), AVX2.
+bool int8_panel_linear_available();
+void int8_panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& panels,
+                       const at::Tensor& w_scales, const c10::optional<at::Tensor>& bias);
+
 // panel_linear_cpu.cpp: float32 out [rows, n] = x [rows, k] @ w.T (+ bias) over w laid out in panels of 32 output
 // features ([ceil(n / 32), k, 32]).
 bool panel_linear_available();

@@ -40,16 +40,28 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return op.call(x, packed, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
 }
 
+// A step's buffers for int8 weights, sized for its widest projection: wide, float32, the results under non-float32
+// activations (int8_gemv's and int8_panel_linear's, then rounded once, as Int8Linear's .to(dtype)); x_int8 (int8)
+// and x_scales (float32, one per row): the activations quantized for int8_panel_linear.
+struct Scratch {
+  at::Tensor wide, x_int8, x_scales;
+
+  // wide's first out.numel() values as out's shape.
+  at::Tensor wide_rows(const at::Tensor& out) const { return wide.narrow(0, 0, out.numel()).view(out.sizes()); }
+};
+
 // One linear layer, run as Linear.forward / Int8Linear.forward run it at 1-4 rows:
 // - kGemv: weight dense [out_features, in_features] in the activations' dtype, through gemv; bias float32;
 // - kInt8: weight int8 with float32 scales and int32 row sums, through int8_gemv; bias float32;
 // - kPanels: weight float32 in panels of 32 output features ([ceil(out_features / 32), in_features, 32]), through
 //   panel_linear; bias float32;
+// - kInt8Panels: weight int8 in panels of 16 output features ([ceil(out_features / 16), ceil(in_features / 2), 16,
+//   2]) with float32 scales per output feature, through quantize_rows_int8 and int8_panel_linear; bias float32;
 // - kTorch: torch's own products: at::linear on the weight (row- or column-major) up to dense_max_rows rows, else
 //   oneDNN's on the packed one (either may be absent where the other serves every row count); bias in the
 //   activations' dtype.
 struct Projection {
-  enum class Kind { kGemv, kInt8, kTorch, kPanels };
+  enum class Kind { kGemv, kInt8, kTorch, kPanels, kInt8Panels };
   Kind kind = Kind::kGemv;
   at::Tensor weight, packed;
   int64_t features = 0;  // out_features
@@ -59,10 +71,9 @@ struct Projection {
   bool defined() const { return weight.defined() || packed.defined(); }
   int64_t out_features() const { return features; }
 
-  // out [rows, out_features] in the activations' dtype; x [rows, in_features] contiguous; wide: float32, at least
-  // rows * out_features long, for an int8 weight under non-float32 activations (int8_gemv's float32 result, then
-  // rounded once, as Int8Linear's .to(dtype)).
-  void apply(const at::Tensor& out, const at::Tensor& x, const at::Tensor& wide) const {
+  // out [rows, out_features] in the activations' dtype; x [rows, in_features] contiguous; scratch: the step's
+  // buffers for int8 weights.
+  void apply(const at::Tensor& out, const at::Tensor& x, const Scratch& scratch) const {
     switch (kind) {
       case Kind::kGemv:
         splitserve_cpu::gemv(out, x, weight, bias);
@@ -71,14 +82,19 @@ struct Projection {
         splitserve_cpu::panel_linear(out, x, weight, bias);
         return;
       case Kind::kInt8:
-        if (out.scalar_type() == at::kFloat) {
-          splitserve_cpu::int8_gemv(out, x, c10::nullopt, weight, *scales, *sums, bias);
-        } else {
-          const at::Tensor result = wide.narrow(0, 0, out.numel()).view(out.sizes());
+      case Kind::kInt8Panels: {
+        const at::Tensor result = out.scalar_type() == at::kFloat ? out : scratch.wide_rows(out);
+        if (kind == Kind::kInt8) {
           splitserve_cpu::int8_gemv(result, x, c10::nullopt, weight, *scales, *sums, bias);
-          out.copy_(result);
+        } else {
+          const at::Tensor x_int8 = scratch.x_int8.narrow(0, 0, x.numel()).view(x.sizes());
+          const at::Tensor x_scales = scratch.x_scales.narrow(0, 0, x.size(0));
+          splitserve_cpu::quantize_rows_int8(x_int8, x_scales, x);
+          splitserve_cpu::int8_panel_linear(result, x_int8, x_scales, weight, *scales, bias);
         }
+        if (!result.is_same(out)) out.copy_(result);
         return;
+      }
       case Kind::kTorch:
         if (weight.defined() && x.size(0) <= dense_max_rows) {
           out.copy_(at::linear(x, weight, bias));
@@ -143,7 +159,8 @@ class FewRowDecoder : public torch::CustomClassHolder {
 
   // The last added layer's projection `name` (qkv, o, gate_up, down) of out_features outputs, of `kind`
   // (Projection's): "gemv" (weight dense in final_norm's dtype, bias float32), "int8" (weight int8, scales float32
-  // and sums int32 per output feature, bias float32), "panels" (weight float32 in panels, bias float32) or "torch"
+  // and sums int32 per output feature, bias float32), "int8_panels" (weight int8 in panels of 16, scales float32 per
+  // output feature, bias float32), "panels" (weight float32 in panels, bias float32) or "torch"
   // (weight row- or column-major and used up to dense_max_rows rows, and / or packed by oneDNN for more; bias in
   // final_norm's dtype).
   void add_projection(const std::string& name, int64_t out_features, const std::string& kind,
@@ -153,9 +170,10 @@ class FewRowDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(!layers_.empty(), "add_projection before add_layer");
     Layer& layer = layers_.back();
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
-    const bool int8 = kind == "int8", torch_kind = kind == "torch", panels = kind == "panels";
-    TORCH_CHECK(int8 || torch_kind || panels || kind == "gemv", name, ": kind must be gemv, int8, panels or torch, got ",
-                kind);
+    const bool int8 = kind == "int8", int8_panels = kind == "int8_panels", torch_kind = kind == "torch",
+               panels = kind == "panels";
+    TORCH_CHECK(int8 || int8_panels || torch_kind || panels || kind == "gemv", name,
+                ": kind must be gemv, int8, int8_panels, panels or torch, got ", kind);
     TORCH_CHECK(weight.has_value() || (torch_kind && packed.has_value()), name, ": a weight");
     Projection* slot = nullptr;
     std::array<int64_t, 2> shape{};
@@ -175,14 +193,29 @@ class FewRowDecoder : public torch::CustomClassHolder {
     }
     TORCH_CHECK(out_features == shape[0], name, ": out_features ", shape[0], " expected, got ", out_features);
     Projection projection;
-    projection.kind = int8         ? Projection::Kind::kInt8
-                      : torch_kind ? Projection::Kind::kTorch
-                      : panels     ? Projection::Kind::kPanels
-                                   : Projection::Kind::kGemv;
+    projection.kind = int8          ? Projection::Kind::kInt8
+                      : int8_panels ? Projection::Kind::kInt8Panels
+                      : torch_kind  ? Projection::Kind::kTorch
+                      : panels      ? Projection::Kind::kPanels
+                                    : Projection::Kind::kGemv;
     projection.features = shape[0];
     TORCH_CHECK(!packed.has_value() || torch_kind, name, ": a packed weight only of kind torch");
-    TORCH_CHECK(int8 == scales.has_value() && int8 == sums.has_value(), name, ": scales and sums for kind int8 only");
-    if (weight.has_value() && panels) {
+    TORCH_CHECK((int8 || int8_panels) == scales.has_value() && int8 == sums.has_value(), name,
+                ": scales for kinds int8 and int8_panels only, sums for kind int8 only");
+    if (scales.has_value()) {
+      TORCH_CHECK(scales->dim() == 1 && scales->numel() == shape[0] && scales->is_contiguous() &&
+                      scales->scalar_type() == at::kFloat,
+                  name, ": scales contiguous float32 [", shape[0], "]");
+    }
+    if (weight.has_value() && int8_panels) {
+      const int64_t num_panels = (shape[0] + 15) / 16, pairs = (shape[1] + 1) / 2;
+      TORCH_CHECK(weight->dim() == 4 && weight->size(0) == num_panels && weight->size(1) == pairs &&
+                      weight->size(2) == 16 && weight->size(3) == 2 && weight->is_contiguous() &&
+                      weight->scalar_type() == at::kChar,
+                  name, ": contiguous int8 panels [", num_panels, ", ", pairs, ", 16, 2]");
+      projection.weight = *std::move(weight);
+      int8_panels_ = true;
+    } else if (weight.has_value() && panels) {
       TORCH_CHECK(weight->dim() == 3 && weight->size(0) == (shape[0] + 31) / 32 && weight->size(1) == shape[1] &&
                       weight->size(2) == 32 && weight->is_contiguous() && weight->scalar_type() == at::kFloat &&
                       dtype() == at::kFloat,
@@ -210,9 +243,11 @@ class FewRowDecoder : public torch::CustomClassHolder {
     }
     projection.dense_max_rows = projection.packed.defined() ? dense_max_rows : kMaxRows;
     TORCH_CHECK(!int8 || splitserve_cpu::int8_gemv_available(), name, ": kind int8 needs a build with int8_gemv");
+    TORCH_CHECK(!int8_panels || splitserve_cpu::int8_panel_linear_available(), name,
+                ": kind int8_panels needs a build with int8_panel_linear");
     TORCH_CHECK(!panels || splitserve_cpu::panel_linear_available(), name,
                 ": kind panels needs a build with panel_linear");
-    TORCH_CHECK(int8 || torch_kind || panels || splitserve_cpu::gemv_available(dtype()), name,
+    TORCH_CHECK(int8 || int8_panels || torch_kind || panels || splitserve_cpu::gemv_available(dtype()), name,
                 ": kind gemv needs a build with gemv for final_norm's dtype");
     if (bias.has_value()) {
       const at::ScalarType bias_dtype = torch_kind ? dtype() : at::kFloat;
@@ -248,9 +283,13 @@ class FewRowDecoder : public torch::CustomClassHolder {
     at::Tensor normed = at::empty({rows, hidden_size()}, options), mlp_out = at::empty({rows, hidden_size()}, options);
     at::Tensor qkv = at::empty({rows, qkv_width}, options), attn = at::empty({rows, num_heads_, head_size_}, options);
     at::Tensor gate_up = at::empty({rows, 2 * inter}, options), act = at::empty({rows, inter}, options);
-    at::Tensor wide;  // int8 projections' float32 results under other dtypes
+    Scratch scratch;
     if (dtype() != at::kFloat) {
-      wide = at::empty({rows * std::max({qkv_width, 2 * inter, hidden_size()})}, options.dtype(at::kFloat));
+      scratch.wide = at::empty({rows * std::max({qkv_width, 2 * inter, hidden_size()})}, options.dtype(at::kFloat));
+    }
+    if (int8_panels_) {
+      scratch.x_int8 = at::empty({rows * std::max({hidden_size(), q_size, inter})}, options.dtype(at::kChar));
+      scratch.x_scales = at::empty({rows}, options.dtype(at::kFloat));
     }
     // Views of qkv: q and k heads together for RoPE, each alone for attention; per row for the q/k norms.
     const at::Tensor qk = qkv.as_strided({rows, num_heads_ + num_kv_heads_, head_size_}, {qkv_width, head_size_, 1});
@@ -274,7 +313,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
       } else {
         splitserve_cpu::add_rms_norm(normed, mlp_out, residual, layer.input_norm, eps_);
       }
-      layer.qkv.apply(qkv, normed, wide);
+      layer.qkv.apply(qkv, normed, scratch);
       if (layer.q_norm.has_value()) {
         for (int64_t r = 0; r < rows; ++r) {
           splitserve_cpu::add_rms_norm(q_heads[r], q_heads[r], c10::nullopt, *layer.q_norm, layer.qk_eps);
@@ -285,11 +324,11 @@ class FewRowDecoder : public torch::CustomClassHolder {
       splitserve_cpu::decode_attention_with_kv_write(attn, q, k, v, cache.select(0, 0), cache.select(0, 1),
                                                      slot_mapping, block_table, seq_lens, scale_,
                                                      layer.sliding_window);
-      layer.o.apply(mlp_out, attn_rows, wide);
+      layer.o.apply(mlp_out, attn_rows, scratch);
       splitserve_cpu::add_rms_norm(normed, mlp_out, residual, layer.post_norm, eps_);
-      layer.gate_up.apply(gate_up, normed, wide);
+      layer.gate_up.apply(gate_up, normed, scratch);
       splitserve_cpu::silu_and_mul(act, gate_up);
-      layer.down.apply(mlp_out, act, wide);
+      layer.down.apply(mlp_out, act, scratch);
     }
     at::Tensor out = at::empty({rows, hidden_size()}, options);
     splitserve_cpu::add_rms_norm(out, mlp_out, residual, final_norm_, eps_);
@@ -305,6 +344,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_size_;
   double scale_;
   std::vector<Layer> layers_;
+  bool int8_panels_ = false;  // a projection of kind int8_panels: forward quantizes activations into its scratch
 };
 
 }  // namespace

@@ -158,21 +158,6 @@ void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, i
   }
 }
 
-void quantize_rows_int8(at::Tensor q, at::Tensor scales, const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [num_rows, in_features]");
-  TORCH_CHECK(q.sizes() == x.sizes() && q.is_contiguous() && q.scalar_type() == at::kChar, "q: int8, x's shape");
-  TORCH_CHECK(scales.numel() == x.size(0) && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
-              "scales: float32, one per row");
-  const int64_t rows = x.size(0), k = x.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_int8", [&] {
-    const scalar_t* x_ptr = x.data_ptr<scalar_t>();
-    int8_t* q_ptr = q.data_ptr<int8_t>();
-    float* s_ptr = scales.data_ptr<float>();
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(k, 1)),
-                     [&](int64_t begin, int64_t end) { quantize_rows(x_ptr, q_ptr, s_ptr, begin, end, k); });
-  });
-}
-
 void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_scales,
                      const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "acc: contiguous int32 2-D");
@@ -298,6 +283,21 @@ void int8_gemv_core(float*, const int8_t*, const float*, int64_t, int64_t, const
 
 namespace splitserve_cpu {
 
+void quantize_rows_int8(at::Tensor q, at::Tensor scales, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [num_rows, in_features]");
+  TORCH_CHECK(q.sizes() == x.sizes() && q.is_contiguous() && q.scalar_type() == at::kChar, "q: int8, x's shape");
+  TORCH_CHECK(scales.numel() == x.size(0) && scales.is_contiguous() && scales.scalar_type() == at::kFloat,
+              "scales: float32, one per row");
+  const int64_t rows = x.size(0), k = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows_int8", [&] {
+    const scalar_t* x_ptr = x.data_ptr<scalar_t>();
+    int8_t* q_ptr = q.data_ptr<int8_t>();
+    float* s_ptr = scales.data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(k, 1)),
+                     [&](int64_t begin, int64_t end) { quantize_rows(x_ptr, q_ptr, s_ptr, begin, end, k); });
+  });
+}
+
 // x: int8 rows with their scales (quantize_rows_int8's), or float32 / bfloat16 / float16 rows with x_scales None,
 // quantized here as quantize_rows_int8 does (the same values: one call instead of three for a decode step).
 void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& x_scales, const at::Tensor& w,
@@ -347,7 +347,7 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("int8_gemv_available() -> bool");
   m.impl("int8_gemv_available", &splitserve_cpu::int8_gemv_available);
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
-  m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &quantize_rows_int8);
+  m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &splitserve_cpu::quantize_rows_int8);
   m.def("dequantize_rows(Tensor(a!) out, Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias) -> ()");
   m.impl("dequantize_rows", c10::DispatchKey::CPU, &dequantize_rows);
 }
