@@ -1,6 +1,6 @@
 """float32 products over the weight in panels (kernels/attention/csrc/panel_linear_cpu.cpp) and the routes that use
 it (``Linear``, ``prepack_linear_weights``, the load log), against the exact product and against itself row by
-row. Skipped where the build has no AVX-512F."""
+row. Skipped where the build has neither AVX-512F nor AVX2."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.helpers import assert_rounded_once, cpu_kernels_loaded, linear_operan
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_loaded() or layers.compiled_panel_linear() is None,
-    reason="no panel kernel here (it needs a build with AVX-512F)",
+    reason="no panel kernel here (it needs a build with AVX-512F or AVX2)",
 )
 
 
@@ -35,8 +35,10 @@ def test_pack_panels_lays_out_32_features_per_panel_and_pads_the_last_with_zeros
 
 # (rows, out_features, in_features)
 SHAPES = [
-    (1, 1024, 512),  # one request: four panels side by side
-    (3, 100, 37),  # two panels side by side, a last partial panel, in_features not a multiple of 16
+    (1, 1024, 512),  # one request: four panels side by side (AVX2: three, and two left one at a time)
+    (2, 100, 37),  # two requests (AVX2: one panel at a time), a last partial panel, in_features odd
+    (3, 100, 37),  # two panels side by side (AVX2: a block of three rows), a last partial panel
+    (6, 70, 300),  # one whole block: k in slices of 128 and a last one of 44, a last panel with 6 features
     (4, 16, 5),  # a single partial panel, half of it empty
     (5, 33, 64),  # the register-blocked walk at its fewest rows, a panel with one feature in it
     (64, 1024, 512),  # small's qkv projection at a decode batch: blocks of 13, 13, 13, 13, 12 rows
