@@ -9,8 +9,8 @@ pass over all of them per route, the routes interleaved round by round:
 - float32: ``packed`` (oneDNN's prepacked weight, what float32's LM head runs without the panel kernel),
   ``column-major`` (``F.linear`` on the weight stored transposed, what float32's projections run without it),
   ``panels`` (the compiled panel kernel on ``pack_panels``' layout, what every float32 ``Linear`` runs where the
-  build has AVX-512F), ``mkl`` (``F.linear`` on the weight as loaded), ``gemv`` (the compiled kernel on the dense
-  weight, ``--dense-decode-weights``; at most 4 rows);
+  build has AVX-512F or AVX2), ``mkl`` (``F.linear`` on the weight as loaded), ``gemv`` (the compiled kernel on the
+  dense weight, ``--dense-decode-weights``; at most 4 rows);
 - bfloat16: ``packed`` (oneDNN's prepacked weight, what bfloat16 runs without AMX), ``amx`` (the compiled AMX kernel
   on the dense weight, what bfloat16 runs at 5 to ``AMX_MAX_ROWS`` rows on a CPU with AMX), ``dense`` (``F.linear``
   on the dense weight: oneDNN repacks it per call; what it runs above ``AMX_MAX_ROWS`` rows there), ``gemv``;
@@ -83,7 +83,7 @@ def routes(rows: int, shapes: tuple[tuple[int, int], ...] = SHAPES) -> tuple[dic
     out["float32"]["column-major"] = lambda: [F.linear(x32[w.shape[1]], w) for w in column_major]
     panel_ops = compiled_panel_linear()
     if panel_ops is None:
-        missing.append("float32 panels: no panel kernel loaded (the kernels not built, or no AVX-512F)")
+        missing.append("float32 panels: no panel kernel loaded (the kernels not built, or neither AVX-512F nor AVX2)")
     else:
         panels = [pack_panels(w) for w in weights]
 

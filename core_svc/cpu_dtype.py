@@ -7,10 +7,9 @@ held to AVX2 (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INST
 projection took 1.6 ms at 1 row and 6.7 ms at 64 rows that way against float32's 0.7 and 6.6 ms, and bfloat16
 matmuls took 0.6 and 35.5 ms. So on such a CPU the core warns and loads float32 (float16 likewise, needing
 ``avx512_fp16`` or ``amx_fp16``), and its warning names what compresses there: ``--quantization int8``, faster than
-float32 where the CPU has int8 dot products (VNNI, AMX); without them (AVX2), measured held to AVX2
-(docs/benchmarks.md, "Held to AVX2"), faster for one request only (0.77-0.88x float32's time per token; batches
-0.57x float32's throughput, oneDNN's integer sums being inexact there); ``--kv-cache-dtype bfloat16`` for the KV
-cache.
+float32 where the CPU has int8 dot products (VNNI, AMX) and, through the compiled AVX2 int8 kernel, where it has
+AVX2 without them (on an AMD Zen 3: 1.5-1.6x float32's batch throughput, 0.34-0.42x its time per token for one
+request; docs/benchmarks.md, "int8 on AVX2: an AMD Zen 3"); ``--kv-cache-dtype bfloat16`` for the KV cache.
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ NATIVE_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
     torch.float16: ("avx512_fp16", "amx_fp16"),
 }
-# the flags that give oneDNN exact int8 sums, so --quantization int8 batches multiply in integers
-# (core_svc.models.quantization.int_mm_is_exact checks the product itself at run time)
-INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+# the flags of int8 dot-product instructions: oneDNN's int8 product (exact and fast) and int8_gemv run on them;
+# without them int8 takes the AVX2 kernel (core_svc.models.quantization.has_int8_dot_products)
+INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -52,13 +51,15 @@ def cpu_compute_dtype(requested: torch.dtype, flags: frozenset[str]) -> tuple[to
     name = str(requested).removeprefix("torch.")
     if any(f in flags for f in NATIVE_FLAGS[torch.bfloat16]):  # float16 asked for on a CPU with bfloat16
         instead = "--dtype bfloat16 runs in 16 bits on this CPU"
-    elif any(f in flags for f in INT8_DOT_FLAGS):
+    elif flags & INT8_DOT_FLAGS:
         instead = "--quantization int8 compresses the weights and runs faster than float32 on this CPU"
-    else:  # oneDNN's int8 sums saturate without VNNI: batches multiply by the dequantized weight
+    elif "avx2" in flags:
         instead = (
-            "--quantization int8 compresses the weights on this CPU (one request's decode faster than float32, "
-            "batches slower)"
+            "--quantization int8 compresses the weights and runs faster than float32 on this CPU (through the "
+            "compiled AVX2 int8 kernel)"
         )
+    else:
+        instead = "--quantization int8 compresses the weights on this CPU"
     return torch.float32, (
         f"dtype {name} asked for, but this CPU has no {name} arithmetic (none of the flags {', '.join(needed)}): "
         f"torch would emulate it at a fraction of float32's speed, so the model runs in float32 instead; "

@@ -148,12 +148,12 @@ def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dt
 
 
 def test_without_gemv_the_column_major_weights_serve_every_row(monkeypatch):
-    """A build without gemv and panel_linear (an AVX2 CPU): no dense copies are kept; float32's column-major
+    """A build without gemv and panel_linear (a CPU without AVX2): no dense copies are kept; float32's column-major
     weights go through F.linear at every row count."""
     _kernels()
     monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)
     monkeypatch.setattr(few_row_decoder, "compiled_gemv", lambda dtype: None)
-    monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # it needs AVX-512F too
+    monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # nor panel_linear (AVX-512F or AVX2)
     model = _model("biases", torch.float32, "dense")
     projections = [m for m in model.modules() if isinstance(m, layers.Linear)]
     assert all(m.dense_weight is None and m.weight.t().is_contiguous() for m in projections)
@@ -301,7 +301,8 @@ def test_malformed_inputs_are_refused_with_the_reason():
         decoder.add_projection("down", 256, "panels", torch.zeros(8, 351, 32), None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: contiguous float32 panels"):
         decoder.add_projection("down", 256, "panels", torch.zeros(8, 352, 32).bfloat16(), None, 0, None, None, None)
-    # the panels' bias is checked where the build has the panel kernel (AVX-512F); elsewhere the kind is refused
+    # the panels' bias is checked where the build has the panel kernel (AVX-512F or AVX2); elsewhere the kind is
+    # refused
     refusal = (
         "down: bias float32, one per output feature" if layers.compiled_panel_linear() else "kind panels needs a build"
     )

@@ -349,13 +349,22 @@ def test_cpu_compute_dtype_by_flags(requested, flags, expected, missing):
 @pytest.mark.parametrize(
     ("requested", "flags", "advice"),
     [
-        (torch.bfloat16, {"avx2", "fma"}, "--quantization int8 compresses the weights on this CPU (one request's"),
-        (torch.bfloat16, {"avx2", "avx512f", "avx512_vnni"}, "--quantization int8 compresses the weights and runs "),
+        (
+            torch.bfloat16,
+            {"avx2", "fma"},
+            "int8 compresses the weights and runs faster than float32 on this CPU (through",
+        ),
+        (
+            torch.bfloat16,
+            {"avx2", "avx512f", "avx512_vnni"},
+            "int8 compresses the weights and runs faster than float32 ",
+        ),
+        (torch.bfloat16, {"sse4_2"}, "--quantization int8 compresses the weights on this CPU;"),
         (torch.float16, {"avx2", "avx512_vnni", "avx512_bf16"}, "--dtype bfloat16 runs in 16 bits on this CPU"),
     ],
 )
 def test_the_fallback_warning_names_what_compresses_on_this_cpu(requested, flags, advice):
-    """int8 batches are faster than float32 only with int8 dot products (VNNI, AMX: exact integer sums); a CPU
+    """int8 is faster than float32 with int8 dot products (VNNI, AMX) and, through the AVX2 kernel, with AVX2; a CPU
     with bfloat16 but not float16 is pointed at bfloat16."""
     _, warning = cpu_compute_dtype(requested, frozenset(flags))
     assert (

@@ -106,7 +106,8 @@ PANEL_WIDTH = 32
 
 def compiled_panel_linear() -> Any:
     """The CPU kernels' ops (``kernels.attention.cpu_ops.loaded_ops``) when they are loaded and their build can
-    multiply float32 over a weight in panels (``panel_linear``: AVX-512F in the build), else None."""
+    multiply float32 over a weight in panels (``panel_linear``: AVX-512F, or AVX2 with FMA, in the build), else
+    None."""
     return compiled_ops_where("panel_linear_available")
 
 
@@ -195,13 +196,16 @@ class Linear(nn.Linear):
     measured faster where it is used (``small``, one thread, this project's 2-core AVX-512 machine;
     docs/benchmarks.md):
 
-    - panels (float32, every ``Linear``, where the build has the AVX-512F panel kernel): ``pack_panels``'s
-      [ceil(out_features / 32), in_features, 32], multiplied by the compiled ``panel_linear`` at every row count.
-      Over the column-major layout below, small's 33 weight matrices took 0.63-0.72x the time at 16 rows,
-      0.89-1.01x at 64, 0.90-0.98x at 256, about the same at one row, and the projections 0.95-1.14x at a 1458-row
-      prefill chunk ("float32 products over weight panels"). Sums in order over in_features, so rounding differs
-      from sgemm's in the order only (~1e-7 relative) and a row's result does not depend on the batch beside it.
-    - column-major (float32's projections without the panel kernel): the same values stored as [in_features,
+    - panels (float32, every ``Linear``, where the build has the panel kernel: AVX-512F, or AVX2 with FMA):
+      ``pack_panels``'s [ceil(out_features / 32), in_features, 32], multiplied by the compiled ``panel_linear`` at
+      every row count. Over the column-major layout below, small's 33 weight matrices took 0.63-0.72x the time at
+      16 rows, 0.89-1.01x at 64, 0.90-0.98x at 256, about the same at one row, and the projections 0.95-1.14x at a
+      1458-row prefill chunk ("float32 products over weight panels"). On an AVX2 AMD Zen 3 core they took 0.54-0.60x
+      the time of the two layouts below as this CPU would use them (the packed one beat the column-major one from
+      three rows there) at one to four rows, and 0.8x the packed layout's at 64 ("float32 panels on AVX2"). Sums in
+      order over in_features, so rounding differs from sgemm's in the order only (~1e-7 relative) and a row's result
+      does not depend on the batch beside it.
+    - column-major (float32's projections without the panel kernel: no AVX2): the same values stored as [in_features,
       out_features] (``weight`` is their transposed view), which sgemm multiplies as they are: a decode step's
       projections at 32-128 rows took 1.1-1.4x less time than oneDNN's packed weight, at one row 1.35x less (about
       the compiled matrix-vector kernel's rate); 2048-row prefill chunks the same alone, 1.1x more in the engine

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_svc.cpu_dtype import cpu_flags
+from core_svc.cpu_dtype import INT8_DOT_FLAGS, cpu_flags
 from core_svc.models.layers import Linear, compiled_ops_where, notify_weights_replaced
 from kernels.attention.cpu_ops import loaded_ops
 
@@ -140,16 +140,13 @@ def int_mm_is_exact() -> bool:
         return False
 
 
-INT8_DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
 @functools.cache
 def has_int8_dot_products() -> bool:
-    """Whether this CPU's ``/proc/cpuinfo`` flags name int8 dot-product instructions (``INT8_DOT_PRODUCT_FLAGS``),
+    """Whether this CPU's ``/proc/cpuinfo`` flags name int8 dot-product instructions (``INT8_DOT_FLAGS``),
     which oneDNN's int8 product (``torch._int_mm``) and ``int8_gemv`` run on. Without them oneDNN's product either
     saturates its sums (``int_mm_is_exact``: an Intel Xeon held to AVX2) or is exact and slow (an AMD Zen 3: 124 ms
     for 64 rows of small's gate_up projection, against 1.6 ms through ``int8_panel_linear``)."""
-    return bool(cpu_flags() & INT8_DOT_PRODUCT_FLAGS)
+    return bool(cpu_flags() & INT8_DOT_FLAGS)
 
 
 def int8_panel_ops() -> Any:

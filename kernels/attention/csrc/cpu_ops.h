@@ -26,7 +26,7 @@ void int8_panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& x_
                        const at::Tensor& w_scales, const c10::optional<at::Tensor>& bias);
 
 // panel_linear_cpu.cpp: float32 out [rows, n] = x [rows, k] @ w.T (+ bias) over w laid out in panels of 32 output
-// features ([ceil(n / 32), k, 32]).
+// features ([ceil(n / 32), k, 32]); AVX-512F or AVX2.
 bool panel_linear_available();
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
 
