@@ -40,9 +40,9 @@ SHAPES = [
     (3, 100, 37),  # two panels side by side (AVX2: a block of three rows), a last partial panel
     (6, 70, 300),  # one whole block: k in slices of 128 and a last one of 44, a last panel with 6 features
     (4, 16, 5),  # a single partial panel, half of it empty
-    (5, 33, 64),  # the register-blocked walk at its fewest rows, a panel with one feature in it
-    (64, 1024, 512),  # small's qkv projection at a decode batch: blocks of 13, 13, 13, 13, 12 rows
-    (70, 512, 1408),  # small's down projection: k in slices of 256 and a last one of 128
+    (5, 33, 64),  # the register-blocked walk at its fewest rows on AVX-512 (AVX2: from three), a one-feature panel
+    (64, 1024, 512),  # small's qkv projection at a decode batch: blocks of 6 rows (nine) and 5 (two)
+    (70, 512, 1408),  # small's down projection: k in eleven slices of 128
     (300, 96, 96),  # rows past a chunk of 256
     (200, 80, 4000),  # a chunk cut to 65 rows by a wide in_features
     (40, 4128, 64),  # more panels than a parallel share: split over two threads
@@ -93,6 +93,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, in_features):
         ("out_width", r"out_features in \(32, 64\] \(2 panels of 32\), got Float \[3, 65\]"),
         ("bias_size", r"bias: contiguous float32 \[out_features=50\], got Float \[49\]"),
         ("alias", r"out: must not share memory with x or panels"),
+        ("bias_alias", r"out: must not share memory with bias"),
     ],
 )
 def test_the_kernel_names_what_it_refuses(change, message):
@@ -114,6 +115,8 @@ def test_the_kernel_names_what_it_refuses(change, message):
     elif change == "alias":
         buffer = torch.zeros(3 * 96)
         x, out = buffer.view(3, 96), buffer[: 3 * 50].view(3, 50)
+    elif change == "bias_alias":  # partial sums would overwrite the bias before it is added
+        bias = out[0]
     with pytest.raises(RuntimeError, match=message):
         ops.panel_linear(out, x, panels, bias)
 

@@ -302,7 +302,8 @@ inline void store_columns(float* p, bool full, __m256i mask, __m256 value) {
 // from `panel`, a panel row kPanel floats long), into out's 16 columns (rows at stride n): stored, or added to what
 // is there (`accumulate`), plus the bias after the last slice (`bias` non-null). 6 rows x 2 vectors of sums, the
 // two weight vectors and a broadcast take 15 of the 16 registers. `masks[v]`: which of vector v's columns exist
-// (all: `full`). Meanwhile `prefetch_lines` 64-byte lines from `prefetch` are brought into L2, one per step of k.
+// (all: `full`). Meanwhile `prefetch_lines` 64-byte lines from `prefetch` are brought into L2, one per step of k
+// (those past `depth`, where a short last slice precedes a full one, before the walk).
 template <int kRows>
 void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t depth, float* out, int64_t n,
                     bool accumulate, const float* bias, const __m256i* masks, bool full, const char* prefetch,
@@ -313,6 +314,7 @@ void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_
       sum[i][v] = accumulate ? load_columns(out + i * n + 8 * v, full, masks[v]) : _mm256_setzero_ps();
     }
   }
+  for (int64_t line = depth; line < prefetch_lines; ++line) _mm_prefetch(prefetch + 64 * line, _MM_HINT_T1);
   for (int64_t k = 0; k < depth; ++k) {
     if (k < prefetch_lines) _mm_prefetch(prefetch + 64 * k, _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
@@ -464,6 +466,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
                 "bias: contiguous float32 [out_features=", n, "], got ", bias->scalar_type(), " ", bias->sizes());
+    TORCH_CHECK(!out.is_alias_of(*bias), "out: must not share memory with bias");  // partial sums land in out
     b = bias->data_ptr<float>();
   }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
