@@ -5,6 +5,8 @@ benchmark's ``small`` checkpoint (qkv, o, gate_up, down, the LM head) and rows 1
 time of one call (interleaved repeats, the best of each: the machine's load only ever adds) of:
 - float32: the weight column-major through MKL (``core_svc.models.layers.Linear``, what float32's projections
   run without the panel kernel);
+- f32panels: the weight in panels through the compiled ``panel_linear`` (what every float32 ``Linear`` runs where
+  the build has it: AVX-512F or AVX2); "-" where it has not;
 - bfloat16: oneDNN with the weight prepacked (what bfloat16 runs);
 - int8pack: ``torch._weight_int8pack_mm`` (weight-only, bfloat16 activations);
 - w8a8: activations quantized per row and ``torch._int_mm`` (int8 x int8 -> int32), rescaled
@@ -24,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from core_svc.models.layers import Linear, compiled_ops_where
+from core_svc.models.layers import Linear, compiled_ops_where, compiled_panel_linear
 from core_svc.models.quantization import int8_linear_w8a8, pack_int8_panels, quantize_int8_per_channel
 from kernels.attention import cpu_ops
 from splitserve.base import envs
@@ -63,12 +65,18 @@ def routes(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
         bf16.prepack()
     q, scales = quantize_int8_per_channel(weight)
     scales_bf16, x_bf16 = scales.to(torch.bfloat16), x.to(torch.bfloat16)
-    found = {
+    found: dict[str, Callable[[], object]] = {
         "float32": lambda: f32(x),
         "bfloat16": lambda: bf16(x_bf16),
         "int8pack": lambda: torch._weight_int8pack_mm(x_bf16, q, scales_bf16),
         "w8a8": lambda: int8_linear_w8a8(x, q, scales, None),
     }
+    if compiled_panel_linear() is not None:
+        f32_panels = Linear(k, n, bias=False)
+        with torch.no_grad():
+            f32_panels.weight.copy_(weight)
+        f32_panels.prepack(panels=True)
+        found["f32panels"] = lambda: f32_panels(x)
     ops = compiled_ops_where("int8_panel_linear_available")
     if ops is not None:
         panels = pack_int8_panels(q)
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         cpu_ops.load(envs.kernel_dir())
     except cpu_ops.KernelBuildError as e:
         print(f"no compiled CPU kernels ({e.reason}): no int8panels column")
-    names = ("float32", "bfloat16", "int8pack", "w8a8", "int8panels")
+    names = ("float32", "f32panels", "bfloat16", "int8pack", "w8a8", "int8panels")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {args.repeats}, ms per call")
     print(f"{'weight [N, K]':>22} {'rows':>5} " + " ".join(f"{name:>10}" for name in names))
     with torch.inference_mode():

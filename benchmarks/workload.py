@@ -26,14 +26,15 @@ PROMPT_LEN_RANGE = (16, 1024)
 def splitserve_precision(name: str) -> dict[str, str | bool]:
     """``CoreConfig`` fields of a splitserve precision the benchmarks name: a dtype (float32, bfloat16,
     float16), int8: float32 with int8 linears (``--quantization int8``), a dtype with ``-dense`` (float32-dense,
-    bfloat16-dense): that dtype with dense weights for few-row steps (``--dense-decode-weights``), or
-    float32-kv-bfloat16: float32 with a bfloat16 KV cache (``--kv-cache-dtype bfloat16``)."""
+    bfloat16-dense): that dtype with dense weights for few-row steps (``--dense-decode-weights``); any of these with
+    ``-kv-bfloat16`` (float32-kv-bfloat16, int8-kv-bfloat16): with a bfloat16 KV cache (``--kv-cache-dtype
+    bfloat16``)."""
+    if name.endswith("-kv-bfloat16"):
+        return splitserve_precision(name.removesuffix("-kv-bfloat16")) | {"kv_cache_dtype": "bfloat16"}
     if name == "int8":
         return {"dtype": "float32", "quantization": "int8"}
     if name in ("float32-dense", "bfloat16-dense"):  # the dtypes that keep dense copies (prepack_linear_weights)
         return {"dtype": name.removesuffix("-dense"), "dense_decode_weights": True}
-    if name == "float32-kv-bfloat16":
-        return {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
     return {"dtype": name}
 
 

@@ -8,8 +8,8 @@ projection took 1.6 ms at 1 row and 6.7 ms at 64 rows that way against float32's
 matmuls took 0.6 and 35.5 ms. So on such a CPU the core warns and loads float32 (float16 likewise, needing
 ``avx512_fp16`` or ``amx_fp16``), and its warning names what compresses there: ``--quantization int8``, faster than
 float32 where the CPU has int8 dot products (VNNI, AMX) and, through the compiled AVX2 int8 kernel, where it has
-AVX2 without them (on an AMD Zen 3: 1.5-1.6x float32's batch throughput, 0.34-0.42x its time per token for one
-request; docs/benchmarks.md, "int8 on AVX2: an AMD Zen 3"); ``--kv-cache-dtype bfloat16`` for the KV cache.
+AVX2 without them (on an AMD Zen 3: 1.1-1.3x float32's batch throughput, 0.34-0.42x its time per token for one
+request; docs/benchmarks.md, "float32 panels on AVX2"); ``--kv-cache-dtype bfloat16`` for the KV cache.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ def test_splitserve_precision_names():
     assert splitserve_precision("float32-dense") == {"dtype": "float32", "dense_decode_weights": True}
     assert splitserve_precision("bfloat16-dense") == {"dtype": "bfloat16", "dense_decode_weights": True}
     assert splitserve_precision("float32-kv-bfloat16") == {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
+    int8_kv = {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "bfloat16"}
+    assert splitserve_precision("int8-kv-bfloat16") == int8_kv
     # the peak each one's MFU is over: its compute dtype; int8's integer products stand over float32's
     names = ("float32", "int8", "float32-dense", "float32-kv-bfloat16", "bfloat16", "bfloat16-dense")
     assert [matmul_dtype(n) for n in names] == ["float32"] * 4 + ["bfloat16"] * 2

@@ -23,7 +23,8 @@ On x86 CPUs without int8 dot products (AVX2 without VNNI: ``has_int8_dot_product
 saturates its sums or runs slowly, every row count goes to the compiled AVX2 kernel ``int8_panel_linear`` over a
 second copy of the weight laid out in panels of 16 output features (``pack_int8_panels``): the W8A8 values above,
 its int32 sums from ``vpmaddwd`` exact. Over small's five matrices on a Zen 3 core (``python -m
-benchmarks.int8_matmul``, one thread) it took 0.42-0.69x float32's time at 64 and 256 rows, and over the five
+benchmarks.int8_matmul``, one thread) it took 0.42-0.69x the time of float32's MKL product at 64 and 256 rows
+(0.49-0.63x that of float32's own panel kernel, which float32 takes on that CPU too), and over the five
 together 0.83x the weight-only kernel's time at one row, 0.54x at four (before its one- and two-row walk, which
 took 0.4-0.6x the time of its blocks at one row). Without that kernel (no AVX2, or the kernels
 not loaded) the routes above run: few rows through ``torch._weight_int8pack_mm``, more through ``torch._int_mm``
