@@ -72,6 +72,15 @@ constexpr int64_t kChunkBytes = int64_t{1} << 20;
 // a parallel region costs more (fork, barrier) than it saves.
 constexpr int64_t kShareMultiplyAdds = int64_t{4} << 20;
 
+// Register blocks of a chunk's rows, as even as they can be: `count` blocks of `base` or `base + 1` rows (64 rows:
+// nine of 6, two of 5), block b of rows(b).
+struct RowBlocks {
+  int64_t count, base, longer;
+  explicit RowBlocks(int64_t rows)
+      : count((rows + kRowBlock - 1) / kRowBlock), base(rows / count), longer(rows % count) {}
+  int rows(int64_t b) const { return static_cast<int>(base + (b < longer)); }
+};
+
 #if defined(__AVX512F__)
 // Which of the 16 output columns from `feature0` on exist (of n).
 inline __mmask16 column_mask(int64_t n, int64_t feature0) {
@@ -218,9 +227,7 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
     default:
       break;
   }
-  // row blocks as even as they can be: `blocks` of `base` or `base + 1` rows (64 rows: nine of 6, two of 5)
-  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-  const int64_t base = rows / blocks, longer = rows % blocks;
+  const RowBlocks blocks(rows);
   // The walk reads panels [begin, end) two at a time, a slice (up to kDepth values of k) of both at once: the first
   // slices are brought into L2 before it starts, each later pair while the pair before it is multiplied.
   const int64_t panel_stride = k * kPanel;
@@ -245,10 +252,10 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
       const int64_t per_panel = 2 * std::min(kDepth, k - next_k0);  // lines of one panel's slice
       const float* next = panels + next_p * panel_stride + next_k0 * kPanel;
       const int64_t lines = next_count * per_panel;
-      const int64_t share = (lines + blocks - 1) / blocks;
+      const int64_t share = (lines + blocks.count - 1) / blocks.count;
       int64_t row = 0;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int block_rows = static_cast<int>(base + (b < longer));
+      for (int64_t b = 0; b < blocks.count; ++b) {
+        const int block_rows = blocks.rows(b);
         const int64_t from = std::min(lines, b * share), to = std::min(lines, from + share);
         PrefetchLines prefetch;
         if (from < per_panel) {
@@ -398,8 +405,7 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
     default:
       break;
   }
-  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
-  const int64_t base = rows / blocks, longer = rows % blocks;
+  const RowBlocks blocks(rows);
   const int64_t panel_stride = k * kPanel;
   for (int64_t p = begin; p < end; ++p) {
     __m256i masks[4];
@@ -412,10 +418,10 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
       const int64_t next_p = last ? p + 1 : p, next_k0 = last ? 0 : k0 + depth;
       const char* next = reinterpret_cast<const char*>(panels + next_p * panel_stride + next_k0 * kPanel);
       const int64_t next_lines = next_p < end ? std::min(kDepth, k - next_k0) * kPanel * 4 / 64 : 0;
-      const int64_t share = (next_lines + 2 * blocks - 1) / (2 * blocks);
+      const int64_t share = (next_lines + 2 * blocks.count - 1) / (2 * blocks.count);
       int64_t row = 0, line = 0;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int block_rows = static_cast<int>(base + (b < longer));
+      for (int64_t b = 0; b < blocks.count; ++b) {
+        const int block_rows = blocks.rows(b);
         for (int half = 0; half < 2; ++half) {
           const int64_t feature0 = p * kPanel + 16 * half;
           const int64_t lines = std::clamp<int64_t>(next_lines - line, 0, share);
