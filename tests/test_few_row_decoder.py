@@ -127,12 +127,13 @@ def _int8_route(monkeypatch: Any, weights: str) -> None:
     if weights == "int8" and vnni_ops() is None and int8_panel_ops() is None:
         pytest.skip("this build has neither int8_gemv (AVX-512 VNNI) nor int8_panel_linear (AVX2)")
     if weights == "int8-panels":
-        if loaded_int8_panel_linear() is None:
+        if _int8_panel_kernel() is None:
             pytest.skip("this build has no int8_panel_linear (AVX2)")
         monkeypatch.setattr(quantization, "has_int8_dot_products", lambda: False)
 
 
-def loaded_int8_panel_linear() -> Any:
+def _int8_panel_kernel() -> Any:
+    """The loaded CPU kernels when their build has int8_panel_linear (AVX2), whatever the CPU's int8 route."""
     return layers.compiled_ops_where("int8_panel_linear_available")
 
 
@@ -313,7 +314,7 @@ def test_malformed_inputs_are_refused_with_the_reason():
         decoder.add_projection("down", 256, "int8_panels", panels, None, 0, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: scales contiguous float32 \[256\]"):
         decoder.add_projection("down", 256, "int8_panels", panels, None, 0, None, torch.ones(255), None)
-    if loaded_int8_panel_linear() is not None:
+    if _int8_panel_kernel() is not None:
         with pytest.raises(RuntimeError, match=r"down: contiguous int8 panels \[16, 176, 16, 2\]"):
             decoder.add_projection("down", 256, "int8_panels", panels[:, :175], None, 0, None, torch.ones(256), None)
         with pytest.raises(RuntimeError, match=r"down: bias float32, one per output feature"):

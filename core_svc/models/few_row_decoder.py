@@ -8,10 +8,10 @@ bit for bit; what it removes is Python and torch's dispatch between them (about 
 of one request's 11 ms float32 forward; docs/benchmarks.md, "One call per decode step").
 
 It covers every projection ``Linear`` and ``Int8Linear`` run at these rows (``gemv`` on dense copies, torch's
-``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``, ``int8_panel_linear`` on
-int8 panels), SiLU-gated MLPs and
-the ``cpu`` attention backend; a projection wrapped for LoRA adapters (``AdapterWrapper``) by its base projection,
-so a step in which no request uses an adapter (``lora_batches``: ``LlamaModel.forward`` checks) is one call too.
+``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``, ``int8_panel_linear``
+on int8 panels), SiLU-gated MLPs and the ``cpu`` attention backend; a projection wrapped for LoRA adapters
+(``AdapterWrapper``) by its base projection, so a step in which no request uses an adapter (``lora_batches``:
+``LlamaModel.forward`` checks) is one call too.
 Anything else (int8 on ``torch._weight_int8pack_mm``'s route, another activation or backend, another wrapper) keeps
 the per-layer path.
 """

@@ -202,9 +202,9 @@ class Linear(nn.Linear):
       16 rows, 0.89-1.01x at 64, 0.90-0.98x at 256, about the same at one row, and the projections 0.95-1.14x at a
       1458-row prefill chunk ("float32 products over weight panels"). On an AVX2 AMD Zen 3 core they took 0.87x the
       time of the faster of the two layouts below at one row, 0.60-0.61x at two to four and 0.8x at 64 (the packed
-      one beat the column-major one from three rows there; "float32 panels on AVX2"). Sums in
-      order over in_features, so rounding differs from sgemm's in the order only (~1e-7 relative) and a row's result
-      does not depend on the batch beside it.
+      one beat the column-major one from three rows there; "float32 panels on AVX2"). Sums in order over
+      in_features, so rounding differs from sgemm's in the order only (~1e-7 relative) and a row's result does not
+      depend on the batch beside it.
     - column-major (float32's projections without the panel kernel: no AVX2): the same values stored as [in_features,
       out_features] (``weight`` is their transposed view), which sgemm multiplies as they are: a decode step's
       projections at 32-128 rows took 1.1-1.4x less time than oneDNN's packed weight, at one row 1.35x less (about
