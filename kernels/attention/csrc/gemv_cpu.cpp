@@ -100,8 +100,12 @@ inline void gemv_block(const typename T::scalar* x, const typename T::scalar* w,
       for (int m = 0; m < ROWS; ++m) acc[r][m] = T::multiply_add(acc[r][m], xv[m], wv);
     }
   }
+  // Unrolled as the loops above: a loop here, over acc by a variable index, made GCC 12 keep acc on the stack and
+  // store every sum on each step of i.
+#pragma GCC unroll 8
   for (int r = 0; r < BLOCK; ++r) {
     const int64_t j = j0 + r;
+#pragma GCC unroll 4
     for (int m = 0; m < ROWS; ++m) {
       const float sum = _mm512_reduce_add_ps(acc[r][m]);
       T::store(out + m * n + j, bias != nullptr ? sum + bias[j] : sum);

@@ -224,8 +224,11 @@ inline void int8_gemv_block(const uint8_t* xu, int64_t k, const int8_t* w, const
       for (int m = 0; m < ROWS; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv[m], wv);
     }
   }
+  // Unrolled as the loops above, or GCC 12 keeps acc on the stack (as gemv_block's, gemv_cpu.cpp).
+#pragma GCC unroll 8
   for (int r = 0; r < BLOCK; ++r) {
     const int64_t j = j0 + r;
+#pragma GCC unroll 4
     for (int m = 0; m < ROWS; ++m) {
       const int32_t total = _mm512_reduce_add_epi32(acc[r][m]) - 128 * sums[j];
       const float value = static_cast<float>(total) * xs[m] * ws[j];

@@ -104,10 +104,14 @@ struct PrefetchLines {
 // stored, or added to what is there (`accumulate`, the slices after the first), plus the bias after the last slice
 // (`bias` non-null, its columns). `masks[v]`: which of vector v's 16 columns exist. Meanwhile the `prefetch`
 // lines are brought into L2, spread evenly over the walk.
+//
+// Never inlined: inlined into multiply_panels, GCC 12 kept 23 of the 24 sums on the stack (a load and a store per
+// multiply-add), and 64 rows of small's down projection ran at 51-57 GFLOP/s instead of 80-125 on a Sapphire Rapids
+// core (docs/benchmarks.md, "Register blocks kept in registers"). A call per block and slice costs nothing beside it.
 template <int kRows, int kPanels>
-void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t panel_stride, int64_t depth,
-                    float* out, int64_t n, bool accumulate, const float* bias, const __mmask16* masks,
-                    const PrefetchLines& prefetch) {
+[[gnu::noinline]] void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t panel_stride,
+                                      int64_t depth, float* out, int64_t n, bool accumulate, const float* bias,
+                                      const __mmask16* masks, const PrefetchLines& prefetch) {
   constexpr int kVectors = 2 * kPanels;
   __m512 sum[kRows][kVectors];
   for (int i = 0; i < kRows; ++i) {
@@ -310,13 +314,16 @@ inline void store_columns(float* p, bool full, __m256i mask, __m256 value) {
 // is there (`accumulate`), plus the bias after the last slice (`bias` non-null). 6 rows x 2 vectors of sums, the
 // two weight vectors and a broadcast take 15 of the 16 registers. `masks[v]`: which of vector v's columns exist
 // (all: `full`). Meanwhile `prefetch_lines` 64-byte lines from `prefetch` are brought into L2, one per step of k
-// (those past `depth`, where a short last slice precedes a full one, before the walk).
+// (those past `depth`, where a short last slice precedes a full one, before the walk). Never inlined, as the
+// AVX-512 block above: inlined, GCC 12 spilled all 12 sums here too.
 template <int kRows>
-void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t depth, float* out, int64_t n,
-                    bool accumulate, const float* bias, const __m256i* masks, bool full, const char* prefetch,
-                    int64_t prefetch_lines) {
+[[gnu::noinline]] void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t depth, float* out,
+                                      int64_t n, bool accumulate, const float* bias, const __m256i* masks, bool full,
+                                      const char* prefetch, int64_t prefetch_lines) {
   __m256 sum[kRows][2];
+#pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 2
     for (int v = 0; v < 2; ++v) {
       sum[i][v] = accumulate ? load_columns(out + i * n + 8 * v, full, masks[v]) : _mm256_setzero_ps();
     }
@@ -332,8 +339,10 @@ void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_
       sum[i][1] = _mm256_fmadd_ps(xi, w1, sum[i][1]);
     }
   }
+#pragma GCC unroll 2
   for (int v = 0; v < 2; ++v) {
     const __m256 b = bias == nullptr ? _mm256_setzero_ps() : load_columns(bias + 8 * v, full, masks[v]);
+#pragma GCC unroll 8
     for (int i = 0; i < kRows; ++i) {
       store_columns(out + i * n + 8 * v, full, masks[v], bias == nullptr ? sum[i][v] : _mm256_add_ps(sum[i][v], b));
     }
@@ -365,7 +374,9 @@ void multiply_few_rows(const float* x, const float* panels, const float* bias, f
   int64_t p = begin;
   for (; p + kStreams <= end; p += kStreams) {
     __m256 sum[kRows][4 * kStreams];
+#pragma GCC unroll 2
     for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 16
       for (int u = 0; u < 4 * kStreams; ++u) sum[i][u] = _mm256_setzero_ps();
     const float* panel = panels + p * k * kPanel;
     for (int64_t kk = 0; kk < k; ++kk) {
@@ -379,11 +390,13 @@ void multiply_few_rows(const float* x, const float* panels, const float* bias, f
         }
       }
     }
+#pragma GCC unroll 16
     for (int u = 0; u < 4 * kStreams; ++u) {
       const int64_t f0 = p * kPanel + 8 * u;  // the streams' panels are adjacent: vector u is columns 8u on
       const __m256i mask = column_mask(n, f0);
       const bool full = f0 + 8 <= n;
       const __m256 b = bias == nullptr ? _mm256_setzero_ps() : load_columns(bias + f0, full, mask);
+#pragma GCC unroll 2
       for (int i = 0; i < kRows; ++i) {
         store_columns(out + i * n + f0, full, mask, bias == nullptr ? sum[i][u] : _mm256_add_ps(sum[i][u], b));
       }
