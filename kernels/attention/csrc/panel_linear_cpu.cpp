@@ -106,7 +106,7 @@ struct PrefetchLines {
 // lines are brought into L2, spread evenly over the walk.
 //
 // Never inlined: inlined into multiply_panels, GCC 12 kept 23 of the 24 sums on the stack (a load and a store per
-// multiply-add), and 64 rows of small's down projection ran at 51-57 GFLOP/s instead of 80-125 on a Sapphire Rapids
+// multiply-add), and 64 rows of small's down projection ran at 48-57 GFLOP/s instead of 78-126 on a Sapphire Rapids
 // core (docs/benchmarks.md, "Register blocks kept in registers"). A call per block and slice costs nothing beside it.
 template <int kRows, int kPanels>
 [[gnu::noinline]] void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t panel_stride,
@@ -315,7 +315,8 @@ inline void store_columns(float* p, bool full, __m256i mask, __m256 value) {
 // two weight vectors and a broadcast take 15 of the 16 registers. `masks[v]`: which of vector v's columns exist
 // (all: `full`). Meanwhile `prefetch_lines` 64-byte lines from `prefetch` are brought into L2, one per step of k
 // (those past `depth`, where a short last slice precedes a full one, before the walk). Never inlined, as the
-// AVX-512 block above: inlined, GCC 12 spilled all 12 sums here too.
+// AVX-512 block above, and every loop over the sums unrolled: out of line with those loops rolled, GCC 12 stored
+// all 12 sums on every step of k.
 template <int kRows>
 [[gnu::noinline]] void multiply_block(const float* x, int64_t k_stride, const float* panel, int64_t depth, float* out,
                                       int64_t n, bool accumulate, const float* bias, const __m256i* masks, bool full,
