@@ -73,7 +73,7 @@ def stack_traffic(loop: list[str]) -> tuple[int, int]:
 
 
 def test_the_checker_sees_sums_kept_on_the_stack():
-    # the loop of the inlined block before the fix, as objdump printed it (three of its 24 multiply-adds)
+    # a loop shaped as the inlined block's before the fix, in objdump's syntax: a sum reloaded and stored per step
     spilled = [
         "vbroadcastss (%r15,%rdx,4),%zmm4",
         "vfmadd213ps 0x8(%rsp),%zmm1,%zmm11",
