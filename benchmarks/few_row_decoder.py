@@ -1,6 +1,7 @@
-"""One request's decoder forward on CPU, the one-call decoder (``FewRowDecoder``, core_svc/models/few_row_decoder.py)
-against the per-layer path it replaces, side by side in one process; with ``--compare fused-ops``, a step of any
-row count with the fused layer ops (``fused_layer_ops``) against torch's operators between the products.
+"""A decode step's decoder forward on CPU, the one-call decoder (``FewRowDecoder``, core_svc/models/few_row_decoder.py:
+the few-row one up to 4 rows, the batch one above) against the per-layer path it replaces, side by side in one
+process; with ``--compare fused-ops``, a step of any row count with the fused layer ops (``fused_layer_ops``)
+against torch's operators between the products.
 
 ``python -m benchmarks.few_row_decoder [--num-threads 1] [--rows 1] [--context 128] [--rounds 40]`` builds a
 ``LlamaModel`` of ``small``'s shape (8 layers, hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408; random
@@ -36,7 +37,7 @@ import torch
 
 from benchmarks.workload import Machine
 from core_svc.models.arch import ModelArchConfig
-from core_svc.models.layers import compiled_gemv, prepack_linear_weights
+from core_svc.models.layers import GEMV_MAX_ROWS, compiled_gemv, prepack_linear_weights
 from core_svc.models.llama import LlamaModel
 from core_svc.models.quantization import quantize_linear_weights, vnni_ops
 from kernels import AttentionMetadata
@@ -48,8 +49,9 @@ PRECISIONS = ("float32", "float32-dense", "bfloat16", "bfloat16-dense", "int8")
 BLOCK_SIZE = 16
 
 
-def build(precision: str) -> LlamaModel | str:
-    """``small``'s decoder in ``precision``, or why this machine cannot run it."""
+def build(precision: str, rows: int = 1) -> LlamaModel | str:
+    """``small``'s decoder in ``precision``, or why this machine cannot run it (or, for ``rows`` rows, why the
+    one-call decoder does not cover it)."""
     from transformers import LlamaConfig
 
     dtype = torch.bfloat16 if precision.startswith("bfloat16") else torch.float32
@@ -78,7 +80,8 @@ def build(precision: str) -> LlamaModel | str:
             return f"no gemv for {dtype} in this build"
         if not prepack_linear_weights(model, keep_dense=dense):
             return f"torch has no oneDNN for {dtype} here"
-    return model if model.few_row_decoder() is not None else "the one-call decoder does not cover it"
+    decoder = model.few_row_decoder() if rows <= GEMV_MAX_ROWS else model.batch_decoder()
+    return model if decoder is not None else f"the one-call decoder does not cover it at {rows} rows"
 
 
 def step(model: LlamaModel, rows: int, context: int) -> tuple[Any, ...]:
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--compare", choices=tuple(PATHS), default="one-call", help="the two paths timed")
-    parser.add_argument("--rows", type=int, default=1, help="requests in the step (1-4 for one-call)")
+    parser.add_argument("--rows", type=int, default=1, help="requests in the step")
     parser.add_argument("--context", type=int, default=128, help="tokens cached per request")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'precision':>15} {new_path + ' ms':>12} {old_path + ' ms':>13} {'saved ms':>9}  ratio")
     results: dict[str, Any] = {}
     for precision in PRECISIONS:
-        model = build(precision)
+        model = build(precision, args.rows if args.compare == "one-call" else 1)
         if isinstance(model, str):
             print(f"{precision:>15}  left out: {model}")
             results[precision] = model

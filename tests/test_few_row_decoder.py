@@ -1,6 +1,7 @@
-"""The compiled few-row decoder (core_svc/models/few_row_decoder.py, kernels/attention/csrc/decoder_cpu.cpp) against
-the per-layer path it replaces: the same outputs and the same stored keys and values, bit for bit, for every kind
-of projection and layer it covers; and the models it must leave to the per-layer path."""
+"""The compiled decoders of decode steps (core_svc/models/few_row_decoder.py, kernels/attention/csrc/decoder_cpu.cpp),
+for few rows and for batches, against the per-layer path they replace: the same outputs and the same stored keys and
+values, bit for bit, for every kind of projection and layer they cover; and the models they must leave to the
+per-layer path."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from kernels import AttentionMetadata
 from kernels.attention.torch_ref import TorchRefAttentionBackend
 from tests.helpers import cpu_kernels_loaded
 
-BLOCK_SIZE, NUM_BLOCKS = 4, 40
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+BATCH_ROWS = (5, 9)  # decode steps past GEMV_MAX_ROWS: the batch decoder's
 
 
 def _kernels() -> None:
@@ -146,6 +148,40 @@ def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dt
     model = _model(variant, dtype, weights)
     assert model.few_row_decoder() is not None
     _compare(monkeypatch, model, dtype)
+    # batches: one call wherever every projection's route is the same at every row count above GEMV_MAX_ROWS
+    if _batch_routes_fixed(model):
+        assert model.batch_decoder() is not None and model.batch_decoder().max_rows() == 2**63 - 1
+        _compare(monkeypatch, model, dtype, rows_list=BATCH_ROWS)
+    else:
+        assert model.batch_decoder() is None
+        _compare_per_layer(model, dtype)
+
+
+def _batch_routes_fixed(model: LlamaModel) -> bool:
+    """Whether the batch decoder covers ``model``: no per-head q/k norms (torch's RMSNorm above GEMV_MAX_ROWS rows),
+    and int8 projections in panels or, without them, on a CPU whose integer product is exact (W8A8 through
+    torch._int_mm; elsewhere Int8Linear multiplies by the dequantized weight)."""
+    if model.layers[0].self_attn.q_norm is not None:
+        return False
+    projections = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    return all(m.weight_panels is not None for m in projections) or quantization.int_mm_is_exact()
+
+
+def _compare_per_layer(model: LlamaModel, dtype: torch.dtype) -> None:
+    """A batch step where the batch decoder does not apply runs layer by layer."""
+    gen = torch.Generator().manual_seed(4)
+    input_ids, positions, caches, metadata = _step(model, [9, 1, 13, 5, 17], gen)
+    calls: list[int] = []
+    per_layer = llama.DecoderLayer.forward_fused
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return per_layer(*args)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama.DecoderLayer, "forward_fused", counted)
+        assert model(input_ids, positions, caches, metadata).dtype == dtype
+    assert len(calls) == len(model.layers)
 
 
 def test_without_gemv_the_column_major_weights_serve_every_row(monkeypatch):
@@ -162,11 +198,17 @@ def test_without_gemv_the_column_major_weights_serve_every_row(monkeypatch):
     _compare(monkeypatch, model, torch.float32)
 
 
-def _compare(monkeypatch: Any, model: LlamaModel, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> None:
+def _compare(
+    monkeypatch: Any,
+    model: LlamaModel,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+    rows_list: tuple[int, ...] = tuple(range(1, GEMV_MAX_ROWS + 1)),
+) -> None:
     gen = torch.Generator().manual_seed(1)
-    # 1 to GEMV_MAX_ROWS requests at lengths across block edges, past the sliding window, at a first token
-    for rows in range(1, GEMV_MAX_ROWS + 1):
-        seq_lens = [9, 1, 13, 5][:rows]
+    # requests at lengths across block edges, past the sliding window, at a first token
+    for rows in rows_list:
+        seq_lens = [9, 1, 13, 5, 17, 2, 4, 8, 12][:rows]
         input_ids, positions, caches, metadata = _step(model, seq_lens, gen, cache_dtype)
         reference_caches = [cache.clone() for cache in caches]
         with torch.no_grad(), monkeypatch.context() as patch:
@@ -187,8 +229,22 @@ def test_a_bfloat16_kv_cache_under_float32_is_one_call_too(monkeypatch, weights)
     """``--kv-cache-dtype bfloat16``: the one call stores and reads the narrower cache as the per-layer path does."""
     _kernels()
     model = _model("llama", torch.float32, weights)
-    assert model.few_row_decoder() is not None
+    assert model.few_row_decoder() is not None and model.batch_decoder() is not None
     _compare(monkeypatch, model, torch.float32, torch.bfloat16)
+    _compare(monkeypatch, model, torch.float32, torch.bfloat16, rows_list=BATCH_ROWS)
+
+
+def test_amx_weights_past_amx_max_rows_take_f_linear_in_one_call_too(monkeypatch):
+    """bfloat16 laid out for the AMX kernel: amx_linear up to AMX_MAX_ROWS rows, F.linear above, in the batch
+    decoder as in Linear.forward (AMX_MAX_ROWS lowered to 6 so that a 9-row step is above it)."""
+    _kernels()
+    if layers.compiled_amx_linear() is None:
+        pytest.skip("this build or CPU has no AMX kernel")
+    monkeypatch.setattr(layers, "AMX_MAX_ROWS", 6)
+    monkeypatch.setattr(few_row_decoder, "AMX_MAX_ROWS", 6)
+    model = _model("biases", torch.bfloat16, "packed")
+    assert all(m.amx for m in model.modules() if isinstance(m, layers.Linear))
+    _compare(monkeypatch, model, torch.bfloat16, rows_list=BATCH_ROWS)
 
 
 def test_replaced_weights_rebuild_the_decoder(monkeypatch):
@@ -253,6 +309,8 @@ def test_lora_wrapped_projections_take_one_call_only_in_steps_without_an_adapter
         )
     assert model.few_row_decoder() is not None and model.few_row_decoder() is not first
     _compare(monkeypatch, model, torch.float32)  # no adapter rows in these steps
+    if _batch_routes_fixed(model):  # and batches of them
+        _compare(monkeypatch, model, torch.float32, rows_list=BATCH_ROWS)
 
     input_ids, positions, caches, metadata = _step(model, [9, 13], gen)
     calls: list[int] = []
@@ -282,8 +340,14 @@ def test_malformed_inputs_are_refused_with_the_reason():
     hidden = model.embed_tokens(input_ids)
     cos, sin = model.rotary.tables(positions)
     args = (metadata.slot_mapping, metadata.block_table, metadata.seq_lens)
-    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
-        decoder.forward(hidden, cos, sin, caches, *args)
+    assert decoder.max_rows() == 2**63 - 1  # torch's products take any number of rows
+    with pytest.raises(RuntimeError, match="at least one row, got 0"):
+        decoder.forward(hidden[:0], cos[:0], sin[:0], caches, *args)
+    if layers.compiled_gemv(torch.float32) is not None:  # dense copies through gemv: at most its 4 rows
+        dense = _model("llama", torch.float32, "dense").few_row_decoder()
+        assert dense.max_rows() == GEMV_MAX_ROWS
+        with pytest.raises(RuntimeError, match=r"1 to 4 rows \(a projection of kind gemv or int8\), got 5"):
+            dense.forward(hidden, cos, sin, caches, *args)
     with pytest.raises(RuntimeError, match="a KV cache per layer: 3, got 2"):
         decoder.forward(hidden[:1], cos[:1], sin[:1], caches[:2], *args)
     with pytest.raises(RuntimeError, match="final_norm's dtype"):
@@ -310,8 +374,12 @@ def test_malformed_inputs_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match=refusal):
         decoder.add_projection("down", 256, "panels", torch.zeros(8, 352, 32), None, 0, torch.zeros(255), None, None)
     panels = torch.zeros(16, 176, 16, 2, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="down: scales for kinds int8 and int8_panels only"):
+    with pytest.raises(RuntimeError, match="down: scales for kinds int8, int8_panels and w8a8 only"):
         decoder.add_projection("down", 256, "int8_panels", panels, None, 0, None, None, None)
+    with pytest.raises(RuntimeError, match="down: the weight's dtype must be int8"):
+        decoder.add_projection("down", 256, "w8a8", torch.zeros(256, 352), None, 0, None, torch.ones(256), None)
+    with pytest.raises(RuntimeError, match="down: kind amx needs bfloat16 activations"):  # this decoder's: float32
+        decoder.add_projection("down", 256, "amx", torch.zeros(256, 352), None, 256, None, None, None)
     with pytest.raises(RuntimeError, match=r"down: scales contiguous float32 \[256\]"):
         decoder.add_projection("down", 256, "int8_panels", panels, None, 0, None, torch.ones(255), None)
     if _int8_panel_kernel() is not None:

@@ -113,28 +113,44 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # few_row_decoder's: None until built at the first decode step of few rows; False where it does not apply
+        # few_row_decoder's and batch_decoder's: None until built at the first decode step of few rows / of more;
+        # False where it does not apply
         self._few_row_decoder: Any = None
+        self._batch_decoder: Any = None
         self._lora_batches: tuple[Any, ...] = ()  # of its LoRA-wrapped projections: it runs none of their adapters
         self.few_row_decoder_enabled = True  # False: every step layer by layer (tests compare the two paths)
         self.fused_ops_enabled = True  # False: torch's operators between the products (tests and benchmarks compare)
 
     def few_row_decoder(self) -> Any:
-        """The compiled decoder for decode-only steps of few rows on CPU (``few_row_decoder.build_few_row_decoder``:
-        the per-layer path's values in one call), built on first use over this model's weight tensors, or None
-        where it does not apply or ``few_row_decoder_enabled`` is False."""
+        """The compiled decoder for decode-only steps of 1 to ``GEMV_MAX_ROWS`` rows on CPU
+        (``few_row_decoder.build_few_row_decoder``: the per-layer path's values in one call), built on first use over
+        this model's weight tensors, or None where it does not apply or ``few_row_decoder_enabled`` is False."""
+        return self._decoder(batch=False)
+
+    def batch_decoder(self) -> Any:
+        """``few_row_decoder``'s counterpart for decode-only steps of more rows (``build_few_row_decoder(batch=True)``),
+        or None where it does not apply (int8 multiplied by its dequantized weight, per-head q/k norms: that module's
+        docstring) or ``few_row_decoder_enabled`` is False."""
+        return self._decoder(batch=True)
+
+    def _decoder(self, batch: bool) -> Any:
         if not self.few_row_decoder_enabled:
             return None
-        if self._few_row_decoder is None:
-            decoder = build_few_row_decoder(self)
-            self._few_row_decoder = False if decoder is None else decoder
+        built = self._batch_decoder if batch else self._few_row_decoder
+        if built is None:
+            decoder = build_few_row_decoder(self, batch=batch)
+            built = False if decoder is None else decoder
+            if batch:
+                self._batch_decoder = built
+            else:
+                self._few_row_decoder = built
             self._lora_batches = lora_batches(self)
-        return None if self._few_row_decoder is False else self._few_row_decoder
+        return None if built is False else built
 
     def weights_replaced(self) -> None:
-        """Its weight tensors or projection modules were replaced (``layers.notify_weights_replaced``): the few-row
-        decoder, which holds the old ones, is built again at its next use."""
-        self._few_row_decoder = None
+        """Its weight tensors or projection modules were replaced (``layers.notify_weights_replaced``): the
+        decoders, which hold the old ones, are built again at their next use."""
+        self._few_row_decoder = self._batch_decoder = None
 
     def forward(
         self,
@@ -153,9 +169,10 @@ class LlamaModel(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden = layer(rope, hidden, kv_cache, metadata)
             return self.norm(hidden)
-        decoder = self.few_row_decoder()
-        # a decode-only step of few rows, no adapter in it: the loop below in one compiled call
-        one_call = decoder is not None and metadata.num_decodes == hidden.shape[0] <= GEMV_MAX_ROWS
+        # a decode-only step, no adapter in it: the loop below in one compiled call
+        rows = hidden.shape[0]
+        decoder = self.few_row_decoder() if rows <= GEMV_MAX_ROWS else self.batch_decoder()
+        one_call = decoder is not None and metadata.num_decodes == rows
         if one_call and not any(batch.active for batch in self._lora_batches):
             slots, table, lens = metadata.slot_mapping, metadata.block_table, metadata.seq_lens
             return decoder.forward(hidden.contiguous(), rope[0], rope[1], kv_caches, slots, table, lens)

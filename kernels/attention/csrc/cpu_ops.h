@@ -18,6 +18,9 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tens
 // int8_rows_cpu.cpp: q int8 [rows, k] and scales float32 [rows] of x [rows, k] (float32, bfloat16 or float16),
 // dynamic symmetric int8 per row.
 void quantize_rows_int8(at::Tensor q, at::Tensor scales, const at::Tensor& x);
+// int8_rows_cpu.cpp: float32 out = acc (int32 [rows, n]) x row_scales [rows] x col_scales [n] (+ bias), rounded once.
+void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_scales,
+                     const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias);
 
 // int8_panel_linear_cpu.cpp: float32 out [rows, n] of int8 rows x (with their float32 scales) against an int8
 // weight in panels of 16 output features ([ceil(n / 16), ceil(k / 2), 16, 2]), AVX2.
@@ -29,6 +32,11 @@ void int8_panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& x_
 // features ([ceil(n / 32), k, 32]); AVX-512F or AVX2.
 bool panel_linear_available();
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias);
+
+// amx_linear_cpu.cpp: bfloat16 out [rows, n] = x [rows, k] @ w.T (+ bias, float32) over the dense bfloat16 weight,
+// with AMX tiles (float32 sums, rounded once).
+bool amx_linear_available();
+void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
 // layer_ops_cpu.cpp: a decoder layer's elementwise work.
 void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,

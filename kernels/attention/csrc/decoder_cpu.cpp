@@ -1,4 +1,4 @@
-// A decode step of a few requests through a whole Llama-family decoder in one call (FewRowDecoder.forward), for
+// A decode step through a whole Llama-family decoder in one call (FewRowDecoder.forward), for
 // core_svc/models/llama.py: the layers of LlamaModel's fused path (DecoderLayer.forward_fused), their kernels
 // and products called from here, in its order and on its values, so the results are that path's bit for bit.
 //
@@ -6,14 +6,19 @@
 // milliseconds between the passes, in Python and in torch's dispatch of 20-odd calls per layer (allocations, views,
 // argument parsing), each after a weight pass had pushed its code and data out of the core's caches
 // (docs/benchmarks.md, "One call per decode step"). Here a layer is ten C++ calls on buffers allocated once per step.
+// A batch's step spends the same time between the passes: over 64 requests of small that was some 3% of a float32
+// run ("One call per decode step of a batch").
 //
-// What it covers (the Python side decides, core_svc/models/few_row_decoder.py): 1-4 rows that are each one
-// request's one new token (a decode-only step); projections as Projection lists them; RMSNorm, optional per-head
-// q/k RMSNorm (Qwen3), RoPE from the step's cos / signed-sin rows, GQA, sliding windows, SiLU-gated MLPs.
+// What it covers (the Python side decides, core_svc/models/few_row_decoder.py): rows that are each one request's
+// one new token (a decode-only step), 1-4 of them where a projection runs gemv or int8_gemv (those kernels' limit),
+// any number where every projection runs panel_linear, int8_panel_linear, amx_linear or torch's products (the kinds
+// Projection lists); RMSNorm, optional per-head q/k RMSNorm (Qwen3), RoPE from the step's cos / signed-sin rows,
+// GQA, sliding windows, SiLU-gated MLPs.
 #include "cpu_ops.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
@@ -22,12 +27,14 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;  // gemv's and int8_gemv's limit
+constexpr int64_t kGemvMaxRows = 4;  // gemv's and int8_gemv's limit
+constexpr int64_t kAnyRows = std::numeric_limits<int64_t>::max();
 
 // oneDNN's product with a weight reordered into its own layout (torch.ops.mkldnn._linear_pointwise, what
 // core_svc/models/layers.py's Linear runs on a prepacked weight), found once.
@@ -59,9 +66,14 @@ struct Scratch {
 //   2]) with float32 scales per output feature, through quantize_rows_int8 and int8_panel_linear; bias float32;
 // - kTorch: torch's own products: at::linear on the weight (row- or column-major) up to dense_max_rows rows, else
 //   oneDNN's on the packed one (either may be absent where the other serves every row count); bias in the
-//   activations' dtype.
+//   activations' dtype;
+// - kW8A8: weight int8 [out_features, in_features] with float32 scales per output feature, the activations quantized
+//   per row (quantize_rows_int8), torch's exact int32 product (at::_int_mm), then dequantize_rows; bias float32
+//   (quantization.py's int8_linear_w8a8, Int8Linear's route above 4 rows where that product is exact);
+// - kAmx: weight dense bfloat16 through amx_linear up to dense_max_rows rows (layers.py's AMX_MAX_ROWS), at::linear
+//   above (layers.py's amx_linear); bias float32 (rounded back to bfloat16 for at::linear: the module's own).
 struct Projection {
-  enum class Kind { kGemv, kInt8, kTorch, kPanels, kInt8Panels };
+  enum class Kind { kGemv, kInt8, kTorch, kPanels, kInt8Panels, kW8A8, kAmx };
   Kind kind = Kind::kGemv;
   at::Tensor weight, packed;
   int64_t features = 0;  // out_features
@@ -82,7 +94,8 @@ struct Projection {
         splitserve_cpu::panel_linear(out, x, weight, bias);
         return;
       case Kind::kInt8:
-      case Kind::kInt8Panels: {
+      case Kind::kInt8Panels:
+      case Kind::kW8A8: {
         const at::Tensor result = out.scalar_type() == at::kFloat ? out : scratch.wide_rows(out);
         if (kind == Kind::kInt8) {
           splitserve_cpu::int8_gemv(result, x, c10::nullopt, weight, *scales, *sums, bias);
@@ -90,11 +103,24 @@ struct Projection {
           const at::Tensor x_int8 = scratch.x_int8.narrow(0, 0, x.numel()).view(x.sizes());
           const at::Tensor x_scales = scratch.x_scales.narrow(0, 0, x.size(0));
           splitserve_cpu::quantize_rows_int8(x_int8, x_scales, x);
-          splitserve_cpu::int8_panel_linear(result, x_int8, x_scales, weight, *scales, bias);
+          if (kind == Kind::kInt8Panels) {
+            splitserve_cpu::int8_panel_linear(result, x_int8, x_scales, weight, *scales, bias);
+          } else {
+            splitserve_cpu::dequantize_rows(result, at::_int_mm(x_int8, weight.t()), x_scales, *scales, bias);
+          }
         }
         if (!result.is_same(out)) out.copy_(result);
         return;
       }
+      case Kind::kAmx:
+        if (x.size(0) <= dense_max_rows) {
+          splitserve_cpu::amx_linear(out, x, weight, bias);
+        } else {
+          const c10::optional<at::Tensor> narrow_bias =
+              bias.has_value() ? c10::optional<at::Tensor>(bias->to(x.scalar_type())) : c10::nullopt;
+          out.copy_(at::linear(x, weight, narrow_bias));
+        }
+        return;
       case Kind::kTorch:
         if (weight.defined() && x.size(0) <= dense_max_rows) {
           out.copy_(at::linear(x, weight, bias));
@@ -158,8 +184,10 @@ class FewRowDecoder : public torch::CustomClassHolder {
   }
 
   // The last added layer's projection `name` (qkv, o, gate_up, down) of out_features outputs, of `kind`
-  // (Projection's): "gemv" (weight dense in final_norm's dtype, bias float32), "int8" (weight int8, scales float32
-  // and sums int32 per output feature, bias float32), "int8_panels" (weight int8 in panels of 16, scales float32 per
+  // (Projection's): "gemv" (weight dense in final_norm's dtype, bias float32; "amx" the same in bfloat16, through
+  // amx_linear up to dense_max_rows rows), "int8" (weight int8, scales float32
+  // and sums int32 per output feature, bias float32; "w8a8" the same without sums, through torch's integer product),
+  // "int8_panels" (weight int8 in panels of 16, scales float32 per
   // output feature, bias float32), "panels" (weight float32 in panels, bias float32) or "torch"
   // (weight row- or column-major and used up to dense_max_rows rows, and / or packed by oneDNN for more; bias in
   // final_norm's dtype).
@@ -171,9 +199,9 @@ class FewRowDecoder : public torch::CustomClassHolder {
     Layer& layer = layers_.back();
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
     const bool int8 = kind == "int8", int8_panels = kind == "int8_panels", torch_kind = kind == "torch",
-               panels = kind == "panels";
-    TORCH_CHECK(int8 || int8_panels || torch_kind || panels || kind == "gemv", name,
-                ": kind must be gemv, int8, int8_panels, panels or torch, got ", kind);
+               panels = kind == "panels", amx = kind == "amx", w8a8 = kind == "w8a8";
+    TORCH_CHECK(int8 || int8_panels || torch_kind || panels || amx || w8a8 || kind == "gemv", name,
+                ": kind must be gemv, amx, int8, int8_panels, w8a8, panels or torch, got ", kind);
     TORCH_CHECK(weight.has_value() || (torch_kind && packed.has_value()), name, ": a weight");
     Projection* slot = nullptr;
     std::array<int64_t, 2> shape{};
@@ -197,11 +225,13 @@ class FewRowDecoder : public torch::CustomClassHolder {
                       : int8_panels ? Projection::Kind::kInt8Panels
                       : torch_kind  ? Projection::Kind::kTorch
                       : panels      ? Projection::Kind::kPanels
+                      : amx         ? Projection::Kind::kAmx
+                      : w8a8        ? Projection::Kind::kW8A8
                                     : Projection::Kind::kGemv;
     projection.features = shape[0];
     TORCH_CHECK(!packed.has_value() || torch_kind, name, ": a packed weight only of kind torch");
-    TORCH_CHECK((int8 || int8_panels) == scales.has_value() && int8 == sums.has_value(), name,
-                ": scales for kinds int8 and int8_panels only, sums for kind int8 only");
+    TORCH_CHECK((int8 || int8_panels || w8a8) == scales.has_value() && int8 == sums.has_value(), name,
+                ": scales for kinds int8, int8_panels and w8a8 only, sums for kind int8 only");
     if (scales.has_value()) {
       TORCH_CHECK(scales->dim() == 1 && scales->numel() == shape[0] && scales->is_contiguous() &&
                       scales->scalar_type() == at::kFloat,
@@ -214,7 +244,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
                       weight->scalar_type() == at::kChar,
                   name, ": contiguous int8 panels [", num_panels, ", ", pairs, ", 16, 2]");
       projection.weight = *std::move(weight);
-      int8_panels_ = true;
+      quantizes_rows_ = true;
     } else if (weight.has_value() && panels) {
       TORCH_CHECK(weight->dim() == 3 && weight->size(0) == (shape[0] + 31) / 32 && weight->size(1) == shape[1] &&
                       weight->size(2) == 32 && weight->is_contiguous() && weight->scalar_type() == at::kFloat &&
@@ -230,8 +260,8 @@ class FewRowDecoder : public torch::CustomClassHolder {
                       (weight->is_contiguous() || column_major),
                   name, ": a contiguous weight [", shape[0], ", ", shape[1], "]",
                   torch_kind ? " (or, for kind torch, a transposed view of a contiguous one)" : "");
-      TORCH_CHECK(weight->scalar_type() == (int8 ? at::kChar : dtype()), name, ": the weight's dtype must be ",
-                  int8 ? "int8" : "final_norm's");
+      TORCH_CHECK(weight->scalar_type() == (int8 || w8a8 ? at::kChar : dtype()), name,
+                  ": the weight's dtype must be ", int8 || w8a8 ? "int8" : "final_norm's");
       projection.weight = *std::move(weight);
     }
     if (packed.has_value()) {
@@ -241,24 +271,28 @@ class FewRowDecoder : public torch::CustomClassHolder {
                   "] in final_norm's dtype");
       projection.packed = *std::move(packed);
     }
-    projection.dense_max_rows = projection.packed.defined() ? dense_max_rows : kMaxRows;
+    projection.dense_max_rows = projection.packed.defined() || amx ? dense_max_rows : kAnyRows;
     TORCH_CHECK(!int8 || splitserve_cpu::int8_gemv_available(), name, ": kind int8 needs a build with int8_gemv");
     TORCH_CHECK(!int8_panels || splitserve_cpu::int8_panel_linear_available(), name,
                 ": kind int8_panels needs a build with int8_panel_linear");
     TORCH_CHECK(!panels || splitserve_cpu::panel_linear_available(), name,
                 ": kind panels needs a build with panel_linear");
-    TORCH_CHECK(int8 || int8_panels || torch_kind || panels || splitserve_cpu::gemv_available(dtype()), name,
-                ": kind gemv needs a build with gemv for final_norm's dtype");
+    TORCH_CHECK(!amx || (dtype() == at::kBFloat16 && splitserve_cpu::amx_linear_available()), name,
+                ": kind amx needs bfloat16 activations and a build and CPU with amx_linear");
+    TORCH_CHECK(int8 || int8_panels || w8a8 || torch_kind || panels || amx || splitserve_cpu::gemv_available(dtype()),
+                name, ": kind gemv needs a build with gemv for final_norm's dtype");
     if (bias.has_value()) {
       const at::ScalarType bias_dtype = torch_kind ? dtype() : at::kFloat;
       TORCH_CHECK(bias->scalar_type() == bias_dtype && bias->numel() == shape[0] && bias->is_contiguous(), name,
                   ": bias ", torch_kind ? "in final_norm's dtype" : "float32", ", one per output feature");
     }
     projection.bias = std::move(bias), projection.scales = std::move(scales), projection.sums = std::move(sums);
+    if (w8a8) quantizes_rows_ = true;
+    if (int8 || kind == "gemv") max_rows_ = kGemvMaxRows;
     *slot = std::move(projection);
   }
 
-  // hidden: [rows, hidden_size] (1-4 rows, the embeddings of one new token per request), contiguous, in
+  // hidden: [rows, hidden_size] (1 to max_rows() rows, the embeddings of one new token per request), contiguous, in
   // final_norm's dtype; cos, signed_sin: [rows, head_size] rows of RotaryEmbedding.tables, contiguous;
   // kv_caches: a [2, num_blocks, block_size, num_kv_heads, head_size] cache per layer; slot_mapping [>= rows] int64;
   // block_table [>= rows, max_blocks] int32; seq_lens [>= rows] int32 (AttentionMetadata's). Stores each layer's
@@ -271,7 +305,9 @@ class FewRowDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size() && hidden.is_contiguous() &&
                     hidden.scalar_type() == dtype(),
                 "hidden: contiguous [rows, hidden_size] in final_norm's dtype");
-    TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "FewRowDecoder takes 1 to ", kMaxRows, " rows, got ", rows);
+    TORCH_CHECK(rows >= 1, "FewRowDecoder takes at least one row, got ", rows);
+    TORCH_CHECK(rows <= max_rows_, "FewRowDecoder takes 1 to ", max_rows_,
+                " rows (a projection of kind gemv or int8), got ", rows);
     TORCH_CHECK(hidden.device().is_cpu() && cos.device().is_cpu() && signed_sin.device().is_cpu() &&
                     slot_mapping.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
                 "CPU tensors only");
@@ -287,7 +323,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
     if (dtype() != at::kFloat) {
       scratch.wide = at::empty({rows * std::max({qkv_width, 2 * inter, hidden_size()})}, options.dtype(at::kFloat));
     }
-    if (int8_panels_) {
+    if (quantizes_rows_) {
       scratch.x_int8 = at::empty({rows * std::max({hidden_size(), q_size, inter})}, options.dtype(at::kChar));
       scratch.x_scales = at::empty({rows}, options.dtype(at::kFloat));
     }
@@ -335,6 +371,9 @@ class FewRowDecoder : public torch::CustomClassHolder {
     return out;
   }
 
+  // The most rows forward takes: 4 with a projection of kind gemv or int8, else any number (INT64_MAX).
+  int64_t max_rows() const { return max_rows_; }
+
  private:
   int64_t hidden_size() const { return final_norm_.numel(); }
   at::ScalarType dtype() const { return final_norm_.scalar_type(); }
@@ -344,7 +383,8 @@ class FewRowDecoder : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_size_;
   double scale_;
   std::vector<Layer> layers_;
-  bool int8_panels_ = false;  // a projection of kind int8_panels: forward quantizes activations into its scratch
+  bool quantizes_rows_ = false;  // a projection of kind int8_panels or w8a8: forward quantizes activations in scratch
+  int64_t max_rows_ = kAnyRows;
 };
 
 }  // namespace
@@ -354,5 +394,6 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
       .def(torch::init<at::Tensor, double, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &FewRowDecoder::add_layer)
       .def("add_projection", &FewRowDecoder::add_projection)
-      .def("forward", &FewRowDecoder::forward);
+      .def("forward", &FewRowDecoder::forward)
+      .def("max_rows", &FewRowDecoder::max_rows);
 }

@@ -158,42 +158,6 @@ void quantize_rows(const scalar_t* x, int8_t* q, float* scales, int64_t begin, i
   }
 }
 
-void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_scales,
-                     const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "acc: contiguous int32 2-D");
-  TORCH_CHECK(out.sizes() == acc.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
-              "out: float32, acc's shape");
-  const int64_t rows = acc.size(0), n = acc.size(1);
-  TORCH_CHECK(row_scales.numel() == rows && row_scales.is_contiguous() && row_scales.scalar_type() == at::kFloat,
-              "row_scales: float32, one per row");
-  TORCH_CHECK(col_scales.numel() == n && col_scales.is_contiguous() && col_scales.scalar_type() == at::kFloat,
-              "col_scales: float32, one per column");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
-                "bias: float32, one per column");
-    b = bias->data_ptr<float>();
-  }
-  const int32_t* a = acc.data_ptr<int32_t>();
-  const float* rs = row_scales.data_ptr<float>();
-  const float* cs = col_scales.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int32_t* a_row = a + r * n;
-      float* o_row = o + r * n;
-      const float s = rs[r];
-      if (b != nullptr) {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) o_row[j] = static_cast<float>(a_row[j]) * s * cs[j] + b[j];
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) o_row[j] = static_cast<float>(a_row[j]) * s * cs[j];
-      }
-    }
-  });
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kHasVnni = true;
 
@@ -341,6 +305,42 @@ void int8_gemv(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tens
 
 bool int8_gemv_available() { return kHasVnni; }
 
+void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& row_scales,
+                     const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "acc: contiguous int32 2-D");
+  TORCH_CHECK(out.sizes() == acc.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "out: float32, acc's shape");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(row_scales.numel() == rows && row_scales.is_contiguous() && row_scales.scalar_type() == at::kFloat,
+              "row_scales: float32, one per row");
+  TORCH_CHECK(col_scales.numel() == n && col_scales.is_contiguous() && col_scales.scalar_type() == at::kFloat,
+              "col_scales: float32, one per column");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat,
+                "bias: float32, one per column");
+    b = bias->data_ptr<float>();
+  }
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const float* rs = row_scales.data_ptr<float>();
+  const float* cs = col_scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* a_row = a + r * n;
+      float* o_row = o + r * n;
+      const float s = rs[r];
+      if (b != nullptr) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o_row[j] = static_cast<float>(a_row[j]) * s * cs[j] + b[j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) o_row[j] = static_cast<float>(a_row[j]) * s * cs[j];
+      }
+    }
+  });
+}
+
 }  // namespace splitserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
@@ -352,5 +352,5 @@ TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
   m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &splitserve_cpu::quantize_rows_int8);
   m.def("dequantize_rows(Tensor(a!) out, Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias) -> ()");
-  m.impl("dequantize_rows", c10::DispatchKey::CPU, &dequantize_rows);
+  m.impl("dequantize_rows", c10::DispatchKey::CPU, &splitserve_cpu::dequantize_rows);
 }
