@@ -6,8 +6,8 @@ loaded: steps of 1 to ``GEMV_MAX_ROWS`` rows to the few-row decoder (``build_few
 batch decoder (``build_few_row_decoder(model, batch=True)``). Either runs ``DecoderLayer.forward_fused`` for every
 layer, and the final norm, with the same kernels and products in the same order, so its output and the keys and
 values it stores are that path's bit for bit; what it removes is Python and torch's dispatch between them (about
-0.3 ms per layer of ``small``: 2.5 of one request's 11 ms float32 forward, some 3% of a 64-request float32 batch;
-docs/benchmarks.md, "One call per decode step" and "One call per decode step of a batch").
+0.3 ms per layer of ``small``: 2.5 of one request's 11 ms float32 forward; a 16- to 64-row step's forward in
+0.80-0.92x the time; docs/benchmarks.md, "One call per decode step" and "One call per decode step of a batch").
 
 At few rows it covers every projection ``Linear`` and ``Int8Linear`` run there (``gemv`` on dense copies, torch's
 ``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``, ``int8_panel_linear``

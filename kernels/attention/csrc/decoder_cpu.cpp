@@ -6,8 +6,8 @@
 // milliseconds between the passes, in Python and in torch's dispatch of 20-odd calls per layer (allocations, views,
 // argument parsing), each after a weight pass had pushed its code and data out of the core's caches
 // (docs/benchmarks.md, "One call per decode step"). Here a layer is ten C++ calls on buffers allocated once per step.
-// A batch's step spends the same time between the passes: over 64 requests of small that was some 3% of a float32
-// run ("One call per decode step of a batch").
+// A batch's step spends the same time between the passes: one call took 0.80-0.92x the time of a 16- to 64-row
+// step's forward of small ("One call per decode step of a batch").
 //
 // What it covers (the Python side decides, core_svc/models/few_row_decoder.py): rows that are each one request's
 // one new token (a decode-only step), 1-4 of them where a projection runs gemv or int8_gemv (those kernels' limit),
@@ -185,12 +185,11 @@ class FewRowDecoder : public torch::CustomClassHolder {
 
   // The last added layer's projection `name` (qkv, o, gate_up, down) of out_features outputs, of `kind`
   // (Projection's): "gemv" (weight dense in final_norm's dtype, bias float32; "amx" the same in bfloat16, through
-  // amx_linear up to dense_max_rows rows), "int8" (weight int8, scales float32
-  // and sums int32 per output feature, bias float32; "w8a8" the same without sums, through torch's integer product),
-  // "int8_panels" (weight int8 in panels of 16, scales float32 per
-  // output feature, bias float32), "panels" (weight float32 in panels, bias float32) or "torch"
-  // (weight row- or column-major and used up to dense_max_rows rows, and / or packed by oneDNN for more; bias in
-  // final_norm's dtype).
+  // amx_linear up to dense_max_rows rows), "int8" (weight int8, scales float32 and sums int32 per output feature,
+  // bias float32; "w8a8" the same without sums, through torch's integer product), "int8_panels" (weight int8 in
+  // panels of 16, scales float32 per output feature, bias float32), "panels" (weight float32 in panels, bias
+  // float32) or "torch" (weight row- or column-major and used up to dense_max_rows rows, and / or packed by oneDNN
+  // for more; bias in final_norm's dtype).
   void add_projection(const std::string& name, int64_t out_features, const std::string& kind,
                       c10::optional<at::Tensor> weight, c10::optional<at::Tensor> packed, int64_t dense_max_rows,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> scales,
@@ -244,7 +243,6 @@ class FewRowDecoder : public torch::CustomClassHolder {
                       weight->scalar_type() == at::kChar,
                   name, ": contiguous int8 panels [", num_panels, ", ", pairs, ", 16, 2]");
       projection.weight = *std::move(weight);
-      quantizes_rows_ = true;
     } else if (weight.has_value() && panels) {
       TORCH_CHECK(weight->dim() == 3 && weight->size(0) == (shape[0] + 31) / 32 && weight->size(1) == shape[1] &&
                       weight->size(2) == 32 && weight->is_contiguous() && weight->scalar_type() == at::kFloat &&
@@ -287,7 +285,7 @@ class FewRowDecoder : public torch::CustomClassHolder {
                   ": bias ", torch_kind ? "in final_norm's dtype" : "float32", ", one per output feature");
     }
     projection.bias = std::move(bias), projection.scales = std::move(scales), projection.sums = std::move(sums);
-    if (w8a8) quantizes_rows_ = true;
+    if (int8_panels || w8a8) quantizes_rows_ = true;
     if (int8 || kind == "gemv") max_rows_ = kGemvMaxRows;
     *slot = std::move(projection);
   }
