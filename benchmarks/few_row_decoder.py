@@ -7,7 +7,8 @@ against torch's operators between the products.
 ``LlamaModel`` of ``small``'s shape (8 layers, hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408; random
 weights: the work does not depend on them) per precision: ``float32`` (column-major weights, the default),
 ``float32-dense`` and ``bfloat16-dense`` (``--dense-decode-weights``: the compiled ``gemv``), ``bfloat16`` (packed)
-and ``int8`` (``--quantization int8``: ``int8_gemv``). It times a decode step's forward (every layer and the final
+and ``int8`` (``--quantization int8``: ``int8_gemv``); ``--arch qwen3``: that shape with Qwen3's per-head q/k
+norms. It times a decode step's forward (every layer and the final
 norm, not the LM head) of ``--rows`` requests over ``--context`` cached tokens each, the two paths alternating
 round by round (5 forwards a round), and prints the median ms per forward of each, their difference and ratio. The
 two give the same values bit for bit (tests/test_few_row_decoder.py). A precision the machine cannot run (no
@@ -49,13 +50,13 @@ PRECISIONS = ("float32", "float32-dense", "bfloat16", "bfloat16-dense", "int8")
 BLOCK_SIZE = 16
 
 
-def build(precision: str, rows: int = 1) -> LlamaModel | str:
+def build(precision: str, rows: int = 1, arch: str = "llama") -> LlamaModel | str:
     """``small``'s decoder in ``precision``, or why this machine cannot run it (or, for ``rows`` rows, why the
-    one-call decoder does not cover it)."""
-    from transformers import LlamaConfig
+    one-call decoder does not cover it). ``arch`` "qwen3": the same shape with Qwen3's per-head q/k norms."""
+    from transformers import LlamaConfig, Qwen3Config
 
     dtype = torch.bfloat16 if precision.startswith("bfloat16") else torch.float32
-    hf = LlamaConfig(
+    shape: dict[str, Any] = dict(
         vocab_size=32000,
         hidden_size=512,
         intermediate_size=1408,
@@ -63,7 +64,11 @@ def build(precision: str, rows: int = 1) -> LlamaModel | str:
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=4096,
-        architectures=["LlamaForCausalLM"],
+    )
+    hf: LlamaConfig | Qwen3Config = (
+        Qwen3Config(**shape, head_dim=64, architectures=["Qwen3ForCausalLM"])
+        if arch == "qwen3"
+        else LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
     )
     model = LlamaModel(ModelArchConfig.from_hf_config(hf), CpuAttentionBackend(envs.kernel_dir()), dtype).eval()
     gen = torch.Generator().manual_seed(0)
@@ -164,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--compare", choices=tuple(PATHS), default="one-call", help="the two paths timed")
     parser.add_argument("--rows", type=int, default=1, help="requests in the step")
+    parser.add_argument("--arch", choices=("llama", "qwen3"), default="llama", help="qwen3: with per-head q/k norms")
     parser.add_argument("--context", type=int, default=128, help="tokens cached per request")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'precision':>15} {new_path + ' ms':>12} {old_path + ' ms':>13} {'saved ms':>9}  ratio")
     results: dict[str, Any] = {}
     for precision in PRECISIONS:
-        model = build(precision, args.rows if args.compare == "one-call" else 1)
+        model = build(precision, args.rows if args.compare == "one-call" else 1, args.arch)
         if isinstance(model, str):
             print(f"{precision:>15}  left out: {model}")
             results[precision] = model

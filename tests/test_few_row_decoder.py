@@ -158,11 +158,9 @@ def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dt
 
 
 def _batch_routes_fixed(model: LlamaModel) -> bool:
-    """Whether the batch decoder covers ``model``: no per-head q/k norms (torch's RMSNorm above GEMV_MAX_ROWS rows),
-    and int8 projections in panels or, without them, on a CPU whose integer product is exact (W8A8 through
-    torch._int_mm; elsewhere Int8Linear multiplies by the dequantized weight)."""
-    if model.layers[0].self_attn.q_norm is not None:
-        return False
+    """Whether the batch decoder covers ``model``: int8 projections in panels or, without them, on a CPU whose
+    integer product is exact (W8A8 through torch._int_mm; elsewhere Int8Linear multiplies by the dequantized
+    weight)."""
     projections = [m for m in model.modules() if isinstance(m, Int8Linear)]
     return all(m.weight_panels is not None for m in projections) or quantization.int_mm_is_exact()
 

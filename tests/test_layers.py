@@ -307,6 +307,41 @@ def test_add_rms_norm_is_the_residual_sum_and_the_norm(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_over_heads_normalizes_each_head_in_place(dtype):
+    """Per-head q/k norms (Qwen3) over a [tokens, heads, head_size] view of the fused qkv, in one call: each head's
+    row as the 2-D call normalizes it (bit for bit) and within 4 ulps of torch's norm of it; v untouched."""
+    ops = few_row_kernels()
+    gen = torch.Generator().manual_seed(3)
+    head_size, tokens = 96, 37
+    norm = RMSNorm(head_size, 1e-6, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.3 * torch.randn(head_size, generator=gen))
+    qkv = (torch.randn(tokens, 7 * head_size, generator=gen) * 3).to(dtype)  # q: 4 heads, k: 2, v: 1
+    q = qkv[:, : 4 * head_size].view(tokens, 4, head_size)
+    before = qkv.clone()
+    norm.forward_in_place(ops, q)
+    rows = before[:, : 4 * head_size].reshape(tokens * 4, head_size)
+    one_by_one = torch.empty_like(rows)
+    ops.add_rms_norm(one_by_one, rows, None, norm.weight, norm.eps)
+    assert torch.equal(q.reshape(tokens * 4, head_size), one_by_one)
+    assert within_ulps(q.reshape(tokens * 4, head_size), norm(rows), 4)
+    assert torch.equal(qkv[:, 4 * head_size :], before[:, 4 * head_size :])  # k and v untouched
+
+
+def test_add_rms_norm_names_the_layouts_it_refuses():
+    ops = few_row_kernels()
+    weight = torch.ones(8)
+    heads = torch.zeros(3, 4, 16)[:, :, :8]  # heads 16 apart: not contiguous within a token
+    with pytest.raises(RuntimeError, match=r"\[tokens, heads, head_size\] contiguous within a token"):
+        ops.add_rms_norm(heads, heads, None, weight, 1e-6)
+    x = torch.zeros(3, 4, 8)
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.add_rms_norm(x, x, torch.zeros(3, 4, 8), weight, 1e-6)
+    with pytest.raises(RuntimeError, match="out: x's shape"):
+        ops.add_rms_norm(torch.zeros(12, 8), x, None, weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [2, 70])
 def test_silu_and_mul_is_silu_of_gate_times_up(dtype, rows):
     ops = few_row_kernels()
@@ -367,7 +402,7 @@ def test_fused_forward_equals_the_torch_path(variant, dtype):
         for name, param in model.named_parameters():
             scale, offset = (0.3, 1.0) if "norm" in name else (0.08, 0.0)
             param.copy_((offset + scale * torch.randn(param.shape, generator=gen)).to(dtype))
-    for rows in (1, GEMV_MAX_ROWS, 37):  # 37: a batch or a prefill (Qwen3's q/k norms through torch there)
+    for rows in (1, GEMV_MAX_ROWS, 37):  # 37: a batch or a prefill
         ids, positions = torch.arange(rows) * 7 + 3, torch.arange(rows) + 10
         kv_caches = [torch.empty(0)] * len(model.layers)
         with torch.no_grad():

@@ -10,15 +10,15 @@ values it stores are that path's bit for bit; what it removes is Python and torc
 0.80-0.92x the time; docs/benchmarks.md, "One call per decode step" and "One call per decode step of a batch").
 
 At few rows it covers every projection ``Linear`` and ``Int8Linear`` run there (``gemv`` on dense copies, torch's
-``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``, ``int8_panel_linear``
-on int8 panels); for batches the projections whose route above ``GEMV_MAX_ROWS`` rows it has too (``panel_linear``,
+``F.linear`` and oneDNN's packed product, ``panel_linear`` on float32 panels, ``int8_gemv``, ``int8_panel_linear`` on
+int8 panels); for batches the projections whose route above ``GEMV_MAX_ROWS`` rows it has too (``panel_linear``,
 ``int8_panel_linear``, ``amx_linear`` and ``F.linear`` above ``AMX_MAX_ROWS``, torch's products, int8 W8A8 through
 ``torch._int_mm`` where it is exact), so not int8 multiplied by its dequantized weight (a CPU whose integer product
-saturates) nor per-head q/k norms (torch's RMSNorm above ``GEMV_MAX_ROWS`` rows).
-Both take SiLU-gated MLPs and the ``cpu`` attention backend, and a projection wrapped for LoRA adapters
-(``AdapterWrapper``) by its base projection, so a step in which no request uses an adapter (``lora_batches``:
-``LlamaModel.forward`` checks) is one call too. Anything else (int8 on ``torch._weight_int8pack_mm``'s route,
-another activation or backend, another wrapper) keeps the per-layer path.
+saturates). Both take per-head q/k norms (Qwen3: ``add_rms_norm`` over every row's heads in one call), SiLU-gated MLPs
+and the ``cpu`` attention backend, and a projection wrapped for LoRA adapters (``AdapterWrapper``) by its base
+projection, so a step in which no request uses an adapter (``lora_batches``: ``LlamaModel.forward`` checks) is one call
+too. Anything else (int8 on ``torch._weight_int8pack_mm``'s route, another activation or backend, another wrapper) keeps
+the per-layer path.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ def build_few_row_decoder(model: Any, batch: bool = False) -> Any:
     layer is outside what it covers (module docstring). ``batch``: for steps of more than ``GEMV_MAX_ROWS`` rows
     (its ``max_rows()`` is then unbounded), else for 1 to ``GEMV_MAX_ROWS``."""
     if loaded_ops() is None or not model.layers:
-        return None
-    if batch and model.layers[0].self_attn.q_norm is not None:  # torch's RMSNorm there, not the kernel
         return None
     norms = [model.norm]
     for layer in model.layers:

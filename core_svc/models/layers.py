@@ -387,8 +387,9 @@ class RMSNorm(nn.Module):
         return out
 
     def forward_in_place(self, ops: Any, x: torch.Tensor) -> None:
-        """``fused_layer_ops``' norm of each row of ``x`` [rows, hidden_size] (rows at any stride, each contiguous),
-        written over it: ``forward_fused`` without a residual."""
+        """``fused_layer_ops``' norm of each row of ``x``, written over it: ``forward_fused`` without a residual.
+        x: [rows, hidden_size] (rows at any stride, each contiguous) or [num_tokens, num_heads, head_size] with a
+        token's heads contiguous (per-head q/k norms over a view of the fused qkv)."""
         ops.add_rms_norm(x, x, None, self.weight, self.eps)
 
 
@@ -474,12 +475,11 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, dims.num_heads + dims.num_kv_heads, dims.head_size)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, dims.num_kv_heads, dims.head_size)
         if self.q_norm is not None and self.k_norm is not None:
-            if ops is None or num_tokens > GEMV_MAX_ROWS:
+            if ops is None:
                 qk = torch.cat((self.q_norm(qk[:, : dims.num_heads]), self.k_norm(qk[:, dims.num_heads :])), dim=1)
-            else:  # in place in qkv, a call per row and norm (at most GEMV_MAX_ROWS rows), as FewRowDecoder does
-                for row in qk:
-                    self.q_norm.forward_in_place(ops, row[: dims.num_heads])
-                    self.k_norm.forward_in_place(ops, row[dims.num_heads :])
+            else:  # in place in qkv, a call per norm over every token's heads, as FewRowDecoder does
+                self.q_norm.forward_in_place(ops, qk[:, : dims.num_heads])
+                self.k_norm.forward_in_place(ops, qk[:, dims.num_heads :])
         if ops is None:
             qk = apply_rotary(qk, *rope)
         else:

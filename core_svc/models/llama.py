@@ -129,8 +129,8 @@ class LlamaModel(nn.Module):
 
     def batch_decoder(self) -> Any:
         """``few_row_decoder``'s counterpart for decode-only steps of more rows (``build_few_row_decoder(batch=True)``),
-        or None where it does not apply (int8 multiplied by its dequantized weight, per-head q/k norms: that module's
-        docstring) or ``few_row_decoder_enabled`` is False."""
+        or None where it does not apply (int8 multiplied by its dequantized weight: that module's docstring) or
+        ``few_row_decoder_enabled`` is False."""
         return self._decoder(batch=True)
 
     def _decoder(self, batch: bool) -> Any:

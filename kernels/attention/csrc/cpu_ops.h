@@ -38,7 +38,8 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 bool amx_linear_available();
 void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 
-// layer_ops_cpu.cpp: a decoder layer's elementwise work.
+// layer_ops_cpu.cpp: a decoder layer's elementwise work (add_rms_norm: of rows, or of each head of [tokens, heads,
+// head_size]).
 void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                   const at::Tensor& weight, double eps);
 void rotary_in_place(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin);

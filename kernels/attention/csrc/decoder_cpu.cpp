@@ -325,18 +325,11 @@ class FewRowDecoder : public torch::CustomClassHolder {
       scratch.x_int8 = at::empty({rows * std::max({hidden_size(), q_size, inter})}, options.dtype(at::kChar));
       scratch.x_scales = at::empty({rows}, options.dtype(at::kFloat));
     }
-    // Views of qkv: q and k heads together for RoPE, each alone for attention; per row for the q/k norms.
+    // Views of qkv: q and k heads together for RoPE, each alone for attention and the q/k norms.
     const at::Tensor qk = qkv.as_strided({rows, num_heads_ + num_kv_heads_, head_size_}, {qkv_width, head_size_, 1});
     const at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
     const at::Tensor v = qkv.as_strided({rows, num_kv_heads_, head_size_}, {qkv_width, head_size_, 1}, q_size + kv_size);
     const at::Tensor attn_rows = attn.view({rows, q_size});
-    std::vector<at::Tensor> q_heads, k_heads;
-    if (layers_.front().q_norm.has_value()) {
-      for (int64_t r = 0; r < rows; ++r) {
-        q_heads.push_back(q.select(0, r));
-        k_heads.push_back(k.select(0, r));
-      }
-    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const at::Tensor& cache = kv_caches[i];
@@ -349,10 +342,8 @@ class FewRowDecoder : public torch::CustomClassHolder {
       }
       layer.qkv.apply(qkv, normed, scratch);
       if (layer.q_norm.has_value()) {
-        for (int64_t r = 0; r < rows; ++r) {
-          splitserve_cpu::add_rms_norm(q_heads[r], q_heads[r], c10::nullopt, *layer.q_norm, layer.qk_eps);
-          splitserve_cpu::add_rms_norm(k_heads[r], k_heads[r], c10::nullopt, *layer.k_norm, layer.qk_eps);
-        }
+        splitserve_cpu::add_rms_norm(q, q, c10::nullopt, *layer.q_norm, layer.qk_eps);
+        splitserve_cpu::add_rms_norm(k, k, c10::nullopt, *layer.k_norm, layer.qk_eps);
       }
       splitserve_cpu::rotary_in_place(qk, cos, signed_sin);
       splitserve_cpu::decode_attention_with_kv_write(attn, q, k, v, cache.select(0, 0), cache.select(0, 1),

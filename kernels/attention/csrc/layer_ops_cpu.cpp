@@ -1,6 +1,7 @@
 // A decoder layer's elementwise work between its matrix products, one call each instead of torch's 5-8 operators
 // (core_svc/models/llama.py, every forward on CPU):
-// - add_rms_norm: residual += x (when given), then out = weight * rms_norm(residual) (Zhang & Sennrich 2019);
+// - add_rms_norm: residual += x (when given), then out = weight * rms_norm(residual) (Zhang & Sennrich 2019), of
+//   each row, or of each head of a [tokens, heads, head_size] view (Qwen3's per-head q/k norms);
 // - rotary_in_place: RoPE (Su et al. 2021) as core_svc/models/layers.py's apply_rotary, on a view of the fused qkv;
 // - silu_and_mul: out = silu(gate) * up of a fused gate_up row (SwiGLU, Shazeer 2020).
 // Why a call each: after a matrix product has streamed megabytes of weights through the core's caches, every
@@ -110,30 +111,43 @@ void silu_and_mul_row(scalar_t* out, const scalar_t* gate, int64_t inter) {
 
 namespace splitserve_cpu {
 
+// x, out: [rows, hidden] (rows at any stride, each contiguous), or [tokens, heads, head_size] with heads contiguous
+// within a token (a view of the fused qkv: per-head q/k norms, Qwen3's, normalize each head's row); residual: x's
+// shape, 2-D only.
 void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                   const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] with contiguous rows");
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == hidden && out.stride(1) == 1 &&
+  TORCH_CHECK((x.dim() == 2 && x.stride(1) == 1) || (x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2)),
+              "x: [rows, hidden] with contiguous rows, or [tokens, heads, head_size] contiguous within a token");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.stride(-1) == 1 && (x.dim() == 2 || out.stride(1) == out.size(2)) &&
                   out.scalar_type() == x.scalar_type(),
-              "out: x's shape and dtype, contiguous rows");
+              "out: x's shape and dtype, laid out as x");
+  const int64_t hidden = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.numel() == hidden && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
               "weight: [hidden] in x's dtype");
   if (residual.has_value()) {
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == hidden &&
+    TORCH_CHECK(x.dim() == 2 && residual->dim() == 2 && residual->sizes() == x.sizes() &&
                     residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
-                "residual: x's shape and dtype, contiguous rows");
+                "residual: x's shape and dtype, [rows, hidden] with contiguous rows");
   }
+  // [tokens, heads, head_size]: a token's heads are rows one head_size apart
+  const int64_t tokens = x.size(0), rows_per_token = x.dim() == 3 ? x.size(1) : 1;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     scalar_t* res = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
     const int64_t res_stride = residual.has_value() ? residual->stride(0) : 0;
-    at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(hidden, 1)),
-                     [&](int64_t begin, int64_t end) {
-                       add_rms_norm_rows(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), res,
-                                         weight.data_ptr<scalar_t>(), static_cast<float>(eps), begin, end, hidden,
-                                         x.stride(0), out.stride(0), res_stride);
-                     });
+    const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(hidden * rows_per_token, 1));
+    at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+      if (rows_per_token == 1) {
+        add_rms_norm_rows(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), res, weight.data_ptr<scalar_t>(),
+                          static_cast<float>(eps), begin, end, hidden, x.stride(0), out.stride(0), res_stride);
+        return;
+      }
+      for (int64_t t = begin; t < end; ++t) {
+        add_rms_norm_rows(out.data_ptr<scalar_t>() + t * out.stride(0), x.data_ptr<scalar_t>() + t * x.stride(0),
+                          static_cast<scalar_t*>(nullptr), weight.data_ptr<scalar_t>(), static_cast<float>(eps), 0,
+                          rows_per_token, hidden, hidden, hidden, 0);
+      }
+    });
   });
 }
 
