@@ -186,8 +186,8 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         "--dtypes",
         default=None,
         help="splitserve precisions, comma-separated: a dtype; int8: --quantization int8; float32-dense, "
-        "bfloat16-dense: --dense-decode-weights; float32-kv-bfloat16: --kv-cache-dtype bfloat16 (default: "
-        "float32,bfloat16,int8; cuda: bfloat16)",
+        "bfloat16-dense: --dense-decode-weights; float32-kv-bfloat16, int8-kv-bfloat16: --kv-cache-dtype bfloat16 "
+        "(default: float32,bfloat16,int8,int8-kv-bfloat16; cuda: bfloat16)",
     )
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
     p.add_argument(

@@ -45,7 +45,8 @@ class Settings:
     """What ``run`` runs; ``for_device`` fills the device's defaults."""
 
     backends: tuple[str, ...] = BACKENDS
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")  # splitserve's (benchmarks.workload.splitserve_precision)
+    # splitserve's (benchmarks.workload.splitserve_precision)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8", "int8-kv-bfloat16")
     device: str = "cpu"
     hf_dtype: str = "float32"  # transformers'
     hf_batch_size: int = 16  # static batch of transformers generate

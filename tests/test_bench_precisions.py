@@ -75,6 +75,30 @@ def test_reduced_precisions_against_the_peers_of_their_class():
     assert "splitserve bfloat16 vs ctranslate2 int8" not in checks
 
 
+def test_int8_over_a_bfloat16_kv_cache_is_a_reduced_precision_path_of_its_own():
+    """``int8-kv-bfloat16`` (--quantization int8 --kv-cache-dtype bfloat16) is checked over float32 and against the
+    int8 peers under its own name; plain int8 keeps its lines."""
+
+    def row(label: str, tok_s: float) -> dict:
+        return {"label": label, "output_tok_s": tok_s, "mfu": 0.5, "ratios": {}}
+
+    report = {
+        "device": "cpu",
+        "results": [
+            row("splitserve float32", 400.0),
+            row("splitserve int8", 560.0),
+            row("splitserve int8-kv-bfloat16", 800.0),
+            row("ctranslate2 int8", 250.0),
+            row("llama.cpp q8_0", 100.0),
+        ],
+    }
+    checks = {c.name: (c.measured, c.met) for c in check_targets(report)}
+    assert checks["splitserve int8 over float32"] == (1.4, False)
+    assert checks["splitserve int8-kv-bfloat16 over float32"] == (2.0, True)
+    assert checks["splitserve int8-kv-bfloat16 vs ctranslate2 int8"] == (3.2, True)
+    assert checks["splitserve int8-kv-bfloat16 vs llama.cpp q8_0"] == (8.0, True)
+
+
 def test_a_16_bit_precision_the_cpu_cannot_compute_is_measured_against_float32s_peak(monkeypatch):
     """On an AVX2-only CPU the core runs bfloat16 in float32 (core_svc.cpu_dtype), so its MFU is over float32's
     peak, and no emulated bfloat16 product is timed."""
