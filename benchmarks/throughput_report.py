@@ -128,7 +128,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
         )
     lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
-    integer = [r["label"] for r in report["results"] if r["label"].endswith((" int8", " q8_0"))]
+    integer = [r["label"] for r in report["results"] if r["label"].endswith((" int8", " int8-kv-bfloat16", " q8_0"))]
     if integer:
         lines.append(
             f"MFU of {', '.join(integer)}: over float32's matmul peak (the integer products' own peak is not "

@@ -422,8 +422,8 @@ def test_the_timed_run_has_the_startup_heap_frozen_and_gives_it_back():
 
 
 def test_report_says_whose_peak_an_integer_runs_mfu_is_over():
-    """int8 and q8_0 runs' MFU divides by float32's matmul peak (no integer peak is measured): the report says so
-    under the table, naming those runs, and says nothing of it without them."""
+    """int8 (over either KV cache) and q8_0 runs' MFU divides by float32's matmul peak (no integer peak is
+    measured): the report says so under the table, naming those runs, and says nothing of it without them."""
     machine = {"cpu": "x", "cores": 2, "torch": "2.13.0", "transformers": "5.24.0", "triton": "3.9.0"}
 
     def result(label: str, mfu: float) -> dict:
@@ -435,11 +435,14 @@ def test_report_says_whose_peak_an_integer_runs_mfu_is_over():
     report = {
         "device": "cpu", "machine": machine, "model": "m", "matmul_peak_gflops": {"float32": 131.0},
         "request_set": {"num_requests": 64, "prompt_len_mean": 137.0, "output_len": 128},
-        "results": [result("splitserve float32", 0.48), result("splitserve int8", 1.01), result("llama.cpp q8_0", 0.1)],
+        "results": [
+            result("splitserve float32", 0.48), result("splitserve int8", 1.01),
+            result("splitserve int8-kv-bfloat16", 1.3), result("llama.cpp q8_0", 0.1),
+        ],
         "single_request": None,
     }  # fmt: skip
     text = throughput_report.format_report(report)
-    assert "MFU of splitserve int8, llama.cpp q8_0: over float32's matmul peak" in text
+    assert "MFU of splitserve int8, splitserve int8-kv-bfloat16, llama.cpp q8_0: over float32's matmul peak" in text
     report["results"] = report["results"][:1]
     assert "over float32's matmul peak" not in throughput_report.format_report(report)
 
