@@ -339,6 +339,14 @@ def test_add_rms_norm_names_the_layouts_it_refuses():
         ops.add_rms_norm(x, x, torch.zeros(3, 4, 8), weight, 1e-6)
     with pytest.raises(RuntimeError, match="out: x's shape"):
         ops.add_rms_norm(torch.zeros(12, 8), x, None, weight, 1e-6)
+    qkv = torch.randn(3, 6 * 8)
+    q = qkv[:, : 4 * 8].view(3, 4, 8)
+    shifted = qkv[:, 8 : 5 * 8].view(3, 4, 8)  # out one head along x: partly the same memory
+    with pytest.raises(RuntimeError, match="out must be x itself"):
+        ops.add_rms_norm(shifted, q, None, weight, 1e-6)
+    rows = torch.randn(40).as_strided((3, 8), (4, 1))  # each row half inside the next
+    with pytest.raises(RuntimeError, match="may not overlap the next token's"):
+        ops.add_rms_norm(rows, rows, None, weight, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

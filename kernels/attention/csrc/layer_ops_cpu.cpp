@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 // Rounds as the operators above: no reassociation, no contraction of a product and a sum into one rounding.
@@ -125,6 +126,22 @@ void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::T
   TORCH_CHECK(weight.dim() == 1 && weight.numel() == hidden && weight.is_contiguous() &&
                   weight.scalar_type() == x.scalar_type(),
               "weight: [hidden] in x's dtype");
+  // Rows apart (a token's rows inside its stride) and out either x itself or apart from it: rows are normalized one
+  // at a time, in parallel across tokens.
+  const int64_t row_extent = x.dim() == 3 ? x.size(1) * x.size(2) : hidden;
+  TORCH_CHECK(x.size(0) <= 1 || (x.stride(0) >= row_extent && out.stride(0) >= row_extent),
+              "x and out: a token's row(s) may not overlap the next token's");
+  const bool same = out.data_ptr() == x.data_ptr() && out.strides() == x.strides();
+  if (!same && x.numel() > 0) {
+    const int64_t item = x.element_size();
+    const auto span = [&](const at::Tensor& t) {
+      const char* first = static_cast<const char*>(t.data_ptr());
+      return std::pair{first, first + ((t.size(0) - 1) * t.stride(0) + row_extent) * item};
+    };
+    const auto [x_begin, x_end] = span(x);
+    const auto [out_begin, out_end] = span(out);
+    TORCH_CHECK(out_end <= x_begin || x_end <= out_begin, "out must be x itself (in place) or not overlap it");
+  }
   if (residual.has_value()) {
     TORCH_CHECK(x.dim() == 2 && residual->dim() == 2 && residual->sizes() == x.sizes() &&
                     residual->stride(1) == 1 && residual->scalar_type() == x.scalar_type(),
