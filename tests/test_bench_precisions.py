@@ -6,6 +6,12 @@ from benchmarks.throughput_report import check_targets
 from benchmarks.workload import matmul_dtype, splitserve_precision
 
 
+def _checks(rates: dict[str, float]) -> dict[str, tuple[float, bool]]:
+    """check_targets of a CPU report whose rows are ``label -> output tok/s``: name -> (measured, met)."""
+    rows = [{"label": label, "output_tok_s": tok_s, "mfu": 0.5, "ratios": {}} for label, tok_s in rates.items()]
+    return {c.name: (c.measured, c.met) for c in check_targets({"device": "cpu", "results": rows})}
+
+
 def test_splitserve_precision_names():
     assert splitserve_precision("int8") == {"dtype": "float32", "quantization": "int8"}
     assert splitserve_precision("bfloat16") == {"dtype": "bfloat16"}
@@ -33,41 +39,23 @@ def test_a_bfloat16_kv_cache_run_is_not_checked_against_the_float32_mfu_target()
 
 
 def test_int8_and_bfloat16_targets_over_float32():
-    def row(label: str, tok_s: float) -> dict:
-        return {"label": label, "output_tok_s": tok_s, "mfu": 0.5, "ratios": {}}
-
-    report = {
-        "device": "cpu",
-        "results": [row("splitserve float32", 200.0), row("splitserve bfloat16", 500.0), row("splitserve int8", 150.0)],
-    }
-    checks = {c.name: c for c in check_targets(report)}
+    checks = _checks({"splitserve float32": 200.0, "splitserve bfloat16": 500.0, "splitserve int8": 150.0})
     # 500 / 200 = 2.5 and 150 / 200 = 0.75 against issue 18's 1.5
-    assert (checks["splitserve bfloat16 over float32"].measured, checks["splitserve bfloat16 over float32"].met) == (
-        2.5,
-        True,
-    )
-    assert (checks["splitserve int8 over float32"].measured, checks["splitserve int8 over float32"].met) == (
-        0.75,
-        False,
-    )
+    assert checks["splitserve bfloat16 over float32"] == (2.5, True)
+    assert checks["splitserve int8 over float32"] == (0.75, False)
 
 
 def test_reduced_precisions_against_the_peers_of_their_class():
-    def row(label: str, tok_s: float) -> dict:
-        return {"label": label, "output_tok_s": tok_s, "mfu": 0.5, "ratios": {}}
-
-    report = {
-        "device": "cpu",
-        "results": [
-            row("splitserve float32", 200.0),
-            row("splitserve bfloat16", 500.0),
-            row("splitserve int8", 300.0),
-            row("ctranslate2 int8", 100.0),
-            row("llama.cpp f16", 300.0),
-            row("llama.cpp q8_0", 200.0),
-        ],
-    }
-    checks = {c.name: (c.measured, c.met) for c in check_targets(report)}
+    checks = _checks(
+        {
+            "splitserve float32": 200.0,
+            "splitserve bfloat16": 500.0,
+            "splitserve int8": 300.0,
+            "ctranslate2 int8": 100.0,
+            "llama.cpp f16": 300.0,
+            "llama.cpp q8_0": 200.0,
+        }
+    )
     # issue 18: at least 2x the peers at the same precision class
     assert checks["splitserve bfloat16 vs llama.cpp f16"] == (500.0 / 300.0, False)
     assert checks["splitserve int8 vs ctranslate2 int8"] == (3.0, True)
@@ -78,21 +66,15 @@ def test_reduced_precisions_against_the_peers_of_their_class():
 def test_int8_over_a_bfloat16_kv_cache_is_a_reduced_precision_path_of_its_own():
     """``int8-kv-bfloat16`` (--quantization int8 --kv-cache-dtype bfloat16) is checked over float32 and against the
     int8 peers under its own name; plain int8 keeps its lines."""
-
-    def row(label: str, tok_s: float) -> dict:
-        return {"label": label, "output_tok_s": tok_s, "mfu": 0.5, "ratios": {}}
-
-    report = {
-        "device": "cpu",
-        "results": [
-            row("splitserve float32", 400.0),
-            row("splitserve int8", 560.0),
-            row("splitserve int8-kv-bfloat16", 800.0),
-            row("ctranslate2 int8", 250.0),
-            row("llama.cpp q8_0", 100.0),
-        ],
-    }
-    checks = {c.name: (c.measured, c.met) for c in check_targets(report)}
+    checks = _checks(
+        {
+            "splitserve float32": 400.0,
+            "splitserve int8": 560.0,
+            "splitserve int8-kv-bfloat16": 800.0,
+            "ctranslate2 int8": 250.0,
+            "llama.cpp q8_0": 100.0,
+        }
+    )
     assert checks["splitserve int8 over float32"] == (1.4, False)
     assert checks["splitserve int8-kv-bfloat16 over float32"] == (2.0, True)
     assert checks["splitserve int8-kv-bfloat16 vs ctranslate2 int8"] == (3.2, True)
