@@ -14,8 +14,10 @@ from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, image_limit, par
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-KVCacheDType = Literal["auto", "bfloat16"]  # vLLM's --kv-cache-dtype names (its fp8 ones are not served)
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# vLLM's --kv-cache-dtype names (its fp8 ones are not served), and float32: a float32 model's own dtype by name, the
+# way to keep it under int8 weights, where auto is bfloat16 (core_svc.engine_core.kv_cache_dtype_for)
+KVCacheDType = Literal["auto", "float32", "bfloat16"]
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 Quantization = Literal["int8"]  # core_svc.models.quantization
 QUANTIZATION_METHODS = ("int8",)
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -41,20 +43,23 @@ class CoreConfig:
     model: str = field(metadata=NOT_A_FLAG)  # local Hugging Face folder or hub id
     device: Device = field(default="cpu", metadata=flag("where the model runs"))
     dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
-    # vLLM's --kv-cache-dtype: auto stores keys and values in the model's dtype. bfloat16 under a float32 model halves
-    # the KV cache's bytes per token (twice the tokens in the same budget) and what each decode step's attention
-    # reads, rounding every key and value once to bfloat16 (the cpu and torch_ref attention backends; measured in
-    # docs/benchmarks.md, "Column-major float32 weights, and a bfloat16 KV cache").
+    # vLLM's --kv-cache-dtype: auto stores keys and values in the model's dtype, except under --quantization int8,
+    # where a float32 model's cache is bfloat16 (as llama.cpp's cache is 16-bit whatever its weights): the float32
+    # cache's attention is about half of an int8 decode step, and bfloat16's rounding moves logprobs a twentieth of
+    # what int8 weights do (docs/benchmarks.md, "int8 over a bfloat16 KV cache"). bfloat16 under a float32 model
+    # halves the KV cache's bytes per token (twice the tokens in the same budget) and what each decode step's
+    # attention reads, rounding every key and value once to bfloat16 (the cpu and torch_ref attention backends;
+    # measured in docs/benchmarks.md, "Column-major float32 weights, and a bfloat16 KV cache").
     kv_cache_dtype: KVCacheDType = field(
         default="auto",
         metadata=flag(
-            "the KV cache's dtype; bfloat16 halves a float32 model's KV memory", default_help="auto: the model's"
+            "the KV cache's dtype; bfloat16 halves a float32 model's KV memory; float32 keeps it under int8 weights",
+            default_help="auto: the model's, bfloat16 under int8 weights",
         ),
     )
     # vLLM's --quantization: int8 weights per output channel, quantized at load from the float checkpoint; batches
-    # quantize the activations per row too (W8A8: core_svc.models.quantization). The KV cache stays in --dtype
-    # (auto); with --kv-cache-dtype bfloat16 an int8 batch ran 1.3-1.5x faster, its float32 cache's attention being
-    # about half of its decode step (docs/benchmarks.md, "int8 over a bfloat16 KV cache").
+    # quantize the activations per row too (W8A8: core_svc.models.quantization). Under it a float32 model's KV cache
+    # is bfloat16 unless --kv-cache-dtype float32 (above).
     quantization: Quantization | None = field(
         default=None,
         metadata=flag(

@@ -83,15 +83,23 @@ GRAMMAR_WAIT_S = 0.05
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_cache_dtype_for(name: str, model_dtype: torch.dtype, backend: AttentionBackend) -> torch.dtype:
+def kv_cache_dtype_for(
+    name: str, model_dtype: torch.dtype, backend: AttentionBackend, quantization: str | None = None
+) -> torch.dtype:
     """The KV cache tensors' dtype for ``--kv-cache-dtype name`` under a model in ``model_dtype`` served by
-    ``backend``: the model's for auto.
+    ``backend``, its linears quantized by ``quantization`` (None: not). auto is the model's dtype (vLLM's auto),
+    except for a float32 model under int8 weights on a backend that stores a narrower cache: bfloat16 there, the
+    16-bit cache llama.cpp keeps whatever its weights (the float32 cache's attention is about half of an int8
+    decode step; docs/benchmarks.md, "int8 over a bfloat16 KV cache"); ``float32`` names the model's own dtype.
 
     Raises:
         ValueError: a cache dtype other than the model's under a model that is not float32, or on a backend that
             stores only the model's dtype (one without ``supports_narrow_kv_cache``: cpu and torch_ref have it).
     """
-    if name == "auto" or _DTYPES[name] == model_dtype:
+    if name == "auto":
+        narrow = quantization == "int8" and model_dtype == torch.float32 and backend.supports_narrow_kv_cache
+        return torch.bfloat16 if narrow else model_dtype
+    if _DTYPES[name] == model_dtype:
         return model_dtype
     model = str(model_dtype).removeprefix("torch.")
     if model_dtype != torch.float32:
@@ -170,7 +178,15 @@ class EngineCore:
         with self.startup.phase("kernel"):
             spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
             backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
-        self.kv_cache_dtype = kv_cache_dtype_for(config.kv_cache_dtype, dtype or arch.dtype, backend)
+        self.kv_cache_dtype = kv_cache_dtype_for(
+            config.kv_cache_dtype, dtype or arch.dtype, backend, config.quantization
+        )
+        if config.kv_cache_dtype == "auto" and self.kv_cache_dtype != (dtype or arch.dtype):
+            logger.info(
+                "KV cache in %s under %s weights (--kv-cache-dtype auto; float32 keeps the model's)",
+                str(self.kv_cache_dtype).removeprefix("torch."),
+                config.quantization,
+            )
         # Device memory before the weights: what the KV budget is measured from on CUDA.
         baseline = gpu_memory.MemorySnapshot.measure(device) if device.type == "cuda" else None
         if baseline is not None and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:

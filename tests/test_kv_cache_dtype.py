@@ -15,7 +15,7 @@ from tests.helpers import cpu_kernels_loaded, make_engine
 
 
 def test_unknown_cache_dtypes_are_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, bfloat16, got 'fp8'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, float32, bfloat16, got 'fp8'"):
         CoreConfig(model="m", kv_cache_dtype="fp8")  # type: ignore[arg-type]  # what a bad flag would pass
 
 
@@ -36,6 +36,43 @@ def test_which_model_and_backend_take_a_narrower_cache():
         kv_cache_dtype_for("bfloat16", torch.float16, cpu)
     with pytest.raises(ValueError, match="needs the cpu or torch_ref attention backend; the triton backend stores"):
         kv_cache_dtype_for("bfloat16", torch.float32, triton)
+    # float32 names a float32 model's own dtype; wider than a 16-bit model's, never served there
+    assert kv_cache_dtype_for("float32", torch.float32, triton) == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 under a bfloat16 model: .* float32 models only"):
+        kv_cache_dtype_for("float32", torch.bfloat16, cpu)
+
+
+def test_auto_is_bfloat16_under_int8_weights_of_a_float32_model_where_the_backend_narrows():
+    from types import SimpleNamespace
+
+    from kernels.attention.cpu import CpuAttentionBackend
+    from kernels.attention.torch_ref import TorchRefAttentionBackend
+
+    triton = SimpleNamespace(name="triton", supports_narrow_kv_cache=False)
+    for backend in (CpuAttentionBackend, TorchRefAttentionBackend):
+        assert kv_cache_dtype_for("auto", torch.float32, backend, "int8") == torch.bfloat16
+        assert kv_cache_dtype_for("float32", torch.float32, backend, "int8") == torch.float32  # the way back
+        assert kv_cache_dtype_for("auto", torch.bfloat16, backend, "int8") == torch.bfloat16  # the model's own
+        assert kv_cache_dtype_for("auto", torch.float32, backend, None) == torch.float32
+    assert kv_cache_dtype_for("auto", torch.float32, triton, "int8") == torch.float32  # auto never refuses
+
+
+def test_an_int8_engine_keeps_bfloat16_keys_by_default_and_float32_ones_when_asked(checkpoint, caplog):
+    path = checkpoint("llama")
+    budget = {"kv_cache_memory_gib": 0.01, "quantization": "int8"}
+    with caplog.at_level(logging.INFO, logger="core_svc.engine_core"):
+        default = make_engine(path, **budget)
+    kept = make_engine(path, kv_cache_dtype="float32", **budget)
+    assert default.dtype == kept.dtype == torch.float32
+    assert default.model_runner.kv_caches[0].dtype == torch.bfloat16
+    assert kept.model_runner.kv_caches[0].dtype == torch.float32
+    arch = kept.arch
+    per_block = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_size * kept.config.block_size
+    assert (default.num_kv_blocks, kept.num_kv_blocks) == (
+        int(0.01 * 2**30) // (2 * per_block),
+        int(0.01 * 2**30) // (4 * per_block),
+    )
+    assert any("KV cache in bfloat16 under int8 weights" in r.message for r in caplog.records)
 
 
 def test_what_the_flags_alone_rule_out_is_refused_before_anything_loads():
