@@ -186,8 +186,15 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         "--dtypes",
         default=None,
         help="splitserve precisions, comma-separated: a dtype; int8: --quantization int8; float32-dense, "
-        "bfloat16-dense: --dense-decode-weights; float32-kv-bfloat16, int8-kv-bfloat16: --kv-cache-dtype bfloat16 "
-        "(default: float32,bfloat16,int8,int8-kv-bfloat16; cuda: bfloat16)",
+        "bfloat16-dense: --dense-decode-weights; any with -kv-bfloat16 or -kv-float32 (float32-kv-bfloat16, "
+        "int8-kv-float32): that --kv-cache-dtype (default: float32,bfloat16,int8; cuda: bfloat16)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="runs of each splitserve precision, round-robin in a rotated order; each reports its median run "
+        "(default: 1)",
     )
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
     p.add_argument(
@@ -256,6 +263,7 @@ def _throughput_settings(args: argparse.Namespace) -> Any:
         args.device,
         backends=names(args.backends),
         dtypes=names(args.dtypes),
+        rounds=args.rounds,
         hf_dtype=args.hf_dtype,
         hf_batch_size=args.hf_batch_size,
         preemption_kv_fraction=args.preemption_kv_fraction,

@@ -15,10 +15,7 @@ TARGETS = {
     "vs transformers generate_batch": 2.5,
     "vs transformers generate": 3.0,
     "bfloat16 over float32": 1.5,  # issue 18: a 16-bit or int8 path at least 1.5x float32
-    "int8 over float32": 1.5,
-    # int8 weights over a bfloat16 KV cache (--quantization int8 --kv-cache-dtype bfloat16): int8 with the cache's
-    # read halved, the float32 cache's attention being about half an int8 decode step (docs/benchmarks.md)
-    "int8-kv-bfloat16 over float32": 1.5,
+    "int8 over float32": 1.5,  # int8 as served: its KV cache bfloat16 (core_svc.engine_core.kv_cache_dtype_for)
     "vs a CPU peer at float32": 2.0,  # issue 18: CTranslate2 float32 and llama.cpp f32, batch throughput
     "vs a CPU peer at its precision": 2.0,  # issue 18: the same at 16 bits (llama.cpp f16) and int8 (q8_0, int8)
 }
@@ -26,8 +23,7 @@ PEER_FLOAT32_LABELS = ("ctranslate2 float32", "llama.cpp f32")
 # splitserve's reduced precision -> the peers' of the same class
 PEER_REDUCED_LABELS = {
     "bfloat16": ("llama.cpp f16",),
-    "int8": ("ctranslate2 int8", "llama.cpp q8_0"),
-    "int8-kv-bfloat16": ("ctranslate2 int8", "llama.cpp q8_0"),  # llama.cpp's KV cache is float16 by default
+    "int8": ("ctranslate2 int8", "llama.cpp q8_0"),  # int8 keeps a bfloat16 KV cache, llama.cpp a float16 one
 }
 # Issue 16's targets on a GPU: splitserve bfloat16 against transformers generate_batch on the same GPU (at least),
 # and the single-request ITL over the weight-read bound (at most; single_request.ITL_OVER_BOUND_TARGET).
@@ -128,12 +124,15 @@ def format_report(report: dict[str, Any]) -> str:
             f"{100 * r['mfu']:5.1f}% {100 * r['mfu_lm_head_every_token']:5.1f}% {match:>6}  {ratios}"
         )
     lines.append("MFU*: the LM head counted for prompt tokens too (work an engine that skips prompt logits never does)")
-    integer = [r["label"] for r in report["results"] if r["label"].endswith((" int8", " int8-kv-bfloat16", " q8_0"))]
+    integer = [r["label"] for r in report["results"] if " int8" in r["label"] or r["label"].endswith(" q8_0")]
     if integer:
         lines.append(
             f"MFU of {', '.join(integer)}: over float32's matmul peak (the integer products' own peak is not "
             "measured), so not a share of what they could reach; it can pass 100%"
         )
+    for r in report["results"]:
+        if rounds := r.get("extra", {}).get("rounds_output_tok_s"):
+            lines.append(f"rounds {r['label']}: {', '.join(f'{x:.1f}' for x in rounds)} out tok/s (the median above)")
     for r in report["results"]:
         if r.get("extra", {}).get("note"):
             lines.append(f"note {r['label']}: {r['extra']['note']}")

@@ -27,10 +27,11 @@ def splitserve_precision(name: str) -> dict[str, str | bool]:
     """``CoreConfig`` fields of a splitserve precision the benchmarks name: a dtype (float32, bfloat16,
     float16), int8: float32 with int8 linears (``--quantization int8``), a dtype with ``-dense`` (float32-dense,
     bfloat16-dense): that dtype with dense weights for few-row steps (``--dense-decode-weights``); any of these with
-    ``-kv-bfloat16`` (float32-kv-bfloat16, int8-kv-bfloat16): with a bfloat16 KV cache (``--kv-cache-dtype
-    bfloat16``)."""
-    if name.endswith("-kv-bfloat16"):
-        return splitserve_precision(name.removesuffix("-kv-bfloat16")) | {"kv_cache_dtype": "bfloat16"}
+    ``-kv-bfloat16`` or ``-kv-float32`` (float32-kv-bfloat16, int8-kv-float32): with that KV cache
+    (``--kv-cache-dtype``; int8's own is bfloat16)."""
+    for kv_dtype in ("bfloat16", "float32"):
+        if name.endswith(suffix := f"-kv-{kv_dtype}"):
+            return splitserve_precision(name.removesuffix(suffix)) | {"kv_cache_dtype": kv_dtype}
     if name == "int8":
         return {"dtype": "float32", "quantization": "int8"}
     if name in ("float32-dense", "bfloat16-dense"):  # the dtypes that keep dense copies (prepack_linear_weights)

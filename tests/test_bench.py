@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -396,6 +397,43 @@ def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint, mon
     assert "single request (float32" in throughput_report.format_report(report)
 
 
+def test_rounds_interleave_the_precisions_and_report_each_ones_median_run(monkeypatch):
+    """``--rounds 3``: round r starts at the r-th precision; each precision's result is its median run by wall time,
+    its MFU from that run, every run's rate kept in round order and printed."""
+    from benchmarks.workload import RequestSet
+
+    requests = RequestSet(prompts=[[5, 6, 7], [8, 9]], output_len=4, seed=0)  # 8 output tokens a run
+    walls = {"float32": [2.0, 1.0, 4.0], "int8": [0.5, 2.0, 1.0]}  # the medians: 2.0 s and 1.0 s
+    order: list[str] = []
+
+    def fake_run(model, reqs, dtype, **core_config):  # noqa: ANN001, ANN003, ANN202
+        order.append(dtype)
+        return walls[dtype][order.count(dtype) - 1], [[1] * 4, [2] * 4], {"run": order.count(dtype)}
+
+    monkeypatch.setattr(throughput, "run_splitserve", fake_run)
+    settings = throughput.Settings(dtypes=("float32", "int8"), rounds=3)
+    flops = ModelFlops(non_embedding_matmul_params=10, lm_head_params=2, num_layers=1, attention_width=1)
+    peaks = {"float32": 100.0, "int8": 100.0}
+    results = throughput._splitserve_rounds(Path("m"), requests, settings, {}, flops, peaks)
+    assert order == ["float32", "int8", "int8", "float32", "float32", "int8"]
+    by_dtype = {r.dtype: r for r in results}
+    assert (by_dtype["float32"].wall_s, by_dtype["float32"].extra["run"]) == (2.0, 1)
+    assert (by_dtype["int8"].wall_s, by_dtype["int8"].extra["run"]) == (1.0, 3)
+    assert by_dtype["float32"].output_tok_s == 4.0 and by_dtype["float32"].mfu == flops.total(requests) / 2.0 / 100.0
+    assert by_dtype["int8"].extra["rounds_output_tok_s"] == [16.0, 4.0, 8.0]
+    report = {
+        "device": "cpu", "machine": {"cpu": "x", "cores": 2, "torch": "t", "transformers": "t", "triton": None},
+        "model": "m", "matmul_peak_gflops": {"float32": 0.1},
+        "request_set": {"num_requests": 2, "prompt_len_mean": 2.5, "output_len": 4},
+        "results": [throughput._public(r) | {"ratios": {}} for r in results], "single_request": None,
+    }  # fmt: skip
+    assert "rounds splitserve int8: 16.0, 4.0, 8.0 out tok/s (the median above)" in throughput_report.format_report(
+        report
+    )
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        throughput.Settings(rounds=0)
+
+
 def test_the_timed_run_has_the_startup_heap_frozen_and_gives_it_back():
     """``startup_heap_frozen``: inside, what was alive on entry is out of garbage collection (as in the servers once
     loaded); after, it is collectable again, and a cycle dropped inside is then collected."""
@@ -437,12 +475,12 @@ def test_report_says_whose_peak_an_integer_runs_mfu_is_over():
         "request_set": {"num_requests": 64, "prompt_len_mean": 137.0, "output_len": 128},
         "results": [
             result("splitserve float32", 0.48), result("splitserve int8", 1.01),
-            result("splitserve int8-kv-bfloat16", 1.3), result("llama.cpp q8_0", 0.1),
+            result("splitserve int8-kv-float32", 0.7), result("llama.cpp q8_0", 0.1),
         ],
         "single_request": None,
     }  # fmt: skip
     text = throughput_report.format_report(report)
-    assert "MFU of splitserve int8, splitserve int8-kv-bfloat16, llama.cpp q8_0: over float32's matmul peak" in text
+    assert "MFU of splitserve int8, splitserve int8-kv-float32, llama.cpp q8_0: over float32's matmul peak" in text
     report["results"] = report["results"][:1]
     assert "over float32's matmul peak" not in throughput_report.format_report(report)
 

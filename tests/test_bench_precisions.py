@@ -18,8 +18,8 @@ def test_splitserve_precision_names():
     assert splitserve_precision("float32-dense") == {"dtype": "float32", "dense_decode_weights": True}
     assert splitserve_precision("bfloat16-dense") == {"dtype": "bfloat16", "dense_decode_weights": True}
     assert splitserve_precision("float32-kv-bfloat16") == {"dtype": "float32", "kv_cache_dtype": "bfloat16"}
-    int8_kv = {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "bfloat16"}
-    assert splitserve_precision("int8-kv-bfloat16") == int8_kv
+    int8_kv = {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "float32"}
+    assert splitserve_precision("int8-kv-float32") == int8_kv  # int8's own cache is bfloat16 (auto)
     # the peak each one's MFU is over: its compute dtype; int8's integer products stand over float32's
     names = ("float32", "int8", "float32-dense", "float32-kv-bfloat16", "bfloat16", "bfloat16-dense")
     assert [matmul_dtype(n) for n in names] == ["float32"] * 4 + ["bfloat16"] * 2
@@ -63,22 +63,22 @@ def test_reduced_precisions_against_the_peers_of_their_class():
     assert "splitserve bfloat16 vs ctranslate2 int8" not in checks
 
 
-def test_int8_over_a_bfloat16_kv_cache_is_a_reduced_precision_path_of_its_own():
-    """``int8-kv-bfloat16`` (--quantization int8 --kv-cache-dtype bfloat16) is checked over float32 and against the
-    int8 peers under its own name; plain int8 keeps its lines."""
+def test_int8_over_a_float32_kv_cache_is_in_the_table_but_not_the_targets():
+    """``int8-kv-float32`` (--quantization int8 --kv-cache-dtype float32) is not int8 as served (its cache is
+    bfloat16), so only plain int8 has target lines."""
     checks = _checks(
         {
             "splitserve float32": 400.0,
-            "splitserve int8": 560.0,
-            "splitserve int8-kv-bfloat16": 800.0,
+            "splitserve int8": 800.0,
+            "splitserve int8-kv-float32": 560.0,
             "ctranslate2 int8": 250.0,
             "llama.cpp q8_0": 100.0,
         }
     )
-    assert checks["splitserve int8 over float32"] == (1.4, False)
-    assert checks["splitserve int8-kv-bfloat16 over float32"] == (2.0, True)
-    assert checks["splitserve int8-kv-bfloat16 vs ctranslate2 int8"] == (3.2, True)
-    assert checks["splitserve int8-kv-bfloat16 vs llama.cpp q8_0"] == (8.0, True)
+    assert checks["splitserve int8 over float32"] == (2.0, True)
+    assert checks["splitserve int8 vs ctranslate2 int8"] == (3.2, True)
+    assert checks["splitserve int8 vs llama.cpp q8_0"] == (8.0, True)
+    assert not [name for name in checks if "kv-float32" in name]
 
 
 def test_a_16_bit_precision_the_cpu_cannot_compute_is_measured_against_float32s_peak(monkeypatch):
