@@ -53,8 +53,8 @@ class CoreConfig:
     kv_cache_dtype: KVCacheDType = field(
         default="auto",
         metadata=flag(
-            "the KV cache's dtype; bfloat16 halves a float32 model's KV memory; float32 keeps it under int8 weights",
-            default_help="auto: the model's, bfloat16 under int8 weights",
+            "the KV cache's dtype; auto: the model's, but bfloat16 under --quantization int8; bfloat16 halves a "
+            "float32 model's KV memory; float32 keeps a float32 model's cache under int8"
         ),
     )
     # vLLM's --quantization: int8 weights per output channel, quantized at load from the float checkpoint; batches
@@ -63,7 +63,8 @@ class CoreConfig:
     quantization: Quantization | None = field(
         default=None,
         metadata=flag(
-            "int8: linear weights int8 per output channel, batches' activations int8 per row (CPU only)",
+            "int8: linear weights int8 per output channel, batches' activations int8 per row, the KV cache "
+            "bfloat16 (CPU only)",
             default_help="none: the weights in --dtype",
         ),
     )
@@ -292,6 +293,12 @@ class CoreConfig:
                 f"kv_cache_dtype bfloat16 under a float32 model needs the cpu or torch_ref attention backend; the "
                 f"{self.attention_backend} backend stores keys and values in the model's dtype "
                 f"(use kv_cache_dtype auto)"
+            )
+        if self.kv_cache_dtype == "float32" and self.dtype in ("bfloat16", "float16") and self.device == "cuda":
+            # on CPU a 16-bit dtype may load as float32 (core_svc.cpu_dtype); kv_cache_dtype_for decides there
+            raise ValueError(
+                f"kv_cache_dtype float32 under a {self.dtype} model: a KV cache in a dtype other than the model's "
+                f"is served for float32 models only (use kv_cache_dtype auto)"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(

@@ -84,6 +84,10 @@ def test_what_the_flags_alone_rule_out_is_refused_before_anything_loads():
         config = CoreConfig(model="m", dtype="bfloat16", attention_backend=backend, kv_cache_dtype="bfloat16")
         assert config.kv_cache_dtype == "bfloat16"  # the model's own dtype: served anywhere
     assert CoreConfig(model="m", dtype="float16", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    # a float32 cache under a 16-bit model on CUDA (on CPU the dtype may load as float32: the engine decides)
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 under a bfloat16 model: .* float32 models only"):
+        CoreConfig(model="m", device="cuda", dtype="bfloat16", kv_cache_dtype="float32")
+    assert CoreConfig(model="m", dtype="bfloat16", kv_cache_dtype="float32").kv_cache_dtype == "float32"
 
 
 def test_a_bfloat16_cache_holds_twice_the_blocks_of_a_float32_one_in_the_same_memory(checkpoint, caplog):
