@@ -191,7 +191,7 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=_positive_int,
         default=None,
         help="runs of each splitserve precision, round-robin in a rotated order; each reports its median run "
         "(default: 1)",
@@ -244,6 +244,16 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         help="instead: splitserve alone, the base model against N random rank-16 LoRA adapters spread over the "
         "requests, all in the same batches (benchmarks/lora.py)",
     )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _throughput_settings(args: argparse.Namespace) -> Any:

@@ -65,6 +65,10 @@ class Settings:
     contend_timeout_s: float = 600.0  # a contention run still going then is stopped and reported as such
 
     def __post_init__(self) -> None:
+        if "splitserve" in self.backends and not self.dtypes:
+            raise ValueError("splitserve needs at least one precision in dtypes")
+        if len(set(self.dtypes)) != len(self.dtypes):
+            raise ValueError(f"dtypes names a precision more than once: {','.join(self.dtypes)}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be at least 1, got {self.rounds}")
 
@@ -220,6 +224,7 @@ def _runner_facts(core: Any, num_slots: int) -> dict[str, Any]:
     except AttributeError:
         backend = None
     return {
+        "kv_cache_dtype": None if not caches else str(caches[0].dtype).removeprefix("torch."),
         "kv_cache_bytes": kv_bytes,
         "kv_bytes_per_token": None if kv_bytes is None else kv_bytes // num_slots,
         "attention_backend": backend,
@@ -459,6 +464,24 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
     }
 
 
+def round_order(n: int, r: int) -> list[int]:
+    """The order of ``n`` runs in round ``r`` (0-based): a Williams design (E. J. Williams, "Experimental designs
+    balanced for the estimation of residual effects of treatments", 1949), the sequence 0, 1, n-1, 2, n-2, ...
+    shifted by r mod n, reversed in rounds n .. 2n-1 (and so on alternately). Over n rounds each run takes every
+    position once and, for an even n, follows every other exactly once (for an odd n, over 2n rounds), so a
+    machine's drift and one run's after-effects on the next fall on all of them alike."""
+    base = [0]
+    low, high = 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    order = [(b + r) % n for b in base]
+    return order[::-1] if (r // n) % 2 else order
+
+
 def _splitserve_rounds(
     model: Path,
     requests: RequestSet,
@@ -467,16 +490,15 @@ def _splitserve_rounds(
     flops: ModelFlops,
     peaks: dict[str, float],
 ) -> list[BackendResult]:
-    """splitserve in each of ``settings.dtypes``, ``settings.rounds`` times round-robin, a fresh engine each run
-    (so no run finds the last one's prefix cache). Round r starts at precision r mod len(dtypes), so none always
-    runs first or after the same one. Each precision's result is its median run by wall time (the slower of the
-    two middle ones for an even count), over ``peaks[dtype]`` (FLOP/s); with more than one round
-    ``extra["rounds_output_tok_s"]`` holds every run's output tok/s in round order."""
+    """splitserve in each of ``settings.dtypes``, ``settings.rounds`` times, a fresh engine each run (so no run
+    finds the last one's prefix cache), the rounds in the orders of ``round_order``. Each precision's result is its
+    median run by wall time (the slower of the two middle ones for an even count), over ``peaks[dtype]`` (FLOP/s);
+    with more than one round ``extra["rounds_output_tok_s"]`` holds every run's output tok/s in round order, which
+    the report pairs by round for the ratios between precisions (``throughput_report.check_targets``)."""
     dtypes, rounds = list(settings.dtypes), settings.rounds
     runs: dict[str, list[tuple[float, list[list[int]], dict]]] = {dtype: [] for dtype in dtypes}
     for r in range(rounds):
-        shift = r % len(dtypes)
-        for dtype in dtypes[shift:] + dtypes[:shift]:
+        for dtype in (dtypes[i] for i in round_order(len(dtypes), r)):
             logger.info(
                 "running splitserve (%s) on %d requests on %s%s",
                 dtype,

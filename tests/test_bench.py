@@ -383,6 +383,7 @@ def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint, mon
     assert set(report["machine"]["cpu_flags"]) <= set(MATMUL_CPU_FLAGS)
     [result] = report["results"]
     assert result["label"] == "splitserve float32" and result["extra"]["device"] == "cpu"
+    assert result["extra"]["kv_cache_dtype"] == "float32"
     latency = report["single_request"]
     assert (latency["device"], latency["dtype"], latency["cuda_graphs"]) == ("cpu", "float32", False)
     assert (latency["prompt_len"], latency["output_len"]) == (len(requests.prompts[0]), 5)
@@ -403,7 +404,7 @@ def test_rounds_interleave_the_precisions_and_report_each_ones_median_run(monkey
     from benchmarks.workload import RequestSet
 
     requests = RequestSet(prompts=[[5, 6, 7], [8, 9]], output_len=4, seed=0)  # 8 output tokens a run
-    walls = {"float32": [2.0, 1.0, 4.0], "int8": [0.5, 2.0, 1.0]}  # the medians: 2.0 s and 1.0 s
+    walls = {"float32": [2.0, 1.0, 4.0], "int8": [0.5, 2.0, 1.0]}  # the medians: 2.0 s and 1.0 s (round by round)
     order: list[str] = []
 
     def fake_run(model, reqs, dtype, **core_config):  # noqa: ANN001, ANN003, ANN202
@@ -415,7 +416,7 @@ def test_rounds_interleave_the_precisions_and_report_each_ones_median_run(monkey
     flops = ModelFlops(non_embedding_matmul_params=10, lm_head_params=2, num_layers=1, attention_width=1)
     peaks = {"float32": 100.0, "int8": 100.0}
     results = throughput._splitserve_rounds(Path("m"), requests, settings, {}, flops, peaks)
-    assert order == ["float32", "int8", "int8", "float32", "float32", "int8"]
+    assert order == ["float32", "int8", "int8", "float32", "int8", "float32"]  # round_order(2, r)
     by_dtype = {r.dtype: r for r in results}
     assert (by_dtype["float32"].wall_s, by_dtype["float32"].extra["run"]) == (2.0, 1)
     assert (by_dtype["int8"].wall_s, by_dtype["int8"].extra["run"]) == (1.0, 3)
@@ -427,11 +428,34 @@ def test_rounds_interleave_the_precisions_and_report_each_ones_median_run(monkey
         "request_set": {"num_requests": 2, "prompt_len_mean": 2.5, "output_len": 4},
         "results": [throughput._public(r) | {"ratios": {}} for r in results], "single_request": None,
     }  # fmt: skip
-    assert "rounds splitserve int8: 16.0, 4.0, 8.0 out tok/s (the median above)" in throughput_report.format_report(
-        report
+    assert (
+        "rounds splitserve int8: 16.0, 4.0, 8.0 out tok/s (above: the median run)"
+        in throughput_report.format_report(report)
     )
+    # int8 over float32 round by round: 16/4, 4/8, 8/2 -> median 4.0 (the rows' medians would give 8/4 = 2.0)
+    checks = {c.name: c.measured for c in throughput_report.check_targets(report)}
+    assert checks["splitserve int8 over float32"] == 4.0
     with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
         throughput.Settings(rounds=0)
+    with pytest.raises(ValueError, match="splitserve needs at least one precision in dtypes"):
+        throughput.Settings(dtypes=())
+    with pytest.raises(ValueError, match="dtypes names a precision more than once: int8,float32,int8"):
+        throughput.Settings(dtypes=("int8", "float32", "int8"))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_round_order_puts_every_precision_in_every_place_and_after_every_other_alike(n):
+    """Williams' design: n rounds (2n for an odd n) hold each precision once per position per n rounds and every
+    ordered neighbour pair equally often."""
+    span = n if n % 2 == 0 else 2 * n
+    orders = [throughput.round_order(n, r) for r in range(span)]
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    for block in (orders[:n], orders[n:]):
+        for position in range(n):
+            assert block == [] or sorted(order[position] for order in block) == list(range(n))
+    pairs = [(order[i], order[i + 1]) for order in orders for i in range(n - 1)]
+    times = span // n
+    assert sorted(pairs) == sorted((a, b) for a in range(n) for b in range(n) if a != b for _ in range(times))
 
 
 def test_the_timed_run_has_the_startup_heap_frozen_and_gives_it_back():
