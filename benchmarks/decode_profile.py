@@ -11,7 +11,7 @@ decode step is the ms per output token. The second pass wraps the step's parts i
 of a decode step: scheduler, input preparation, the forward split into the decoder's linear layers, attention
 (KV write included) and the rest of the forward (norms, RoPE, residuals, activation, embedding, Python), the LM
 head (``compute_logits``), sampling, output building, the scheduler's update, and the rest of the step. Where a
-step runs the whole decoder in one compiled call (``FewRowDecoder``, core_svc/models/few_row_decoder.py), that call
+step runs the whole decoder in one compiled call (``OneCallDecoder``, core_svc/models/one_call_decoder.py), that call
 is the ``decoder`` part (its products, attention and norms together) and linear and attention are 0. The trees
 run alternately, ``--repeats`` children each, so a shared machine's drift falls on both; the load average is
 recorded with each child.
@@ -83,14 +83,14 @@ def instrument(core: Any) -> dict[str, float]:
     model.compute_logits = _timed(table, "lm_head", model.compute_logits)
     model.forward = _timed(table, "forward", model.forward)
     inner: Any = getattr(model, "model", None)
-    if hasattr(inner, "few_row_decoder"):  # trees since the one-call decoder (core_svc/models/few_row_decoder.py)
-        few_row_decoder = inner.few_row_decoder
+    if hasattr(inner, "one_call_decoder"):  # trees since the one-call decoder (core_svc/models/one_call_decoder.py)
+        one_call_decoder = inner.one_call_decoder
 
         def timed_decoder() -> Any:
-            decoder = few_row_decoder()
+            decoder = one_call_decoder()
             return None if decoder is None else _TimedDecoder(decoder, table)
 
-        inner.few_row_decoder = timed_decoder
+        inner.one_call_decoder = timed_decoder
     backends = set()
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name != "lm_head":
@@ -103,7 +103,7 @@ def instrument(core: Any) -> dict[str, float]:
 
 
 class _TimedDecoder:
-    """A ``FewRowDecoder`` (a torch script object, whose methods cannot be replaced) whose ``forward`` adds its time
+    """A ``OneCallDecoder`` (a torch script object, whose methods cannot be replaced) whose ``forward`` adds its time
     to the ``instrument`` table's ``decoder``."""
 
     def __init__(self, decoder: Any, table: dict[str, float]) -> None:

@@ -93,7 +93,7 @@ def test_measure_times_every_decode_step_and_keeps_the_tokens(checkpoint):
     assert len(result["step_ms"]) == output_len - 1  # the prefill step gives the first token and is left out
     parts = result["breakdown_ms"]
     assert list(parts) == list(PHASES) and all(parts[k] > 0 for k in ("lm_head", "schedule"))
-    if cpu_kernels_loaded():  # the decode steps are one call each (core_svc/models/few_row_decoder.py)
+    if cpu_kernels_loaded():  # the decode steps are one call each (core_svc/models/one_call_decoder.py)
         assert parts["decoder"] > 0 and parts["linear"] == parts["attention"] == 0
     else:
         assert parts["decoder"] == 0 and parts["linear"] > 0 and parts["attention"] > 0

@@ -377,7 +377,7 @@ def test_fused_layer_ops_for_every_row_count_on_cpu():
 class _MixingBackend:
     """An attention stand-in that uses q, k and v of every head (no KV cache): enough to carry RoPE's output on."""
 
-    name = "mixing"  # not the "cpu" backend, so LlamaModel keeps its per-layer path (few_row_decoder.py)
+    name = "mixing"  # not the "cpu" backend, so LlamaModel keeps its per-layer path (one_call_decoder.py)
 
     def forward(self, q, k, v, kv_cache, metadata, scale, sliding_window):  # noqa: ANN001, ANN201
         group = q.shape[1] // k.shape[1]

@@ -155,7 +155,7 @@ def wrap_lora_modules(
         wrapped[(layer, kind)] = lora_module
     if not wrapped:
         raise ValueError("the model has no decoder projection LoRA adapters apply to (Llama-family models only)")
-    notify_weights_replaced(model)  # a few-row decoder built before holds the projections without their adapters
+    notify_weights_replaced(model)  # a one-call decoder built before holds the projections without their adapters
     return wrapped
 
 

@@ -353,7 +353,7 @@ def notify_weights_replaced(model: nn.Module) -> None:
 class AdapterWrapper(nn.Module):
     """A projection wrapped for adapters (``core_svc.lora.layers.LoRALinear``, whose package imports this one): its
     ``base`` projection, and ``batch``, the step's adapter rows shared by every wrapper of the model (``LoRABatch``:
-    ``active`` when a row of the step uses an adapter). ``FewRowDecoder`` runs the base projection in steps where
+    ``active`` when a row of the step uses an adapter). ``OneCallDecoder`` runs the base projection in steps where
     ``batch`` is not active."""
 
     base: nn.Module
@@ -477,7 +477,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             if ops is None:
                 qk = torch.cat((self.q_norm(qk[:, : dims.num_heads]), self.k_norm(qk[:, dims.num_heads :])), dim=1)
-            else:  # in place in qkv, a call per norm over every token's heads, as FewRowDecoder does
+            else:  # in place in qkv, a call per norm over every token's heads, as OneCallDecoder does
                 self.q_norm.forward_in_place(ops, qk[:, : dims.num_heads])
                 self.k_norm.forward_in_place(ops, qk[:, dims.num_heads :])
         if ops is None:

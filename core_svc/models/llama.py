@@ -14,7 +14,6 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core_svc.models.arch import ModelArchConfig
-from core_svc.models.few_row_decoder import build_few_row_decoder, lora_batches
 from core_svc.models.interfaces import ServedModel
 from core_svc.models.layers import (
     GEMV_MAX_ROWS,
@@ -26,6 +25,7 @@ from core_svc.models.layers import (
     fused_layer_ops,
     tied_lm_head,
 )
+from core_svc.models.one_call_decoder import build_one_call_decoder, lora_batches
 from kernels import AttentionBackend, AttentionMetadata
 
 # checkpoint name fragment -> (our fused parameter fragment, shard index in the fused output dimension)
@@ -113,44 +113,44 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # few_row_decoder's and batch_decoder's: None until built at the first decode step of few rows / of more;
+        # one_call_decoder's and batch_decoder's: None until built at the first decode step of few rows / of more;
         # False where it does not apply
-        self._few_row_decoder: Any = None
+        self._one_call_decoder: Any = None
         self._batch_decoder: Any = None
         self._lora_batches: tuple[Any, ...] = ()  # of its LoRA-wrapped projections: it runs none of their adapters
-        self.few_row_decoder_enabled = True  # False: every step layer by layer (tests compare the two paths)
+        self.one_call_decoder_enabled = True  # False: every step layer by layer (tests compare the two paths)
         self.fused_ops_enabled = True  # False: torch's operators between the products (tests and benchmarks compare)
 
-    def few_row_decoder(self) -> Any:
+    def one_call_decoder(self) -> Any:
         """The compiled decoder for decode-only steps of 1 to ``GEMV_MAX_ROWS`` rows on CPU
-        (``few_row_decoder.build_few_row_decoder``: the per-layer path's values in one call), built on first use over
-        this model's weight tensors, or None where it does not apply or ``few_row_decoder_enabled`` is False."""
+        (``one_call_decoder.build_one_call_decoder``: the per-layer path's values in one call), built on first use over
+        this model's weight tensors, or None where it does not apply or ``one_call_decoder_enabled`` is False."""
         return self._decoder(batch=False)
 
     def batch_decoder(self) -> Any:
-        """``few_row_decoder``'s counterpart for decode-only steps of more rows (``build_few_row_decoder(batch=True)``),
-        or None where it does not apply (int8 multiplied by its dequantized weight: that module's docstring) or
-        ``few_row_decoder_enabled`` is False."""
+        """``one_call_decoder``'s counterpart for decode-only steps of more rows
+        (``build_one_call_decoder(batch=True)``), or None where it does not apply (int8 multiplied by its
+        dequantized weight: that module's docstring) or ``one_call_decoder_enabled`` is False."""
         return self._decoder(batch=True)
 
     def _decoder(self, batch: bool) -> Any:
-        if not self.few_row_decoder_enabled:
+        if not self.one_call_decoder_enabled:
             return None
-        built = self._batch_decoder if batch else self._few_row_decoder
+        built = self._batch_decoder if batch else self._one_call_decoder
         if built is None:
-            decoder = build_few_row_decoder(self, batch=batch)
+            decoder = build_one_call_decoder(self, batch=batch)
             built = False if decoder is None else decoder
             if batch:
                 self._batch_decoder = built
             else:
-                self._few_row_decoder = built
+                self._one_call_decoder = built
             self._lora_batches = lora_batches(self)
         return None if built is False else built
 
     def weights_replaced(self) -> None:
         """Its weight tensors or projection modules were replaced (``layers.notify_weights_replaced``): the
         decoders, which hold the old ones, are built again at their next use."""
-        self._few_row_decoder = self._batch_decoder = None
+        self._one_call_decoder = self._batch_decoder = None
 
     def forward(
         self,
@@ -171,7 +171,7 @@ class LlamaModel(nn.Module):
             return self.norm(hidden)
         # a decode-only step, no adapter in it: the loop below in one compiled call
         rows = hidden.shape[0]
-        decoder = self.few_row_decoder() if rows <= GEMV_MAX_ROWS else self.batch_decoder()
+        decoder = self.one_call_decoder() if rows <= GEMV_MAX_ROWS else self.batch_decoder()
         one_call = decoder is not None and metadata.num_decodes == rows
         if one_call and not any(batch.active for batch in self._lora_batches):
             slots, table, lens = metadata.slot_mapping, metadata.block_table, metadata.seq_lens

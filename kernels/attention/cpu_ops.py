@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # paged decode attention; the row passes around int8 matmuls (core_svc/models/quantization.py); one request's
 # matrix-vector products, and a decoder layer's elementwise work between its products (core_svc/models/layers.py); the
 # greedy token of each row (core_svc/sampler.py); a decode step of a few rows through a whole decoder, calling the
-# others through cpu_ops.h (core_svc/models/few_row_decoder.py); bfloat16 products of many rows on AMX over the dense
+# others through cpu_ops.h (core_svc/models/one_call_decoder.py); bfloat16 products of many rows on AMX over the dense
 # weight, and float32 products of many rows over the weight in panels (core_svc/models/layers.py); int8 products over
 # the weight in panels on CPUs without AVX-512 VNNI (core_svc/models/quantization.py)
 _SOURCES = tuple(

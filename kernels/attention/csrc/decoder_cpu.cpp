@@ -1,4 +1,4 @@
-// A decode step through a whole Llama-family decoder in one call (FewRowDecoder.forward), for
+// A decode step through a whole Llama-family decoder in one call (OneCallDecoder.forward), for
 // core_svc/models/llama.py: the layers of LlamaModel's fused path (DecoderLayer.forward_fused), their kernels
 // and products called from here, in its order and on its values, so the results are that path's bit for bit.
 //
@@ -9,7 +9,7 @@
 // A batch's step spends the same time between the passes: one call took 0.80-0.92x the time of a 16- to 64-row
 // step's forward of small ("One call per decode step of a batch").
 //
-// What it covers (the Python side decides, core_svc/models/few_row_decoder.py): rows that are each one request's
+// What it covers (the Python side decides, core_svc/models/one_call_decoder.py): rows that are each one request's
 // one new token (a decode-only step), 1-4 of them where a projection runs gemv or int8_gemv (those kernels' limit),
 // any number where every projection runs panel_linear, int8_panel_linear, amx_linear or torch's products (the kinds
 // Projection lists); RMSNorm, optional per-head q/k RMSNorm (Qwen3), RoPE from the step's cos / signed-sin rows,
@@ -142,11 +142,11 @@ struct Layer {
   bool complete() const { return qkv.defined() && o.defined() && gate_up.defined() && down.defined(); }
 };
 
-class FewRowDecoder : public torch::CustomClassHolder {
+class OneCallDecoder : public torch::CustomClassHolder {
  public:
   // final_norm: [hidden_size] in the activations' dtype; eps: the decoder norms' epsilon; scale: attention's
   // softmax scale; the head counts and size those of every layer.
-  FewRowDecoder(at::Tensor final_norm, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+  OneCallDecoder(at::Tensor final_norm, double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                 double scale)
       : final_norm_(std::move(final_norm)),
         eps_(eps),
@@ -303,8 +303,8 @@ class FewRowDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size() && hidden.is_contiguous() &&
                     hidden.scalar_type() == dtype(),
                 "hidden: contiguous [rows, hidden_size] in final_norm's dtype");
-    TORCH_CHECK(rows >= 1, "FewRowDecoder takes at least one row, got ", rows);
-    TORCH_CHECK(rows <= max_rows_, "FewRowDecoder takes 1 to ", max_rows_,
+    TORCH_CHECK(rows >= 1, "OneCallDecoder takes at least one row, got ", rows);
+    TORCH_CHECK(rows <= max_rows_, "OneCallDecoder takes 1 to ", max_rows_,
                 " rows (a projection of kind gemv or int8), got ", rows);
     TORCH_CHECK(hidden.device().is_cpu() && cos.device().is_cpu() && signed_sin.device().is_cpu() &&
                     slot_mapping.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
@@ -379,10 +379,10 @@ class FewRowDecoder : public torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.class_<FewRowDecoder>("FewRowDecoder")
+  m.class_<OneCallDecoder>("OneCallDecoder")
       .def(torch::init<at::Tensor, double, int64_t, int64_t, int64_t, double>())
-      .def("add_layer", &FewRowDecoder::add_layer)
-      .def("add_projection", &FewRowDecoder::add_projection)
-      .def("forward", &FewRowDecoder::forward)
-      .def("max_rows", &FewRowDecoder::max_rows);
+      .def("add_layer", &OneCallDecoder::add_layer)
+      .def("add_projection", &OneCallDecoder::add_projection)
+      .def("forward", &OneCallDecoder::forward)
+      .def("max_rows", &OneCallDecoder::max_rows);
 }

@@ -1,4 +1,4 @@
-"""The compiled decoders of decode steps (core_svc/models/few_row_decoder.py, kernels/attention/csrc/decoder_cpu.cpp),
+"""The compiled decoders of decode steps (core_svc/models/one_call_decoder.py, kernels/attention/csrc/decoder_cpu.cpp),
 for few rows and for batches, against the per-layer path they replace: the same outputs and the same stored keys and
 values, bit for bit, for every kind of projection and layer they cover; and the models they must leave to the
 per-layer path."""
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from core_svc.models import few_row_decoder, layers, llama, quantization
+from core_svc.models import layers, llama, one_call_decoder, quantization
 from core_svc.models.arch import ModelArchConfig
 from core_svc.models.layers import GEMV_MAX_ROWS, prepack_linear_weights
 from core_svc.models.llama import LlamaModel
@@ -146,7 +146,7 @@ def test_one_call_equals_the_per_layer_path_bit_for_bit(monkeypatch, variant, dt
     _kernels()
     _int8_route(monkeypatch, weights)
     model = _model(variant, dtype, weights)
-    assert model.few_row_decoder() is not None
+    assert model.one_call_decoder() is not None
     _compare(monkeypatch, model, dtype)
     # batches: one call wherever every projection's route is the same at every row count above GEMV_MAX_ROWS
     if _batch_routes_fixed(model):
@@ -187,12 +187,12 @@ def test_without_gemv_the_column_major_weights_serve_every_row(monkeypatch):
     weights go through F.linear at every row count."""
     _kernels()
     monkeypatch.setattr(layers, "compiled_gemv", lambda dtype: None)
-    monkeypatch.setattr(few_row_decoder, "compiled_gemv", lambda dtype: None)
+    monkeypatch.setattr(one_call_decoder, "compiled_gemv", lambda dtype: None)
     monkeypatch.setattr(layers, "compiled_panel_linear", lambda: None)  # nor panel_linear (AVX-512F or AVX2)
     model = _model("biases", torch.float32, "dense")
     projections = [m for m in model.modules() if isinstance(m, layers.Linear)]
     assert all(m.dense_weight is None and m.weight.t().is_contiguous() for m in projections)
-    assert model.few_row_decoder() is not None
+    assert model.one_call_decoder() is not None
     _compare(monkeypatch, model, torch.float32)
 
 
@@ -213,9 +213,9 @@ def _compare(
             patch.setattr(llama.DecoderLayer, "forward_fused", _not_called)  # the step is one call
             fused = model(input_ids, positions, caches, metadata)
         with torch.no_grad():
-            model.few_row_decoder_enabled = False
+            model.one_call_decoder_enabled = False
             reference = model(input_ids, positions, reference_caches, metadata)
-            model.few_row_decoder_enabled = True
+            model.one_call_decoder_enabled = True
         assert fused.dtype == dtype and fused.shape == (rows, 256)
         assert torch.equal(fused, reference)
         for cache, expected in zip(caches, reference_caches, strict=True):
@@ -227,7 +227,7 @@ def test_a_bfloat16_kv_cache_under_float32_is_one_call_too(monkeypatch, weights)
     """``--kv-cache-dtype bfloat16``: the one call stores and reads the narrower cache as the per-layer path does."""
     _kernels()
     model = _model("llama", torch.float32, weights)
-    assert model.few_row_decoder() is not None and model.batch_decoder() is not None
+    assert model.one_call_decoder() is not None and model.batch_decoder() is not None
     _compare(monkeypatch, model, torch.float32, torch.bfloat16)
     _compare(monkeypatch, model, torch.float32, torch.bfloat16, rows_list=BATCH_ROWS)
 
@@ -239,7 +239,7 @@ def test_amx_weights_past_amx_max_rows_take_f_linear_in_one_call_too(monkeypatch
     if layers.compiled_amx_linear() is None:
         pytest.skip("this build or CPU has no AMX kernel")
     monkeypatch.setattr(layers, "AMX_MAX_ROWS", 6)
-    monkeypatch.setattr(few_row_decoder, "AMX_MAX_ROWS", 6)
+    monkeypatch.setattr(one_call_decoder, "AMX_MAX_ROWS", 6)
     model = _model("biases", torch.bfloat16, "packed")
     assert all(m.amx for m in model.modules() if isinstance(m, layers.Linear))
     _compare(monkeypatch, model, torch.bfloat16, rows_list=BATCH_ROWS)
@@ -249,11 +249,11 @@ def test_replaced_weights_rebuild_the_decoder(monkeypatch):
     """Weights prepacked or quantized after a first decode step: the decoder is built again over the new ones."""
     _kernels()
     model = _model("llama", torch.float32, "plain")
-    first = model.few_row_decoder()
+    first = model.one_call_decoder()
     assert first is not None
     if not prepack_linear_weights(model):
         pytest.skip("torch has no oneDNN for float32 here")
-    assert model.few_row_decoder() is not None and model.few_row_decoder() is not first
+    assert model.one_call_decoder() is not None and model.one_call_decoder() is not first
     _compare(monkeypatch, model, torch.float32)
 
 
@@ -262,20 +262,20 @@ def test_models_it_does_not_cover_keep_the_per_layer_path(monkeypatch):
     # an activation other than SiLU
     gelu = _model("llama", torch.float32, "plain")
     gelu.layers[1].mlp.silu = False
-    assert gelu.few_row_decoder() is None
+    assert gelu.one_call_decoder() is None
     # a projection in a wrapper other than LoRA's
     wrapped = _model("llama", torch.float32, "plain")
     wrapped.layers[2].self_attn.o_proj = torch.nn.Sequential(wrapped.layers[2].self_attn.o_proj)
-    assert wrapped.few_row_decoder() is None
+    assert wrapped.one_call_decoder() is None
     # int8 weights on a CPU without the VNNI kernel or the AVX2 panels (torch._weight_int8pack_mm's route)
-    monkeypatch.setattr(few_row_decoder, "vnni_ops", lambda: None)
+    monkeypatch.setattr(one_call_decoder, "vnni_ops", lambda: None)
     monkeypatch.setattr(quantization, "int8_panel_ops", lambda: None)
-    assert _model("llama", torch.float32, "int8").few_row_decoder() is None
+    assert _model("llama", torch.float32, "int8").one_call_decoder() is None
     # the reference attention backend
     other = _model("llama", torch.float32, "plain")
     for layer in other.layers:
         layer.self_attn.backend = TorchRefAttentionBackend()
-    assert other.few_row_decoder() is None
+    assert other.one_call_decoder() is None
 
 
 @pytest.mark.parametrize("weights", ["dense", "int8", "int8-panels"])
@@ -288,7 +288,7 @@ def test_lora_wrapped_projections_take_one_call_only_in_steps_without_an_adapter
     from core_svc.lora.layers import LoRABatch, LoRASlots, wrap_lora_modules
 
     model = _model("llama", torch.float32, weights)
-    first = model.few_row_decoder()
+    first = model.one_call_decoder()
     holder = torch.nn.Module()
     holder.model = model  # wrap_lora_modules names projections as a causal LM holds them: model.layers.N...
     sizes = {"qkv_proj": [256, 128, 128], "gate_up_proj": [352, 352], "o_proj": [256], "down_proj": [256]}
@@ -305,7 +305,7 @@ def test_lora_wrapped_projections_take_one_call_only_in_steps_without_an_adapter
                 for size in sizes[kind]
             ],
         )
-    assert model.few_row_decoder() is not None and model.few_row_decoder() is not first
+    assert model.one_call_decoder() is not None and model.one_call_decoder() is not first
     _compare(monkeypatch, model, torch.float32)  # no adapter rows in these steps
     if _batch_routes_fixed(model):  # and batches of them
         _compare(monkeypatch, model, torch.float32, rows_list=BATCH_ROWS)
@@ -332,7 +332,7 @@ def test_lora_wrapped_projections_take_one_call_only_in_steps_without_an_adapter
 def test_malformed_inputs_are_refused_with_the_reason():
     _kernels()
     model = _model("llama", torch.float32, "plain")
-    decoder = model.few_row_decoder()
+    decoder = model.one_call_decoder()
     gen = torch.Generator().manual_seed(2)
     input_ids, positions, caches, metadata = _step(model, [3, 3, 3, 3, 3], gen)
     hidden = model.embed_tokens(input_ids)
@@ -342,7 +342,7 @@ def test_malformed_inputs_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="at least one row, got 0"):
         decoder.forward(hidden[:0], cos[:0], sin[:0], caches, *args)
     if layers.compiled_gemv(torch.float32) is not None:  # dense copies through gemv: at most its 4 rows
-        dense = _model("llama", torch.float32, "dense").few_row_decoder()
+        dense = _model("llama", torch.float32, "dense").one_call_decoder()
         assert dense.max_rows() == GEMV_MAX_ROWS
         with pytest.raises(RuntimeError, match=r"1 to 4 rows \(a projection of kind gemv or int8\), got 5"):
             dense.forward(hidden, cos, sin, caches, *args)

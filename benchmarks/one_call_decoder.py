@@ -1,9 +1,9 @@
-"""A decode step's decoder forward on CPU, the one-call decoder (``FewRowDecoder``, core_svc/models/few_row_decoder.py:
-the few-row one up to 4 rows, the batch one above) against the per-layer path it replaces, side by side in one
-process; with ``--compare fused-ops``, a step of any row count with the fused layer ops (``fused_layer_ops``)
-against torch's operators between the products.
+"""A decode step's decoder forward on CPU, the one-call decoder (``OneCallDecoder``,
+core_svc/models/one_call_decoder.py: the few-row one up to 4 rows, the batch one above) against the per-layer path
+it replaces, side by side in one process; with ``--compare fused-ops``, a step of any row count with the fused
+layer ops (``fused_layer_ops``) against torch's operators between the products.
 
-``python -m benchmarks.few_row_decoder [--num-threads 1] [--rows 1] [--context 128] [--rounds 40]`` builds a
+``python -m benchmarks.one_call_decoder [--num-threads 1] [--rows 1] [--context 128] [--rounds 40]`` builds a
 ``LlamaModel`` of ``small``'s shape (8 layers, hidden 512, 8 heads and 4 KV heads of 64, intermediate 1408; random
 weights: the work does not depend on them) per precision: ``float32`` (column-major weights, the default),
 ``float32-dense`` and ``bfloat16-dense`` (``--dense-decode-weights``: the compiled ``gemv``), ``bfloat16`` (packed)
@@ -11,7 +11,7 @@ and ``int8`` (``--quantization int8``: ``int8_gemv``); ``--arch qwen3``: that sh
 norms. It times a decode step's forward (every layer and the final
 norm, not the LM head) of ``--rows`` requests over ``--context`` cached tokens each, the two paths alternating
 round by round (5 forwards a round), and prints the median ms per forward of each, their difference and ratio. The
-two give the same values bit for bit (tests/test_few_row_decoder.py). A precision the machine cannot run (no
+two give the same values bit for bit (tests/test_one_call_decoder.py). A precision the machine cannot run (no
 oneDNN bfloat16, no VNNI kernel) is left out and named.
 
 ``--compare fused-ops --rows 64 --context 200`` times the same forward, the one call off, with ``add_rms_norm``,
@@ -85,7 +85,7 @@ def build(precision: str, rows: int = 1, arch: str = "llama") -> LlamaModel | st
             return f"no gemv for {dtype} in this build"
         if not prepack_linear_weights(model, keep_dense=dense):
             return f"torch has no oneDNN for {dtype} here"
-    decoder = model.few_row_decoder() if rows <= GEMV_MAX_ROWS else model.batch_decoder()
+    decoder = model.one_call_decoder() if rows <= GEMV_MAX_ROWS else model.batch_decoder()
     return model if decoder is not None else f"the one-call decoder does not cover it at {rows} rows"
 
 
@@ -100,7 +100,7 @@ def step(model: LlamaModel, rows: int, context: int) -> tuple[Any, ...]:
     return torch.arange(rows) + 5, torch.full((rows,), context), kv_caches, metadata
 
 
-# --compare: the two paths timed, each as (few_row_decoder_enabled, fused_ops_enabled)
+# --compare: the two paths timed, each as (one_call_decoder_enabled, fused_ops_enabled)
 PATHS = {
     "one-call": {"one call": (True, True), "per layer": (False, True)},
     "fused-ops": {"fused ops": (False, True), "torch ops": (False, False)},
@@ -115,12 +115,12 @@ def measure(model: LlamaModel, rows: int, context: int, rounds: int, compare: st
     with torch.inference_mode():
         for _ in range(rounds):
             for path, (one_call, fused_ops) in paths.items():
-                model.few_row_decoder_enabled, model.fused_ops_enabled = one_call, fused_ops
+                model.one_call_decoder_enabled, model.fused_ops_enabled = one_call, fused_ops
                 start = time.perf_counter()
                 for _ in range(5):
                     model(*args)
                 times[path].append((time.perf_counter() - start) / 5 * 1e3)
-    model.few_row_decoder_enabled = model.fused_ops_enabled = True
+    model.one_call_decoder_enabled = model.fused_ops_enabled = True
     return {path: statistics.median(values) for path, values in times.items()}
 
 
@@ -158,7 +158,7 @@ def measure_engine(model: Path, precision: str, output_len: int, rounds: int, th
     times: dict[str, list[float]] = {"one call": [], "per layer": []}
     for round_index in range(rounds):
         for path in times:
-            decoder_model.few_row_decoder_enabled = path == "one call"
+            decoder_model.one_call_decoder_enabled = path == "one call"
             _, step_s, _ = decode(core, f"{path}-{round_index}", prompt, output_len)
             times[path].append(statistics.median(step_s) * 1e3)
     return {path: statistics.median(values) for path, values in times.items()}

@@ -1,9 +1,9 @@
-"""One compiled call per decode step on CPU: ``FewRowDecoder`` (kernels/attention/csrc/decoder_cpu.cpp) over a
+"""One compiled call per decode step on CPU: ``OneCallDecoder`` (kernels/attention/csrc/decoder_cpu.cpp) over a
 ``LlamaModel``'s own weight tensors.
 
 ``LlamaModel.forward`` hands it a decode-only step (each row one request's one new token) once the CPU kernels are
-loaded: steps of 1 to ``GEMV_MAX_ROWS`` rows to the few-row decoder (``build_few_row_decoder``), larger ones to the
-batch decoder (``build_few_row_decoder(model, batch=True)``). Either runs ``DecoderLayer.forward_fused`` for every
+loaded: steps of 1 to ``GEMV_MAX_ROWS`` rows to the one-call decoder (``build_one_call_decoder``), larger ones to the
+batch decoder (``build_one_call_decoder(model, batch=True)``). Either runs ``DecoderLayer.forward_fused`` for every
 layer, and the final norm, with the same kernels and products in the same order, so its output and the keys and
 values it stores are that path's bit for bit; what it removes is Python and torch's dispatch between them (about
 0.3 ms per layer of ``small``: 2.5 of one request's 11 ms float32 forward; a 16- to 64-row step's forward in
@@ -39,8 +39,8 @@ from core_svc.models.quantization import INT8PACK_MAX_ROWS, Int8Linear, int8_pan
 from kernels.attention.cpu_ops import loaded_ops
 
 
-def build_few_row_decoder(model: Any, batch: bool = False) -> Any:
-    """``torch.classes.splitserve_cpu.FewRowDecoder`` over ``model``'s (a ``LlamaModel``) weights, holding the same
+def build_one_call_decoder(model: Any, batch: bool = False) -> Any:
+    """``torch.classes.splitserve_cpu.OneCallDecoder`` over ``model``'s (a ``LlamaModel``) weights, holding the same
     tensors (no copies but float32 casts of non-float32 biases), or None when the kernels are not loaded or any
     layer is outside what it covers (module docstring). ``batch``: for steps of more than ``GEMV_MAX_ROWS`` rows
     (its ``max_rows()`` is then unbounded), else for 1 to ``GEMV_MAX_ROWS``."""
@@ -63,7 +63,7 @@ def build_few_row_decoder(model: Any, batch: bool = False) -> Any:
     if any(norm.eps != model.norm.eps or norm.weight.dtype != model.norm.weight.dtype for norm in norms):
         return None
     first = model.layers[0].self_attn
-    decoder = torch.classes.splitserve_cpu.FewRowDecoder(
+    decoder = torch.classes.splitserve_cpu.OneCallDecoder(
         model.norm.weight, model.norm.eps, dims.num_heads, dims.num_kv_heads, dims.head_size, first.scale
     )
     for layer in model.layers:
