@@ -193,8 +193,8 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         "--rounds",
         type=_positive_int,
         default=None,
-        help="runs of each splitserve precision, round-robin in a rotated order; each reports its median run "
-        "(default: 1)",
+        help="runs of each splitserve precision, interleaved in a Williams order: each one's median run in the "
+        "table, the ratios between precisions the median of their ratios round by round (default: 1)",
     )
     p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: float32; cuda: bfloat16)")
     p.add_argument(

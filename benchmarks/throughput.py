@@ -47,8 +47,8 @@ class Settings:
     backends: tuple[str, ...] = BACKENDS
     # splitserve's (benchmarks.workload.splitserve_precision)
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "int8")
-    # Runs of each splitserve precision, round-robin (``_splitserve_rounds``): each reports its median run, a shared
-    # machine's speed moving by 20-50% between minutes (docs/benchmarks.md, "int8's KV cache bfloat16 by default")
+    # Runs of each splitserve precision, interleaved (``_splitserve_rounds``), a shared machine's speed moving by
+    # 20-50% between minutes (docs/benchmarks.md, "int8's KV cache bfloat16 by default")
     rounds: int = 1
     device: str = "cpu"
     hf_dtype: str = "float32"  # transformers'

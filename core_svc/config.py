@@ -45,8 +45,8 @@ class CoreConfig:
     dtype: DType = field(default="auto", metadata=flag("the weights' and activations' dtype; auto: the checkpoint's"))
     # vLLM's --kv-cache-dtype: auto stores keys and values in the model's dtype, except under --quantization int8,
     # where a float32 model's cache is bfloat16 (as llama.cpp's cache is 16-bit whatever its weights): the float32
-    # cache's attention is about half of an int8 decode step, and bfloat16's rounding moves logprobs a twentieth of
-    # what int8 weights do (docs/benchmarks.md, "int8 over a bfloat16 KV cache"). bfloat16 under a float32 model
+    # cache's attention is about half of an int8 decode step, and bfloat16's rounding moves logprobs far less than
+    # int8 weights do (docs/benchmarks.md, "int8's KV cache bfloat16 by default"). bfloat16 under a float32 model
     # halves the KV cache's bytes per token (twice the tokens in the same budget) and what each decode step's
     # attention reads, rounding every key and value once to bfloat16 (the cpu and torch_ref attention backends;
     # measured in docs/benchmarks.md, "Column-major float32 weights, and a bfloat16 KV cache").
