@@ -467,9 +467,9 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
 def round_order(n: int, r: int) -> list[int]:
     """The order of ``n`` runs in round ``r`` (0-based): a Williams design (E. J. Williams, "Experimental designs
     balanced for the estimation of residual effects of treatments", 1949), the sequence 0, 1, n-1, 2, n-2, ...
-    shifted by r mod n, reversed in rounds n .. 2n-1 (and so on alternately). Over n rounds each run takes every
-    position once and, for an even n, follows every other exactly once (for an odd n, over 2n rounds), so a
-    machine's drift and one run's after-effects on the next fall on all of them alike."""
+    shifted by r mod n, and for an odd n reversed in rounds n .. 2n-1 (and so on alternately). Over n rounds each
+    run takes every position once and, for an even n, follows every other exactly once (for an odd n, over 2n
+    rounds), so a machine's drift and one run's after-effects on the next fall on all of them alike."""
     base = [0]
     low, high = 1, n - 1
     while len(base) < n:
@@ -479,7 +479,7 @@ def round_order(n: int, r: int) -> list[int]:
             base.append(high)
             high -= 1
     order = [(b + r) % n for b in base]
-    return order[::-1] if (r // n) % 2 else order
+    return order[::-1] if n % 2 and (r // n) % 2 else order
 
 
 def _splitserve_rounds(
