@@ -496,6 +496,7 @@ def _splitserve_rounds(
     with more than one round ``extra["rounds_output_tok_s"]`` holds every run's output tok/s in round order, which
     the report pairs by round for the ratios between precisions (``throughput_report.check_targets``)."""
     dtypes, rounds = list(settings.dtypes), settings.rounds
+    num_out = len(requests.prompts) * requests.output_len
     runs: dict[str, list[tuple[float, list[list[int]], dict]]] = {dtype: [] for dtype in dtypes}
     for r in range(rounds):
         for dtype in (dtypes[i] for i in round_order(len(dtypes), r)):
@@ -508,14 +509,12 @@ def _splitserve_rounds(
             )
             runs[dtype].append(run_splitserve(model, requests, dtype, **core_config))
             _release(settings.device)
-            logger.info("  %.1f output tok/s", len(requests.prompts) * requests.output_len / runs[dtype][-1][0])
+            logger.info("  %.1f output tok/s", num_out / runs[dtype][-1][0])
     results = []
     for dtype in dtypes:
         wall, outputs, facts = sorted(runs[dtype], key=lambda run: run[0])[len(runs[dtype]) // 2]
         if rounds > 1:
-            facts = facts | {
-                "rounds_output_tok_s": [len(requests.prompts) * requests.output_len / run[0] for run in runs[dtype]]
-            }
+            facts = facts | {"rounds_output_tok_s": [num_out / run[0] for run in runs[dtype]]}
         label = f"splitserve {dtype}"
         results.append(_result("splitserve", dtype, label, requests, outputs, wall, flops, peaks[dtype], **facts))
         logger.info("%s: %.1f output tok/s, MFU %.1f%%", label, results[-1].output_tok_s, 100 * results[-1].mfu)

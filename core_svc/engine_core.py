@@ -175,13 +175,12 @@ class EngineCore:
             dtype, warning = cpu_compute_dtype(dtype or arch.dtype, cpu_flags())
             if warning is not None:
                 logger.warning("%s", warning)
+        model_dtype = dtype or arch.dtype
         with self.startup.phase("kernel"):
-            spec = AttentionSpec(dtype or arch.dtype, config.block_size, arch.head_size)
+            spec = AttentionSpec(model_dtype, config.block_size, arch.head_size)
             backend = get_attention_backend(config.attention_backend, device, envs.kernel_dir(), spec)
-        self.kv_cache_dtype = kv_cache_dtype_for(
-            config.kv_cache_dtype, dtype or arch.dtype, backend, config.quantization
-        )
-        if config.kv_cache_dtype == "auto" and self.kv_cache_dtype != (dtype or arch.dtype):
+        self.kv_cache_dtype = kv_cache_dtype_for(config.kv_cache_dtype, model_dtype, backend, config.quantization)
+        if config.kv_cache_dtype == "auto" and self.kv_cache_dtype != model_dtype:
             logger.info(
                 "KV cache in %s under %s weights (--kv-cache-dtype auto; float32 keeps the model's)",
                 str(self.kv_cache_dtype).removeprefix("torch."),

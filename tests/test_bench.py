@@ -399,8 +399,8 @@ def test_throughput_run_reports_device_and_single_request_on_cpu(checkpoint, mon
 
 
 def test_rounds_interleave_the_precisions_and_report_each_ones_median_run(monkeypatch):
-    """``--rounds 3``: round r starts at the r-th precision; each precision's result is its median run by wall time,
-    its MFU from that run, every run's rate kept in round order and printed."""
+    """``--rounds 3``: the rounds in ``round_order``; each precision's result is its median run by wall time, its
+    MFU from that run, every run's rate kept in round order and printed, the target ratio paired by round."""
     from benchmarks.workload import RequestSet
 
     requests = RequestSet(prompts=[[5, 6, 7], [8, 9]], output_len=4, seed=0)  # 8 output tokens a run
