@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -29,6 +29,21 @@ int64_t row_argmax(const float* row, int64_t n) {
   }
   best = _mm512_reduce_max_ps(vmax);
   if (unordered != 0) best = std::numeric_limits<float>::quiet_NaN();
+#elif defined(__AVX2__)
+  // the same in 8-float vectors: without it an AVX2 CPU took the scalar loop, 4.7 ms per 64-row step of a
+  // 32,000-token vocabulary (docs/benchmarks.md, "argmax on AVX2")
+  __m256 vmax = _mm256_set1_ps(best);
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    vmax = _mm256_max_ps(vmax, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  best = _mm_cvtss_f32(m4);
+  if (_mm256_movemask_ps(unordered) != 0) best = std::numeric_limits<float>::quiet_NaN();
 #endif
   for (; i < n; ++i) {
     if (__builtin_isnan(row[i])) best = row[i];
@@ -42,6 +57,13 @@ int64_t row_argmax(const float* row, int64_t n) {
   for (; j + 16 <= n; j += 16) {
     const __m512 v = _mm512_loadu_ps(row + j);
     const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit != 0) return j + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#elif defined(__AVX2__)
+  const __m256 target = _mm256_set1_ps(best);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(row + j);
+    const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
     if (hit != 0) return j + __builtin_ctz(static_cast<unsigned>(hit));
   }
 #endif
