@@ -31,11 +31,12 @@
 // amx_linear_available() says whether all of that holds. tdpbf16ps and vcvtneps2bf16 flush inputs and results
 // below float32's normal range to zero, as oneDNN's AMX path does; the sums are ordered differently from oneDNN's
 // (rounding only).
+#include "cpu_ops.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -276,10 +277,3 @@ void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const 
 }
 
 }  // namespace splitserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
-  m.impl("amx_linear", c10::DispatchKey::CPU, &splitserve_cpu::amx_linear);
-  m.def("amx_linear_available() -> bool");
-  m.impl("amx_linear_available", &splitserve_cpu::amx_linear_available);
-}

@@ -2,8 +2,9 @@
 // argmax semantics, the first index among equal maxima and the first NaN where a row holds one. One call instead
 // of the eight small torch operators of the two-stage argmax, each of which pays to bring its code back into caches
 // that the LM head's weights have just filled (docs/benchmarks.md); 6 against 24 us for one row in a loop.
+#include "cpu_ops.h"
+
 #include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
@@ -73,6 +74,10 @@ int64_t row_argmax(const float* row, int64_t n) {
   return 0;  // every value -inf: torch's argmax gives the first, 0 (an empty row is refused below)
 }
 
+}  // namespace
+
+namespace splitserve_cpu {
+
 // out: [num_rows] int64; x: [num_rows, vocab_size] float32, rows contiguous.
 void argmax_rows(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat && x.size(1) > 0,
@@ -85,9 +90,4 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
   for (int64_t r = 0; r < x.size(0); ++r) o[r] = row_argmax(base + r * stride, n);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
-  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
-}
+}  // namespace splitserve_cpu

@@ -1,5 +1,5 @@
-// The CPU kernels other sources call directly (decoder_cpu.cpp): each is also registered as
-// torch.ops.splitserve_cpu.<name>, whose schema and checks it keeps (see the defining source).
+// The CPU kernels: each registered as torch.ops.splitserve_cpu.<name> (registration_cpu.cpp, its schema; the checks
+// are the defining source's), and called directly by other sources (decoder_cpu.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -44,6 +44,9 @@ void add_rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::T
                   const at::Tensor& weight, double eps);
 void rotary_in_place(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
+
+// argmax_cpu.cpp: out int64 [rows], the first index of each row's maximum (or first NaN) of float32 x [rows, n].
+void argmax_rows(at::Tensor out, const at::Tensor& x);
 
 // paged_attention_cpu.cpp: decode attention over the paged KV cache, after the new keys and values are stored.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,

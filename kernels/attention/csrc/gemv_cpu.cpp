@@ -18,7 +18,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -179,10 +178,3 @@ void gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::o
 }
 
 }  // namespace splitserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("gemv(Tensor(a!) out, Tensor x, Tensor w, Tensor? bias) -> ()");
-  m.impl("gemv", c10::DispatchKey::CPU, &splitserve_cpu::gemv);
-  m.def("gemv_available(ScalarType dtype) -> bool");
-  m.impl("gemv_available", &splitserve_cpu::gemv_available);
-}

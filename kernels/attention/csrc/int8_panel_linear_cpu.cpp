@@ -28,7 +28,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -294,11 +293,3 @@ void int8_panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& x_
 }
 
 }  // namespace splitserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("int8_panel_linear(Tensor(a!) out, Tensor x, Tensor x_scales, Tensor panels, Tensor w_scales, "
-        "Tensor? bias) -> ()");
-  m.impl("int8_panel_linear", c10::DispatchKey::CPU, &splitserve_cpu::int8_panel_linear);
-  m.def("int8_panel_linear_available() -> bool");
-  m.impl("int8_panel_linear_available", &splitserve_cpu::int8_panel_linear_available);
-}

@@ -10,7 +10,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -342,15 +341,3 @@ void dequantize_rows(at::Tensor out, const at::Tensor& acc, const at::Tensor& ro
 }
 
 }  // namespace splitserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("int8_gemv(Tensor(a!) out, Tensor x, Tensor? x_scales, Tensor w, Tensor w_scales, Tensor w_sums, "
-        "Tensor? bias) -> ()");
-  m.impl("int8_gemv", c10::DispatchKey::CPU, &splitserve_cpu::int8_gemv);
-  m.def("int8_gemv_available() -> bool");
-  m.impl("int8_gemv_available", &splitserve_cpu::int8_gemv_available);
-  m.def("quantize_rows_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
-  m.impl("quantize_rows_int8", c10::DispatchKey::CPU, &splitserve_cpu::quantize_rows_int8);
-  m.def("dequantize_rows(Tensor(a!) out, Tensor acc, Tensor row_scales, Tensor col_scales, Tensor? bias) -> ()");
-  m.impl("dequantize_rows", c10::DispatchKey::CPU, &splitserve_cpu::dequantize_rows);
-}

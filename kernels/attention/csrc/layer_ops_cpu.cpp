@@ -22,7 +22,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <bit>
@@ -224,12 +223,3 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 }
 
 }  // namespace splitserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("add_rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &splitserve_cpu::add_rms_norm);
-  m.def("rotary_in_place(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
-  m.impl("rotary_in_place", c10::DispatchKey::CPU, &splitserve_cpu::rotary_in_place);
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &splitserve_cpu::silu_and_mul);
-}

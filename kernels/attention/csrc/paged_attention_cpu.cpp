@@ -14,7 +14,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -268,13 +267,3 @@ void decode_attention_with_kv_write(at::Tensor out, const at::Tensor& query, con
 }
 
 }  // namespace splitserve_cpu
-
-TORCH_LIBRARY(splitserve_cpu, m) {
-  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale, int sliding_window) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &splitserve_cpu::paged_decode_attention);
-  m.def("decode_attention_with_kv_write(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
-        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
-        "float scale, int sliding_window) -> ()");
-  m.impl("decode_attention_with_kv_write", c10::DispatchKey::CPU, &splitserve_cpu::decode_attention_with_kv_write);
-}

@@ -39,7 +39,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -509,10 +508,3 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 }
 
 }  // namespace splitserve_cpu
-
-TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
-  m.impl("panel_linear", c10::DispatchKey::CPU, &splitserve_cpu::panel_linear);
-  m.def("panel_linear_available() -> bool");
-  m.impl("panel_linear_available", &splitserve_cpu::panel_linear_available);
-}
