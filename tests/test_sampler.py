@@ -232,7 +232,7 @@ def test_rank_counts_ties_like_vllm():
 @pytest.mark.parametrize("vocab_size", [5, 100, 256, 8192, 32000, 50257])
 def test_argmax_equals_torch_argmax_with_ties(monkeypatch, route, vocab_size):
     """Both routes of ``argmax``: torch's two stages, and the compiled ``argmax_rows`` once the kernels are loaded
-    (vectors of 16 and a scalar tail)."""
+    (vectors of 16 on AVX-512, of 8 on AVX2, and a scalar tail)."""
     if route == "torch":
         monkeypatch.setattr(sampler_module, "loaded_ops", lambda: None)
     else:

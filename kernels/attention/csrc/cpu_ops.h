@@ -1,5 +1,5 @@
 // The CPU kernels: each registered as torch.ops.splitserve_cpu.<name> (registration_cpu.cpp, its schema; the checks
-// are the defining source's), and called directly by other sources (decoder_cpu.cpp).
+// are the defining source's); some also called directly by other sources (decoder_cpu.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,5 +1,5 @@
 // The schemas of torch.ops.splitserve_cpu.*, each bound to its kernel (declared in cpu_ops.h, defined in the source
-// named above it); OneCallDecoder's class registers itself in decoder_cpu.cpp. One source includes
+// named above it); OneCallDecoder's class registers itself in decoder_cpu.cpp, the only other source that includes
 // <torch/library.h>: each source that did spent about 10 s of the build parsing it, against 4 for
 // <ATen/core/Tensor.h>, which the kernels need (docs/benchmarks.md, "The kernels' build").
 #include "cpu_ops.h"
