@@ -23,9 +23,12 @@ def _avx2_flags(*args: Any, **kwargs: Any) -> frozenset[str]:
     return AVX2_FLAGS
 
 
-for _module in (core_svc.cpu_dtype, core_svc.engine_core, core_svc.models.quantization):
-    _module.cpu_flags = _avx2_flags  # type: ignore[attr-defined]
-cpu_ops._CFLAGS = [flag.replace("-march=native", "-march=haswell") for flag in cpu_ops._CFLAGS]
+def pytest_configure(config: pytest.Config) -> None:
+    """The patches, for this process only, and only where this module is loaded as a plugin (importing it for
+    ``LOADED_LINE`` changes nothing)."""
+    for module in (core_svc.cpu_dtype, core_svc.engine_core, core_svc.models.quantization):
+        module.cpu_flags = _avx2_flags
+    cpu_ops._CFLAGS = [flag.replace("-march=native", "-march=haswell") for flag in cpu_ops._CFLAGS]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
