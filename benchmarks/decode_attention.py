@@ -7,6 +7,11 @@ ratio to the float32 cache's; with ``--model``, also the engine's output tokens/
 prompts of 64-400 random tokens, 64 greedy output tokens each). Together: what falling back to the reference costs
 (``kernels.attention.backend`` quotes it). The requests' blocks are scattered over the cache, as after a while
 of serving.
+
+The last columns give the kernel's rate over the float32 cache, in GB/s of keys and values read: warm (the same
+call repeated, the cache in L2 or L3 where it fits: the first case fits in L2) and cold (the CPU's caches
+overwritten before each call, the cache read from memory). Warm about as slow as cold means the kernel's own work,
+not the memory, bounds it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from splitserve.base import envs
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 4, 64, 16
 # (requests, context lengths): the throughput workload's decode batch (mean context about 200 tokens), and
 # longer contexts.
-CASES = [(64, (64, 400)), (64, (512, 1536)), (8, (512, 1536))]
+CASES = [(4, (192, 208)), (64, (64, 400)), (64, (512, 1536)), (8, (512, 1536))]
+# Bytes written between cold calls: more than any last-level cache these benchmarks have met (105 MB).
+FLUSH_BYTES = 256 << 20
 
 
 def make_batch(
@@ -51,17 +58,27 @@ def make_batch(
     return query, key, value, kv_cache, metadata
 
 
-def time_backend(name: str, batch: tuple, repeats: int) -> float:
-    """Median seconds of one forward (after one untimed call)."""
+def time_backend(name: str, batch: tuple, repeats: int, flush: torch.Tensor | None = None) -> float:
+    """Median seconds of one forward (after one untimed call); ``flush``: a tensor written before each call (not
+    timed), to push the cache out of the CPU's caches."""
     backend = get_attention_backend(name, "cpu", envs.kernel_dir())
     query, key, value, kv_cache, metadata = batch
     times = []
     for i in range(repeats + 1):
+        if flush is not None:
+            flush.add_(1.0)
         start = time.perf_counter()
         backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5, None)
         if i:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def cache_bytes(batch: tuple) -> int:
+    """Bytes of keys and values one forward over ``batch`` reads (every cached token's, the new one's included)."""
+    _, _, _, kv_cache, metadata = batch
+    per_token = 2 * NUM_KV_HEADS * HEAD_SIZE * kv_cache.element_size()
+    return int(metadata.seq_lens.sum()) * per_token
 
 
 def engine_output_tokens_per_s(
@@ -92,15 +109,18 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; one layer of 'small', float32")
     header = f"{'requests':>8} {'context':>10} {'kernel ms':>10} {'torch_ref ms':>13} {'ratio':>6}"
-    print(f"{header} {'kernel, bf16 cache ms':>22} {'ratio':>6}")
+    print(f"{header} {'kernel, bf16 cache ms':>22} {'ratio':>6} {'warm GB/s':>10} {'cold GB/s':>10}")
+    flush = torch.zeros(FLUSH_BYTES // 4)
     for num_reqs, lengths in CASES:
         batch = make_batch(num_reqs, lengths)
         kernel, reference = (time_backend(name, batch, args.repeats) for name in ("cpu", "torch_ref"))
+        cold = time_backend("cpu", batch, args.repeats, flush)
         narrow = time_backend("cpu", make_batch(num_reqs, lengths, cache_dtype=torch.bfloat16), args.repeats)
         context = f"{lengths[0]}-{lengths[1]}"
+        read = cache_bytes(batch)
         print(
             f"{num_reqs:>8} {context:>10} {kernel * 1e3:>10.2f} {reference * 1e3:>13.2f} {reference / kernel:>6.1f} "
-            f"{narrow * 1e3:>22.2f} {kernel / narrow:>6.2f}"
+            f"{narrow * 1e3:>22.2f} {kernel / narrow:>6.2f} {read / kernel / 1e9:>10.1f} {read / cold / 1e9:>10.1f}"
         )
     if args.model is not None:
         kernel = engine_output_tokens_per_s(args.model, "cpu")

@@ -11,7 +11,7 @@ import torch
 from kernels import AttentionMetadata, get_attention_backend
 from kernels.attention.selector import FALLBACK_COST
 from splitserve.base import envs
-from tests.helpers import needs_cpu_kernels
+from tests.helpers import cpu_kernels_loaded, needs_cpu_kernels
 
 BACKENDS = ["torch_ref", needs_cpu_kernels("cpu")]
 
@@ -140,3 +140,34 @@ def test_auto_falls_back_to_the_reference_loudly_when_the_kernel_cannot_build(tm
     assert f"Cost: {FALLBACK_COST}." in message and "install a C++ compiler (g++" in message
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         get_attention_backend("cpu", "cpu", build_dir)
+
+
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])  # 8 query heads: groups of 1, 2, 4 and 8
+@pytest.mark.parametrize("head_size", [64, 128])  # the sizes read 16 slots at a time on AVX-512
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, cache_dtype, block_size):
+    """The kernel's decode over contexts of 1 to 300 tokens (whole and partial groups of 16 slots, blocks
+    scattered, a block size that does and one that does not divide 16), with and without a sliding window, against
+    the dense attention over the same keys and values as the cache holds them."""
+    from kernels.attention import cpu_ops
+
+    gen = torch.Generator().manual_seed(1)
+    num_heads, lengths = 8, [1, 15, 16, 17, 33, 100, 300]
+    num_blocks = sum(-(n // -block_size) for n in lengths) + 1
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(cache_dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = [[order.pop() for _ in range(-(n // -block_size))] for n in lengths]
+    block_table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    query = torch.randn(len(lengths), num_heads, head_size, generator=gen)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    for window in (None, 21):
+        out = torch.empty_like(query)
+        cpu_ops.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], block_table, seq_lens, 0.1, window)
+        for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+            keys, values = flat[0, slots], flat[1, slots]
+            expected = _dense_attention(query[i : i + 1] * 0.1 * head_size**0.5, keys, values, n - 1, window)
+            torch.testing.assert_close(out[i : i + 1], expected, atol=2e-5, rtol=0, msg=f"{n} tokens, window {window}")
