@@ -1,8 +1,8 @@
 """The CPU kernels' AVX2 sections on a CPU with AVX-512. The suite builds the kernels with ``-march=native``, so an
 AVX-512 machine compiles the AVX-512 passes and leaves out the AVX2 ones (``panel_linear``'s second section, the row
-quantization's and ``argmax_rows``' AVX2 passes), which only an AVX2-only CPU then runs. Here the kernel tests run
-again in a child process against a ``-march=haswell`` build, with the core's routes those of an AVX2 CPU
-(``tests/avx2_build_plugin.py``). On an AVX2-only CPU the suite's own build is that one: skipped."""
+quantization's, ``argmax_rows``' and decode attention's AVX2 passes), which only an AVX2-only CPU then runs. Here
+the kernel tests run again in a child process against a ``-march=haswell`` build, with the core's routes those of an
+AVX2 CPU (``tests/avx2_build_plugin.py``). On an AVX2-only CPU the suite's own build is that one: skipped."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ KERNEL_TESTS = (
     "tests/test_int8_panel_linear.py",
     "tests/test_sampler.py::test_argmax_equals_torch_argmax_with_ties",
     "tests/test_one_call_decoder.py",
+    "tests/test_attention.py::test_paged_attention_matches_dense",
+    "tests/test_attention.py::test_decode_kernel_over_many_slots_matches_dense",
 )
 HASWELL_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"}  # what -march=haswell code may use (and movbe, lzcnt)
 
@@ -47,6 +49,6 @@ def test_the_kernels_avx2_sections_pass_the_kernel_tests():
     # the binary the child loaded is the AVX2 build: gemv, AVX-512F only, is not in it
     [loaded] = [line for line in result.stdout.splitlines() if line.startswith(LOADED_LINE)]
     assert loaded.endswith("gemv_available=False"), loaded
-    # and the tests ran rather than skipped: the panel tests, the argmax cases and the decoder's comparisons
+    # and the tests ran rather than skipped: the panel tests, the argmax cases, the decoder's comparisons, attention
     passed = re.search(r"(\d+) passed", result.stdout)
     assert passed is not None and int(passed.group(1)) >= 100, tail

@@ -5,12 +5,11 @@
 // read in place, slot by slot, once for all query heads (GQA maps query head i to KV head i / (num_heads / num_kv_heads)).
 // Scores and accumulators are float32 whatever the cache dtype, which is the query's, or bfloat16 / float16 under
 // float32 queries (--kv-cache-dtype: keys and values rounded once as they are stored, widened as they are read,
-// halving the bytes a decode step reads). On AVX-512 CPUs, head sizes of 64 and 128 read 16 slots at a time
-// (chunked_scores, chunked_values): the slot-by-slot loops were bounded by their own work, not by the memory (as
-// fast from L2 as from memory), and over a bfloat16 cache by half the memory's rate. A batch of one request runs on
-// the calling thread:
-// an OpenMP region for a single work item only adds a fork and a barrier, which on a busy machine waits for a
-// descheduled thread (milliseconds per call).
+// halving the bytes a decode step reads). Head sizes of 64 and 128 read 16 slots at a time on AVX-512 CPUs, 8 on
+// AVX2 ones (chunked_scores, chunked_values): the slot-by-slot loops were bounded by their own work, not by the
+// memory (as fast from L2 as from memory), and over a bfloat16 cache by half the memory's rate. A batch of one
+// request runs on the calling thread: an OpenMP region for a single work item only adds a fork and a barrier, which
+// on a busy machine waits for a descheduled thread (milliseconds per call).
 #include "cpu_ops.h"
 
 #include <ATen/Dispatch.h>
@@ -18,7 +17,7 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -194,6 +193,109 @@ void chunked_values(float* acc, const cache_t* values, const int64_t* offsets, i
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (8 floats per vector, 16 registers): the same passes 8 slots at a time.
+
+// 8 values of a cache row widened to float32, exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// Lane s of the result: the sum of a[s]'s 8 lanes.
+inline __m256 sum_lanes(const __m256 (&a)[8]) {
+  __m256 b[4], c[2];
+  for (int i = 0; i < 4; ++i) {  // 128-bit half l of b[i]: partial sums of a[2i] and a[2i+1] over that half
+    b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {  // half l of c[i]: a[4i..4i+3] summed over half l
+    const __m256d lo = _mm256_unpacklo_pd(_mm256_castps_pd(b[2 * i]), _mm256_castps_pd(b[2 * i + 1]));
+    const __m256d hi = _mm256_unpackhi_pd(_mm256_castps_pd(b[2 * i]), _mm256_castps_pd(b[2 * i + 1]));
+    c[i] = _mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+
+// scores [num_heads, n], as the AVX-512 pass's, 8 slots at a time; q's vectors 4 at a time in registers.
+template <int HEAD, typename cache_t>
+void chunked_scores(const float* q, const cache_t* keys, const int64_t* offsets, int64_t n, int64_t num_heads,
+                    int64_t group, const cache_t* zeros, float* scores) {
+  constexpr int kVectors = HEAD / 8;
+  const int64_t row_bytes = num_heads / group * HEAD * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    const cache_t* rows[8];
+    for (int s = 0; s < 8; ++s) rows[s] = s < count ? keys + offsets[j0 + s] : zeros;
+    // the next 8 slots' rows, fetched while these are read: a share of them per head
+    const int64_t next = std::min<int64_t>(8, n - j0 - 8), share = (8 + num_heads - 1) / num_heads;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t s = h * share; s < std::min(next, (h + 1) * share); ++s) {
+        const char* row = reinterpret_cast<const char*>(keys + offsets[j0 + 8 + s]);
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+      }
+      const int64_t kv = (h / group) * HEAD;
+      __m256 dots[8];
+      for (int s = 0; s < 8; ++s) dots[s] = _mm256_setzero_ps();
+      for (int v0 = 0; v0 < kVectors; v0 += 4) {
+        __m256 qv[4];
+        for (int v = 0; v < 4; ++v) qv[v] = _mm256_loadu_ps(q + h * HEAD + 8 * (v0 + v));
+        for (int s = 0; s < 8; ++s) {
+          for (int v = 0; v < 4; ++v) dots[s] = _mm256_fmadd_ps(qv[v], load8(rows[s] + kv + 8 * (v0 + v)), dots[s]);
+        }
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, sum_lanes(dots));
+      std::copy(sums, sums + count, scores + h * n + j0);
+    }
+  }
+}
+
+// acc [num_kv_heads * group, HEAD] += the n values at `offsets` weighted by p [heads, n], 8 slots at a time, a query
+// head's sums 8 vectors at a time.
+template <int HEAD, typename cache_t>
+void chunked_values(float* acc, const cache_t* values, const int64_t* offsets, int64_t n, int64_t num_kv_heads,
+                    int64_t group, const float* p) {
+  constexpr int kVectors = HEAD / 8;
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const int64_t count = std::min<int64_t>(8, n - j0);
+    const int64_t next = std::min<int64_t>(8, n - j0 - 8);
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      const cache_t* rows[8];
+      for (int64_t s = 0; s < count; ++s) rows[s] = values + offsets[j0 + s] + kv * HEAD;
+      for (int64_t s = 0; s < next; ++s) {  // this KV head's values of the next 8 slots
+        const char* row = reinterpret_cast<const char*>(values + offsets[j0 + 8 + s] + kv * HEAD);
+        for (int64_t b = 0; b < HEAD * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
+          _mm_prefetch(row + b, _MM_HINT_T0);
+        }
+      }
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        for (int v0 = 0; v0 < kVectors; v0 += 8) {
+          float* a = acc + h * HEAD + 8 * v0;
+          __m256 sum[8];
+          for (int v = 0; v < 8; ++v) sum[v] = _mm256_loadu_ps(a + 8 * v);
+          for (int64_t s = 0; s < count; ++s) {
+            const __m256 weight = _mm256_set1_ps(p[h * n + j0 + s]);
+            for (int v = 0; v < 8; ++v) sum[v] = _mm256_fmadd_ps(weight, load8(rows[s] + 8 * (v0 + v)), sum[v]);
+          }
+          for (int v = 0; v < 8; ++v) _mm256_storeu_ps(a + 8 * v, sum[v]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Whether the chunked passes read a float16 cache (AVX2 needs F16C's conversions).
+#if defined(__AVX512F__) || defined(__F16C__)
+constexpr bool kHalfLoads = true;
+#else
+constexpr bool kHalfLoads = false;
 #endif
 
 template <typename scalar_t, typename cache_t, int HEAD>
@@ -252,18 +354,19 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           t += count;
         }
       };
-#if defined(__AVX512F__)
-      // Head sizes of 64 and 128: 16 slots at a time, each head's 16 scores summed in registers and reduced together
-      // (sum_lanes), the slots' values added with the sums of up to 16 vectors held in registers (add_values). One
-      // thread over four requests of 200 tokens held in L2: 27-29 GB/s of float32 cache against 11.6-12.7 for the
-      // loops below; from memory, 1.1-1.3x their rate over a bfloat16 cache and the same over a float32 one
-      // (docs/benchmarks.md, "Decode attention, 16 slots at a time").
-      constexpr bool kChunked = (HEAD == 64 || HEAD == 128) && !std::is_same_v<cache_t, double>;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+      // Head sizes of 64 and 128: 16 slots at a time (AVX2: 8), each head's scores summed in registers and reduced
+      // together (sum_lanes), the slots' values added into sums held in registers. One thread over four requests of
+      // 200 tokens held in L2: 27-29 GB/s of float32 cache against 11.6-12.7 for the loops below; from memory,
+      // 1.1-1.3x their rate over a bfloat16 cache and the same over a float32 one (docs/benchmarks.md, "Decode
+      // attention, 16 slots at a time").
+      constexpr bool kChunked = (HEAD == 64 || HEAD == 128) && !std::is_same_v<cache_t, double> &&
+                                (kHalfLoads || !std::is_same_v<cache_t, c10::Half>);
 #else
       constexpr bool kChunked = false;
 #endif
       if constexpr (kChunked) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         // slot j's row offset in the cache (slots [first, len) front to back, block by block)
         offsets.resize(n);
         int64_t j = 0;
@@ -298,7 +401,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       if constexpr (kChunked) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         chunked_values<HEAD>(acc.data(), v_ptr, offsets.data(), n, num_kv_heads, group, scores.data());
 #endif
       } else {
