@@ -145,12 +145,17 @@ def test_auto_falls_back_to_the_reference_loudly_when_the_kernel_cannot_build(tm
 @pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
 @pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])  # 8 query heads: groups of 1, 2, 4 and 8
 @pytest.mark.parametrize("head_size", [64, 128])  # the sizes read 16 slots at a time on AVX-512
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),  # the queries' (and outputs') and the cache's
+    [(torch.float32, d) for d in (torch.float32, torch.bfloat16, torch.float16)]
+    + [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
+)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, cache_dtype, block_size):
+def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, dtype, cache_dtype, block_size):
     """The kernel's decode over contexts of 1 to 300 tokens (whole and partial groups of 16 slots, blocks
     scattered, a block size that does and one that does not divide 16), with and without a sliding window, against
-    the dense attention over the same keys and values as the cache holds them."""
+    the dense attention over the same keys and values as the cache holds them; float32 queries over every cache
+    dtype, 16-bit ones over their own."""
     from kernels.attention import cpu_ops
 
     gen = torch.Generator().manual_seed(1)
@@ -161,13 +166,15 @@ def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, ca
     tables = [[order.pop() for _ in range(-(n // -block_size))] for n in lengths]
     block_table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    query = torch.randn(len(lengths), num_heads, head_size, generator=gen)
+    query = torch.randn(len(lengths), num_heads, head_size, generator=gen).to(dtype)
     flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    atol = 2e-5 if dtype == torch.float32 else 2e-2  # the output rounded to a 16-bit dtype
     for window in (None, 21):
         out = torch.empty_like(query)
         cpu_ops.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], block_table, seq_lens, 0.1, window)
         for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
             slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
             keys, values = flat[0, slots], flat[1, slots]
-            expected = _dense_attention(query[i : i + 1] * 0.1 * head_size**0.5, keys, values, n - 1, window)
-            torch.testing.assert_close(out[i : i + 1], expected, atol=2e-5, rtol=0, msg=f"{n} tokens, window {window}")
+            scaled = query[i : i + 1].float() * 0.1 * head_size**0.5
+            expected = _dense_attention(scaled, keys, values, n - 1, window)
+            torch.testing.assert_close(out[i : i + 1].float(), expected, atol=atol, rtol=0, msg=f"{n} tokens, {window}")

@@ -2,7 +2,8 @@
 //
 // The algorithm is vLLM's paged_attention_v1 (Kwon et al. 2023, "Efficient Memory Management for Large Language
 // Model Serving with PagedAttention") laid out for CPU threads: one work item per request, whose keys and values are
-// read in place, slot by slot, once for all query heads (GQA maps query head i to KV head i / (num_heads / num_kv_heads)).
+// read in place (GQA maps query head i to KV head i / (num_heads / num_kv_heads)): slot by slot, once for all query
+// heads, or (head sizes 64 and 128) a chunk of slots at a time, its rows read again from L1 per head or per few heads.
 // Scores and accumulators are float32 whatever the cache dtype, which is the query's, or bfloat16 / float16 under
 // float32 queries (--kv-cache-dtype: keys and values rounded once as they are stored, widened as they are read,
 // halving the bytes a decode step reads). Head sizes of 64 and 128 read 16 slots at a time on AVX-512 CPUs, 8 on
@@ -33,8 +34,9 @@ namespace {
 
 // HEAD: the head size as a constant (64, 128: every inner loop then has a constant trip count, fully unrolled and
 // vectorized: 1.7x the runtime-bounded loops' speed for 64 requests of 200 tokens), or 0 for any size read at run
-// time. With the next block's prefetch below, one thread's decode attention over 64 requests of 64-400 tokens went
-// from 7.4 to 2.6-3.4 ms (python -m benchmarks.decode_attention; docs/benchmarks.md, "One call per decode step").
+// time. With the next block's prefetch in for_each_slot below, one thread's decode attention over 64 requests of
+// 64-400 tokens went from 7.4 to 2.6-3.4 ms (python -m benchmarks.decode_attention; docs/benchmarks.md, "One call per
+// decode step"), before the chunked passes took over those head sizes on AVX2 and AVX-512 CPUs.
 template <int HEAD>
 struct HeadSize {
   explicit HeadSize(int64_t) {}
@@ -356,10 +358,11 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       };
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
       // Head sizes of 64 and 128: 16 slots at a time (AVX2: 8), each head's scores summed in registers and reduced
-      // together (sum_lanes), the slots' values added into sums held in registers. One thread over four requests of
-      // 200 tokens held in L2: 27-29 GB/s of float32 cache against 11.6-12.7 for the loops below; from memory,
-      // 1.1-1.3x their rate over a bfloat16 cache and the same over a float32 one (docs/benchmarks.md, "Decode
-      // attention, 16 slots at a time").
+      // together (sum_lanes), the slots' values added into sums held in registers, the next chunk's rows prefetched
+      // (instead of the next block's, as for_each_slot does). One thread over four requests of 200 tokens held in
+      // L2: 27-29 GB/s of float32 cache against 11.6-12.7 for the loops below (AVX2 build: 25.4-25.9 against
+      // 17.1-18.6); from memory, 1.1-1.3x their rate over a bfloat16 cache and about the same over a float32 one
+      // (docs/benchmarks.md, "Decode attention, 16 slots at a time").
       constexpr bool kChunked = (HEAD == 64 || HEAD == 128) && !std::is_same_v<cache_t, double> &&
                                 (kHalfLoads || !std::is_same_v<cache_t, c10::Half>);
 #else
