@@ -74,6 +74,13 @@ inline c10::BFloat16 convert<c10::BFloat16, float>(float x) {
   return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// The `bytes` bytes of a cache row from `row` on, brought into L1 (the chunked passes' next slots).
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+#endif
+
 #if defined(__AVX512F__)
 // 16 values of a cache row widened to float32, exactly: float32, bfloat16 (its bits are a float32's upper half) or
 // float16.
@@ -151,8 +158,7 @@ void chunked_scores(const float* q, const cache_t* keys, const int64_t* offsets,
     const int64_t next = std::min<int64_t>(16, n - j0 - 16), share = (16 + num_heads - 1) / num_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
       for (int64_t s = h * share; s < std::min(next, (h + 1) * share); ++s) {
-        const char* row = reinterpret_cast<const char*>(keys + offsets[j0 + 16 + s]);
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+        prefetch_row(keys + offsets[j0 + 16 + s], row_bytes);
       }
       const int64_t kv = (h / group) * HEAD;
       __m512 qv[kVectors];
@@ -182,10 +188,7 @@ void chunked_values(float* acc, const cache_t* values, const int64_t* offsets, i
       for (int64_t s = 0; s < count; ++s) rows[s] = values + offsets[j0 + s] + kv * HEAD;
       // this KV head's values of the next 16 slots, fetched while these are read
       for (int64_t s = 0; s < next; ++s) {
-        const char* row = reinterpret_cast<const char*>(values + offsets[j0 + 16 + s] + kv * HEAD);
-        for (int64_t b = 0; b < HEAD * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
-          _mm_prefetch(row + b, _MM_HINT_T0);
-        }
+        prefetch_row(values + offsets[j0 + 16 + s] + kv * HEAD, HEAD * sizeof(cache_t));
       }
       for (int64_t h0 = 0; h0 < group; h0 += kPerPass) {
         const int64_t h = kv * group + h0;
@@ -238,8 +241,7 @@ void chunked_scores(const float* q, const cache_t* keys, const int64_t* offsets,
     const int64_t next = std::min<int64_t>(8, n - j0 - 8), share = (8 + num_heads - 1) / num_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
       for (int64_t s = h * share; s < std::min(next, (h + 1) * share); ++s) {
-        const char* row = reinterpret_cast<const char*>(keys + offsets[j0 + 8 + s]);
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+        prefetch_row(keys + offsets[j0 + 8 + s], row_bytes);
       }
       const int64_t kv = (h / group) * HEAD;
       __m256 dots[8];
@@ -270,11 +272,9 @@ void chunked_values(float* acc, const cache_t* values, const int64_t* offsets, i
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
       const cache_t* rows[8];
       for (int64_t s = 0; s < count; ++s) rows[s] = values + offsets[j0 + s] + kv * HEAD;
-      for (int64_t s = 0; s < next; ++s) {  // this KV head's values of the next 8 slots
-        const char* row = reinterpret_cast<const char*>(values + offsets[j0 + 8 + s] + kv * HEAD);
-        for (int64_t b = 0; b < HEAD * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
-          _mm_prefetch(row + b, _MM_HINT_T0);
-        }
+      // this KV head's values of the next 8 slots
+      for (int64_t s = 0; s < next; ++s) {
+        prefetch_row(values + offsets[j0 + 8 + s] + kv * HEAD, HEAD * sizeof(cache_t));
       }
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
         for (int v0 = 0; v0 < kVectors; v0 += 8) {
