@@ -331,6 +331,9 @@ class Scheduler:
                 continue
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
+            threshold = self.config.long_prefill_token_threshold
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold  # the threshold's cut is not a chunk the check below refuses (vLLM)
             if not self.config.enable_chunked_prefill and num_new_tokens > step.token_budget:
                 break  # no skipping ahead: FCFS order holds
             num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, step.token_budget)

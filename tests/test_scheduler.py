@@ -40,6 +40,17 @@ def test_chunked_prefill_off_does_not_skip_ahead():
     assert output.num_scheduled_tokens == {"0": 800}
 
 
+def test_chunked_prefill_off_checks_the_budget_after_the_long_prefill_threshold():
+    # vLLM caps a prompt at long_prefill_token_threshold first, then refuses what exceeds the budget: two 80-token
+    # prompts under a 100-token budget and a threshold of 50 both take 50 (the second fits the 50 left).
+    scheduler = make_scheduler(
+        max_num_batched_tokens=100, max_model_len=100, enable_chunked_prefill=False, long_prefill_token_threshold=50
+    )
+    for i in range(2):
+        scheduler.add_request(make_request(str(i), num_tokens=80))
+    assert scheduler.schedule().num_scheduled_tokens == {"0": 50, "1": 50}
+
+
 def test_chunked_prefill_samples_only_after_the_last_chunk():
     scheduler = make_scheduler(max_num_batched_tokens=64)
     scheduler.add_request(make_request("0", num_tokens=150))
