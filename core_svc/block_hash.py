@@ -39,7 +39,7 @@ def block_extra_keys(request: Request, block_index: int, block_size: int) -> tup
     for feature in request.mm_features:
         if feature.offset < end and feature.offset + feature.length > start:
             keys.append(("mm", feature.identifier, feature.offset - start))
-    if block_index == 0 and request.cache_salt is not None:
+    if block_index == 0 and request.cache_salt:  # an empty salt is none (vLLM's generate_block_hash_extra_keys)
         keys.append(("cache_salt", request.cache_salt))
     return tuple(keys) if keys else None
 

@@ -37,7 +37,7 @@ def check_options(options: RequestOptions) -> None:
     raise ("Value out of range", a wrong type, text that is not UTF-8) is checked here, before anything is sent.
 
     Raises:
-        ValidationError: priority outside int32, arrival_time not a finite number, cache_salt not a string,
+        ValidationError: priority outside int32, arrival_time not a finite number, cache_salt not a string or empty,
             trace_headers not a map of strings, or a string with lone surrogates.
     """
     priority, arrival_time = options.priority, options.arrival_time
@@ -54,6 +54,9 @@ def check_options(options: RequestOptions) -> None:
         )
     if options.cache_salt is not None:
         check_wire_string(options.cache_salt, "cache_salt")
+        if not options.cache_salt:
+            # vLLM's OpenAI layer refuses it too; the core would hash an empty salt as none (vLLM's rule)
+            raise ValidationError("cache_salt", "must be a non-empty string when set")
     lora = options.lora_request
     if lora is not None:
         if not isinstance(lora, LoRARequest):
@@ -94,6 +97,24 @@ MAX_TOKENS_HINT = " (max_tokens=None, max_tokens_unlimited over gRPC, takes all 
 class TextPrompt(TypedDict, total=False):
     prompt: str
     multi_modal_data: dict[str, Any]  # vLLM's: {"image": a PIL image or EncodedImage, or a list of them}
+
+
+# apply_chat_template's own arguments (and the template's conversation variable): not template variables.
+_RENDER_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tools",
+        "documents",
+        "return_dict",
+        "return_tensors",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -166,9 +187,19 @@ class InputProcessor:
         return await self.budget.run(utf8_size(text), lambda: self.tokenize(prompt))
 
     def render_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, chat_template: str | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        *,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> TokensPrompt:
         """Render a conversation with the tokenizer's chat template (transformers' ``apply_chat_template``).
+        ``continue_final_message`` leaves the last message open (no end-of-turn) for the model to continue;
+        ``add_special_tokens`` adds the tokenizer's own (BOS) to what the template rendered; ``chat_template_kwargs``
+        are more variables for the template (``enable_thinking``, ...), as vLLM's chat request takes them.
 
         A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
 
@@ -179,11 +210,18 @@ class InputProcessor:
 
         Raises:
             ValidationError: a malformed message, a part neither text nor image, an image URL that is not a
-                data: URI, images for a text-only model, a tokenizer without a chat template, or a rendered
-                conversation too long to fit within max_model_len (refused before tokenizing).
+                data: URI, images for a text-only model, a tokenizer without a chat template, a
+                ``chat_template_kwargs`` key that names one of the arguments above, or a rendered conversation too
+                long to fit within max_model_len (refused before tokenizing).
         """
         if not isinstance(messages, list) or not messages:
             raise ValidationError("messages", "must be a non-empty list of {'role', 'content'} messages")
+        template_kwargs = dict(chat_template_kwargs or {})
+        for key in template_kwargs:
+            if key in _RENDER_ARGUMENTS:
+                raise ValidationError(
+                    f"chat_template_kwargs.{key}", "is an argument of the rendering itself: set it as its own field"
+                )
         images: list[Any] = []
         normalized = [self._check_message(i, m, images) for i, m in enumerate(messages)]
         if images and self.mm_processor is None:
@@ -204,13 +242,19 @@ class InputProcessor:
             raise ValidationError("messages", "the model's tokenizer has no chat template; pass chat_template")
         try:
             text = self.tokenizer.apply_chat_template(
-                normalized, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                normalized,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                **template_kwargs,
             )
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
             raise ValidationError("messages", f"the chat template refused the conversation: {e}") from e
         self.check_text_length(text, "prompt", "the rendered conversation")
-        # The rendered text already holds BOS and other special tokens: do not add them again.
-        prompt = TokensPrompt(prompt=text, prompt_token_ids=self.tokenizer(text, add_special_tokens=False).input_ids)
+        # The rendered text already holds BOS and other special tokens: not added again unless asked for.
+        token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        prompt = TokensPrompt(prompt=text, prompt_token_ids=token_ids)
         if images:
             prompt["multi_modal_data"] = {IMAGE: images}
         return prompt

@@ -127,6 +127,10 @@ def test_cache_salt_isolates_and_same_salt_hits():
     other.cache_salt = "tenant-b"
     _, num_computed, _ = admit(manager, other)
     assert num_computed == 0
+    empty = make_request("4", prompt_token_ids=tokens)
+    empty.cache_salt = ""  # no salt, as in vLLM's generate_block_hash_extra_keys: the unsalted prompt's blocks hit
+    _, num_computed, _ = admit(manager, empty)
+    assert (empty.block_hashes, num_computed) == (expected_chain(tokens), 32)
 
 
 def test_multimodal_and_lora_extra_keys():

@@ -286,6 +286,7 @@ def test_request_to_pb_names_a_sampling_field_it_cannot_convert(name, value):
         (RequestOptions(arrival_time="0"), "arrival_time"),  # type: ignore[arg-type]  # wrong on purpose
         (RequestOptions(cache_salt=b"salt"), "cache_salt"),  # type: ignore[arg-type]  # wrong on purpose
         (RequestOptions(cache_salt="\udfff"), "cache_salt"),
+        (RequestOptions(cache_salt=""), "cache_salt"),  # vLLM's OpenAI layer refuses an empty salt
         (RequestOptions(trace_headers=[("a", "b")]), "trace_headers"),  # type: ignore[arg-type]  # wrong on purpose
         (RequestOptions(trace_headers={"a": "\ud800"}), "trace_headers['a']"),
         (RequestOptions(lora_request="sql"), "lora_request"),  # type: ignore[arg-type]  # wrong on purpose
