@@ -116,9 +116,13 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert Sampler()(logits, early).sampled_token_ids.item() == 2  # eos 0 and stop 1 masked
     reached = build_sampling_metadata([state(params, outputs=[7, 7])], VOCAB, torch.device("cpu"))
     assert Sampler()(logits, reached).sampled_token_ids.item() == 0
+    # With ignore_eos, EOS is masked until min_tokens all the same (vLLM's all_stop_token_ids always hold it), then
+    # an ordinary token.
     ignoring = SamplingParams(temperature=0.0, min_tokens=2, eos_token_id=0, ignore_eos=True)
     metadata = build_sampling_metadata([state(ignoring, outputs=[7])], VOCAB, torch.device("cpu"))
-    assert Sampler()(logits, metadata).sampled_token_ids.item() == 0  # with ignore_eos, EOS is an ordinary token
+    assert Sampler()(logits, metadata).sampled_token_ids.item() == 1
+    metadata = build_sampling_metadata([state(ignoring, outputs=[7, 7])], VOCAB, torch.device("cpu"))
+    assert Sampler()(logits, metadata).sampled_token_ids.item() == 0
 
 
 def test_only_plain_greedy_rows_skip_the_sampler():
