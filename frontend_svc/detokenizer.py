@@ -10,7 +10,8 @@ One detokenizer per request turns output token ids into text as they arrive, ove
 
 Text per token: each output token keeps the text it added (``token_texts``): "" while it leaves a character
 incomplete, the whole character on the token that completes it. They concatenate to the output text (before a stop
-string truncates it), and logprobs reuse them. A character the prompt began belongs to the prompt: the output
+string truncates it), and logprobs reuse them, except that a token beginning the text keeps in its logprob the
+SentencePiece leading space the text drops (as vLLM's logprobs show it). A character the prompt began belongs to the prompt: the output
 tokens that complete it add nothing (as vLLM).
 
 Invalid UTF-8 shows as U+FFFD, one per maximal subpart: Unicode's recommended substitution, which Python's
@@ -340,22 +341,41 @@ class TextDetokenizer(IncrementalDetokenizer):
     def token_text(self, index: int) -> str:
         """Output token ``index``'s text for its logprob: the text it added to the output, so the sampled tokens'
         texts concatenate to the output text. A token whose text the output leaves out (the stop token, a special
-        token under skip_special_tokens) gets its text as a candidate."""
+        token under skip_special_tokens) gets its text as a candidate, as does a token (not a byte) that begins the
+        text (SentencePiece's leading space, which the text drops, kept as vLLM's logprobs keep it; also so that it
+        matches its own entry among the candidates)."""
         text, token_id = self.token_texts[index], self.token_ids[index]
-        if text is None or (self.skip_special_tokens and token_id in self._special_ids()):
+        if (
+            text is None
+            or (self.skip_special_tokens and token_id in self._special_ids())
+            or (token_id not in self.decoder.byte_values() and self._begins_text(index))
+        ):
             return self.candidate_texts(index, [token_id])[0]
         return text
+
+    def _begins_text(self, index: int) -> bool:
+        """Whether the tokens right before output token ``index`` decode to no text (none, or only special
+        tokens the text skips; pending bytes decode to U+FFFD): it would begin the text."""
+        position = len(self._context_ids) + index
+        before = self._ids(max(0, position - NUM_CANDIDATE_CONTEXT_TOKENS), position)
+        return not self.decoder.decode(self.decoder.repaired_ids(before))
 
     def candidate_texts(self, index: int, token_ids: list[int]) -> list[str]:
         """The text each of ``token_ids`` would add in place of output token ``index`` (logprob top-k): decoded
         after the settled tokens before it and the pending bytes of an unfinished character (so a candidate that
         completes it gets the whole character); "" where it would leave a character unfinished. A special token's
-        text is its content. Characters the prompt began stay the prompt's."""
+        text is its content. Characters the prompt began stay the prompt's. At the beginning of the text the
+        candidates are decoded after a one-letter anchor: SentencePiece would strip their leading space, and
+        "▁Hello" and "Hello" would both read "Hello" (vLLM's logprobs restore that space too)."""
         if not token_ids:
             return []  # logprobs=0: no decode on the hot path
         start = self._pending_starts[index]
         context = self._ids(max(0, start - NUM_CANDIDATE_CONTEXT_TOKENS), start)
         pending = self._ids(start, len(self._context_ids) + index)
+        if self._begins_text(index):
+            # What is held before it (SentencePiece's bare "▁", skipped special tokens) decodes to nothing: it is
+            # context after the anchor, not text of this token.
+            context, pending = [*self.decoder.anchor_ids(), *pending], []
         num_prompt_chars = self._num_dangling_chars if start < len(self._context_ids) else 0
         # Invalid bytes as U+FFFD per maximal subpart; a byte candidate joins the run of the pending bytes.
         base = self.decoder.decode(self.decoder.repaired_ids(context))

@@ -251,15 +251,17 @@ def test_prompt_logprob_texts_in_the_context_of_the_prompt():
     first = EngineCoreOutput("r-1", [], new_prompt_logprobs=positions)
     out = processor.process_outputs([first, core_output("r-1", 13, FinishReason.LENGTH)]).request_outputs[0]
     texts = [d[token_id].decoded_token for d, token_id in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
-    assert texts == ["Say", " ", "", "", "很", " there"]
-    assert "".join(texts) == llama.decode(prompt, skip_special_tokens=True)
+    # "▁Say" begins the text, which drops its leading space; its logprob keeps it (vLLM's " Say").
+    assert texts == [" Say", " ", "", "", "很", " there"]
+    assert "".join(texts) == " " + llama.decode(prompt, skip_special_tokens=True)
     # The lead byte as a candidate after "很"'s first byte(s) leaves a character unfinished.
     assert out.prompt_logprobs[4][e5].decoded_token == ""
 
 
 def test_logprob_texts_after_an_invalid_byte_with_no_text_before():
     """Llama 2, prompt BOS alone: a bad lead byte then "▁there". The word keeps its leading space, sampled and as a
-    candidate, and in the prompt logprobs of the same ids."""
+    candidate (at the start of the text too, as vLLM's logprobs show it), and in the prompt logprobs of the same
+    ids."""
     llama = load("llama2")
     f0, there = llama.convert_tokens_to_ids(["<0xF0>", "▁there"])
     params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=1)
@@ -267,7 +269,7 @@ def test_logprob_texts_after_an_invalid_byte_with_no_text_before():
     completion = outputs.outputs[-1].outputs[0]
     assert completion.text == "\ufffd there" == "".join(sampled_texts(completion))
     assert completion.logprobs[1][there].decoded_token == "\ufffd there"  # sampled
-    assert completion.logprobs[0][there].decoded_token == "there"  # as a candidate for the first token: the start
+    assert completion.logprobs[0][there].decoded_token == " there"  # as a candidate for the first token: the start
 
     prompt = [llama.bos_token_id, f0, there]
     processor = OutputProcessor(llama)
@@ -276,7 +278,24 @@ def test_logprob_texts_after_an_invalid_byte_with_no_text_before():
     first = EngineCoreOutput("r-1", [], new_prompt_logprobs=positions)
     out = processor.process_outputs([first, core_output("r-1", 13, FinishReason.LENGTH)]).request_outputs[0]
     texts = [{token_id: lp.decoded_token for token_id, lp in position.items()} for position in out.prompt_logprobs[1:]]
-    assert texts == [{f0: "", there: "there"}, {there: "\ufffd there"}]
+    assert texts == [{f0: "", there: " there"}, {there: "\ufffd there"}]
+
+
+def test_logprob_texts_at_the_start_of_the_text_keep_sentencepieces_leading_space():
+    """Llama 2 after BOS alone: each candidate shows its own spaces, as vLLM's logprobs do (its tokenizer tests'
+    leading-space and whitespace-run cases), so "▁Hello" and "Hello" stay two entries; the text itself drops the
+    first leading space, as the tokenizer's decode does."""
+    llama = load("llama2")
+    tokens = ["\u2581Hello", "Hello", "\u2581", "\u2581\u2581", "\u2581\u2581\u2581"]
+    ids = llama.convert_tokens_to_ids(tokens)
+    assert llama.unk_token_id not in ids
+    params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, logprobs=len(ids))
+    outputs = stream(llama, ids[:1], params, [llama.bos_token_id], with_logprobs=True, candidates=tuple(ids))
+    completion = outputs.outputs[-1].outputs[0]
+    assert completion.text == llama.decode(ids[:1]) == "Hello"
+    texts = [completion.logprobs[0][token_id].decoded_token for token_id in ids]
+    assert texts == [" Hello", "Hello", " ", "  ", "   "]
+    assert len(set(texts)) == len(ids)
 
 
 def test_logprob_texts_after_a_prompt_that_ends_inside_a_character():
