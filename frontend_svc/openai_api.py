@@ -33,7 +33,7 @@ from frontend_svc.async_llm import AsyncLLM
 from frontend_svc.embeddings import check_num_inputs, encode_all
 from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
-from frontend_svc.input_processor import PromptType
+from frontend_svc.input_processor import PromptType, TokensPrompt
 from frontend_svc.openai_generation import HTTP_STATUS, Generation, named, named_async, until_disconnect
 from frontend_svc.openai_protocol import (
     ChatCompletionRequest,
@@ -53,6 +53,7 @@ from frontend_svc.openai_responses import (
     completion_choice,
     envelope,
     error_body,
+    prompt_logprobs_body,
 )
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, load_lora_adapter, text_size, unload_lora_adapter
@@ -213,6 +214,8 @@ class _OpenAIApi:
         params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
+        if body.add_special_tokens is False:  # text prompts tokenized without BOS and the like (vLLM's option)
+            prompt_list = [await self._without_special_tokens(body, engine, p) for p in prompt_list]
         generation = Generation(self.state, engine, request_id, body, params, prompt_list, lora)
         if body.stream:
             return await _model_found(generation.stream(request, self._completion_events), body.model)
@@ -227,7 +230,13 @@ class _OpenAIApi:
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer).body(completion)
-                choices.append(completion_choice(prompt_index * params.n + completion.index, completion, logprobs))
+                choice = completion_choice(prompt_index * params.n + completion.index, completion, logprobs)
+                if params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+                if body.return_token_ids:
+                    choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                    choice["token_ids"] = list(completion.token_ids)
+                choices.append(choice)
         response = envelope(request_id, "text_completion", int(time.time()), generation.model_name, choices)
         response["usage"] = usage.body()
         return JSONResponse(response)
@@ -235,6 +244,7 @@ class _OpenAIApi:
     async def _completion_events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
         params, engine = generation.params, generation.engine
         logprobs_by_choice: dict[int, CompletionLogprobs] = {}
+        ids_sent: set[int] = set()
         async for prompt_index, output in generation.outputs():
             for completion in output.outputs:
                 index = prompt_index * params.n + completion.index
@@ -247,7 +257,13 @@ class _OpenAIApi:
                 if params.logprobs is not None:
                     state = logprobs_by_choice.setdefault(index, CompletionLogprobs(params.logprobs, engine.tokenizer))
                     logprobs = state.body(completion)
-                yield generation.chunk("text_completion", [completion_choice(index, completion, logprobs)])
+                choice = completion_choice(index, completion, logprobs)
+                if generation.request.return_token_ids:  # the prompt's ids on a choice's first chunk (vLLM's)
+                    if index not in ids_sent:
+                        ids_sent.add(index)
+                        choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                    choice["token_ids"] = list(completion.token_ids)
+                yield generation.chunk("text_completion", [choice])
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
@@ -264,7 +280,14 @@ class _OpenAIApi:
             body,
             input_processor.budget.run(
                 text_size(messages),
-                lambda: input_processor.render_chat(messages, body.add_generation_prompt, body.chat_template),
+                lambda: input_processor.render_chat(
+                    messages,
+                    body.add_generation_prompt,
+                    body.chat_template,
+                    continue_final_message=body.continue_final_message,
+                    add_special_tokens=body.add_special_tokens,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                ),
             ),
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -278,9 +301,16 @@ class _OpenAIApi:
         for completion in sorted(output.outputs, key=lambda c: c.index):
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
             logprobs = chat_logprobs(completion, body.top_logprobs or 0, engine.tokenizer) if body.logprobs else None
-            choices.append(chat_choice(completion.index, completion, logprobs))
+            choice = chat_choice(completion.index, completion, logprobs)
+            if body.return_token_ids:
+                choice["token_ids"] = list(completion.token_ids)
+            choices.append(choice)
         response = envelope(request_id, "chat.completion", int(time.time()), generation.model_name, choices)
         response["usage"] = usage.body()
+        if params.prompt_logprobs is not None:  # vLLM's: beside the choices
+            response["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+        if body.return_token_ids:
+            response["prompt_token_ids"] = list(output.prompt_token_ids)
         return JSONResponse(response)
 
     async def _chat_events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
@@ -288,9 +318,12 @@ class _OpenAIApi:
         if not isinstance(request, ChatCompletionRequest):
             raise TypeError("chat events need a chat request")
         # The role first, one chunk per choice, as vLLM's streams start.
-        for i in range(request.n):
+        for i in range(generation.params.n):
             role = chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
-            yield generation.chunk("chat.completion.chunk", [role])
+            chunk = generation.chunk("chat.completion.chunk", [role])
+            if request.return_token_ids and i == 0:  # vLLM's: the prompt's ids on the first chunk
+                chunk["prompt_token_ids"] = list(generation.prompt_token_ids())
+            yield chunk
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(
@@ -300,6 +333,8 @@ class _OpenAIApi:
                     continue
                 logprobs = chat_logprobs(completion, request.top_logprobs or 0, tokenizer) if request.logprobs else None
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
+                if request.return_token_ids:
+                    choice["token_ids"] = list(completion.token_ids)
                 yield generation.chunk("chat.completion.chunk", [choice])
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict[str, Any]:
@@ -375,6 +410,20 @@ class _OpenAIApi:
         if violation is not None:
             raise ValidationError.from_violation(violation)
         return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
+
+    async def _without_special_tokens(
+        self, body: CompletionRequest, engine: AsyncLLM, prompt: PromptType
+    ) -> PromptType:
+        """A text prompt as its token ids without the tokenizer's special tokens (``add_special_tokens=false``);
+        token ids as they are."""
+        if not isinstance(prompt, str):
+            return prompt
+        input_processor = engine.input_processor
+        named(body, lambda: input_processor.check_text_length(prompt, "prompt", "the prompt"))
+        token_ids = await input_processor.budget.run(
+            utf8_size(prompt), lambda: list(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
+        )
+        return TokensPrompt(prompt=prompt, prompt_token_ids=token_ids)
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
         body.check_unsupported()

@@ -90,6 +90,7 @@ class Generation:
                 self.params,
                 f"{self.request_id}-{i}" if suffix else self.request_id,
                 priority=self.request.priority,
+                cache_salt=self.request.cache_salt,
                 lora_request=self.lora_request,
             )
             for i, prompt in enumerate(self.prompts)
@@ -102,6 +103,12 @@ class Generation:
         except BaseException:
             await self._merged.aclose()
             raise
+
+    def prompt_token_ids(self) -> list[int]:
+        """The first prompt's token ids (known once ``start`` has returned)."""
+        if self._first is None:
+            raise RuntimeError("start() first")
+        return list(self._first[1].prompt_token_ids)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as they come, from the first on."""

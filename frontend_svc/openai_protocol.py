@@ -4,8 +4,10 @@
 Fields and defaults are OpenAI's, plus vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``, ...). Types are checked
 strictly (a string is not a number); the ranges are ``SamplingParams``'s, whose ``ValidationError`` names the
-field as the client sent it (``request_field``). Fields OpenAI defines that splitserve does not implement are
-refused by name, never ignored; unknown fields are ignored, as vLLM ignores them.
+field as the client sent it (``request_field``). Fields OpenAI or vLLM define that splitserve does not implement
+are refused by name when set to anything but their neutral value, never ignored (``UNSUPPORTED_REQUEST_FIELDS``);
+fields neither defines are ignored, as vLLM ignores them. Where vLLM's field is ``Optional``, JSON ``null`` means
+the default.
 """
 
 from __future__ import annotations
@@ -25,6 +27,35 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # OpenAI's range of a logit_bias value.
 LOGIT_BIAS_LIMIT = 100
 
+# Request fields of vLLM's (or OpenAI's) completions and chat bodies that splitserve does not implement: field ->
+# why. ``check_unsupported`` refuses one set to anything but None, False, an empty list or (``length_penalty``) 1.
+UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "applies to beam search, which is not supported",
+    "bad_words": "is not supported yet; logit_bias can ban single tokens",
+    "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it",
+    "return_tokens_as_token_ids": "is not supported: tokens are shown as their text",
+    "logits_processors": "per-request logits processors are not supported",
+    "prompt_embeds": "prompts as embeddings are not supported",
+    "kv_transfer_params": "disaggregated prefill is not supported",
+    "vllm_xargs": "would have no effect: it carries arguments for custom logits processors, and splitserve runs none",
+    "tools": "tool calling is not supported",
+    "functions": "tool calling is not supported",
+    "echo": "echoing the prompt is not supported",
+    "suffix": "suffixes are not supported",
+    "documents": "is not supported",
+    "mm_processor_kwargs": "is not supported",
+}
+# Their neutral values besides None, False and empty containers.
+_NEUTRAL_VALUES: dict[str, object] = {"length_penalty": 1.0}
+
+
+def _is_neutral(name: str, value: object) -> bool:
+    """Whether ``value`` of an unimplemented field asks for nothing (None, False, empty, or its default)."""
+    if value is None or value is False or (isinstance(value, list | dict | str) and not value):
+        return True
+    return name in _NEUTRAL_VALUES and value == _NEUTRAL_VALUES[name]
+
 
 class _Strict(BaseModel):
     # strict: a JSON string is never a number nor a bool; an integer is still a float (pydantic's strict JSON rule).
@@ -40,9 +71,9 @@ class SamplingRequest(_Strict):
     """The fields completions and chat share: the model, streaming and the sampling parameters."""
 
     model: str | None = None  # None: the one served
-    stream: bool = False
+    stream: bool | None = False  # None: false
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1  # None: 1
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -62,14 +93,27 @@ class SamplingRequest(_Strict):
     spaces_between_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
+    prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and this many most likely tokens
+    cache_salt: str | None = None  # vLLM's: isolates this request's prefix-cache entries
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the response
     priority: int = 0  # vLLM's: lower is served first under the core's priority policy
     # OpenAI's output format: text, json_object or json_schema (``structured_outputs_params``)
     response_format: dict[str, Any] | None = None
     # vLLM's extra: a StructuredOutputsParams as a dict (json, json_object, regex, choice, grammar,
     # disable_any_whitespace)
     structured_outputs: dict[str, Any] | None = None
-    # OpenAI's fields splitserve does not implement: refused when set (``check_unsupported``)
-    best_of: int | None = None
+    # Fields splitserve does not implement: refused when set (``check_unsupported``, UNSUPPORTED_REQUEST_FIELDS)
+    best_of: int | None = None  # SamplingParams refuses it above 1 (as vLLM V1)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logits_processors: list[Any] | None = None
+    prompt_embeds: Any = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -93,12 +137,16 @@ class SamplingRequest(_Strict):
         "spaces_between_special_tokens",
         "include_stop_str_in_output",
         "stop_token_ids",
+        "allowed_token_ids",
+        "prompt_logprobs",
         "best_of",
     )
 
     def check_unsupported(self) -> None:
-        """Raises ValidationError naming a field OpenAI defines that this server does not implement, when set, or
-        a value OpenAI's own rules refuse (``logit_bias`` values in [-100, 100])."""
+        """Raises ValidationError naming a field this server does not implement (``UNSUPPORTED_REQUEST_FIELDS``),
+        when set, or a value OpenAI's or vLLM's request rules refuse: ``logit_bias`` values outside [-100, 100],
+        ``stream_options`` without streaming, ``prompt_logprobs`` with streaming or below -1 (vLLM's
+        ``check_logprobs``)."""
         for token, bias in (self.logit_bias or {}).items():
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise ValidationError(
@@ -108,8 +156,14 @@ class SamplingRequest(_Strict):
                 )
         if self.stream_options is not None and not self.stream:
             raise ValidationError("stream_options", "is only allowed with stream=true")
-        if self.tools or self.functions:
-            raise ValidationError("tools" if self.tools else "functions", "tool calling is not supported")
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs < -1:
+                raise ValidationError("prompt_logprobs", f"must be a positive value or -1, got {self.prompt_logprobs}")
+            if self.stream and self.prompt_logprobs != 0:
+                raise ValidationError("prompt_logprobs", "is not available when stream=true")
+        for name, why in UNSUPPORTED_REQUEST_FIELDS.items():
+            if not _is_neutral(name, getattr(self, name, None)):
+                raise ValidationError(name, why)
         if self.tool_choice not in (None, "none"):
             raise ValidationError("tool_choice", "tool calling is not supported")
 
@@ -167,7 +221,8 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # the sampled token's logprob and this many most likely ones, per position
-    echo: bool = False  # not implemented: refused when true
+    add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS and the like on a text prompt (None: true)
+    echo: bool | None = False  # not implemented: refused when true
     suffix: str | None = None  # not implemented: refused when set
 
     def prompts(self) -> list[str | list[int]]:
@@ -185,13 +240,6 @@ class CompletionRequest(SamplingRequest):
             return [[p for p in prompt if isinstance(p, int)]]
         return [p for p in prompt if not isinstance(p, int)]
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.echo:
-            raise ValidationError("echo", "echoing the prompt is not supported")
-        if self.suffix is not None:
-            raise ValidationError("suffix", "suffixes are not supported")
-
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """Raises ValidationError naming the field as sent."""
         explicit = self.explicit_sampling_fields()
@@ -207,16 +255,27 @@ class ChatCompletionRequest(SamplingRequest):
 
     # Checked by the InputProcessor's render_chat, which names the message and part (``messages[1].content[0]``).
     messages: list[dict[str, Any]]
-    logprobs: bool = False  # the sampled tokens' logprobs
+    logprobs: bool | None = False  # the sampled tokens' logprobs (None: false)
     top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position too
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; wins over it
-    add_generation_prompt: bool = True  # vLLM's extra
-    chat_template: str | None = None  # vLLM's extra: needs --trust-request-chat-template
+    # vLLM's extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open for the model to continue
+    add_special_tokens: bool = False  # the tokenizer's BOS and the like, besides those the template renders
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking, ...)
+    echo: bool | None = False  # not implemented: refused when true
+    documents: list[Any] | None = None  # not implemented: refused when set
+    mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """Raises ValidationError naming the field as sent."""
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValidationError("top_logprobs", "needs logprobs=true")
+        if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
+            raise ValidationError("top_logprobs", "needs logprobs=true")  # 0 is vLLM's default: allowed alone
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValidationError(
+                "continue_final_message", "cannot be true with add_generation_prompt=true (vLLM's rule)"
+            )
         explicit = self.explicit_sampling_fields()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:

@@ -97,6 +97,22 @@ class CompletionLogprobs:
         }
 
 
+def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` of a response: per prompt position None (the first) or ``{token id as a
+    string: {"logprob", "rank", "decoded_token"}}``, -inf clamped as vLLM's ``clamp_prompt_logprobs`` does."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(token_id): {"logprob": _clamped(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
+
+
 def chat_logprobs(completion: CompletionOutput, num_top: int, tokenizer: Any) -> dict[str, Any]:
     """The chat API's logprobs of one choice: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``,
     ``top_logprobs`` the ``num_top`` most likely tokens of each position."""

@@ -282,6 +282,47 @@ def test_text_parts_of_a_message_are_joined_with_newlines(llama2_tokenizer):
     assert rendered["prompt_token_ids"] == llama2_tokenizer(expected, add_special_tokens=False).input_ids
 
 
+# A template that reads a variable of its own and ends an assistant turn unless continue_final_message leaves it open.
+VARIABLE_TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }} {% endif %}"
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% if not loop.last %} </turn> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} </turn> [assistant]{% endif %}"
+)
+
+
+def test_chat_template_kwargs_continue_final_message_and_add_special_tokens_render_as_transformers(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one two"}]
+    rendered = processor.render_chat(
+        messages,
+        add_generation_prompt=False,
+        chat_template=VARIABLE_TEMPLATE,
+        continue_final_message=True,
+        add_special_tokens=True,
+        chat_template_kwargs={"greeting": "Hello"},
+    )
+    expected = llama2_tokenizer.apply_chat_template(
+        messages, tokenize=False, chat_template=VARIABLE_TEMPLATE, continue_final_message=True, greeting="Hello"
+    )
+    assert rendered["prompt"] == expected == "Hello [user] Count </turn> [assistant] one two"
+    ids = llama2_tokenizer(expected).input_ids
+    assert rendered["prompt_token_ids"] == ids and ids[0] == llama2_tokenizer.bos_token_id
+    plain = processor.render_chat(messages, chat_template=VARIABLE_TEMPLATE)  # the defaults: no BOS added
+    assert plain["prompt"] == "[user] Count </turn> [assistant] one two </turn> [assistant]"
+    assert plain["prompt_token_ids"] == llama2_tokenizer(plain["prompt"], add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("key", ["add_generation_prompt", "chat_template", "tokenize", "messages"])
+def test_chat_template_kwargs_naming_a_rendering_argument_are_refused(llama2_tokenizer, key):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    with pytest.raises(ValidationError) as info:
+        processor.render_chat(CHAT_MESSAGES, chat_template_kwargs={key: False})
+    assert info.value.field == f"chat_template_kwargs.{key}"
+
+
+CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
 # --- priority ---
 
 

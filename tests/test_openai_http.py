@@ -373,6 +373,22 @@ BAD_FIELDS = [
         "structured_outputs",
     ),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # vLLM's fields: checked as vLLM's request rules check them, or refused by name where not implemented
+    ("completions", {"prompt_logprobs": -2}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {"allowed_token_ids": [10**6]}, "allowed_token_ids[0]"),
+    ("chat", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("completions", {"cache_salt": ""}, "cache_salt"),
+    ("completions", {"bad_words": ["x"]}, "bad_words"),
+    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("chat", {"length_penalty": 2.0}, "length_penalty"),
+    ("completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
+    ("completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("chat", {"echo": True}, "echo"),
+    ("chat", {"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
+    ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
 ]
 
@@ -390,6 +406,80 @@ def test_bad_values_are_400_naming_the_field(services, endpoint, fields, field):
     error = response.json()["error"]
     assert error["param"] == field and error["type"] == "invalid_request_error"
     assert error["message"].startswith(f"{field}: ")
+
+
+def test_vllms_optional_fields_take_null_as_their_default(services):
+    _, _, base_url = services
+    for path, body in [
+        ("/v1/completions", {"prompt": "hi", "stream": None, "echo": None, "n": None}),
+        ("/v1/chat/completions", {"messages": CHAT, "stream": None, "n": None, "logprobs": None}),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 0}),  # vLLM's default, without logprobs
+    ]:
+        response = httpx.post(base_url + path, json={**body, "max_tokens": 2}, timeout=60)
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        assert choice["logprobs"] is None
+
+
+def test_allowed_token_ids_and_return_token_ids_as_vllm(services, tokenizer):
+    _, _, base_url = services
+    allowed = [tokenizer.convert_tokens_to_ids(t) for t in ("▁yes", "▁no")]
+    body = {"prompt": PROMPTS[0], "allowed_token_ids": allowed, "return_token_ids": True, **GREEDY, **NO_EOS}
+    (choice,) = httpx.post(base_url + "/v1/completions", json=body, timeout=60).json()["choices"]
+    assert len(choice["token_ids"]) == 12 and set(choice["token_ids"]) <= set(allowed)
+    assert choice["prompt_token_ids"] == tokenizer(PROMPTS[0]).input_ids
+    full = tokenizer.decode(choice["prompt_token_ids"] + choice["token_ids"], skip_special_tokens=True)
+    assert choice["text"] == full[len(tokenizer.decode(choice["prompt_token_ids"], skip_special_tokens=True)) :]
+    body = {"messages": CHAT, "allowed_token_ids": allowed, "return_token_ids": True, **GREEDY, **NO_EOS}
+    chat = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert chat["prompt_token_ids"] == chat_prompt_ids(tokenizer, CHAT)
+    assert set(chat["choices"][0]["token_ids"]) <= set(allowed)
+    # Streamed: the prompt's ids once, the choice's ids chunk by chunk.
+    stream = {"prompt": PROMPTS[0], "allowed_token_ids": allowed, "return_token_ids": True, "stream": True}
+    events = sse_events(base_url, "/v1/completions", {**stream, **GREEDY, **NO_EOS})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c["choices"][0]] == [
+        tokenizer(PROMPTS[0]).input_ids
+    ]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+
+
+def test_prompt_logprobs_equal_the_grpc_apis(services, tokenizer):
+    _, frontend, base_url = services
+    (first, *_) = grpc_greedy(frontend.address, PROMPTS[0], max_tokens=2, prompt_logprobs=2)
+    expected = [{e.token_id: (e.logprob, e.rank) for e in p.entries} for p in first.prompt_logprobs]
+    assert len(expected) == len(tokenizer(PROMPTS[0]).input_ids) and len(expected[1]) >= 2
+    for path, body in [
+        ("/v1/completions", {"prompt": PROMPTS[0]}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    ]:
+        response = httpx.post(
+            base_url + path, json={**body, "prompt_logprobs": 2, "max_tokens": 2, "temperature": 0.0}, timeout=60
+        ).json()
+        positions = response["choices"][0]["prompt_logprobs"] if "prompt" in body else response["prompt_logprobs"]
+        assert positions[0] is None  # the first prompt token has no logprob (vLLM's)
+        if "prompt" not in body:  # chat's: beside the choices, a position per token of the rendered conversation
+            assert len(positions) == len(chat_prompt_ids(tokenizer, CHAT))
+            continue
+        for position, want in zip(positions[1:], expected[1:], strict=True):
+            got = {int(i): (v["logprob"], v["rank"]) for i, v in position.items()}
+            assert got.keys() == want.keys()
+            for token_id, (logprob, rank) in want.items():
+                assert got[token_id][0] == pytest.approx(logprob, abs=1e-6) and got[token_id][1] == rank
+
+
+def test_add_special_tokens_false_tokenizes_the_prompt_without_bos(services, tokenizer):
+    _, frontend, base_url = services
+    ids = tokenizer(PROMPTS[0], add_special_tokens=False).input_ids
+    assert ids[0] != tokenizer.bos_token_id
+    request = api.GenerateRequest(prompt_token_ids=ids, sampling_params=api.SamplingParams(**GREEDY, **NO_EOS))
+    with grpc.insecure_channel(frontend.address) as channel:
+        expected = list(api_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    body = {"prompt": PROMPTS[0], "add_special_tokens": False, "return_token_ids": True, **GREEDY, **NO_EOS}
+    response = httpx.post(base_url + "/v1/completions", json=body, timeout=60).json()
+    assert response["choices"][0]["prompt_token_ids"] == ids
+    assert response["usage"]["prompt_tokens"] == len(ids)
+    assert response["choices"][0]["text"] == joined(expected)[0]
 
 
 def test_a_body_over_the_receive_limit_is_413_and_the_server_goes_on(services):
@@ -682,7 +772,13 @@ def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call()
 
     class Engine:
         async def generate(
-            self, prompt: Any, params: Any, request_id: str, priority: int = 0, lora_request: Any = None
+            self,
+            prompt: Any,
+            params: Any,
+            request_id: str,
+            priority: int = 0,
+            cache_salt: str | None = None,
+            lora_request: Any = None,
         ) -> Any:
             try:
                 yield "first output"
