@@ -333,10 +333,21 @@ _OUTPUT_KINDS = {
 }
 
 
+def decimal_float32(value: float) -> float:
+    """The shortest decimal that a float32 field's value is the nearest float32 to: the value the client wrote
+    (0.1 for the float32 0.10000000149011612), so checks at a bound (temperature 0.01, top_p 1) and messages see
+    it. The float32 on the core's wire is unchanged."""
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
 def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
-    """Unset fields take the model's defaults (``defaults``, from its generation config), then vLLM's. Raises
-    ValidationError naming the field for any refused value."""
+    """Unset fields take the model's defaults (``defaults``, from its generation config), then vLLM's; float32
+    fields as the decimals the client wrote (``decimal_float32``). Raises ValidationError naming the field for any
+    refused value."""
     kwargs = set_optional_fields(msg)
+    for field in msg.DESCRIPTOR.fields:
+        if field.type == field.TYPE_FLOAT and field.name in kwargs:
+            kwargs[field.name] = decimal_float32(kwargs[field.name])
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = StructuredOutputsParams.from_message(msg.structured_outputs)
     if msg.max_tokens_unlimited:
@@ -348,7 +359,7 @@ def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.logit_bias:
-        kwargs["logit_bias"] = dict(msg.logit_bias)
+        kwargs["logit_bias"] = {token_id: decimal_float32(bias) for token_id, bias in msg.logit_bias.items()}
     if msg.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
     if msg.output_kind not in _OUTPUT_KINDS:

@@ -266,3 +266,19 @@ def test_at_most_1024_stop_strings():
     assert len(SamplingParams(stop=[f"s{i}" for i in range(1024)]).stop) == 1024
     with pytest.raises(ValidationError, match="stop: has 1025 strings, more than the 1024 allowed"):
         SamplingParams(stop=[f"s{i}" for i in range(1025)])
+
+
+def test_the_public_apis_float32_fields_are_the_decimals_the_client_wrote():
+    """A float32 field on the wire widens 0.1 to 0.10000000149011612: the frontend reads back the decimal the
+    client wrote, so messages quote it and a bound meets it (0.01 is not raised to the 0.01 minimum)."""
+    from frontend_svc.wire import sampling_params_from_api
+    from splitserve.stubs.frontend.v1 import generation_pb2 as api
+
+    with pytest.raises(ValidationError) as info:
+        sampling_params_from_api(api.SamplingParams(temperature=-0.1))
+    assert info.value.field == "temperature" and "-0.1" in str(info.value) and "0.1000000" not in str(info.value)
+    params = sampling_params_from_api(
+        api.SamplingParams(temperature=0.01, top_p=0.9, min_p=0.05, repetition_penalty=1.1, logit_bias={5: -0.3})
+    )
+    assert (params.temperature, params.top_p, params.min_p, params.repetition_penalty) == (0.01, 0.9, 0.05, 1.1)
+    assert params.logit_bias == {5: -0.3}
