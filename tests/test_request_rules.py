@@ -49,7 +49,7 @@ SHARED_RULES: list[tuple[dict[str, Any], int, str, str]] = [
     ({"temperature": float("nan")}, MAX_LOGPROBS, "temperature", "must be a finite number in [0, 2], got nan"),
     ({"top_p": 0.0}, MAX_LOGPROBS, "top_p", "must be in (0, 1], got 0.0"),
     ({"top_p": 1.5}, MAX_LOGPROBS, "top_p", "must be in (0, 1], got 1.5"),
-    ({"top_p": 1e-31}, MAX_LOGPROBS, "top_p", "is too small to tell from 0 (below 1e-30), got 1e-31"),
+    ({"top_p": 5e-46}, MAX_LOGPROBS, "top_p", "rounds to 0 as a float32, got 5e-46"),
     ({"top_k": -2}, MAX_LOGPROBS, "top_k", "must be an integer: -1 or 0 (off), or in [1, 2147483647], got -2"),
     ({"min_p": 1.5}, MAX_LOGPROBS, "min_p", "must be in [0, 1], got 1.5"),
     ({"seed": 2**63}, MAX_LOGPROBS, "seed", f"must be a 64-bit integer, got {2**63}"),

@@ -138,7 +138,7 @@ def test_whole_vocabulary_logprobs_allowed_when_uncapped():
         ({"logit_bias": {1.7: 1.0}}, "logit_bias"),
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"output_kind": "STREAMING"}, "output_kind"),
-        ({"top_p": 1e-40}, "top_p"),
+        ({"top_p": 1e-46}, "top_p"),  # 0 as a float32 (1e-40 is a float32 subnormal: carried)
     ],
 )
 def test_values_the_wire_cannot_carry_are_refused(kwargs, field):

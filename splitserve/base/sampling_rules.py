@@ -11,13 +11,13 @@ does not implement (``frontend_svc/sampling_params.py``).
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from splitserve.base.request_rules import token_id_outside_vocabulary, token_ids_violation
 from splitserve.base.status import Violation
 
-MIN_TOP_P = 1e-30  # smaller values would be 0 on the wire (float32)
 INT32_MAX = 2**31 - 1  # the wire carries counts and ids as int32, the seed as int64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -72,8 +72,9 @@ def range_violation(params: SamplingValues) -> Violation | None:
         return Violation("temperature", f"must be a finite number in [0, 2], got {params.temperature}")
     if not 0.0 < params.top_p <= 1.0:
         return Violation("top_p", f"must be in (0, 1], got {params.top_p}")
-    if params.top_p < MIN_TOP_P:
-        return Violation("top_p", f"is too small to tell from 0 (below {MIN_TOP_P}), got {params.top_p}")
+    if struct.unpack("f", struct.pack("f", params.top_p))[0] == 0.0:
+        # Below about 7e-46 (half the smallest float32 subnormal, 2**-149): 0 on the wire.
+        return Violation("top_p", f"rounds to 0 as a float32, got {params.top_p}")
     if not (_is_int(params.top_k) and -1 <= params.top_k <= INT32_MAX):
         return Violation("top_k", f"must be an integer: -1 or 0 (off), or in [1, {INT32_MAX}], got {params.top_k!r}")
     if not 0.0 <= params.min_p <= 1.0:
