@@ -68,6 +68,11 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
+# Neutral values of UNSUPPORTED_FIELDS besides None, False and empty: vLLM's defaults or "off" spellings
+# (thinking_token_budget -1 is unlimited; routed_experts_prompt_start defaults to 0).
+NEUTRAL_VALUES: dict[str, object] = {"thinking_token_budget": -1, "routed_experts_prompt_start": 0}
+
+
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output holds everything so far
     DELTA = 1  # every output holds what is new since the last one
@@ -196,7 +201,8 @@ class SamplingParams:
     def _check_unsupported(self) -> None:
         for name, why in UNSUPPORTED_FIELDS.items():
             value = getattr(self, name)
-            if value is not None and value is not False and value != [] and value != {}:
+            neutral = value is None or value is False or value == [] or value == {}
+            if not neutral and not (name in NEUTRAL_VALUES and value == NEUTRAL_VALUES[name]):
                 raise ValidationError(name, why)
         if self.stream_interval is not None and self.stream_interval != 1:
             raise ValidationError(

@@ -217,6 +217,8 @@ def test_every_vllm_field_name_is_accepted_at_its_neutral_value():
         stream_interval=1,
         skip_clone=True,
         skip_reading_prefix_cache=False,
+        thinking_token_budget=-1,  # vLLM's spelling of unlimited
+        routed_experts_prompt_start=0,  # vLLM's default
     )
     assert (p.n, p.temperature, p.max_tokens, p.stop) == (1, 1.0, 16, [])
 
@@ -238,6 +240,7 @@ def test_every_vllm_field_name_is_accepted_at_its_neutral_value():
         ({"stream_interval": 4}, "stream_interval", "only 1"),
         ({"thinking_token_budget": 100}, "thinking_token_budget", "reasoning parser"),
         ({"skip_reading_prefix_cache": True}, "skip_reading_prefix_cache", "not supported"),
+        ({"routed_experts_prompt_start": 3}, "routed_experts_prompt_start", "mixture-of-experts"),
     ],
 )
 def test_unsupported_vllm_fields_are_refused_as_value_errors_naming_the_field(kwargs, field, reason):
