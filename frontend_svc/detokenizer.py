@@ -12,7 +12,8 @@ Text per token: each output token keeps the text it added (``token_texts``): "" 
 incomplete, the whole character on the token that completes it. They concatenate to the output text (before a stop
 string truncates it), and logprobs reuse them, except that a token beginning the text keeps in its logprob the
 SentencePiece leading space the text drops (as vLLM's logprobs show it). A character the prompt began belongs to
-the prompt: the output tokens that complete it add nothing (as vLLM).
+the prompt: the output tokens that complete it add nothing (as vLLM's slow path; its fast path, which primes its
+``DecodeStream`` with the whole prompt in that case, gives the completed character to the output).
 
 Invalid UTF-8 shows as U+FFFD, one per maximal subpart: Unicode's recommended substitution, which Python's
 ``bytes.decode("utf-8", errors="replace")`` and Rust's ``String::from_utf8_lossy`` (hence byte-level BPE decoders,
