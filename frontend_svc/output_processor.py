@@ -211,8 +211,9 @@ class RequestState:
             completions = [completion]
         prompt_logprobs = self.logprobs.prompt_logprobs
         if delta and prompt_logprobs is not None:
-            # DELTA sends prompt logprobs once; the first output carries them.
-            prompt_logprobs = None if self._prompt_logprobs_sent else prompt_logprobs
+            # DELTA sends prompt logprobs once; the first output carries them, later ones [] (vLLM's
+            # pop_prompt_logprobs: None only when they were not asked for).
+            prompt_logprobs = [] if self._prompt_logprobs_sent else prompt_logprobs
             self._prompt_logprobs_sent = True
         return RequestOutput(
             request_id=self.external_req_id,

@@ -77,7 +77,9 @@ class RequestOutput:
         for output in outputs:
             for completion in output.outputs:
                 by_index.setdefault(completion.index, []).append(completion)
-        prompt_logprobs = next((o.prompt_logprobs for o in reversed(outputs) if o.prompt_logprobs is not None), None)
+        # The prompt logprobs one of them carries (DELTA's later outputs carry []; None: not asked for).
+        given = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+        prompt_logprobs = next((p for p in reversed(given) if p), given[-1] if given else None)
         return RequestOutput(
             request_id=first.request_id,
             prompt=first.prompt,

@@ -142,7 +142,7 @@ def test_delta_without_new_ids_has_empty_logprobs(tokenizer):
     assert out.outputs[0].token_ids == [] and out.outputs[0].logprobs == []
     assert out.prompt_logprobs[0] is None and out.prompt_logprobs[1][2].logprob == -1.0
     out = processor.process_outputs([core_output("r-1", 10, FinishReason.LENGTH)]).request_outputs[0]
-    assert out.prompt_logprobs is None  # DELTA sends prompt logprobs once
+    assert out.prompt_logprobs == []  # DELTA sends prompt logprobs once (vLLM: [] after, None when not asked for)
 
 
 def test_abort_ends_every_child_through_the_parent(tokenizer):

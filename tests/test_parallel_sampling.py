@@ -164,7 +164,11 @@ def test_merge_keeps_logprobs_prompt_logprobs_and_the_last_finish():
 
     prompt_logprobs = [None, {1: None}]
     merged = RequestOutput.merge(
-        [piece("a", [1], None, prompt_logprobs=prompt_logprobs), piece("b", [2], [{2: None}]), piece("", [], [])],
+        [
+            piece("a", [1], None, prompt_logprobs=prompt_logprobs),
+            piece("b", [2], [{2: None}], prompt_logprobs=[]),  # DELTA's outputs after the first carry []
+            piece("", [], []),
+        ],
         aggregate=True,
     )
     assert merged.outputs[0].text == "ab" and merged.outputs[0].token_ids == [1, 2]
