@@ -99,6 +99,9 @@ class TextPrompt(TypedDict, total=False):
     multi_modal_data: dict[str, Any]  # vLLM's: {"image": a PIL image or EncodedImage, or a list of them}
 
 
+# Message keys besides role and content that reach the chat template (vLLM's _parse_chat_message_content).
+_KEPT_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id")
+
 # apply_chat_template's own arguments (and the template's conversation variable): not template variables.
 _RENDER_ARGUMENTS = frozenset(
     {
@@ -174,6 +177,27 @@ class InputProcessor:
             return None, self._check_int_ids(prompt)
         raise ValidationError("prompt", f"must be text or a list of token ids, got {type(prompt).__name__}")
 
+    def tokenize_with(self, prompt: PromptType, tokenization_kwargs: Mapping[str, Any]) -> PromptType:
+        """A text prompt (or a ``{"prompt"}`` dict) as a ``TokensPrompt`` tokenized with the tokenizer's keyword
+        arguments ``tokenization_kwargs`` (vLLM's: ``add_special_tokens``, truncation); token ids as they are.
+
+        Raises:
+            ValidationError: a prompt with ``multi_modal_data`` (its placeholders are expanded as it is
+                tokenized), a tokenizer refusing the arguments, or as ``tokenize``.
+        """
+        fields: Mapping[str, Any] = prompt if isinstance(prompt, dict) else {}
+        if "multi_modal_data" in fields:
+            raise ValidationError("tokenization_kwargs", "is not supported with multi_modal_data")
+        text = prompt if isinstance(prompt, str) else fields.get("prompt")
+        if "prompt_token_ids" in fields or not isinstance(text, str):
+            return prompt
+        self.check_text_length(text, "prompt", "the prompt")
+        try:
+            token_ids = list(self.tokenizer(text, **tokenization_kwargs).input_ids)
+        except TypeError as e:
+            raise ValidationError("tokenization_kwargs", f"the tokenizer refused them: {e}") from e
+        return TokensPrompt(prompt=text, prompt_token_ids=token_ids)
+
     async def tokenize_async(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``tokenize`` on a worker thread, within ``budget`` (a text too long is refused before it waits).
 
@@ -194,12 +218,14 @@ class InputProcessor:
         *,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> TokensPrompt:
         """Render a conversation with the tokenizer's chat template (transformers' ``apply_chat_template``).
         ``continue_final_message`` leaves the last message open (no end-of-turn) for the model to continue;
-        ``add_special_tokens`` adds the tokenizer's own (BOS) to what the template rendered; ``chat_template_kwargs``
-        are more variables for the template (``enable_thinking``, ...), as vLLM's chat request takes them.
+        ``add_special_tokens`` adds the tokenizer's own (BOS) to what the template rendered; ``tools`` (function
+        schemas) and ``chat_template_kwargs`` (more variables: ``enable_thinking``, ...) go to the template, as
+        vLLM's chat takes them.
 
         A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
 
@@ -247,6 +273,7 @@ class InputProcessor:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                tools=tools,
                 **template_kwargs,
             )
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
@@ -499,11 +526,16 @@ class InputProcessor:
         """The message as the chat template takes it; its images are appended to ``images``. Text-only: its text
         parts newline-joined into one string. With images: a list of {"type": "text", "text"} and
         {"type": "image"} parts, as transformers' processors' chat templates take them."""
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValidationError(f"messages[{index}]", "must be a dict with 'role' and 'content'")
-        content = message["content"]
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValidationError(f"messages[{index}]", "must be a dict with a 'role' (and 'content')")
+        # Kept for the template, as vLLM's chat utils keep them: the speaker's name, an assistant's tool calls,
+        # the call a tool message answers.
+        kept = {key: message[key] for key in _KEPT_MESSAGE_KEYS if message.get(key) is not None}
+        content = message.get("content")
+        if content is None:  # an assistant turn that only called tools, or no content at all (vLLM: empty)
+            content = ""
         if isinstance(content, str):
-            return {"role": message["role"], "content": content}
+            return {"role": message["role"], "content": content, **kept}
         if not isinstance(content, list):
             raise ValidationError(f"messages[{index}].content", "must be text or a list of content parts")
         parts: list[dict[str, Any]] = []
@@ -518,9 +550,9 @@ class InputProcessor:
             else:
                 raise ValidationError(field, f"must be a text, image_url or image part, got {kind!r}")
         if any(part["type"] == "image" for part in parts):
-            return {"role": message["role"], "content": parts}
+            return {"role": message["role"], "content": parts, **kept}
         # Newline-joined, as vLLM's chat utils, llama.cpp and TensorRT-LLM join a message's text parts.
-        return {"role": message["role"], "content": "\n".join(part["text"] for part in parts)}
+        return {"role": message["role"], "content": "\n".join(part["text"] for part in parts), **kept}
 
 
 def _chat_image(part: dict[str, Any], field: str) -> Any:

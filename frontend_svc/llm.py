@@ -87,12 +87,13 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool | Callable[..., Any] = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in prompt order, each with its n completions.
+        """Complete every prompt; outputs come back in prompt order, each with its n completions. Arguments in
+        vLLM's order.
 
         Args:
             prompts: one prompt or a list; a prompt is text, a list of token ids, or a {"prompt"} /
@@ -107,36 +108,71 @@ class LLM:
                 model), as vLLM's; an adapter not loaded yet is loaded from its ``lora_path`` first (the ``LLM``
                 needs ``enable_lora=True``).
             priority: one for all prompts or one per prompt (lower is served first under the priority policy).
+            tokenization_kwargs: the tokenizer's keyword arguments for text prompts (``{"add_special_tokens":
+                False}``, truncation), as vLLM's.
 
         Raises:
-            ValidationError: a bad prompt or parameter (nothing is left running).
+            ValidationError: a bad prompt or parameter (nothing is left running); ``tokenization_kwargs`` with a
+                prompt that holds images.
             InternalError, EngineDeadError, ...: the error of the first request the core failed, refused or lost
                 (``LLMEngine.step``; ``error.request_id`` is its ``RequestOutput.request_id``); the call's other
                 requests are aborted: nothing of it is left running.
         """
         prompt_list = _as_prompt_list(prompts)
+        if tokenization_kwargs:
+            processor = self.llm_engine.input_processor
+            prompt_list = [processor.tokenize_with(prompt, tokenization_kwargs) for prompt in prompt_list]
         return self._run(prompt_list, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
         messages: list[ChatMessage] | Sequence[list[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
         use_tqdm: bool | Callable[..., Any] = True,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        *,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or a list of them, rendered with the tokenizer's chat template (a multimodal
         model's processor template when it has one); a message's content is text or a list of parts:
         {"type": "text", "text"}, OpenAI's {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}
-        (URLs are not fetched) or {"type": "image", "image": a PIL image}. Sampling parameters, progress bar,
-        LoRA adapters and priority as ``generate``."""
+        (URLs are not fetched) or {"type": "image", "image": a PIL image}; a message's ``name``, ``tool_calls``
+        and ``tool_call_id`` reach the template. Sampling parameters, progress bar, LoRA adapters and priority as
+        ``generate``; the rendering's arguments in vLLM's order: ``continue_final_message`` leaves the last message
+        open (not with ``add_generation_prompt``), ``tools`` (function schemas) and ``chat_template_kwargs`` go to
+        the template. Tool calls in the output are not parsed.
+
+        Raises:
+            ValidationError: as ``generate``; a malformed message; ``chat_template_content_format`` other than
+                "auto" or ``mm_processor_kwargs`` (not supported).
+        """
+        if chat_template_content_format != "auto":
+            raise ValidationError(
+                "chat_template_content_format", f"only 'auto' is supported, got {chat_template_content_format!r}"
+            )
+        if mm_processor_kwargs:
+            raise ValidationError("mm_processor_kwargs", "is not supported")
+        if continue_final_message and add_generation_prompt:
+            raise ValidationError("continue_final_message", "cannot be True with add_generation_prompt=True")
         conversations = _as_conversation_list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
-            processor.render_chat(conversation, add_generation_prompt, chat_template) for conversation in conversations
+            processor.render_chat(
+                conversation,
+                add_generation_prompt,
+                chat_template,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 

@@ -178,6 +178,63 @@ def test_chat_renders_the_chat_template(llm):
         llm.chat([{"role": "user", "content": [image]}], use_tqdm=False)
 
 
+# A template that shows what reaches it: a variable of its own, tools, and each message's name, tool calls and the
+# call a tool message answers.
+TOOLS_TEMPLATE = (
+    "{% if greeting is defined %}{{ greeting }}|{% endif %}"
+    "{% if tools %}tools={{ tools | map(attribute='function.name') | join(',') }}|{% endif %}"
+    "{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}:{{ m.content }}"
+    "{% if m.tool_calls %}[call {{ m.tool_calls[0].function.name }}]{% endif %}"
+    "{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %};{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_chat_takes_vllms_rendering_arguments_and_tool_messages(llm):
+    tokenizer = llm.get_tokenizer()
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    conversation = [
+        {"role": "user", "content": "Weather?", "name": "bob"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "It is"},
+    ]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    # vLLM's positional order: sampling_params, use_tqdm, lora_request, chat_template, content format, ...
+    (output,) = llm.chat(
+        conversation,
+        params,
+        False,
+        None,
+        TOOLS_TEMPLATE,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        tools=tools,
+        chat_template_kwargs={"greeting": "hi"},
+    )
+    # continue_final_message: the text ends where the last message's content does (transformers cuts the rest).
+    expected = "hi|tools=weather|user(bob):Weather?;assistant:[call weather];tool:sunny[for c1];assistant:It is"
+    assert output.prompt == expected
+    assert output.prompt_token_ids == tokenizer(expected, add_special_tokens=False).input_ids
+    with pytest.raises(ValidationError, match="continue_final_message: cannot be True with add_generation_prompt"):
+        llm.chat(conversation, params, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValidationError, match="chat_template_content_format: only 'auto'"):
+        llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_generate_takes_tokenization_kwargs(llm):
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    (plain,) = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    (bare,) = llm.generate(PROMPTS[0], params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
+    assert plain.prompt_token_ids == tokenizer(PROMPTS[0]).input_ids
+    assert (
+        bare.prompt_token_ids == tokenizer(PROMPTS[0], add_special_tokens=False).input_ids == plain.prompt_token_ids[1:]
+    )
+    assert bare.prompt == PROMPTS[0]
+
+
 def test_n_completions(llm):
     params = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
     first = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
