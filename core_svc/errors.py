@@ -18,7 +18,7 @@ class InvalidRequestError(EngineError, FieldError):
     """A request the core cannot accept as sent (bad field value): INVALID_ARGUMENT.
 
     ``field`` names the offending field and ``description`` what is wrong; the message is
-    ``"<field>: <description>"``, e.g. ``prompt_token_ids[3]: token id 40001 is outside the vocabulary
+    ``"<field>: <description>"``, e.g. ``prompt_token_ids[3]: token id 40001 is out of vocabulary
     [0, 32000)``.
     """
 

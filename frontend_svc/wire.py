@@ -386,7 +386,7 @@ def generate_request_from_api(msg: api.GenerateRequest) -> TokensPrompt | TextPr
     if msg.prompt_token_ids:
         prompt = TokensPrompt(prompt_token_ids=list(msg.prompt_token_ids))
     elif not msg.prompt:
-        raise ValidationError("prompt", "is empty (set prompt or prompt_token_ids)")
+        raise ValidationError("prompt", "cannot be empty (set prompt or prompt_token_ids)")
     elif not msg.images:
         return msg.prompt
     else:

@@ -111,10 +111,14 @@ def test_bad_requests_fail_alone(checkpoint):
     engine.add_request(request("good", [5, 6, 7], max_tokens=20, ignore_eos=True))
     engine.step()
     cases = [
-        (request("empty", []), InvalidRequestError, "prompt_token_ids: is empty"),
+        (request("empty", []), InvalidRequestError, "prompt_token_ids: cannot be empty"),
         (request("long", [5] * 64), InvalidRequestError, "64 tokens, which leaves no room .* max_model_len=64"),
-        (request("oov", [5, vocab, 6]), InvalidRequestError, rf"prompt_token_ids\[1\]: token id {vocab} is outside"),
-        (request("neg", [-1]), InvalidRequestError, r"prompt_token_ids\[0\]: token id -1 is outside"),
+        (
+            request("oov", [5, vocab, 6]),
+            InvalidRequestError,
+            rf"prompt_token_ids\[1\]: token id {vocab} is out of vocabulary",
+        ),
+        (request("neg", [-1]), InvalidRequestError, r"prompt_token_ids\[0\]: token id -1 is out of vocabulary"),
         (request("temp", [5], temperature=-1.0), InvalidRequestError, r"temperature: must be a finite number in \[0"),
         (request("topp", [5], top_p=0.0), InvalidRequestError, "top_p: must be in"),
         (request("stop", [5], stop_token_ids=[vocab + 3]), InvalidRequestError, r"stop_token_ids\[0\]"),

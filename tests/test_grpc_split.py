@@ -475,7 +475,7 @@ def test_chat_tokenize_detokenize_and_model_info(services, model):
             stub.Detokenize(api.DetokenizeRequest(token_ids=[100, 5, len(tokenizer), -3]), timeout=30)
         assert (
             refused.value.details()
-            == f"token_ids[2]: token id {len(tokenizer)} is outside the vocabulary [0, {len(tokenizer)})"
+            == f"token_ids[2]: token id {len(tokenizer)} is out of vocabulary [0, {len(tokenizer)})"
         )
         info = stub.GetModelInfo(api.GetModelInfoRequest())
         assert info.vocab_size == len(tokenizer) and info.max_model_len == 1024 and info.has_chat_template

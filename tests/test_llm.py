@@ -292,10 +292,10 @@ def test_stop_string_aborts_in_the_core_and_frees_blocks(llm):
 
 
 def test_bad_requests_are_refused_and_others_go_on(llm):
-    with pytest.raises(ValidationError, match="prompt: is empty"):
+    with pytest.raises(ValidationError, match="prompt: cannot be empty"):
         llm.generate([[]], use_tqdm=False)  # text "" is not empty: it tokenizes to BOS, as in vLLM
     vocab_size = len(llm.get_tokenizer())
-    with pytest.raises(ValidationError, match=rf"prompt_token_ids\[1\]: token id {vocab_size} is outside"):
+    with pytest.raises(ValidationError, match=rf"prompt_token_ids\[1\]: token id {vocab_size} is out of vocabulary"):
         llm.generate([[5, vocab_size]], use_tqdm=False)
     with pytest.raises(ValidationError, match="min_tokens: 3000 is above the derived max_tokens"):
         llm.generate("hi", SamplingParams(min_tokens=3000, max_tokens=None), use_tqdm=False)

@@ -72,16 +72,16 @@ SHARED_RULES: list[tuple[dict[str, Any], int, str, str]] = [
         {"stop_token_ids": [1, 1000]},
         MAX_LOGPROBS,
         "stop_token_ids[1]",
-        "token id 1000 is outside the vocabulary [0, 1000)",
+        "token id 1000 is out of vocabulary [0, 1000)",
     ),
     (
         {"allowed_token_ids": [-1]},
         MAX_LOGPROBS,
         "allowed_token_ids[0]",
-        "token id -1 is outside the vocabulary [0, 1000)",
+        "token id -1 is out of vocabulary [0, 1000)",
     ),
-    ({"logit_bias": {1000: 1.0}}, MAX_LOGPROBS, "logit_bias", "token id 1000 is outside the vocabulary [0, 1000)"),
-    ({"eos_token_id": 1000}, MAX_LOGPROBS, "eos_token_id", "token id 1000 is outside the vocabulary [0, 1000)"),
+    ({"logit_bias": {1000: 1.0}}, MAX_LOGPROBS, "logit_bias", "token id 1000 is out of vocabulary [0, 1000)"),
+    ({"eos_token_id": 1000}, MAX_LOGPROBS, "eos_token_id", "token id 1000 is out of vocabulary [0, 1000)"),
 ]
 
 
@@ -99,14 +99,14 @@ def test_both_services_refuse_a_bad_value_with_the_same_field_and_message(fields
 @pytest.mark.parametrize(
     ("prompt", "max_model_len", "violation"),
     [
-        ([], 8, Violation("prompt", "is empty")),
+        ([], 8, Violation("prompt", "cannot be empty")),
         (
             [5] * 8,
             8,
             Violation("prompt", "has 8 tokens, which leaves no room for an output token within max_model_len=8"),
         ),
-        ([5, 1000, 6], 8, Violation("prompt_token_ids[1]", "token id 1000 is outside the vocabulary [0, 1000)")),
-        ([5, -1], 8, Violation("prompt_token_ids[1]", "token id -1 is outside the vocabulary [0, 1000)")),
+        ([5, 1000, 6], 8, Violation("prompt_token_ids[1]", "token id 1000 is out of vocabulary [0, 1000)")),
+        ([5, -1], 8, Violation("prompt_token_ids[1]", "token id -1 is out of vocabulary [0, 1000)")),
         ([5] * 7, 8, None),
     ],
 )

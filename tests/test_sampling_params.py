@@ -110,9 +110,9 @@ def test_refused_values_name_the_field(kwargs, field):
     [
         ({"logprobs": 21}, "logprobs", "at most 20"),
         ({"prompt_logprobs": -1}, "prompt_logprobs", "the whole vocabulary"),
-        ({"stop_token_ids": [1, 1000]}, "stop_token_ids[1]", r"outside the vocabulary \[0, 1000\)"),
-        ({"allowed_token_ids": [-1]}, "allowed_token_ids[0]", "outside the vocabulary"),
-        ({"logit_bias": {1000: 1.0}}, "logit_bias", "token id 1000 is outside"),
+        ({"stop_token_ids": [1, 1000]}, "stop_token_ids[1]", r"out of vocabulary \[0, 1000\)"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids[0]", "out of vocabulary"),
+        ({"logit_bias": {1000: 1.0}}, "logit_bias", "token id 1000 is out of vocabulary"),
     ],
 )
 def test_model_dependent_checks(kwargs, field, message):

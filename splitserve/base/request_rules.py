@@ -20,7 +20,7 @@ def prompt_violation(
     whole prompt as the caller sent it (``prompt`` in the frontend, ``prompt_token_ids`` in the core). A pooling
     request (``pooling``) samples no token but has the same limit here, max_model_len - 1 tokens, worded so."""
     if not prompt_token_ids:
-        return Violation(field, "is empty")
+        return Violation(field, "cannot be empty")
     if len(prompt_token_ids) >= max_model_len:
         if pooling:
             return Violation(field, pooling_prompt_too_long(len(prompt_token_ids), max_model_len))
@@ -68,4 +68,4 @@ def max_tokens_too_large(max_tokens: int, num_prompt_tokens: int, max_model_len:
 
 
 def token_id_outside_vocabulary(token_id: int, vocab_size: int) -> str:
-    return f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+    return f"token id {token_id} is out of vocabulary [0, {vocab_size})"
