@@ -21,6 +21,20 @@ from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
 from frontend_svc.stats import IterationStats, RequestStateStats
 from splitserve.base.pooling_params import PoolingParams
+from splitserve.base.status import StatusCode
+
+# Statuses of a request refused as sent (a bad field, too large for the cache, an unknown adapter): not the
+# server's failures, so not counted as finished requests.
+CLIENT_ERROR_CODES = frozenset(
+    {
+        StatusCode.INVALID_ARGUMENT,
+        StatusCode.NOT_FOUND,
+        StatusCode.ALREADY_EXISTS,
+        StatusCode.RESOURCE_EXHAUSTED,
+        StatusCode.FAILED_PRECONDITION,
+        StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 class RequestOutputCollector:
@@ -419,14 +433,18 @@ class OutputProcessor:
         self, state: RequestState | PoolingRequestState, error: FrontendError, iteration_stats: IterationStats | None
     ) -> list[str]:
         """A request the core refused, failed or lost: its stream gets the error, which names it; n > 1 siblings
-        are dropped too. Returns the siblings' internal ids, for the core to abort."""
+        are dropped too. Returns the siblings' internal ids, for the core to abort. A failure of the server counts
+        in the metrics as finished with ``error``; a refusal of the request as sent (``CLIENT_ERROR_CODES``) does
+        not, as vLLM never counts a request its input checks refuse."""
         error.request_id = state.external_req_id
         siblings = sorted(state.parent.child_requests - {state.request_id}) if state.parent is not None else []
+        counted = error.status_code not in CLIENT_ERROR_CODES
         for request_id in [state.request_id, *siblings]:
             sibling = self.request_states.get(request_id)
             if sibling is not None:
                 self._remove(sibling)
-                sibling.finish_stats(FinishReason.ERROR, iteration_stats)
+                if counted:
+                    sibling.finish_stats(FinishReason.ERROR, iteration_stats)
         if state.queue is not None:
             state.queue.put(error)
         return siblings

@@ -11,6 +11,7 @@ from frontend_svc.output_processor import OutputProcessor, RequestOutputCollecto
 from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.parallel_sampling import ParentRequest
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from frontend_svc.stats import IterationStats
 from tests.conftest import real_or_builtin, shared_tokenizer
 from tests.frontend_helpers import reference_output_text, stream
 
@@ -476,14 +477,19 @@ def test_without_a_queue_a_failed_request_comes_back_as_its_error(tokenizer):
     processor.add_request("q-1", "q", SamplingParams(), None, [1])
     message = "the engine core failed while running this request: RuntimeError: boom"
     refusal = ValidationError("top_p", "must be in (0, 1]")
+    iteration_stats = IterationStats()
     result = processor.process_outputs(
         [
             EngineCoreOutput("0_p-1", [], finish_reason=FinishReason.ERROR, error=InternalError(message)),
             # aborted already
             EngineCoreOutput("1_p-1", [], finish_reason=FinishReason.ERROR, error=InternalError(message)),
             EngineCoreOutput("q-1", [], finish_reason=FinishReason.ERROR, error=refusal),
-        ]
+        ],
+        iteration_stats=iteration_stats,
     )
+    # The failed children count as finished with error; the refused request (a client's error, as vLLM's input
+    # checks refuse it) does not count.
+    assert [stats.finish_reason for stats in iteration_stats.finished_requests] == ["error", "error"]
     assert result.request_outputs == [] and result.reqs_to_abort == ["1_p-1"]
     internal, refused = result.errors
     assert isinstance(internal, InternalError) and (str(internal), internal.request_id) == (message, "p")
