@@ -356,15 +356,21 @@ def text_size(messages: list[dict[str, Any]]) -> int:
 class _RequestSpan:
     """The ``llm_request`` span of one public call and its ``gen_ai.*`` attributes (vLLM's): the request's
     parameters at the start; usage and latencies (seconds) at the end. The queue, prefill and decode times come
-    from the core's timestamps (``RequestOutput.metrics``; for n > 1, of the completion that finished last).
-    Does nothing when tracing is off."""
+    from the core's timestamps (``RequestOutput.metrics``; for n > 1, of the completion that finished last); the
+    time to first token is the first completion's. Each of the n completions' finish reason is kept as its
+    outputs come (a DELTA output holds only the completions that changed); a cancelled call's unfinished ones
+    read ``abort``. Does nothing when tracing is off."""
 
     def __init__(self, span: Span | None, request_id: str, params: SamplingParams, model: str) -> None:
         self.span = span
         self.start = time.time()
         self.first_token_time: float | None = None
+        self.first_token_latency: float | None = None  # the core's, the smallest over the completions
         self.last_output: RequestOutput | None = None
         self.completion_tokens = 0
+        self.num_sequences = params.n
+        self.finish_reasons: dict[int, str] = {}
+        self.was_cancelled = False
         if span is None:
             return
         attributes: dict[str, str | int | float] = {
@@ -385,6 +391,12 @@ class _RequestSpan:
             self.first_token_time = time.time()
         self.last_output = output
         self.completion_tokens = completion_tokens
+        for completion in output.outputs:
+            if completion.finish_reason:
+                self.finish_reasons[completion.index] = completion.finish_reason
+        latency = output.metrics.first_token_latency if output.metrics is not None else None
+        if latency is not None and (self.first_token_latency is None or latency < self.first_token_latency):
+            self.first_token_latency = latency
 
     def fail(self, error: Exception) -> None:
         if self.span is not None:
@@ -393,6 +405,7 @@ class _RequestSpan:
 
     def cancelled(self) -> None:
         """The client went away (the request was aborted)."""
+        self.was_cancelled = True
         if self.span is not None:
             self.span.add_event("cancelled")
 
@@ -406,15 +419,16 @@ class _RequestSpan:
             SpanAttributes.GEN_AI_LATENCY_E2E: time.time() - self.start,
         }
         stats = output.metrics if output is not None else None
-        if stats is not None and stats.first_token_latency is not None:  # also right when outputs were held back
-            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = stats.first_token_latency
+        if self.first_token_latency is not None:  # the core's: also right when outputs were held back
+            attributes[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = self.first_token_latency
         elif self.first_token_time is not None:
             attributes[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = self.first_token_time - self.start
         if output is not None:
+            unfinished = "abort" if self.was_cancelled else ""
             attributes[SpanAttributes.GEN_AI_USAGE_PROMPT_TOKENS] = len(output.prompt_token_ids)
-            attributes[SpanAttributes.GEN_AI_USAGE_NUM_SEQUENCES] = len(output.outputs)
+            attributes[SpanAttributes.GEN_AI_USAGE_NUM_SEQUENCES] = self.num_sequences
             attributes[SpanAttributes.GEN_AI_RESPONSE_FINISH_REASONS] = [
-                c.finish_reason or "" for c in sorted(output.outputs, key=lambda c: c.index)
+                self.finish_reasons.get(i, unfinished) for i in range(self.num_sequences)
             ]
             if stats is not None:
                 attributes[SpanAttributes.GEN_AI_LATENCY_TIME_IN_QUEUE] = stats.queued_time

@@ -438,3 +438,53 @@ def test_the_calls_counter_keeps_health_watch_working():
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     assert statuses == [serving, not_serving, serving, not_serving]  # "" is live; "svc" follows set_serving
     assert checks == 1 and not failed_watches
+
+
+class RecordingSpan:
+    """The part of an OpenTelemetry span ``_RequestSpan`` uses, recording the attributes set."""
+
+    def __init__(self) -> None:
+        self.attributes: dict[str, object] = {}
+        self.events: list[str] = []
+        self.ended = False
+
+    def set_attributes(self, attributes: dict[str, object]) -> None:
+        self.attributes.update(attributes)
+
+    def add_event(self, name: str) -> None:
+        self.events.append(name)
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_request_span_of_n2_deltas_has_both_completions_reasons_and_the_first_ttft():
+    """A DELTA output holds only the completions that changed: the span keeps each completion's finish reason
+    as it comes, reports n sequences, and the smallest time to first token of the two; a cancelled call's
+    unfinished completion reads abort."""
+    from frontend_svc.outputs import CompletionOutput, RequestOutput
+    from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+    from frontend_svc.service import _RequestSpan
+    from frontend_svc.stats import RequestStateStats
+
+    def delta(index: int, finish: str | None, first_token_latency: float) -> RequestOutput:
+        completion = CompletionOutput(index, "x", [7], None, None, finish)
+        stats = RequestStateStats(arrival_time=0.0, first_token_latency=first_token_latency)
+        return RequestOutput("r", "p", [1, 2, 3], None, [completion], finish is not None, metrics=stats)
+
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=5, output_kind=RequestOutputKind.DELTA)
+    for cancelled, reasons in ((False, ["stop", "length"]), (True, ["abort", "length"])):
+        span = RecordingSpan()
+        request_span = _RequestSpan(span, "r", params, "m")  # type: ignore[arg-type]  # a recording stand-in
+        request_span.update(delta(1, None, 0.25), 1)
+        request_span.update(delta(0, None, 0.5), 2)
+        request_span.update(delta(1, "length", 0.25), 3)
+        if cancelled:
+            request_span.cancelled()
+        else:
+            request_span.update(delta(0, "stop", 0.5), 4)
+        request_span.end()
+        assert span.ended and span.attributes[SpanAttributes.GEN_AI_USAGE_NUM_SEQUENCES] == 2
+        assert span.attributes[SpanAttributes.GEN_AI_RESPONSE_FINISH_REASONS] == reasons
+        assert span.attributes[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] == 0.25
+        assert span.attributes[SpanAttributes.GEN_AI_USAGE_PROMPT_TOKENS] == 3
