@@ -216,7 +216,7 @@ class _OpenAIApi:
         prompt_list: list[PromptType] = list(prompts)
         if body.add_special_tokens is False:  # text prompts tokenized without BOS and the like (vLLM's option)
             prompt_list = [await self._without_special_tokens(body, engine, p) for p in prompt_list]
-        generation = Generation(self.state, engine, request_id, body, params, prompt_list, lora)
+        generation = Generation(self.state, engine, request_id, body, params, prompt_list, lora, dict(request.headers))
         if body.stream:
             return await _model_found(generation.stream(request, self._completion_events), body.model)
         outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)
@@ -291,7 +291,7 @@ class _OpenAIApi:
             ),
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = Generation(self.state, engine, request_id, body, params, [prompt], lora)
+        generation = Generation(self.state, engine, request_id, body, params, [prompt], lora, dict(request.headers))
         if body.stream:
             return await _model_found(generation.stream(request, self._chat_events), body.model)
         outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)

@@ -1,6 +1,8 @@
 """One API request's engine requests (one per prompt) for the OpenAI-compatible HTTP API: started before any
 response (a refusal is an error response, not a broken stream), their outputs merged, counted in the frontend's
-active calls, streamed as server-sent events, and aborted in the core when the client goes away."""
+active calls, streamed as server-sent events, and aborted in the core when the client goes away. With tracing on,
+each engine request gets an ``llm_request`` span (a SERVER span continuing the caller's W3C ``traceparent``, as
+vLLM's OpenAI server does) whose context goes to the core."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
 from starlette.types import Receive, Scope, Send
 
 from frontend_svc.async_llm import AsyncLLM
@@ -22,9 +26,10 @@ from frontend_svc.input_processor import MAX_TOKENS_HINT, PromptType
 from frontend_svc.openai_protocol import ChatCompletionRequest, SamplingRequest, request_field
 from frontend_svc.openai_responses import UsageCounter, envelope, error_body
 from frontend_svc.outputs import RequestOutput
-from frontend_svc.sampling_params import SamplingParams
-from frontend_svc.service import FrontendServerState
+from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from frontend_svc.service import FrontendServerState, RequestSpan
 from splitserve.base.status import StatusCode, status_code_of
+from splitserve.base.tracing import inject_headers
 
 T = TypeVar("T")
 # The HTTP status of each error kind (the gRPC code its class states), with OpenAI's error type and code.
@@ -57,6 +62,7 @@ class Generation:
         params: SamplingParams,
         prompts: list[PromptType],
         lora_request: LoRARequest | None = None,
+        http_headers: dict[str, str] | None = None,
     ) -> None:
         self.state = state
         self.engine = engine
@@ -70,6 +76,9 @@ class Generation:
         self._merged: AsyncGenerator[tuple[int, RequestOutput], None] | None = None
         self._first: tuple[int, RequestOutput] | None = None
         self._released = False  # a stream's release() has run
+        self.http_headers = http_headers or {}  # the caller's, for its trace context
+        self._spans: list[RequestSpan] = []  # per prompt (spans that do nothing when tracing is off)
+        self._completion_tokens: list[dict[int, int]] = []  # per prompt: ids sent so far per completion index
 
     @property
     def model_name(self) -> str:
@@ -84,11 +93,23 @@ class Generation:
             FrontendError: the request was refused (a ValidationError names the field as the client sent it).
         """
         suffix = len(self.prompts) > 1
+        request_ids = [f"{self.request_id}-{i}" if suffix else self.request_id for i in range(len(self.prompts))]
+        tracer = self.state.tracer
+        caller = propagate.extract(self.http_headers) if tracer is not None else None
+        trace_headers: list[dict[str, str] | None] = []
+        for request_id in request_ids:
+            span = None
+            if tracer is not None:
+                span = tracer.start_span("llm_request", context=caller, kind=SpanKind.SERVER)
+            trace_headers.append(inject_headers(trace.set_span_in_context(span)) if span is not None else None)
+            self._spans.append(RequestSpan(span, request_id, self.params, self.model_name))
+            self._completion_tokens.append({})
         generators = [
             self.engine.generate(
                 prompt,
                 self.params,
-                f"{self.request_id}-{i}" if suffix else self.request_id,
+                request_ids[i],
+                trace_headers=trace_headers[i],
                 priority=self.request.priority,
                 cache_salt=self.request.cache_salt,
                 lora_request=self.lora_request,
@@ -100,9 +121,11 @@ class Generation:
         self._merged = merge(generators)
         try:
             self._first = await named_async(self.request, anext(self._merged))
-        except BaseException:
+        except BaseException as e:
             await self._merged.aclose()
+            self.end_spans(e)
             raise
+        self._count(*self._first)
 
     def prompt_token_ids(self) -> list[int]:
         """The first prompt's token ids (known once ``start`` has returned)."""
@@ -116,7 +139,27 @@ class Generation:
             raise RuntimeError("start() first")
         yield self._first
         async for item in self._merged:
+            self._count(*item)
             yield item
+
+    def _count(self, prompt_index: int, output: RequestOutput) -> None:
+        """Update prompt ``prompt_index``'s span with ``output`` (its completion tokens so far)."""
+        counts = self._completion_tokens[prompt_index]
+        delta = self.params.output_kind == RequestOutputKind.DELTA
+        for completion in output.outputs:
+            previous = counts.get(completion.index, 0)
+            counts[completion.index] = previous + len(completion.token_ids) if delta else len(completion.token_ids)
+        self._spans[prompt_index].update(output, sum(counts.values()))
+
+    def end_spans(self, error: BaseException | None = None) -> None:
+        """End every prompt's span once: failed with ``error``, or cancelled when the requests were closed
+        before they finished (the client went away)."""
+        for span in self._spans:
+            if isinstance(error, Exception) and not isinstance(error, asyncio.CancelledError):
+                span.fail(error)
+            elif span.last_output is None or not span.last_output.finished:
+                span.cancelled()
+            span.end()
 
     async def collect(self) -> dict[int, RequestOutput]:
         """Each prompt's final output (the requests are FINAL_ONLY)."""
@@ -124,6 +167,9 @@ class Generation:
         try:
             await self.start()
             return {prompt_index: output async for prompt_index, output in self.outputs()}
+        except BaseException as e:
+            self.end_spans(e)
+            raise
         finally:
             self.state.active_calls -= 1
             await self.aclose()
@@ -149,6 +195,7 @@ class Generation:
                     usage_chunk["usage"] = self.usage.body()
                     yield _sse(usage_chunk)
             except FrontendError as e:
+                self.end_spans(e)
                 status, error_type, code = HTTP_STATUS[status_code_of(e)]
                 param = e.field if isinstance(e, ValidationError) else None
                 yield _sse(error_body(str(e), error_type, param, code))
@@ -168,6 +215,7 @@ class Generation:
     async def aclose(self) -> None:
         if self._merged is not None:
             await self._merged.aclose()
+        self.end_spans()
 
     async def release(self) -> None:
         """A stream's end, once however it comes (its body's end, or its response's if the body never ran):

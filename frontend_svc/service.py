@@ -234,7 +234,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         if self.state.tracer is not None:
             span = self.state.tracer.start_span("llm_request", kind=SpanKind.INTERNAL)
             trace_headers = inject_headers(trace.set_span_in_context(span))
-        request_span = _RequestSpan(span, request_id, params, self.state.model)
+        request_span = RequestSpan(span, request_id, params, self.state.model)
         self.state.active_calls += 1
         try:
             async for output in engine.generate(
@@ -353,7 +353,7 @@ def text_size(messages: list[dict[str, Any]]) -> int:
     return size
 
 
-class _RequestSpan:
+class RequestSpan:
     """The ``llm_request`` span of one public call and its ``gen_ai.*`` attributes (vLLM's): the request's
     parameters at the start; usage and latencies (seconds) at the end. The queue, prefill and decode times come
     from the core's timestamps (``RequestOutput.metrics``; for n > 1, of the completion that finished last); the

@@ -30,6 +30,9 @@ from tests.metrics_helpers import sample, scrape, scrape_when
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{CALLER_SPAN_ID}-01"
+# The HTTP API's traced completion: its own trace, WORKLOAD[3]'s prompt.
+HTTP_TRACE_ID, HTTP_CALLER_SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+HTTP_MAX_TOKENS = 3
 CORE_ARGS = ["--num-kv-blocks", "64", "--max-model-len", "256"]
 # The names each server reports the model by (--served-model-name): metrics labels, the frontend's spans.
 CORE_NAME, FRONTEND_NAME = "tiny-core", "tiny"
@@ -88,6 +91,7 @@ def _value(any_value) -> object:
 class Run:
     traced_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # what the stop-token request returned
+    http_token_ids: list[int] = field(default_factory=list)  # what the HTTP API's completion returned
     frontend_metrics: str = ""
     core_metrics: str = ""
     spans: list[Span] = field(default_factory=list)
@@ -117,17 +121,20 @@ def run(model, tmp_path_factory) -> Run:
             core_args = [*CORE_ARGS, "--metrics-port", str(core_metrics_port), "--served-model-name", CORE_NAME]
             core = stack.start_core(model, logs, core_args)
             frontend_args = ["--metrics-port", str(frontend_metrics_port), "--served-model-name", FRONTEND_NAME]
+            http_port = stack.free_port()
+            frontend_args += ["--http-port", str(http_port)]
             frontend = stack.start_frontend(model, [core.address], logs, frontend_args)
         core.wait_serving()
         frontend.wait_serving()
         asyncio.run(_workload(frontend.address, result))
+        result.http_token_ids = _http_completion(http_port)
         # A call is counted when its handler's task ends, which may be just after its client has the status.
         result.frontend_metrics = scrape_when(
             f"127.0.0.1:{frontend_metrics_port}",
             lambda text: (
                 "splitserve:grpc_server_handled_total" in text
                 and sample(text, "splitserve:grpc_server_handled_total", grpc_method="Generate")
-                == expected_counts(result)["requests"] + 1
+                == expected_counts(result)["grpc_requests"] + 1
             ),  # the requests and the refused call
         )
         result.core_metrics = scrape(f"127.0.0.1:{core_metrics_port}")
@@ -184,12 +191,32 @@ async def _workload(address: str, result: Run) -> None:
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _http_completion(port: int) -> list[int]:
+    """A greedy completion of WORKLOAD[3]'s prompt over the HTTP API, traced by the caller: its token ids."""
+    import httpx2 as httpx
+
+    body = {
+        "prompt": WORKLOAD[3][0],
+        "max_tokens": HTTP_MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    headers = {"traceparent": f"00-{HTTP_TRACE_ID}-{HTTP_CALLER_SPAN_ID}-01"}
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    return list(response.json()["choices"][0]["token_ids"])
+
+
 def expected_counts(run: Run) -> dict[str, float]:
-    """Requests, tokens and finish reasons of the whole workload, from the requests themselves."""
-    prompts = [p for p, _ in WORKLOAD] + [WORKLOAD[1][0]] * 2
+    """Requests, tokens and finish reasons of the whole workload (the gRPC calls and the HTTP one), from the
+    requests themselves."""
+    prompts = [p for p, _ in WORKLOAD] + [WORKLOAD[1][0]] * 2 + [WORKLOAD[3][0]]
     generated = [len(run.traced_token_ids)] + [m for _, m in WORKLOAD[1:]] + [5, len(run.stop_token_ids)]
+    generated.append(len(run.http_token_ids))
     return {
         "requests": len(prompts),
+        "grpc_requests": len(prompts) - 1,
         "length": len(prompts) - 1,
         "stop": 1,
         "prompt_tokens": sum(len(p) for p in prompts),
@@ -219,7 +246,7 @@ def test_frontend_metrics_equal_the_workload(run):
     assert sample(text, "splitserve:request_generation_tokens_sum") == want["generation_tokens"]
     assert sample(text, "splitserve:inter_token_latency_seconds_count") == want["decode_outputs"]
     handled = sample(text, "splitserve:grpc_server_handled_total", grpc_method="Generate", grpc_code="OK")
-    assert handled == want["requests"]
+    assert handled == want["grpc_requests"]
     refused = sample(text, "splitserve:grpc_server_handled_total", grpc_method="Generate", grpc_code="INVALID_ARGUMENT")
     assert refused == 1
     assert sample(text, "splitserve:prompt_tokens_total", engine="0") == want["prompt_tokens"]  # labelled
@@ -284,6 +311,24 @@ def test_one_trace_across_both_services(run):
     assert core.attributes[SpanAttributes.GEN_AI_USAGE_PROMPT_TOKENS] == len(prompt)
     assert core.attributes[SpanAttributes.GEN_AI_USAGE_COMPLETION_TOKENS] == max_tokens
     assert core.attributes[SpanAttributes.CORE_FINISH_REASON] == "length"
+
+
+def test_an_http_request_continues_its_callers_trace_into_the_core(run):
+    """The HTTP API's request gets vLLM's llm_request span, a SERVER span under the caller's traceparent, and the
+    core's spans under it."""
+    traced = {s.name: s for s in run.spans if s.trace_id == HTTP_TRACE_ID}
+    request = traced["llm_request"]
+    assert (request.service, request.parent_span_id) == ("splitserve-frontend", HTTP_CALLER_SPAN_ID)
+    assert request.kind == 2  # SPAN_KIND_SERVER (OTLP's numbering)
+    assert (traced["core_request"].service, traced["core_request"].parent_span_id) == (
+        "splitserve-core",
+        request.span_id,
+    )
+    attributes = request.attributes
+    assert attributes[SpanAttributes.GEN_AI_USAGE_PROMPT_TOKENS] == len(WORKLOAD[3][0])
+    assert attributes[SpanAttributes.GEN_AI_USAGE_COMPLETION_TOKENS] == len(run.http_token_ids) == HTTP_MAX_TOKENS
+    assert attributes[SpanAttributes.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+    assert attributes[SpanAttributes.GEN_AI_RESPONSE_MODEL] == FRONTEND_NAME
 
 
 def test_untraced_calls_start_their_own_traces(run):
@@ -464,7 +509,7 @@ def test_request_span_of_n2_deltas_has_both_completions_reasons_and_the_first_tt
     unfinished completion reads abort."""
     from frontend_svc.outputs import CompletionOutput, RequestOutput
     from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
-    from frontend_svc.service import _RequestSpan
+    from frontend_svc.service import RequestSpan
     from frontend_svc.stats import RequestStateStats
 
     def delta(index: int, finish: str | None, first_token_latency: float) -> RequestOutput:
@@ -475,7 +520,7 @@ def test_request_span_of_n2_deltas_has_both_completions_reasons_and_the_first_tt
     params = SamplingParams(n=2, temperature=1.0, max_tokens=5, output_kind=RequestOutputKind.DELTA)
     for cancelled, reasons in ((False, ["stop", "length"]), (True, ["abort", "length"])):
         span = RecordingSpan()
-        request_span = _RequestSpan(span, "r", params, "m")  # type: ignore[arg-type]  # a recording stand-in
+        request_span = RequestSpan(span, "r", params, "m")  # type: ignore[arg-type]  # a recording stand-in
         request_span.update(delta(1, None, 0.25), 1)
         request_span.update(delta(0, None, 0.5), 2)
         request_span.update(delta(1, "length", 0.25), 3)

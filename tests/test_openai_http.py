@@ -776,19 +776,24 @@ def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call()
             prompt: Any,
             params: Any,
             request_id: str,
+            trace_headers: dict[str, str] | None = None,
             priority: int = 0,
             cache_salt: str | None = None,
             lora_request: Any = None,
         ) -> Any:
             try:
-                yield "first output"
+                yield RequestOutput("r", "hi", [1], None, [], False)  # the first output
                 await asyncio.Event().wait()  # the rest never comes: only a close ends it
             finally:
                 closed.append(request_id)
 
+    from frontend_svc.outputs import RequestOutput
+    from frontend_svc.sampling_params import SamplingParams
+
     class State:
         active_calls = 0
         model = "m"
+        tracer = None
 
     class Connection:
         async def receive(self) -> dict[str, Any]:
@@ -805,7 +810,7 @@ def test_a_stream_whose_response_fails_before_its_body_still_releases_the_call()
     async def run() -> tuple[int, int]:
         state = State()
         request = CompletionRequest(prompt="hi", stream=True)
-        generation = Generation(state, Engine(), "cmpl-1", request, None, ["hi"])  # type: ignore[arg-type]  # fakes
+        generation = Generation(state, Engine(), "cmpl-1", request, SamplingParams(), ["hi"])  # type: ignore[arg-type]  # fakes
         response = await generation.stream(Connection(), events)  # type: ignore[arg-type]  # a fake request
         during = state.active_calls
         with pytest.raises(OSError):
