@@ -307,6 +307,37 @@ class AsyncLLM(LLMEngineBase):
             return []
         return await self.engine_core.list_loras_async()
 
+    # vLLM's AsyncLLM state queries.
+    @property
+    def dead_error(self) -> BaseException | None:
+        """The error that ended the engine (its core failed or is gone, or it was closed); None while it runs."""
+        return self._handler_state.dead_error
+
+    @property
+    def errored(self) -> bool:
+        return self._handler_state.dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._handler_state.dead_error is None
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    async def check_health(self) -> None:
+        """vLLM's: raises the engine's ``dead_error`` (EngineDeadError) once it has failed or been closed."""
+        if self._handler_state.dead_error is not None:
+            raise self._handler_state.dead_error
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests in flight (each of an n > 1 request's completions counts)."""
+        return len(self.output_processor.request_states)
+
+    def shutdown(self) -> None:
+        """vLLM's name of ``close``."""
+        self.close()
+
     def close(self) -> None:
         """Shut the core down; every stream still waiting ends with EngineDeadError."""
         error = EngineDeadError("the engine was closed")

@@ -467,6 +467,25 @@ def test_async_llm_serves_a_second_event_loop_and_is_collected_unclosed(llama2_m
     assert core() is None
 
 
+def test_async_llm_reports_its_state_as_vllms(llama2_model):
+    async def scenario() -> tuple[int, int, bool]:
+        engine = AsyncLLM(str(llama2_model), num_kv_blocks=65)
+        params = SamplingParams(n=2, max_tokens=50, temperature=1.0, ignore_eos=True)
+        stream = engine.generate(PROMPTS[0], params, "r")
+        await anext(stream)
+        await engine.check_health()
+        assert engine.is_running and not engine.errored and engine.dead_error is None
+        in_flight = engine.get_num_unfinished_requests()  # each of the n completions
+        await stream.aclose()
+        while engine.get_num_unfinished_requests():  # the abort's bookkeeping runs as a task
+            await asyncio.sleep(0.01)
+        after = engine.get_num_unfinished_requests()
+        engine.shutdown()
+        return in_flight, after, engine.errored
+
+    assert asyncio.run(scenario()) == (2, 0, True)
+
+
 def test_engine_abort_by_internal_parent_id(llama2_model):
     engine = LLMEngine(str(llama2_model), num_kv_blocks=257)
     try:
@@ -556,6 +575,11 @@ def test_async_llm_dead_core_and_failed_output_handler_errors_name_no_python_cla
                 await asyncio.sleep(0.01)
             with pytest.raises(EngineDeadError) as late:
                 await dead.add_request("late", [5, 6, 7], params)
+            # vLLM's state queries say so too.
+            assert dead.errored and dead.is_stopped and not dead.is_running
+            assert dead.dead_error is dead._handler_state.dead_error
+            with pytest.raises(EngineDeadError):
+                await dead.check_health()
         finally:
             dead.close()
         broken = AsyncLLM(str(llama2_model), num_kv_blocks=65)
