@@ -195,6 +195,12 @@ class RequestState:
             iteration_stats.update_from_finished_request(
                 str(finish_reason), len(self.prompt_token_ids), self.params.max_tokens, self.stats
             )
+            num_generation_tokens = self.stats.num_generation_tokens
+            if self.parent is not None:
+                self.parent.observe_finished_child(num_generation_tokens, iteration_stats)
+            else:
+                iteration_stats.n_params_iter.append(1)
+                iteration_stats.max_num_generation_tokens_iter.append(num_generation_tokens)
 
     def make_request_output(
         self, finish_reason: FinishReason | None, stop_reason: int | str | None

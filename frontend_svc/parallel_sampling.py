@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from frontend_svc.outputs import CompletionOutput
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams
+from frontend_svc.stats import IterationStats
 
 
 class ParentRequest:
@@ -25,6 +26,17 @@ class ParentRequest:
             [None] * self.n if sampling_params.output_kind == RequestOutputKind.FINAL_ONLY else []
         )
         self._unseeded_child_params: SamplingParams | None = None  # shared by every child when unseeded (vLLM)
+        self._num_children_counted = 0  # children whose finished stats are in (``observe_finished_child``)
+        self._max_num_generation_tokens = 0
+
+    def observe_finished_child(self, num_generation_tokens: int, iteration_stats: IterationStats) -> None:
+        """A child's finished stats are in: once all n are, the parent's n and the most tokens one of its
+        completions generated go to ``iteration_stats`` (vLLM's ``ParentRequest.observe_finished_request``)."""
+        self._num_children_counted += 1
+        self._max_num_generation_tokens = max(self._max_num_generation_tokens, num_generation_tokens)
+        if self._num_children_counted == self.n:
+            iteration_stats.n_params_iter.append(self.n)
+            iteration_stats.max_num_generation_tokens_iter.append(self._max_num_generation_tokens)
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         child_id = f"{index}_{self.request_id}"

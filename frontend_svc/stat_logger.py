@@ -22,6 +22,8 @@ from frontend_svc.stats import IterationStats
 from splitserve.base import metrics
 
 logger = logging.getLogger(__name__)
+# vLLM's buckets of request_params_n.
+N_BUCKETS = [1, 2, 5, 10, 20]
 STALE_S = 60.0  # a core silent this long (idle, or gone) leaves the log line's sums
 
 
@@ -151,6 +153,14 @@ class PrometheusStatLogger:
         self.request_max_tokens = m.histogram(
             "request_params_max_tokens", "max_tokens per finished request.", token_buckets
         )
+        self.request_params_n = m.histogram(
+            "request_params_n", "n per finished API request (once all its completions have finished).", N_BUCKETS
+        )
+        self.request_max_num_generation_tokens = m.histogram(
+            "request_max_num_generation_tokens",
+            "The most tokens one completion of a finished API request generated.",
+            token_buckets,
+        )
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats) -> None:
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -167,6 +177,10 @@ class PrometheusStatLogger:
             self.time_per_output_token.observe(finished.mean_time_per_output_token)  # 0 below two tokens, as vLLM
             if finished.max_tokens_param is not None:
                 self.request_max_tokens.observe(finished.max_tokens_param)
+        for n in iteration_stats.n_params_iter:
+            self.request_params_n.observe(n)
+        for max_generated in iteration_stats.max_num_generation_tokens_iter:
+            self.request_max_num_generation_tokens.observe(max_generated)
 
     def log(self) -> None:
         pass  # Prometheus scrapes; nothing to do per batch

@@ -60,6 +60,10 @@ class IterationStats:
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Per API request (an n > 1 parent once all its children have finished, as vLLM's
+    # ParentRequest.observe_finished_request): its n, and the most tokens any of its completions generated.
+    n_params_iter: list[int] = field(default_factory=list)
+    max_num_generation_tokens_iter: list[int] = field(default_factory=list)
 
     def update_from_output(
         self,

@@ -243,6 +243,10 @@ def test_frontend_metrics_equal_the_workload(run):
     ):
         assert sample(text, f"splitserve:{histogram}_count") == want["requests"], histogram
     assert sample(text, "splitserve:request_prompt_tokens_sum") == want["prompt_tokens"]
+    # Every request has n = 1: n and its one completion's tokens, once each.
+    assert sample(text, "splitserve:request_params_n_count") == want["requests"]
+    assert sample(text, "splitserve:request_params_n_sum") == want["requests"]
+    assert sample(text, "splitserve:request_max_num_generation_tokens_sum") == want["generation_tokens"]
     assert sample(text, "splitserve:request_generation_tokens_sum") == want["generation_tokens"]
     assert sample(text, "splitserve:inter_token_latency_seconds_count") == want["decode_outputs"]
     handled = sample(text, "splitserve:grpc_server_handled_total", grpc_method="Generate", grpc_code="OK")

@@ -352,3 +352,20 @@ def test_add_requests_aborts_every_request_when_one_fails():
     ok = FailingClient(fail_at=10)
     ok.add_requests(requests)
     assert ok.added == [r.request_id for r in requests] and ok.aborted == []
+
+
+def test_a_parent_is_observed_once_with_its_n_and_its_longest_completion(tokenizer):
+    """vLLM's request_params_n and request_max_num_generation_tokens: one observation per API request, when its
+    last child finishes (an abort included), with n and the most tokens one completion generated."""
+    from frontend_svc.stats import IterationStats
+
+    processor = OutputProcessor(tokenizer)
+    fan_out(processor, 3, RequestOutputKind.DELTA)
+    processor.add_request("q-1", "q", SamplingParams(max_tokens=1), None, [1])  # n = 1: observed at its finish
+    stats = IterationStats()
+    processor.process_outputs([out(0, 5), out(1, 5), out(1, 6), out(2, 5)], iteration_stats=stats)
+    processor.process_outputs([out(0, 6, FinishReason.LENGTH), out(1, 7, FinishReason.STOP)], iteration_stats=stats)
+    processor.process_outputs([EngineCoreOutput("q-1", [9], finish_reason=FinishReason.LENGTH)], iteration_stats=stats)
+    assert (stats.n_params_iter, stats.max_num_generation_tokens_iter) == ([1], [1])  # child 2 still runs
+    processor.finish_aborted(["2_p-1"], stats)
+    assert (stats.n_params_iter, stats.max_num_generation_tokens_iter) == ([1, 3], [1, 3])  # child 1: 3 tokens
