@@ -114,6 +114,32 @@ def texts(outputs) -> list[str]:
         # Deeper than json's decoder recurses (RecursionError), and just past the depth limit, as text and dict.
         (StructuredOutputsParams(json=DEEP_TEXT), "structured_outputs.json", "nests deeper than 64 levels"),
         (StructuredOutputsParams(json=json.loads(nested(65))), "structured_outputs.json", "deeper than 64"),
+        # Keywords xgrammar compiles away (its grammar is the one without them): refused, with where they are.
+        (
+            StructuredOutputsParams(json={"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}),
+            "structured_outputs.json",
+            "uniqueItems (at the schema) is not enforced",
+        ),
+        (
+            StructuredOutputsParams(json={"properties": {"xs": {"type": "array", "contains": {"const": 7}}}}),
+            "structured_outputs.json",
+            "contains (at properties.xs) is not enforced",
+        ),
+        (
+            StructuredOutputsParams(json={"anyOf": [{"type": "string", "pattern": "^[a-c]+$", "minLength": 4}]}),
+            "structured_outputs.json",
+            "minLength / maxLength beside a pattern or format (at anyOf[0])",
+        ),
+        (
+            StructuredOutputsParams(json={"properties": {"c": {"type": "string", "format": "color"}}}),
+            "structured_outputs.json",
+            "format 'color' (at properties.c)",
+        ),
+        (
+            StructuredOutputsParams(json={"if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}),
+            "structured_outputs.json",
+            "if (at the schema)",
+        ),
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(value, field, words):
@@ -256,11 +282,11 @@ def test_choices_with_escapes_and_non_ascii_are_output_exactly(llm):
 
 
 def test_schemas_llguidance_does_not_implement_but_xgrammar_compiles_are_served(llm):
-    """uniqueItems (pydantic's sets) and not: llguidance would refuse them as unimplemented keys; the frontend
-    checks leniently and the core compiles them. xgrammar does not enforce these two keys (docs/operations.md):
-    every output validates against the schema without them."""
+    """not: llguidance would refuse it as an unimplemented key; the frontend checks leniently and the core compiles
+    it. Every output validates against the schema without it (docs/operations.md); a property named like a
+    keyword xgrammar drops ("contains") is a property, not that keyword."""
     schemas = [
-        {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3, "uniqueItems": True},
+        {"type": "object", "properties": {"contains": {"enum": ["a", "b"]}}, "required": ["contains"]},
         {"type": "object", "properties": {"n": {"type": "integer", "not": {"enum": [0]}}}, "required": ["n"]},
     ]
     params = [
@@ -279,7 +305,7 @@ def test_schemas_llguidance_does_not_implement_but_xgrammar_compiles_are_served(
             if completion.finish_reason == "length":  # a long integer may run past max_tokens
                 continue
             assert completion.finish_reason == "stop"
-            jsonschema.validate(json.loads(completion.text), without_keys(schema, {"uniqueItems", "not"}))
+            jsonschema.validate(json.loads(completion.text), without_keys(schema, {"not"}))
 
 
 def without_keys(value: object, keys: set[str]) -> object:
@@ -491,6 +517,11 @@ def test_the_core_refuses_two_constraints_naming_the_field(engine):
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(Request("two", [5, 6], params))
     assert info.value.field == "structured_outputs"
+    # A schema keyword xgrammar would drop, sent to the core directly: refused there too, in the same words.
+    unique = StructuredOutputsParams(json={"type": "array", "uniqueItems": True})
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(Request("unique", [5, 6], core_params(structured_outputs=unique)))
+    assert info.value.field == "structured_outputs.json" and "uniqueItems" in info.value.description
 
 
 def test_grammars_are_compiled_once_per_key_and_the_cache_is_bounded(model, monkeypatch):

@@ -23,6 +23,33 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # schema (pydantic's nest a few levels per model), shallow enough that every recursive walk of the schema (json,
 # the grammar compilers) stays far from Python's recursion limit and the compilers' stacks.
 MAX_JSON_SCHEMA_DEPTH = 64
+# String formats xgrammar (the core's compiler) enforces: vLLM's STRING_SUPPORTED_FORMATS
+# (vllm/v1/structured_output/backend_xgrammar.py, from xgrammar's json_schema_converter.cc).
+XGRAMMAR_STRING_FORMATS = frozenset(
+    {
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
+# Keywords xgrammar 0.2.9 compiles away (the grammar is the one without them, measured): the output could break
+# them. Array keywords (on an array or untyped schema), then conditionals and dependencies (on any schema).
+_UNENFORCED_ARRAY_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains")
+_UNENFORCED_KEYWORDS = ("if", "dependentRequired", "dependentSchemas", "dependencies")
+# Keywords whose value maps names to subschemas, and those whose value is data, not a schema.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "required"})
 
 
 @dataclass(frozen=True)
@@ -105,6 +132,14 @@ def structured_outputs_violation(params: StructuredOutputsParams) -> Violation |
             return Violation(name, f"must be a JSON schema object, got {type(value).__name__}")
         if json_depth(value, MAX_JSON_SCHEMA_DEPTH) > MAX_JSON_SCHEMA_DEPTH:
             return Violation(name, f"nests deeper than {MAX_JSON_SCHEMA_DEPTH} levels")
+        unenforced = unenforced_schema_keyword(value)
+        if unenforced is not None:
+            where, what = unenforced
+            return Violation(
+                name,
+                f"{what} (at {where}) is not enforced by the engine core's grammar compiler (xgrammar), so the "
+                "output could break it; remove it, or check the output yourself",
+            )
         return None
     if kind == "choice":
         if not isinstance(value, list | tuple) or not value:
@@ -117,6 +152,47 @@ def structured_outputs_violation(params: StructuredOutputsParams) -> Violation |
         return Violation(name, f"must be a non-empty string, got {value!r}")
     if "\x00" in value:
         return Violation(name, "must not contain a NUL character")
+    return None
+
+
+def unenforced_schema_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """(where, what) of the first keyword of ``schema`` that xgrammar accepts without enforcing it, else None:
+    ``uniqueItems`` / ``contains`` / ``minContains`` / ``maxContains`` on an array (or untyped) schema; ``if``
+    (with its ``then`` / ``else``), ``dependentRequired``, ``dependentSchemas``, ``dependencies``; a string
+    ``format`` xgrammar does not know (``XGRAMMAR_STRING_FORMATS``); ``minLength`` / ``maxLength`` beside a
+    ``pattern`` or ``format``. With them, xgrammar 0.2.9 compiles the same grammar as without (measured); vLLM's
+    ``has_xgrammar_unsupported_json_features`` sends the array, format and length cases to another backend (and
+    its xgrammar drops the rest too). ``where`` is a path from the schema's root ("properties.tags"); "the schema"
+    for the root. Walks without recursion."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        where = path or "the schema"
+        kind = node.get("type")
+        if kind in (None, "array"):
+            for keyword in _UNENFORCED_ARRAY_KEYWORDS:
+                if keyword in node and node[keyword] is not False:
+                    return where, keyword
+        for keyword in _UNENFORCED_KEYWORDS:
+            if keyword in node:
+                return where, keyword
+        form = node.get("format")
+        if kind == "string" and isinstance(form, str) and form not in XGRAMMAR_STRING_FORMATS:
+            return where, f"format {form!r}"
+        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            return where, "minLength / maxLength beside a pattern or format"
+        for key, value in node.items():
+            child = f"{path}.{key}" if path else key
+            if key in _DATA_KEYWORDS:
+                continue
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((sub, f"{child}.{name}") for name, sub in value.items())
+            elif isinstance(value, dict):
+                stack.append((value, child))
+            elif isinstance(value, list):
+                stack.extend((sub, f"{child}[{i}]") for i, sub in enumerate(value))
     return None
 
 
