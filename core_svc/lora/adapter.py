@@ -185,13 +185,17 @@ _METADATA_FIELDS = frozenset(
         "layers_pattern",
         "megatron_core",  # meaningful only with megatron_config
         "qalora_group_size",  # meaningful only with use_qalora
+        # The weights file holds the modules trained, and the core serves what it holds, as vLLM judges an
+        # adapter by its weights: which modules were asked for or left out does not matter.
+        "target_modules",
+        "exclude_modules",
+        "eva_config",  # EVA's data-driven initialization of A: a plain LoRA once trained
     }
 )
 # Fields the core reads (checked below).
-_SERVED_FIELDS = frozenset({"r", "lora_alpha", "use_rslora", "target_modules", "bias", "init_lora_weights"})
+_SERVED_FIELDS = frozenset({"r", "lora_alpha", "use_rslora", "bias", "init_lora_weights"})
 # Every other field PEFT knows, with the value that means "not used": any other value is refused, naming it.
 _DEFAULT_FIELDS: dict[str, Any] = {
-    "exclude_modules": None,
     "fan_in_fan_out": False,
     "modules_to_save": None,
     "rank_pattern": {},
@@ -199,7 +203,6 @@ _DEFAULT_FIELDS: dict[str, Any] = {
     "megatron_config": None,
     "trainable_token_indices": None,
     "loftq_config": {},
-    "eva_config": None,
     "corda_config": None,
     "lora_ga_config": None,
     "use_dora": False,
@@ -221,6 +224,11 @@ _FEATURE_NAMES = {
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "lora_bias": "LoRA biases (lora_bias)",
 }
+
+
+# init_lora_weights values that only choose A and B's starting values, the base weights unchanged: a plain LoRA
+# at inference (vLLM's PEFTHelper takes the same ones, any case).
+_PLAIN_INITS = frozenset({"gaussian", "orthogonal", "eva"})
 
 
 def _is_unset(value: Any) -> bool:
@@ -277,7 +285,7 @@ def _lora_config(config_bytes: bytes) -> dict[str, Any]:
             PATH_FIELD, f"the adapter trains biases (bias={config['bias']!r}); the engine core serves bias='none'"
         )
     init = config.get("init_lora_weights", True)
-    if init not in (True, False, "gaussian"):
+    if not (init is True or init is False or str(init).lower() in _PLAIN_INITS):
         # PiSSA, OLoRA, LoftQ, CorDA ... change the base weights at initialization: served only once converted
         # to a plain LoRA (peft's path_initial_model_for_weight_conversion), which records init_lora_weights=True.
         raise InvalidRequestError(
@@ -285,15 +293,6 @@ def _lora_config(config_bytes: bytes) -> dict[str, Any]:
             f"the adapter uses init_lora_weights={init!r}, which trains against changed base weights; the engine "
             "core serves adapters of the unchanged base model (convert it to a plain LoRA with peft)",
         )
-    targets = config.get("target_modules")
-    if isinstance(targets, list | tuple | set):
-        others = sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in FUSED_MODULES)
-        if others:
-            raise InvalidRequestError(
-                PATH_FIELD,
-                f"target modules {others} are not among the modules the engine core adapts "
-                f"({', '.join(FUSED_MODULES)})",
-            )
     return {"r": rank, "lora_alpha": float(alpha), "use_rslora": bool(config.get("use_rslora", False))}
 
 
