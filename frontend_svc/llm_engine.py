@@ -193,6 +193,7 @@ class LLMEngineBase:
             request.prompt_token_ids,
             queue=queue,
             arrival_time=request.arrival_time,
+            lora_request=request.lora_request,
         )
         return request
 
@@ -217,6 +218,7 @@ class LLMEngineBase:
             index,
             queue,
             request.arrival_time,
+            request.lora_request,
         )
         return EngineCoreRequest(
             child_id,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.detokenizer import IncrementalDetokenizer
-from frontend_svc.engine_types import EngineCoreOutput, FinishReason
+from frontend_svc.engine_types import EngineCoreOutput, FinishReason, LoRARequest
 from frontend_svc.errors import FrontendError, InternalError, RequestAbortedError
 from frontend_svc.logprobs import LogprobsProcessor
 from frontend_svc.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -174,10 +174,12 @@ class RequestState:
         request_index: int = 0,
         queue: RequestOutputCollector | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.external_req_id = external_req_id
         self.params = params
+        self.lora_request = lora_request
         self.output_kind = params.output_kind
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -244,6 +246,7 @@ class RequestState:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.stats,
+            lora_request=self.lora_request,
         )
 
 
@@ -283,6 +286,7 @@ class OutputProcessor:
         request_index: int = 0,
         queue: RequestOutputCollector | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id} is already in flight")
@@ -297,6 +301,7 @@ class OutputProcessor:
             request_index,
             queue,
             arrival_time,
+            lora_request,
         )
         self.external_req_ids.setdefault(external_req_id, {})[request_id] = None
         if parent is not None:

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from frontend_svc.engine_types import LoRARequest
 from frontend_svc.stats import RequestStateStats
 
 
@@ -31,6 +32,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running (a failed request raises)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    lora_request: LoRARequest | None = None  # vLLM's field; the adapter is on the RequestOutput
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -46,6 +48,11 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestStateStats | None = None  # timing of the (last finishing) core request behind this output
+    lora_request: LoRARequest | None = None  # the adapter it ran with; None: the base model
+    # vLLM's fields of encoder-decoder models and disaggregated prefill: always None here.
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, object] | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output for the same request in place (vLLM's ``RequestOutput.add``): per completion
@@ -89,6 +96,7 @@ class RequestOutput:
             finished=any(o.finished for o in outputs),
             num_cached_tokens=last.num_cached_tokens,
             metrics=last.metrics,
+            lora_request=first.lora_request,
         )
 
 

@@ -387,6 +387,8 @@ def test_llm_generate_with_lora_requests(model_path, adapters, prompt):
         params = ApiSamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate([prompt] * 3, params, lora_request=requests, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [adapters[n][1] for n in ("attn", "base", "mlp")]
+        # Each output names the adapter it ran with, as vLLM's RequestOutput.lora_request.
+        assert [o.lora_request.lora_name if o.lora_request else None for o in outputs] == ["attn", None, "mlp"]
         engine = llm.llm_engine
         assert engine.list_loras() == {1, 2}  # loaded on demand from their paths, under the ids given
         assert engine.remove_lora(1) and not engine.remove_lora(1)
