@@ -836,7 +836,9 @@ class EngineCore:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if request.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidRequestError(
-                "priority", f"{request.priority} needs the priority scheduling policy (--scheduling-policy priority)"
+                # vLLM's words, which clients and gateways match to retry without the field
+                "priority",
+                f"got {request.priority} but Priority scheduling is not enabled (--scheduling-policy priority)",
             )
         prompt = request.prompt_token_ids
         pooling = request.pooling_params is not None

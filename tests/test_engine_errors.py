@@ -133,7 +133,7 @@ def test_bad_requests_fail_alone(checkpoint):
         (
             Request("prio", [5], SamplingParams(max_tokens=2), priority=3),
             InvalidRequestError,
-            "priority: 3 needs the priority scheduling policy",
+            "priority: got 3 but Priority scheduling is not enabled",
         ),
         (
             Request("lora", [5], SamplingParams(max_tokens=2), lora_name="adapter"),

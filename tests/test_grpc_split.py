@@ -778,7 +778,7 @@ def test_core_side_refusals_keep_their_field(services):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(api.GenerateRequest(prompt="hi", priority=3, sampling_params=greedy(2)), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert info.value.details().startswith("priority: 3 needs the priority scheduling policy")
+        assert info.value.details().startswith("priority: got 3 but Priority scheduling is not enabled")
         assert [field for field, _ in bad_request_violations(info.value)] == ["priority"]
         message = api.ChatMessage(role="user", content=[api.ContentPart(text="hi")])
         with pytest.raises(grpc.RpcError) as info:

@@ -323,9 +323,9 @@ def test_priority_one_int_for_every_prompt_and_on_chat(llm):
     """As vLLM's LLM, one int applies to every prompt (it raised TypeError); chat takes it too. This core runs
     FCFS, so a non-zero priority reaches the core and is refused there, naming the field."""
     params = SamplingParams(temperature=0.0, max_tokens=3)
-    with pytest.raises(ValidationError, match="priority: 1 needs the priority scheduling policy"):
+    with pytest.raises(ValidationError, match="priority: got 1 but Priority scheduling is not enabled"):
         llm.generate(PROMPTS[:2], params, priority=1, use_tqdm=False)
-    with pytest.raises(ValidationError, match="priority: 1 needs the priority scheduling policy"):
+    with pytest.raises(ValidationError, match="priority: got 1 but Priority scheduling is not enabled"):
         llm.chat([{"role": "user", "content": "Hi"}], params, priority=1, use_tqdm=False)
     with pytest.raises(ValidationError, match="priority: has 1 entries for 2 prompts"):
         llm.generate(PROMPTS[:2], params, priority=[0], use_tqdm=False)
