@@ -349,8 +349,9 @@ class InputProcessor:
         check it against the model. Images are refused (a text pooling request). ``params`` is not modified.
 
         Raises:
-            ValidationError: naming the field: a bad parameter (``pooling_params_violation``), an empty prompt, one
-                too long for max_model_len, ids outside the vocabulary, images, an option the wire cannot carry.
+            ValidationError: naming the field: a bad parameter (``pooling_params_violation``), a
+                ``truncate_prompt_tokens`` above max_model_len, an empty prompt, one too long for max_model_len, ids
+                outside the vocabulary, images, an option the wire cannot carry.
         """
         if not isinstance(params, PoolingParams):
             raise ValidationError("pooling_params", f"must be a PoolingParams, got {type(params).__name__}")
@@ -363,6 +364,12 @@ class InputProcessor:
             raise ValidationError("multi_modal_data", "pooling requests take text or token ids only")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         truncate = params.truncate_prompt_tokens
+        if truncate is not None and truncate > self.info.max_model_len:
+            raise ValidationError(
+                "truncate_prompt_tokens",
+                f"{truncate} cannot be greater than max_model_len={self.info.max_model_len} (vLLM's rule); -1 keeps "
+                "as many as fit",
+            )
         if truncate is not None:
             keep = self.info.max_model_len - 1 if truncate == -1 else truncate
             prompt_token_ids = prompt_token_ids[-keep:]

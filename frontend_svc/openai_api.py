@@ -215,7 +215,7 @@ class _OpenAIApi:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
         if body.add_special_tokens is False:  # text prompts tokenized without BOS and the like (vLLM's option)
-            prompt_list = [await self._without_special_tokens(body, engine, p) for p in prompt_list]
+            prompt_list = [await self._without_special_tokens("prompt", engine, p) for p in prompt_list]
         generation = Generation(self.state, engine, request_id, body, params, prompt_list, lora, dict(request.headers))
         if body.stream:
             return await _model_found(generation.stream(request, self._completion_events), body.model)
@@ -345,8 +345,11 @@ class _OpenAIApi:
         name is 404."""
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
+        body.check_unsupported()
         prompts: list[PromptType] = list(body.prompts())
         check_num_inputs(len(prompts), "input")
+        if body.add_special_tokens is False:  # text inputs tokenized without BOS and the like (vLLM's option)
+            prompts = [await self._without_special_tokens(f"input[{i}]", engine, p) for i, p in enumerate(prompts)]
         params = body.to_pooling_params()
         request_id = f"embd-{uuid.uuid4().hex}"
         self.state.active_calls += 1
@@ -411,15 +414,13 @@ class _OpenAIApi:
             raise ValidationError.from_violation(violation)
         return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
 
-    async def _without_special_tokens(
-        self, body: CompletionRequest, engine: AsyncLLM, prompt: PromptType
-    ) -> PromptType:
+    async def _without_special_tokens(self, field: str, engine: AsyncLLM, prompt: PromptType) -> PromptType:
         """A text prompt as its token ids without the tokenizer's special tokens (``add_special_tokens=false``);
-        token ids as they are."""
+        token ids as they are. Raises ValidationError naming ``field`` for a text too long to fit."""
         if not isinstance(prompt, str):
             return prompt
         input_processor = engine.input_processor
-        named(body, lambda: input_processor.check_text_length(prompt, "prompt", "the prompt"))
+        input_processor.check_text_length(prompt, field, "the prompt")
         token_ids = await input_processor.budget.run(
             utf8_size(prompt), lambda: list(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
         )

@@ -12,6 +12,7 @@ the default.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -332,6 +333,20 @@ class EmbeddingRequest(_Strict):
     normalize: bool | None = None
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = None
     priority: int = 0
+    add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS and the like on a text input (None: true)
+    # vLLM's base64 encodings: only its defaults are implemented (refused otherwise, ``check_unsupported``).
+    embed_dtype: str | None = None
+    endianness: str | None = None
+
+    def check_unsupported(self) -> None:
+        """Raises ValidationError naming an encoding vLLM offers that this server does not: ``embed_dtype`` other
+        than float32, ``endianness`` other than little (or vLLM's "native" on a little-endian host)."""
+        if self.embed_dtype not in (None, "float32"):
+            raise ValidationError("embed_dtype", f"only float32 is supported, got {self.embed_dtype!r}")
+        if self.endianness not in (None, "little", "native") or (
+            self.endianness == "native" and sys.byteorder != "little"
+        ):
+            raise ValidationError("endianness", f"only little-endian is supported, got {self.endianness!r}")
 
     def prompts(self) -> list[str | list[int]]:
         """The inputs: one text or token-id list each.

@@ -982,3 +982,16 @@ def test_openai_embeddings_equal_the_grpc_embed(services, model):
         with pytest.raises(openai.BadRequestError) as info:
             client.embeddings.create(model=str(http_model), input=[])
         assert info.value.body["param"] == "input"  # type: ignore[index]  # the error body is a dict here
+    # vLLM's add_special_tokens: false embeds the text's own tokens (no BOS), as the gRPC API embeds those ids.
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model)(texts[0], add_special_tokens=False).input_ids
+    bare = pooling_embed(address, api.EmbedRequest(inputs=[api.EmbedInput(tokens=api.TokenIds(token_ids=ids))]))
+    body = {"input": [texts[0]], "add_special_tokens": False, "encoding_format": "float"}
+    response = httpx.post(f"{base_url}/v1/embeddings", json=body, timeout=60).json()
+    np.testing.assert_allclose(response["data"][0]["embedding"], bare.embeddings[0].embedding, atol=1e-6)
+    assert response["usage"]["prompt_tokens"] == len(ids)
+    # Encodings vLLM offers and this server does not: refused by name.
+    for field, value in (("embed_dtype", "float16"), ("endianness", "big")):
+        refused = httpx.post(f"{base_url}/v1/embeddings", json={"input": texts, field: value}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field

@@ -165,6 +165,7 @@ def test_bad_pooling_requests(llama_llm):
         (PoolingParams(dimensions=8), "dimensions"),  # the tiny Llama is no Matryoshka model
         (PoolingParams(dimensions=0), "dimensions"),
         (PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (PoolingParams(truncate_prompt_tokens=257), "truncate_prompt_tokens"),  # above max_model_len (vLLM's rule)
         (SamplingParams(), "pooling_params"),
     ]
     for params, field in cases:
@@ -467,3 +468,34 @@ def test_a_pooling_prompt_of_max_model_len_tokens_is_refused_in_pooling_words(ll
     assert core_info.value.field == "prompt_token_ids"
     [output] = llama_llm.encode([[7] * 255], PoolingParams(pooling_type="MEAN"), use_tqdm=False)
     assert len(output.outputs.data) == 64 and free_blocks(llama_llm) == 63
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ("dense", r"modules \['sentence_transformers.models.Dense'\] are not run"),
+        ("lowercase", "do_lower_case is not implemented"),
+    ],
+)
+def test_sentence_transformers_steps_the_core_does_not_run_are_refused(tmp_path, extra, words):
+    """A Dense projection after the pooling, or lowercasing before tokenizing: the vectors would differ from the
+    model's, so the pooling config is refused (a pooling-runner core does not start; a generate one refuses
+    pooling requests that leave it to the model)."""
+    from splitserve.base.pooling_params import load_pooler_config
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if extra == "dense":
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    else:
+        (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16, "do_lower_case": True}))
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    with pytest.raises(ValueError, match=words):
+        load_pooler_config(tmp_path)
+    (tmp_path / "sentence_bert_config.json").unlink(missing_ok=True)
+    (tmp_path / "modules.json").write_text(json.dumps(modules[:2]))  # without them: MEAN, as configured
+    assert load_pooler_config(tmp_path).pooling_type == "MEAN"

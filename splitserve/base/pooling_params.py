@@ -111,6 +111,10 @@ _SENTENCE_TRANSFORMERS_MODES: dict[str, PoolingType] = {
 }
 
 
+# The sentence-transformers modules the core runs: the model itself, its pooling and the L2 normalization.
+_RUN_MODULES = (".Transformer", ".Pooling", ".Normalize")
+
+
 def load_pooler_config(model_path: Path) -> PoolerConfig:
     """A model folder's pooler config, as vLLM reads it: sentence-transformers' ``modules.json`` names a
     ``Pooling`` module (its ``config.json``: ``pooling_mode_lasttoken`` / ``_mean_tokens`` / ``_cls_token``) and
@@ -119,7 +123,10 @@ def load_pooler_config(model_path: Path) -> PoolerConfig:
     takes ``dimensions``.
 
     Raises:
-        ValueError: a ``modules.json`` or pooling config that does not parse, or a pooling mode we do not run.
+        ValueError: a ``modules.json`` or pooling config that does not parse, a pooling mode we do not run, a
+            module other than Transformer, Pooling and Normalize (a ``Dense`` projection: the vectors would be the
+            pooled hidden states without it), or ``sentence_bert_config.json``'s ``do_lower_case`` (the text would
+            be tokenized as sent, not lowercased).
     """
     config_file = model_path / "config.json"
     hf_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -133,6 +140,15 @@ def load_pooler_config(model_path: Path) -> PoolerConfig:
     if not modules_file.is_file():
         return PoolerConfig(matryoshka_dimensions=dims)
     modules = json.loads(modules_file.read_text())
+    unrun = [str(m.get("type", "")) for m in modules if not str(m.get("type", "")).endswith(_RUN_MODULES)]
+    if unrun:
+        raise ValueError(
+            f"{modules_file}: modules {unrun} are not run by the engine core (only Transformer, Pooling, "
+            "Normalize): its vectors would be the pooled hidden states without them"
+        )
+    sentence_bert = model_path / "sentence_bert_config.json"
+    if sentence_bert.is_file() and json.loads(sentence_bert.read_text()).get("do_lower_case"):
+        raise ValueError(f"{sentence_bert}: do_lower_case is not implemented (texts would not be lowercased)")
     normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
     pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
     if pooling is None:
