@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from frontend_svc.engine_types import LoRARequest
@@ -183,6 +184,9 @@ class LLM:
         *,
         use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Pool every prompt (vLLM's ``LLM.encode``): each prompt is computed once (prefill only; no token is
         sampled) and its final-layer hidden states pooled into one vector, ``output.outputs.data`` (a list of
@@ -192,16 +196,24 @@ class LLM:
             prompts: one prompt or a list: text, token ids, or a {"prompt"} / {"prompt_token_ids"} dict.
             pooling_params: one for all prompts or one per prompt (default ``PoolingParams()``: the core's pooler
                 config, LAST pooling with normalize unless the model folder's modules.json says otherwise).
-            use_tqdm, priority: as ``generate``.
+            use_tqdm, priority, lora_request, tokenization_kwargs: as ``generate``.
+            truncate_prompt_tokens: vLLM's keyword, set in every prompt's pooling params (the last this many
+                tokens are kept; -1: as many as fit).
 
         Raises:
             ValidationError: a bad prompt or parameter, naming the field (nothing is left running).
             InternalError, EngineDeadError, ...: as ``generate``.
         """
         prompt_list = _as_prompt_list(prompts)
+        if tokenization_kwargs:
+            processor = self.llm_engine.input_processor
+            prompt_list = [processor.tokenize_with(prompt, tokenization_kwargs) for prompt in prompt_list]
         params_list = _as_pooling_params_list(pooling_params, len(prompt_list))
+        if truncate_prompt_tokens is not None:
+            params_list = [replace(params, truncate_prompt_tokens=truncate_prompt_tokens) for params in params_list]
         priorities = _as_priority_list(priority, len(prompt_list))
-        request_ids = self._add_all(zip(prompt_list, params_list, priorities, [None] * len(prompt_list), strict=True))
+        lora_requests = _as_lora_list(lora_request, len(prompt_list))
+        request_ids = self._add_all(zip(prompt_list, params_list, priorities, lora_requests, strict=True))
         outputs = self._run_engine(request_ids, len(request_ids), use_tqdm)
         return [output for output in outputs if isinstance(output, PoolingRequestOutput)]
 
@@ -212,10 +224,21 @@ class LLM:
         *,
         use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (vLLM's ``LLM.embed``): ``encode``, each output read as an embedding,
-        ``output.outputs.embedding`` (list[float])."""
-        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, priority=priority)
+        """One embedding per prompt (vLLM's ``LLM.embed``): ``encode`` (the same arguments), each output read as
+        an embedding, ``output.outputs.embedding`` (list[float])."""
+        outputs = self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm=use_tqdm,
+            priority=priority,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+        )
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def _run(

@@ -175,9 +175,15 @@ def test_bad_pooling_requests(llama_llm):
     with pytest.raises(ValidationError) as info:
         llama_llm.encode([[]], use_tqdm=False)
     assert info.value.field == "prompt"
-    # truncate_prompt_tokens keeps the last tokens, as vLLM's
+    # truncate_prompt_tokens keeps the last tokens, as vLLM's; also as embed's keyword (vLLM's LLM.embed)
     [truncated] = llama_llm.encode([PROMPTS[1]], PoolingParams(truncate_prompt_tokens=5), use_tqdm=False)
     assert truncated.prompt_token_ids == PROMPTS[1][-5:]
+    [keyword] = llama_llm.embed([PROMPTS[1]], truncate_prompt_tokens=5, use_tqdm=False)
+    assert keyword.prompt_token_ids == PROMPTS[1][-5:] and keyword.outputs.embedding == truncated.outputs.data
+    # tokenization_kwargs, as vLLM's: a text without the tokenizer's BOS
+    tokenizer = llama_llm.get_tokenizer()
+    [bare] = llama_llm.embed(["Hello there"], tokenization_kwargs={"add_special_tokens": False}, use_tqdm=False)
+    assert bare.prompt_token_ids == tokenizer("Hello there", add_special_tokens=False).input_ids
     assert free_blocks(llama_llm) == 63
 
 
