@@ -7,6 +7,7 @@ they bound what the frontend makes of the same folder."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,10 @@ PROCESSOR_FILE = "processor_config.json"  # transformers' PROCESSOR_NAME
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"  # transformers' IMAGE_PROCESSOR_NAME
 # config.json model_type of the models whose image size bound is the image processor's max_pixels.
 QWEN2_VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# transformers' Qwen2-VL smart_resize: the largest aspect ratio it resizes (it refuses larger ones), and its
+# default smallest area.
+MAX_ASPECT_RATIO = 200
+DEFAULT_MIN_PIXELS = 56 * 56
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,37 @@ class ImageProcessorConfig:
         max_pixels = self.positive_int(self.settings.get("max_pixels"), "max_pixels")
         longest_edge = self.positive_int(self.size().get("longest_edge"), "size.longest_edge")
         return max_pixels or longest_edge
+
+    def min_pixels(self) -> int | None:
+        """The smallest image area in pixels: ``min_pixels`` when given, else ``size.shortest_edge``; None when
+        neither is.
+
+        Raises:
+            ValueError: as ``max_pixels``.
+        """
+        min_pixels = self.positive_int(self.settings.get("min_pixels"), "min_pixels")
+        shortest_edge = self.positive_int(self.size().get("shortest_edge"), "size.shortest_edge")
+        return min_pixels or shortest_edge
+
+    def max_image_tokens(self, unit: int, default_max_pixels: int) -> int:
+        """The most tokens (``unit`` x ``unit`` pixels each: patch size x merge size) transformers' Qwen2-VL
+        ``smart_resize`` makes of any image under these settings. Not only max_pixels // unit**2: an image at
+        the aspect-ratio limit (200) keeps a short side of one unit, so its long side, sized for max_pixels, makes
+        floor(sqrt(200 * max_pixels) / unit) tokens (56 for max_pixels 12544 and unit 28, against 16), and one
+        scaled up to min_pixels ceil(sqrt(200 * min_pixels) / unit). The largest of the three; checked against
+        smart_resize over image sizes up to that ratio.
+
+        Raises:
+            ValueError: as ``max_pixels``.
+        """
+        max_pixels = self.max_pixels() or default_max_pixels
+        min_pixels = self.min_pixels() or DEFAULT_MIN_PIXELS
+        return max(
+            1,
+            max_pixels // unit**2,
+            math.floor(math.sqrt(MAX_ASPECT_RATIO * max_pixels) / unit),
+            math.ceil(math.sqrt(MAX_ASPECT_RATIO * min_pixels) / unit),
+        )
 
     def positive_int(self, value: Any, key: str) -> int | None:
         """``value`` (the setting ``key``, or None) as an int, None when unset.

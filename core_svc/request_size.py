@@ -88,7 +88,7 @@ def image_item_size(hf_config: Any, image_processor: ImageProcessorConfig, sourc
     unit = setting("patch_size") * setting("spatial_merge_size")
     # The processor resizes to width * height <= max_pixels, both multiples of unit: whole tokens of unit**2
     # pixels, each 3 * temporal float32 values a pixel.
-    max_tokens = max(1, (image_processor.max_pixels() or DEFAULT_MAX_PIXELS) // unit**2)
+    max_tokens = image_processor.max_image_tokens(unit, DEFAULT_MAX_PIXELS)
     bytes_per_token = unit**2 * 3 * temporal * FLOAT32_BYTES
     return ImageItemSize(max_tokens * bytes_per_token, max_tokens, bytes_per_token)
 

@@ -351,3 +351,28 @@ def test_max_pixels_overrides_size_longest_edge_as_in_transformers():
     assert image_max_pixels(config) == theirs.size["longest_edge"] == 1568
     assert image_max_pixels({"size": {"shortest_edge": 3136, "longest_edge": 12544}}) == 12544
     assert image_max_pixels({}) == 28 * 28 * 1280
+
+
+RATIOS = (1, 3, 50, 150, 199.5, 200)
+
+
+@pytest.mark.parametrize(
+    ("min_pixels", "max_pixels", "expected"),
+    [(3136, 12544, 56), (3136, 128 * 784, 160), (3136, 3136, 29), (3136, 28 * 28 * 1280, 1280)],
+)
+def test_the_largest_image_is_the_most_tokens_smart_resize_makes(min_pixels, max_pixels, expected):
+    """An image at the aspect-ratio limit keeps a short side of one unit (28 pixels), so its long side can make
+    more tokens than max_pixels // 28**2 (a 1000 x 20 banner: 28 tokens under a 16-token max_pixels): the bound
+    is the most transformers' own smart_resize makes of any image up to that ratio."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from core_svc.image_processor_config import ImageProcessorConfig
+
+    sizes = [(short, int(short * ratio)) for short in [*range(1, 60), *range(60, 2000, 37)] for ratio in RATIOS]
+    sizes.append((20 * 28, 64 * 28))  # exactly 1280 tokens of 28 x 28 pixels: the default max_pixels
+    most = 0
+    for short, long in sizes:
+        height, width = smart_resize(short, long, factor=28, min_pixels=min_pixels, max_pixels=max_pixels)
+        most = max(most, height * width // 28**2)
+    bound = ImageProcessorConfig({"min_pixels": min_pixels, "max_pixels": max_pixels}, "t").max_image_tokens(28, 0)
+    assert bound == most == expected

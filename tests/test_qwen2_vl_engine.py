@@ -193,10 +193,12 @@ def test_decode_graphs_take_mrope_positions(qwen2_vl: tuple, monkeypatch: pytest
 
 
 def test_profile_run_encodes_the_largest_images(qwen2_vl: tuple) -> None:
-    engine = _engine(qwen2_vl, max_num_batched_tokens=40)
+    engine = _engine(qwen2_vl, max_num_batched_tokens=120)
     runner = engine.model_runner
-    assert runner.model.max_tokens_per_mm_item == 16  # the tiny preset's max_pixels, 16 * 28 * 28
-    assert [tuple(o.shape) for o in runner._profile_encoder()] == [(16, 64)] * 2  # 40 // 16 images
+    # The tiny preset's max_pixels is 16 tokens of 28 x 28, but an image at the aspect limit (200) keeps a 28-pixel
+    # short side: floor(sqrt(200 * 12544) / 28) = 56 tokens.
+    assert runner.model.max_tokens_per_mm_item == 56
+    assert [tuple(o.shape) for o in runner._profile_encoder()] == [(56, 64)] * 2  # 120 // 56 images
     runner.profile_run()
     assert runner.num_encoder_calls == 0 and runner.encoder_cache == {}
 
@@ -206,7 +208,7 @@ def test_invalid_image_items_are_refused(qwen2_vl: tuple) -> None:
     engine = _engine(qwen2_vl)
     grid, pixels = feature.data["image_grid_thw"], feature.data["pixel_values"]
     odd_grid = np.array([1, 3, 8], dtype=np.int64)  # h not a multiple of the merge size 2
-    big_grid = np.array([1, 8, 10], dtype=np.int64)  # 20 tokens, past the tiny preset's 16
+    big_grid = np.array([1, 8, 30], dtype=np.int64)  # 60 tokens, past the tiny preset's 56
     cases = {
         "data['image_grid_thw'] is missing": replace(feature, data={"pixel_values": pixels}),
         "data['image_grid_thw'] has dtype": replace(
@@ -231,15 +233,15 @@ def test_invalid_image_items_are_refused(qwen2_vl: tuple) -> None:
         "image",
         "big",
         feature.offset,
-        20,
+        60,
         {
             "image_grid_thw": replace(grid, data=big_grid.tobytes()),
-            "pixel_values": MultiModalTensor("float32", (80, 1176), bytes(4 * 80 * 1176)),
+            "pixel_values": MultiModalTensor("float32", (240, 1176), bytes(4 * 240 * 1176)),
         },
     )
-    big_ids = ids[: feature.offset] + [ids[feature.offset]] * 20 + ids[feature.offset + feature.length :]
+    big_ids = ids[: feature.offset] + [ids[feature.offset]] * 60 + ids[feature.offset + feature.length :]
     requests = [(expected, ids, bad) for expected, bad in cases.items()]
-    requests.append(("larger than this model's largest image (16 tokens", big_ids, big))
+    requests.append(("larger than this model's largest image (56 tokens", big_ids, big))
     params = SamplingParams(temperature=0.0, max_tokens=2)
     for expected, prompt, bad in requests:
         with pytest.raises(InvalidRequestError, match=re.escape(expected)) as info:

@@ -370,11 +370,11 @@ class Qwen2VLForConditionalGeneration(SupportsMultiModal):
         )
         self.model = LlamaModel(cfg, backend, dtype, rotary)  # the Qwen2 decoder under M-RoPE
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype=dtype)
-        # The image processor resizes so that width * height <= max_pixels, both multiples of patch * merge: an
-        # image is at most max_pixels // (patch * merge)**2 tokens (vLLM's Qwen2VL get_max_image_tokens).
-        max_pixels = image_max_pixels(cfg.image_processor)
+        # The image processor resizes to multiples of patch * merge within max_pixels, but an image at the aspect
+        # ratio limit keeps a short side of one unit: ImageProcessorConfig.max_image_tokens.
         unit = self.vision_cfg.patch_size * self.vision_cfg.spatial_merge_size
-        self._max_tokens_per_mm_item = max(1, int(max_pixels) // unit**2)
+        processor = ImageProcessorConfig(cfg.image_processor, "the image processor settings")
+        self._max_tokens_per_mm_item = processor.max_image_tokens(unit, DEFAULT_MAX_PIXELS)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[num_tokens, hidden_size]`` of ``input_ids`` ``[num_tokens]``."""
@@ -461,7 +461,7 @@ class Qwen2VLForConditionalGeneration(SupportsMultiModal):
         if num_tokens > self.max_tokens_per_mm_item:
             return (
                 f"length {feature.length}: larger than this model's largest image ({self.max_tokens_per_mm_item} "
-                f"tokens, its image processor's max_pixels)"
+                f"tokens, from its image processor's max_pixels and min_pixels)"
             )
         return None
 
