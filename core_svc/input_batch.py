@@ -161,7 +161,7 @@ def _add_logits_processors(
         for token_id, bias in (p.logit_bias or {}).items():
             bias_rows.append(i)
             bias_ids.append(token_id)
-            bias_values.append(max(-100.0, min(100.0, bias)))
+            bias_values.append(bias)  # as given (vLLM's LogitBiasLogitsProcessor); NaN and +inf are refused
     if bias_rows:
         indices = to_device(np.array([bias_rows, bias_ids], dtype=np.int64))
         metadata.logit_bias = (indices[0], indices[1], to_device(np.array(bias_values, dtype=np.float32)))

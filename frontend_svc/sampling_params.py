@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (numerical stability), as vLLM
-LOGIT_BIAS_LIMIT = 100.0  # logit_bias values are clamped to [-100, 100]
 # Stop strings are matched on every new piece of text, each one in turn, on the frontend's event loop: a request
 # with a million of them held every other request of its frontend about 0.14 s per token. TGI allows 4 by default
 # (--max-stop-sequences) and OpenAI's API 4; vLLM sets no limit.
@@ -354,7 +353,9 @@ def _output_kind(value: Any) -> RequestOutputKind:
 
 
 def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:
-    """Keys are ints or integer strings (JSON); values are clamped to [-100, 100] (vLLM ``from_optional``)."""
+    """Keys are ints or integer strings (JSON); values any number but NaN and +inf (-inf bans the token), added as
+    they are, as vLLM's ``SamplingParams`` takes them (its OpenAI server alone clamps to [-100, 100]; ours refuses
+    values outside that range there, ``openai_protocol``)."""
     if not isinstance(logit_bias, dict):
         raise ValidationError("logit_bias", f"must map token ids to biases, got {type(logit_bias).__name__}")
     normalized: dict[int, float] = {}
@@ -368,7 +369,7 @@ def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:
             raise ValidationError(
                 "logit_bias", f"needs integer token ids and numeric biases, got {key!r}: {value!r}"
             ) from None
-        if not math.isfinite(bias):
-            raise ValidationError("logit_bias", f"bias for token {token_id} must be finite, got {value!r}")
-        normalized[token_id] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias))
+        if math.isnan(bias) or bias == math.inf:
+            raise ValidationError("logit_bias", f"bias for token {token_id} must be finite or -inf, got {value!r}")
+        normalized[token_id] = bias
     return normalized

@@ -102,7 +102,10 @@ def test_greedy_is_argmax_after_processors():
         (SamplingParams(temperature=0.0), 0),
         (SamplingParams(temperature=0.0, logit_bias={6: 10.0}), 6),  # -1 + 10 = 9 > 2
         (SamplingParams(temperature=0.0, allowed_token_ids=[3, 5]), 3),
-        (SamplingParams(temperature=0.0, logit_bias={1: 1000.0}), 1),  # clamped to +100, still largest
+        (SamplingParams(temperature=0.0, logit_bias={1: 1000.0}), 1),
+        # Added as given, as vLLM's processor adds them: 2 + 100 < -3 + 150 (clamped to 100, token 0 would win)
+        (SamplingParams(temperature=0.0, logit_bias={0: 100.0, 7: 150.0}), 7),
+        (SamplingParams(temperature=0.0, logit_bias={0: -float("inf")}), 1),  # -inf bans the token
     ]
     for params, expected in cases:
         metadata = build_sampling_metadata([state(params)], VOCAB, torch.device("cpu"))

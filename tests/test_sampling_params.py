@@ -33,7 +33,8 @@ def test_normalization():
     assert p.seed is None and p.stop == ["###"] and p.stop_token_ids == [5, 7]
     assert SamplingParams(allowed_token_ids=(9, 4, 9, 4, 1)).allowed_token_ids == [9, 4, 1]  # each once, in order
     assert p.logprobs == 1 and p.prompt_logprobs == 1
-    assert p.logit_bias == {12: 100.0, 3: -100.0}
+    assert p.logit_bias == {12: 250.0, 3: -1000.0}  # as given, as vLLM's SamplingParams (only its server clamps)
+    assert SamplingParams(logit_bias={4: -math.inf}).logit_bias == {4: -math.inf}  # a ban
     assert p.output_kind == RequestOutputKind.DELTA
     assert SamplingParams(temperature=0.001).temperature == 0.01  # raised to the minimum, as vLLM
     greedy = SamplingParams(temperature=0.0, top_p=0.5, top_k=10, min_p=0.3)
@@ -95,6 +96,7 @@ def test_children_get_n_1_and_offset_seeds():
         ({"allowed_token_ids": [1, None]}, "allowed_token_ids[1]"),
         ({"logit_bias": {"a": 1.0}}, "logit_bias"),
         ({"logit_bias": {1: math.nan}}, "logit_bias"),
+        ({"logit_bias": {1: math.inf}}, "logit_bias"),
         ({"output_kind": 7}, "output_kind"),
     ],
 )

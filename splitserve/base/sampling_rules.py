@@ -96,6 +96,10 @@ def range_violation(params: SamplingValues) -> Violation | None:
             return Violation(name, f"must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}")
     if params.allowed_token_ids is not None and len(params.allowed_token_ids) == 0:
         return Violation("allowed_token_ids", "must not be empty when given")
+    for token_id, bias in (params.logit_bias or {}).items():
+        # Any finite bias, or -inf (the token banned), as vLLM adds them; +inf and NaN would make NaN logits.
+        if math.isnan(bias) or bias == math.inf:
+            return Violation("logit_bias", f"bias for token {token_id} must be finite or -inf, got {bias}")
     return None
 
 
