@@ -339,6 +339,10 @@ class EngineCore:
             request.sampling_params = dataclasses.replace(
                 params, eos_token_id=eos_token_id, stop_token_ids=stop_token_ids
             )
+        params = request.sampling_params
+        if params is not None and params.min_tokens and self.eos_token_ids:
+            # min_tokens masks every EOS id of the model, with ignore_eos too (vLLM's all_stop_token_ids)
+            request.sampling_params = dataclasses.replace(params, model_eos_token_ids=tuple(self.eos_token_ids))
         self.structured_output_manager.grammar_init(request)  # compiles off this thread: WAITING_FOR_FSM
         self.scheduler.add_request(request)
         if self._stats is not None:

@@ -168,7 +168,7 @@ def _add_logits_processors(
     min_rows, min_ids = [], []
     for i, (s, p) in enumerate(zip(states, params, strict=True)):
         if len(s.output_token_ids) < p.min_tokens:
-            stop_ids = set(p.stop_token_ids)
+            stop_ids = set(p.stop_token_ids) | set(p.model_eos_token_ids)
             if p.eos_token_id is not None:  # with ignore_eos too: vLLM's all_stop_token_ids always hold EOS
                 stop_ids.add(p.eos_token_id)
             for token_id in sorted(stop_ids):

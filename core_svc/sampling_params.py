@@ -38,6 +38,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     eos_token_id: int | None = None  # None: the model's EOS, filled in by the engine core
+    # The model's EOS ids (its generation config's), which min_tokens masks whatever ignore_eos, as vLLM's
+    # all_stop_token_ids hold them; set by the engine core for requests with min_tokens (not on the wire).
+    model_eos_token_ids: tuple[int, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None  # the output's constraint (compiled by the core)
 
     @property

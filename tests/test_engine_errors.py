@@ -191,6 +191,21 @@ def test_generation_config_eos_ids_all_stop(checkpoint, tmp_path):
     assert [t for o in outputs for t in o.new_token_ids] == free_run[0].token_ids[:2]
     assert outputs[-1].stop_reason == second_token and str(outputs[-1].finish_reason) == "stop"
     assert params.eos_token_id is None and params.stop_token_ids == []
+    # ignore_eos: that id stops nothing, but min_tokens still masks it (vLLM's all_stop_token_ids hold every
+    # generation-config EOS id): allowed only it and another, greedy with a bias towards it, the first two
+    # tokens are the other one.
+    other = free_run[0].token_ids[0] if free_run[0].token_ids[0] != second_token else 9
+    masked = SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        ignore_eos=True,
+        min_tokens=2,
+        allowed_token_ids=[second_token, other],
+        logit_bias={second_token: 50.0},
+    )
+    engine.add_request(Request("m", [5, 6, 7], masked))
+    tokens = [t for _ in range(6) for o in engine.step().outputs for t in o.new_token_ids]
+    assert tokens == [other, other, second_token, second_token]
 
 
 # --- a step whose model runner raises -------------------------------------------------------------------------

@@ -126,6 +126,11 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert Sampler()(logits, metadata).sampled_token_ids.item() == 1
     metadata = build_sampling_metadata([state(ignoring, outputs=[7, 7])], VOCAB, torch.device("cpu"))
     assert Sampler()(logits, metadata).sampled_token_ids.item() == 0
+    # The model's further EOS ids (its generation config's), which ignore_eos leaves out of the stop ids, are
+    # masked too (vLLM's all_stop_token_ids): with EOS ids 0 and 1, token 2.
+    more = SamplingParams(temperature=0.0, min_tokens=2, eos_token_id=0, ignore_eos=True, model_eos_token_ids=(0, 1))
+    metadata = build_sampling_metadata([state(more, outputs=[7])], VOCAB, torch.device("cpu"))
+    assert Sampler()(logits, metadata).sampled_token_ids.item() == 2
 
 
 def test_only_plain_greedy_rows_skip_the_sampler():
