@@ -19,15 +19,19 @@ from core_svc.sampling_params import SamplingParams
 from core_svc.sleep_mode import SleepResult
 from splitserve.base.pooling_params import POOLING_TYPES, PoolingParams
 from splitserve.base.proto_fields import set_optional_fields
+from splitserve.base.sampling_rules import MIN_TEMPERATURE
 from splitserve.base.status import FieldError, status_code_of
 from splitserve.base.structured_outputs import StructuredOutputsParams
 from splitserve.stubs.engine.v1 import engine_core_pb2 as pb
 
 
 def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields take vLLM's defaults (the dataclass defaults)."""
+    """Unset optional fields take vLLM's defaults (the dataclass defaults); a positive temperature below
+    ``MIN_TEMPERATURE`` is raised to it, as vLLM's SamplingParams raises it (a frontend has done so already)."""
     optional = set_optional_fields(msg)
     optional.pop("structured_outputs", None)
+    if 0 < optional.get("temperature", 1.0) < MIN_TEMPERATURE:
+        optional["temperature"] = MIN_TEMPERATURE
     return SamplingParams(
         min_tokens=msg.min_tokens,
         stop_token_ids=list(dict.fromkeys(msg.stop_token_ids)),

@@ -16,7 +16,7 @@ from typing import Any
 
 from frontend_svc.errors import ValidationError
 from frontend_svc.structured_outputs import check_structured_outputs, structured_outputs_from_value
-from splitserve.base.sampling_rules import INT32_MAX, INT64_MIN, model_violation, range_violation
+from splitserve.base.sampling_rules import INT32_MAX, INT64_MIN, MIN_TEMPERATURE, model_violation, range_violation
 from splitserve.base.sampling_rules import INT64_MAX as INT64_MAX  # the seed's range, for callers
 from splitserve.base.structured_outputs import StructuredOutputsParams
 
@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
-MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to this (numerical stability), as vLLM
 # Stop strings are matched on every new piece of text, each one in turn, on the frontend's event loop: a request
 # with a million of them held every other request of its frontend about 0.14 s per token. TGI allows 4 by default
 # (--max-stop-sequences) and OpenAI's API 4; vLLM sets no limit.

@@ -103,6 +103,10 @@ def test_request_from_pb_applies_vllm_defaults_and_keeps_every_field():
     # allowed_token_ids index every step's logits: repeats are dropped once, here (a client sent 4M copies).
     repeated = pb.EngineCoreRequest(sampling_params=pb.SamplingParams(allowed_token_ids=[8, 3] * 1000 + [5]))
     assert request_from_pb(repeated).sampling_params.allowed_token_ids == [8, 3, 5]
+    # A positive temperature below 0.01 is raised to it, as vLLM's SamplingParams does (0 stays greedy).
+    for sent, used in ((0.002, 0.01), (0.0, 0.0), (0.5, 0.5)):
+        message = pb.EngineCoreRequest(sampling_params=pb.SamplingParams(temperature=sent))
+        assert request_from_pb(message).sampling_params.temperature == used
 
 
 def test_outputs_to_pb():

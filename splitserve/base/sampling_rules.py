@@ -18,6 +18,9 @@ from typing import Any, Protocol
 from splitserve.base.request_rules import token_id_outside_vocabulary, token_ids_violation
 from splitserve.base.status import Violation
 
+# Smaller positive temperatures are raised to this, for numerical stability (vLLM's _MAX_TEMP, in
+# SamplingParams.__post_init__): the frontend on construction, the core for what arrives on its wire.
+MIN_TEMPERATURE = 1e-2
 INT32_MAX = 2**31 - 1  # the wire carries counts and ids as int32, the seed as int64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
