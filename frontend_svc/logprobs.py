@@ -68,15 +68,17 @@ class LogprobsProcessor:
     @staticmethod
     def _to_dict(texts: IncrementalDetokenizer, index: int, position: PositionLogprobs) -> dict[int, Logprob]:
         """Position ``index``'s dict: the chosen token first (its text as it went into the text), then the
-        top-k candidates."""
+        top-k candidates. Ranks of the top-k are their places; the chosen token's is the vocabulary rank from the
+        core (ties counted at their worst), or its place when it is among the top-k too, as vLLM's dict (built
+        from [vocabulary rank, 1..k], the later entry of a repeated id winning) gives it."""
         chosen = position.token_ids[0]
         candidates = [token_id for token_id in dict.fromkeys(position.token_ids[1:]) if token_id != chosen]
         token_texts = dict(zip(candidates, texts.candidate_texts(index, candidates), strict=True))
         token_texts[chosen] = texts.token_text(index)
         entries: dict[int, Logprob] = {}
         for i, (token_id, logprob) in enumerate(zip(position.token_ids, position.logprobs, strict=True)):
-            if token_id in entries:
-                continue  # the chosen token also among the top-k: keep its first (chosen) entry
-            # Ranks of the top-k are their places; the chosen token's is the vocabulary rank from the core.
-            entries[token_id] = Logprob(logprob, position.rank if i == 0 else i, token_texts[token_id])
+            if token_id not in entries:
+                entries[token_id] = Logprob(logprob, position.rank if i == 0 else i, token_texts[token_id])
+            elif token_id == chosen and i > 0 and entries[token_id].rank == position.rank:
+                entries[token_id].rank = i  # the chosen token among the top-k: its place (its first one)
         return entries

@@ -13,7 +13,9 @@ from frontend_svc.stats import RequestStateStats
 @dataclass
 class Logprob:
     logprob: float  # natural log of the model's probability (raw logits, before sampling processors)
-    rank: int | None = None  # 1-based rank in the vocabulary; ties share the worst rank
+    # 1-based rank in the vocabulary: a top-k entry's place; a sampled token outside the top-k counts ties at their
+    # worst (vLLM's)
+    rank: int | None = None
     decoded_token: str | None = None  # the token's text in context; None when detokenize=False
 
 

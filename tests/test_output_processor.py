@@ -495,3 +495,20 @@ def test_without_a_queue_a_failed_request_comes_back_as_its_error(tokenizer):
     assert isinstance(internal, InternalError) and (str(internal), internal.request_id) == (message, "p")
     assert isinstance(refused, ValidationError) and (refused.field, refused.request_id) == ("top_p", "q")
     assert not processor.request_states and not processor.parent_requests and not processor.external_req_ids
+
+
+def test_a_sampled_token_among_the_top_k_gets_its_place_as_rank(tokenizer):
+    """Three tokens tie; the core counts the sampled one's vocabulary rank at the worst tie (3), and it is also
+    the top-k's first: vLLM's dict (ranks [vocabulary rank, 1..k], a repeated id's later entry winning) gives it
+    rank 1, the next tie rank 2. Outside the top-k the vocabulary rank stays."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r-1", "r", SamplingParams(logprobs=2), None, [1, 2])
+    tied = PositionLogprobs([5, 5, 9], [-1.1, -1.1, -1.1], 3)
+    outside = PositionLogprobs([6, 5, 9], [-4.0, -1.1, -1.1], 7)
+    processor.process_outputs([EngineCoreOutput("r-1", [5], new_logprobs=[tied])])
+    out = processor.process_outputs(
+        [EngineCoreOutput("r-1", [6], new_logprobs=[outside], finish_reason=FinishReason.LENGTH)]
+    )
+    first, second = out.request_outputs[0].outputs[0].logprobs
+    assert {token_id: lp.rank for token_id, lp in first.items()} == {5: 1, 9: 2}
+    assert {token_id: lp.rank for token_id, lp in second.items()} == {6: 7, 5: 1, 9: 2}
