@@ -212,7 +212,7 @@ class _OpenAIApi:
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
         params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
         if body.add_special_tokens is False:  # text prompts tokenized without BOS and the like (vLLM's option)
             prompt_list = [await self._without_special_tokens("prompt", engine, p) for p in prompt_list]
@@ -290,7 +290,7 @@ class _OpenAIApi:
                 ),
             ),
         )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         generation = Generation(self.state, engine, request_id, body, params, [prompt], lora, dict(request.headers))
         if body.stream:
             return await _model_found(generation.stream(request, self._chat_events), body.model)
@@ -351,7 +351,7 @@ class _OpenAIApi:
         if body.add_special_tokens is False:  # text inputs tokenized without BOS and the like (vLLM's option)
             prompts = [await self._without_special_tokens(f"input[{i}]", engine, p) for i, p in enumerate(prompts)]
         params = body.to_pooling_params()
-        request_id = f"embd-{uuid.uuid4().hex}"
+        request_id = f"embd-{body.request_id or uuid.uuid4().hex}"
         self.state.active_calls += 1
         try:
             work = encode_all(engine, prompts, params, request_id, "input", body.priority, lora)

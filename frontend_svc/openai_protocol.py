@@ -98,6 +98,7 @@ class SamplingRequest(_Strict):
     prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and this many most likely tokens
     cache_salt: str | None = None  # vLLM's: isolates this request's prefix-cache entries
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the response
+    request_id: str | None = None  # vLLM's: the response's id is cmpl- / chatcmpl- and this (default: a uuid)
     priority: int = 0  # vLLM's: lower is served first under the core's priority policy
     # OpenAI's output format: text, json_object or json_schema (``structured_outputs_params``)
     response_format: dict[str, Any] | None = None
@@ -334,6 +335,7 @@ class EmbeddingRequest(_Strict):
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = None
     priority: int = 0
     add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS and the like on a text input (None: true)
+    request_id: str | None = None  # vLLM's: the response's id is embd- and this (default: a uuid)
     # vLLM's base64 encodings: only its defaults are implemented (refused otherwise, ``check_unsupported``).
     embed_dtype: str | None = None
     endianness: str | None = None

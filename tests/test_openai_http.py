@@ -421,6 +421,17 @@ def test_vllms_optional_fields_take_null_as_their_default(services):
         assert choice["logprobs"] is None
 
 
+def test_request_id_names_the_response_as_vllms(services):
+    _, _, base_url = services
+    for path, body, prefix in [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, "cmpl-"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}, "chatcmpl-"),
+        ("/v1/embeddings", {"input": "hi"}, "embd-"),
+    ]:
+        response = httpx.post(base_url + path, json={**body, "request_id": "trace-42"}, timeout=60)
+        assert response.status_code == 200 and response.json()["id"] == f"{prefix}trace-42", response.text
+
+
 def test_allowed_token_ids_and_return_token_ids_as_vllm(services, tokenizer):
     _, _, base_url = services
     allowed = [tokenizer.convert_tokens_to_ids(t) for t in ("▁yes", "▁no")]
