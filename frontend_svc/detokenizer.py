@@ -356,7 +356,10 @@ class TextDetokenizer(IncrementalDetokenizer):
 
     def _begins_text(self, index: int) -> bool:
         """Whether the tokens right before output token ``index`` decode to no text (none, or only special
-        tokens the text skips; pending bytes decode to U+FFFD): it would begin the text."""
+        tokens the text skips; pending bytes decode to U+FFFD): it would begin the text. Output text before it
+        answers without a decode (the common case, on the logprobs path of every token)."""
+        if index and self._text_ends[index - 1]:
+            return False
         position = len(self._context_ids) + index
         before = self._ids(max(0, position - NUM_CANDIDATE_CONTEXT_TOKENS), position)
         return not self.decoder.decode(self.decoder.repaired_ids(before))
