@@ -143,7 +143,10 @@ class Generation:
             yield item
 
     def _count(self, prompt_index: int, output: RequestOutput) -> None:
-        """Update prompt ``prompt_index``'s span with ``output`` (its completion tokens so far)."""
+        """Update prompt ``prompt_index``'s span with ``output`` (its completion tokens so far); nothing to do
+        when tracing is off."""
+        if self._spans[prompt_index].span is None:
+            return
         counts = self._completion_tokens[prompt_index]
         delta = self.params.output_kind == RequestOutputKind.DELTA
         for completion in output.outputs:
