@@ -347,6 +347,8 @@ class _OpenAIApi:
         engine = self._engine()
         body.check_unsupported()
         prompts: list[PromptType] = list(body.prompts())
+        if body.messages is not None:
+            prompts = [await self._render_chat_embedding(body, engine)]
         check_num_inputs(len(prompts), "input")
         if body.add_special_tokens is False:  # text inputs tokenized without BOS and the like (vLLM's option)
             prompts = [await self._without_special_tokens(f"input[{i}]", engine, p) for i, p in enumerate(prompts)]
@@ -413,6 +415,33 @@ class _OpenAIApi:
         if violation is not None:
             raise ValidationError.from_violation(violation)
         return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
+
+    async def _render_chat_embedding(self, body: EmbeddingRequest, engine: AsyncLLM) -> PromptType:
+        """The conversation of a chat embedding request, rendered as vLLM's ``EmbeddingChatRequest`` renders it:
+        no generation prompt and no special tokens added unless the request sets them.
+
+        Raises:
+            ValidationError: as ``render_chat``; ``chat_template`` while per-request templates are off.
+        """
+        if body.chat_template is not None and not self.state.trust_request_chat_template:
+            raise ValidationError(
+                "chat_template",
+                "per-request chat templates are off; start the frontend with --trust-request-chat-template",
+            )
+        messages = body.messages or []
+        add_special_tokens = bool(body.add_special_tokens) if "add_special_tokens" in body.model_fields_set else False
+        input_processor = engine.input_processor
+        return await input_processor.budget.run(
+            text_size(messages),
+            lambda: input_processor.render_chat(
+                messages,
+                body.add_generation_prompt,
+                body.chat_template,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=add_special_tokens,
+                chat_template_kwargs=body.chat_template_kwargs,
+            ),
+        )
 
     async def _without_special_tokens(self, field: str, engine: AsyncLLM, prompt: PromptType) -> PromptType:
         """A text prompt as its token ids without the tokenizer's special tokens (``add_special_tokens=false``);

@@ -323,10 +323,18 @@ class DetokenizeRequest(_Strict):
 class EmbeddingRequest(_Strict):
     """``POST /v1/embeddings`` (OpenAI's body, vLLM's ``EmbeddingCompletionRequest``): ``input`` is one text, a
     list of texts, one token-id list or a list of them; vLLM's extra ``truncate_prompt_tokens``, ``normalize``
-    and ``pooling_type`` (ours) too."""
+    and ``pooling_type`` (ours) too. Or, instead of ``input``, vLLM's ``EmbeddingChatRequest``: ``messages``, one
+    conversation rendered with the chat template (``add_generation_prompt`` false and ``add_special_tokens`` false
+    unless set, as vLLM's), embedded as one input."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's chat embeddings; checked by the InputProcessor's render_chat, as chat's
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # ignored, as vLLM ignores it
@@ -351,12 +359,18 @@ class EmbeddingRequest(_Strict):
             raise ValidationError("endianness", f"only little-endian is supported, got {self.endianness!r}")
 
     def prompts(self) -> list[str | list[int]]:
-        """The inputs: one text or token-id list each.
+        """The inputs: one text or token-id list each (``messages``: none here, the caller renders them).
 
         Raises:
-            ValidationError: an empty ``input`` list.
+            ValidationError: an empty ``input`` list; both ``input`` and ``messages``, or neither.
         """
         value = self.input
+        if self.messages is not None:
+            if value is not None:
+                raise ValidationError("messages", "give input or messages, not both")
+            return []
+        if value is None:
+            raise ValidationError("input", "is required (or messages, for a conversation)")
         if isinstance(value, str):
             return [value]
         if not value:

@@ -1002,6 +1002,20 @@ def test_openai_embeddings_equal_the_grpc_embed(services, model):
     response = httpx.post(f"{base_url}/v1/embeddings", json=body, timeout=60).json()
     np.testing.assert_allclose(response["data"][0]["embedding"], bare.embeddings[0].embedding, atol=1e-6)
     assert response["usage"]["prompt_tokens"] == len(ids)
+    # vLLM's chat embeddings: the conversation rendered without a generation prompt or added BOS, embedded as
+    # the gRPC API embeds those ids.
+    chat_tokenizer = AutoTokenizer.from_pretrained(model)
+    rendered = chat_tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False)
+    chat_ids = chat_tokenizer(rendered, add_special_tokens=False).input_ids
+    chat_reference = pooling_embed(
+        address, api.EmbedRequest(inputs=[api.EmbedInput(tokens=api.TokenIds(token_ids=chat_ids))])
+    )
+    chat = httpx.post(f"{base_url}/v1/embeddings", json={"messages": CHAT}, timeout=60).json()
+    np.testing.assert_allclose(chat["data"][0]["embedding"], chat_reference.embeddings[0].embedding, atol=1e-6)
+    assert chat["usage"]["prompt_tokens"] == len(chat_ids)
+    for body, param in (({"messages": CHAT, "input": "x"}, "messages"), ({}, "input")):
+        refused = httpx.post(f"{base_url}/v1/embeddings", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     # Encodings vLLM offers and this server does not: refused by name.
     for field, value in (("embed_dtype", "float16"), ("endianness", "big")):
         refused = httpx.post(f"{base_url}/v1/embeddings", json={"input": texts, field: value}, timeout=60)
