@@ -269,26 +269,8 @@ class _OpenAIApi:
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
         params = named(body, lambda: self._sampling_params(body, engine))
-        if body.chat_template is not None and not self.state.trust_request_chat_template:
-            raise ValidationError(
-                "chat_template",
-                "per-request chat templates are off; start the frontend with --trust-request-chat-template",
-            )
-        messages = body.messages_for_template()
-        input_processor = engine.input_processor
-        prompt: PromptType = await named_async(
-            body,
-            input_processor.budget.run(
-                text_size(messages),
-                lambda: input_processor.render_chat(
-                    messages,
-                    body.add_generation_prompt,
-                    body.chat_template,
-                    continue_final_message=body.continue_final_message,
-                    add_special_tokens=body.add_special_tokens,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                ),
-            ),
+        prompt = await named_async(
+            body, self._render_conversation(engine, body.messages_for_template(), body, body.add_special_tokens)
         )
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         generation = Generation(self.state, engine, request_id, body, params, [prompt], lora, dict(request.headers))
@@ -421,6 +403,22 @@ class _OpenAIApi:
         no generation prompt and no special tokens added unless the request sets them.
 
         Raises:
+            ValidationError: as ``_render_conversation``.
+        """
+        add_special_tokens = bool(body.add_special_tokens) if "add_special_tokens" in body.model_fields_set else False
+        return await self._render_conversation(engine, body.messages or [], body, add_special_tokens)
+
+    async def _render_conversation(
+        self,
+        engine: AsyncLLM,
+        messages: list[dict[str, Any]],
+        body: ChatCompletionRequest | EmbeddingRequest,
+        add_special_tokens: bool,
+    ) -> PromptType:
+        """``messages`` rendered with the chat template under ``body``'s rendering fields (generation prompt,
+        final message left open, template and its variables), within the tokenize budget.
+
+        Raises:
             ValidationError: as ``render_chat``; ``chat_template`` while per-request templates are off.
         """
         if body.chat_template is not None and not self.state.trust_request_chat_template:
@@ -428,8 +426,6 @@ class _OpenAIApi:
                 "chat_template",
                 "per-request chat templates are off; start the frontend with --trust-request-chat-template",
             )
-        messages = body.messages or []
-        add_special_tokens = bool(body.add_special_tokens) if "add_special_tokens" in body.model_fields_set else False
         input_processor = engine.input_processor
         return await input_processor.budget.run(
             text_size(messages),
