@@ -5,6 +5,7 @@ stop strings and logprob text, and the Python API. Imports neither torch nor the
 """
 
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, InternalError, RequestTooLargeError, ValidationError
@@ -26,6 +27,9 @@ from splitserve.base.structured_outputs import StructuredOutputsParams
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
+from frontend_svc.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, PromptType
@@ -124,6 +125,36 @@ class LLM:
             processor = self.llm_engine.input_processor
             prompt_list = [processor.tokenize_with(prompt, tokenization_kwargs) for prompt in prompt_list]
         return self._run(prompt_list, sampling_params, use_tqdm, priority, lora_request)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's ``LLM.beam_search``, ``frontend_svc.beam_search``): the best
+        ``params.beam_width`` sequences of each, best first, their ``tokens`` the prompt's and the generated ones
+        and their ``text`` the decode of all of them.
+
+        Args:
+            prompts: text, token ids, or {"prompt"} / {"prompt_token_ids"} dicts (with ``multi_modal_data`` too).
+            params: beam width, max_tokens, ignore_eos, temperature, length_penalty.
+            lora_request: one adapter for every prompt or one per prompt.
+            use_tqdm: a progress bar over the steps (an upper bound: the search ends once every beam has).
+            concurrency_limit: prompts searched at once (None: all).
+
+        Raises:
+            ValidationError: a bad prompt, ``2 * beam_width`` above the engine's max_logprobs, ``lora_request``
+                of another length, ``concurrency_limit`` below 1.
+            EngineDeadError, ...: as ``generate``.
+        """
+        prompt_list = list(prompts)
+        lora_requests = _as_lora_list(lora_request, len(prompt_list))
+        return beam_search(
+            self.generate, self.llm_engine, prompt_list, params, lora_requests, use_tqdm, concurrency_limit
+        )
 
     def chat(
         self,

@@ -16,6 +16,9 @@ from typing import Any
 _API_NAMES = (
     "LLM",
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
