@@ -54,6 +54,7 @@ from frontend_svc.openai_responses import (
     envelope,
     error_body,
     prompt_logprobs_body,
+    whole_completion_choice,
 )
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, load_lora_adapter, text_size, unload_lora_adapter
@@ -230,7 +231,7 @@ class _OpenAIApi:
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer).body(completion)
-                choice = completion_choice(prompt_index * params.n + completion.index, completion, logprobs)
+                choice = whole_completion_choice(prompt_index * params.n + completion.index, completion, logprobs)
                 if params.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
                 if body.return_token_ids:
@@ -245,12 +246,14 @@ class _OpenAIApi:
         params, engine = generation.params, generation.engine
         logprobs_by_choice: dict[int, CompletionLogprobs] = {}
         ids_sent: set[int] = set()
+        tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
         async for prompt_index, output in generation.outputs():
             for completion in output.outputs:
                 index = prompt_index * params.n + completion.index
                 generation.usage.add(
                     prompt_index, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids)
                 )
+                tokens_so_far[index] = tokens_so_far.get(index, 0) + len(completion.token_ids)
                 if not (completion.text or completion.token_ids or completion.finish_reason):
                     continue
                 logprobs = None
@@ -263,7 +266,8 @@ class _OpenAIApi:
                         ids_sent.add(index)
                         choice["prompt_token_ids"] = list(output.prompt_token_ids)
                     choice["token_ids"] = list(completion.token_ids)
-                yield generation.chunk("text_completion", [choice])
+                usage = (len(output.prompt_token_ids), tokens_so_far[index])
+                yield generation.chunk("text_completion", [choice], usage)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
@@ -283,13 +287,16 @@ class _OpenAIApi:
         for completion in sorted(output.outputs, key=lambda c: c.index):
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
             logprobs = chat_logprobs(completion, body.top_logprobs or 0, engine.tokenizer) if body.logprobs else None
-            choice = chat_choice(completion.index, completion, logprobs)
+            choice = chat_choice(completion.index, completion, logprobs, body.response_role())
             if body.return_token_ids:
                 choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
         response = envelope(request_id, "chat.completion", int(time.time()), generation.model_name, choices)
         response["usage"] = usage.body()
-        if params.prompt_logprobs is not None:  # vLLM's: beside the choices
+        # vLLM's, beside the choices: null unless asked for
+        response["prompt_logprobs"] = None
+        response["prompt_token_ids"] = None
+        if params.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
         if body.return_token_ids:
             response["prompt_token_ids"] = list(output.prompt_token_ids)
@@ -300,24 +307,28 @@ class _OpenAIApi:
         if not isinstance(request, ChatCompletionRequest):
             raise TypeError("chat events need a chat request")
         # The role first, one chunk per choice, as vLLM's streams start.
+        num_prompt_tokens = len(generation.prompt_token_ids())
         for i in range(generation.params.n):
-            role = chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
-            chunk = generation.chunk("chat.completion.chunk", [role])
+            role = chat_chunk_choice(i, {"role": request.response_role(), "content": ""}, None, None)
+            chunk = generation.chunk("chat.completion.chunk", [role], (num_prompt_tokens, 0))
             if request.return_token_ids and i == 0:  # vLLM's: the prompt's ids on the first chunk
                 chunk["prompt_token_ids"] = list(generation.prompt_token_ids())
             yield chunk
+        tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(
                     0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids)
                 )
+                tokens_so_far[completion.index] = tokens_so_far.get(completion.index, 0) + len(completion.token_ids)
                 if not (completion.text or completion.token_ids or completion.finish_reason):
                     continue
                 logprobs = chat_logprobs(completion, request.top_logprobs or 0, tokenizer) if request.logprobs else None
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
                 if request.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
-                yield generation.chunk("chat.completion.chunk", [choice])
+                usage = (num_prompt_tokens, tokens_so_far[completion.index])
+                yield generation.chunk("chat.completion.chunk", [choice], usage)
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> dict[str, Any]:
         """OpenAI's embeddings: one ``{"object": "embedding", "index", "embedding"}`` per input (floats, or with

@@ -208,11 +208,17 @@ class Generation:
 
         return _ReleasingStreamingResponse(body(), self.release, media_type="text/event-stream")
 
-    def chunk(self, object_type: str, choices: list[Any]) -> dict[str, Any]:
-        """A stream's chunk; with ``continuous_usage_stats``, the usage so far in it."""
+    def chunk(self, object_type: str, choices: list[Any], usage: tuple[int, int] | None = None) -> dict[str, Any]:
+        """A stream's chunk; with ``continuous_usage_stats``, the usage of its choice so far, ``usage`` (prompt
+        tokens, the choice's tokens so far), as vLLM's: each chunk counts its own prompt and choice."""
         chunk = envelope(self.request_id, object_type, self.created, self.model_name, choices)
         if self.request.continuous_usage:
-            chunk["usage"] = self.usage.body()
+            prompt_tokens, completion_tokens = usage or (0, 0)
+            chunk["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
         return chunk
 
     async def aclose(self) -> None:

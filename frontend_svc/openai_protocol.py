@@ -156,7 +156,8 @@ class SamplingRequest(_Strict):
                     f"values must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}] (OpenAI's range), got {bias} "
                     f"for token {token}",
                 )
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            # vLLM's rule, on the value's truthiness: an empty object is allowed without streaming
             raise ValidationError("stream_options", "is only allowed with stream=true")
         if self.prompt_logprobs is not None:
             if self.prompt_logprobs < -1:
@@ -215,7 +216,8 @@ class SamplingRequest(_Strict):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage on every chunk: ``continuous_usage_stats`` with ``include_usage`` (vLLM's: alone, no usage)."""
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
@@ -245,7 +247,13 @@ class CompletionRequest(SamplingRequest):
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """Raises ValidationError naming the field as sent."""
         explicit = self.explicit_sampling_fields()
-        explicit["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if self.max_tokens is not None:
+            explicit["max_tokens"] = self.max_tokens
+        elif "max_tokens" in self.model_fields_set:
+            # Sent as null: all the room left within max_model_len (vLLM's get_max_tokens), as chat's unset one.
+            explicit["max_tokens"] = None
+        else:
+            explicit["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
         if self.logprobs is not None:
             explicit["logprobs"] = self.logprobs
         explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
@@ -290,6 +298,14 @@ class ChatCompletionRequest(SamplingRequest):
             explicit["logprobs"] = self.top_logprobs or 0
         explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return sampling_params_with_defaults(explicit, defaults)
+
+    def response_role(self) -> str:
+        """The role of the reply (vLLM's ``get_chat_request_role``): the assistant's after a generation prompt,
+        else the last message's (the message the model continues)."""
+        last = self.messages[-1] if self.messages else None
+        if self.add_generation_prompt or not isinstance(last, dict):
+            return "assistant"
+        return str(last.get("role", "assistant"))
 
     def messages_for_template(self) -> list[dict[str, Any]]:
         """The messages as ``render_chat`` takes them: a null content (an assistant turn that called tools) is

@@ -58,9 +58,10 @@ def _token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
 
 
 def _top(position: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
-    """The ``num`` most likely tokens of a position, by rank (the sampled token is among them only if it ranks)."""
+    """The ``num`` most likely tokens of a position (-1: all the engine returned, the whole vocabulary), by rank
+    (the sampled token is among them only if it ranks)."""
     ranked = sorted(((i, lp) for i, lp in position.items() if lp.rank is not None), key=lambda item: item[1].rank or 0)
-    return ranked[:num]
+    return ranked if num < 0 else ranked[:num]
 
 
 @dataclass
@@ -140,14 +141,30 @@ def completion_choice(index: int, completion: CompletionOutput, logprobs: dict[s
     }
 
 
-def chat_choice(index: int, completion: CompletionOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    """A ``chat.completion`` choice: the assistant's message."""
+def whole_completion_choice(
+    index: int, completion: CompletionOutput, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A non-streamed ``text_completion`` choice: vLLM's optional fields present, null unless asked for
+    (``prompt_logprobs``, ``prompt_token_ids``, ``token_ids``; its clients and tests read them)."""
+    return {
+        **completion_choice(index, completion, logprobs),
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "token_ids": None,
+    }
+
+
+def chat_choice(
+    index: int, completion: CompletionOutput, logprobs: dict[str, Any] | None, role: str = "assistant"
+) -> dict[str, Any]:
+    """A ``chat.completion`` choice: the reply as a message of ``role``; ``token_ids`` null unless asked for."""
     return {
         "index": index,
-        "message": {"role": "assistant", "content": completion.text},
+        "message": {"role": role, "content": completion.text},
         "logprobs": logprobs,
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
+        "token_ids": None,
     }
 
 

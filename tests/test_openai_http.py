@@ -1020,3 +1020,92 @@ def test_openai_embeddings_equal_the_grpc_embed(services, model):
     for field, value in (("embed_dtype", "float16"), ("endianness", "big")):
         refused = httpx.post(f"{base_url}/v1/embeddings", json={"input": texts, field: value}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
+def test_continuous_usage_counts_each_chunk_s_own_prompt_and_choice_and_needs_include_usage(services, tokenizer):
+    """vLLM's continuous usage: each chunk counts its choice's prompt and that choice's tokens so far (two prompts
+    of different lengths streamed together), chat's role chunks the prompt alone; without include_usage, none."""
+    _, _, base_url = services
+    body = {"prompt": PROMPTS, "stream": True, "return_token_ids": True, **GREEDY, **NO_EOS}
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [json.loads(e) for e in sse_events(base_url, "/v1/completions", {**body, "stream_options": both})[:-1]]
+    prompt_tokens = [len(tokenizer(p).input_ids) for p in PROMPTS]
+    assert prompt_tokens[0] != prompt_tokens[1]
+    so_far = [0, 0]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        so_far[choice["index"]] += len(choice["token_ids"])
+        expected = (prompt_tokens[choice["index"]], so_far[choice["index"]])
+        assert (chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]) == expected
+        assert chunk["usage"]["total_tokens"] == sum(expected)
+    assert chunks[-1]["usage"]["completion_tokens"] == 24 and chunks[-1]["usage"]["prompt_tokens"] == sum(prompt_tokens)
+
+    alone = {"include_usage": False, "continuous_usage_stats": True}
+    chunks = [json.loads(e) for e in sse_events(base_url, "/v1/completions", {**body, "stream_options": alone})[:-1]]
+    assert chunks and all("usage" not in chunk for chunk in chunks)
+
+    chat = {"messages": CHAT, "stream": True, "stream_options": both, **GREEDY, **NO_EOS}
+    chunks = [json.loads(e) for e in sse_events(base_url, "/v1/chat/completions", chat)[:-1]]
+    chat_prompt = len(chat_prompt_ids(tokenizer, CHAT))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["usage"] == {"prompt_tokens": chat_prompt, "completion_tokens": 0, "total_tokens": chat_prompt}
+    assert [c["usage"]["prompt_tokens"] for c in chunks] == [chat_prompt] * len(chunks)
+    assert chunks[-2]["usage"]["completion_tokens"] == 12
+
+
+def test_whole_responses_carry_vllm_s_optional_fields_as_null(services):
+    _, _, base_url = services
+    response = httpx.post(f"{base_url}/v1/completions", json={"prompt": PROMPTS[0], **GREEDY}, timeout=60).json()
+    (choice,) = response["choices"]
+    assert (choice["prompt_logprobs"], choice["prompt_token_ids"], choice["token_ids"]) == (None, None, None)
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, **GREEDY}, timeout=60).json()
+    assert (response["prompt_logprobs"], response["prompt_token_ids"]) == (None, None)
+    assert response["choices"][0]["token_ids"] is None
+    # asked for, they are filled (the rest of their behaviour: the tests above)
+    body = {"prompt": PROMPTS[0], "return_token_ids": True, **GREEDY}
+    (choice,) = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()["choices"]
+    assert len(choice["token_ids"]) == 12 and choice["prompt_token_ids"]
+
+
+def test_the_reply_takes_the_last_message_s_role_without_a_generation_prompt(services):
+    """vLLM's get_chat_request_role: with add_generation_prompt false the model continues the last message, and
+    the reply is in that message's role, streamed or not."""
+    _, _, base_url = services
+    body = {"messages": CHAT, "add_generation_prompt": False, **GREEDY}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()
+    assert response["choices"][0]["message"]["role"] == "user"
+    events = sse_events(base_url, "/v1/chat/completions", {**body, "stream": True})
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "user"
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, **GREEDY}, timeout=60).json()
+    assert response["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_completions_max_tokens_null_is_the_room_left_and_empty_stream_options_need_no_stream(services, tokenizer):
+    _, _, base_url = services
+    max_model_len = httpx.get(f"{base_url}/v1/models", timeout=60).json()["data"][0]["max_model_len"]
+    prompt = [1] + [450] * (max_model_len - 6)  # room for 5 tokens
+    body = {"prompt": prompt, "max_tokens": None, "temperature": 0.0, **NO_EOS}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 5
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    # left out, it is OpenAI's 16, which does not fit
+    del body["max_tokens"]
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "max_tokens" in response.text
+    body = {"prompt": PROMPTS[0], "stream_options": {}, **GREEDY}
+    assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    body["stream_options"] = {"include_usage": False}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "stream_options" in response.text
+
+
+def test_chat_top_logprobs_minus_one_is_every_token_the_engine_returned():
+    from frontend_svc.openai_responses import chat_logprobs
+    from frontend_svc.outputs import CompletionOutput, Logprob
+
+    position = {7: Logprob(-0.1, 1, "a"), 3: Logprob(-2.0, 2, "b"), 9: Logprob(-3.0, 3, "c")}
+    completion = CompletionOutput(0, "a", [7], -0.1, [position])
+    content = chat_logprobs(completion, -1, None)["content"]
+    assert [entry["token"] for entry in content[0]["top_logprobs"]] == ["a", "b", "c"]
+    assert [e["token"] for e in chat_logprobs(completion, 2, None)["content"][0]["top_logprobs"]] == ["a", "b"]
