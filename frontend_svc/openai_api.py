@@ -167,7 +167,9 @@ class _OpenAIApi:
         """The served model, then every LoRA adapter the cores have loaded (vLLM's model cards)."""
         engine = self._engine(allow_draining=True)
         loras = await engine.get_loras()
-        cards = [self._model_card(self.state.model, self.state.model, None, engine)]
+        base = self._model_card(self.state.model, self.state.model_path or self.state.model, None)
+        base["max_model_len"] = engine.engine_info.max_model_len  # vLLM's: on the base model's card only
+        cards = [base]
         if any(lora.lora_name == self.state.model for lora in loras) and not self._warned_shadowed:
             # A core's --lora-modules may name one so (a frontend load of that name is refused): requests naming
             # it get the base model, so it gets no card of its own (one id, one card).
@@ -178,13 +180,15 @@ class _OpenAIApi:
                 self.state.model,
             )
         cards += [
-            self._model_card(lora.lora_name, lora.lora_path, self.state.model, engine)
+            self._model_card(lora.lora_name, lora.lora_path, self.state.model)
             for lora in loras
             if lora.lora_name != self.state.model
         ]
         return {"object": "list", "data": cards}
 
-    def _model_card(self, model_id: str, root: str, parent: str | None, engine: AsyncLLM) -> dict[str, Any]:
+    def _model_card(self, model_id: str, root: str, parent: str | None) -> dict[str, Any]:
+        """vLLM's ``ModelCard``: ``root`` the checkpoint (the model as the server was started with it) or the
+        adapter's path, ``parent`` the base model of an adapter, one ``ModelPermission`` with vLLM's values."""
         return {
             "id": model_id,
             "object": "model",
@@ -192,8 +196,23 @@ class _OpenAIApi:
             "owned_by": "splitserve",
             "root": root,
             "parent": parent,
-            "max_model_len": engine.engine_info.max_model_len,
-            "permission": [],
+            "max_model_len": None,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
@@ -368,32 +387,31 @@ class _OpenAIApi:
         }
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or rendered messages."""
+        """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or of messages rendered as
+        the chat API renders them (``token_strs`` null unless ``return_token_strs``)."""
         engine = await self._check_model(body.model)
         input_processor = engine.input_processor
         if (body.prompt is None) == (body.messages is None):
             raise ValidationError("prompt", "give prompt or messages, exactly one of them")
         if body.messages is not None:
-            messages = body.messages
-            rendered = await input_processor.budget.run(
-                text_size(messages), lambda: input_processor.render_chat(messages, body.add_generation_prompt)
-            )
-            token_ids = list(rendered.get("prompt_token_ids", []))
+            body.check_rendering()
+            rendered = await self._render_conversation(engine, body.messages, body, body.special_tokens())
+            fields: dict[str, Any] = dict(rendered) if isinstance(rendered, dict) else {}
+            token_ids = list(fields.get("prompt_token_ids", []))
         else:
             text = body.prompt or ""
             input_processor.check_text_length(text, "prompt", "the prompt")
             token_ids = await input_processor.budget.run(
                 utf8_size(text),
-                lambda: list(engine.tokenizer(text, add_special_tokens=body.add_special_tokens).input_ids),
+                lambda: list(engine.tokenizer(text, add_special_tokens=body.special_tokens()).input_ids),
             )
-        response: dict[str, Any] = {
+        token_strs = engine.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return {
             "count": len(token_ids),
             "max_model_len": engine.engine_info.max_model_len,
             "tokens": token_ids,
+            "token_strs": token_strs,
         }
-        if body.return_token_strs:
-            response["token_strs"] = engine.tokenizer.convert_ids_to_tokens(token_ids)
-        return response
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         """vLLM's: ``{"prompt": text}`` of token ids."""
@@ -423,7 +441,7 @@ class _OpenAIApi:
         self,
         engine: AsyncLLM,
         messages: list[dict[str, Any]],
-        body: ChatCompletionRequest | EmbeddingRequest,
+        body: ChatCompletionRequest | EmbeddingRequest | TokenizeRequest,
         add_special_tokens: bool,
     ) -> PromptType:
         """``messages`` rendered with the chat template under ``body``'s rendering fields (generation prompt,
@@ -502,7 +520,7 @@ class _OpenAIApi:
         Raises:
             UnknownModelError: another name while no core is reachable.
         """
-        if model is None or model == self.state.model:
+        if not model or model == self.state.model:  # vLLM's: an empty name is the served model too
             return None
         engine = self.state.engine
         if engine is None or not _core_available(engine):
@@ -516,7 +534,7 @@ class _OpenAIApi:
         Raises:
             UnknownModelError: any other name.
         """
-        if model is not None and model != self.state.model:
+        if model and model != self.state.model:
             engine = self.state.engine
             if engine is None or not _core_available(engine):
                 raise self._unknown(model)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
@@ -319,21 +319,38 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
-    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the chat template."""
+    """``POST /tokenize`` (vLLM's ``TokenizeCompletionRequest`` or ``TokenizeChatRequest``): a prompt, or chat
+    messages rendered with the chat template under the chat API's rendering fields."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True  # for a prompt: the tokenizer's BOS and the like
-    add_generation_prompt: bool = True  # for messages
+    # the tokenizer's BOS and the like: by default on a prompt, not on messages (their template renders them)
+    add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    # for messages, as the chat API's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens: as set, else on a prompt and not on messages."""
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+    def check_rendering(self) -> None:
+        """Raises ValidationError for both add_generation_prompt and continue_final_message (vLLM's rule)."""
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
+            raise ValidationError(
+                "continue_final_message", "cannot be true with add_generation_prompt=true (vLLM's rule)"
+            )
 
 
 class DetokenizeRequest(_Strict):
     """``POST /detokenize`` (vLLM's): token ids back to text."""
 
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[int]
 
 
 class EmbeddingRequest(_Strict):

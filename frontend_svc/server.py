@@ -91,6 +91,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
         self.model_name = frontend.served_model_name or model
         self.state = FrontendServerState(
             model=self.model_name,
+            model_path=model,
             trust_request_chat_template=frontend.trust_request_chat_template,
             max_n=frontend.max_n,
             enable_admin_routes=frontend.enable_admin_routes,

@@ -46,6 +46,7 @@ GENERATION_GRPC_SERVICE = api.DESCRIPTOR.services_by_name["Generation"].full_nam
 @dataclass
 class FrontendServerState:
     model: str  # the name clients see (--served-model-name, else --model as given)
+    model_path: str = ""  # --model as given (the model cards' root; empty: ``model``)
     trust_request_chat_template: bool = False  # whether a Chat call may bring its own template (as vLLM's flag)
     max_n: int = MAX_N  # the most completions one call may ask for (--max-n; docs/operations.md)
     allow_runtime_lora_updating: bool = False  # whether clients may load and unload LoRA adapters (the flag)

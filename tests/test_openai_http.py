@@ -121,6 +121,19 @@ def frontend_model(client: openai.OpenAI) -> str:
 def test_models_lists_the_served_model(client, model):
     (listed,) = client.models.list().data
     assert listed.id == model and listed.object == "model" and listed.owned_by == "splitserve"
+    card = listed.model_dump()
+    assert card["root"] == model and card["parent"] is None and card["max_model_len"] == 1024
+    (permission,) = card["permission"]  # vLLM's one ModelPermission
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["allow_fine_tuning"]
+
+
+def test_an_empty_model_name_is_the_served_model(services):
+    _, _, base_url = services
+    response = httpx.post(f"{base_url}/v1/completions", json={"model": "", "prompt": PROMPTS[0], **GREEDY})
+    assert response.status_code == 200, response.text
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "", "messages": CHAT, **GREEDY})
+    assert response.status_code == 200, response.text
 
 
 def test_streamed_completion_is_the_same_text_then_usage_then_done(services, tokenizer):
@@ -549,11 +562,28 @@ def test_tokenize_detokenize_health_and_version(services, tokenizer, model):
     }
     no_special = httpx.post(f"{base_url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
     assert no_special["tokens"] == list(tokenizer(text, add_special_tokens=False).input_ids)
+    plain = httpx.post(f"{base_url}/tokenize", json={"prompt": text, "model": ""}).json()  # "": the served model
+    assert plain["tokens"] == ids and plain["token_strs"] is None  # vLLM's: null unless asked for
     chat = httpx.post(f"{base_url}/tokenize", json={"messages": CHAT}).json()
     assert chat["tokens"] == chat_prompt_ids(tokenizer, CHAT)
+    # messages as the chat API renders them: the final message left open, BOS added on request (vLLM's tests)
+    turns = [*CHAT, {"role": "assistant", "content": "Once"}]
+    body = {"messages": turns, "add_generation_prompt": False, "continue_final_message": True}
+    expected = tokenizer.apply_chat_template(turns, tokenize=False, continue_final_message=True)
+    assert httpx.post(f"{base_url}/tokenize", json=body).json()["tokens"] == list(
+        tokenizer(expected, add_special_tokens=False).input_ids
+    )
+    with_bos = httpx.post(f"{base_url}/tokenize", json={"messages": CHAT, "add_special_tokens": True}).json()
+    assert with_bos["tokens"] == [tokenizer.bos_token_id, *chat_prompt_ids(tokenizer, CHAT)]
+    both = httpx.post(f"{base_url}/tokenize", json={"messages": turns, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    template = httpx.post(f"{base_url}/tokenize", json={"messages": CHAT, "chat_template": "{{ 'x' }}"})
+    assert template.status_code == 400 and "--trust-request-chat-template" in template.text
     assert httpx.post(f"{base_url}/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
     bad = httpx.post(f"{base_url}/detokenize", json={"tokens": [1, 10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    missing = httpx.post(f"{base_url}/detokenize", json={})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "tokens"
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert httpx.get(f"{base_url}/version").json() == {"version": splitserve.__version__}
 
