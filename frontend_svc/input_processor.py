@@ -4,6 +4,7 @@ templates, checks against the model, and EOS / generation-config stop ids folded
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import Mapping
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from frontend_svc.chars_per_token import max_chars_per_token
+from frontend_svc.chat_content_format import CONTENT_FORMATS, detect_content_format
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, MultiModalFeature
 from frontend_svc.errors import ValidationError
 from frontend_svc.mm_processor import IMAGE, SUPPORTED_MODEL_TYPES, EncodedImage, MultiModalProcessor, image_from_url
@@ -100,7 +102,8 @@ class TextPrompt(TypedDict, total=False):
 
 
 # Message keys besides role and content that reach the chat template (vLLM's _parse_chat_message_content).
-_KEPT_MESSAGE_KEYS = ("name", "tool_calls", "tool_call_id")
+# Content part types read as text, and the key holding the text (vLLM's chat utils).
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 # apply_chat_template's own arguments (and the template's conversation variable): not template variables.
 _RENDER_ARGUMENTS = frozenset(
@@ -118,6 +121,11 @@ _RENDER_ARGUMENTS = frozenset(
         "tokenizer_kwargs",
     }
 )
+
+
+# Rendering arguments ``chat_template_kwargs`` may set too, over the request's own fields (vLLM's chat server
+# updates its rendering arguments with the request's chat_template_kwargs).
+_OVERRIDABLE_ARGUMENTS = frozenset({"add_generation_prompt", "continue_final_message", "tools", "documents"})
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -220,6 +228,8 @@ class InputProcessor:
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: list[Any] | None = None,
+        content_format: str = "auto",
     ) -> TokensPrompt:
         """Render a conversation with the tokenizer's chat template (transformers' ``apply_chat_template``).
         ``continue_final_message`` leaves the last message open (no end-of-turn) for the model to continue;
@@ -227,7 +237,12 @@ class InputProcessor:
         schemas) and ``chat_template_kwargs`` (more variables: ``enable_thinking``, ...) go to the template, as
         vLLM's chat takes them.
 
-        A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them.
+        A message's text parts are joined with newlines, as vLLM, llama.cpp and TensorRT-LLM join them, unless the
+        template takes them as parts (``content_format`` "openai", or "auto" and a template that loops over a
+        message's content: ``chat_content_format``); then every message's content is a list of
+        {"type": "text", "text"} parts. ``documents`` go to the template (RAG templates). In
+        ``chat_template_kwargs``, the rendering arguments add_generation_prompt, continue_final_message, tools and
+        documents override the fields given (vLLM's order).
 
         A message with images keeps its parts ({"type": "text"} and {"type": "image"}, as transformers'
         processors' chat templates take them) and the result carries the images in order as
@@ -244,28 +259,36 @@ class InputProcessor:
             raise ValidationError("messages", "must be a non-empty list of {'role', 'content'} messages")
         template_kwargs = dict(chat_template_kwargs or {})
         for key in template_kwargs:
-            if key in _RENDER_ARGUMENTS:
+            if key in _RENDER_ARGUMENTS and key not in _OVERRIDABLE_ARGUMENTS:
                 raise ValidationError(
-                    f"chat_template_kwargs.{key}", "is an argument of the rendering itself: set it as its own field"
+                    f"chat_template_kwargs.{key}", "is an argument of the rendering itself, not a template variable"
                 )
+        add_generation_prompt = bool(template_kwargs.pop("add_generation_prompt", add_generation_prompt))
+        continue_final_message = bool(template_kwargs.pop("continue_final_message", continue_final_message))
+        tools = template_kwargs.pop("tools", tools)
+        documents = template_kwargs.pop("documents", documents)
         images: list[Any] = []
         normalized = [self._check_message(i, m, images) for i, m in enumerate(messages)]
         if images and self.mm_processor is None:
             raise _no_images_error(_images_field(images))  # before a text model's template sees image parts
-        if images:
-            # Multimodal templates iterate over a message's parts (LLaVA's selects the image parts, then the text
-            # ones): every message of the conversation takes the parts form, as vLLM's "openai" content format.
-            normalized = [
-                {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
-                for m in normalized
-            ]
         if self.mm_processor is not None and chat_template is None:
             # A multimodal model's template is the processor's (chat_template.jinja beside
             # preprocessor_config.json) when it has one, as transformers' processor.apply_chat_template picks it;
             # it renders {"type": "image"} parts.
             chat_template = getattr(self.mm_processor.processor, "chat_template", None)
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+        template = _template_text(chat_template or getattr(self.tokenizer, "chat_template", None), tools)
+        if template is None:
             raise ValidationError("messages", "the model's tokenizer has no chat template; pass chat_template")
+        if content_format not in CONTENT_FORMATS:
+            raise ValidationError(
+                "chat_template_content_format", f"must be one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}"
+            )
+        # Multimodal templates iterate over a message's parts (LLaVA's selects the image parts, then the text
+        # ones): with images every message takes the parts form, as vLLM's "openai" content format.
+        as_parts = bool(images) or (
+            detect_content_format(template) == "openai" if content_format == "auto" else content_format == "openai"
+        )
+        normalized = [_content_as(m, as_parts) for m in normalized]
         try:
             text = self.tokenizer.apply_chat_template(
                 normalized,
@@ -274,6 +297,7 @@ class InputProcessor:
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
                 tools=tools,
+                documents=documents,
                 **template_kwargs,
             )
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order)
@@ -530,36 +554,86 @@ class InputProcessor:
 
     @staticmethod
     def _check_message(index: int, message: Any, images: list[Any]) -> ChatMessage:
-        """The message as the chat template takes it; its images are appended to ``images``. Text-only: its text
-        parts newline-joined into one string. With images: a list of {"type": "text", "text"} and
-        {"type": "image"} parts, as transformers' processors' chat templates take them."""
+        """The message as the chat template takes it, its content a list of {"type": "text", "text"} and
+        {"type": "image"} parts (``_content_as`` gives it the template's form); its images are appended to
+        ``images``. Text parts are OpenAI's "text", the Responses API's "input_text" / "output_text", an
+        assistant's "refusal" and plain strings, as vLLM reads them; one whose text is null is left out (vLLM's).
+        Besides role and content, the message keeps what vLLM's chat utils keep: a string ``name``, the call a
+        tool message answers, an assistant's non-empty ``tool_calls`` (each function's ``arguments`` given as a
+        JSON string turned into the object templates iterate over; one that is not a JSON object: {}), and its
+        reasoning as both ``reasoning`` and ``reasoning_content``."""
         if not isinstance(message, dict) or "role" not in message:
             raise ValidationError(f"messages[{index}]", "must be a dict with a 'role' (and 'content')")
-        # Kept for the template, as vLLM's chat utils keep them: the speaker's name, an assistant's tool calls,
-        # the call a tool message answers.
-        kept = {key: message[key] for key in _KEPT_MESSAGE_KEYS if message.get(key) is not None}
+        kept: dict[str, Any] = {}
+        if isinstance(message.get("name"), str):
+            kept["name"] = message["name"]
+        if message.get("tool_call_id") is not None:
+            kept["tool_call_id"] = message["tool_call_id"]
+        if message.get("tool_calls"):
+            kept["tool_calls"] = [_tool_call_for_template(call) for call in message["tool_calls"]]
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        if reasoning is not None:
+            kept["reasoning"] = kept["reasoning_content"] = reasoning
         content = message.get("content")
-        if content is None:  # an assistant turn that only called tools, or no content at all (vLLM: empty)
-            content = ""
-        if isinstance(content, str):
-            return {"role": message["role"], "content": content, **kept}
+        if content is None:  # an assistant turn that only called tools, or no content at all (vLLM: no parts)
+            content = []
+        elif isinstance(content, str):
+            content = [content]
         if not isinstance(content, list):
             raise ValidationError(f"messages[{index}].content", "must be text or a list of content parts")
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
             field = f"messages[{index}].content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
+            if isinstance(part, str):
+                parts.append({"type": "text", "text": part})
+            elif kind in _TEXT_PART_KEYS and isinstance(part, dict):
+                text = part.get(_TEXT_PART_KEYS[kind])
+                if text is None:
+                    continue
+                if not isinstance(text, str):
+                    raise ValidationError(
+                        f"{field}.{_TEXT_PART_KEYS[kind]}", f"must be text, got {type(text).__name__}"
+                    )
+                parts.append({"type": "text", "text": text})
             elif kind in ("image_url", "image"):
                 images.append(_chat_image(part, field))
                 parts.append({"type": "image"})
             else:
-                raise ValidationError(field, f"must be a text, image_url or image part, got {kind!r}")
-        if any(part["type"] == "image" for part in parts):
-            return {"role": message["role"], "content": parts, **kept}
-        # Newline-joined, as vLLM's chat utils, llama.cpp and TensorRT-LLM join a message's text parts.
-        return {"role": message["role"], "content": "\n".join(part["text"] for part in parts), **kept}
+                raise ValidationError(
+                    field, f"must be a text, input_text, output_text, refusal, image_url or image part, got {kind!r}"
+                )
+        return {"role": message["role"], "content": parts, **kept}
+
+
+def _tool_call_for_template(call: Any) -> Any:
+    """A tool call as templates take it (vLLM's ``_postprocess_messages``): its function's ``arguments`` given as
+    a JSON string turned into the object it encodes ({} for one that does not parse or is not an object)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}}
+
+
+def _content_as(message: ChatMessage, as_parts: bool) -> ChatMessage:
+    """``message`` (content as ``_check_message`` gives it: parts) in the template's form: the parts, or the text
+    parts newline-joined into one string."""
+    if as_parts:
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in message["content"])}
+
+
+def _template_text(template: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """The template text transformers renders: ``template`` itself, or of a tokenizer's named templates the
+    "tool_use" one when tools are given and it exists, else "default" (transformers' ``get_chat_template``)."""
+    if isinstance(template, dict):
+        name = "tool_use" if tools and "tool_use" in template else "default"
+        template = template.get(name)
+    return template if isinstance(template, str) and template else None
 
 
 def _chat_image(part: dict[str, Any], field: str) -> Any:

@@ -183,12 +183,9 @@ class LLM:
 
         Raises:
             ValidationError: as ``generate``; a malformed message; ``chat_template_content_format`` other than
-                "auto" or ``mm_processor_kwargs`` (not supported).
+                "auto" (the template decides: ``chat_content_format``), "string" or "openai";
+                ``mm_processor_kwargs`` (not supported).
         """
-        if chat_template_content_format != "auto":
-            raise ValidationError(
-                "chat_template_content_format", f"only 'auto' is supported, got {chat_template_content_format!r}"
-            )
         if mm_processor_kwargs:
             raise ValidationError("mm_processor_kwargs", "is not supported")
         if continue_final_message and add_generation_prompt:
@@ -203,6 +200,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
+                content_format=chat_template_content_format,
             )
             for conversation in conversations
         ]

@@ -465,6 +465,8 @@ class _OpenAIApi:
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=add_special_tokens,
                 chat_template_kwargs=body.chat_template_kwargs,
+                tools=body.template_tools() if isinstance(body, ChatCompletionRequest) else None,
+                documents=body.documents if isinstance(body, ChatCompletionRequest) else None,
             ),
         )
 

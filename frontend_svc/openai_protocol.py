@@ -40,11 +40,10 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     "prompt_embeds": "prompts as embeddings are not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
     "vllm_xargs": "would have no effect: it carries arguments for custom logits processors, and splitserve runs none",
-    "tools": "tool calling is not supported",
+    "tools": "tool calling is not supported (tools reach a chat template with tool_choice 'none')",
     "functions": "tool calling is not supported",
     "echo": "echoing the prompt is not supported",
     "suffix": "suffixes are not supported",
-    "documents": "is not supported",
     "mm_processor_kwargs": "is not supported",
 }
 # Their neutral values besides None, False and empty containers.
@@ -165,6 +164,8 @@ class SamplingRequest(_Strict):
             if self.stream and self.prompt_logprobs != 0:
                 raise ValidationError("prompt_logprobs", "is not available when stream=true")
         for name, why in UNSUPPORTED_REQUEST_FIELDS.items():
+            if name == "tools" and self.template_tools() is not None:
+                continue
             if not _is_neutral(name, getattr(self, name, None)):
                 raise ValidationError(name, why)
         if self.tool_choice not in (None, "none"):
@@ -209,6 +210,11 @@ class SamplingRequest(_Strict):
                 "response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}"
             )
         return fields
+
+    def template_tools(self) -> list[Any] | None:
+        """The tools a chat template renders: a chat request's, with tool_choice "none" (vLLM renders them and
+        parses no calls from the reply; other tool choices need a tool-call parser, which splitserve has not)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -275,8 +281,11 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking, ...)
     echo: bool | None = False  # not implemented: refused when true
-    documents: list[Any] | None = None  # not implemented: refused when set
+    documents: list[Any] | None = None  # for the chat template (RAG templates), as vLLM's
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
+
+    def template_tools(self) -> list[Any] | None:
+        return self.tools if self.tools and self.tool_choice == "none" else None
 
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """Raises ValidationError naming the field as sent."""

@@ -312,7 +312,7 @@ def test_chat_template_kwargs_continue_final_message_and_add_special_tokens_rend
     assert plain["prompt_token_ids"] == llama2_tokenizer(plain["prompt"], add_special_tokens=False).input_ids
 
 
-@pytest.mark.parametrize("key", ["add_generation_prompt", "chat_template", "tokenize", "messages"])
+@pytest.mark.parametrize("key", ["chat_template", "tokenize", "messages", "conversation", "return_dict"])
 def test_chat_template_kwargs_naming_a_rendering_argument_are_refused(llama2_tokenizer, key):
     processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
     with pytest.raises(ValidationError) as info:
@@ -320,7 +320,118 @@ def test_chat_template_kwargs_naming_a_rendering_argument_are_refused(llama2_tok
     assert info.value.field == f"chat_template_kwargs.{key}"
 
 
+def test_chat_template_kwargs_override_the_rendering_fields_as_vllm_s_server(llama2_tokenizer):
+    """add_generation_prompt, continue_final_message, tools and documents in chat_template_kwargs win over the
+    request's own (vLLM's chat server updates its rendering arguments with them)."""
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    template = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+        "{% for d in documents or [] %}<doc {{ d.title }}>{% endfor %}"
+        "{% for t in tools or [] %}<tool {{ t.name }}>{% endfor %}"
+    )
+    overridden = processor.render_chat(
+        CHAT_MESSAGES,
+        True,
+        template,
+        chat_template_kwargs={"add_generation_prompt": False, "documents": [{"title": "a"}], "tools": [{"name": "f"}]},
+    )
+    assert overridden["prompt"] == "[user] hi <doc a><tool f>"
+    assert processor.render_chat(CHAT_MESSAGES, True, template, documents=[{"title": "b"}])["prompt"] == (
+        "[user] hi [assistant]<doc b>"
+    )
+
+
 CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
+
+# Templates that walk a message's content part by part, in the forms real templates use (Llama 3.1's tool
+# template, Llama Guard's, Mistral's): the "openai" content format.
+PARTS_TEMPLATES = [
+    "{% for m in messages %}{{ m.role }}:{% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% endif %}"
+    "{% endfor %}|{% endfor %}",
+    "{% for message in messages %}{{ message['role'] }}:{% for part in message['content'] | selectattr('type', "
+    "'equalto', 'text') %}{{ part['text'] }}{% endfor %}|{% endfor %}",
+    "{% set first = messages[0] %}{% for m in messages[1:] %}{% endfor %}{{ first.role }}:"
+    "{% for c in first.content %}{{ c.text }}{% endfor %}|",
+]
+STRING_TEMPLATES = [
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}",
+    "{% for m in messages %}{% for line in m.content.split('\\n') %}{{ line }}{% endfor %}{% endfor %}",
+    "{% for item in tools or [] %}{% for c in item.content %}{% endfor %}{% endfor %}{{ messages[0].content }}",
+]
+
+
+@pytest.mark.parametrize("template", PARTS_TEMPLATES)
+def test_a_template_that_walks_the_content_gets_parts(llama2_tokenizer, template):
+    from frontend_svc.chat_content_format import detect_content_format
+
+    assert detect_content_format(template) == "openai"
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    rendered = processor.render_chat(messages, False, template)["prompt"]
+    assert rendered.startswith("user:helloworld|")
+    assert processor.render_chat([{"role": "user", "content": "hi"}], False, template)["prompt"].startswith("user:hi|")
+    # forced to a string, the template's loop walks characters and finds no parts
+    forced = processor.render_chat(messages, False, template, content_format="string")["prompt"]
+    assert "hello" not in forced
+
+
+@pytest.mark.parametrize("template", STRING_TEMPLATES)
+def test_a_template_that_prints_the_content_gets_text(llama2_tokenizer, template):
+    from frontend_svc.chat_content_format import detect_content_format
+
+    assert detect_content_format(template) == "string"
+
+
+def test_the_real_templates_content_formats():
+    from transformers import AutoTokenizer
+
+    from frontend_svc.chat_content_format import detect_content_format
+    from tests.conftest import SHARED_TOKENIZERS
+
+    for name in ("llama2", "gpt2", "qwen2", "mistral"):
+        folder = SHARED_TOKENIZERS / name
+        if not (folder / "tokenizer_config.json").is_file():
+            continue
+        template = AutoTokenizer.from_pretrained(folder).chat_template
+        if isinstance(template, str):  # these print each message's content whole
+            assert detect_content_format(template) == "string", name
+
+
+def test_chat_messages_keep_what_vllm_keeps(llama2_tokenizer):
+    """Tool-call arguments given as JSON strings reach the template as objects ({} when not one), an empty
+    tool_calls and a non-string name are dropped, reasoning is given under both of vLLM's names, and text-like
+    parts (input_text, output_text, refusal, plain strings) are text; a null text part is skipped."""
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    template = (
+        "{% for m in messages %}[{{ m.role }}{% if m.name is defined %} {{ m.name }}{% endif %}] {{ m.content }}"
+        "{% if m.reasoning_content is defined %} <r {{ m.reasoning }}/{{ m.reasoning_content }}>{% endif %}"
+        "{% if m.tool_calls is defined %}{% for c in m.tool_calls %} {{ c.function.name }}"
+        "{% for k, v in c.function.arguments.items() %} {{ k }}={{ v }}{% endfor %};{% endfor %}{% endif %}"
+        "{% endfor %}"
+    )
+
+    def call(arguments: str) -> dict:
+        return {"id": "c", "type": "function", "function": {"name": "get", "arguments": arguments}}
+
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "a"}, "b", {"type": "text", "text": None}],
+            "name": 5,
+        },
+        {
+            "role": "assistant",
+            "content": [{"type": "refusal", "refusal": "no"}, {"type": "output_text", "text": "c"}],
+            "reasoning_content": "why",
+            "tool_calls": [call('{"city": "Paris"}'), call("not json"), call("[1, 2]")],
+            "name": "bot",
+        },
+        {"role": "user", "content": "d", "tool_calls": []},
+    ]
+    rendered = processor.render_chat(messages, False, template)["prompt"]
+    assert rendered == "[user] a\nb[assistant bot] no\nc <r why/why> get city=Paris; get; get;[user] d"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's, untouched
 
 
 # --- priority ---

@@ -219,8 +219,13 @@ def test_chat_takes_vllms_rendering_arguments_and_tool_messages(llm):
     assert output.prompt_token_ids == tokenizer(expected, add_special_tokens=False).input_ids
     with pytest.raises(ValidationError, match="continue_final_message: cannot be True with add_generation_prompt"):
         llm.chat(conversation, params, use_tqdm=False, continue_final_message=True)
-    with pytest.raises(ValidationError, match="chat_template_content_format: only 'auto'"):
-        llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="openai")
+    with pytest.raises(ValidationError, match="chat_template_content_format: must be one of auto, string, openai"):
+        llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="parts")
+    # "openai": every content a list of parts, which this template (printing the content) shows as such
+    (as_parts,) = llm.chat(
+        conversation[:1], params, False, None, TOOLS_TEMPLATE, "openai", chat_template_kwargs={"greeting": "hi"}
+    )
+    assert "user(bob):[{'type': 'text', 'text': 'Weather?'}];" in as_parts.prompt
 
 
 def test_generate_takes_tokenization_kwargs(llm):

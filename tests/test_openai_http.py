@@ -401,7 +401,9 @@ BAD_FIELDS = [
     ("completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ("chat", {"echo": True}, "echo"),
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
-    ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
 ]
 
@@ -1095,6 +1097,23 @@ def test_whole_responses_carry_vllm_s_optional_fields_as_null(services):
     body = {"prompt": PROMPTS[0], "return_token_ids": True, **GREEDY}
     (choice,) = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()["choices"]
     assert len(choice["token_ids"]) == 12 and choice["prompt_token_ids"]
+
+
+def test_tools_with_tool_choice_none_and_documents_reach_the_template(services, tokenizer):
+    """vLLM renders tools when tool_choice is "none" (no call is parsed from the reply) and documents; the llama2
+    template ignores both, so the prompt is the plain conversation's."""
+    _, _, base_url = services
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    body = {
+        "messages": CHAT,
+        "tools": tools,
+        "tool_choice": "none",
+        "documents": [{"text": "d"}],
+        "return_token_ids": True,
+    }
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={**body, **GREEDY}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt_token_ids"] == chat_prompt_ids(tokenizer, CHAT)
 
 
 def test_the_reply_takes_the_last_message_s_role_without_a_generation_prompt(services):
