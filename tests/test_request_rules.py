@@ -103,7 +103,11 @@ def test_both_services_refuse_a_bad_value_with_the_same_field_and_message(fields
         (
             [5] * 8,
             8,
-            Violation("prompt", "has 8 tokens, which leaves no room for an output token within max_model_len=8"),
+            Violation(
+                "prompt",
+                "has 8 tokens, which leaves no room for an output token within max_model_len=8 (this model's "
+                "maximum context length is 8 tokens)",
+            ),
         ),
         ([5, 1000, 6], 8, Violation("prompt_token_ids[1]", "token id 1000 is out of vocabulary [0, 1000)")),
         ([5, -1], 8, Violation("prompt_token_ids[1]", "token id -1 is out of vocabulary [0, 1000)")),

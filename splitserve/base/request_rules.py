@@ -44,24 +44,30 @@ def token_ids_violation(field: str, token_ids: Iterable[int], vocab_size: int) -
     return None
 
 
+# The words clients look for to tell a context overflow from other refusals (vLLM's servers and OpenAI's use them;
+# LangChain's and crewAI's overflow handling match them).
+CONTEXT_LENGTH_WORDS = "this model's maximum context length is"
+
+
 def prompt_leaves_no_room(num_prompt_tokens: int, max_model_len: int) -> str:
     return (
-        f"has {num_prompt_tokens} tokens, which leaves no room for an output token within max_model_len={max_model_len}"
+        f"has {num_prompt_tokens} tokens, which leaves no room for an output token within "
+        f"max_model_len={max_model_len} ({CONTEXT_LENGTH_WORDS} {max_model_len} tokens)"
     )
 
 
 def pooling_prompt_too_long(num_prompt_tokens: int, max_model_len: int) -> str:
     return (
         f"has {num_prompt_tokens} tokens, more than the {max_model_len - 1} (max_model_len - 1, "
-        f"max_model_len={max_model_len}) a pooling prompt may have; truncate_prompt_tokens=-1 keeps the last "
-        f"{max_model_len - 1}"
+        f"max_model_len={max_model_len}) a pooling prompt may have ({CONTEXT_LENGTH_WORDS} {max_model_len} tokens); "
+        f"truncate_prompt_tokens=-1 keeps the last {max_model_len - 1}"
     )
 
 
 def max_tokens_too_large(max_tokens: int, num_prompt_tokens: int, max_model_len: int) -> str:
     """prompt + max_tokens over max_model_len, as vLLM's servers word it (HTTP 400)."""
     return (
-        f"{max_tokens} is too large: this model's maximum context length is {max_model_len} tokens, and "
+        f"{max_tokens} is too large: {CONTEXT_LENGTH_WORDS} {max_model_len} tokens, and "
         f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, {max_tokens} in the "
         f"completion); at most {max_model_len - num_prompt_tokens} fit after this prompt"
     )
