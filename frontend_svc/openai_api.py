@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import splitserve
 from frontend_svc.async_llm import AsyncLLM
+from frontend_svc.beam_search import beam_search_async
 from frontend_svc.embeddings import check_num_inputs, encode_all
 from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
@@ -56,6 +57,7 @@ from frontend_svc.openai_responses import (
     prompt_logprobs_body,
     whole_completion_choice,
 )
+from frontend_svc.outputs import CompletionOutput, RequestOutput
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, load_lora_adapter, text_size, unload_lora_adapter
 from frontend_svc.tokenize_budget import utf8_size
@@ -231,15 +233,18 @@ class _OpenAIApi:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
-        params, prompts = named(body, lambda: (self._sampling_params(body, engine), body.prompts()))
+        params, prompts = named(body, lambda: (self._params(body, engine), body.prompts()))
         request_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         prompt_list: list[PromptType] = list(prompts)
         if body.add_special_tokens is False:  # text prompts tokenized without BOS and the like (vLLM's option)
             prompt_list = [await self._without_special_tokens("prompt", engine, p) for p in prompt_list]
         generation = Generation(self.state, engine, request_id, body, params, prompt_list, lora, dict(request.headers))
-        if body.stream:
+        if body.use_beam_search:
+            outputs = await self._beam_search(engine, body, prompt_list, lora, request_id, request)
+        elif body.stream:
             return await _model_found(generation.stream(request, self._completion_events), body.model)
-        outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)
+        else:
+            outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)
         usage = UsageCounter()
         choices = []
         for prompt_index, output in sorted(outputs.items()):
@@ -291,15 +296,18 @@ class _OpenAIApi:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
-        params = named(body, lambda: self._sampling_params(body, engine))
+        params = named(body, lambda: self._params(body, engine))
         prompt = await named_async(
             body, self._render_conversation(engine, body.messages_for_template(), body, body.add_special_tokens)
         )
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         generation = Generation(self.state, engine, request_id, body, params, [prompt], lora, dict(request.headers))
-        if body.stream:
+        if body.use_beam_search:
+            outputs = await self._beam_search(engine, body, [prompt], lora, request_id, request)
+        elif body.stream:
             return await _model_found(generation.stream(request, self._chat_events), body.model)
-        outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)
+        else:
+            outputs = await _model_found(until_disconnect(request, generation.collect()), body.model)
         output = outputs[0]
         usage = UsageCounter()
         choices = []
@@ -488,6 +496,68 @@ class _OpenAIApi:
         if params.n > self.state.max_n:
             raise ValidationError("n", f"must be at most {self.state.max_n} on this server (--max-n), got {params.n}")
         return params
+
+    def _params(self, body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
+        """The request's sampling parameters; with ``use_beam_search``, its beam search checked instead (n beams,
+        greedy allowed) and the logprobs and n the responses are built with."""
+        if not body.use_beam_search:
+            return self._sampling_params(body, engine)
+        body.check_unsupported()
+        beams = body.beam_search_params(engine.default_sampling_params, engine.engine_info.max_model_len)
+        if beams.beam_width > self.state.max_n:
+            raise ValidationError(
+                "n", f"must be at most {self.state.max_n} on this server (--max-n), got {beams.beam_width}"
+            )
+        logprobs = body.logprobs if isinstance(body, CompletionRequest) else (body.top_logprobs or 0)
+        wants_logprobs = logprobs is not None if isinstance(body, CompletionRequest) else bool(body.logprobs)
+        return SamplingParams(n=beams.beam_width, logprobs=logprobs if wants_logprobs else None, temperature=1.0)
+
+    async def _beam_search(
+        self,
+        engine: AsyncLLM,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[PromptType],
+        lora: LoRARequest | None,
+        request_id: str,
+        request: Request,
+    ) -> dict[int, RequestOutput]:
+        """``use_beam_search`` (vLLM's): each prompt's beam search (``beam_search_async``), its beams as the n
+        completions of a ``RequestOutput`` (text: the generated tokens' decode, a final EOS left out unless
+        include_stop_str_in_output; token_ids: the generated tokens; finish reason "stop" at EOS, else
+        "length"), keyed by prompt index as ``Generation.collect`` gives them. Counted in the drain; a client that
+        disconnects aborts the search."""
+        max_model_len = engine.engine_info.max_model_len
+        params = named(body, lambda: body.beam_search_params(engine.default_sampling_params, max_model_len))
+        headers = dict(request.headers)
+        trace_headers = {k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
+        tokenizer = engine.tokenizer
+        eos = getattr(tokenizer, "eos_token_id", None)
+
+        async def search(index: int, prompt: PromptType) -> tuple[int, RequestOutput]:
+            found = await beam_search_async(engine, prompt, params, f"{request_id}-{index}", lora, trace_headers)
+            sequences = found.sequences
+            completions = [
+                CompletionOutput(
+                    index=i,
+                    text=tokenizer.decode(beam.generated(eos, bool(body.include_stop_str_in_output))),
+                    token_ids=beam.tokens[beam.num_prompt_tokens :],
+                    cumulative_logprob=beam.cum_logprob,
+                    logprobs=beam.logprobs,
+                    finish_reason=beam.finish_reason or "length",
+                    stop_reason=beam.stop_reason,
+                )
+                for i, beam in enumerate(sequences)
+            ]
+            prompt_ids = sequences[0].tokens[: sequences[0].num_prompt_tokens] if sequences else []
+            return index, RequestOutput(f"{request_id}-{index}", None, prompt_ids, None, completions, True)
+
+        self.state.active_calls += 1
+        try:
+            work = asyncio.gather(*(search(i, p) for i, p in enumerate(prompts)))
+            results = await named_async(body, _model_found(until_disconnect(request, work), body.model))
+        finally:
+            self.state.active_calls -= 1
+        return dict(results)
 
     async def sleep(self, level: int = 1, drain: bool = False) -> Response:
         """vLLM's ``POST /sleep?level=1``: every core to sleep (``AsyncLLM.sleep``); ``drain=true`` lets the

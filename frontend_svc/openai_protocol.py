@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from frontend_svc.beam_search import BeamSearchParams
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
 from splitserve.base.pooling_params import PoolingParams
@@ -29,10 +30,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 LOGIT_BIAS_LIMIT = 100
 
 # Request fields of vLLM's (or OpenAI's) completions and chat bodies that splitserve does not implement: field ->
-# why. ``check_unsupported`` refuses one set to anything but None, False, an empty list or (``length_penalty``) 1.
+# why. ``check_unsupported`` refuses one set to anything but None, False or an empty list.
 UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
-    "use_beam_search": "beam search is not supported",
-    "length_penalty": "applies to beam search, which is not supported",
     "bad_words": "is not supported yet; logit_bias can ban single tokens",
     "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it",
     "return_tokens_as_token_ids": "is not supported: tokens are shown as their text",
@@ -47,7 +46,7 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     "mm_processor_kwargs": "is not supported",
 }
 # Their neutral values besides None, False and empty containers.
-_NEUTRAL_VALUES: dict[str, object] = {"length_penalty": 1.0}
+_NEUTRAL_VALUES: dict[str, object] = {}
 
 
 def _is_neutral(name: str, value: object) -> bool:
@@ -163,6 +162,10 @@ class SamplingRequest(_Strict):
                 raise ValidationError("prompt_logprobs", f"must be a positive value or -1, got {self.prompt_logprobs}")
             if self.stream and self.prompt_logprobs != 0:
                 raise ValidationError("prompt_logprobs", "is not available when stream=true")
+        if self.use_beam_search and self.stream:
+            raise ValidationError("use_beam_search", "is not available with stream=true")
+        if self.length_penalty is not None and self.length_penalty != 1.0 and not self.use_beam_search:
+            raise ValidationError("length_penalty", "applies to beam search: set use_beam_search")
         for name, why in UNSUPPORTED_REQUEST_FIELDS.items():
             if name == "tools" and self.template_tools() is not None:
                 continue
@@ -211,6 +214,29 @@ class SamplingRequest(_Strict):
             )
         return fields
 
+    def beam_search_params(self, defaults: Mapping[str, Any], max_model_len: int) -> BeamSearchParams:
+        """``use_beam_search``'s parameters, as vLLM's ``to_beam_search_params``: ``n`` beams (default 1),
+        ``max_tokens`` (completions: 16 unless set; chat, or null: the context, beams ending at max_model_len),
+        ``temperature`` (unset: the model's default, else 1.0), ``ignore_eos``, ``length_penalty``. The other
+        sampling fields do not apply to beam search (vLLM's ignores them too).
+
+        Raises:
+            ValidationError: n, max_tokens or temperature out of range (``BeamSearchParams``).
+        """
+        max_tokens = self.requested_max_tokens()
+        temperature = self.temperature if self.temperature is not None else defaults.get("temperature", 1.0)
+        return BeamSearchParams(
+            beam_width=self.n if self.n is not None else 1,
+            max_tokens=max_tokens if max_tokens is not None else max_model_len,
+            ignore_eos=bool(self.ignore_eos),
+            temperature=float(temperature),
+            length_penalty=self.length_penalty if self.length_penalty is not None else 1.0,
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        """The request's max_tokens: None for all the room left."""
+        return self.max_tokens
+
     def template_tools(self) -> list[Any] | None:
         """The tools a chat template renders: a chat request's, with tool_choice "none" (vLLM renders them and
         parses no calls from the reply; other tool choices need a tool-call parser, which splitserve has not)."""
@@ -250,6 +276,12 @@ class CompletionRequest(SamplingRequest):
             return [[p for p in prompt if isinstance(p, int)]]
         return [p for p in prompt if not isinstance(p, int)]
 
+    def requested_max_tokens(self) -> int | None:
+        """max_tokens as sent; 16 when left out (OpenAI's and vLLM's), None (the room left) when sent as null."""
+        if self.max_tokens is None and "max_tokens" not in self.model_fields_set:
+            return COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self.max_tokens
+
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """Raises ValidationError naming the field as sent."""
         explicit = self.explicit_sampling_fields()
@@ -286,6 +318,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_tools(self) -> list[Any] | None:
         return self.tools if self.tools and self.tool_choice == "none" else None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """Raises ValidationError naming the field as sent."""
@@ -433,7 +468,9 @@ class EmbeddingRequest(_Strict):
 def request_field(field: str, request: SamplingRequest) -> str:
     """The field a ``ValidationError`` about ``SamplingParams`` (or the prompt) names, as the client sent it:
     chat's ``top_logprobs`` and ``max_completion_tokens``, chat's rendered prompt as ``messages``, a constraint
-    from ``response_format`` as that."""
+    from ``response_format`` as that, beam search's width as ``n``."""
+    if field == "beam_width":
+        return "n"
     if request.response_format is not None:
         kind = str(request.response_format.get("type"))
         from_format = {"json_object": "json_object", "json_schema": "json"}.get(kind)

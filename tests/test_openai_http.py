@@ -17,6 +17,7 @@ import httpx2 as httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from splitserve.entrypoints import stack
 from splitserve.stubs.frontend.v1 import generation_pb2 as api
@@ -395,7 +396,8 @@ BAD_FIELDS = [
     ("chat", {"allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {"cache_salt": ""}, "cache_salt"),
     ("completions", {"bad_words": ["x"]}, "bad_words"),
-    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("completions", {"use_beam_search": True, "stream": True}, "use_beam_search"),
+    ("completions", {"use_beam_search": True, "n": 0}, "n"),
     ("chat", {"length_penalty": 2.0}, "length_penalty"),
     ("completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
     ("completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
@@ -1158,3 +1160,48 @@ def test_chat_top_logprobs_minus_one_is_every_token_the_engine_returned():
     content = chat_logprobs(completion, -1, None)["content"]
     assert [entry["token"] for entry in content[0]["top_logprobs"]] == ["a", "b", "c"]
     assert [e["token"] for e in chat_logprobs(completion, 2, None)["content"][0]["top_logprobs"]] == ["a", "b"]
+
+
+def test_use_beam_search_returns_transformers_beams(services, model, tokenizer):
+    """vLLM's use_beam_search: n beams as the n choices, best first, on completions (two prompts) and chat; with
+    EOS ignored they are transformers' generate(num_beams=n) sequences. The text is the generated tokens'."""
+    from tests.helpers import hf_model
+
+    _, _, base_url = services
+    width, max_tokens = 3, 6
+
+    def hf_beams(prompt_ids: list[int]) -> list[list[int]]:
+        with torch.no_grad():
+            out = hf_model(Path(model)).generate(
+                torch.tensor([prompt_ids]),
+                num_beams=width,
+                num_return_sequences=width,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return [row[len(prompt_ids) :] for row in out.tolist()]
+
+    body = {"prompt": PROMPTS, "use_beam_search": True, "n": width, "max_tokens": max_tokens, "temperature": 0.0}
+    response = httpx.post(f"{base_url}/v1/completions", json={**body, **NO_EOS, "return_token_ids": True}, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(2 * width))
+    for p, prompt in enumerate(PROMPTS):
+        expected = hf_beams(tokenizer(prompt).input_ids)
+        got = choices[p * width : (p + 1) * width]
+        assert [c["token_ids"] for c in got] == expected
+        assert [c["text"] for c in got] == [tokenizer.decode(ids) for ids in expected]
+        assert all(c["finish_reason"] == "length" for c in got)
+    usage = response.json()["usage"]
+    assert usage["completion_tokens"] == 2 * width * max_tokens
+    assert usage["prompt_tokens"] == sum(len(tokenizer(p).input_ids) for p in PROMPTS)
+
+    chat = {"messages": CHAT, "use_beam_search": True, "n": width, "max_tokens": max_tokens, "temperature": 0.0}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **NO_EOS, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    expected = hf_beams(chat_prompt_ids(tokenizer, CHAT))
+    assert [c["token_ids"] for c in response.json()["choices"]] == expected
+    assert [c["message"]["role"] for c in response.json()["choices"]] == ["assistant"] * width
+    length_penalty = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, "length_penalty": 0.5})
+    assert length_penalty.status_code == 200, length_penalty.text
