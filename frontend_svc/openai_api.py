@@ -57,7 +57,7 @@ from frontend_svc.openai_responses import (
     prompt_logprobs_body,
     whole_completion_choice,
 )
-from frontend_svc.outputs import CompletionOutput, RequestOutput
+from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, load_lora_adapter, text_size, unload_lora_adapter
 from frontend_svc.tokenize_budget import utf8_size
@@ -253,9 +253,12 @@ class _OpenAIApi:
                     prompt_index, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids)
                 )
                 logprobs = None
+                echoed = _echoed_prompt(output) if body.echo else None
                 if params.logprobs is not None:
-                    logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer).body(completion)
+                    logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer).body(completion, echoed)
                 choice = whole_completion_choice(prompt_index * params.n + completion.index, completion, logprobs)
+                if body.echo:
+                    choice["text"] = _prompt_text(output, engine.tokenizer) + completion.text
                 if params.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
                 if body.return_token_ids:
@@ -280,14 +283,19 @@ class _OpenAIApi:
                 tokens_so_far[index] = tokens_so_far.get(index, 0) + len(completion.token_ids)
                 if not (completion.text or completion.token_ids or completion.finish_reason):
                     continue
+                first = index not in ids_sent  # this choice's first chunk
+                ids_sent.add(index)
+                # vLLM's echo: the prompt on a choice's first chunk
+                echo = first and isinstance(generation.request, CompletionRequest) and bool(generation.request.echo)
                 logprobs = None
                 if params.logprobs is not None:
                     state = logprobs_by_choice.setdefault(index, CompletionLogprobs(params.logprobs, engine.tokenizer))
-                    logprobs = state.body(completion)
+                    logprobs = state.body(completion, _echoed_prompt(output) if echo else None)
                 choice = completion_choice(index, completion, logprobs)
+                if echo:
+                    choice["text"] = _prompt_text(output, engine.tokenizer) + completion.text
                 if generation.request.return_token_ids:  # the prompt's ids on a choice's first chunk (vLLM's)
-                    if index not in ids_sent:
-                        ids_sent.add(index)
+                    if first:
                         choice["prompt_token_ids"] = list(output.prompt_token_ids)
                     choice["token_ids"] = list(completion.token_ids)
                 usage = (len(output.prompt_token_ids), tokens_so_far[index])
@@ -315,6 +323,7 @@ class _OpenAIApi:
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
             logprobs = chat_logprobs(completion, body.top_logprobs or 0, engine.tokenizer) if body.logprobs else None
             choice = chat_choice(completion.index, completion, logprobs, body.response_role())
+            choice["message"]["content"] = body.echoed() + completion.text
             if body.return_token_ids:
                 choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
@@ -341,6 +350,10 @@ class _OpenAIApi:
             if request.return_token_ids and i == 0:  # vLLM's: the prompt's ids on the first chunk
                 chunk["prompt_token_ids"] = list(generation.prompt_token_ids())
             yield chunk
+        if request.echoed():  # vLLM's echo: the continued message's text, a chunk per choice
+            for i in range(generation.params.n):
+                echo = chat_chunk_choice(i, {"content": request.echoed()}, None, None)
+                yield generation.chunk("chat.completion.chunk", [echo], (num_prompt_tokens, 0))
         tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
         async for _, output in generation.outputs():
             for completion in output.outputs:
@@ -630,6 +643,20 @@ class _OpenAIApi:
             client = engine.engine_core
             raise EngineDeadError(getattr(client, "unavailable_reason", lambda: "no engine core is reachable")())
         return engine
+
+
+def _echoed_prompt(output: RequestOutput) -> tuple[list[int], list[dict[int, Logprob] | None]] | None:
+    """An echoed prompt's token ids and logprobs for the completions API's logprobs (None without them)."""
+    if not output.prompt_logprobs:
+        return None
+    return list(output.prompt_token_ids), list(output.prompt_logprobs)
+
+
+def _prompt_text(output: RequestOutput, tokenizer: Any) -> str:
+    """The prompt as echoed: its text as sent, a token-id prompt decoded (special tokens kept), as vLLM's."""
+    if output.prompt is not None:
+        return output.prompt
+    return str(tokenizer.decode(list(output.prompt_token_ids)))
 
 
 async def _model_found(call: Awaitable[T], model: str | None) -> T:

@@ -41,7 +41,6 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     "vllm_xargs": "would have no effect: it carries arguments for custom logits processors, and splitserve runs none",
     "tools": "tool calling is not supported (tools reach a chat template with tool_choice 'none')",
     "functions": "tool calling is not supported",
-    "echo": "echoing the prompt is not supported",
     "suffix": "suffixes are not supported",
     "mm_processor_kwargs": "is not supported",
 }
@@ -258,7 +257,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # the sampled token's logprob and this many most likely ones, per position
     add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS and the like on a text prompt (None: true)
-    echo: bool | None = False  # not implemented: refused when true
+    echo: bool | None = False  # the prompt before each choice's text (and its logprobs before the choice's)
     suffix: str | None = None  # not implemented: refused when set
 
     def prompts(self) -> list[str | list[int]]:
@@ -294,6 +293,8 @@ class CompletionRequest(SamplingRequest):
             explicit["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
         if self.logprobs is not None:
             explicit["logprobs"] = self.logprobs
+            if self.echo and self.prompt_logprobs is None:  # vLLM's: the echoed prompt's logprobs too
+                explicit["prompt_logprobs"] = self.logprobs
         explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return sampling_params_with_defaults(explicit, defaults)
 
@@ -312,7 +313,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False  # the tokenizer's BOS and the like, besides those the template renders
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking, ...)
-    echo: bool | None = False  # not implemented: refused when true
+    # vLLM's: the last message's content before the reply, when the reply continues it (same role)
+    echo: bool | None = False
     documents: list[Any] | None = None  # for the chat template (RAG templates), as vLLM's
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
@@ -342,6 +344,20 @@ class ChatCompletionRequest(SamplingRequest):
             explicit["logprobs"] = self.top_logprobs or 0
         explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return sampling_params_with_defaults(explicit, defaults)
+
+    def echoed(self) -> str:
+        """What ``echo`` puts before the reply (vLLM's): the last message's text when the reply is in its role
+        (``response_role``), else nothing."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or not isinstance(last, dict) or last.get("role") != self.response_role():
+            return ""
+        content = last.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):  # its text parts, as the template saw them joined
+            texts = [p if isinstance(p, str) else p.get("text") for p in content if isinstance(p, str | dict)]
+            return "\n".join(t for t in texts if isinstance(t, str))
+        return ""
 
     def response_role(self) -> str:
         """The role of the reply (vLLM's ``get_chat_request_role``): the assistant's after a generation prompt,

@@ -73,12 +73,28 @@ class CompletionLogprobs:
     tokenizer: Any
     text_offset: int = 0
 
-    def body(self, completion: CompletionOutput) -> dict[str, Any]:
+    def body(
+        self, completion: CompletionOutput, prompt: tuple[list[int], list[dict[int, Logprob] | None]] | None = None
+    ) -> dict[str, Any]:
+        """The logprobs of the choice's tokens; with ``prompt`` (an echoed prompt's token ids and logprobs), of the
+        prompt's tokens first, the first one's (nothing predicts it) null, as vLLM's echo."""
         tokens: list[str] = []
-        token_logprobs: list[float] = []
-        top_logprobs: list[dict[str, float]] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
         offsets: list[int] = []
-        for token_id, position in zip(completion.token_ids, completion.logprobs or [], strict=False):
+        positions: list[tuple[int, dict[int, Logprob] | None]] = []
+        if prompt is not None:
+            positions += list(zip(prompt[0], prompt[1], strict=False))
+        positions += list(zip(completion.token_ids, completion.logprobs or [], strict=False))
+        for token_id, position in positions:
+            if position is None or token_id not in position:
+                text = str(self.tokenizer.decode([token_id]))
+                tokens.append(text)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                offsets.append(self.text_offset)
+                self.text_offset += len(text)
+                continue
             sampled = position[token_id]
             text = _token_text(token_id, sampled, self.tokenizer)
             tokens.append(text)

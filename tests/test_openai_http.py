@@ -352,7 +352,6 @@ BAD_FIELDS = [
     ("completions", {"prompt": [5, 10**6]}, "prompt[1]"),
     ("completions", {"prompt": [[5], [1.5]]}, "prompt"),
     ("completions", {"prompt": "x" * 1_000_000}, "prompt"),
-    ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "end"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
     ("chat", {"messages": []}, "messages"),
@@ -401,7 +400,6 @@ BAD_FIELDS = [
     ("chat", {"length_penalty": 2.0}, "length_penalty"),
     ("completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
     ("completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
-    ("chat", {"echo": True}, "echo"),
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
     ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
@@ -1205,3 +1203,52 @@ def test_use_beam_search_returns_transformers_beams(services, model, tokenizer):
     assert [c["message"]["role"] for c in response.json()["choices"]] == ["assistant"] * width
     length_penalty = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, "length_penalty": 0.5})
     assert length_penalty.status_code == 200, length_penalty.text
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(services, model, tokenizer):
+    """vLLM's echo: each choice's text begins with the prompt (text as sent, token ids decoded); with logprobs the
+    prompt's tokens come first, the first one's logprob null and the others transformers' (a full forward)."""
+    from tests.helpers import hf_model
+
+    _, _, base_url = services
+    plain = httpx.post(f"{base_url}/v1/completions", json={"prompt": PROMPTS[0], **GREEDY, **NO_EOS}).json()
+    body = {"prompt": PROMPTS[0], "echo": True, **GREEDY, **NO_EOS}
+    echoed = httpx.post(f"{base_url}/v1/completions", json=body).json()
+    assert echoed["choices"][0]["text"] == PROMPTS[0] + plain["choices"][0]["text"]
+    assert echoed["usage"] == plain["usage"]
+    events = sse_events(base_url, "/v1/completions", {**body, "stream": True})
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]]
+    assert texts[0].startswith(PROMPTS[0]) and "".join(texts) == echoed["choices"][0]["text"]
+
+    ids = tokenizer(PROMPTS[1]).input_ids
+    body = {"prompt": ids, "echo": True, "logprobs": 1, **GREEDY, **NO_EOS}
+    (choice,) = httpx.post(f"{base_url}/v1/completions", json=body).json()["choices"]
+    assert choice["text"].startswith(tokenizer.decode(ids))  # token ids decoded, BOS included
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 12
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    with torch.no_grad():
+        reference = hf_model(Path(model))(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    expected = [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert logprobs["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=1e-3)
+    assert "".join(logprobs["tokens"][: len(ids)]) == tokenizer.decode(ids)  # each token's text in context
+    streamed = sse_events(base_url, "/v1/completions", {**body, "stream": True})
+    first = json.loads(streamed[0])["choices"][0]["logprobs"]
+    assert first["token_logprobs"][: len(ids)] == logprobs["token_logprobs"][: len(ids)]
+
+
+def test_chat_echo_repeats_the_continued_message(services):
+    _, _, base_url = services
+    turns = [*CHAT, {"role": "assistant", "content": "Once"}]
+    body = {"messages": turns, "add_generation_prompt": False, "continue_final_message": True, **GREEDY, **NO_EOS}
+    plain = httpx.post(f"{base_url}/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    echoed = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]
+    assert echoed["message"] == {"role": "assistant", "content": "Once" + plain["content"]}
+    events = sse_events(base_url, "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1] if json.loads(e)["choices"]]
+    assert deltas[1] == {"content": "Once"}
+    assert "".join(d.get("content") or "" for d in deltas) == "Once" + plain["content"]
+    # after a generation prompt the reply starts a new message: nothing is echoed
+    new_turn = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, "echo": True, **GREEDY})
+    fresh = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, **GREEDY})
+    assert new_turn.json()["choices"][0]["message"] == fresh.json()["choices"][0]["message"]
