@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from frontend_svc.chat_content_format import CONTENT_FORMATS
 from frontend_svc.sampling_params import MAX_N
 from splitserve.base.config_args import NOT_A_FLAG, flag
 from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, parse_limit_mm_per_prompt
@@ -27,6 +29,24 @@ class FrontendConfig:
     trust_request_chat_template: bool = field(
         default=False,
         metadata=flag("let Chat calls bring their own chat_template (it runs on the frontend's CPU)"),
+    )
+    # The chat template of chat requests that bring none (vLLM's --chat-template): a file, or the template itself.
+    chat_template: str | None = field(
+        default=None,
+        metadata=flag(
+            "the chat template of every chat request that brings none, as vLLM's flag: a file, or the jinja "
+            "template itself (a model whose tokenizer has none can chat with it)",
+            default_help="the tokenizer's (a multimodal model's: its processor's)",
+            metavar="FILE_OR_TEMPLATE",
+        ),
+    )
+    # How message content reaches the template (vLLM's --chat-template-content-format; chat_content_format.py).
+    chat_template_content_format: str = field(
+        default="auto",
+        metadata=flag(
+            "how a message's content reaches the chat template, as vLLM's flag: 'string' (text, parts joined with "
+            "newlines), 'openai' (a list of {'type': 'text'} parts), or 'auto' (the one the template loops over)"
+        ),
     )
     # Where unset sampling fields take defaults from: "auto", "vllm" or a folder (generation_config.py).
     generation_config: str = field(
@@ -115,7 +135,34 @@ class FrontendConfig:
 
     def __post_init__(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
+                f"{self.chat_template_content_format!r}"
+            )
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)  # raises ValueError: a path that is not there
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``'s template: the file ``value`` names, or ``value`` itself when it holds template syntax
+    (a brace or a line break), as vLLM reads the flag.
+
+    Raises:
+        ValueError: ``value`` looks like a path (no template syntax) but no file is there, or cannot be read.
+    """
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"chat_template: cannot read {value}: {e}") from e
+    except ValueError:  # a template too long or odd to be a path
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat_template: {value!r} looks like a file, but there is none (give a file or a template)")

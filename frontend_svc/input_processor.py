@@ -158,6 +158,9 @@ class InputProcessor:
         # Characters one token covers at most (None: no sound bound for this tokenizer), computed once.
         self.max_chars_per_token = max_chars_per_token(tokenizer)
         self.budget = TokenizeBudget()  # what the server tokenizes at once (``tokenize_async``)
+        # --chat-template (a server's): the template of chats that bring none, over the tokenizer's and processor's
+        self.default_chat_template: str | None = None
+        self.default_content_format = "auto"  # --chat-template-content-format: render_chat's "auto"
         eos_ids = list(engine_info.eos_token_ids)
         if not eos_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids = [tokenizer.eos_token_id]
@@ -271,6 +274,10 @@ class InputProcessor:
         normalized = [self._check_message(i, m, images) for i, m in enumerate(messages)]
         if images and self.mm_processor is None:
             raise _no_images_error(_images_field(images))  # before a text model's template sees image parts
+        if chat_template is None:
+            chat_template = self.default_chat_template
+        if content_format == "auto":
+            content_format = self.default_content_format
         if self.mm_processor is not None and chat_template is None:
             # A multimodal model's template is the processor's (chat_template.jinja beside
             # preprocessor_config.json) when it has one, as transformers' processor.apply_chat_template picks it;
@@ -278,7 +285,11 @@ class InputProcessor:
             chat_template = getattr(self.mm_processor.processor, "chat_template", None)
         template = _template_text(chat_template or getattr(self.tokenizer, "chat_template", None), tools)
         if template is None:
-            raise ValidationError("messages", "the model's tokenizer has no chat template; pass chat_template")
+            raise ValidationError(
+                "messages",
+                "the model's tokenizer has no chat template: start the server with --chat-template (or pass "
+                "chat_template)",
+            )
         if content_format not in CONTENT_FORMATS:
             raise ValidationError(
                 "chat_template_content_format", f"must be one of {', '.join(CONTENT_FORMATS)}, got {content_format!r}"

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from frontend_svc.async_llm import AsyncLLM
-from frontend_svc.config import FrontendConfig
+from frontend_svc.config import FrontendConfig, load_chat_template
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings
 from frontend_svc.http_server import HttpServer
@@ -164,7 +164,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
         stat_loggers: list[StatLogger] = []
         if registry is not None:
             stat_loggers.append(PrometheusStatLogger(registry, self.model_name, client.get_engine_info().max_model_len))
-        return AsyncLLM(
+        engine = AsyncLLM(
             str(model_path),
             tokenizer=self.state.tokenizer,
             stat_loggers=stat_loggers,
@@ -172,6 +172,10 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             engine_core_client=client,
             limit_mm_per_prompt=self.frontend.limit_mm_per_prompt,
         )
+        if self.frontend.chat_template is not None:
+            engine.input_processor.default_chat_template = load_chat_template(self.frontend.chat_template)
+        engine.input_processor.default_content_format = self.frontend.chat_template_content_format
+        return engine
 
     def _availability_changed(
         self, control: server_lifecycle.ServerControl, available: bool

@@ -1252,3 +1252,32 @@ def test_chat_echo_repeats_the_continued_message(services):
     new_turn = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, "echo": True, **GREEDY})
     fresh = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, **GREEDY})
     assert new_turn.json()["choices"][0]["message"] == fresh.json()["choices"][0]["message"]
+
+
+def test_chat_template_flags_set_the_template_and_content_format(services, model, tmp_path, tokenizer):
+    """--chat-template (a file) renders every chat that brings none; --chat-template-content-format openai gives
+    it the content as parts (this template prints the content, so the parts show)."""
+    core, _, _ = services
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content[0].text }}{% endfor %}")
+    http_port = stack.free_port()
+    flags = ["--http-port", str(http_port), "--chat-template", str(template)]
+    frontend = stack.start_frontend(
+        model, [core.address], tmp_path, [*flags, "--chat-template-content-format", "openai"]
+    )
+    try:
+        frontend.wait_serving()
+        response = httpx.post(f"http://127.0.0.1:{http_port}/tokenize", json={"messages": CHAT}, timeout=60)
+        assert response.json()["tokens"] == list(tokenizer("<user>Tell me a story", add_special_tokens=False).input_ids)
+    finally:
+        assert frontend.stop() == 0
+
+
+def test_load_chat_template_reads_a_file_or_takes_the_template():
+    from frontend_svc.config import FrontendConfig, load_chat_template
+
+    assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    with pytest.raises(ValueError, match="looks like a file, but there is none"):
+        load_chat_template("/no/such/template.jinja")
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
+        FrontendConfig(chat_template_content_format="parts")
