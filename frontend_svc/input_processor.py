@@ -300,6 +300,8 @@ class InputProcessor:
             detect_content_format(template) == "openai" if content_format == "auto" else content_format == "openai"
         )
         normalized = [_content_as(m, as_parts) for m in normalized]
+        if "developer" not in template:  # OpenAI's newer name of the system role, for templates that lack it
+            normalized = [{**m, "role": "system"} if m["role"] == "developer" else m for m in normalized]
         try:
             text = self.tokenizer.apply_chat_template(
                 normalized,

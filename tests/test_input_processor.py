@@ -455,3 +455,12 @@ def test_token_id_prompts_must_be_integers(llama2_tokenizer, ids, field):
     with pytest.raises(ValidationError, match=rf"^{re.escape(field)}: must be an integer token id, got "):
         processor.process_inputs("r", ids, SamplingParams())
     assert processor.process_inputs("r", [5, 6, 7], SamplingParams())[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_a_developer_message_is_a_system_one_for_templates_without_that_role(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    as_system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert processor.render_chat(messages)["prompt"] == processor.render_chat(as_system)["prompt"]
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }}|{% endfor %}"
+    assert processor.render_chat(messages, False, knows)["prompt"] == "D:be brief|hi|"
