@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from frontend_svc.chat_content_format import CONTENT_FORMATS
 from frontend_svc.sampling_params import MAX_N
@@ -41,7 +42,7 @@ class FrontendConfig:
         ),
     )
     # How message content reaches the template (vLLM's --chat-template-content-format; chat_content_format.py).
-    chat_template_content_format: str = field(
+    chat_template_content_format: Literal["auto", "string", "openai"] = field(
         default="auto",
         metadata=flag(
             "how a message's content reaches the chat template, as vLLM's flag: 'string' (text, parts joined with "

@@ -197,7 +197,7 @@ FRONTEND_COMMANDS = {"frontend": ["--core", "localhost:1"], "serve": []}
 
 
 # A valid non-default value of a string field with a format of its own.
-STRING_VALUES = {"limit_mm_per_prompt": "image=2", "cpu_omp_threads_bind": "0-1"}
+STRING_VALUES = {"limit_mm_per_prompt": "image=2", "cpu_omp_threads_bind": "0-1", "chat_template": "{{ messages }}"}
 
 
 def _non_default(field: dataclasses.Field, annotation: object) -> tuple[list[str], object]:
