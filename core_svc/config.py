@@ -14,6 +14,7 @@ from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, image_limit, par
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's ModelDType names of the same dtypes
 # vLLM's --kv-cache-dtype names (its fp8 ones are not served), and float32: a float32 model's own dtype by name, the
 # way to keep it under int8 weights, where auto is bfloat16 (core_svc.engine_core.kv_cache_dtype_for)
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
@@ -22,6 +23,7 @@ Quantization = Literal["int8"]  # core_svc.models.quantization
 QUANTIZATION_METHODS = ("int8",)
 SchedulingPolicy = Literal["fcfs", "priority"]
 Runner = Literal["generate", "pooling"]  # vLLM's --runner
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 AttentionBackendName = Literal["auto", "cpu", "torch_ref", "triton", "flash_attn"]  # kernels.get_attention_backend
 ATTENTION_BACKEND_NAMES = ("auto", "cpu", "torch_ref", "triton", "flash_attn")
 
@@ -100,7 +102,13 @@ class CoreConfig:
         ),
     )
     max_num_seqs: int = field(default=128, metadata=flag("most requests running at once", unit="requests"))
-    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step", unit="tokens"))
+    max_num_batched_tokens: int = field(
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        metadata=flag(
+            "token budget of one step (left at the default with chunked prefill off: max_model_len, as vLLM's)",
+            unit="tokens",
+        ),
+    )
     max_model_len: int | None = field(
         default=None,
         metadata=flag("tokens per sequence, prompt and output", default_help="the model's max_position_embeddings"),
@@ -251,6 +259,10 @@ class CoreConfig:
     def __post_init__(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))  # argparse gives a list
+        # vLLM's dtype names besides the torch ones
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -282,7 +294,7 @@ class CoreConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto, float32 (float), bfloat16 or float16 (half), got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         # What the flags alone rule out: a float32 model's narrower cache on a backend that stores the model's dtype

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from core_svc import gpu_memory
-from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, CoreConfig, SchedulerConfig
+from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS, CoreConfig, SchedulerConfig
 from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
 from core_svc.cuda_graphs import CudaGraphCapturer
 from core_svc.device import check_device, release_cached_memory, set_compute_threads
@@ -205,6 +205,14 @@ class EngineCore:
             loaded = self._load_model()
             phase.note = format_bytes(loaded.weights_bytes)
         self.max_model_len = _resolve_max_model_len(config, loaded)
+        if (
+            not config.enable_chunked_prefill
+            and config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+            and config.max_num_batched_tokens < self.max_model_len
+        ):
+            # vLLM's: a step's budget left at its default holds a whole prompt when prompts are not chunked
+            config = self.config = dataclasses.replace(config, max_num_batched_tokens=self.max_model_len)
+            logger.info("max_num_batched_tokens=%d (max_model_len: chunked prefill is off)", self.max_model_len)
         self.vocab_size = loaded.arch.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
         self.dtype = next(loaded.model.parameters()).dtype

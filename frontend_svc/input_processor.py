@@ -161,6 +161,8 @@ class InputProcessor:
         # --chat-template (a server's): the template of chats that bring none, over the tokenizer's and processor's
         self.default_chat_template: str | None = None
         self.default_content_format = "auto"  # --chat-template-content-format: render_chat's "auto"
+        # max_tokens past max_model_len cut to the room left (the offline LLM's, as vLLM's), not refused
+        self.cap_max_tokens = False
         eos_ids = list(engine_info.eos_token_ids)
         if not eos_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             eos_ids = [tokenizer.eos_token_id]
@@ -539,11 +541,13 @@ class InputProcessor:
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """max_tokens within max_model_len: None is all the room left, or the model's default_max_tokens capped
         to it (vLLM's servers' get_max_tokens); a value that does not fit is refused, as vLLM's servers refuse
-        it (HTTP 400), rather than cut short with finish reason "length"."""
+        it (HTTP 400), or with ``cap_max_tokens`` (the offline LLM, as vLLM's) cut to the room left."""
         room = self.info.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
             return room if params.default_max_tokens is None else min(params.default_max_tokens, room)
         violation = max_tokens_violation(params.max_tokens, num_prompt_tokens, self.info.max_model_len)
+        if violation is not None and self.cap_max_tokens:
+            return room  # the offline LLM's: the output stops at max_model_len ("length"), as vLLM's LLM
         if violation is not None:
             raise ValidationError(violation.field, violation.description + MAX_TOKENS_HINT)
         return params.max_tokens

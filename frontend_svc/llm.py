@@ -26,10 +26,9 @@ class LLM:
     the core's memory (in-process) or the connections at once; that happens anyway when the object is
     garbage-collected.
 
-    A prompt whose tokens plus max_tokens exceed max_model_len is refused with ``ValidationError`` naming
-    max_tokens, as the servers refuse it, rather than cut short as vLLM's ``LLM`` does: the same request then
-    gets the same answer here, over gRPC and from a remote core, and a completion that says "length" always
-    means max_tokens was reached. ``max_tokens=None`` asks for all the room left.
+    As vLLM's ``LLM``, a ``max_tokens`` past max_model_len is cut to the room the prompt leaves: the completion
+    ends there with finish reason "length" (the servers refuse such a request, as vLLM's servers answer 400).
+    ``max_tokens=None`` asks for all the room left.
 
     Args:
         model: local Hugging Face folder or hub id.

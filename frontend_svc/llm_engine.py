@@ -14,6 +14,7 @@ from typing import Any
 
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings, make_client
+from frontend_svc.engine_args import engine_settings
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, SchedulerStats
 from frontend_svc.errors import FrontendError, NotFoundError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
@@ -52,6 +53,7 @@ class LLMEngineBase:
         generation_config: str = AUTO,
     ) -> None:
         configure_library_logging()  # before the core loads: its size and the KV cache's are logged at INFO
+        core_config = engine_settings(core_config)  # vLLM's engine arguments as splitserve's
         # An already connected client (the servers use it).
         client: EngineCoreClient | None = core_config.pop("engine_core_client", None)
         # The most images a prompt may hold (vLLM's limit_mm_per_prompt: {"image": N} or "image=N"): the frontend
@@ -259,12 +261,17 @@ class LLMEngine(LLMEngineBase):
         limit_mm_per_prompt (keyword): the most images a prompt may hold, vLLM's {"image": N} or "image=N"
             (default 999, vLLM's).
         **core_config: engine-core settings (``core_svc.config.CoreConfig`` fields: max_num_seqs,
-            num_kv_blocks, dtype, ...), for the in-process core.
+            num_kv_blocks, dtype, ...), for the in-process core; vLLM's engine arguments are taken too
+            (``engine_args``: renamed, or dropped where they set nothing here).
+
+    A ``max_tokens`` past max_model_len is cut to the room the prompt leaves, as vLLM's engine cuts it (the
+    servers' ``AsyncLLM`` refuses it, as vLLM's servers do).
 
     Raises:
         ModelNotFoundError: ``model`` is no model folder ("no such folder: PATH", "PATH is not a model folder: no
             config.json") nor a hub id that could be fetched.
-        ValueError: engine-core settings given with ``core_address`` (a remote core has its own flags).
+        ValueError: engine-core settings given with ``core_address`` (a remote core has its own flags); a vLLM
+            engine argument at a value splitserve cannot honour (``engine_args``).
         EngineDeadError: no core at ``core_address`` took requests within ``SPLITSERVE_ENGINE_READY_TIMEOUT_S``
             seconds (default 60).
     """
@@ -278,6 +285,8 @@ class LLMEngine(LLMEngineBase):
         **core_config: Any,
     ) -> None:
         super().__init__(model, core_address, tokenizer, False, core_config, generation_config)
+        # vLLM's offline engines cut a max_tokens past max_model_len to the room left (the servers refuse it)
+        self.input_processor.cap_max_tokens = True
         self.num_preemptions = 0  # preemptions the core reported since this engine started
         self.scheduler_stats: SchedulerStats | None = None  # the latest the core reported
         # A step that failed requests raises one error per step() call; what it produced besides waits here.

@@ -308,11 +308,9 @@ def test_bad_requests_are_refused_and_others_go_on(llm):
         llm.generate("hi", SamplingParams(logprobs=50), use_tqdm=False)
     with pytest.raises(ValidationError, match="prompt: has 2048 tokens"):
         llm.generate([[5] * 2048], use_tqdm=False)
-    # Prompt + max_tokens over max_model_len (2048) is refused as the servers refuse it, not cut short.
-    with pytest.raises(
-        ValidationError, match=r"max_tokens: 2041 is too large: .* 2049 were requested \(8 in the prompt, 2041 in"
-    ):
-        llm.generate([[5] * 8, [6] * 8], SamplingParams(max_tokens=2041), use_tqdm=False)
+    # Prompt + max_tokens over max_model_len (2048) is cut short at max_model_len, as vLLM's LLM cuts it.
+    long = llm.generate([[5] * 2040], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert len(long[0].outputs[0].token_ids) == 8 and long[0].outputs[0].finish_reason == "length"
     with pytest.raises(ValidationError, match="request_id: has 1025 characters, more than the 1024 allowed"):
         llm.llm_engine.add_request("r" * 1025, "hi", SamplingParams(max_tokens=3))
     assert not llm.llm_engine.has_unfinished_requests()
@@ -607,3 +605,46 @@ def test_async_llm_dead_core_and_failed_output_handler_errors_name_no_python_cla
         "(the last: injected fault)"
     )
     assert failed == "the engine failed: boom"
+
+
+def test_vllm_engine_arguments_are_taken_renamed_or_refused_naming_them(llama2_model, tmp_path):
+    """vLLM's LLM(...) arguments: those that set nothing here at their neutral values, renamed ones as splitserve's,
+    dtype aliases, other values refused naming the argument; with chunked prefill off the budget left at its
+    default becomes max_model_len (vLLM's)."""
+    import json
+    import shutil
+
+    neutral = {
+        "tensor_parallel_size": 1,
+        "trust_remote_code": True,
+        "disable_log_stats": False,
+        "swap_space": 4,
+        "tokenizer_mode": "auto",
+        "revision": None,
+        "compilation_config": 0,
+        "distributed_executor_backend": "mp",
+    }
+    with LLM(str(llama2_model), dtype="float", num_gpu_blocks_override=64, **neutral) as llm:
+        info = llm.llm_engine.engine_info
+        assert info.num_kv_blocks == 64 and info.dtype == "float32"
+        (output,) = llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 2
+    for name, value, why in [
+        ("tensor_parallel_size", 2, "a model runs on one device"),
+        ("skip_tokenizer_init", True, "the frontend needs the tokenizer"),
+        ("revision", "main", "default revision"),
+    ]:
+        with pytest.raises(ValueError, match=rf"{name}={value!r} is not supported: .*{why}"):
+            LLM(str(llama2_model), **{name: value})
+    with pytest.raises(ValueError, match="seed must be an integer, got None"):
+        LLM(str(llama2_model), seed=None)
+
+    long_context = tmp_path / "long"
+    shutil.copytree(llama2_model, long_context)
+    config = json.loads((long_context / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (long_context / "config.json").write_text(json.dumps(config))
+    with LLM(str(long_context), num_kv_blocks=300, enable_chunked_prefill=False) as llm:
+        assert llm.llm_engine.engine_info.max_num_batched_tokens == 4096
+        (output,) = llm.generate([[5] * 3000], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert output.num_cached_tokens == 0 and len(output.outputs[0].token_ids) == 2
