@@ -193,23 +193,43 @@ class InputProcessor:
     def tokenize_with(self, prompt: PromptType, tokenization_kwargs: Mapping[str, Any]) -> PromptType:
         """A text prompt (or a ``{"prompt"}`` dict) as a ``TokensPrompt`` tokenized with the tokenizer's keyword
         arguments ``tokenization_kwargs`` (vLLM's: ``add_special_tokens``, truncation); token ids as they are.
+        vLLM's ``truncate_prompt_tokens`` among them keeps the last that many tokens of any prompt, text or ids
+        (-1: max_model_len - 1, the most that leave room for an output token).
 
         Raises:
             ValidationError: a prompt with ``multi_modal_data`` (its placeholders are expanded as it is
-                tokenized), a tokenizer refusing the arguments, or as ``tokenize``.
+                tokenized), a tokenizer refusing the arguments, a ``truncate_prompt_tokens`` other than -1 or a
+                positive count, or as ``tokenize``.
         """
         fields: Mapping[str, Any] = prompt if isinstance(prompt, dict) else {}
         if "multi_modal_data" in fields:
             raise ValidationError("tokenization_kwargs", "is not supported with multi_modal_data")
+        kwargs = dict(tokenization_kwargs)
+        truncate = kwargs.pop("truncate_prompt_tokens", None)
+        if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < -1):
+            raise ValidationError("truncate_prompt_tokens", f"must be -1 or a positive count, got {truncate!r}")
+        if truncate == 0:
+            raise ValidationError("truncate_prompt_tokens", "must be -1 or a positive count, got 0")
         text = prompt if isinstance(prompt, str) else fields.get("prompt")
         if "prompt_token_ids" in fields or not isinstance(text, str):
-            return prompt
-        self.check_text_length(text, "prompt", "the prompt")
-        try:
-            token_ids = list(self.tokenizer(text, **tokenization_kwargs).input_ids)
-        except TypeError as e:
-            raise ValidationError("tokenization_kwargs", f"the tokenizer refused them: {e}") from e
-        return TokensPrompt(prompt=text, prompt_token_ids=token_ids)
+            if truncate is None:
+                return prompt
+            prompt_text, token_ids = self.tokenize(prompt)
+        else:
+            if truncate is None:  # a text too long to fit is refused before tokenizing, unless it is cut
+                self.check_text_length(text, "prompt", "the prompt")
+            try:
+                token_ids = list(self.tokenizer(text, **kwargs).input_ids)
+            except TypeError as e:
+                raise ValidationError("tokenization_kwargs", f"the tokenizer refused them: {e}") from e
+            prompt_text = text
+        if truncate is not None:
+            keep = self.info.max_model_len - 1 if truncate == -1 else truncate
+            token_ids = token_ids[-keep:]
+        result = TokensPrompt(prompt_token_ids=token_ids)
+        if prompt_text is not None:
+            result["prompt"] = prompt_text
+        return result
 
     async def tokenize_async(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``tokenize`` on a worker thread, within ``budget`` (a text too long is refused before it waits).

@@ -167,6 +167,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         *,
         priority: int | Sequence[int] | None = None,
@@ -178,17 +179,26 @@ class LLM:
         and ``tool_call_id`` reach the template. Sampling parameters, progress bar, LoRA adapters and priority as
         ``generate``; the rendering's arguments in vLLM's order: ``continue_final_message`` leaves the last message
         open (not with ``add_generation_prompt``), ``tools`` (function schemas) and ``chat_template_kwargs`` go to
-        the template. Tool calls in the output are not parsed.
+        the template. Tool calls in the output are not parsed. ``tokenization_kwargs`` (vLLM's overrides of the
+        rendered text's tokenization): ``add_special_tokens`` (default False: the template renders BOS) and
+        ``truncate_prompt_tokens``.
 
         Raises:
             ValidationError: as ``generate``; a malformed message; ``chat_template_content_format`` other than
                 "auto" (the template decides: ``chat_content_format``), "string" or "openai";
-                ``mm_processor_kwargs`` (not supported).
+                ``tokenization_kwargs`` with another key; ``mm_processor_kwargs`` (not supported).
         """
         if mm_processor_kwargs:
             raise ValidationError("mm_processor_kwargs", "is not supported")
         if continue_final_message and add_generation_prompt:
             raise ValidationError("continue_final_message", "cannot be True with add_generation_prompt=True")
+        tokenization = dict(tokenization_kwargs or {})
+        add_special_tokens = bool(tokenization.pop("add_special_tokens", False))
+        for key in tokenization:
+            if key != "truncate_prompt_tokens":
+                raise ValidationError(
+                    f"tokenization_kwargs.{key}", "LLM.chat takes add_special_tokens and truncate_prompt_tokens"
+                )
         conversations = _as_conversation_list(messages)
         processor = self.llm_engine.input_processor
         prompts: list[PromptType] = [
@@ -197,12 +207,15 @@ class LLM:
                 add_generation_prompt,
                 chat_template,
                 continue_final_message=continue_final_message,
+                add_special_tokens=add_special_tokens,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
                 content_format=chat_template_content_format,
             )
             for conversation in conversations
         ]
+        if tokenization:
+            prompts = [processor.tokenize_with(prompt, tokenization) for prompt in prompts]
         return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 
     def encode(

@@ -102,8 +102,13 @@ class LLMEngineBase:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's default sampling parameters (its generation config) over vLLM's (vLLM
-        ``LLM.get_default_sampling_params``); a default max_tokens is a cap (``default_max_tokens``)."""
-        return sampling_params_with_defaults({}, self.default_sampling_params)
+        ``LLM.get_default_sampling_params``). A default max_tokens is the params' max_tokens where a request's
+        max_tokens is cut to the room left (``LLMEngine``, as vLLM's), else a cap (``default_max_tokens``) that a
+        long prompt shortens rather than being refused."""
+        params = sampling_params_with_defaults({}, self.default_sampling_params)
+        if self.input_processor.cap_max_tokens and params.default_max_tokens is not None:
+            params.max_tokens, params.default_max_tokens = params.default_max_tokens, None
+        return params
 
     def refresh_engine_info(self) -> None:
         """Take the core's settings again (after a reconnect, the core may have restarted with others)."""

@@ -55,6 +55,8 @@ class RequestOutput:
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, object] | None = None
+    # vLLM's placeholder ranges per modality: empty here (a request's image placeholders are its core request's)
+    multi_modal_placeholders: dict[str, object] = dataclasses.field(default_factory=dict)
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output for the same request in place (vLLM's ``RequestOutput.add``): per completion

@@ -56,6 +56,14 @@ def test_llm_uses_the_models_defaults_when_sampling_params_is_none(generation_co
         assert all(len(o.outputs[0].token_ids) == 16 or o.outputs[0].finish_reason == "stop" for o in greedy)
     with LLM(str(generation_config_model), num_kv_blocks=65, generation_config="vllm") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+    folder = generation_config_model.parent / "max-new-tokens"
+    folder.mkdir(exist_ok=True)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    with LLM(str(generation_config_model), num_kv_blocks=65, generation_config=str(folder)) as llm:
+        defaults = llm.get_default_sampling_params()  # vLLM's: the model's max_new_tokens is max_tokens
+        assert (defaults.max_tokens, defaults.default_max_tokens) == (7, None)
+        (output,) = llm.generate(PROMPTS[:1], use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 7 or output.outputs[0].finish_reason == "stop"
 
 
 @pytest.fixture(scope="module")

@@ -648,3 +648,27 @@ def test_vllm_engine_arguments_are_taken_renamed_or_refused_naming_them(llama2_m
         assert llm.llm_engine.engine_info.max_num_batched_tokens == 4096
         (output,) = llm.generate([[5] * 3000], SamplingParams(max_tokens=2), use_tqdm=False)
         assert output.num_cached_tokens == 0 and len(output.outputs[0].token_ids) == 2
+
+
+def test_tokenization_kwargs_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    tokenizer = llm.get_tokenizer()
+    text = PROMPTS[2]
+    ids = tokenizer(text).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    cut = {"truncate_prompt_tokens": 3}
+    (from_text,) = llm.generate(text, params, use_tqdm=False, tokenization_kwargs=cut)
+    (from_ids,) = llm.generate([ids], params, use_tqdm=False, tokenization_kwargs=cut)
+    assert from_text.prompt_token_ids == from_ids.prompt_token_ids == ids[-3:]
+    assert from_text.prompt == text and from_text.outputs[0].token_ids == from_ids.outputs[0].token_ids
+    with pytest.raises(ValidationError, match="truncate_prompt_tokens: must be -1 or a positive count, got 0"):
+        llm.generate(text, params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0})
+    chat = [{"role": "user", "content": text}]
+    rendered = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False).input_ids
+    (plain,) = llm.chat(chat, params, use_tqdm=False)
+    (with_bos,) = llm.chat(chat, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": True})
+    (chat_cut,) = llm.chat(chat, params, use_tqdm=False, tokenization_kwargs=cut)
+    assert plain.prompt_token_ids == rendered
+    assert with_bos.prompt_token_ids == [tokenizer.bos_token_id, *rendered]
+    assert chat_cut.prompt_token_ids == rendered[-3:]
+    with pytest.raises(ValidationError, match="tokenization_kwargs.truncation: LLM.chat takes"):
+        llm.chat(chat, params, use_tqdm=False, tokenization_kwargs={"truncation": True})
