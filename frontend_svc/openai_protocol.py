@@ -12,6 +12,7 @@ the default.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -31,7 +32,11 @@ LOGIT_BIAS_LIMIT = 100
 
 # Request fields of vLLM's (or OpenAI's) completions and chat bodies that splitserve does not implement: field ->
 # why. ``check_unsupported`` refuses one set to anything but None, False or an empty list.
+# vLLM's guided_* request fields -> the structured_outputs key each one is
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
 UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
+    "guided_whitespace_pattern": "is not supported: structured outputs use the backend's whitespace rules",
     "bad_words": "is not supported yet; logit_bias can ban single tokens",
     "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it",
     "return_tokens_as_token_ids": "is not supported: tokens are shown as their text",
@@ -102,6 +107,13 @@ class SamplingRequest(_Strict):
     # vLLM's extra: a StructuredOutputsParams as a dict (json, json_object, regex, choice, grammar,
     # disable_any_whitespace)
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's earlier names of its constraints, still sent by clients: each one key of structured_outputs
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # the engine's own backend runs whatever is asked ("auto")
+    guided_whitespace_pattern: str | None = None
     # Fields splitserve does not implement: refused when set (``check_unsupported``, UNSUPPORTED_REQUEST_FIELDS)
     best_of: int | None = None  # SamplingParams refuses it above 1 (as vLLM V1)
     use_beam_search: bool | None = None
@@ -165,6 +177,10 @@ class SamplingRequest(_Strict):
             raise ValidationError("use_beam_search", "is not available with stream=true")
         if self.length_penalty is not None and self.length_penalty != 1.0 and not self.use_beam_search:
             raise ValidationError("length_penalty", "applies to beam search: set use_beam_search")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar", "guidance"):
+            raise ValidationError(
+                "guided_decoding_backend", f"must be auto, xgrammar or guidance, got {self.guided_decoding_backend!r}"
+            )
         for name, why in UNSUPPORTED_REQUEST_FIELDS.items():
             if name == "tools" and self.template_tools() is not None:
                 continue
@@ -192,6 +208,17 @@ class SamplingRequest(_Strict):
             ValidationError: a ``response_format`` of another type or without its schema.
         """
         fields = None if self.structured_outputs is None else dict(self.structured_outputs)
+        for name, key in GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name == "guided_json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise ValidationError("guided_json", f"is not JSON: {e}") from e
+            fields = fields or {}
+            fields[key] = value
         response_format = self.response_format
         if response_format is None:
             return fields
@@ -487,6 +514,10 @@ def request_field(field: str, request: SamplingRequest) -> str:
     from ``response_format`` as that, beam search's width as ``n``."""
     if field == "beam_width":
         return "n"
+    for name, key in GUIDED_FIELDS.items():
+        constraint = f"{STRUCTURED_OUTPUTS_FIELD}.{key}"
+        if getattr(request, name) is not None and (field == constraint or field.startswith(constraint + "[")):
+            return name + field.removeprefix(constraint)
     if request.response_format is not None:
         kind = str(request.response_format.get("type"))
         from_format = {"json_object": "json_object", "json_schema": "json"}.get(kind)

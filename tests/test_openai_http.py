@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -380,6 +381,12 @@ BAD_FIELDS = [
     ("chat", {"structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ("completions", {"structured_outputs": "json"}, "structured_outputs"),
+    ("completions", {"guided_regex": "a[b"}, "guided_regex"),
+    ("chat", {"guided_choice": ["ok", ""]}, "guided_choice[1]"),
+    ("chat", {"guided_json": "{not json"}, "guided_json"),
+    ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "structured_outputs"),
+    ("completions", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ("completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     (
         "chat",
         {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
@@ -1281,3 +1288,34 @@ def test_load_chat_template_reads_a_file_or_takes_the_template():
         load_chat_template("/no/such/template.jinja")
     with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
         FrontendConfig(chat_template_content_format="parts")
+
+
+def test_vllm_s_guided_fields_constrain_as_structured_outputs(client):
+    """guided_choice / guided_regex / guided_json (a dict or its JSON text), vLLM's earlier names that clients
+    still send, constrain the output as the structured_outputs keys they stand for."""
+    import jsonschema
+
+    for seed in (1, 2):
+        completion = client.completions.create(
+            model=frontend_model(client),
+            prompt=PROMPTS[1],
+            temperature=1.0,
+            seed=seed,
+            max_tokens=20,
+            extra_body={"guided_choice": CHOICES, "guided_decoding_backend": "auto"},
+        )
+        assert completion.choices[0].text in CHOICES
+    regex = client.completions.create(
+        model=frontend_model(client), prompt=PROMPTS[0], max_tokens=20, extra_body={"guided_regex": "[0-9]{3}"}
+    )
+    assert re.fullmatch("[0-9]{3}", regex.choices[0].text)
+    for schema in (SMALL_SCHEMA, json.dumps(SMALL_SCHEMA)):
+        chat = client.chat.completions.create(
+            model=frontend_model(client),
+            messages=CHAT,
+            temperature=1.0,
+            seed=3,
+            max_tokens=120,
+            extra_body={"guided_json": schema, "structured_outputs": {"disable_any_whitespace": True}},
+        )
+        jsonschema.validate(json.loads(chat.choices[0].message.content or ""), SMALL_SCHEMA)
