@@ -485,7 +485,9 @@ class _OpenAIApi:
                 body.chat_template,
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=add_special_tokens,
-                chat_template_kwargs=body.chat_template_kwargs,
+                chat_template_kwargs=(
+                    body.template_variables() if isinstance(body, ChatCompletionRequest) else body.chat_template_kwargs
+                ),
                 tools=body.template_tools() if isinstance(body, ChatCompletionRequest) else None,
                 documents=body.documents if isinstance(body, ChatCompletionRequest) else None,
             ),

@@ -343,10 +343,25 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: the last message's content before the reply, when the reply continues it (same role)
     echo: bool | None = False
     documents: list[Any] | None = None  # for the chat template (RAG templates), as vLLM's
+    reasoning_effort: str | None = None  # OpenAI's; a variable of the chat template, as vLLM passes it
+    include_reasoning: bool = True  # vLLM's (with a reasoning parser); false is refused: the reply is not split
+    parallel_tool_calls: bool | None = None  # OpenAI's; no tool calls are parsed, so it changes nothing
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
     def template_tools(self) -> list[Any] | None:
         return self.tools if self.tools and self.tool_choice == "none" else None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` added when set (vLLM's), the kwargs winning.
+
+        Raises:
+            ValidationError: ``include_reasoning`` false (no reasoning parser splits the reply).
+        """
+        if not self.include_reasoning:
+            raise ValidationError("include_reasoning", "false needs a reasoning parser, which splitserve has not")
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -382,6 +382,7 @@ BAD_FIELDS = [
     ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ("completions", {"structured_outputs": "json"}, "structured_outputs"),
     ("completions", {"guided_regex": "a[b"}, "guided_regex"),
+    ("chat", {"include_reasoning": False}, "include_reasoning"),
     ("chat", {"guided_choice": ["ok", ""]}, "guided_choice[1]"),
     ("chat", {"guided_json": "{not json"}, "guided_json"),
     ("completions", {"guided_regex": "a", "guided_choice": ["b"]}, "structured_outputs"),
@@ -1319,3 +1320,15 @@ def test_vllm_s_guided_fields_constrain_as_structured_outputs(client):
             extra_body={"guided_json": schema, "structured_outputs": {"disable_any_whitespace": True}},
         )
         jsonschema.validate(json.loads(chat.choices[0].message.content or ""), SMALL_SCHEMA)
+
+
+def test_reasoning_effort_is_a_template_variable_and_chat_template_kwargs_win():
+    from frontend_svc.openai_protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=CHAT, reasoning_effort="low", parallel_tool_calls=True)
+    assert request.template_variables() == {"reasoning_effort": "low"}
+    request = ChatCompletionRequest(
+        messages=CHAT, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "x"}
+    )
+    assert request.template_variables() == {"reasoning_effort": "x"}
+    assert ChatCompletionRequest(messages=CHAT).template_variables() is None
