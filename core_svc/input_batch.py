@@ -55,6 +55,7 @@ class CachedRequestState:
             p.is_greedy
             and p.logprobs is None
             and p.allowed_token_ids is None
+            and not p.bad_words_token_ids
             and not p.logit_bias
             and not p.has_penalties
         )
@@ -165,8 +166,11 @@ def _add_logits_processors(
     if bias_rows:
         indices = to_device(np.array([bias_rows, bias_ids], dtype=np.int64))
         metadata.logit_bias = (indices[0], indices[1], to_device(np.array(bias_values, dtype=np.float32)))
-    min_rows, min_ids = [], []
+    min_rows, min_ids = [], []  # min_tokens' stop ids and bad words' banned ids: both set to -inf
     for i, (s, p) in enumerate(zip(states, params, strict=True)):
+        for token_id in banned_bad_word_ids(p.bad_words_token_ids, s.output_token_ids):
+            min_rows.append(i)
+            min_ids.append(token_id)
         if len(s.output_token_ids) < p.min_tokens:
             stop_ids = set(p.stop_token_ids) | set(p.model_eos_token_ids)
             if p.eos_token_id is not None:  # with ignore_eos too: vLLM's all_stop_token_ids always hold EOS
@@ -177,6 +181,17 @@ def _add_logits_processors(
     if min_rows:
         indices = to_device(np.array([min_rows, min_ids], dtype=np.int64))
         metadata.min_tokens_mask = (indices[0], indices[1])
+
+
+def banned_bad_word_ids(bad_words_token_ids: list[list[int]] | None, output_token_ids: list[int]) -> list[int]:
+    """The ids vLLM's bad words ban at the next position: each sequence's last id where the output so far ends
+    with the ids before it (a one-id sequence: always), as vLLM v1's ``apply_bad_words`` over the output ids."""
+    banned: list[int] = []
+    for sequence in bad_words_token_ids or ():
+        prefix = sequence[:-1]
+        if not prefix or (len(output_token_ids) >= len(prefix) and output_token_ids[-len(prefix) :] == prefix):
+            banned.append(sequence[-1])
+    return banned
 
 
 def _penalty_inputs(

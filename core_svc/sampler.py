@@ -33,7 +33,8 @@ class SamplingMetadata:
     # Logits processors; None when no row uses them.
     allowed_token_mask: torch.Tensor | None = None  # [num_rows, vocab_size] bool, True = not allowed
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias values)
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) to set to -inf
+    # (rows, token ids) to set to -inf: min_tokens' stop ids, the ids bad words ban at this position
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     presence_penalty: torch.Tensor | None = None  # [num_rows] float32
     frequency_penalty: torch.Tensor | None = None  # [num_rows] float32
     repetition_penalty: torch.Tensor | None = None  # [num_rows] float32

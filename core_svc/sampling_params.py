@@ -42,6 +42,9 @@ class SamplingParams:
     # all_stop_token_ids hold them; set by the engine core for requests with min_tokens (not on the wire).
     model_eos_token_ids: tuple[int, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None  # the output's constraint (compiled by the core)
+    # vLLM's bad words, tokenized by the frontend: each sequence's last id is banned where the output ends with the
+    # ids before it (always, for a one-id sequence)
+    bad_words_token_ids: list[list[int]] | None = None
 
     @property
     def is_greedy(self) -> bool:

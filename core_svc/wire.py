@@ -40,6 +40,7 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(dict.fromkeys(msg.allowed_token_ids)) or None,  # each step indexes with them
+        bad_words_token_ids=[list(words.token_ids) for words in msg.bad_words_token_ids] or None,
         structured_outputs=(
             StructuredOutputsParams.from_message(msg.structured_outputs) if msg.HasField("structured_outputs") else None
         ),

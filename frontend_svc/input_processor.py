@@ -16,7 +16,7 @@ from frontend_svc.chat_content_format import CONTENT_FORMATS, detect_content_for
 from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, MultiModalFeature
 from frontend_svc.errors import ValidationError
 from frontend_svc.mm_processor import IMAGE, SUPPORTED_MODEL_TYPES, EncodedImage, MultiModalProcessor, image_from_url
-from frontend_svc.sampling_params import INT32_MAX, SamplingParams
+from frontend_svc.sampling_params import INT32_MAX, SamplingParams, bad_words_token_ids
 from frontend_svc.tokenize_budget import TokenizeBudget, budget_bytes_of_memory, utf8_size
 from splitserve.base.pooling_params import PoolingParams, pooling_params_violation
 from splitserve.base.request_rules import max_tokens_violation, prompt_violation
@@ -382,6 +382,8 @@ class InputProcessor:
                 "min_tokens",
                 f"{resolved.min_tokens} is above the derived max_tokens {resolved.max_tokens} ({source})",
             )
+        if resolved.bad_words:
+            resolved.bad_words_token_ids = bad_words_token_ids(self.tokenizer, resolved.bad_words)
         resolved.verify(self.info.vocab_size, self.info.max_logprobs)
         if self.eos_token_ids:
             resolved.eos_token_id, resolved.stop_token_ids = eos_and_stop_ids(

@@ -37,7 +37,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     "guided_whitespace_pattern": "is not supported: structured outputs use the backend's whitespace rules",
-    "bad_words": "is not supported yet; logit_bias can ban single tokens",
     "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it",
     "return_tokens_as_token_ids": "is not supported: tokens are shown as their text",
     "logits_processors": "per-request logits processors are not supported",
@@ -149,6 +148,7 @@ class SamplingRequest(_Strict):
         "include_stop_str_in_output",
         "stop_token_ids",
         "allowed_token_ids",
+        "bad_words",
         "prompt_logprobs",
         "best_of",
     )

@@ -48,7 +48,6 @@ GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "logits_processors": "per-request logits processors are not supported (as vLLM V1): a Python callable "
     "cannot be sent to the engine core; use logit_bias, allowed_token_ids or min_tokens",
-    "bad_words": "is not supported yet; logit_bias can ban single tokens",
     "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it (vLLM moved this "
     "option out of SamplingParams, to tokenization_kwargs)",
     "guided_decoding": "was renamed structured_outputs (vLLM): pass a StructuredOutputsParams there",
@@ -117,16 +116,20 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated, at a word's start or inside text (``bad_words_token_ids``)
+    bad_words: list[str] | None = None
     # The output's constraint: a JSON schema, any JSON object, a regex, a choice of strings or an EBNF grammar
     # (a dict of its fields is taken too); checked here, compiled by the engine core.
     structured_outputs: StructuredOutputsParams | None = None
     # The model's default max_tokens (generation config max_new_tokens), used when max_tokens is None and
     # capped to the room left within max_model_len.
     default_max_tokens: int | None = None
+    # bad_words as token-id sequences, set by the InputProcessor with the model's tokenizer (vLLM's
+    # update_from_tokenizer); what the core bans
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # vLLM's fields splitserve accepts only at their neutral value (best_of also at n; see UNSUPPORTED_FIELDS).
     best_of: int | None = field(default=None, repr=False)
     logits_processors: Any = field(default=None, repr=False)
-    bad_words: list[str] | None = field(default=None, repr=False)
     truncate_prompt_tokens: int | None = field(default=None, repr=False)
     guided_decoding: Any = field(default=None, repr=False)
     extra_args: dict[str, Any] | None = field(default=None, repr=False)
@@ -229,6 +232,10 @@ class SamplingParams:
         self.stop_token_ids = _unique_token_ids(self.stop_token_ids, "stop_token_ids")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _unique_token_ids(self.allowed_token_ids, "allowed_token_ids")
+        if self.bad_words is not None:
+            self.bad_words = _as_list(self.bad_words, "bad_words", "a list of strings")
+            for i, word in enumerate(self.bad_words):
+                _require(isinstance(word, str) and word.strip() != "", f"bad_words[{i}]", "must be a non-empty word")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool):  # True asks for the sampled token and 1 more; False for none
@@ -372,3 +379,17 @@ def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:
             raise ValidationError("logit_bias", f"bias for token {token_id} must be finite or -inf, got {value!r}")
         normalized[token_id] = bias
     return normalized
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word as the token sequences it can appear as (vLLM's ``SamplingParams.update_from_tokenizer``):
+    the word tokenized alone (leading spaces stripped), and with a leading space where that gives another first
+    token in as many tokens (the word inside text, for tokenizers that mark word starts)."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        inside = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if inside and alone and inside[0] != alone[0] and len(inside) == len(alone):
+            sequences.append(inside)
+    return [sequence for sequence in sequences if sequence]

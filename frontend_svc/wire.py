@@ -99,6 +99,7 @@ def sampling_params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias or {},
         allowed_token_ids=params.allowed_token_ids or [],
+        bad_words_token_ids=[pb.TokenIds(token_ids=ids) for ids in params.bad_words_token_ids or []],
     )
     for name in ("seed", "logprobs", "prompt_logprobs", "eos_token_id"):
         value = getattr(params, name)
@@ -362,6 +363,8 @@ def sampling_params_from_api(msg: api.SamplingParams, defaults: Mapping[str, Any
         kwargs["logit_bias"] = {token_id: decimal_float32(bias) for token_id, bias in msg.logit_bias.items()}
     if msg.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        kwargs["bad_words"] = list(msg.bad_words)
     if msg.output_kind not in _OUTPUT_KINDS:
         raise ValidationError("output_kind", f"unknown value {msg.output_kind}")
     kwargs["output_kind"] = _OUTPUT_KINDS[msg.output_kind]

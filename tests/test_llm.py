@@ -13,6 +13,7 @@ import sys
 import weakref
 
 import pytest
+import torch
 
 from frontend_svc import LLM, AsyncLLM, LLMEngine, RequestOutputKind, SamplingParams, ValidationError
 from frontend_svc.llm import speed_postfix
@@ -672,3 +673,50 @@ def test_tokenization_kwargs_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert chat_cut.prompt_token_ids == rendered[-3:]
     with pytest.raises(ValidationError, match="tokenization_kwargs.truncation: LLM.chat takes"):
         llm.chat(chat, params, use_tqdm=False, tokenization_kwargs={"truncation": True})
+
+
+def test_bad_words_are_banned_as_transformers_bans_their_token_sequences(llm, llama2_model):
+    """vLLM's bad_words: each word's token sequences (alone, and with a leading space where that is another
+    token), banned as transformers' generate(bad_words_ids=...) bans them: the greedy continuation changes where the
+    word would have come."""
+    from frontend_svc.sampling_params import bad_words_token_ids
+    from tests.helpers import hf_model
+
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer(PROMPTS[0]).input_ids
+    free = hf_greedy(llama2_model, prompt_ids, 8).token_ids
+    words = [tokenizer.decode(free[:1]).strip(), tokenizer.decode(free[3:4]).strip()]
+    sequences = bad_words_token_ids(tokenizer, words)
+    with torch.no_grad():
+        banned = (
+            hf_model(llama2_model)
+            .generate(
+                torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False, bad_words_ids=sequences, pad_token_id=0
+            )[0, len(prompt_ids) :]
+            .tolist()
+        )
+    assert banned != free
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, bad_words=words)
+    (output,) = llm.generate([prompt_ids], params, use_tqdm=False)
+    assert output.outputs[0].token_ids == banned
+    with pytest.raises(ValidationError, match=r"bad_words\[1\]: must be a non-empty word"):
+        SamplingParams(bad_words=["x", " "])
+
+
+def test_bad_words_token_sequences_are_vllms():
+    """With a tokenizer that marks a word's start (GPT-2's Ġ), a word is banned alone and inside text: both its
+    tokens; with SentencePiece, whose encoding already starts the word, once."""
+    from transformers import AutoTokenizer
+
+    from frontend_svc.sampling_params import bad_words_token_ids
+    from tests.conftest import SHARED_TOKENIZERS
+
+    folder = SHARED_TOKENIZERS / "gpt2"
+    if not (folder / "tokenizer.json").is_file():
+        pytest.skip("the gpt2 tokenizer is not in ../shared/tokenizers")
+    gpt2 = AutoTokenizer.from_pretrained(folder)
+    assert bad_words_token_ids(gpt2, ["hello"]) == [
+        gpt2.convert_tokens_to_ids(["hello"]),
+        gpt2.convert_tokens_to_ids(["Ġhello"]),
+    ]
+    assert bad_words_token_ids(gpt2, ["  hello"]) == bad_words_token_ids(gpt2, ["hello"])  # leading spaces stripped

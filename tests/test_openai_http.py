@@ -402,7 +402,7 @@ BAD_FIELDS = [
     ("completions", {"allowed_token_ids": [10**6]}, "allowed_token_ids[0]"),
     ("chat", {"allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {"cache_salt": ""}, "cache_salt"),
-    ("completions", {"bad_words": ["x"]}, "bad_words"),
+    ("completions", {"bad_words": [""]}, "bad_words[0]"),
     ("completions", {"use_beam_search": True, "stream": True}, "use_beam_search"),
     ("completions", {"use_beam_search": True, "n": 0}, "n"),
     ("chat", {"length_penalty": 2.0}, "length_penalty"),
@@ -1332,3 +1332,15 @@ def test_reasoning_effort_is_a_template_variable_and_chat_template_kwargs_win():
     )
     assert request.template_variables() == {"reasoning_effort": "x"}
     assert ChatCompletionRequest(messages=CHAT).template_variables() is None
+
+
+def test_bad_words_over_http_and_grpc_keep_the_word_out(services, tokenizer):
+    """A word the greedy continuation has comes out when banned, through both public APIs."""
+    _, frontend, base_url = services
+    body = {"prompt": PROMPTS[0], "return_token_ids": True, **GREEDY, **NO_EOS}
+    free = httpx.post(f"{base_url}/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    word = tokenizer.decode(free[:1]).strip()
+    banned = httpx.post(f"{base_url}/v1/completions", json={**body, "bad_words": [word]}).json()["choices"][0]
+    assert banned["token_ids"][0] != free[0] and free[0] not in banned["token_ids"]
+    text, ids = joined(grpc_greedy(frontend.address, PROMPTS[0], bad_words=[word]))
+    assert ids == banned["token_ids"] and text == banned["text"]

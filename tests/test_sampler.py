@@ -133,6 +133,24 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert Sampler()(logits, metadata).sampled_token_ids.item() == 2
 
 
+def test_bad_words_ban_a_sequence_s_last_token_after_its_prefix():
+    """By hand: [0] is banned always; [1, 2] bans 2 right after 1 in the output, [3, 4, 5] bans 5 after 3, 4 (the
+    prompt does not count: vLLM's output ids)."""
+    logits = torch.tensor([[6.0, 4.0, 5.0, 0.0, 0.0, 5.5, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[0], [1, 2], [3, 4, 5]])
+
+    def sampled(outputs, prompt=(7,)) -> int:
+        metadata = build_sampling_metadata([state(params, prompt=prompt, outputs=outputs)], VOCAB, torch.device("cpu"))
+        return int(Sampler()(logits, metadata).sampled_token_ids.item())
+
+    assert sampled([]) == 5  # 0 banned
+    assert sampled([3, 4]) == 2  # 0 and 5 banned
+    assert sampled([4]) == 5  # [3, 4] not complete
+    assert sampled([1]) == 5  # 0 and 2 banned
+    assert sampled([], prompt=(3, 4)) == 5  # a prefix in the prompt bans nothing
+    assert state(params).is_plain_greedy is False  # the sampler runs for it
+
+
 def test_only_plain_greedy_rows_skip_the_sampler():
     """``samples_by_argmax`` (the model runner then takes the argmax without the sampler) holds exactly for
     greedy rows whose logits nothing else reads or changes; each other case would make the sampler's token or

@@ -233,7 +233,6 @@ def test_every_vllm_field_name_is_accepted_at_its_neutral_value():
         ({"n": 3, "best_of": 2}, "best_of", "must be an integer >= n=3"),
         ({"best_of": 1.0}, "best_of", "must be an integer"),
         ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors", "per-request logits processors"),
-        ({"bad_words": ["spam"]}, "bad_words", "not supported"),
         ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens", "truncate the prompt before"),
         ({"guided_decoding": {"regex": "a+"}}, "guided_decoding", "renamed structured_outputs"),
         ({"extra_args": {"my_processor": 1}}, "extra_args", "no effect"),

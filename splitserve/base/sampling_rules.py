@@ -57,6 +57,8 @@ class SamplingValues(Protocol):
     @property
     def allowed_token_ids(self) -> list[int] | None: ...
     @property
+    def bad_words_token_ids(self) -> list[list[int]] | None: ...
+    @property
     def logit_bias(self) -> Mapping[int, float] | None: ...
     @property
     def eos_token_id(self) -> int | None: ...
@@ -109,7 +111,8 @@ def range_violation(params: SamplingValues) -> Violation | None:
 def model_violation(params: SamplingValues, vocab_size: int, max_logprobs: int) -> Violation | None:
     """The first value wrong for the model (vLLM ``SamplingParams.verify``): more logprobs than the engine's
     ``max_logprobs`` (-1: no cap, and -1 asks for the whole vocabulary) or the vocabulary, a token id outside
-    [0, vocab_size) (``stop_token_ids[i]``, ``allowed_token_ids[i]``, ``logit_bias``, ``eos_token_id``)."""
+    [0, vocab_size) (``stop_token_ids[i]``, ``allowed_token_ids[i]``, ``logit_bias``, ``eos_token_id``,
+    ``bad_words_token_ids[i][j]``), an empty bad-word sequence."""
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is None:
@@ -126,6 +129,12 @@ def model_violation(params: SamplingValues, vocab_size: int, max_logprobs: int) 
     for token_id in params.logit_bias or {}:
         if not 0 <= token_id < vocab_size:
             return Violation("logit_bias", token_id_outside_vocabulary(token_id, vocab_size))
+    for i, sequence in enumerate(params.bad_words_token_ids or []):
+        if not sequence:
+            return Violation(f"bad_words_token_ids[{i}]", "cannot be empty")
+        violation = token_ids_violation(f"bad_words_token_ids[{i}]", sequence, vocab_size)
+        if violation is not None:
+            return violation
     eos_token_id = params.eos_token_id
     if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
         return Violation("eos_token_id", token_id_outside_vocabulary(eos_token_id, vocab_size))
