@@ -545,8 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-admin-rpcs",
         action="store_true",
-        help="allow ResetPrefixCache, StartProfile and StopProfile (off: UNIMPLEMENTED) to every client that "
-        "reaches the port",
+        help="allow ResetPrefixCache, StartProfile, StopProfile, Sleep and WakeUp (off: UNIMPLEMENTED) to every "
+        "client that reaches the port",
     )
     p.add_argument(
         "--profile-dir",
