@@ -77,6 +77,15 @@ class FrontendConfig:
     )
     # TLS (and the client certificate) to the cores; None: plaintext. From the --core-ssl-* flags together.
     core_tls: ClientTLS | None = field(default=None, metadata=NOT_A_FLAG)
+    # vLLM's --stream-interval: streamed outputs every this many tokens (the first token at once, the last at the end).
+    stream_interval: int = field(
+        default=1,
+        metadata=flag(
+            "streamed outputs come for the first token, then every this many tokens at least, and at the end, as "
+            "vLLM's flag (fewer, larger messages under load); a request's own stream_interval may raise it",
+            unit="tokens",
+        ),
+    )
     # The most completions one call may ask for (docs/operations.md).
     max_n: int = field(
         default=MAX_N,
@@ -136,6 +145,8 @@ class FrontendConfig:
 
     def __post_init__(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)  # raises ValueError naming it
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(
                 f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "

@@ -59,6 +59,10 @@ class LLMEngineBase:
         # The most images a prompt may hold (vLLM's limit_mm_per_prompt: {"image": N} or "image=N"): the frontend
         # refuses more before processing them; an in-process core is given it too (a remote core has its own flag).
         limit_mm_per_prompt = core_config.pop("limit_mm_per_prompt", None)
+        # vLLM's --stream-interval, a frontend setting (the output processor's): outputs every this many tokens
+        stream_interval = core_config.pop("stream_interval", 1)
+        if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         mm_limits = parse_limit_mm_per_prompt(limit_mm_per_prompt)
         check_core_settings(core_address, core_config)  # before the tokenizer loads
         # A tokenizer folder, or one already loaded (the servers load it before the core is reachable).
@@ -95,7 +99,7 @@ class LLMEngineBase:
                     min(mm_processor.image_limit, info.image_limit_per_prompt),
                 )
         self.input_processor = InputProcessor(self.tokenizer, self.engine_info, mm_processor)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, stream_interval)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -175,9 +175,13 @@ class RequestState:
         queue: RequestOutputCollector | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        stream_interval: int = 1,
     ) -> None:
         self.request_id = request_id
         self.external_req_id = external_req_id
+        # vLLM's stream_interval: while running, an output only for the first token and then every this many
+        self.stream_interval = stream_interval
+        self._tokens_at_last_output: int | None = None  # None: no output yet
         self.params = params
         self.lora_request = lora_request
         self.output_kind = params.output_kind
@@ -213,6 +217,11 @@ class RequestState:
         finished = finish_reason is not None
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        num_tokens = len(self.detokenizer.token_ids)
+        if self.stream_interval > 1 and not finished and self._tokens_at_last_output is not None:
+            if num_tokens - self._tokens_at_last_output < self.stream_interval:
+                return None  # held: the next output carries these tokens too (DELTA) or all of them
+        self._tokens_at_last_output = num_tokens
         delta = self.output_kind == RequestOutputKind.DELTA
         text, start, end = self.detokenizer.get_next_output(finished, delta)
         logprobs = self.logprobs.get_logprobs(start, end)  # builds the dicts of the ids released now
@@ -262,8 +271,11 @@ class OutputProcessorOutput:
 class OutputProcessor:
     """Owns every in-flight ``RequestState``; maps external ids (and parents) to internal ids for aborts."""
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        # vLLM's --stream-interval: a streamed request's outputs come every this many tokens at least (a request's
+        # own stream_interval may raise it, not lower it)
+        self.stream_interval = stream_interval
         self.request_states: dict[str, RequestState | PoolingRequestState] = {}
         # The caller's id -> its internal ids (children for n > 1), as an ordered set: removing one is O(1).
         self.external_req_ids: dict[str, dict[str, None]] = {}
@@ -302,6 +314,7 @@ class OutputProcessor:
             queue,
             arrival_time,
             lora_request,
+            max(self.stream_interval, params.stream_interval or 1),
         )
         self.external_req_ids.setdefault(external_req_id, {})[request_id] = None
         if parent is not None:

@@ -137,7 +137,9 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = field(default=None, repr=False)
     prompt_logprob_token_ids: list[int] | None = field(default=None, repr=False)
     prompt_logprob_start: int | None = field(default=None, repr=False)
-    stream_interval: int | None = field(default=None, repr=False)  # 1 (an output every step) is what we do
+    # vLLM's: while streaming, an output for the first token, then every this many tokens at least, and the last;
+    # the engine's stream_interval (--stream-interval) is the least (None: the engine's)
+    stream_interval: int | None = field(default=None, repr=False)
     thinking_token_budget: int | None = field(default=None, repr=False)
     repetition_detection: Any = field(default=None, repr=False)
     watermarking: Any = field(default=None, repr=False)
@@ -205,10 +207,8 @@ class SamplingParams:
             neutral = value is None or value is False or value == [] or value == {}
             if not neutral and not (name in NEUTRAL_VALUES and value == NEUTRAL_VALUES[name]):
                 raise ValidationError(name, why)
-        if self.stream_interval is not None and self.stream_interval != 1:
-            raise ValidationError(
-                "stream_interval", f"only 1 (an output every engine step) is supported, got {self.stream_interval!r}"
-            )
+        if self.stream_interval is not None and (not _is_int(self.stream_interval) or self.stream_interval < 1):
+            raise ValidationError("stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
 
     def _check_types(self) -> None:
         for name in FLOAT_FIELDS:

@@ -171,6 +171,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             generation_config=self.frontend.generation_config,
             engine_core_client=client,
             limit_mm_per_prompt=self.frontend.limit_mm_per_prompt,
+            stream_interval=self.frontend.stream_interval,
         )
         if self.frontend.chat_template is not None:
             engine.input_processor.default_chat_template = load_chat_template(self.frontend.chat_template)

@@ -639,6 +639,8 @@ def test_vllm_engine_arguments_are_taken_renamed_or_refused_naming_them(llama2_m
             LLM(str(llama2_model), **{name: value})
     with pytest.raises(ValueError, match="seed must be an integer, got None"):
         LLM(str(llama2_model), seed=None)
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 1, got 0"):
+        LLM(str(llama2_model), stream_interval=0)
 
     long_context = tmp_path / "long"
     shutil.copytree(llama2_model, long_context)

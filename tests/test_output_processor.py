@@ -46,6 +46,47 @@ def test_delta_outputs_one_token_each_and_processor_empties(tokenizer):
     assert not processor.has_unfinished_requests() and not processor.external_req_ids
 
 
+@pytest.mark.parametrize(
+    ("engine_interval", "request_interval", "interval"),
+    [
+        (3, None, 3),  # the engine's
+        (3, 2, 3),  # a request's below the engine's is raised to it
+        (2, 4, 4),  # above it, kept
+        (1, None, 1),
+    ],
+)
+def test_stream_interval_sends_the_first_token_then_every_interval_and_the_rest_at_the_end(
+    tokenizer, engine_interval, request_interval, interval
+):
+    """vLLM's stream_interval: DELTA outputs of 1 token, then of the interval (the larger of the engine's and the
+    request's), then what is left at the end (10 tokens at interval 4: 1, 4, 4, 1); their texts and ids add up to
+    the whole; CUMULATIVE at the same moments."""
+    ids = tokenizer(" one two three four five six seven eight nine ten", add_special_tokens=False).input_ids
+    chunks = [1]
+    while sum(chunks) < len(ids):
+        chunks.append(min(interval, len(ids) - sum(chunks)))
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        processor = OutputProcessor(tokenizer, stream_interval=engine_interval)
+        params = SamplingParams(output_kind=kind, logprobs=1, stream_interval=request_interval)
+        processor.add_request("r-1", "r", params, None, [1])
+        outputs = []
+        for i, token_id in enumerate(ids):
+            finish = FinishReason.LENGTH if i == len(ids) - 1 else None
+            outputs += processor.process_outputs([core_output("r-1", token_id, finish)]).request_outputs
+        lengths = [len(o.outputs[0].token_ids) for o in outputs]
+        if kind == RequestOutputKind.DELTA:
+            assert lengths == chunks
+            assert sum((o.outputs[0].token_ids for o in outputs), []) == ids
+            assert "".join(o.outputs[0].text for o in outputs) == tokenizer.decode(ids)
+            assert [len(o.outputs[0].logprobs) for o in outputs] == chunks
+        else:
+            assert lengths == [sum(chunks[: k + 1]) for k in range(len(chunks))]
+        assert [o.finished for o in outputs] == [False] * (len(chunks) - 1) + [True]
+        assert not processor.has_unfinished_requests()
+    with pytest.raises(ValueError, match="stream_interval: must be an integer >= 1, got 0"):
+        SamplingParams(stream_interval=0)
+
+
 def test_logprob_token_text_keeps_leading_space():
     from transformers import AutoTokenizer
 

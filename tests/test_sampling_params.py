@@ -238,7 +238,7 @@ def test_every_vllm_field_name_is_accepted_at_its_neutral_value():
         ({"extra_args": {"my_processor": 1}}, "extra_args", "no effect"),
         ({"flat_logprobs": True}, "flat_logprobs", "not supported"),
         ({"logprob_token_ids": [5]}, "logprob_token_ids", "not supported"),
-        ({"stream_interval": 4}, "stream_interval", "only 1"),
+        ({"stream_interval": 0}, "stream_interval", "must be an integer >= 1"),
         ({"thinking_token_budget": 100}, "thinking_token_budget", "reasoning parser"),
         ({"skip_reading_prefix_cache": True}, "skip_reading_prefix_cache", "not supported"),
         ({"routed_experts_prompt_start": 3}, "routed_experts_prompt_start", "mixture-of-experts"),
