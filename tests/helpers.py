@@ -55,6 +55,21 @@ def hf_greedy(
     return Greedy(out.sequences[0, len(prompt) :].tolist(), logprobs)
 
 
+def hf_beam_search(path: Path, prompt: list[int], width: int, max_new_tokens: int) -> list[list[int]]:
+    """transformers' beam search (``generate(num_beams=width)``, float32, no EOS): the ``width`` best sequences,
+    prompt included, best first."""
+    with torch.no_grad():
+        out = hf_model(path).generate(
+            torch.tensor([prompt]),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [list(row) for row in out.tolist()]
+
+
 @dataclass
 class EngineResult:
     token_ids: list[int] = field(default_factory=list)

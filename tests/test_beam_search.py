@@ -8,7 +8,7 @@ import torch
 
 from frontend_svc import LLM, BeamSearchParams, ValidationError
 from tests.conftest import real_or_builtin
-from tests.helpers import hf_model
+from tests.helpers import hf_beam_search, hf_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 
@@ -87,16 +87,8 @@ def test_beam_search_matches_transformers_beam_search(plain_model):
     model = hf_model(plain_model)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         prompt_ids = tokenizer(prompt).input_ids
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([prompt_ids]),
-                num_beams=width,
-                num_return_sequences=width,
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        assert [beam.tokens for beam in output.sequences] == generated.tolist()
+        expected = hf_beam_search(plain_model, prompt_ids, width, max_tokens)
+        assert [beam.tokens for beam in output.sequences] == expected
         for beam in output.sequences:
             with torch.no_grad():
                 logprobs = model(torch.tensor([beam.tokens])).logits[0].float().log_softmax(-1)

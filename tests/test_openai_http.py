@@ -1171,22 +1171,14 @@ def test_chat_top_logprobs_minus_one_is_every_token_the_engine_returned():
 def test_use_beam_search_returns_transformers_beams(services, model, tokenizer):
     """vLLM's use_beam_search: n beams as the n choices, best first, on completions (two prompts) and chat; with
     EOS ignored they are transformers' generate(num_beams=n) sequences. The text is the generated tokens'."""
-    from tests.helpers import hf_model
+    from tests.helpers import hf_beam_search
 
     _, _, base_url = services
     width, max_tokens = 3, 6
 
     def hf_beams(prompt_ids: list[int]) -> list[list[int]]:
-        with torch.no_grad():
-            out = hf_model(Path(model)).generate(
-                torch.tensor([prompt_ids]),
-                num_beams=width,
-                num_return_sequences=width,
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        return [row[len(prompt_ids) :] for row in out.tolist()]
+        beams = hf_beam_search(Path(model), prompt_ids, width, max_tokens)
+        return [row[len(prompt_ids) :] for row in beams]
 
     body = {"prompt": PROMPTS, "use_beam_search": True, "n": width, "max_tokens": max_tokens, "temperature": 0.0}
     response = httpx.post(f"{base_url}/v1/completions", json={**body, **NO_EOS, "return_token_ids": True}, timeout=60)
