@@ -126,3 +126,24 @@ class EngineInfo:
     supports_lora: bool = False  # the core takes LoRA adapters (--enable-lora)
     max_loras: int = 0  # LoRA adapters one core step can use (0: LoRA off)
     max_lora_rank: int = 0  # highest adapter rank the core takes (0: LoRA off)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of vLLM's ``ModelConfig`` that scripts read (``llm.llm_engine.model_config.max_model_len``), from
+    the core's ``EngineInfo``; vLLM's has many more. ``dtype`` names the compute dtype ("float32", "bfloat16",
+    "float16")."""
+
+    model: str
+    served_model_name: str
+    max_model_len: int
+    dtype: str
+    max_logprobs: int
+    vocab_size: int
+
+    @classmethod
+    def from_engine_info(cls, info: EngineInfo) -> ModelConfig:
+        return cls(info.model, info.model, info.max_model_len, info.dtype, info.max_logprobs, info.vocab_size)
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from frontend_svc.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from frontend_svc.engine_types import LoRARequest
+from frontend_svc.engine_types import LoRARequest, ModelConfig
 from frontend_svc.errors import ValidationError
 from frontend_svc.input_processor import ChatMessage, PromptType
 from frontend_svc.llm_engine import LLMEngine
@@ -54,6 +54,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's ``LLM.model_config`` (``LLMEngine.model_config``)."""
+        return self.llm_engine.model_config
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``sampling_params=None`` uses: the model's generation-config defaults over vLLM's (vLLM's

@@ -15,7 +15,7 @@ from typing import Any
 from frontend_svc.core_client import EngineCoreClient
 from frontend_svc.core_client_factory import check_core_settings, make_client
 from frontend_svc.engine_args import engine_settings
-from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, SchedulerStats
+from frontend_svc.engine_types import EngineCoreRequest, EngineInfo, LoRARequest, ModelConfig, SchedulerStats
 from frontend_svc.errors import FrontendError, NotFoundError, ValidationError
 from frontend_svc.generation_config import AUTO, load_default_sampling_params
 from frontend_svc.input_processor import InputProcessor, PromptType, RequestOptions, check_wire_string
@@ -103,6 +103,14 @@ class LLMEngineBase:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's ``model_config``: the served model, max_model_len, dtype, vocabulary size (``ModelConfig``)."""
+        return ModelConfig.from_engine_info(self.engine_info)
+
+    def get_model_config(self) -> ModelConfig:
+        return self.model_config
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's default sampling parameters (its generation config) over vLLM's (vLLM

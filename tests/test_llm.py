@@ -628,6 +628,10 @@ def test_vllm_engine_arguments_are_taken_renamed_or_refused_naming_them(llama2_m
     with LLM(str(llama2_model), dtype="float", num_gpu_blocks_override=64, **neutral) as llm:
         info = llm.llm_engine.engine_info
         assert info.num_kv_blocks == 64 and info.dtype == "float32"
+        config = llm.llm_engine.get_model_config()  # vLLM's, as scripts read it
+        assert config is not None and llm.model_config == config
+        vocab_size = json.loads((llama2_model / "config.json").read_text())["vocab_size"]
+        assert (config.max_model_len, config.dtype, config.get_vocab_size()) == (2048, "float32", vocab_size)
         (output,) = llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
         assert len(output.outputs[0].token_ids) == 2
     for name, value, why in [
