@@ -88,6 +88,20 @@ class InprocCore:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """``EngineCore.start_profile``; raises RefusedError (FAILED_PRECONDITION: a profile runs already)."""
+        try:
+            self.engine_core.start_profile(output_dir)
+        except Exception as e:
+            raise _refused(e) from e
+
+    def stop_profile(self) -> str:
+        """``EngineCore.stop_profile``: the trace's path; raises RefusedError (FAILED_PRECONDITION: none runs)."""
+        try:
+            return self.engine_core.stop_profile()
+        except Exception as e:
+            raise _refused(e) from e
+
     def sleep(self, level: int, drain: bool = False) -> pb.SleepResponse:
         """``EngineCore.sleep(level)``; the requests it ends come out of the next ``step``. Raises RefusedError:
         a bad level (INVALID_ARGUMENT), or ``drain`` with requests in the core: step by step, nothing steps them
@@ -188,6 +202,12 @@ class InprocCore:
 
     def submit_reset_prefix_cache(self) -> concurrent.futures.Future[bool]:
         return _translated(self._running_engine_loop().call(lambda core: core.reset_prefix_cache()))
+
+    def submit_start_profile(self, output_dir: str | None) -> concurrent.futures.Future[None]:
+        return _translated(self._running_engine_loop().call(lambda core: core.start_profile(output_dir)))
+
+    def submit_stop_profile(self) -> concurrent.futures.Future[str]:
+        return _translated(self._running_engine_loop().call(lambda core: core.stop_profile()))
 
     def submit_sleep(
         self,

@@ -256,6 +256,14 @@ class AsyncLLM(LLMEngineBase):
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
+    async def start_profile(self, output_dir: str | None = None) -> None:
+        """vLLM's ``AsyncLLM.start_profile``: torch.profiler records the core's steps until ``stop_profile``."""
+        await self.engine_core.start_profile_async(output_dir)
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profile: the Chrome traces written, one per core."""
+        return await self.engine_core.stop_profile_async()
+
     async def sleep(self, level: int = 1, drain: bool = False) -> None:
         """Put the engine core(s) to sleep, as ``LLMEngine.sleep``: the streams of requests in flight end with
         ``EngineDeadError`` (UNAVAILABLE), or, with ``drain``, finish first; returns once the cores sleep. A

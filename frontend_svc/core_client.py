@@ -104,6 +104,28 @@ class EngineCoreClient(ABC):
     async def reset_prefix_cache_async(self) -> bool:
         raise NotImplementedError(f"{type(self).__name__} is a sync client")
 
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """Record every core's steps with torch.profiler until ``stop_profile`` (vLLM's ``start_profile``);
+        ``output_dir``: where the traces go (None: each core's own default, its ``--profile-dir``).
+
+        Raises:
+            FailedPreconditionError: a profile runs already.
+            NotSupportedError: a core runs without ``--enable-admin-rpcs``.
+            EngineDeadError: no core is reachable.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not profile")
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile: the Chrome traces written, one per core. Raises as ``start_profile``
+        (FailedPreconditionError: none runs)."""
+        raise NotImplementedError(f"{type(self).__name__} does not profile")
+
+    async def start_profile_async(self, output_dir: str | None = None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
+    async def stop_profile_async(self) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__} is a sync client")
+
     # --- LoRA adapters (the core's AddLora / RemoveLora / ListLoras) ---
 
     def add_lora(self, lora_request: LoRARequest) -> LoRARequest:

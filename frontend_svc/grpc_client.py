@@ -472,6 +472,18 @@ class GrpcCoreClient(EngineCoreClient):
     async def reset_prefix_cache_async(self) -> bool:
         return await asyncio.wrap_future(self._on_transport(self._reset_prefix_cache()))
 
+    def start_profile(self, output_dir: str | None = None) -> None:
+        self._on_transport(self._start_profile(output_dir)).result()
+
+    def stop_profile(self) -> list[str]:
+        return self._on_transport(self._stop_profile()).result()
+
+    async def start_profile_async(self, output_dir: str | None = None) -> None:
+        await asyncio.wrap_future(self._on_transport(self._start_profile(output_dir)))
+
+    async def stop_profile_async(self) -> list[str]:
+        return await asyncio.wrap_future(self._on_transport(self._stop_profile()))
+
     def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
         return self._on_transport(self._add_lora(lora_request)).result()
 
@@ -785,6 +797,31 @@ class GrpcCoreClient(EngineCoreClient):
         if not results:
             raise EngineDeadError("no engine core is reachable")
         return all(r.success for r in results)
+
+    async def _start_profile(self, output_dir: str | None) -> None:
+        """StartProfile on every connected core (raises as ``_reset_prefix_cache``; FAILED_PRECONDITION: one runs
+        a profile already)."""
+        request = pb.StartProfileRequest(output_dir=output_dir or "")
+        if not await self._on_every_core(lambda stub: stub.StartProfile(request, timeout=10.0)):
+            raise EngineDeadError("no engine core is reachable")
+
+    async def _stop_profile(self) -> list[str]:
+        """StopProfile on every connected core: the traces they wrote."""
+        responses = await self._on_every_core(lambda stub: stub.StopProfile(pb.StopProfileRequest(), timeout=60.0))
+        if not responses:
+            raise EngineDeadError("no engine core is reachable")
+        return [response.trace_path for response in responses]
+
+    async def _on_every_core(self, call: Any) -> list[Any]:
+        """``call(stub)`` on every connected core in turn: their answers; a core's failure as the frontend's error."""
+        results = []
+        for connection in self.connections:
+            if connection.available and connection.stub is not None:
+                try:
+                    results.append(await call(connection.stub))
+                except grpc.aio.AioRpcError as e:
+                    raise _unary_error(e, "") from e
+        return results
 
     async def _sleep(self, level: int, drain: bool) -> None:
         """Sleep on every core connected now, together (a drain may take a while on each); a core not connected

@@ -80,6 +80,18 @@ class InprocClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         return self._edge().reset_prefix_cache()
 
+    def start_profile(self, output_dir: str | None = None) -> None:
+        try:
+            self._edge().start_profile(output_dir)
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
+
+    def stop_profile(self) -> list[str]:
+        try:
+            return [self._edge().stop_profile()]
+        except self._refused_error as e:
+            raise error_from_pb(e.error) from e
+
     def sleep(self, level: int = 1, drain: bool = False) -> None:
         try:
             self._edge().sleep(level, drain)
@@ -215,6 +227,18 @@ class AsyncInprocClient(InprocClient):
 
     async def reset_prefix_cache_async(self) -> bool:
         return await self._wait(lambda edge: edge.submit_reset_prefix_cache())
+
+    def start_profile(self, output_dir: str | None = None) -> None:
+        self._wait_sync_refused(lambda edge: edge.submit_start_profile(output_dir))
+
+    def stop_profile(self) -> list[str]:
+        return [self._wait_sync_refused(lambda edge: edge.submit_stop_profile())]
+
+    async def start_profile_async(self, output_dir: str | None = None) -> None:
+        await self._wait(lambda edge: edge.submit_start_profile(output_dir))
+
+    async def stop_profile_async(self) -> list[str]:
+        return [await self._wait(lambda edge: edge.submit_stop_profile())]
 
     async def get_output_async(self) -> EngineCoreOutputs:
         return await self._outputs.get()

@@ -68,6 +68,17 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """vLLM's ``LLM.start_profile``: torch.profiler records the engine core's steps until ``stop_profile``
+        (``output_dir``: where the traces go; None: the system's temporary directory, or a remote core's
+        ``--profile-dir``). Raises FailedPreconditionError while a profile runs."""
+        self.llm_engine.start_profile(output_dir)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile and write it: the Chrome traces' paths, one per core (``chrome://tracing``,
+        Perfetto). Raises FailedPreconditionError when none runs."""
+        return self.llm_engine.stop_profile()
+
     def sleep(self, level: int = 1) -> None:
         """Put the engine core to sleep between uses, e.g. while an RL trainer holds the accelerator (vLLM's
         ``LLM.sleep``): level 1 drops the KV cache and the prefix cache and moves the weights to host memory;

@@ -397,6 +397,15 @@ class LLMEngine(LLMEngineBase):
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """vLLM's ``start_profile``: torch.profiler records the core's steps until ``stop_profile``
+        (``EngineCoreClient.start_profile``; a remote core needs ``--enable-admin-rpcs``)."""
+        self.engine_core.start_profile(output_dir)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile: the Chrome traces written, one per core."""
+        return self.engine_core.stop_profile()
+
     def sleep(self, level: int = 1, drain: bool = False) -> None:
         """Put the engine core(s) to sleep (vLLM's ``LLMEngine.sleep``): level 1 drops the KV cache and the prefix
         cache and moves the weights to host memory; level 2 drops the weights too (reloaded on ``wake_up``).

@@ -632,3 +632,52 @@ def test_the_grpc_client_routes_around_a_core_that_is_not_serving() -> None:
             await client._add([EngineCoreRequest("r4", PROMPT, ApiSamplingParams(max_tokens=2))])
 
     asyncio.run(scenario())
+
+
+def _check_trace(paths: list[str], directory: Path | None) -> None:
+    """One Chrome trace, in ``directory`` (None: the core's own), with the steps' events."""
+    import json
+
+    (path,) = paths
+    assert directory is None or Path(path).parent == directory
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    assert any(event.get("name", "").startswith("aten::") for event in events)
+
+
+def test_llm_over_grpc_and_in_process_profiles_the_core(
+    core: stack.ServiceProcess, model: Path, checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """vLLM's start_profile / stop_profile through each core client: the remote core (admin RPCs on), the
+    in-process one stepped by LLM, and the threaded one under AsyncLLM; a second start or a stop with none running
+    is FAILED_PRECONDITION. The remote core writes into its own --profile-dir (it refuses others)."""
+    import asyncio
+
+    from frontend_svc import LLM, AsyncLLM
+    from frontend_svc import SamplingParams as ApiSamplingParams
+    from frontend_svc.errors import FailedPreconditionError
+
+    params = ApiSamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, (target, kwargs) in enumerate(
+        [(model, {"core_address": core.address}), (checkpoint("llama"), {"num_kv_blocks": 64, "max_model_len": 256})]
+    ):
+        directory = None if "core_address" in kwargs else tmp_path / f"llm-{i}"
+        with LLM(str(target), **kwargs) as llm:
+            llm.start_profile(None if directory is None else str(directory))
+            with pytest.raises(FailedPreconditionError, match="a profile is already running"):
+                llm.start_profile()
+            llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+            _check_trace(llm.stop_profile(), directory)
+            with pytest.raises(FailedPreconditionError, match="no profile is running"):
+                llm.stop_profile()
+
+    async def run_async() -> list[str]:
+        engine = AsyncLLM(str(checkpoint("llama")), num_kv_blocks=64, max_model_len=256)
+        try:
+            await engine.start_profile(str(tmp_path / "async"))
+            async for _ in engine.generate({"prompt_token_ids": PROMPT}, params, "r"):
+                pass
+            return await engine.stop_profile()
+        finally:
+            engine.shutdown()
+
+    _check_trace(asyncio.run(run_async()), tmp_path / "async")
