@@ -65,7 +65,13 @@ SHARED_RULES: list[tuple[dict[str, Any], int, str, str]] = [
         {"prompt_logprobs": -1},
         MAX_LOGPROBS,
         "prompt_logprobs",
-        "asked for the whole vocabulary (-1); the engine core allows at most 20 (max_logprobs)",
+        "asked for the whole vocabulary (-1: 1000); the engine core allows at most 20 (max_logprobs)",
+    ),
+    (
+        {"logprobs": -1},
+        999,
+        "logprobs",
+        "asked for the whole vocabulary (-1: 1000); the engine core allows at most 999 (max_logprobs)",
     ),
     ({"logprobs": 1001}, -1, "logprobs", "asked for 1001, more than the vocabulary (1000); -1 asks for all"),
     (
@@ -94,6 +100,13 @@ def test_both_services_refuse_a_bad_value_with_the_same_field_and_message(fields
     assert (frontend.value.field, frontend.value.description) == (field, description)
     assert (core.value.field, core.value.description) == (field, description)
     assert str(frontend.value) == str(core.value) == f"{field}: {description}"
+
+
+def test_the_whole_vocabulary_is_allowed_where_max_logprobs_covers_it():
+    """vLLM's rule: -1 counts as the vocabulary's size against max_logprobs."""
+    for fields in ({"logprobs": -1}, {"prompt_logprobs": -1}):
+        SamplingParams(**fields).verify(VOCAB_SIZE, VOCAB_SIZE)
+        CoreSamplingParams(**fields).validate(VOCAB_SIZE, VOCAB_SIZE)
 
 
 @pytest.mark.parametrize(

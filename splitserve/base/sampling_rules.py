@@ -110,15 +110,17 @@ def range_violation(params: SamplingValues) -> Violation | None:
 
 def model_violation(params: SamplingValues, vocab_size: int, max_logprobs: int) -> Violation | None:
     """The first value wrong for the model (vLLM ``SamplingParams.verify``): more logprobs than the engine's
-    ``max_logprobs`` (-1: no cap, and -1 asks for the whole vocabulary) or the vocabulary, a token id outside
+    ``max_logprobs`` (-1: no cap; a request's -1 asks for the whole vocabulary, which counts as vocab_size) or the
+    vocabulary, a token id outside
     [0, vocab_size) (``stop_token_ids[i]``, ``allowed_token_ids[i]``, ``logit_bias``, ``eos_token_id``,
     ``bad_words_token_ids[i][j]``), an empty bad-word sequence."""
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is None:
             continue
-        if max_logprobs != -1 and (value == -1 or value > max_logprobs):
-            asked = "the whole vocabulary (-1)" if value == -1 else value
+        count = vocab_size if value == -1 else value  # vLLM's: -1 is the vocabulary, held to the cap as such
+        if max_logprobs != -1 and count > max_logprobs:
+            asked = f"the whole vocabulary (-1: {vocab_size})" if value == -1 else value
             return Violation(name, f"asked for {asked}; the engine core allows at most {max_logprobs} (max_logprobs)")
         if value > vocab_size:
             return Violation(name, f"asked for {value}, more than the vocabulary ({vocab_size}); -1 asks for all")
