@@ -5,6 +5,7 @@ Defaults are vLLM's (``vllm/config/scheduler.py``, ``vllm/config/cache.py``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -222,7 +223,11 @@ class CoreConfig:
     )
     lora_modules: tuple[str, ...] = field(
         default=(),
-        metadata=flag("LoRA adapters to load at startup, as name=path (PEFT folders)", metavar="NAME=PATH"),
+        metadata=flag(
+            "LoRA adapters to load at startup, as name=path (PEFT folders) or vLLM's JSON form "
+            '{"name": ..., "path": ..., "base_model_name": ...}',
+            metavar="NAME=PATH",
+        ),
     )
 
     @property
@@ -248,9 +253,19 @@ class CoreConfig:
         """
         paths: dict[str, str] = {}
         for entry in self.lora_modules:
-            name, sep, path = entry.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"lora_modules: {entry!r} is not name=path")
+            if entry.lstrip().startswith("{"):  # vLLM's JSON form: {"name": ..., "path": ..., "base_model_name": ...}
+                try:
+                    module = json.loads(entry)
+                except ValueError as e:
+                    raise ValueError(f"lora_modules: {entry!r} is not JSON: {e}") from e
+                fields = module if isinstance(module, dict) else {}
+                name, path = fields.get("name"), fields.get("path")
+                if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                    raise ValueError(f"lora_modules: {entry!r} needs a 'name' and a 'path'")
+            else:
+                name, sep, path = entry.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"lora_modules: {entry!r} is not name=path (nor vLLM's JSON form)")
             if name in paths:
                 raise ValueError(f"lora_modules: the name {name!r} is given twice")
             paths[name] = path

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import time
 import uuid
@@ -26,6 +27,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError as PydanticValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import splitserve
@@ -106,6 +108,7 @@ def make_app(state: FrontendServerState) -> FastAPI:
     app.post("/v1/completions", response_model=None)(api.completions)
     app.post("/v1/chat/completions", response_model=None)(api.chat_completions)
     app.post("/v1/embeddings")(api.embeddings)
+    app.post("/invocations", response_model=None)(api.invocations)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
     if state.enable_admin_routes:  # vLLM serves them in its dev mode only
@@ -406,6 +409,40 @@ class _OpenAIApi:
             "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0},
         }
+
+    async def invocations(self, request: Request) -> Any:
+        """vLLM's ``POST /invocations`` (SageMaker's route): the body answered by the route its fields name:
+        ``messages`` chat completions, ``prompt`` completions, ``input`` embeddings.
+
+        Raises:
+            RequestValidationError: a body that is not a JSON object, names none of them, or fails that route's
+                checks (400 naming the field).
+        """
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise RequestValidationError([{"loc": ("body",), "msg": "must be a JSON object", "type": "value_error"}])
+        try:  # validated from the JSON text, as the routes' own bodies are (strict JSON types)
+            if "messages" in body and "input" not in body:
+                return await self.chat_completions(ChatCompletionRequest.model_validate_json(raw), request)
+            if "prompt" in body:
+                return await self.completions(CompletionRequest.model_validate_json(raw), request)
+            if "input" in body:
+                return await self.embeddings(EmbeddingRequest.model_validate_json(raw), request)
+        except PydanticValidationError as e:
+            raise RequestValidationError(e.errors()) from e
+        raise RequestValidationError(
+            [
+                {
+                    "loc": ("body",),
+                    "msg": "needs messages (chat), prompt (completions) or input (embeddings)",
+                    "type": "value_error",
+                }
+            ]
+        )
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's: ``{"count", "max_model_len", "tokens", "token_strs"}`` of a prompt or of messages rendered as

@@ -80,3 +80,19 @@ def test_a_field_without_flag_metadata_or_of_another_type_cannot_be_forgotten():
         add_config_args(argparse.ArgumentParser(), Forgotten)
     with pytest.raises(TypeError, match="sizes: no flag takes a tuple"):
         add_config_args(argparse.ArgumentParser(), Listed)
+
+
+def test_lora_modules_take_name_equals_path_and_vllms_json_form():
+    from core_svc.config import CoreConfig
+
+    json_form = '{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}'
+    config = CoreConfig(model="m", enable_lora=True, lora_modules=("a=/adapters/a", json_form))
+    assert config.lora_module_paths() == {"a": "/adapters/a", "sql": "/adapters/sql"}
+    for bad, reason in [
+        ('{"name": "x"}', "needs a 'name' and a 'path'"),
+        ("{not json", "is not JSON"),
+        ("no-equals", r"is not name=path \(nor vLLM's JSON form\)"),
+        ('{"name": "a", "path": "/other"}', "the name 'a' is given twice"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            CoreConfig(model="m", enable_lora=True, lora_modules=("a=/adapters/a", bad))

@@ -1336,3 +1336,21 @@ def test_bad_words_over_http_and_grpc_keep_the_word_out(services, tokenizer):
     assert banned["token_ids"][0] != free[0] and free[0] not in banned["token_ids"]
     text, ids = joined(grpc_greedy(frontend.address, PROMPTS[0], bad_words=[word]))
     assert ids == banned["token_ids"] and text == banned["text"]
+
+
+def test_invocations_answers_as_the_route_its_body_names(services):
+    """vLLM's POST /invocations: messages -> chat completions, prompt -> completions, input -> embeddings."""
+    _, _, base_url = services
+    completion = {"prompt": PROMPTS[0], **GREEDY, **NO_EOS}
+    chat = {"messages": CHAT, **GREEDY, **NO_EOS}
+    for body, path in ((completion, "/v1/completions"), (chat, "/v1/chat/completions")):
+        via = httpx.post(f"{base_url}/invocations", json=body, timeout=60).json()
+        direct = httpx.post(f"{base_url}{path}", json=body, timeout=60).json()
+        assert via["object"] == direct["object"] and via["choices"][0]["index"] == 0
+        key = "text" if path == "/v1/completions" else "message"
+        assert via["choices"][0][key] == direct["choices"][0][key] and via["usage"] == direct["usage"]
+    embedded = httpx.post(f"{base_url}/invocations", json={"input": "hi"}, timeout=60).json()
+    assert embedded["object"] == "list" and embedded["data"][0]["object"] == "embedding"
+    for body, field in (({"neither": 1}, "body"), ({"prompt": PROMPTS[0], "temperature": "0"}, "temperature")):
+        refused = httpx.post(f"{base_url}/invocations", json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
