@@ -90,7 +90,7 @@ class CoreMetrics:
         )
         self.iteration_tokens = m.histogram(
             "iteration_tokens_total",
-            "Tokens scheduled per engine step.",
+            "Tokens per engine step: the prompts that got their first token, and the tokens generated (vLLM's).",
             metrics.iteration_tokens_buckets(max_num_batched_tokens),
         )
         latency = metrics.REQUEST_LATENCY_BUCKETS
@@ -122,8 +122,10 @@ class CoreMetrics:
             self.prefix_cache_hits.inc(prefix.hits)
             self.prefix_cache_preempted_queries.inc(prefix.preempted_queries)
             self.prefix_cache_preempted_hits.inc(prefix.preempted_hits)
-        if num_scheduled_tokens:
-            self.iteration_tokens.observe(num_scheduled_tokens)
+        # vLLM's count: the prompts that got their first token this step, whole, and the tokens generated
+        iteration_tokens = num_generation_tokens + sum(stats.num_prompt_tokens for stats in prefilled)
+        if num_scheduled_tokens or iteration_tokens:
+            self.iteration_tokens.observe(iteration_tokens)
         self.generation_tokens.inc(num_generation_tokens)
         for stats in prefilled:
             computed = stats.num_prompt_tokens - stats.num_cached_tokens

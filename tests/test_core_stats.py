@@ -69,8 +69,10 @@ def test_tracker_and_metrics_by_hand():
     assert value(registry, "splitserve:core_generation_tokens_total") == 3
     assert value(registry, "splitserve:core_request_finished_total", finished_reason="length") == 1
     assert value(registry, "splitserve:core_request_finished_total", finished_reason="abort") == 1
+    # vLLM's count per step: the prompts that got their first token, whole, and the tokens generated: step 1
+    # a's 20 + 1, step 2 a's 1 and b's 5 + 1.
     assert value(registry, "splitserve:iteration_tokens_total_count") == 2
-    assert value(registry, "splitserve:iteration_tokens_total_sum") == 10
+    assert value(registry, "splitserve:iteration_tokens_total_sum") == 21 + 7
     # a: queued 1.0 -> scheduled 1.5 -> first token 2.0 -> last token 2.5; b: 1.25 -> 1.75 -> 2.5, aborted.
     assert value(registry, "splitserve:request_queue_time_seconds_sum") == 0.5 + 0.5
     assert value(registry, "splitserve:request_prefill_time_seconds_sum") == 0.5 + 0.75

@@ -268,9 +268,8 @@ def test_core_metrics_equal_the_workload(run):
     assert sample(text, "splitserve:prompt_tokens_by_source_total", source="local_cache_hit") == 0
     for histogram in ("queue_time", "prefill_time", "decode_time", "inference_time"):
         assert sample(text, f"splitserve:request_{histogram}_seconds_count") == want["requests"], histogram
-    # Every step schedules a prompt (whole, or in chunks) or one token per running request: a request of P
-    # prompt tokens that generates G tokens is scheduled P + G - 1 tokens.
-    assert sample(text, "splitserve:iteration_tokens_total_sum") == want["prompt_tokens"] + want["decode_outputs"]
+    # vLLM's count: a request of P prompt tokens that generates G tokens adds P + G over its steps.
+    assert sample(text, "splitserve:iteration_tokens_total_sum") == want["prompt_tokens"] + want["generation_tokens"]
     assert sample(text, "splitserve:num_requests_running") == 0
     assert sample(text, "splitserve:num_requests_waiting") == 0
     assert sample(text, "splitserve:kv_cache_usage_perc") == 0
