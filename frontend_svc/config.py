@@ -77,6 +77,14 @@ class FrontendConfig:
     )
     # TLS (and the client certificate) to the cores; None: plaintext. From the --core-ssl-* flags together.
     core_tls: ClientTLS | None = field(default=None, metadata=NOT_A_FLAG)
+    # vLLM's --enable-prompt-tokens-details: the HTTP API's usage carries prompt_tokens_details.cached_tokens.
+    enable_prompt_tokens_details: bool = field(
+        default=False,
+        metadata=flag(
+            "the HTTP API's usage carries prompt_tokens_details.cached_tokens (prompt tokens served from the prefix "
+            "cache), as vLLM's flag"
+        ),
+    )
     # vLLM's --stream-interval: streamed outputs every this many tokens (the first token at once, the last at the end).
     stream_interval: int = field(
         default=1,

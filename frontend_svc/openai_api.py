@@ -104,6 +104,7 @@ def make_app(state: FrontendServerState) -> FastAPI:
 
     app.get("/health")(api.health)
     app.get("/version")(api.version)
+    app.get("/load")(api.load)
     app.get("/v1/models")(api.models)
     app.post("/v1/completions", response_model=None)(api.completions)
     app.post("/v1/chat/completions", response_model=None)(api.chat_completions)
@@ -164,6 +165,11 @@ class _OpenAIApi:
         engine = self.state.engine
         ready = engine is not None and not self.state.draining and _core_available(engine)
         return Response(status_code=200 if ready else 503)
+
+    async def load(self) -> dict[str, int]:
+        """vLLM's ``GET /load``: ``{"server_load": N}``, the calls this frontend is serving now (both APIs), for a
+        load balancer."""
+        return {"server_load": self.state.active_calls}
 
     async def version(self) -> dict[str, str]:
         return {"version": str(splitserve.__version__)}
@@ -269,7 +275,7 @@ class _OpenAIApi:
                     choice["token_ids"] = list(completion.token_ids)
                 choices.append(choice)
         response = envelope(request_id, "text_completion", int(time.time()), generation.model_name, choices)
-        response["usage"] = usage.body()
+        response["usage"] = usage.body(self.state.enable_prompt_tokens_details)
         return JSONResponse(response)
 
     async def _completion_events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
@@ -331,7 +337,7 @@ class _OpenAIApi:
                 choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
         response = envelope(request_id, "chat.completion", int(time.time()), generation.model_name, choices)
-        response["usage"] = usage.body()
+        response["usage"] = usage.body(self.state.enable_prompt_tokens_details)
         # vLLM's, beside the choices: null unless asked for
         response["prompt_logprobs"] = None
         response["prompt_token_ids"] = None

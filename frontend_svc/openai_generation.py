@@ -195,7 +195,7 @@ class Generation:
                     yield _sse(chunk)
                 if self.request.include_usage:
                     usage_chunk = self.chunk(str(_chunk_object(self.request)), [])
-                    usage_chunk["usage"] = self.usage.body()
+                    usage_chunk["usage"] = self.usage.body(self.state.enable_prompt_tokens_details)
                     yield _sse(usage_chunk)
             except FrontendError as e:
                 self.end_spans(e)

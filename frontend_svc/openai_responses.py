@@ -35,15 +35,20 @@ class UsageCounter:
         if prompt_index not in self._prompts_seen:
             self._prompts_seen.add(prompt_index)
             self.prompt_tokens += num_prompt_tokens
+            self.cached_tokens += num_cached_tokens  # each prompt's once (its n completions share it)
         self.completion_tokens += new_tokens
-        self.cached_tokens = max(self.cached_tokens, num_cached_tokens)
 
-    def body(self) -> dict[str, Any]:
-        return {
+    def body(self, prompt_tokens_details: bool = False) -> dict[str, Any]:
+        """OpenAI's usage; with ``prompt_tokens_details`` (vLLM's --enable-prompt-tokens-details) the prompt
+        tokens served from the prefix cache as ``prompt_tokens_details.cached_tokens``."""
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 def _clamped(logprob: float) -> float:

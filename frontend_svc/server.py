@@ -95,6 +95,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             trust_request_chat_template=frontend.trust_request_chat_template,
             max_n=frontend.max_n,
             enable_admin_routes=frontend.enable_admin_routes,
+            enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
             allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
         )
         if observability.tracer_provider is not None:

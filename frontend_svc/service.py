@@ -56,6 +56,7 @@ class FrontendServerState:
     active_calls: int = 0
     tracer: Tracer | None = None  # None: tracing is off
     enable_admin_routes: bool = False  # the HTTP API's /sleep, /wake_up, /is_sleeping (--enable-admin-routes)
+    enable_prompt_tokens_details: bool = False  # the HTTP API's usage.prompt_tokens_details (vLLM's flag)
 
 
 class GenerationServicer(api_grpc.GenerationServicer):

@@ -595,6 +595,7 @@ def test_tokenize_detokenize_health_and_version(services, tokenizer, model):
     missing = httpx.post(f"{base_url}/detokenize", json={})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "tokens"
     assert httpx.get(f"{base_url}/health").status_code == 200
+    assert httpx.get(f"{base_url}/load").json() == {"server_load": 0}  # vLLM's: the calls in flight, none now
     assert httpx.get(f"{base_url}/version").json() == {"version": splitserve.__version__}
 
 
@@ -1256,12 +1257,13 @@ def test_chat_echo_repeats_the_continued_message(services):
 
 def test_chat_template_flags_set_the_template_and_content_format(services, model, tmp_path, tokenizer):
     """--chat-template (a file) renders every chat that brings none; --chat-template-content-format openai gives
-    it the content as parts (this template prints the content, so the parts show)."""
+    it the content as parts (this template prints the content, so the parts show). The same frontend has
+    --enable-prompt-tokens-details."""
     core, _, _ = services
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content[0].text }}{% endfor %}")
     http_port = stack.free_port()
-    flags = ["--http-port", str(http_port), "--chat-template", str(template)]
+    flags = ["--http-port", str(http_port), "--chat-template", str(template), "--enable-prompt-tokens-details"]
     frontend = stack.start_frontend(
         model, [core.address], tmp_path, [*flags, "--chat-template-content-format", "openai"]
     )
@@ -1269,6 +1271,12 @@ def test_chat_template_flags_set_the_template_and_content_format(services, model
         frontend.wait_serving()
         response = httpx.post(f"http://127.0.0.1:{http_port}/tokenize", json={"messages": CHAT}, timeout=60)
         assert response.json()["tokens"] == list(tokenizer("<user>Tell me a story", add_special_tokens=False).input_ids)
+        # --enable-prompt-tokens-details: the prompt's tokens served from the prefix cache, 0 the first time and
+        # its two full blocks of 16 the second (a prompt the other tests never send)
+        body = {"prompt": list(range(300, 340)), "max_tokens": 1}
+        for cached in (0, 32):
+            usage = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60).json()["usage"]
+            assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
     finally:
         assert frontend.stop() == 0
 
