@@ -42,8 +42,12 @@ class CoreMetrics:
         max_num_batched_tokens: int,
         engine_index: int = 0,
         sleep_level: Callable[[], int] | None = None,
+        cache_config: dict[str, str] | None = None,
     ) -> None:
         m = metrics.LabelledMetrics(registry, model_name, engine_index)
+        if cache_config is not None:
+            # vLLM's cache_config_info: the KV cache's settings as labels of a gauge of 1
+            m.info("cache_config_info", "The KV cache's settings (labels; the value is 1).", cache_config)
         if sleep_level is not None:
             # vLLM's engine_sleep_state: 1 on the label of the state the core is in, 0 on the others.
             sleep_states = m.gauges_by(

@@ -27,7 +27,21 @@ def observe_engine_core(
                 engine_core.max_model_len,
                 engine_core.config.max_num_batched_tokens,
                 sleep_level=lambda: engine_core.sleep_state.level,
+                cache_config=cache_config_labels(engine_core),
             )
         )
     if tracer_provider is not None:
         engine_core.add_stats_sink(RequestTracer(tracer_provider))
+
+
+def cache_config_labels(engine_core: EngineCore) -> dict[str, str]:
+    """The KV cache's settings under vLLM's ``cache_config_info`` label names (``num_gpu_blocks`` counts the
+    blocks of the cache, on whatever device it is)."""
+    config = engine_core.config
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": str(engine_core.kv_cache_dtype).removeprefix("torch."),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "num_gpu_blocks": str(engine_core.num_kv_blocks),
+        "num_cpu_blocks": "0",
+    }

@@ -272,6 +272,14 @@ def test_core_metrics_equal_the_workload(run):
     assert sample(text, "splitserve:iteration_tokens_total_sum") == want["prompt_tokens"] + want["generation_tokens"]
     assert sample(text, "splitserve:num_requests_running") == 0
     assert sample(text, "splitserve:num_requests_waiting") == 0
+    # vLLM's cache_config_info: the core's --num-kv-blocks and block size as labels
+    cache_config = {
+        "block_size": "16",
+        "num_gpu_blocks": "64",
+        "enable_prefix_caching": "True",
+        "cache_dtype": "float32",
+    }
+    assert sample(text, "splitserve:cache_config_info", model_name=CORE_NAME, **cache_config) == 1
     assert sample(text, "splitserve:kv_cache_usage_perc") == 0
     assert sample(text, "splitserve:num_preemptions_total") == 0
     assert sample(text, "process_cpu_seconds_total") > 0

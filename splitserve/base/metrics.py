@@ -92,6 +92,12 @@ class LabelledMetrics:
         metric = Counter(PREFIX + name, doc, [*self.labels, label], registry=self.registry)
         return {value: metric.labels(**self.labels, **{label: value}) for value in values}
 
+    def info(self, name: str, doc: str, info: dict[str, str]) -> Gauge:
+        """vLLM's ``*_info`` gauges: 1, with ``info`` as labels beside the model's and the engine's."""
+        gauge = Gauge(PREFIX + name, doc, [*self.labels, *info], registry=self.registry).labels(**self.labels, **info)
+        gauge.set(1)
+        return gauge
+
     def gauges_by(self, name: str, doc: str, label: str, values: Sequence[str]) -> dict[str, Gauge]:
         """One gauge per value of one more label (``sleep_state``), all exported at 0."""
         metric = Gauge(PREFIX + name, doc, [*self.labels, label], registry=self.registry)
