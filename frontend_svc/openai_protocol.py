@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Strict
 
 from frontend_svc.beam_search import BeamSearchParams
 from frontend_svc.errors import ValidationError
@@ -59,21 +59,26 @@ def _is_neutral(name: str, value: object) -> bool:
     return name in _NEUTRAL_VALUES and value == _NEUTRAL_VALUES[name]
 
 
+# A boolean field also takes JSON's "true" / "false" strings (and 0 / 1), as vLLM's (lax) models take them: clients
+# and vLLM's own tests send them so. Numbers and strings stay strict.
+LaxBool = Annotated[bool, Strict(False)]
+
+
 class _Strict(BaseModel):
     # strict: a JSON string is never a number nor a bool; an integer is still a float (pydantic's strict JSON rule).
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False  # a last chunk with the request's usage (and no choices)
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far too
+    include_usage: LaxBool = False  # a last chunk with the request's usage (and no choices)
+    continuous_usage_stats: LaxBool = False  # vLLM's: every chunk carries the usage so far too
 
 
 class SamplingRequest(_Strict):
     """The fields completions and chat share: the model, streaming and the sampling parameters."""
 
     model: str | None = None  # None: the one served
-    stream: bool | None = False  # None: false
+    stream: LaxBool | None = False  # None: false
     stream_options: StreamOptions | None = None
     n: int | None = 1  # None: 1
     temperature: float | None = None
@@ -90,15 +95,15 @@ class SamplingRequest(_Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
+    ignore_eos: LaxBool | None = None
+    skip_special_tokens: LaxBool | None = None
+    spaces_between_special_tokens: LaxBool | None = None
+    include_stop_str_in_output: LaxBool | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
     prompt_logprobs: int | None = None  # vLLM's: each prompt position's logprob and this many most likely tokens
     cache_salt: str | None = None  # vLLM's: isolates this request's prefix-cache entries
-    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the response
+    return_token_ids: LaxBool | None = None  # vLLM's: the prompt's and each choice's token ids in the response
     request_id: str | None = None  # vLLM's: the response's id is cmpl- / chatcmpl- and this (default: a uuid)
     priority: int = 0  # vLLM's: lower is served first under the core's priority policy
     # OpenAI's output format: text, json_object or json_schema (``structured_outputs_params``)
@@ -115,11 +120,11 @@ class SamplingRequest(_Strict):
     guided_whitespace_pattern: str | None = None
     # Fields splitserve does not implement: refused when set (``check_unsupported``, UNSUPPORTED_REQUEST_FIELDS)
     best_of: int | None = None  # SamplingParams refuses it above 1 (as vLLM V1)
-    use_beam_search: bool | None = None
+    use_beam_search: LaxBool | None = None
     length_penalty: float | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    return_tokens_as_token_ids: bool | None = None
+    return_tokens_as_token_ids: LaxBool | None = None
     logits_processors: list[Any] | None = None
     prompt_embeds: Any = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -283,8 +288,8 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # the sampled token's logprob and this many most likely ones, per position
-    add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS and the like on a text prompt (None: true)
-    echo: bool | None = False  # the prompt before each choice's text (and its logprobs before the choice's)
+    add_special_tokens: LaxBool | None = True  # vLLM's: the tokenizer's BOS and the like on a text prompt (None: true)
+    echo: LaxBool | None = False  # the prompt before each choice's text (and its logprobs before the choice's)
     suffix: str | None = None  # not implemented: refused when set
 
     def prompts(self) -> list[str | list[int]]:
@@ -331,21 +336,21 @@ class ChatCompletionRequest(SamplingRequest):
 
     # Checked by the InputProcessor's render_chat, which names the message and part (``messages[1].content[0]``).
     messages: list[dict[str, Any]]
-    logprobs: bool | None = False  # the sampled tokens' logprobs (None: false)
+    logprobs: LaxBool | None = False  # the sampled tokens' logprobs (None: false)
     top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position too
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; wins over it
     # vLLM's extras
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the last (assistant) message left open for the model to continue
-    add_special_tokens: bool = False  # the tokenizer's BOS and the like, besides those the template renders
+    add_generation_prompt: LaxBool = True
+    continue_final_message: LaxBool = False  # the last (assistant) message left open for the model to continue
+    add_special_tokens: LaxBool = False  # the tokenizer's BOS and the like, besides those the template renders
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template (enable_thinking, ...)
     # vLLM's: the last message's content before the reply, when the reply continues it (same role)
-    echo: bool | None = False
+    echo: LaxBool | None = False
     documents: list[Any] | None = None  # for the chat template (RAG templates), as vLLM's
     reasoning_effort: str | None = None  # OpenAI's; a variable of the chat template, as vLLM passes it
-    include_reasoning: bool = True  # vLLM's (with a reasoning parser); false is refused: the reply is not split
-    parallel_tool_calls: bool | None = None  # OpenAI's; no tool calls are parsed, so it changes nothing
+    include_reasoning: LaxBool = True  # vLLM's (with a reasoning parser); false is refused: the reply is not split
+    parallel_tool_calls: LaxBool | None = None  # OpenAI's; no tool calls are parsed, so it changes nothing
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
     def template_tools(self) -> list[Any] | None:
@@ -428,11 +433,11 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     # the tokenizer's BOS and the like: by default on a prompt, not on messages (their template renders them)
-    add_special_tokens: bool | None = None
-    return_token_strs: bool = False
+    add_special_tokens: LaxBool | None = None
+    return_token_strs: LaxBool = False
     # for messages, as the chat API's
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: LaxBool = True
+    continue_final_message: LaxBool = False
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -466,18 +471,18 @@ class EmbeddingRequest(_Strict):
     input: str | list[str] | list[int] | list[list[int]] | None = None
     # vLLM's chat embeddings; checked by the InputProcessor's render_chat, as chat's
     messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
+    add_generation_prompt: LaxBool = False
+    continue_final_message: LaxBool = False
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # ignored, as vLLM ignores it
     truncate_prompt_tokens: int | None = None
-    normalize: bool | None = None
+    normalize: LaxBool | None = None
     pooling_type: Literal["LAST", "MEAN", "CLS"] | None = None
     priority: int = 0
-    add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS and the like on a text input (None: true)
+    add_special_tokens: LaxBool | None = True  # vLLM's: the tokenizer's BOS and the like on a text input (None: true)
     request_id: str | None = None  # vLLM's: the response's id is embd- and this (default: a uuid)
     # vLLM's base64 encodings: only its defaults are implemented (refused otherwise, ``check_unsupported``).
     embed_dtype: str | None = None

@@ -344,9 +344,9 @@ BAD_FIELDS = [
     ("completions", {"logit_bias": {"10000000": 1.0}}, "logit_bias"),
     ("completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": -101}}, "logit_bias"),
-    ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
-    ("completions", {"skip_special_tokens": 1}, "skip_special_tokens"),
-    ("completions", {"include_stop_str_in_output": "no"}, "include_stop_str_in_output"),
+    ("completions", {"ignore_eos": "maybe"}, "ignore_eos"),  # a boolean takes "true" / "false" (vLLM's), not this
+    ("completions", {"skip_special_tokens": 2}, "skip_special_tokens"),
+    ("completions", {"include_stop_str_in_output": "never"}, "include_stop_str_in_output"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": [[]]}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
@@ -1362,3 +1362,15 @@ def test_invocations_answers_as_the_route_its_body_names(services):
     for body, field in (({"neither": 1}, "body"), ({"prompt": PROMPTS[0], "temperature": "0"}, "temperature")):
         refused = httpx.post(f"{base_url}/invocations", json=body, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
+def test_booleans_take_json_strings_as_vllm_s_models_do(services):
+    """vLLM's test_top_logprobs sends "logprobs": "true": a boolean field takes it; a number as a string stays
+    refused."""
+    _, _, base_url = services
+    body = {"messages": CHAT, "logprobs": "true", "top_logprobs": 2, "max_tokens": 2, "stream": "false"}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    refused = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "temperature": "0.5"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
