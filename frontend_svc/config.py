@@ -85,6 +85,14 @@ class FrontendConfig:
             "cache), as vLLM's flag"
         ),
     )
+    # vLLM's --return-tokens-as-token-ids: the HTTP API's logprobs show tokens as "token_id:<id>".
+    return_tokens_as_token_ids: bool = field(
+        default=False,
+        metadata=flag(
+            "the HTTP API's logprobs show each token as 'token_id:<id>' (a request's return_tokens_as_token_ids "
+            "decides for itself), as vLLM's flag: tokens that are no whole character stay identifiable"
+        ),
+    )
     # vLLM's --stream-interval: streamed outputs every this many tokens (the first token at once, the last at the end).
     stream_interval: int = field(
         default=1,

@@ -44,6 +44,7 @@ from frontend_svc.openai_protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    SamplingRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
@@ -264,7 +265,9 @@ class _OpenAIApi:
                 logprobs = None
                 echoed = _echoed_prompt(output) if body.echo else None
                 if params.logprobs is not None:
-                    logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer).body(completion, echoed)
+                    logprobs = CompletionLogprobs(params.logprobs, engine.tokenizer, as_ids=self._as_ids(body)).body(
+                        completion, echoed
+                    )
                 choice = whole_completion_choice(prompt_index * params.n + completion.index, completion, logprobs)
                 if body.echo:
                     choice["text"] = _prompt_text(output, engine.tokenizer) + completion.text
@@ -298,7 +301,10 @@ class _OpenAIApi:
                 echo = first and isinstance(generation.request, CompletionRequest) and bool(generation.request.echo)
                 logprobs = None
                 if params.logprobs is not None:
-                    state = logprobs_by_choice.setdefault(index, CompletionLogprobs(params.logprobs, engine.tokenizer))
+                    as_ids = self._as_ids(generation.request)
+                    state = logprobs_by_choice.setdefault(
+                        index, CompletionLogprobs(params.logprobs, engine.tokenizer, as_ids=as_ids)
+                    )
                     logprobs = state.body(completion, _echoed_prompt(output) if echo else None)
                 choice = completion_choice(index, completion, logprobs)
                 if echo:
@@ -330,7 +336,11 @@ class _OpenAIApi:
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
-            logprobs = chat_logprobs(completion, body.top_logprobs or 0, engine.tokenizer) if body.logprobs else None
+            logprobs = (
+                chat_logprobs(completion, body.top_logprobs or 0, engine.tokenizer, self._as_ids(body))
+                if body.logprobs
+                else None
+            )
             choice = chat_choice(completion.index, completion, logprobs, body.response_role())
             choice["message"]["content"] = body.echoed() + completion.text
             if body.return_token_ids:
@@ -372,7 +382,11 @@ class _OpenAIApi:
                 tokens_so_far[completion.index] = tokens_so_far.get(completion.index, 0) + len(completion.token_ids)
                 if not (completion.text or completion.token_ids or completion.finish_reason):
                     continue
-                logprobs = chat_logprobs(completion, request.top_logprobs or 0, tokenizer) if request.logprobs else None
+                logprobs = (
+                    chat_logprobs(completion, request.top_logprobs or 0, tokenizer, self._as_ids(request))
+                    if request.logprobs
+                    else None
+                )
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
                 if request.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
@@ -547,6 +561,13 @@ class _OpenAIApi:
             utf8_size(prompt), lambda: list(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
         )
         return TokensPrompt(prompt=prompt, prompt_token_ids=token_ids)
+
+    def _as_ids(self, body: SamplingRequest) -> bool:
+        """Whether logprobs show tokens as "token_id:<id>": the request's return_tokens_as_token_ids, else the
+        server's --return-tokens-as-token-ids (vLLM's)."""
+        if body.return_tokens_as_token_ids is not None:
+            return body.return_tokens_as_token_ids
+        return self.state.return_tokens_as_token_ids
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest, engine: AsyncLLM) -> SamplingParams:
         body.check_unsupported()

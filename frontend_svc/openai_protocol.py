@@ -38,7 +38,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     "guided_whitespace_pattern": "is not supported: structured outputs use the backend's whitespace rules",
     "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it",
-    "return_tokens_as_token_ids": "is not supported: tokens are shown as their text",
     "logits_processors": "per-request logits processors are not supported",
     "prompt_embeds": "prompts as embeddings are not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",

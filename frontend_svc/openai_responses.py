@@ -55,9 +55,13 @@ def _clamped(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB) if not math.isnan(logprob) else MIN_LOGPROB
 
 
-def _token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
-    """The token as vLLM shows it in logprobs: its text in context, else the tokenizer's decoding of it alone."""
-    if logprob.decoded_token is not None:
+def _token_text(token_id: int, logprob: Logprob | None, tokenizer: Any, as_ids: bool = False) -> str:
+    """The token as vLLM shows it in logprobs: its text in context, else the tokenizer's decoding of it alone; with
+    ``as_ids`` (vLLM's return_tokens_as_token_ids) ``"token_id:<id>"``, which stays unambiguous where a token is no
+    whole character."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     return str(tokenizer.decode([token_id]))
 
@@ -77,6 +81,7 @@ class CompletionLogprobs:
     num_top: int  # the request's ``logprobs``
     tokenizer: Any
     text_offset: int = 0
+    as_ids: bool = False  # tokens as "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
     def body(
         self, completion: CompletionOutput, prompt: tuple[list[int], list[dict[int, Logprob] | None]] | None = None
@@ -93,7 +98,7 @@ class CompletionLogprobs:
         positions += list(zip(completion.token_ids, completion.logprobs or [], strict=False))
         for token_id, position in positions:
             if position is None or token_id not in position:
-                text = str(self.tokenizer.decode([token_id]))
+                text = _token_text(token_id, None, self.tokenizer, self.as_ids)
                 tokens.append(text)
                 token_logprobs.append(None)
                 top_logprobs.append(None)
@@ -101,13 +106,13 @@ class CompletionLogprobs:
                 self.text_offset += len(text)
                 continue
             sampled = position[token_id]
-            text = _token_text(token_id, sampled, self.tokenizer)
+            text = _token_text(token_id, sampled, self.tokenizer, self.as_ids)
             tokens.append(text)
             token_logprobs.append(_clamped(sampled.logprob))
             # The sampled token, and the most likely ones (vLLM's dict: text -> logprob).
             top = {text: _clamped(sampled.logprob)}
             for top_id, lp in _top(position, self.num_top):
-                top.setdefault(_token_text(top_id, lp, self.tokenizer), _clamped(lp.logprob))
+                top.setdefault(_token_text(top_id, lp, self.tokenizer, self.as_ids), _clamped(lp.logprob))
             top_logprobs.append(top)
             offsets.append(self.text_offset)
             self.text_offset += len(text)
@@ -135,12 +140,12 @@ def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None
     ]
 
 
-def chat_logprobs(completion: CompletionOutput, num_top: int, tokenizer: Any) -> dict[str, Any]:
+def chat_logprobs(completion: CompletionOutput, num_top: int, tokenizer: Any, as_ids: bool = False) -> dict[str, Any]:
     """The chat API's logprobs of one choice: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``,
-    ``top_logprobs`` the ``num_top`` most likely tokens of each position."""
+    ``top_logprobs`` the ``num_top`` most likely tokens of each position; ``as_ids``: tokens as "token_id:<id>"."""
 
     def entry(token_id: int, logprob: Logprob) -> dict[str, Any]:
-        text = _token_text(token_id, logprob, tokenizer)
+        text = _token_text(token_id, logprob, tokenizer, as_ids)
         return {"token": text, "logprob": _clamped(logprob.logprob), "bytes": list(text.encode())}
 
     content = []

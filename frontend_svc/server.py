@@ -96,6 +96,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             max_n=frontend.max_n,
             enable_admin_routes=frontend.enable_admin_routes,
             enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
+            return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
             allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
         )
         if observability.tracer_provider is not None:

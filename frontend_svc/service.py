@@ -57,6 +57,7 @@ class FrontendServerState:
     tracer: Tracer | None = None  # None: tracing is off
     enable_admin_routes: bool = False  # the HTTP API's /sleep, /wake_up, /is_sleeping (--enable-admin-routes)
     enable_prompt_tokens_details: bool = False  # the HTTP API's usage.prompt_tokens_details (vLLM's flag)
+    return_tokens_as_token_ids: bool = False  # the HTTP API's logprobs tokens as "token_id:<id>" (vLLM's flag)
 
 
 class GenerationServicer(api_grpc.GenerationServicer):

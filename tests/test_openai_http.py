@@ -407,7 +407,6 @@ BAD_FIELDS = [
     ("completions", {"use_beam_search": True, "n": 0}, "n"),
     ("chat", {"length_penalty": 2.0}, "length_penalty"),
     ("completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
-    ("completions", {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
     ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
@@ -1374,3 +1373,21 @@ def test_booleans_take_json_strings_as_vllm_s_models_do(services):
     assert len(response.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     refused = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "temperature": "0.5"}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+
+
+def test_return_tokens_as_token_ids_shows_logprob_tokens_by_id(services):
+    """vLLM's return_tokens_as_token_ids: every logprob token (sampled and top, completions and chat, streamed
+    too) is "token_id:<id>", the ids the choice's token_ids give."""
+    _, _, base_url = services
+    body = {"prompt": PROMPTS[0], "logprobs": 2, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    (choice,) = httpx.post(f"{base_url}/v1/completions", json={**body, **GREEDY}, timeout=60).json()["choices"]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{i}" for i in choice["token_ids"]]
+    assert all(key.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for key in top)
+    chunks = [json.loads(e) for e in sse_events(base_url, "/v1/completions", {**body, **GREEDY, "stream": True})[:-1]]
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == choice["logprobs"]["tokens"]
+    chat = {"messages": CHAT, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    chat["return_token_ids"] = True
+    (reply,) = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **GREEDY}, timeout=60).json()["choices"]
+    assert [entry["token"] for entry in reply["logprobs"]["content"]] == [f"token_id:{i}" for i in reply["token_ids"]]
+    assert reply["logprobs"]["content"][0]["bytes"] == list(f"token_id:{reply['token_ids'][0]}".encode())
