@@ -206,6 +206,9 @@ class InputProcessor:
             raise ValidationError("tokenization_kwargs", "is not supported with multi_modal_data")
         kwargs = dict(tokenization_kwargs)
         truncate = kwargs.pop("truncate_prompt_tokens", None)
+        side = kwargs.pop("truncation_side", "left")  # vLLM's: which end truncate_prompt_tokens cuts
+        if side not in ("left", "right"):
+            raise ValidationError("truncation_side", f"must be 'left' or 'right', got {side!r}")
         if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < -1):
             raise ValidationError("truncate_prompt_tokens", f"must be -1 or a positive count, got {truncate!r}")
         if truncate == 0:
@@ -225,7 +228,7 @@ class InputProcessor:
             prompt_text = text
         if truncate is not None:
             keep = self.info.max_model_len - 1 if truncate == -1 else truncate
-            token_ids = token_ids[-keep:]
+            token_ids = token_ids[-keep:] if side == "left" else token_ids[:keep]
         result = TokensPrompt(prompt_token_ids=token_ids)
         if prompt_text is not None:
             result["prompt"] = prompt_text

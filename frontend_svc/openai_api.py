@@ -248,6 +248,7 @@ class _OpenAIApi:
         prompt_list: list[PromptType] = list(prompts)
         if body.add_special_tokens is False:  # text prompts tokenized without BOS and the like (vLLM's option)
             prompt_list = [await self._without_special_tokens("prompt", engine, p) for p in prompt_list]
+        prompt_list = await self._truncated(body, engine, prompt_list)
         generation = Generation(self.state, engine, request_id, body, params, prompt_list, lora, dict(request.headers))
         if body.use_beam_search:
             outputs = await self._beam_search(engine, body, prompt_list, lora, request_id, request)
@@ -324,6 +325,7 @@ class _OpenAIApi:
             body, self._render_conversation(engine, body.messages_for_template(), body, body.add_special_tokens)
         )
         request_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
+        (prompt,) = await self._truncated(body, engine, [prompt])
         generation = Generation(self.state, engine, request_id, body, params, [prompt], lora, dict(request.headers))
         if body.use_beam_search:
             outputs = await self._beam_search(engine, body, [prompt], lora, request_id, request)
@@ -561,6 +563,28 @@ class _OpenAIApi:
             utf8_size(prompt), lambda: list(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
         )
         return TokensPrompt(prompt=prompt, prompt_token_ids=token_ids)
+
+    async def _truncated(self, body: SamplingRequest, engine: AsyncLLM, prompts: list[PromptType]) -> list[PromptType]:
+        """The prompts cut to ``truncate_prompt_tokens`` (vLLM's; ``truncation_side``), tokenized within the
+        tokenize budget; as they are when it is not set.
+
+        Raises:
+            ValidationError: as ``truncation`` and ``InputProcessor.tokenize_with``.
+        """
+        truncation = named(body, lambda: body.truncation(engine.engine_info.max_model_len))
+        if truncation is None:
+            return prompts
+        processor = engine.input_processor
+        truncated: list[PromptType] = []
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+            size = utf8_size(text) if isinstance(text, str) else 0
+
+            def cut(prompt: PromptType = prompt) -> PromptType:
+                return processor.tokenize_with(prompt, truncation)
+
+            truncated.append(await named_async(body, processor.budget.run(size, cut)))
+        return truncated
 
     def _as_ids(self, body: SamplingRequest) -> bool:
         """Whether logprobs show tokens as "token_id:<id>": the request's return_tokens_as_token_ids, else the

@@ -37,7 +37,6 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     "guided_whitespace_pattern": "is not supported: structured outputs use the backend's whitespace rules",
-    "truncate_prompt_tokens": "is not supported: truncate the prompt before sending it",
     "logits_processors": "per-request logits processors are not supported",
     "prompt_embeds": "prompts as embeddings are not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
@@ -122,7 +121,8 @@ class SamplingRequest(_Strict):
     use_beam_search: LaxBool | None = None
     length_penalty: float | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt cut to this many tokens (-1: as many as fit)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end is cut (default: the start)
     return_tokens_as_token_ids: LaxBool | None = None
     logits_processors: list[Any] | None = None
     prompt_embeds: Any = None
@@ -266,6 +266,24 @@ class SamplingRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         """The request's max_tokens: None for all the room left."""
         return self.max_tokens
+
+    def truncation(self, max_model_len: int) -> dict[str, Any] | None:
+        """``truncate_prompt_tokens`` (and ``truncation_side``) as ``InputProcessor.tokenize_with``'s arguments;
+        None when not set.
+
+        Raises:
+            ValidationError: a count above max_model_len (vLLM's rule), or below -1 or 0.
+        """
+        truncate = self.truncate_prompt_tokens
+        if truncate is None:
+            return None
+        if truncate > max_model_len:
+            raise ValidationError(
+                "truncate_prompt_tokens",
+                f"{truncate} cannot be greater than max_model_len={max_model_len} (vLLM's rule); -1 keeps as many "
+                "as fit",
+            )
+        return {"truncate_prompt_tokens": truncate, "truncation_side": self.truncation_side or "left"}
 
     def template_tools(self) -> list[Any] | None:
         """The tools a chat template renders: a chat request's, with tool_choice "none" (vLLM renders them and

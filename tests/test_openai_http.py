@@ -406,7 +406,8 @@ BAD_FIELDS = [
     ("completions", {"use_beam_search": True, "stream": True}, "use_beam_search"),
     ("completions", {"use_beam_search": True, "n": 0}, "n"),
     ("chat", {"length_penalty": 2.0}, "length_penalty"),
-    ("completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
+    ("completions", {"truncate_prompt_tokens": 1025}, "truncate_prompt_tokens"),  # above max_model_len
+    ("completions", {"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
     ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
@@ -1391,3 +1392,22 @@ def test_return_tokens_as_token_ids_shows_logprob_tokens_by_id(services):
     (reply,) = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, **GREEDY}, timeout=60).json()["choices"]
     assert [entry["token"] for entry in reply["logprobs"]["content"]] == [f"token_id:{i}" for i in reply["token_ids"]]
     assert reply["logprobs"]["content"][0]["bytes"] == list(f"token_id:{reply['token_ids'][0]}".encode())
+
+
+def test_truncate_prompt_tokens_cuts_the_prompt_at_the_side_asked(services, tokenizer):
+    """vLLM's truncate_prompt_tokens and truncation_side: token ids [10..17] cut to 4 keep [14..17] (the default,
+    left) or [10..13] (right); a text prompt's and a chat's last tokens likewise."""
+    _, _, base_url = services
+    ids = list(range(10, 18))
+    for side, kept in ((None, ids[-4:]), ("left", ids[-4:]), ("right", ids[:4])):
+        body = {"prompt": ids, "truncate_prompt_tokens": 4, "return_token_ids": True, **GREEDY}
+        if side is not None:
+            body["truncation_side"] = side
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
+        assert response["choices"][0]["prompt_token_ids"] == kept and response["usage"]["prompt_tokens"] == 4
+    body = {"prompt": PROMPTS[1], "truncate_prompt_tokens": 3, "return_token_ids": True, **GREEDY}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60).json()
+    assert response["choices"][0]["prompt_token_ids"] == tokenizer(PROMPTS[1]).input_ids[-3:]
+    chat = {"messages": CHAT, "truncate_prompt_tokens": 5, "return_token_ids": True, **GREEDY}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert response["prompt_token_ids"] == chat_prompt_ids(tokenizer, CHAT)[-5:]
