@@ -186,12 +186,15 @@ def initial_beams(
     """Each prompt as a beam of its tokens (text tokenized as ``generate`` tokenizes it; images processed once).
 
     Raises:
-        ValidationError: as ``InputProcessor.tokenize`` and ``process_multimodal``.
+        ValidationError: as ``InputProcessor.tokenize`` and ``process_multimodal``; a prompt the model cannot take
+            (``InputProcessor.check_prompt``: empty, no room for a token, ids outside the vocabulary), as
+            ``generate`` refuses it.
     """
     initial: list[BeamSearchSequence] = []
     for prompt, lora in zip(prompts, lora_requests, strict=True):
         processed = processor.process_multimodal(prompt)
         _, token_ids = processor.tokenize(processed)
+        processor.check_prompt(token_ids)
         fields: dict[str, Any] = dict(processed) if isinstance(processed, dict) else {}
         features: list[Any] | None = fields.get("mm_features")
         initial.append(

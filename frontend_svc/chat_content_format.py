@@ -27,17 +27,25 @@ def detect_content_format(template: str) -> ContentFormat:
     except TemplateSyntaxError:
         return "string"
 
-    def reads_messages(node: nodes.Node) -> bool:  # find_all walks the node's children, not the node
-        names = [node, *node.find_all(nodes.Name)]
-        return any(isinstance(name, nodes.Name) and name.name == "messages" for name in names)
+    # Names bound to the conversation or a part of it: ``messages``, and what an assignment from them binds
+    # (``{% set loop_messages = messages[1:] %}``, ``{% set first = messages[0] %}``), to a fixed point.
+    conversation = {"messages"}
 
-    message_names: set[str] = set()
+    def reads_conversation(node: nodes.Node) -> bool:  # find_all walks the node's children, not the node
+        names = [node, *node.find_all(nodes.Name)]
+        return any(isinstance(name, nodes.Name) and name.name in conversation for name in names)
+
+    assigns = [a for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)]
+    while True:
+        bound = {a.target.name for a in assigns if reads_conversation(a.node)} - conversation  # type: ignore[attr-defined]
+        if not bound:
+            break
+        conversation |= bound
+    # A message: a loop's variable over the conversation, or a name an assignment bound to a part of it.
+    message_names = set(conversation) - {"messages"}
     for loop in tree.find_all(nodes.For):
-        if isinstance(loop.target, nodes.Name) and reads_messages(loop.iter):
+        if isinstance(loop.target, nodes.Name) and reads_conversation(loop.iter):
             message_names.add(loop.target.name)
-    for assign in tree.find_all(nodes.Assign):
-        if isinstance(assign.target, nodes.Name) and reads_messages(assign.node):
-            message_names.add(assign.target.name)
 
     def is_content(node: nodes.Node) -> bool:
         while isinstance(node, nodes.Filter | nodes.Test):  # message.content | selectattr(...)

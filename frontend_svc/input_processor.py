@@ -577,6 +577,11 @@ class InputProcessor:
             raise ValidationError(violation.field, violation.description + MAX_TOKENS_HINT)
         return params.max_tokens
 
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raises ValidationError for a prompt the model cannot take (``prompt_violation``): empty, no room for an
+        output token within max_model_len, an id outside the vocabulary."""
+        self._check_prompt(prompt_token_ids)
+
     def _check_prompt(self, prompt_token_ids: list[int], pooling: bool = False) -> None:
         violation = prompt_violation(
             prompt_token_ids, self.info.max_model_len, self.info.vocab_size, "prompt", pooling=pooling
@@ -612,6 +617,8 @@ class InputProcessor:
         if message.get("tool_call_id") is not None:
             kept["tool_call_id"] = message["tool_call_id"]
         if message.get("tool_calls"):
+            if not isinstance(message["tool_calls"], list):
+                raise ValidationError(f"messages[{index}].tool_calls", "must be a list of tool calls")
             kept["tool_calls"] = [_tool_call_for_template(call) for call in message["tool_calls"]]
         reasoning = message.get("reasoning") or message.get("reasoning_content")
         if reasoning is not None:

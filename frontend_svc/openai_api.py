@@ -652,12 +652,25 @@ class _OpenAIApi:
                 for i, beam in enumerate(sequences)
             ]
             prompt_ids = sequences[0].tokens[: sequences[0].num_prompt_tokens] if sequences else []
-            return index, RequestOutput(f"{request_id}-{index}", None, prompt_ids, None, completions, True)
+            fields: dict[str, Any] = dict(prompt) if isinstance(prompt, dict) else {}
+            text = prompt if isinstance(prompt, str) else fields.get("prompt")  # the prompt as sent, for echo
+            return index, RequestOutput(f"{request_id}-{index}", text, prompt_ids, None, completions, True)
+
+        async def search_all() -> list[tuple[int, RequestOutput]]:
+            """Every prompt's search at once; the first to fail (or the call's cancellation) cancels the others,
+            so none goes on in the core after the answer."""
+            tasks = [asyncio.ensure_future(search(i, p)) for i, p in enumerate(prompts)]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
         self.state.active_calls += 1
         try:
-            work = asyncio.gather(*(search(i, p) for i, p in enumerate(prompts)))
-            results = await named_async(body, _model_found(until_disconnect(request, work), body.model))
+            results = await named_async(body, _model_found(until_disconnect(request, search_all()), body.model))
         finally:
             self.state.active_calls -= 1
         return dict(results)

@@ -152,6 +152,8 @@ def test_bad_beam_search_arguments_are_refused(plain_model):
             llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
         with pytest.raises(ValidationError, match="lora_request: has 1 entries for 3 prompts"):
             llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=2), lora_request=[None])
+        with pytest.raises(ValidationError, match="prompt: has .* maximum context length"):
+            llm.beam_search([[5] * 5000], BeamSearchParams(beam_width=2, max_tokens=2))  # as generate refuses it
         # nothing was left running: a search after the refusals works
         (output,) = llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2))
         assert len(output.sequences) == 2

@@ -354,6 +354,11 @@ PARTS_TEMPLATES = [
     "{% set first = messages[0] %}{% for m in messages[1:] %}{% endfor %}{{ first.role }}:"
     "{% for c in first.content %}{{ c.text }}{% endfor %}|",
 ]
+PARTS_TEMPLATES.append(  # Mistral's and Gemma's opening: the loop runs over a name bound from messages
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% else %}"
+    "{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}{{ message['role'] }}:"
+    "{% for c in message['content'] %}{{ c['text'] }}{% endfor %}|{% endfor %}"
+)
 STRING_TEMPLATES = [
     "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}",
     "{% for m in messages %}{% for line in m.content.split('\\n') %}{{ line }}{% endfor %}{% endfor %}",
@@ -464,3 +469,11 @@ def test_a_developer_message_is_a_system_one_for_templates_without_that_role(lla
     assert processor.render_chat(messages)["prompt"] == processor.render_chat(as_system)["prompt"]
     knows = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }}|{% endfor %}"
     assert processor.render_chat(messages, False, knows)["prompt"] == "D:be brief|hi|"
+
+
+def test_a_tool_calls_value_that_is_not_a_list_is_refused_naming_it(llama2_tokenizer):
+    processor = InputProcessor(llama2_tokenizer, engine_info(max_model_len=2048))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": 5}]
+    with pytest.raises(ValidationError) as info:
+        processor.render_chat(messages)
+    assert info.value.field == "messages[1].tool_calls"

@@ -1204,6 +1204,22 @@ def test_use_beam_search_returns_transformers_beams(services, model, tokenizer):
     assert [c["message"]["role"] for c in response.json()["choices"]] == ["assistant"] * width
     length_penalty = httpx.post(f"{base_url}/v1/chat/completions", json={**chat, "length_penalty": 0.5})
     assert length_penalty.status_code == 200, length_penalty.text
+    # echo: the prompt as sent before each beam's text
+    echoed = {"prompt": PROMPTS[0], "use_beam_search": True, "n": 2, "max_tokens": 3, "echo": True, **NO_EOS}
+    for choice in httpx.post(f"{base_url}/v1/completions", json=echoed, timeout=60).json()["choices"]:
+        assert choice["text"].startswith(PROMPTS[0]) and not choice["text"].startswith("<s>")
+
+
+def test_a_refused_prompt_ends_the_whole_beam_search_and_nothing_runs_on(services):
+    """One prompt of two out of vocabulary, or too long for max_model_len (1024): a 400, as without beam search,
+    and the other prompt's search stops with it: the core is left empty."""
+    core, _, base_url = services
+    body = {"use_beam_search": True, "n": 4, "max_tokens": 200, **NO_EOS}
+    for prompt, field in (([[1, 15043, 3186], [1, 10**6]], "prompt[1]"), ([[1, 15043], [5] * 1024], "prompt")):
+        refused = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt, **body}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"].startswith(field), refused.text
+        load = wait_core_empty(core.address)
+        assert not load.num_running_reqs and not load.num_waiting_reqs
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_first(services, model, tokenizer):
