@@ -35,9 +35,9 @@ def detect_content_format(template: str) -> ContentFormat:
         names = [node, *node.find_all(nodes.Name)]
         return any(isinstance(name, nodes.Name) and name.name in conversation for name in names)
 
-    assigns = [a for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)]
+    assigns = [(a.target.name, a.node) for a in tree.find_all(nodes.Assign) if isinstance(a.target, nodes.Name)]
     while True:
-        bound = {a.target.name for a in assigns if reads_conversation(a.node)} - conversation  # type: ignore[attr-defined]
+        bound = {name for name, value in assigns if reads_conversation(value)} - conversation
         if not bound:
             break
         conversation |= bound
