@@ -168,9 +168,10 @@ def _add_logits_processors(
         metadata.logit_bias = (indices[0], indices[1], to_device(np.array(bias_values, dtype=np.float32)))
     min_rows, min_ids = [], []  # min_tokens' stop ids and bad words' banned ids: both set to -inf
     for i, (s, p) in enumerate(zip(states, params, strict=True)):
-        for token_id in banned_bad_word_ids(p.bad_words_token_ids, s.output_token_ids):
-            min_rows.append(i)
-            min_ids.append(token_id)
+        if p.bad_words_token_ids:  # few requests have them: no call per row otherwise
+            for token_id in banned_bad_word_ids(p.bad_words_token_ids, s.output_token_ids):
+                min_rows.append(i)
+                min_ids.append(token_id)
         if len(s.output_token_ids) < p.min_tokens:
             stop_ids = set(p.stop_token_ids) | set(p.model_eos_token_ids)
             if p.eos_token_id is not None:  # with ignore_eos too: vLLM's all_stop_token_ids always hold EOS
@@ -183,11 +184,11 @@ def _add_logits_processors(
         metadata.min_tokens_mask = (indices[0], indices[1])
 
 
-def banned_bad_word_ids(bad_words_token_ids: list[list[int]] | None, output_token_ids: list[int]) -> list[int]:
+def banned_bad_word_ids(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> list[int]:
     """The ids vLLM's bad words ban at the next position: each sequence's last id where the output so far ends
     with the ids before it (a one-id sequence: always), as vLLM v1's ``apply_bad_words`` over the output ids."""
     banned: list[int] = []
-    for sequence in bad_words_token_ids or ():
+    for sequence in bad_words_token_ids:
         prefix = sequence[:-1]
         if not prefix or (len(output_token_ids) >= len(prefix) and output_token_ids[-len(prefix) :] == prefix):
             banned.append(sequence[-1])

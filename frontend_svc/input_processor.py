@@ -209,15 +209,15 @@ class InputProcessor:
         side = kwargs.pop("truncation_side", "left")  # vLLM's: which end truncate_prompt_tokens cuts
         if side not in ("left", "right"):
             raise ValidationError("truncation_side", f"must be 'left' or 'right', got {side!r}")
-        if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < -1):
+        if truncate is not None and (
+            not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < -1 or truncate == 0
+        ):
             raise ValidationError("truncate_prompt_tokens", f"must be -1 or a positive count, got {truncate!r}")
-        if truncate == 0:
-            raise ValidationError("truncate_prompt_tokens", "must be -1 or a positive count, got 0")
-        text = prompt if isinstance(prompt, str) else fields.get("prompt")
+        text = prompt_text(prompt)
         if "prompt_token_ids" in fields or not isinstance(text, str):
             if truncate is None:
                 return prompt
-            prompt_text, token_ids = self.tokenize(prompt)
+            _, token_ids = self.tokenize(prompt)
         else:
             if truncate is None:  # a text too long to fit is refused before tokenizing, unless it is cut
                 self.check_text_length(text, "prompt", "the prompt")
@@ -225,13 +225,12 @@ class InputProcessor:
                 token_ids = list(self.tokenizer(text, **kwargs).input_ids)
             except TypeError as e:
                 raise ValidationError("tokenization_kwargs", f"the tokenizer refused them: {e}") from e
-            prompt_text = text
         if truncate is not None:
             keep = self.info.max_model_len - 1 if truncate == -1 else truncate
             token_ids = token_ids[-keep:] if side == "left" else token_ids[:keep]
         result = TokensPrompt(prompt_token_ids=token_ids)
-        if prompt_text is not None:
-            result["prompt"] = prompt_text
+        if text is not None:
+            result["prompt"] = text
         return result
 
     async def tokenize_async(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -240,7 +239,7 @@ class InputProcessor:
         Raises:
             ValidationError: as ``tokenize``.
         """
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        text = prompt_text(prompt)
         if not isinstance(text, str) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             return self.tokenize(prompt)  # token ids: nothing to tokenize
         self.check_text_length(text, "prompt", "the prompt")
@@ -710,6 +709,14 @@ def _no_images_error(field: str) -> ValidationError:
         f"this model takes no images (only {', '.join(sorted(SUPPORTED_MODEL_TYPES))} models do, by config.json's "
         "model_type)",
     )
+
+
+def prompt_text(prompt: PromptType) -> str | None:
+    """A prompt's text: the prompt itself, or a dict's ``"prompt"``; None for token ids alone (or no text)."""
+    if isinstance(prompt, str):
+        return prompt
+    text = prompt.get("prompt") if isinstance(prompt, dict) else None
+    return text if isinstance(text, str) else None
 
 
 def _images_of(mm_data: Any) -> list[Any]:

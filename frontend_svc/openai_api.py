@@ -36,7 +36,7 @@ from frontend_svc.beam_search import beam_search_async
 from frontend_svc.embeddings import check_num_inputs, encode_all
 from frontend_svc.engine_types import LoRARequest
 from frontend_svc.errors import EngineDeadError, FrontendError, NotFoundError, ValidationError
-from frontend_svc.input_processor import PromptType, TokensPrompt
+from frontend_svc.input_processor import PromptType, TokensPrompt, prompt_text
 from frontend_svc.openai_generation import HTTP_STATUS, Generation, named, named_async, until_disconnect
 from frontend_svc.openai_protocol import (
     ChatCompletionRequest,
@@ -287,6 +287,9 @@ class _OpenAIApi:
         logprobs_by_choice: dict[int, CompletionLogprobs] = {}
         ids_sent: set[int] = set()
         tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
+        request = generation.request
+        echoes = isinstance(request, CompletionRequest) and bool(request.echo)  # vLLM's: the prompt first
+        as_ids = self._as_ids(request)
         async for prompt_index, output in generation.outputs():
             for completion in output.outputs:
                 index = prompt_index * params.n + completion.index
@@ -298,11 +301,9 @@ class _OpenAIApi:
                     continue
                 first = index not in ids_sent  # this choice's first chunk
                 ids_sent.add(index)
-                # vLLM's echo: the prompt on a choice's first chunk
-                echo = first and isinstance(generation.request, CompletionRequest) and bool(generation.request.echo)
+                echo = first and echoes  # on a choice's first chunk
                 logprobs = None
                 if params.logprobs is not None:
-                    as_ids = self._as_ids(generation.request)
                     state = logprobs_by_choice.setdefault(
                         index, CompletionLogprobs(params.logprobs, engine.tokenizer, as_ids=as_ids)
                     )
@@ -310,7 +311,7 @@ class _OpenAIApi:
                 choice = completion_choice(index, completion, logprobs)
                 if echo:
                     choice["text"] = _prompt_text(output, engine.tokenizer) + completion.text
-                if generation.request.return_token_ids:  # the prompt's ids on a choice's first chunk (vLLM's)
+                if request.return_token_ids:  # the prompt's ids on a choice's first chunk (vLLM's)
                     if first:
                         choice["prompt_token_ids"] = list(output.prompt_token_ids)
                     choice["token_ids"] = list(completion.token_ids)
@@ -371,11 +372,13 @@ class _OpenAIApi:
             if request.return_token_ids and i == 0:  # vLLM's: the prompt's ids on the first chunk
                 chunk["prompt_token_ids"] = list(generation.prompt_token_ids())
             yield chunk
-        if request.echoed():  # vLLM's echo: the continued message's text, a chunk per choice
+        echoed = request.echoed()
+        if echoed:  # vLLM's echo: the continued message's text, a chunk per choice
             for i in range(generation.params.n):
-                echo = chat_chunk_choice(i, {"content": request.echoed()}, None, None)
+                echo = chat_chunk_choice(i, {"content": echoed}, None, None)
                 yield generation.chunk("chat.completion.chunk", [echo], (num_prompt_tokens, 0))
         tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
+        as_ids = self._as_ids(request)
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(
@@ -385,7 +388,7 @@ class _OpenAIApi:
                 if not (completion.text or completion.token_ids or completion.finish_reason):
                     continue
                 logprobs = (
-                    chat_logprobs(completion, request.top_logprobs or 0, tokenizer, self._as_ids(request))
+                    chat_logprobs(completion, request.top_logprobs or 0, tokenizer, as_ids)
                     if request.logprobs
                     else None
                 )
@@ -577,8 +580,8 @@ class _OpenAIApi:
         processor = engine.input_processor
         truncated: list[PromptType] = []
         for prompt in prompts:
-            text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-            size = utf8_size(text) if isinstance(text, str) else 0
+            text = prompt_text(prompt)
+            size = utf8_size(text) if text is not None else 0
 
             def cut(prompt: PromptType = prompt) -> PromptType:
                 return processor.tokenize_with(prompt, truncation)
@@ -652,9 +655,10 @@ class _OpenAIApi:
                 for i, beam in enumerate(sequences)
             ]
             prompt_ids = sequences[0].tokens[: sequences[0].num_prompt_tokens] if sequences else []
-            fields: dict[str, Any] = dict(prompt) if isinstance(prompt, dict) else {}
-            text = prompt if isinstance(prompt, str) else fields.get("prompt")  # the prompt as sent, for echo
-            return index, RequestOutput(f"{request_id}-{index}", text, prompt_ids, None, completions, True)
+            # the prompt's text as sent, for echo
+            return index, RequestOutput(
+                f"{request_id}-{index}", prompt_text(prompt), prompt_ids, None, completions, True
+            )
 
         async def search_all() -> list[tuple[int, RequestOutput]]:
             """Every prompt's search at once; the first to fail (or the call's cancellation) cancels the others,
