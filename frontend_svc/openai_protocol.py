@@ -333,13 +333,7 @@ class CompletionRequest(SamplingRequest):
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """Raises ValidationError naming the field as sent."""
         explicit = self.explicit_sampling_fields()
-        if self.max_tokens is not None:
-            explicit["max_tokens"] = self.max_tokens
-        elif "max_tokens" in self.model_fields_set:
-            # Sent as null: all the room left within max_model_len (vLLM's get_max_tokens), as chat's unset one.
-            explicit["max_tokens"] = None
-        else:
-            explicit["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
+        explicit["max_tokens"] = self.requested_max_tokens()  # None: the room left (vLLM's get_max_tokens)
         if self.logprobs is not None:
             explicit["logprobs"] = self.logprobs
             if self.echo and self.prompt_logprobs is None:  # vLLM's: the echoed prompt's logprobs too
@@ -397,7 +391,7 @@ class ChatCompletionRequest(SamplingRequest):
                 "continue_final_message", "cannot be true with add_generation_prompt=true (vLLM's rule)"
             )
         explicit = self.explicit_sampling_fields()
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = self.requested_max_tokens()
         if max_tokens is not None:
             explicit["max_tokens"] = max_tokens
         elif defaults.get("max_tokens") is None:
