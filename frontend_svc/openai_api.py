@@ -64,6 +64,7 @@ from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, load_lora_adapter, text_size, unload_lora_adapter
 from frontend_svc.tokenize_budget import utf8_size
+from frontend_svc.tool_calls import ToolCallDeltas, reply_with_calls
 from splitserve.base.request_rules import token_ids_violation
 from splitserve.base.status import status_code_of
 
@@ -337,6 +338,7 @@ class _OpenAIApi:
         output = outputs[0]
         usage = UsageCounter()
         choices = []
+        forced = body.forced_tool_choice()
         for completion in sorted(output.outputs, key=lambda c: c.index):
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
             logprobs = (
@@ -346,6 +348,11 @@ class _OpenAIApi:
             )
             choice = chat_choice(completion.index, completion, logprobs, body.response_role())
             choice["message"]["content"] = body.echoed() + completion.text
+            if forced is not None:
+                content, calls, choice["finish_reason"] = reply_with_calls(
+                    forced, completion.text, completion.finish_reason
+                )
+                choice["message"].update(content=content, tool_calls=calls)
             if body.return_token_ids:
                 choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
@@ -379,6 +386,8 @@ class _OpenAIApi:
                 yield generation.chunk("chat.completion.chunk", [echo], (num_prompt_tokens, 0))
         tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
         as_ids = self._as_ids(request)
+        forced = request.forced_tool_choice()
+        calls = {} if forced is None else {i: ToolCallDeltas(forced) for i in range(generation.params.n)}
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(
@@ -393,6 +402,12 @@ class _OpenAIApi:
                     else None
                 )
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
+                if forced is not None:
+                    choice["delta"], choice["finish_reason"] = calls[completion.index].delta(
+                        completion.text, completion.finish_reason
+                    )
+                    if not (choice["delta"] or choice["finish_reason"] or logprobs):
+                        continue  # a required choice's call still coming
                 if request.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
                 usage = (num_prompt_tokens, tokens_so_far[completion.index])

@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Strict
 from frontend_svc.beam_search import BeamSearchParams
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
+from frontend_svc.tool_calls import ForcedToolChoice, forced_tool_choice
 from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.structured_outputs import FIELD as STRUCTURED_OUTPUTS_FIELD
+from splitserve.base.structured_outputs import KINDS as STRUCTURED_OUTPUT_KINDS
 
 # vLLM's (and OpenAI's) default max_tokens of the legacy completions API; chat takes all the room left.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -41,8 +43,8 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
     "prompt_embeds": "prompts as embeddings are not supported",
     "kv_transfer_params": "disaggregated prefill is not supported",
     "vllm_xargs": "would have no effect: it carries arguments for custom logits processors, and splitserve runs none",
-    "tools": "tool calling is not supported (tools reach a chat template with tool_choice 'none')",
-    "functions": "tool calling is not supported",
+    "tools": "tools are a chat request's",
+    "functions": "is OpenAI's deprecated form of tools: send tools and tool_choice",
     "suffix": "suffixes are not supported",
     "mm_processor_kwargs": "is not supported",
 }
@@ -186,12 +188,25 @@ class SamplingRequest(_Strict):
                 "guided_decoding_backend", f"must be auto, xgrammar or guidance, got {self.guided_decoding_backend!r}"
             )
         for name, why in UNSUPPORTED_REQUEST_FIELDS.items():
-            if name == "tools" and self.template_tools() is not None:
+            if name == "tools" and self.takes_tools():
                 continue
             if not _is_neutral(name, getattr(self, name, None)):
                 raise ValidationError(name, why)
-        if self.tool_choice not in (None, "none"):
-            raise ValidationError("tool_choice", "tool calling is not supported")
+        if self.takes_tools():
+            if self.forced_tool_choice() is not None and self.use_beam_search:
+                raise ValidationError(
+                    "use_beam_search", "cannot make a required or named tool call: beam search has no output constraint"
+                )
+        elif self.tool_choice not in (None, "none"):
+            raise ValidationError("tool_choice", "tool choices are a chat request's")
+
+    def takes_tools(self) -> bool:
+        """Whether ``tools`` and ``tool_choice`` belong to this request's kind (chat's)."""
+        return False
+
+    def forced_tool_choice(self) -> ForcedToolChoice | None:
+        """The tool call the reply must be (``tool_choice`` "required" or a named function); None where none is."""
+        return None
 
     def explicit_sampling_fields(self) -> dict[str, Any]:
         """The ``SamplingParams`` keyword arguments the client set (others take the model's defaults)."""
@@ -286,8 +301,7 @@ class SamplingRequest(_Strict):
         return {"truncate_prompt_tokens": truncate, "truncation_side": self.truncation_side or "left"}
 
     def template_tools(self) -> list[Any] | None:
-        """The tools a chat template renders: a chat request's, with tool_choice "none" (vLLM renders them and
-        parses no calls from the reply; other tool choices need a tool-call parser, which splitserve has not)."""
+        """The tools a chat template renders: a chat request's (``ChatCompletionRequest``)."""
         return None
 
     @property
@@ -361,11 +375,54 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[Any] | None = None  # for the chat template (RAG templates), as vLLM's
     reasoning_effort: str | None = None  # OpenAI's; a variable of the chat template, as vLLM passes it
     include_reasoning: LaxBool = True  # vLLM's (with a reasoning parser); false is refused: the reply is not split
-    parallel_tool_calls: LaxBool | None = None  # OpenAI's; no tool calls are parsed, so it changes nothing
+    parallel_tool_calls: LaxBool | None = None  # OpenAI's: false, a required tool choice makes one call at most
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
+    def takes_tools(self) -> bool:
+        return True
+
+    def forced_tool_choice(self) -> ForcedToolChoice | None:
+        """As ``tool_calls.forced_tool_choice``, over this request's tools and choice (checked there).
+
+        Raises:
+            ValidationError: a tool or choice vLLM's ``check_tool_usage`` refuses, or "auto" (``AUTO_WHY``).
+        """
+        return forced_tool_choice(self.tools, self.tool_choice, parallel=self.parallel_tool_calls is not False)
+
+    def tool_schema_field(self) -> str:
+        """The field whose JSON schema a forced tool choice's constraint is: the named function's
+        ``tools[i].function.parameters``, or ``tools`` (a required choice's schema holds every tool's)."""
+        name = self.tool_choice.get("function", {}).get("name") if isinstance(self.tool_choice, dict) else None
+        for i, tool in enumerate(self.tools or []):
+            if name is not None and isinstance(tool, dict) and (tool.get("function") or {}).get("name") == name:
+                return f"tools[{i}].function.parameters"
+        return "tools"
+
     def template_tools(self) -> list[Any] | None:
-        return self.tools if self.tools and self.tool_choice == "none" else None
+        """The tools, rendered as vLLM renders them: under tool_choice "none" (no call asked for) and under a forced
+        choice (the call's schema constrains the reply; the template tells the model of the tools)."""
+        return self.tools or None
+
+    def structured_outputs_params(self) -> dict[str, Any] | None:
+        """``SamplingRequest``'s constraint; under a forced tool choice, the call's JSON schema instead
+        (``ForcedToolChoice.schema``), with structured outputs' options (``disable_any_whitespace``) kept.
+
+        Raises:
+            ValidationError: a forced tool choice beside another constraint (response_format, structured_outputs
+                or a guided_* field).
+        """
+        fields = super().structured_outputs_params()
+        forced = self.forced_tool_choice()
+        if forced is None:
+            return fields
+        other = [kind for kind in STRUCTURED_OUTPUT_KINDS if (fields or {}).get(kind) not in (None, False)]
+        if other:
+            raise ValidationError(
+                "tool_choice",
+                f"a {forced.describe()} constrains the reply to the call's JSON; it cannot be combined with another "
+                f"constraint (structured_outputs.{other[0]}, from response_format, structured_outputs or guided_*)",
+            )
+        return {**(fields or {}), "json": forced.schema()}
 
     def template_variables(self) -> dict[str, Any] | None:
         """``chat_template_kwargs`` with ``reasoning_effort`` added when set (vLLM's), the kwargs winning.
@@ -555,6 +612,8 @@ def request_field(field: str, request: SamplingRequest) -> str:
         if from_format is not None and field == f"{STRUCTURED_OUTPUTS_FIELD}.{from_format}":
             return "response_format"  # the constraint came from there
     if isinstance(request, ChatCompletionRequest):
+        if field == f"{STRUCTURED_OUTPUTS_FIELD}.json" and request.tool_choice not in (None, "none"):
+            return request.tool_schema_field()  # the constraint is the tool call's schema
         if field == "logprobs":
             return "top_logprobs"
         if field == "max_tokens" and request.max_completion_tokens is not None:

@@ -183,10 +183,11 @@ def whole_completion_choice(
 def chat_choice(
     index: int, completion: CompletionOutput, logprobs: dict[str, Any] | None, role: str = "assistant"
 ) -> dict[str, Any]:
-    """A ``chat.completion`` choice: the reply as a message of ``role``; ``token_ids`` null unless asked for."""
+    """A ``chat.completion`` choice: the reply as a message of ``role`` (``tool_calls`` empty unless a forced tool
+    choice made them, as vLLM's message has it); ``token_ids`` null unless asked for."""
     return {
         "index": index,
-        "message": {"role": role, "content": completion.text},
+        "message": {"role": role, "content": completion.text, "tool_calls": []},
         "logprobs": logprobs,
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,

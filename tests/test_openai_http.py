@@ -410,8 +410,50 @@ BAD_FIELDS = [
     ("completions", {"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
     ("chat", {"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
     ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # no tools
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice"),
+    ("chat", {"tools": [{"function": {"name": ""}}], "tool_choice": "none"}, "tools[0].function.name"),
+    ("chat", {"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0].function"),
+    ("chat", {"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0].type"),
+    (
+        "chat",
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {"name": "g"}}},
+        "tool_choice.function.name",
+    ),
+    (
+        "chat",
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}},
+        "tool_choice.function",
+    ),
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        "tools[0].function.parameters",
+    ),
+    (
+        "chat",
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "guided_regex": "a"},
+        "tool_choice",
+    ),
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "tool_choice",
+    ),
+    (
+        "chat",
+        {"tools": [{"function": {"name": "f"}}], "tool_choice": "required", "use_beam_search": True},
+        "use_beam_search",
+    ),
+    ("completions", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
 ]
 
@@ -1260,7 +1302,7 @@ def test_chat_echo_repeats_the_continued_message(services):
     body = {"messages": turns, "add_generation_prompt": False, "continue_final_message": True, **GREEDY, **NO_EOS}
     plain = httpx.post(f"{base_url}/v1/chat/completions", json=body).json()["choices"][0]["message"]
     echoed = httpx.post(f"{base_url}/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]
-    assert echoed["message"] == {"role": "assistant", "content": "Once" + plain["content"]}
+    assert echoed["message"] == {"role": "assistant", "content": "Once" + plain["content"], "tool_calls": []}
     events = sse_events(base_url, "/v1/chat/completions", {**body, "echo": True, "stream": True})
     deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1] if json.loads(e)["choices"]]
     assert deltas[1] == {"content": "Once"}
@@ -1427,3 +1469,145 @@ def test_truncate_prompt_tokens_cuts_the_prompt_at_the_side_asked(services, toke
     chat = {"messages": CHAT, "truncate_prompt_tokens": 5, "return_token_ids": True, **GREEDY}
     response = httpx.post(f"{base_url}/v1/chat/completions", json=chat, timeout=60).json()
     assert response["prompt_token_ids"] == chat_prompt_ids(tokenizer, CHAT)[-5:]
+
+
+# Forced tool choices (tool_choice "required" or a named function): the reply is constrained to the call's JSON.
+TOOLS = [
+    {"type": "function", "function": {"name": "pet", "description": "names a pet", "parameters": SMALL_SCHEMA}},
+    {"type": "function", "function": {"name": "noop"}},  # no parameters: an empty object
+]
+PET = {"type": "function", "function": {"name": "pet"}}
+COMPACT = {"disable_any_whitespace": True}
+# vLLM's schema of a required choice's reply over TOOLS, written out: an array of at least one call, each one of
+# the tools' names with that tool's parameters.
+REQUIRED_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "type": "object",
+        "anyOf": [
+            {
+                "properties": {"name": {"type": "string", "enum": ["pet"]}, "parameters": SMALL_SCHEMA},
+                "required": ["name", "parameters"],
+            },
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": ["noop"]},
+                    "parameters": {"type": "object", "properties": {}},
+                },
+                "required": ["name", "parameters"],
+            },
+        ],
+    },
+}
+
+
+def constrained_reply(base_url: str, schema: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """The choice of the same chat without tools under ``structured_outputs.json = schema``: the text a forced tool
+    choice's reply is made of (the llama2 template renders no tools, so the prompt is the same)."""
+    body = {"messages": CHAT, "structured_outputs": {"json": schema, **COMPACT}, **fields}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def streamed_choice(base_url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """A streamed chat's tool-call delta entries, in order, and its finish reason."""
+    entries, finish_reason = [], None
+    for event in sse_events(base_url, "/v1/chat/completions", {**body, "stream": True})[:-1]:
+        (choice,) = json.loads(event)["choices"]
+        entries += choice["delta"].get("tool_calls", [])
+        finish_reason = choice["finish_reason"] or finish_reason
+        assert not choice["delta"].get("content"), choice  # a call's text goes out as the call's
+    return entries, finish_reason
+
+
+def test_a_named_tool_choice_is_a_call_whose_arguments_are_the_constrained_reply(services, client):
+    """vLLM's named tool choice: the function's parameters schema constrains the reply, which is the call's
+    arguments; content empty, finish reason the engine's ("stop", as OpenAI's); streamed, the first delta carries
+    the call's id and name and the arguments follow as text."""
+    import jsonschema
+
+    _, _, base_url = services
+    for seed in (0, 1, 2):
+        sampling = {"temperature": 1.0, "seed": seed, "max_tokens": 120}
+        expected = constrained_reply(base_url, SMALL_SCHEMA, **sampling)
+        assert expected["finish_reason"] == "stop"
+        response = client.chat.completions.create(
+            model=frontend_model(client),
+            messages=CHAT,
+            tools=TOOLS,
+            tool_choice=PET,
+            extra_body={"structured_outputs": COMPACT},
+            **sampling,
+        )
+        (choice,) = response.choices
+        (call,) = choice.message.tool_calls or []
+        assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}", call.id) and call.type == "function"
+        assert call.function.name == "pet" and call.function.arguments == expected["message"]["content"]
+        jsonschema.validate(json.loads(call.function.arguments), SMALL_SCHEMA)
+        assert choice.message.content == "" and choice.finish_reason == "stop"
+        body = {"messages": CHAT, "tools": TOOLS, "tool_choice": PET, "structured_outputs": COMPACT, **sampling}
+        entries, finish_reason = streamed_choice(base_url, body)
+        first, *rest = entries
+        assert first["id"].startswith("chatcmpl-tool-") and first["function"]["name"] == "pet"
+        assert all(e["index"] == 0 and "name" not in e["function"] and "id" not in e for e in rest)
+        assert "".join(e["function"]["arguments"] for e in entries) == expected["message"]["content"]
+        assert finish_reason == "stop"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_required_tool_choice_is_the_calls_of_the_constrained_array(services, parallel):
+    """vLLM's required tool choice: the reply is an array of calls over the tools (REQUIRED_SCHEMA; one call at
+    most with parallel_tool_calls false, OpenAI's meaning), parsed into tool_calls (arguments: the parameters as
+    JSON), finish reason "tool_calls" (OpenAI's); streamed, each call whole in one delta once complete."""
+    _, _, base_url = services
+    schema = REQUIRED_SCHEMA if parallel else {**REQUIRED_SCHEMA, "maxItems": 1}
+    numbers_of_calls = set()
+    for seed in (0, 1, 2):
+        sampling = {"temperature": 1.0, "seed": seed, "max_tokens": 120}
+        expected = constrained_reply(base_url, schema, **sampling)
+        assert expected["finish_reason"] == "stop"
+        calls = [(c["name"], c["parameters"]) for c in json.loads(expected["message"]["content"])]
+        numbers_of_calls.add(len(calls))
+        body = {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "structured_outputs": COMPACT}
+        body["parallel_tool_calls"] = parallel
+        response = httpx.post(f"{base_url}/v1/chat/completions", json={**body, **sampling}, timeout=60)
+        (choice,) = response.json()["choices"]
+        message = choice["message"]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == calls
+        assert message["content"] == "" and choice["finish_reason"] == "tool_calls"
+        assert len({c["id"] for c in message["tool_calls"]}) == len(calls)
+        entries, finish_reason = streamed_choice(base_url, {**body, **sampling})
+        assert [e["index"] for e in entries] == list(range(len(calls)))
+        assert [(e["function"]["name"], json.loads(e["function"]["arguments"])) for e in entries] == calls
+        assert finish_reason == "tool_calls"
+    assert max(numbers_of_calls) > 1 if parallel else numbers_of_calls == {1}  # the seeds show both
+
+
+def test_a_required_reply_cut_before_a_whole_call_is_its_text(services):
+    """Cut off by max_tokens before its first call is complete, a required reply has no call to give: its text
+    stays the content (streamed: on the last chunk), finish reason "length"."""
+    _, _, base_url = services
+    sampling = {"temperature": 0.0, "max_tokens": 6}
+    expected = constrained_reply(base_url, REQUIRED_SCHEMA, **sampling)
+    assert expected["finish_reason"] == "length"
+    body = {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "structured_outputs": COMPACT, **sampling}
+    (choice,) = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
+    assert choice["message"]["tool_calls"] == [] and choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == expected["message"]["content"]
+    streamed = sse_events(base_url, "/v1/chat/completions", {**body, "stream": True})[:-1]
+    events = [json.loads(e)["choices"][0] for e in streamed]
+    assert "".join(e["delta"].get("content", "") for e in events) == expected["message"]["content"]
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_tool_choice_none_and_required_over_no_tools_leave_the_reply_text(services):
+    """ "none" renders the tools and asks for no call; "required" over an empty list is "none" (OpenAI's, vLLM's)."""
+    _, _, base_url = services
+    plain = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": CHAT, **GREEDY}, timeout=60).json()
+    for fields in ({"tools": TOOLS, "tool_choice": "none"}, {"tools": [], "tool_choice": "required"}):
+        body = {"messages": CHAT, **fields, **GREEDY}
+        response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()
+        assert response["choices"][0]["message"] == plain["choices"][0]["message"]
+        assert response["choices"][0]["message"]["tool_calls"] == []

@@ -1,0 +1,266 @@
+"""Tool calls of the chat API under a forced tool choice: ``tool_choice`` ``"required"`` or a named function
+(``{"type": "function", "function": {"name": ...}}``), as vLLM serves them without a tool-call parser.
+
+The choice becomes the reply's structured-output constraint (vLLM's ``_get_json_schema_from_tool``): a named
+function's reply is a JSON document of its ``parameters`` schema, which is the call's ``arguments`` as generated;
+a required choice's reply is a JSON array of at least one ``{"name": ..., "parameters": {...}}`` object, one of
+the tools each (an ``anyOf`` over them), parsed into the calls. Streamed, a named call's arguments go out as the
+text comes (the first delta with the call's id and name, as vLLM's), and a required choice's calls each as one
+delta once its object is complete. ``auto`` needs a parser of the model's own tool-call format, which splitserve
+has not; ``"none"`` only renders the tools.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend_svc.errors import ValidationError
+
+# Why tool_choice "auto" (vLLM's default where tools are sent) is refused: it needs a parser of the model's format.
+AUTO_WHY = (
+    'needs a tool-call parser of the model\'s format, which splitserve has not: use tool_choice "none" (the tools '
+    'only rendered), "required" or a named function ({"type": "function", "function": {"name": ...}})'
+)
+NAMED_USAGE = 'a named tool choice is {"type": "function", "function": {"name": "my_function"}}'
+
+
+def make_tool_call_id() -> str:
+    """A call's id, as vLLM's: ``chatcmpl-tool-`` and 32 hex digits."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def function_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    """One ``tool_calls`` entry of a chat message: a function called with ``arguments`` (its JSON text)."""
+    call = {"name": name, "arguments": arguments}
+    return {"id": call_id or make_tool_call_id(), "type": "function", "function": call}
+
+
+def check_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
+    """The request's tools by function name, each checked as OpenAI's schema has it: ``{"type": "function",
+    "function": {"name": str, "description"?: str, "parameters"?: object}}``.
+
+    Raises:
+        ValidationError: naming ``tools[i]`` and the bad key.
+    """
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise ValidationError(where, f"must be an object, got {type(tool).__name__}")
+        if tool.get("type", "function") != "function":
+            raise ValidationError(f"{where}.type", f"must be 'function', got {tool.get('type')!r}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise ValidationError(f"{where}.function", "must be an object with the function's name")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"{where}.function.name", f"must be a non-empty string, got {name!r}")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise ValidationError(f"{where}.function.parameters", "must be a JSON schema object")
+        functions[name] = function
+    return functions
+
+
+def forced_function_name(tool_choice: Any) -> str | None:
+    """The function a named ``tool_choice`` calls; None for the string choices.
+
+    Raises:
+        ValidationError: an object that is not ``{"type": "function", "function": {"name": non-empty str}}``, or a
+            string other than none, auto and required.
+    """
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise ValidationError(
+                "tool_choice", f'must be "none", "auto", "required" or a named function, got {tool_choice!r}'
+            )
+        return None
+    if not isinstance(tool_choice, dict):
+        raise ValidationError("tool_choice", f"must be a string or an object; {NAMED_USAGE}")
+    if tool_choice.get("type", "function") != "function":
+        raise ValidationError("tool_choice.type", f"must be 'function'; {NAMED_USAGE}")
+    function = tool_choice.get("function")
+    if not isinstance(function, dict):
+        raise ValidationError("tool_choice.function", f"must be an object; {NAMED_USAGE}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValidationError("tool_choice.function.name", f"must be a non-empty string; {NAMED_USAGE}")
+    return name
+
+
+@dataclass(frozen=True)
+class ForcedToolChoice:
+    """A tool choice that makes the reply a call: of the function ``name``, or (``name`` None, "required") of one
+    or more of ``functions`` (the request's tools by name)."""
+
+    functions: dict[str, dict[str, Any]]
+    name: str | None = None
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call only
+
+    def schema(self) -> dict[str, Any]:
+        """The reply's JSON schema: the named function's parameters (an empty object's where it has none), or
+        ``required_calls_schema`` (of one call at most without ``parallel``)."""
+        if self.name is None:
+            return required_calls_schema(self.functions, max_calls=None if self.parallel else 1)
+        return self.functions[self.name].get("parameters") or _empty_object()
+
+    def describe(self) -> str:
+        return "required tool choice" if self.name is None else f"named tool choice ({self.name})"
+
+
+def forced_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel: bool = True) -> ForcedToolChoice | None:
+    """The call a chat request's reply must be, with the request's tools and choice checked as vLLM's
+    ``check_tool_usage``: None for no choice without tools, for "none" (the tools are only rendered) and for
+    "required" over an empty list (OpenAI's: as "none"). ``parallel``: OpenAI's ``parallel_tool_calls``.
+
+    Raises:
+        ValidationError: tools without a choice, or "auto" (``AUTO_WHY``); a choice without tools; a named
+            function that is not one of the tools; a malformed tool or choice.
+    """
+    if tool_choice is None:
+        if tools:
+            why = f'without tool_choice, the choice is "auto" (vLLM\'s default), which {AUTO_WHY}'
+            raise ValidationError("tools", why)
+        return None
+    name = forced_function_name(tool_choice)
+    if tools is None:
+        if tool_choice == "none":
+            return None
+        raise ValidationError("tool_choice", "needs tools: when using tool_choice, tools must be set")
+    functions = check_tools(tools)
+    if tool_choice == "none":
+        return None
+    if tool_choice == "auto":
+        raise ValidationError("tool_choice", f'"auto" {AUTO_WHY}')
+    if name is None:  # "required"
+        return ForcedToolChoice(functions, parallel=parallel) if functions else None
+    if name not in functions:
+        raise ValidationError(
+            "tool_choice.function.name",
+            f"{name!r} does not match any of the tools ({', '.join(map(repr, functions)) or 'none given'})",
+        )
+    return ForcedToolChoice(functions, name)
+
+
+def _empty_object() -> dict[str, Any]:
+    return {"type": "object", "properties": {}}
+
+
+def required_calls_schema(functions: dict[str, dict[str, Any]], max_calls: int | None = None) -> dict[str, Any]:
+    """The JSON schema of a required choice's reply (vLLM's): an array of at least one call object (at most
+    ``max_calls``), each ``name`` one tool's and ``parameters`` that tool's schema (an empty object where it has
+    none); the tools' ``$defs`` gathered at the top, where references into them resolve.
+
+    Raises:
+        ValidationError: two tools defining one ``$defs`` name differently.
+    """
+    defs: dict[str, Any] = {}
+    alternatives = []
+    for name, function in functions.items():
+        parameters = dict(function.get("parameters") or _empty_object())
+        for def_name, definition in (parameters.pop("$defs", None) or {}).items():
+            if defs.setdefault(def_name, definition) != definition:
+                raise ValidationError("tools", f"two tools define $defs.{def_name} differently")
+        alternatives.append(
+            {
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _is_call(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("name"), str)
+
+
+def _arguments(item: dict[str, Any]) -> str:
+    return json.dumps(item.get("parameters") or {}, ensure_ascii=False)
+
+
+@dataclass
+class RequiredCallStream:
+    """A required choice's calls, as the reply's text comes: ``feed`` returns the calls whose objects the new text
+    completed (``tool_calls`` delta entries with their ``index``, id, name and whole arguments: the parameters as
+    JSON text, non-ASCII kept). The text is the grammar's array, so each element decodes once its closing brace
+    has arrived."""
+
+    text: str = ""
+    position: int = 0  # where the next element (or the array's opening bracket) starts
+    calls: int = 0  # calls returned so far
+    _decoder: json.JSONDecoder = field(default_factory=json.JSONDecoder)
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        entries: list[dict[str, Any]] = []
+        while True:
+            start = self._next_value()
+            if start is None:
+                return entries
+            try:
+                item, end = self._decoder.raw_decode(self.text, start)
+            except ValueError:  # not complete yet
+                return entries
+            self.position = end
+            if _is_call(item):
+                entries.append({"index": self.calls, **function_call(item["name"], _arguments(item))})
+                self.calls += 1
+
+    def _next_value(self) -> int | None:
+        """Where the next element's object starts; None until its first character has arrived."""
+        i = self.position
+        while i < len(self.text) and self.text[i] in " \t\n\r[,":
+            i += 1
+        self.position = i
+        return i if i < len(self.text) and self.text[i] == "{" else None
+
+
+def reply_with_calls(
+    forced: ForcedToolChoice, text: str, finish_reason: str | None
+) -> tuple[str, list[dict[str, Any]], str | None]:
+    """A whole reply under ``forced`` as (message content, tool_calls, finish_reason), as vLLM's (and OpenAI's)
+    responses have them: a named call's arguments are the text, content empty, the engine's finish reason kept
+    ("stop"); a required choice's calls are parsed from the text, finish reason "tool_calls" where it stopped on its
+    own. A required reply cut off by max_tokens keeps the calls it completed (those its stream sent); one that
+    completed none stays the content, with no calls."""
+    if forced.name is not None:
+        return "", [function_call(forced.name, text)], finish_reason
+    calls = [{k: v for k, v in call.items() if k != "index"} for call in RequiredCallStream().feed(text)]
+    if not calls:
+        return text, [], finish_reason
+    return "", calls, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+@dataclass
+class ToolCallDeltas:
+    """One choice's streamed reply under ``forced``, as ``reply_with_calls`` has it whole: ``delta`` turns each new
+    text into a chunk's delta and finish reason. A named call's first delta carries its id, type and name (and the
+    arguments so far), later ones the arguments' new text (vLLM's); a required choice's calls go out one delta
+    each once complete (``RequiredCallStream``), and where the reply ends with none, its text as the content."""
+
+    forced: ForcedToolChoice
+    named_started: bool = False
+    required: RequiredCallStream = field(default_factory=RequiredCallStream)
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        if self.forced.name is not None:
+            if self.named_started:
+                return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish_reason
+            self.named_started = True
+            return {"tool_calls": [{"index": 0, **function_call(self.forced.name, text)}]}, finish_reason
+        entries = self.required.feed(text)
+        delta: dict[str, Any] = {"tool_calls": entries} if entries else {}
+        if finish_reason is not None:
+            if not self.required.calls:
+                delta["content"] = self.required.text
+            elif finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return delta, finish_reason

@@ -1,0 +1,140 @@
+"""The forced tool choices' schemas and parsing (frontend_svc/tool_calls.py), against hand-written values; the
+HTTP API's replies under them are tested in test_openai_http.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frontend_svc.errors import ValidationError
+from frontend_svc.tool_calls import (
+    ForcedToolChoice,
+    RequiredCallStream,
+    ToolCallDeltas,
+    forced_tool_choice,
+    reply_with_calls,
+    required_calls_schema,
+)
+
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string"}}}
+PLACE = {"$ref": "#/$defs/place"}
+TIME = {"type": "object", "properties": {"tz": PLACE}}
+EMPTY = {"type": "object", "properties": {}}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": {**PLACE, "$defs": {"place": ADDRESS}}}},
+    {"type": "function", "function": {"name": "time", "parameters": {**TIME, "$defs": {"place": ADDRESS}}}},
+    {"type": "function", "function": {"name": "noop"}},
+]
+# Two complete calls (one with non-ASCII text) and a third cut off.
+REPLY = '[{"name": "weather", "parameters": {"city": "Zürich"}}, {"name":"noop","parameters":{}} , {"name": "ti'
+
+
+def test_the_required_schema_is_an_array_of_the_tools_calls_with_their_defs_gathered():
+    functions = {t["function"]["name"]: t["function"] for t in TOOLS}
+    assert required_calls_schema(functions) == {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {"name": {"type": "string", "enum": ["weather"]}, "parameters": PLACE},
+                    "required": ["name", "parameters"],
+                },
+                {
+                    "properties": {"name": {"type": "string", "enum": ["time"]}, "parameters": TIME},
+                    "required": ["name", "parameters"],
+                },
+                {
+                    "properties": {"name": {"type": "string", "enum": ["noop"]}, "parameters": EMPTY},
+                    "required": ["name", "parameters"],
+                },
+            ],
+        },
+        "$defs": {"place": ADDRESS},
+    }
+    assert "$defs" in TOOLS[0]["function"]["parameters"]  # the request's own schema is left as sent
+    assert required_calls_schema(functions, max_calls=1)["maxItems"] == 1  # parallel_tool_calls false
+    one = forced_tool_choice(TOOLS, "required", parallel=False)
+    assert one is not None and one.schema()["maxItems"] == 1
+    clash = {"a": {"parameters": {"$defs": {"x": {"type": "string"}}}}, "b": {"parameters": {"$defs": {"x": {}}}}}
+    with pytest.raises(ValidationError) as e:
+        required_calls_schema(clash)
+    assert e.value.field == "tools" and "$defs.x" in e.value.description
+
+
+def test_a_named_choice_s_schema_is_its_function_s_parameters():
+    assert forced_tool_choice(TOOLS, {"type": "function", "function": {"name": "weather"}}) == ForcedToolChoice(
+        {t["function"]["name"]: t["function"] for t in TOOLS}, "weather"
+    )
+    named = forced_tool_choice(TOOLS, {"function": {"name": "noop"}})
+    assert named is not None and named.schema() == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "field"),
+    [
+        (TOOLS, None, "tools"),  # vLLM's default with tools is "auto"
+        (TOOLS, "auto", "tool_choice"),
+        (None, "required", "tool_choice"),
+        (None, {"type": "function", "function": {"name": "weather"}}, "tool_choice"),
+        (TOOLS, "always", "tool_choice"),
+        (TOOLS, 3, "tool_choice"),
+        (TOOLS, {"type": "function", "function": {"name": "wether"}}, "tool_choice.function.name"),
+        (TOOLS, {"type": "function", "function": {"name": 1}}, "tool_choice.function.name"),
+        (TOOLS, {"type": "function", "function": "weather"}, "tool_choice.function"),
+        (TOOLS, {"type": "code", "function": {"name": "weather"}}, "tool_choice.type"),
+        ([{"function": {"name": "f", "parameters": []}}], "required", "tools[0].function.parameters"),
+        (["f"], "none", "tools[0]"),
+    ],
+)
+def test_tool_usage_vllm_refuses_is_refused_naming_the_field(tools, tool_choice, field):
+    with pytest.raises(ValidationError) as e:
+        forced_tool_choice(tools, tool_choice)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice"), [(None, None), ([], None), (TOOLS, "none"), (None, "none"), ([], "required")]
+)
+def test_no_call_is_forced_without_tools_or_under_none(tools, tool_choice):
+    assert forced_tool_choice(tools, tool_choice) is None
+
+
+def test_required_calls_stream_whole_as_each_completes_however_the_text_is_split():
+    """The two complete calls of REPLY, worked out by hand, whatever the text's split into deltas."""
+    expected = [("weather", '{"city": "Zürich"}'), ("noop", "{}")]
+    for cut in range(len(REPLY) + 1):
+        for pieces in ([REPLY[:cut], REPLY[cut:]], list(REPLY[:cut]) + [REPLY[cut:]]):
+            stream = RequiredCallStream()
+            entries = [entry for piece in pieces for entry in stream.feed(piece)]
+            assert [e["index"] for e in entries] == [0, 1]
+            assert [(e["function"]["name"], e["function"]["arguments"]) for e in entries] == expected
+            assert all(e["type"] == "function" and e["id"].startswith("chatcmpl-tool-") for e in entries)
+
+
+def test_a_whole_reply_gives_the_calls_it_completed_and_the_finish_reason_openai_gives():
+    required = ForcedToolChoice({})
+    content, calls, reason = reply_with_calls(required, REPLY, "length")
+    assert content == "" and reason == "length" and [c["function"]["name"] for c in calls] == ["weather", "noop"]
+    whole = '[{"name": "noop", "parameters": {}}]'
+    assert reply_with_calls(required, whole, "stop")[2] == "tool_calls"
+    assert reply_with_calls(required, '[{"name": "no', "length") == ('[{"name": "no', [], "length")
+    content, (call,), reason = reply_with_calls(ForcedToolChoice({}, "noop"), '{"a', "length")
+    assert (content, call["function"], reason) == ("", {"name": "noop", "arguments": '{"a'}, "length")
+
+
+def test_a_named_call_streams_its_name_once_then_the_arguments_text():
+    deltas = ToolCallDeltas(ForcedToolChoice({}, "weather"))
+    first, reason = deltas.delta('{"ci', None)
+    (entry,) = first["tool_calls"]
+    assert (entry["index"], entry["type"]) == (0, "function") and reason is None
+    assert entry["function"] == {"name": "weather", "arguments": '{"ci'}
+    assert deltas.delta('ty": 1}', None) == ({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": 1}'}}]}, None)
+    assert deltas.delta("", "stop") == ({}, "stop")
+    required = ToolCallDeltas(ForcedToolChoice({}))
+    (call,) = required.delta('[{"name": "noop", "parameters": {}}', None)[0]["tool_calls"]
+    assert call["function"] == {"name": "noop", "arguments": "{}"}
+    assert required.delta("]", "stop") == ({}, "tool_calls")
+    json.loads(required.required.text)  # the whole array went through
