@@ -10,6 +10,7 @@ from typing import Literal
 
 from frontend_svc.chat_content_format import CONTENT_FORMATS
 from frontend_svc.sampling_params import MAX_N
+from frontend_svc.tool_calls import TOOL_CALL_PARSERS
 from splitserve.base.config_args import NOT_A_FLAG, flag
 from splitserve.base.mm_limits import DEFAULT_LIMIT_PER_PROMPT, parse_limit_mm_per_prompt
 from splitserve.base.tls import ClientTLS
@@ -47,6 +48,22 @@ class FrontendConfig:
         metadata=flag(
             "how a message's content reaches the chat template, as vLLM's flag: 'string' (text, parts joined with "
             "newlines), 'openai' (a list of {'type': 'text'} parts), or 'auto' (the one the template loops over)"
+        ),
+    )
+    # vLLM's --enable-auto-tool-choice: tool_choice "auto" (the default with tools) parsed by --tool-call-parser.
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata=flag(
+            "serve chat's tool_choice 'auto' (the default when tools are sent), as vLLM's flag: the model decides, "
+            "and --tool-call-parser parses its calls out of the reply; without it, 'auto' is refused"
+        ),
+    )
+    # vLLM's --tool-call-parser: the format of the model's calls (tool_calls.py).
+    tool_call_parser: Literal["hermes"] | None = field(
+        default=None,
+        metadata=flag(
+            "the format of the model's tool calls, for --enable-auto-tool-choice, as vLLM's flag: 'hermes' "
+            '(<tool_call>{"name": ..., "arguments": {...}}</tool_call>: Hermes 2 Pro, Qwen2.5, Qwen3)'
         ),
     )
     # Where unset sampling fields take defaults from: "auto", "vllm" or a folder (generation_config.py).
@@ -170,6 +187,11 @@ class FrontendConfig:
             )
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # raises ValueError: a path that is not there
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (vLLM's rule): --tool-call-parser hermes")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            parsers = ", ".join(TOOL_CALL_PARSERS)
+            raise ValueError(f"tool_call_parser must be one of {parsers}, got {self.tool_call_parser!r}")
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:

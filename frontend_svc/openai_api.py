@@ -320,6 +320,7 @@ class _OpenAIApi:
                 yield generation.chunk("text_completion", [choice], usage)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        body.use_tool_call_parser(self.state.tool_call_parser)
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
         params = named(body, lambda: self._params(body, engine))
@@ -338,7 +339,7 @@ class _OpenAIApi:
         output = outputs[0]
         usage = UsageCounter()
         choices = []
-        forced = body.forced_tool_choice()
+        tool_calls = body.tool_calls_mode()
         for completion in sorted(output.outputs, key=lambda c: c.index):
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
             logprobs = (
@@ -348,9 +349,9 @@ class _OpenAIApi:
             )
             choice = chat_choice(completion.index, completion, logprobs, body.response_role())
             choice["message"]["content"] = body.echoed() + completion.text
-            if forced is not None:
+            if tool_calls is not None:
                 content, calls, choice["finish_reason"] = reply_with_calls(
-                    forced, completion.text, completion.finish_reason
+                    tool_calls, completion.text, completion.finish_reason
                 )
                 choice["message"].update(content=content, tool_calls=calls)
             if body.return_token_ids:
@@ -386,8 +387,8 @@ class _OpenAIApi:
                 yield generation.chunk("chat.completion.chunk", [echo], (num_prompt_tokens, 0))
         tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
         as_ids = self._as_ids(request)
-        forced = request.forced_tool_choice()
-        calls = {} if forced is None else {i: ToolCallDeltas(forced) for i in range(generation.params.n)}
+        tool_calls = request.tool_calls_mode()
+        calls = {} if tool_calls is None else {i: ToolCallDeltas(tool_calls) for i in range(generation.params.n)}
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(
@@ -402,12 +403,12 @@ class _OpenAIApi:
                     else None
                 )
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
-                if forced is not None:
+                if tool_calls is not None:
                     choice["delta"], choice["finish_reason"] = calls[completion.index].delta(
                         completion.text, completion.finish_reason
                     )
                     if not (choice["delta"] or choice["finish_reason"] or logprobs):
-                        continue  # a required choice's call still coming
+                        continue  # a call still coming
                 if request.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
                 usage = (num_prompt_tokens, tokens_so_far[completion.index])

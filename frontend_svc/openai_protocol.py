@@ -17,12 +17,12 @@ import sys
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Strict
+from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict
 
 from frontend_svc.beam_search import BeamSearchParams
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
-from frontend_svc.tool_calls import ForcedToolChoice, forced_tool_choice
+from frontend_svc.tool_calls import AutoToolChoice, ForcedToolChoice, forced_tool_choice
 from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.structured_outputs import FIELD as STRUCTURED_OUTPUTS_FIELD
 from splitserve.base.structured_outputs import KINDS as STRUCTURED_OUTPUT_KINDS
@@ -378,6 +378,14 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: LaxBool | None = None  # OpenAI's: false, a required tool choice makes one call at most
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
+    # The server's tool-call parser (--tool-call-parser, with --enable-auto-tool-choice): set by the API before the
+    # request's checks (``use_tool_call_parser``); None: tool_choice "auto" is refused.
+    _tool_call_parser: str | None = PrivateAttr(default=None)
+
+    def use_tool_call_parser(self, parser: str | None) -> None:
+        """Parse an "auto" tool choice's calls with ``parser`` (the server's; None: refuse "auto")."""
+        self._tool_call_parser = parser
+
     def takes_tools(self) -> bool:
         return True
 
@@ -385,9 +393,29 @@ class ChatCompletionRequest(SamplingRequest):
         """As ``tool_calls.forced_tool_choice``, over this request's tools and choice (checked there).
 
         Raises:
-            ValidationError: a tool or choice vLLM's ``check_tool_usage`` refuses, or "auto" (``AUTO_WHY``).
+            ValidationError: a tool or choice vLLM's ``check_tool_usage`` refuses, or "auto" without the server's
+                parser (``AUTO_WHY``).
         """
-        return forced_tool_choice(self.tools, self.tool_choice, parallel=self.parallel_tool_calls is not False)
+        return forced_tool_choice(
+            self.tools,
+            self.tool_choice,
+            parallel=self.parallel_tool_calls is not False,
+            auto=self._tool_call_parser is not None,
+        )
+
+    def tool_calls_mode(self) -> ForcedToolChoice | AutoToolChoice | None:
+        """How the reply's tool calls are made: forced (``forced_tool_choice``), parsed out of the reply (tools
+        with tool_choice "auto", vLLM's default, on a server with a parser), or None (no call).
+
+        Raises:
+            ValidationError: as ``forced_tool_choice``.
+        """
+        forced = self.forced_tool_choice()
+        if forced is not None:
+            return forced
+        if self._tool_call_parser is not None and self.tools and self.tool_choice in (None, "auto"):
+            return AutoToolChoice(self._tool_call_parser)
+        return None
 
     def tool_schema_field(self) -> str:
         """The field whose JSON schema a forced tool choice's constraint is: the named function's
@@ -457,6 +485,8 @@ class ChatCompletionRequest(SamplingRequest):
             explicit["max_tokens"] = None
         if self.logprobs:
             explicit["logprobs"] = self.top_logprobs or 0
+        if isinstance(self.tool_calls_mode(), AutoToolChoice):
+            explicit["skip_special_tokens"] = False  # vLLM's parsers': call tags may be special tokens
         explicit["output_kind"] = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         return sampling_params_with_defaults(explicit, defaults)
 

@@ -21,8 +21,9 @@ from frontend_svc.errors import ValidationError
 
 # Why tool_choice "auto" (vLLM's default where tools are sent) is refused: it needs a parser of the model's format.
 AUTO_WHY = (
-    'needs a tool-call parser of the model\'s format, which splitserve has not: use tool_choice "none" (the tools '
-    'only rendered), "required" or a named function ({"type": "function", "function": {"name": ...}})'
+    "needs the server's tool-call parser (--enable-auto-tool-choice --tool-call-parser hermes): use tool_choice "
+    '"none" (the tools only rendered), "required" or a named function ({"type": "function", "function": {"name": '
+    "...}})"
 )
 NAMED_USAGE = 'a named tool choice is {"type": "function", "function": {"name": "my_function"}}'
 
@@ -111,17 +112,20 @@ class ForcedToolChoice:
         return "required tool choice" if self.name is None else f"named tool choice ({self.name})"
 
 
-def forced_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel: bool = True) -> ForcedToolChoice | None:
+def forced_tool_choice(
+    tools: list[Any] | None, tool_choice: Any, parallel: bool = True, auto: bool = False
+) -> ForcedToolChoice | None:
     """The call a chat request's reply must be, with the request's tools and choice checked as vLLM's
     ``check_tool_usage``: None for no choice without tools, for "none" (the tools are only rendered) and for
-    "required" over an empty list (OpenAI's: as "none"). ``parallel``: OpenAI's ``parallel_tool_calls``.
+    "required" over an empty list (OpenAI's: as "none"), and for "auto" where ``auto`` (the server parses calls
+    out of the reply: ``AutoToolChoice``). ``parallel``: OpenAI's ``parallel_tool_calls``.
 
     Raises:
         ValidationError: tools without a choice, or "auto" (``AUTO_WHY``); a choice without tools; a named
             function that is not one of the tools; a malformed tool or choice.
     """
     if tool_choice is None:
-        if tools:
+        if tools and not auto:
             why = f'without tool_choice, the choice is "auto" (vLLM\'s default), which {AUTO_WHY}'
             raise ValidationError("tools", why)
         return None
@@ -134,6 +138,8 @@ def forced_tool_choice(tools: list[Any] | None, tool_choice: Any, parallel: bool
     if tool_choice == "none":
         return None
     if tool_choice == "auto":
+        if auto:
+            return None
         raise ValidationError("tool_choice", f'"auto" {AUTO_WHY}')
     if name is None:  # "required"
         return ForcedToolChoice(functions, parallel=parallel) if functions else None
@@ -223,44 +229,143 @@ class RequiredCallStream:
         return i if i < len(self.text) and self.text[i] == "{" else None
 
 
+@dataclass(frozen=True)
+class AutoToolChoice:
+    """tool_choice "auto" on a server started with a tool-call parser: the model decides, and its calls are parsed
+    out of the reply (``parser``: one of ``TOOL_CALL_PARSERS``)."""
+
+    parser: str = "hermes"
+
+
 def reply_with_calls(
-    forced: ForcedToolChoice, text: str, finish_reason: str | None
-) -> tuple[str, list[dict[str, Any]], str | None]:
-    """A whole reply under ``forced`` as (message content, tool_calls, finish_reason), as vLLM's (and OpenAI's)
-    responses have them: a named call's arguments are the text, content empty, the engine's finish reason kept
-    ("stop"); a required choice's calls are parsed from the text, finish reason "tool_calls" where it stopped on its
-    own. A required reply cut off by max_tokens keeps the calls it completed (those its stream sent); one that
-    completed none stays the content, with no calls."""
-    if forced.name is not None:
-        return "", [function_call(forced.name, text)], finish_reason
-    calls = [{k: v for k, v in call.items() if k != "index"} for call in RequiredCallStream().feed(text)]
+    mode: ForcedToolChoice | AutoToolChoice, text: str, finish_reason: str | None
+) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """A whole reply as (message content, tool_calls, finish_reason), as vLLM's (and OpenAI's) responses have it,
+    and as its stream (``ToolCallDeltas``) gives it. A named call's arguments are the text, content empty, the
+    engine's finish reason kept ("stop", OpenAI's for a named choice). Otherwise the calls come from the text (a
+    required choice's array; an auto choice's parsed calls, the text before the first one the content, null where
+    empty, as vLLM's), finish reason "tool_calls" where the reply made calls and stopped on its own; a reply cut
+    by max_tokens keeps the calls it completed; one that made none stays the content, with no calls."""
+    if isinstance(mode, ForcedToolChoice) and mode.name is not None:
+        return "", [function_call(mode.name, text)], finish_reason
+    delta, finish_reason = ToolCallDeltas(mode).delta(text, finish_reason or "stop")
+    calls = [{k: v for k, v in call.items() if k != "index"} for call in delta.get("tool_calls", [])]
     if not calls:
         return text, [], finish_reason
-    return "", calls, "tool_calls" if finish_reason == "stop" else finish_reason
+    return (delta.get("content") or None) if isinstance(mode, AutoToolChoice) else "", calls, finish_reason
 
 
 @dataclass
 class ToolCallDeltas:
-    """One choice's streamed reply under ``forced``, as ``reply_with_calls`` has it whole: ``delta`` turns each new
-    text into a chunk's delta and finish reason. A named call's first delta carries its id, type and name (and the
-    arguments so far), later ones the arguments' new text (vLLM's); a required choice's calls go out one delta
-    each once complete (``RequiredCallStream``), and where the reply ends with none, its text as the content."""
+    """One choice's streamed reply under a tool choice (``reply_with_calls`` gives it whole): ``delta`` turns each
+    new text into a chunk's delta and finish reason. A named call's first delta carries its id, type and name (and
+    the arguments so far), later ones the arguments' new text (vLLM's); a required choice's calls go out one delta
+    each once complete (``RequiredCallStream``), and where the reply ends with none, its text as the content; an
+    auto choice's content and calls as its parser (``HermesToolCallStream``) passes them on."""
 
-    forced: ForcedToolChoice
+    mode: ForcedToolChoice | AutoToolChoice
     named_started: bool = False
     required: RequiredCallStream = field(default_factory=RequiredCallStream)
+    parsed: HermesToolCallStream = field(default_factory=lambda: HermesToolCallStream())
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        if self.forced.name is not None:
+        mode = self.mode
+        if isinstance(mode, AutoToolChoice):
+            delta = self.parsed.feed(text, finished=finish_reason is not None)
+            return delta, "tool_calls" if finish_reason == "stop" and self.parsed.calls else finish_reason
+        if mode.name is not None:
             if self.named_started:
                 return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish_reason
             self.named_started = True
-            return {"tool_calls": [{"index": 0, **function_call(self.forced.name, text)}]}, finish_reason
+            return {"tool_calls": [{"index": 0, **function_call(mode.name, text)}]}, finish_reason
         entries = self.required.feed(text)
-        delta: dict[str, Any] = {"tool_calls": entries} if entries else {}
+        delta = {"tool_calls": entries} if entries else {}
         if finish_reason is not None:
             if not self.required.calls:
                 delta["content"] = self.required.text
             elif finish_reason == "stop":
                 finish_reason = "tool_calls"
         return delta, finish_reason
+
+
+# Tool-call parsers for tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME): the model writes
+# its calls in its own format, parsed out of the reply.
+TOOL_CALL_PARSERS = ("hermes",)
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class HermesToolCallStream:
+    """Calls in the Hermes format (vLLM's ``hermes`` parser: Hermes 2 Pro, Qwen2.5, Qwen3, ...) out of a reply as its
+    text comes: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. ``feed`` returns the
+    new delta: the text before the first call as ``content`` (a possible start of the tag held back until it is
+    told apart), and each call, once its closing tag arrives (or the reply ends inside it), as one ``tool_calls``
+    entry with its ``index``, id, name and whole arguments (JSON text, non-ASCII kept). Text after the first call
+    is not content (vLLM's). A call whose JSON does not parse is passed on as text, content while no call has
+    been made (so a reply without a valid call is all its own text, as vLLM's), else dropped."""
+
+    calls: int = 0
+    _pending: str = ""  # text not yet passed on
+    _in_call: bool = False
+
+    def feed(self, text: str, finished: bool = False) -> dict[str, Any]:
+        self._pending += text
+        content, entries = "", []
+        while True:
+            if not self._in_call:
+                start = self._pending.find(HERMES_START)
+                if start < 0:
+                    kept = 0 if finished else _held_back(self._pending, HERMES_START)
+                    passed, self._pending = (
+                        self._pending[: len(self._pending) - kept],
+                        self._pending[len(self._pending) - kept :],
+                    )
+                    if not self.calls:
+                        content += passed
+                    break
+                if not self.calls:
+                    content += self._pending[:start]
+                self._pending, self._in_call = self._pending[start + len(HERMES_START) :], True
+                continue
+            end = self._pending.find(HERMES_END)
+            if end < 0 and not finished:
+                break
+            body = self._pending if end < 0 else self._pending[:end]
+            self._pending = "" if end < 0 else self._pending[end + len(HERMES_END) :]
+            self._in_call = False
+            call = _hermes_call(body)
+            if call is not None:
+                entries.append({"index": self.calls, **call})
+                self.calls += 1
+            elif not self.calls:
+                content += HERMES_START + body + ("" if end < 0 else HERMES_END)
+            if end < 0:
+                break
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if entries:
+            delta["tool_calls"] = entries
+        return delta
+
+
+def _held_back(text: str, tag: str) -> int:
+    """The length of ``text``'s longest end that begins ``tag`` (it may be the tag's start)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _hermes_call(body: str) -> dict[str, Any] | None:
+    """A ``tool_calls`` entry from one Hermes call's JSON; None where it is not ``{"name": str, "arguments"?}``."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments") or {}
+    return function_call(
+        value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    )

@@ -252,11 +252,19 @@ def test_frontend_flags_are_the_frontend_configs_fields_and_round_trip(command, 
     hints = typing.get_type_hints(FrontendConfig)
     expected = [f for f in dataclasses.fields(FrontendConfig) if f.name != "core_tls"]
     assert {f.name for f in expected} == {f.name for f in flag_fields(FrontendConfig)}
+    # a flag that needs another one set (vLLM's rule for --enable-auto-tool-choice) -> that one's flag and value
+    partners = {"enable_auto_tool_choice": ("tool_call_parser", "hermes")}
     for field in expected:
         assert options.get(flag_name(field)) == field.name, f"{command} has no {flag_name(field)}"
         values, value = _non_default(field, hints[field.name])
-        args = build_parser().parse_args([command, "m", *extra, flag_name(field), *values])
-        assert frontend_config_from_args(args) == FrontendConfig(**{field.name: value}), field.name
+        fields: dict[str, typing.Any] = {field.name: value}
+        partner = []
+        if field.name in partners:
+            name, partner_value = partners[field.name]
+            fields[name] = partner_value
+            partner = ["--" + name.replace("_", "-"), partner_value]
+        args = build_parser().parse_args([command, "m", *extra, flag_name(field), *values, *partner])
+        assert frontend_config_from_args(args) == FrontendConfig(**fields), field.name
     assert frontend_config_from_args(build_parser().parse_args([command, *extra])) == FrontendConfig()
 
 
@@ -266,6 +274,8 @@ def test_a_config_value_out_of_range_is_one_line_and_status_2(capsys, monkeypatc
     monkeypatch.setattr(cli, "resolve_model_arg", lambda *args, **kwargs: "m")
     assert main(["frontend", "--core", "localhost:1", "--max-n", "0"]) == 2
     assert capsys.readouterr().err == f"error: max_n must be in [1, {MAX_N}], got 0\n"
+    assert main(["frontend", "--core", "localhost:1", "--enable-auto-tool-choice"]) == 2  # vLLM's rule
+    assert "needs tool_call_parser" in capsys.readouterr().err
     assert main(["core", "--max-num-seqs", "0"]) == 2
     assert capsys.readouterr().err == "error: max_num_seqs must be at least 1, got 0\n"
 

@@ -1611,3 +1611,65 @@ def test_tool_choice_none_and_required_over_no_tools_leave_the_reply_text(servic
         response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()
         assert response["choices"][0]["message"] == plain["choices"][0]["message"]
         assert response["choices"][0]["message"]["tool_calls"] == []
+
+
+@pytest.fixture(scope="module")
+def auto_tools_url(services, model, tmp_path_factory):
+    """A second frontend on the same core, started with vLLM's --enable-auto-tool-choice --tool-call-parser hermes;
+    yields its HTTP base URL."""
+    core, _, _ = services
+    http_port = stack.free_port()
+    flags = ["--http-port", str(http_port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    frontend = stack.start_frontend(model, [core.address], tmp_path_factory.mktemp("auto-tools-logs"), flags)
+    try:
+        frontend.wait_serving()
+        yield f"http://127.0.0.1:{http_port}"
+    finally:
+        frontend.stop()
+
+
+# A reply in the Hermes format, held to it by a regex (the weights are random): a line of text, then one call.
+HERMES_REPLY = (
+    r'Sure\.\n<tool_call>\n\{"name": "pet", "arguments": \{"kind": "(cat|dog)", "n": ([0-9])\}\}\n</tool_call>'
+)
+
+
+def test_auto_tool_choice_parses_the_model_s_hermes_calls(services, auto_tools_url):
+    """With a tool-call parser, tools without a choice (or "auto") let the model decide; its Hermes calls are
+    parsed out of the reply: the text before them the content, each call's arguments its JSON, finish reason
+    "tool_calls". The right values come from the same reply got without tools, split by a regex of its own."""
+    _, _, plain_url = services
+    for seed in (0, 1):
+        sampling = {"temperature": 1.0, "seed": seed, "max_tokens": 120, "skip_special_tokens": False}
+        constrained = {"messages": CHAT, "structured_outputs": {"regex": HERMES_REPLY}, **sampling}
+        expected = httpx.post(f"{plain_url}/v1/chat/completions", json=constrained, timeout=60).json()["choices"][0]
+        assert expected["finish_reason"] == "stop"
+        match = re.fullmatch(HERMES_REPLY, expected["message"]["content"])
+        assert match is not None
+        kind, n = match.groups()
+        for choice_field in ({}, {"tool_choice": "auto"}):
+            body = {**constrained, "tools": TOOLS, **choice_field}
+            (choice,) = httpx.post(f"{auto_tools_url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
+            (call,) = choice["message"]["tool_calls"]
+            assert call["function"] == {"name": "pet", "arguments": json.dumps({"kind": kind, "n": int(n)})}
+            assert choice["message"]["content"] == "Sure.\n" and choice["finish_reason"] == "tool_calls"
+            events = sse_events(auto_tools_url, "/v1/chat/completions", {**body, "stream": True})[:-1]
+            deltas = [json.loads(e)["choices"][0] for e in events]
+            assert "".join(d["delta"].get("content") or "" for d in deltas) == "Sure.\n"
+            (entry,) = [e for d in deltas for e in d["delta"].get("tool_calls", [])]
+            assert entry["index"] == 0 and entry["function"] == call["function"]
+            assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_auto_tool_choice_leaves_a_reply_without_calls_as_text(services, auto_tools_url):
+    _, _, plain_url = services
+    body = {"messages": CHAT, "skip_special_tokens": False, **GREEDY}
+    plain = httpx.post(f"{plain_url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    (choice,) = httpx.post(f"{auto_tools_url}/v1/chat/completions", json={**body, "tools": TOOLS}, timeout=60).json()[
+        "choices"
+    ]
+    assert choice["message"] == plain["message"] and choice["finish_reason"] == plain["finish_reason"]
+    # the plain frontend has no parser: "auto" is refused there, naming the field
+    response = httpx.post(f"{plain_url}/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "auto"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in response.json()["error"]["message"]

@@ -3,13 +3,17 @@ HTTP API's replies under them are tested in test_openai_http.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from typing import Any
 
 import pytest
 
 from frontend_svc.errors import ValidationError
 from frontend_svc.tool_calls import (
+    AutoToolChoice,
     ForcedToolChoice,
+    HermesToolCallStream,
     RequiredCallStream,
     ToolCallDeltas,
     forced_tool_choice,
@@ -138,3 +142,62 @@ def test_a_named_call_streams_its_name_once_then_the_arguments_text():
     assert call["function"] == {"name": "noop", "arguments": "{}"}
     assert required.delta("]", "stop") == ({}, "tool_calls")
     json.loads(required.required.text)  # the whole array went through
+
+
+# A Hermes-format reply (Qwen2.5's and Qwen3's templates ask for this): text, two calls, then a line after them.
+HERMES = (
+    'Sure.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>\nDone.'
+)
+
+
+def fed(text: str, cuts: list[int]) -> tuple[str, list[dict[str, Any]]]:
+    """``text`` through a HermesToolCallStream in pieces cut at ``cuts``, then finished: (content, entries)."""
+    stream = HermesToolCallStream()
+    bounds = [0, *cuts, len(text)]
+    deltas = [stream.feed(text[a:b]) for a, b in itertools.pairwise(bounds)] + [stream.feed("", finished=True)]
+    return "".join(d.get("content", "") for d in deltas), [e for d in deltas for e in d.get("tool_calls", [])]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (HERMES, "Sure.\n", [("weather", '{"city": "Zürich"}'), ("noop", "{}")]),  # vLLM's: no text after a call
+        ("no call here, only <tool_ and <tool_call", "no call here, only <tool_ and <tool_call", []),
+        ('x<tool_call>{"name": "a", "arguments": {"b": 1}}', "x", [("a", '{"b": 1}')]),  # cut inside the call
+        ('<tool_call>{"name": "a", "arguments": "{\\"b\\": 1}"}</tool_call>', "", [("a", '{"b": 1}')]),  # as text
+        ("<tool_call>{oops}</tool_call> after", "<tool_call>{oops}</tool_call> after", []),  # no call: the text
+        (
+            '<tool_call>{oops}</tool_call>, <tool_call>{"name": "a"}</tool_call>!',
+            "<tool_call>{oops}</tool_call>, ",
+            [("a", "{}")],
+        ),
+    ],
+)
+def test_hermes_calls_and_content_come_out_whatever_the_text_s_split(text, content, calls):
+    """Hand-worked values, with the text cut into two pieces at every point and into single characters."""
+    for cuts in [*([cut] for cut in range(1, len(text))), list(range(1, len(text)))]:
+        got_content, entries = fed(text, cuts)
+        assert got_content == content, cuts
+        assert [(e["function"]["name"], e["function"]["arguments"]) for e in entries] == calls
+        assert [e["index"] for e in entries] == list(range(len(calls)))
+
+
+def test_an_auto_reply_s_content_is_its_text_before_the_calls_or_null():
+    auto = AutoToolChoice()
+    content, calls, reason = reply_with_calls(auto, HERMES, "stop")
+    assert (
+        content == "Sure.\n"
+        and reason == "tool_calls"
+        and [c["function"]["name"] for c in calls] == ["weather", "noop"]
+    )
+    assert reply_with_calls(auto, '<tool_call>{"name": "a"}</tool_call>', "stop")[0] is None  # vLLM's null
+    assert reply_with_calls(auto, "plain text", "length") == ("plain text", [], "length")
+    assert reply_with_calls(auto, HERMES[:60], "length")[1:] == ([], "length")  # cut inside its first call
+
+
+def test_auto_is_refused_without_a_parser_and_not_forced_with_one():
+    with pytest.raises(ValidationError):
+        forced_tool_choice(TOOLS, "auto")
+    assert forced_tool_choice(TOOLS, "auto", auto=True) is None
+    assert forced_tool_choice(TOOLS, None, auto=True) is None
