@@ -235,7 +235,7 @@ masks = {}
 for tid in os.listdir("/proc/self/task"):
     try:
         status = open(f"/proc/self/task/{tid}/status").read()
-    except FileNotFoundError:  # a thread that ended since the listing (the joined one, a runtime helper)
+    except (FileNotFoundError, ProcessLookupError):  # a thread that ended since the listing (ESRCH mid-exit)
         continue
     masks[tid] = [v.split()[1] for v in status.splitlines() if v.startswith("Cpus_allowed_list")][0]
 print(json.dumps({"line": line, "masks": masks, "main": masks[str(os.getpid())]}))
