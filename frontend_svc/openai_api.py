@@ -353,7 +353,8 @@ class _OpenAIApi:
                 content, calls, choice["finish_reason"] = reply_with_calls(
                     tool_calls, completion.text, completion.finish_reason
                 )
-                choice["message"].update(content=content, tool_calls=calls)
+                echoed = body.echoed()  # vLLM's: before the content the calls left
+                choice["message"].update(content=echoed + (content or "") if echoed else content, tool_calls=calls)
             if body.return_token_ids:
                 choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
@@ -407,7 +408,7 @@ class _OpenAIApi:
                     choice["delta"], choice["finish_reason"] = calls[completion.index].delta(
                         completion.text, completion.finish_reason
                     )
-                    if not (choice["delta"] or choice["finish_reason"] or logprobs):
+                    if not (choice["delta"] or choice["finish_reason"] or logprobs or request.return_token_ids):
                         continue  # a call still coming
                 if request.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
@@ -566,7 +567,7 @@ class _OpenAIApi:
                 chat_template_kwargs=(
                     body.template_variables() if isinstance(body, ChatCompletionRequest) else body.chat_template_kwargs
                 ),
-                tools=body.template_tools() if isinstance(body, ChatCompletionRequest) else None,
+                tools=body.template_tools() if isinstance(body, ChatCompletionRequest | TokenizeRequest) else None,
                 documents=body.documents if isinstance(body, ChatCompletionRequest) else None,
             ),
         )

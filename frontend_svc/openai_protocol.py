@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict
 from frontend_svc.beam_search import BeamSearchParams
 from frontend_svc.errors import ValidationError
 from frontend_svc.sampling_params import RequestOutputKind, SamplingParams, sampling_params_with_defaults
-from frontend_svc.tool_calls import AutoToolChoice, ForcedToolChoice, forced_tool_choice
+from frontend_svc.tool_calls import AutoToolChoice, ForcedToolChoice, check_tools, forced_tool_choice
 from splitserve.base.pooling_params import PoolingParams
 from splitserve.base.structured_outputs import FIELD as STRUCTURED_OUTPUTS_FIELD
 from splitserve.base.structured_outputs import KINDS as STRUCTURED_OUTPUT_KINDS
@@ -401,6 +401,7 @@ class ChatCompletionRequest(SamplingRequest):
             self.tool_choice,
             parallel=self.parallel_tool_calls is not False,
             auto=self._tool_call_parser is not None,
+            sent="tool_choice" in self.model_fields_set,
         )
 
     def tool_calls_mode(self) -> ForcedToolChoice | AutoToolChoice | None:
@@ -414,7 +415,7 @@ class ChatCompletionRequest(SamplingRequest):
         if forced is not None:
             return forced
         if self._tool_call_parser is not None and self.tools and self.tool_choice in (None, "auto"):
-            return AutoToolChoice(self._tool_call_parser)
+            return AutoToolChoice(self._tool_call_parser, parallel=self.parallel_tool_calls is not False)
         return None
 
     def tool_schema_field(self) -> str:
@@ -538,17 +539,24 @@ class TokenizeRequest(_Strict):
     continue_final_message: LaxBool = False
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # rendered as a chat with them renders them (vLLM's TokenizeChatRequest)
 
     def special_tokens(self) -> bool:
         """Whether the tokenizer adds its special tokens: as set, else on a prompt and not on messages."""
         return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
     def check_rendering(self) -> None:
-        """Raises ValidationError for both add_generation_prompt and continue_final_message (vLLM's rule)."""
+        """Raises ValidationError for both add_generation_prompt and continue_final_message (vLLM's rule), and for
+        a malformed tool (``check_tools``)."""
         if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
             raise ValidationError(
                 "continue_final_message", "cannot be true with add_generation_prompt=true (vLLM's rule)"
             )
+        if self.tools:
+            check_tools(self.tools)
+
+    def template_tools(self) -> list[Any] | None:
+        return self.tools or None
 
 
 class DetokenizeRequest(_Strict):
@@ -642,7 +650,7 @@ def request_field(field: str, request: SamplingRequest) -> str:
         if from_format is not None and field == f"{STRUCTURED_OUTPUTS_FIELD}.{from_format}":
             return "response_format"  # the constraint came from there
     if isinstance(request, ChatCompletionRequest):
-        if field == f"{STRUCTURED_OUTPUTS_FIELD}.json" and request.tool_choice not in (None, "none"):
+        if field == f"{STRUCTURED_OUTPUTS_FIELD}.json" and _forces_a_call(request):
             return request.tool_schema_field()  # the constraint is the tool call's schema
         if field == "logprobs":
             return "top_logprobs"
@@ -667,3 +675,11 @@ class UnloadLoRAAdapterRequest(_Strict):
 
     lora_name: str
     lora_int_id: int | None = None
+
+
+def _forces_a_call(request: ChatCompletionRequest) -> bool:
+    """Whether ``request``'s tool choice forces a call (its JSON schema is then the reply's constraint)."""
+    try:
+        return request.forced_tool_choice() is not None
+    except ValidationError:
+        return False

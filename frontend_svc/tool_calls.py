@@ -39,14 +39,14 @@ def function_call(name: str, arguments: str, call_id: str | None = None) -> dict
     return {"id": call_id or make_tool_call_id(), "type": "function", "function": call}
 
 
-def check_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
-    """The request's tools by function name, each checked as OpenAI's schema has it: ``{"type": "function",
-    "function": {"name": str, "description"?: str, "parameters"?: object}}``.
+def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """The request's tools' functions, in order, each checked as OpenAI's schema has it: ``{"type": "function",
+    "function": {"name": str, "description"?: str, "parameters"?: object, its "$defs" an object}}``.
 
     Raises:
         ValidationError: naming ``tools[i]`` and the bad key.
     """
-    functions: dict[str, dict[str, Any]] = {}
+    functions: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -62,7 +62,9 @@ def check_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise ValidationError(f"{where}.function.parameters", "must be a JSON schema object")
-        functions[name] = function
+        if parameters is not None and not isinstance(parameters.get("$defs", {}), dict):
+            raise ValidationError(f"{where}.function.parameters", "$defs must be an object of named schemas")
+        functions.append(function)
     return functions
 
 
@@ -94,10 +96,10 @@ def forced_function_name(tool_choice: Any) -> str | None:
 
 @dataclass(frozen=True)
 class ForcedToolChoice:
-    """A tool choice that makes the reply a call: of the function ``name``, or (``name`` None, "required") of one
-    or more of ``functions`` (the request's tools by name)."""
+    """A tool choice that makes the reply a call: of the function ``name`` (the first tool of that name, as
+    vLLM's), or (``name`` None, "required") of one or more of ``functions`` (the request's tools' functions)."""
 
-    functions: dict[str, dict[str, Any]]
+    functions: list[dict[str, Any]]
     name: str | None = None
     parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call only
 
@@ -106,26 +108,30 @@ class ForcedToolChoice:
         ``required_calls_schema`` (of one call at most without ``parallel``)."""
         if self.name is None:
             return required_calls_schema(self.functions, max_calls=None if self.parallel else 1)
-        return self.functions[self.name].get("parameters") or _empty_object()
+        named = next(f for f in self.functions if f["name"] == self.name)
+        return named.get("parameters") or _empty_object()
 
     def describe(self) -> str:
         return "required tool choice" if self.name is None else f"named tool choice ({self.name})"
 
 
 def forced_tool_choice(
-    tools: list[Any] | None, tool_choice: Any, parallel: bool = True, auto: bool = False
+    tools: list[Any] | None, tool_choice: Any, parallel: bool = True, auto: bool = False, sent: bool = True
 ) -> ForcedToolChoice | None:
     """The call a chat request's reply must be, with the request's tools and choice checked as vLLM's
     ``check_tool_usage``: None for no choice without tools, for "none" (the tools are only rendered) and for
     "required" over an empty list (OpenAI's: as "none"), and for "auto" where ``auto`` (the server parses calls
-    out of the reply: ``AutoToolChoice``). ``parallel``: OpenAI's ``parallel_tool_calls``.
+    out of the reply: ``AutoToolChoice``). ``parallel``: OpenAI's ``parallel_tool_calls``; ``sent``: whether the
+    request has the choice (an explicit null is vLLM's "none"; left out with tools, its "auto").
 
     Raises:
         ValidationError: tools without a choice, or "auto" (``AUTO_WHY``); a choice without tools; a named
             function that is not one of the tools; a malformed tool or choice.
     """
+    if tools is not None:
+        check_tools(tools)
     if tool_choice is None:
-        if tools and not auto:
+        if tools and not auto and not sent:
             why = f'without tool_choice, the choice is "auto" (vLLM\'s default), which {AUTO_WHY}'
             raise ValidationError("tools", why)
         return None
@@ -143,10 +149,11 @@ def forced_tool_choice(
         raise ValidationError("tool_choice", f'"auto" {AUTO_WHY}')
     if name is None:  # "required"
         return ForcedToolChoice(functions, parallel=parallel) if functions else None
-    if name not in functions:
+    names = [f["name"] for f in functions]
+    if name not in names:
         raise ValidationError(
             "tool_choice.function.name",
-            f"{name!r} does not match any of the tools ({', '.join(map(repr, functions)) or 'none given'})",
+            f"{name!r} does not match any of the tools ({', '.join(map(repr, names)) or 'none given'})",
         )
     return ForcedToolChoice(functions, name)
 
@@ -155,7 +162,7 @@ def _empty_object() -> dict[str, Any]:
     return {"type": "object", "properties": {}}
 
 
-def required_calls_schema(functions: dict[str, dict[str, Any]], max_calls: int | None = None) -> dict[str, Any]:
+def required_calls_schema(functions: list[dict[str, Any]], max_calls: int | None = None) -> dict[str, Any]:
     """The JSON schema of a required choice's reply (vLLM's): an array of at least one call object (at most
     ``max_calls``), each ``name`` one tool's and ``parameters`` that tool's schema (an empty object where it has
     none); the tools' ``$defs`` gathered at the top, where references into them resolve.
@@ -165,8 +172,8 @@ def required_calls_schema(functions: dict[str, dict[str, Any]], max_calls: int |
     """
     defs: dict[str, Any] = {}
     alternatives = []
-    for name, function in functions.items():
-        parameters = dict(function.get("parameters") or _empty_object())
+    for function in functions:
+        name, parameters = function["name"], dict(function.get("parameters") or _empty_object())
         for def_name, definition in (parameters.pop("$defs", None) or {}).items():
             if defs.setdefault(def_name, definition) != definition:
                 raise ValidationError("tools", f"two tools define $defs.{def_name} differently")
@@ -202,11 +209,14 @@ class RequiredCallStream:
     text: str = ""
     position: int = 0  # where the next element (or the array's opening bracket) starts
     calls: int = 0  # calls returned so far
+    failed: bool = False  # an element nested too deep to decode: nothing after it is decoded
     _decoder: json.JSONDecoder = field(default_factory=json.JSONDecoder)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
         entries: list[dict[str, Any]] = []
+        if self.failed or "}" not in delta:  # an element completes only with a closing brace
+            return entries
         while True:
             start = self._next_value()
             if start is None:
@@ -214,6 +224,9 @@ class RequiredCallStream:
             try:
                 item, end = self._decoder.raw_decode(self.text, start)
             except ValueError:  # not complete yet
+                return entries
+            except RecursionError:  # nested too deep to decode: no more calls (a reply of none stays its text)
+                self.failed = True
                 return entries
             self.position = end
             if _is_call(item):
@@ -235,6 +248,7 @@ class AutoToolChoice:
     out of the reply (``parser``: one of ``TOOL_CALL_PARSERS``)."""
 
     parser: str = "hermes"
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false keeps the first call only (vLLM's)
 
 
 def reply_with_calls(
@@ -272,6 +286,10 @@ class ToolCallDeltas:
         mode = self.mode
         if isinstance(mode, AutoToolChoice):
             delta = self.parsed.feed(text, finished=finish_reason is not None)
+            if not mode.parallel and "tool_calls" in delta:
+                delta["tool_calls"] = [call for call in delta["tool_calls"] if call["index"] == 0]
+                if not delta["tool_calls"]:
+                    del delta["tool_calls"]
             return delta, "tool_calls" if finish_reason == "stop" and self.parsed.calls else finish_reason
         if mode.name is not None:
             if self.named_started:
@@ -307,6 +325,7 @@ class HermesToolCallStream:
     calls: int = 0
     _pending: str = ""  # text not yet passed on
     _in_call: bool = False
+    _scanned: int = 0  # how much of a call's text has been searched for its closing tag (none there)
 
     def feed(self, text: str, finished: bool = False) -> dict[str, Any]:
         self._pending += text
@@ -327,9 +346,11 @@ class HermesToolCallStream:
                     content += self._pending[:start]
                 self._pending, self._in_call = self._pending[start + len(HERMES_START) :], True
                 continue
-            end = self._pending.find(HERMES_END)
+            end = self._pending.find(HERMES_END, max(0, self._scanned - len(HERMES_END) + 1))
             if end < 0 and not finished:
+                self._scanned = len(self._pending)
                 break
+            self._scanned = 0
             body = self._pending if end < 0 else self._pending[:end]
             self._pending = "" if end < 0 else self._pending[end + len(HERMES_END) :]
             self._in_call = False
@@ -361,7 +382,7 @@ def _hermes_call(body: str) -> dict[str, Any] | None:
     """A ``tool_calls`` entry from one Hermes call's JSON; None where it is not ``{"name": str, "arguments"?}``."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to decode
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None

@@ -1615,11 +1615,12 @@ def test_tool_choice_none_and_required_over_no_tools_leave_the_reply_text(servic
 
 @pytest.fixture(scope="module")
 def auto_tools_url(services, model, tmp_path_factory):
-    """A second frontend on the same core, started with vLLM's --enable-auto-tool-choice --tool-call-parser hermes;
-    yields its HTTP base URL."""
+    """A second frontend on the same core, started with vLLM's --enable-auto-tool-choice --tool-call-parser hermes
+    (and --trust-request-chat-template); yields its HTTP base URL."""
     core, _, _ = services
     http_port = stack.free_port()
     flags = ["--http-port", str(http_port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    flags.append("--trust-request-chat-template")
     frontend = stack.start_frontend(model, [core.address], tmp_path_factory.mktemp("auto-tools-logs"), flags)
     try:
         frontend.wait_serving()
@@ -1673,3 +1674,89 @@ def test_auto_tool_choice_leaves_a_reply_without_calls_as_text(services, auto_to
     response = httpx.post(f"{plain_url}/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "auto"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
     assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
+
+
+# A chat template that renders the tools it is given (the llama2 tokenizer's renders none).
+TOOLS_TEMPLATE = (
+    "{% if tools %}Tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+)
+
+
+def test_tokenize_renders_the_tools_as_chat_does(auto_tools_url, tokenizer):
+    """vLLM's TokenizeChatRequest takes tools: /tokenize of messages with tools counts the prompt a chat with them
+    runs, which is transformers' rendering of the same template and tools."""
+    expected = tokenizer.apply_chat_template(
+        CHAT, tools=TOOLS, chat_template=TOOLS_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert "Tools: pet noop" in expected
+    expected_ids = tokenizer(expected, add_special_tokens=False).input_ids
+    body = {"messages": CHAT, "tools": TOOLS, "chat_template": TOOLS_TEMPLATE}
+    tokenized = httpx.post(f"{auto_tools_url}/tokenize", json=body, timeout=60).json()
+    assert tokenized["tokens"] == expected_ids and tokenized["count"] == len(expected_ids)
+    chat = {**body, "tool_choice": "none", "return_token_ids": True, **GREEDY}
+    response = httpx.post(f"{auto_tools_url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert response["prompt_token_ids"] == expected_ids
+    bad = httpx.post(f"{auto_tools_url}/tokenize", json={**body, "tools": [{"function": {}}]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].function.name"
+
+
+def test_tool_replies_keep_echo_and_streamed_token_ids(services):
+    """A forced call's reply keeps the rest of the response as without tools: the echoed message before its
+    (empty) content, vLLM's; streamed, every token id, also those of chunks whose call was still coming."""
+    _, _, base_url = services
+    turns = [*CHAT, {"role": "assistant", "content": "Once"}]
+    body = {"messages": turns, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    body.update(tools=TOOLS, tool_choice=PET, max_tokens=40, temperature=0.0, structured_outputs=COMPACT)
+    (choice,) = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
+    assert choice["message"]["content"] == "Once" and choice["message"]["tool_calls"][0]["function"]["name"] == "pet"
+    required = {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "return_token_ids": True}
+    required.update(max_tokens=40, temperature=0.0)
+    whole = httpx.post(f"{base_url}/v1/chat/completions", json=required, timeout=60).json()["choices"][0]
+    events = sse_events(base_url, "/v1/chat/completions", {**required, "stream": True})[:-1]
+    streamed = [t for e in events for c in json.loads(e)["choices"] for t in c.get("token_ids") or []]
+    assert streamed == whole["token_ids"] and len(streamed) == 40
+
+
+def test_tool_choice_null_is_none_and_a_bad_schema_is_named_where_it_came_from(services, auto_tools_url):
+    """An explicit null tool_choice with tools is vLLM's "none" (left out, it is "auto"); a bad structured_outputs
+    schema beside a choice that forces no call is named as structured_outputs.json, not as the tools."""
+    _, _, plain_url = services
+    plain = httpx.post(f"{plain_url}/v1/chat/completions", json={"messages": CHAT, **GREEDY}, timeout=60).json()
+    body = {"messages": CHAT, "tools": TOOLS, "tool_choice": None, **GREEDY}
+    response = httpx.post(f"{plain_url}/v1/chat/completions", json=body, timeout=60).json()
+    assert response["choices"][0]["message"] == plain["choices"][0]["message"]
+    bad = {"structured_outputs": {"json": {"type": "blob"}}, **GREEDY}
+    for url, fields in (
+        (plain_url, {"tools": [], "tool_choice": "required"}),
+        (auto_tools_url, {"tools": TOOLS, "tool_choice": "auto"}),
+    ):
+        response = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, **fields, **bad}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "structured_outputs.json"
+    # left out on the auto frontend, the choice is "auto": the tools are still checked
+    response = httpx.post(
+        f"{auto_tools_url}/v1/chat/completions",
+        json={"messages": CHAT, "tools": [{"type": "retrieval"}], **GREEDY},
+        timeout=60,
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools[0].type"
+
+
+def test_auto_tool_choice_keeps_one_call_without_parallel_tool_calls(services, auto_tools_url):
+    """parallel_tool_calls false keeps the model's first call only (vLLM's); the right calls come from the reply
+    got without tools, split by a regex of its own."""
+    _, _, plain_url = services
+    one = r'<tool_call>\{"name": "(pet|noop)", "arguments": \{\}\}</tool_call>'
+    sampling = {"temperature": 1.0, "seed": 3, "max_tokens": 120, "skip_special_tokens": False}
+    constrained = {"messages": CHAT, "structured_outputs": {"regex": one + one}, **sampling}
+    expected = httpx.post(f"{plain_url}/v1/chat/completions", json=constrained, timeout=60).json()["choices"][0]
+    match = re.fullmatch(one + one, expected["message"]["content"])
+    assert match is not None and expected["finish_reason"] == "stop"
+    for parallel, names in ((True, list(match.groups())), (False, [match.group(1)])):
+        body = {**constrained, "tools": TOOLS, "parallel_tool_calls": parallel}
+        (choice,) = httpx.post(f"{auto_tools_url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
+        assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+        events = sse_events(auto_tools_url, "/v1/chat/completions", {**body, "stream": True})[:-1]
+        entries = [e for event in events for e in json.loads(event)["choices"][0]["delta"].get("tool_calls", [])]
+        assert [e["function"]["name"] for e in entries] == names

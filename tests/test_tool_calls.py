@@ -35,7 +35,7 @@ REPLY = '[{"name": "weather", "parameters": {"city": "Zürich"}}, {"name":"noop"
 
 
 def test_the_required_schema_is_an_array_of_the_tools_calls_with_their_defs_gathered():
-    functions = {t["function"]["name"]: t["function"] for t in TOOLS}
+    functions = [t["function"] for t in TOOLS]
     assert required_calls_schema(functions) == {
         "type": "array",
         "minItems": 1,
@@ -62,7 +62,10 @@ def test_the_required_schema_is_an_array_of_the_tools_calls_with_their_defs_gath
     assert required_calls_schema(functions, max_calls=1)["maxItems"] == 1  # parallel_tool_calls false
     one = forced_tool_choice(TOOLS, "required", parallel=False)
     assert one is not None and one.schema()["maxItems"] == 1
-    clash = {"a": {"parameters": {"$defs": {"x": {"type": "string"}}}}, "b": {"parameters": {"$defs": {"x": {}}}}}
+    clash = [
+        {"name": "a", "parameters": {"$defs": {"x": {"type": "string"}}}},
+        {"name": "b", "parameters": {"$defs": {"x": {}}}},
+    ]
     with pytest.raises(ValidationError) as e:
         required_calls_schema(clash)
     assert e.value.field == "tools" and "$defs.x" in e.value.description
@@ -70,8 +73,13 @@ def test_the_required_schema_is_an_array_of_the_tools_calls_with_their_defs_gath
 
 def test_a_named_choice_s_schema_is_its_function_s_parameters():
     assert forced_tool_choice(TOOLS, {"type": "function", "function": {"name": "weather"}}) == ForcedToolChoice(
-        {t["function"]["name"]: t["function"] for t in TOOLS}, "weather"
+        [t["function"] for t in TOOLS], "weather"
     )
+    twice = [{"function": {"name": "f", "parameters": {"title": "first"}}}, {"function": {"name": "f"}}]
+    first = forced_tool_choice(twice, {"function": {"name": "f"}})  # vLLM's: the first tool of the name
+    assert first is not None and first.schema() == {"title": "first"}
+    both = forced_tool_choice(twice, "required")
+    assert both is not None and len(both.schema()["items"]["anyOf"]) == 2
     named = forced_tool_choice(TOOLS, {"function": {"name": "noop"}})
     assert named is not None and named.schema() == {"type": "object", "properties": {}}
 
@@ -91,19 +99,21 @@ def test_a_named_choice_s_schema_is_its_function_s_parameters():
         (TOOLS, {"type": "code", "function": {"name": "weather"}}, "tool_choice.type"),
         ([{"function": {"name": "f", "parameters": []}}], "required", "tools[0].function.parameters"),
         (["f"], "none", "tools[0]"),
+        ([{"function": {"name": "f", "parameters": {"$defs": [1]}}}], "required", "tools[0].function.parameters"),
     ],
 )
 def test_tool_usage_vllm_refuses_is_refused_naming_the_field(tools, tool_choice, field):
     with pytest.raises(ValidationError) as e:
-        forced_tool_choice(tools, tool_choice)
+        forced_tool_choice(tools, tool_choice, sent=tool_choice is not None)
     assert e.value.field == field
 
 
 @pytest.mark.parametrize(
-    ("tools", "tool_choice"), [(None, None), ([], None), (TOOLS, "none"), (None, "none"), ([], "required")]
+    ("tools", "tool_choice"),
+    [(None, None), ([], None), (TOOLS, None), (TOOLS, "none"), (None, "none"), ([], "required")],
 )
 def test_no_call_is_forced_without_tools_or_under_none(tools, tool_choice):
-    assert forced_tool_choice(tools, tool_choice) is None
+    assert forced_tool_choice(tools, tool_choice) is None  # (TOOLS, None): an explicit null, vLLM's "none"
 
 
 def test_required_calls_stream_whole_as_each_completes_however_the_text_is_split():
@@ -200,4 +210,15 @@ def test_auto_is_refused_without_a_parser_and_not_forced_with_one():
     with pytest.raises(ValidationError):
         forced_tool_choice(TOOLS, "auto")
     assert forced_tool_choice(TOOLS, "auto", auto=True) is None
-    assert forced_tool_choice(TOOLS, None, auto=True) is None
+    assert forced_tool_choice(TOOLS, None, auto=True, sent=False) is None
+    with pytest.raises(ValidationError) as e:  # the tools are checked whatever the choice
+        forced_tool_choice([{"type": "retrieval"}], None, auto=True, sent=False)
+    assert e.value.field == "tools[0].type"
+
+
+def test_calls_nested_too_deep_to_decode_are_no_calls():
+    """json's decoder gives up (RecursionError) on deep nesting: such a call is text, never a server error."""
+    deep = '<tool_call>{"name": "a", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"
+    assert reply_with_calls(AutoToolChoice(), deep, "stop") == (deep, [], "stop")
+    array = '[{"name": "a", "parameters": ' + "[" * 100_000 + "]" * 100_000 + "}]"
+    assert reply_with_calls(ForcedToolChoice([{"name": "a"}]), array, "stop") == (array, [], "stop")
