@@ -66,6 +66,15 @@ class FrontendConfig:
             '(<tool_call>{"name": ..., "arguments": {...}}</tool_call>: Hermes 2 Pro, Qwen2.5, Qwen3)'
         ),
     )
+    # vLLM's --reasoning-parser: chat replies split into their reasoning and content (reasoning.py).
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = field(
+        default=None,
+        metadata=flag(
+            "split chat replies into 'reasoning' (<think>...</think>) and 'content', as vLLM's flag: 'deepseek_r1' "
+            "(the block may be opened by the prompt; unclosed, all reasoning) or 'qwen3' (a reply that opens it)",
+            default_help="off: the reply is all content",
+        ),
+    )
     # Where unset sampling fields take defaults from: "auto", "vllm" or a folder (generation_config.py).
     generation_config: str = field(
         default="auto",

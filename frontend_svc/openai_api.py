@@ -61,6 +61,7 @@ from frontend_svc.openai_responses import (
     whole_completion_choice,
 )
 from frontend_svc.outputs import CompletionOutput, Logprob, RequestOutput
+from frontend_svc.reasoning import ReasoningStream, split_reasoning
 from frontend_svc.sampling_params import SamplingParams
 from frontend_svc.service import FrontendServerState, load_lora_adapter, text_size, unload_lora_adapter
 from frontend_svc.tokenize_budget import utf8_size
@@ -320,7 +321,7 @@ class _OpenAIApi:
                 yield generation.chunk("text_completion", [choice], usage)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        body.use_tool_call_parser(self.state.tool_call_parser)
+        body.use_parsers(self.state.tool_call_parser, self.state.reasoning_parser)
         lora = self._lora_of(body.model)  # before the engine: an unknown model is 404 even while no core is up
         engine = self._engine()
         params = named(body, lambda: self._params(body, engine))
@@ -339,7 +340,7 @@ class _OpenAIApi:
         output = outputs[0]
         usage = UsageCounter()
         choices = []
-        tool_calls = body.tool_calls_mode()
+        tool_calls, reasoner = body.tool_calls_mode(), body.reasoning_split()
         for completion in sorted(output.outputs, key=lambda c: c.index):
             usage.add(0, len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
             logprobs = (
@@ -348,13 +349,18 @@ class _OpenAIApi:
                 else None
             )
             choice = chat_choice(completion.index, completion, logprobs, body.response_role())
-            choice["message"]["content"] = body.echoed() + completion.text
+            message: dict[str, Any] = choice["message"]
+            content: str | None = completion.text
+            if reasoner is not None:  # vLLM's: the reasoning first, then the calls out of the content after it
+                reasoning, content = split_reasoning(reasoner, completion.text)
+                reasoning = reasoning if body.include_reasoning else None
+                message.update(reasoning=reasoning, reasoning_content=reasoning)
             if tool_calls is not None:
-                content, calls, choice["finish_reason"] = reply_with_calls(
-                    tool_calls, completion.text, completion.finish_reason
+                content, message["tool_calls"], choice["finish_reason"] = reply_with_calls(
+                    tool_calls, content or "", completion.finish_reason
                 )
-                echoed = body.echoed()  # vLLM's: before the content the calls left
-                choice["message"].update(content=echoed + (content or "") if echoed else content, tool_calls=calls)
+            echoed = body.echoed()  # vLLM's: before the content the reasoning and calls left
+            message["content"] = echoed + (content or "") if echoed else content
             if body.return_token_ids:
                 choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
@@ -388,8 +394,9 @@ class _OpenAIApi:
                 yield generation.chunk("chat.completion.chunk", [echo], (num_prompt_tokens, 0))
         tokens_so_far: dict[int, int] = {}  # choice index -> its tokens streamed so far
         as_ids = self._as_ids(request)
-        tool_calls = request.tool_calls_mode()
+        tool_calls, reasoner = request.tool_calls_mode(), request.reasoning_split()
         calls = {} if tool_calls is None else {i: ToolCallDeltas(tool_calls) for i in range(generation.params.n)}
+        thinking = {} if reasoner is None else {i: ReasoningStream(reasoner) for i in range(generation.params.n)}
         async for _, output in generation.outputs():
             for completion in output.outputs:
                 generation.usage.add(
@@ -404,12 +411,19 @@ class _OpenAIApi:
                     else None
                 )
                 choice = chat_chunk_choice(completion.index, {"content": completion.text}, completion, logprobs)
+                text, delta = completion.text, choice["delta"]
+                if reasoner is not None:
+                    reasoning, text = thinking[completion.index].feed(text, completion.finish_reason is not None)
+                    delta = {"content": text} if text else {}
+                    if reasoning and request.include_reasoning:
+                        delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
                 if tool_calls is not None:
-                    choice["delta"], choice["finish_reason"] = calls[completion.index].delta(
-                        completion.text, completion.finish_reason
-                    )
-                    if not (choice["delta"] or choice["finish_reason"] or logprobs or request.return_token_ids):
-                        continue  # a call still coming
+                    delta.pop("content", None)
+                    calls_delta, choice["finish_reason"] = calls[completion.index].delta(text, completion.finish_reason)
+                    delta.update(calls_delta)
+                choice["delta"] = delta
+                if not (delta or choice["finish_reason"] or logprobs or request.return_token_ids):
+                    continue  # a call or a tag still coming
                 if request.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
                 usage = (num_prompt_tokens, tokens_so_far[completion.index])

@@ -378,13 +378,28 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: LaxBool | None = None  # OpenAI's: false, a required tool choice makes one call at most
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
-    # The server's tool-call parser (--tool-call-parser, with --enable-auto-tool-choice): set by the API before the
-    # request's checks (``use_tool_call_parser``); None: tool_choice "auto" is refused.
+    # The server's parsers, set by the API before the request's checks (``use_parsers``): the tool-call parser
+    # (--tool-call-parser, with --enable-auto-tool-choice; None: tool_choice "auto" is refused) and the reasoning
+    # parser (--reasoning-parser; None: the reply is not split, include_reasoning false is refused).
     _tool_call_parser: str | None = PrivateAttr(default=None)
+    _reasoning_parser: str | None = PrivateAttr(default=None)
 
-    def use_tool_call_parser(self, parser: str | None) -> None:
-        """Parse an "auto" tool choice's calls with ``parser`` (the server's; None: refuse "auto")."""
-        self._tool_call_parser = parser
+    def use_parsers(self, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+        """Parse an "auto" tool choice's calls with ``tool_call_parser`` and split the reply's reasoning with
+        ``reasoning_parser`` (the server's; None: neither)."""
+        self._tool_call_parser = tool_call_parser
+        self._reasoning_parser = reasoning_parser
+
+    def reasoning_split(self) -> str | None:
+        """The reasoning parser that splits this request's reply (``reasoning.split_reasoning``): the server's;
+        under an output constraint (structured outputs, a forced tool choice), whose grammar holds from the first
+        token, "qwen3", which finds reasoning only where the reply opens the block itself (a JSON reply is all
+        content, where deepseek_r1's rule would make an unclosed block of it)."""
+        if self._reasoning_parser is None:
+            return None
+        fields = self.structured_outputs_params() or {}
+        constrained = any(fields.get(kind) not in (None, False) for kind in STRUCTURED_OUTPUT_KINDS)
+        return "qwen3" if constrained else self._reasoning_parser
 
     def takes_tools(self) -> bool:
         return True
@@ -457,10 +472,13 @@ class ChatCompletionRequest(SamplingRequest):
         """``chat_template_kwargs`` with ``reasoning_effort`` added when set (vLLM's), the kwargs winning.
 
         Raises:
-            ValidationError: ``include_reasoning`` false (no reasoning parser splits the reply).
+            ValidationError: ``include_reasoning`` false without the server's reasoning parser (nothing splits the
+                reply).
         """
-        if not self.include_reasoning:
-            raise ValidationError("include_reasoning", "false needs a reasoning parser, which splitserve has not")
+        if not self.include_reasoning and self._reasoning_parser is None:
+            raise ValidationError(
+                "include_reasoning", "false needs the server's reasoning parser (--reasoning-parser), which is off"
+            )
         if self.reasoning_effort is None:
             return self.chat_template_kwargs
         return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}

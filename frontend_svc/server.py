@@ -98,6 +98,7 @@ class _FrontendServer(server_lifecycle.ServerHooks[AsyncLLM]):
             enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
             return_tokens_as_token_ids=frontend.return_tokens_as_token_ids,
             tool_call_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
+            reasoning_parser=frontend.reasoning_parser,
             allow_runtime_lora_updating=frontend.allow_runtime_lora_updating,
         )
         if observability.tracer_provider is not None:

@@ -59,6 +59,7 @@ class FrontendServerState:
     enable_prompt_tokens_details: bool = False  # the HTTP API's usage.prompt_tokens_details (vLLM's flag)
     return_tokens_as_token_ids: bool = False  # the HTTP API's logprobs tokens as "token_id:<id>" (vLLM's flag)
     tool_call_parser: str | None = None  # parses tool_choice "auto"'s calls (--enable-auto-tool-choice); None: refused
+    reasoning_parser: str | None = None  # splits chat replies' reasoning (--reasoning-parser); None: not split
 
 
 class GenerationServicer(api_grpc.GenerationServicer):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from frontend_svc.errors import ValidationError
+from frontend_svc.reasoning import held_back
 
 # Why tool_choice "auto" (vLLM's default where tools are sent) is refused: it needs a parser of the model's format.
 AUTO_WHY = (
@@ -334,7 +335,7 @@ class HermesToolCallStream:
             if not self._in_call:
                 start = self._pending.find(HERMES_START)
                 if start < 0:
-                    kept = 0 if finished else _held_back(self._pending, HERMES_START)
+                    kept = 0 if finished else held_back(self._pending, HERMES_START)
                     passed, self._pending = (
                         self._pending[: len(self._pending) - kept],
                         self._pending[len(self._pending) - kept :],
@@ -368,14 +369,6 @@ class HermesToolCallStream:
         if entries:
             delta["tool_calls"] = entries
         return delta
-
-
-def _held_back(text: str, tag: str) -> int:
-    """The length of ``text``'s longest end that begins ``tag`` (it may be the tag's start)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def _hermes_call(body: str) -> dict[str, Any] | None:

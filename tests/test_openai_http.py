@@ -1616,11 +1616,11 @@ def test_tool_choice_none_and_required_over_no_tools_leave_the_reply_text(servic
 @pytest.fixture(scope="module")
 def auto_tools_url(services, model, tmp_path_factory):
     """A second frontend on the same core, started with vLLM's --enable-auto-tool-choice --tool-call-parser hermes
-    (and --trust-request-chat-template); yields its HTTP base URL."""
+    and --reasoning-parser qwen3 (and --trust-request-chat-template); yields its HTTP base URL."""
     core, _, _ = services
     http_port = stack.free_port()
     flags = ["--http-port", str(http_port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    flags.append("--trust-request-chat-template")
+    flags += ["--trust-request-chat-template", "--reasoning-parser", "qwen3"]
     frontend = stack.start_frontend(model, [core.address], tmp_path_factory.mktemp("auto-tools-logs"), flags)
     try:
         frontend.wait_serving()
@@ -1669,7 +1669,8 @@ def test_auto_tool_choice_leaves_a_reply_without_calls_as_text(services, auto_to
     (choice,) = httpx.post(f"{auto_tools_url}/v1/chat/completions", json={**body, "tools": TOOLS}, timeout=60).json()[
         "choices"
     ]
-    assert choice["message"] == plain["message"] and choice["finish_reason"] == plain["finish_reason"]
+    assert choice["message"] == {**plain["message"], "reasoning": None, "reasoning_content": None}  # none opened
+    assert choice["finish_reason"] == plain["finish_reason"]
     # the plain frontend has no parser: "auto" is refused there, naming the field
     response = httpx.post(f"{plain_url}/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "auto"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
@@ -1760,3 +1761,59 @@ def test_auto_tool_choice_keeps_one_call_without_parallel_tool_calls(services, a
         events = sse_events(auto_tools_url, "/v1/chat/completions", {**body, "stream": True})[:-1]
         entries = [e for event in events for e in json.loads(event)["choices"][0]["delta"].get("tool_calls", [])]
         assert [e["function"]["name"] for e in entries] == names
+
+
+# A thinking reply, held to the form by a regex (the weights are random): the reasoning block, then the answer.
+THINKING = r"<think>\n([ab])c\n</think>\n\n(yes|no)"
+
+
+def test_a_reasoning_parser_splits_the_reply_into_reasoning_and_content(services, auto_tools_url):
+    """vLLM's --reasoning-parser (qwen3 here): the reply's <think> block is the message's reasoning (as vLLM's
+    newer "reasoning" and its earlier "reasoning_content"), the rest its content, whole and streamed;
+    include_reasoning false drops the reasoning. The right parts come from the same reply got from a frontend
+    without a parser, split by a regex of its own."""
+    _, _, plain_url = services
+    for seed in (0, 1):
+        body = {"messages": CHAT, "structured_outputs": {"regex": THINKING}, "temperature": 1.0, "seed": seed}
+        body["max_tokens"] = 60
+        expected = httpx.post(f"{plain_url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        match = re.fullmatch(THINKING, expected["message"]["content"])
+        assert match is not None and expected["finish_reason"] == "stop"
+        reasoning, content = f"\n{match.group(1)}c\n", f"\n\n{match.group(2)}"
+        (choice,) = httpx.post(f"{auto_tools_url}/v1/chat/completions", json=body, timeout=60).json()["choices"]
+        message = choice["message"]
+        assert (message["reasoning"], message["reasoning_content"], message["content"]) == (
+            reasoning,
+            reasoning,
+            content,
+        )
+        events = sse_events(auto_tools_url, "/v1/chat/completions", {**body, "stream": True})[:-1]
+        deltas = [json.loads(e)["choices"][0]["delta"] for e in events]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == reasoning
+        assert "".join(d.get("content") or "" for d in deltas) == content
+        assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+        hidden = {**body, "include_reasoning": False}
+        (choice,) = httpx.post(f"{auto_tools_url}/v1/chat/completions", json=hidden, timeout=60).json()["choices"]
+        assert (choice["message"]["reasoning"], choice["message"]["content"]) == (None, content)
+        events = sse_events(auto_tools_url, "/v1/chat/completions", {**hidden, "stream": True})[:-1]
+        assert all("reasoning" not in json.loads(e)["choices"][0]["delta"] for e in events)
+
+
+def test_auto_tool_calls_are_parsed_from_the_content_after_the_reasoning(services, auto_tools_url):
+    """vLLM's order: the reasoning is split off first, then the calls parsed out of the content after it."""
+    _, _, plain_url = services
+    call = r'<tool_call>\{"name": "(pet|noop)", "arguments": \{\}\}</tool_call>'
+    body = {"messages": CHAT, "structured_outputs": {"regex": "<think>hm</think>" + call}, "temperature": 1.0}
+    body.update(seed=2, max_tokens=60, skip_special_tokens=False)
+    expected = httpx.post(f"{plain_url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    match = re.fullmatch("<think>hm</think>" + call, expected["message"]["content"])
+    assert match is not None and expected["finish_reason"] == "stop"
+    with_tools = {**body, "tools": TOOLS}
+    (choice,) = httpx.post(f"{auto_tools_url}/v1/chat/completions", json=with_tools, timeout=60).json()["choices"]
+    assert choice["message"]["reasoning"] == "hm" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [match.group(1)]
+    assert choice["finish_reason"] == "tool_calls"
+    events = sse_events(auto_tools_url, "/v1/chat/completions", {**with_tools, "stream": True})[:-1]
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "hm"
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == [match.group(1)]
