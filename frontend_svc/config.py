@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from frontend_svc.chat_content_format import CONTENT_FORMATS
+from frontend_svc.reasoning import REASONING_PARSERS
 from frontend_svc.sampling_params import MAX_N
 from frontend_svc.tool_calls import TOOL_CALL_PARSERS
 from splitserve.base.config_args import NOT_A_FLAG, flag
@@ -201,6 +202,9 @@ class FrontendConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             parsers = ", ".join(TOOL_CALL_PARSERS)
             raise ValueError(f"tool_call_parser must be one of {parsers}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            parsers = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"reasoning_parser must be one of {parsers}, got {self.reasoning_parser!r}")
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:

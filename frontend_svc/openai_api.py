@@ -357,7 +357,7 @@ class _OpenAIApi:
                 message.update(reasoning=reasoning, reasoning_content=reasoning)
             if tool_calls is not None:
                 content, message["tool_calls"], choice["finish_reason"] = reply_with_calls(
-                    tool_calls, content or "", completion.finish_reason
+                    tool_calls, content, completion.finish_reason
                 )
             echoed = body.echoed()  # vLLM's: before the content the reasoning and calls left
             message["content"] = echoed + (content or "") if echoed else content

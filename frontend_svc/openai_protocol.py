@@ -181,6 +181,8 @@ class SamplingRequest(_Strict):
                 raise ValidationError("prompt_logprobs", "is not available when stream=true")
         if self.use_beam_search and self.stream:
             raise ValidationError("use_beam_search", "is not available with stream=true")
+        if self.use_beam_search and _constrains(self.structured_outputs_params()):
+            raise ValidationError("use_beam_search", "has no output constraint: it cannot run under structured outputs")
         if self.length_penalty is not None and self.length_penalty != 1.0 and not self.use_beam_search:
             raise ValidationError("length_penalty", "applies to beam search: set use_beam_search")
         if self.guided_decoding_backend not in (None, "auto", "xgrammar", "guidance"):
@@ -397,9 +399,7 @@ class ChatCompletionRequest(SamplingRequest):
         content, where deepseek_r1's rule would make an unclosed block of it)."""
         if self._reasoning_parser is None:
             return None
-        fields = self.structured_outputs_params() or {}
-        constrained = any(fields.get(kind) not in (None, False) for kind in STRUCTURED_OUTPUT_KINDS)
-        return "qwen3" if constrained else self._reasoning_parser
+        return "qwen3" if _constrains(self.structured_outputs_params()) else self._reasoning_parser
 
     def takes_tools(self) -> bool:
         return True
@@ -701,3 +701,8 @@ def _forces_a_call(request: ChatCompletionRequest) -> bool:
         return request.forced_tool_choice() is not None
     except ValidationError:
         return False
+
+
+def _constrains(fields: Mapping[str, Any] | None) -> bool:
+    """Whether structured outputs' ``fields`` hold a constraint (json, regex, ...), not only options."""
+    return fields is not None and any(fields.get(kind) not in (None, False) for kind in STRUCTURED_OUTPUT_KINDS)

@@ -3,11 +3,11 @@ reasoning, ``<think>...</think>``, and the content after it, whole or as the tex
 
 Two parsers, as vLLM names them:
 - ``deepseek_r1`` (DeepSeek-R1 and its distills, QwQ, Qwen3's thinking-only releases whose template opens the
-  ``<think>`` block in the prompt): a leading ``<think>`` is dropped; everything up to ``</think>`` is reasoning,
-  the rest content; a reply that never closes the block is all reasoning.
+  ``<think>`` block in the prompt): a leading ``<think>`` (after any whitespace) is dropped; everything up to
+  ``</think>`` is reasoning, the rest content; a reply that never closes the block is all reasoning.
 - ``qwen3`` (Qwen3, whose replies open the block themselves, and skip it when thinking is off): a reply that starts
-  with ``<think>`` is reasoning up to ``</think>`` (all of it when never closed), then content; any other reply is
-  all content.
+  with ``<think>`` (after any whitespace) is reasoning up to ``</think>`` (all of it when never closed), then
+  content; any other reply is all content.
 
 The same state machine (``ReasoningStream``) splits a streamed reply and a whole one, so both give the same parts.
 """
@@ -35,10 +35,11 @@ class ReasoningStream:
         self._pending += text
         reasoning = content = ""
         if self.state == "start":
-            if self._pending.startswith(THINK_START):
-                self._pending = self._pending[len(THINK_START) :]
+            opening = self._pending.lstrip()  # whitespace before the tag goes with it (vLLM's)
+            if opening.startswith(THINK_START):
+                self._pending = opening[len(THINK_START) :]
                 self.state = "reasoning"
-            elif THINK_START.startswith(self._pending) and not finished:
+            elif THINK_START.startswith(opening) and not finished:
                 return "", ""  # may still become the tag
             else:
                 self.state = "reasoning" if self.parser == "deepseek_r1" else "content"

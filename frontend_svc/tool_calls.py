@@ -253,17 +253,18 @@ class AutoToolChoice:
 
 
 def reply_with_calls(
-    mode: ForcedToolChoice | AutoToolChoice, text: str, finish_reason: str | None
+    mode: ForcedToolChoice | AutoToolChoice, text: str | None, finish_reason: str | None
 ) -> tuple[str | None, list[dict[str, Any]], str | None]:
     """A whole reply as (message content, tool_calls, finish_reason), as vLLM's (and OpenAI's) responses have it,
     and as its stream (``ToolCallDeltas``) gives it. A named call's arguments are the text, content empty, the
     engine's finish reason kept ("stop", OpenAI's for a named choice). Otherwise the calls come from the text (a
     required choice's array; an auto choice's parsed calls, the text before the first one the content, null where
     empty, as vLLM's), finish reason "tool_calls" where the reply made calls and stopped on its own; a reply cut
-    by max_tokens keeps the calls it completed; one that made none stays the content, with no calls."""
+    by max_tokens keeps the calls it completed; one that made none stays the content (``text`` as given: None
+    where a reasoning parser left no content), with no calls."""
     if isinstance(mode, ForcedToolChoice) and mode.name is not None:
-        return "", [function_call(mode.name, text)], finish_reason
-    delta, finish_reason = ToolCallDeltas(mode).delta(text, finish_reason or "stop")
+        return "", [function_call(mode.name, text or "")], finish_reason
+    delta, finish_reason = ToolCallDeltas(mode).delta(text or "", finish_reason or "stop")
     calls = [{k: v for k, v in call.items() if k != "index"} for call in delta.get("tool_calls", [])]
     if not calls:
         return text, [], finish_reason

@@ -405,6 +405,8 @@ BAD_FIELDS = [
     ("completions", {"bad_words": [""]}, "bad_words[0]"),
     ("completions", {"use_beam_search": True, "stream": True}, "use_beam_search"),
     ("completions", {"use_beam_search": True, "n": 0}, "n"),
+    ("chat", {"use_beam_search": True, "response_format": {"type": "json_object"}}, "use_beam_search"),
+    ("completions", {"use_beam_search": True, "structured_outputs": {"regex": "a"}}, "use_beam_search"),
     ("chat", {"length_penalty": 2.0}, "length_penalty"),
     ("completions", {"truncate_prompt_tokens": 1025}, "truncate_prompt_tokens"),  # above max_model_len
     ("completions", {"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "truncation_side"),
@@ -1797,6 +1799,14 @@ def test_a_reasoning_parser_splits_the_reply_into_reasoning_and_content(services
         assert (choice["message"]["reasoning"], choice["message"]["content"]) == (None, content)
         events = sse_events(auto_tools_url, "/v1/chat/completions", {**hidden, "stream": True})[:-1]
         assert all("reasoning" not in json.loads(e)["choices"][0]["delta"] for e in events)
+
+
+def test_a_reply_of_reasoning_only_has_null_content_with_or_without_tools(auto_tools_url):
+    body = {"messages": CHAT, "structured_outputs": {"regex": "<think>hm</think>"}, "max_tokens": 30}
+    for fields in ({}, {"tools": TOOLS}):
+        response = httpx.post(f"{auto_tools_url}/v1/chat/completions", json={**body, **fields}, timeout=60).json()
+        message = response["choices"][0]["message"]
+        assert (message["reasoning"], message["content"], message["tool_calls"]) == ("hm", None, [])
 
 
 def test_auto_tool_calls_are_parsed_from_the_content_after_the_reasoning(services, auto_tools_url):

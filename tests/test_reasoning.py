@@ -18,12 +18,15 @@ CASES = [
     ("deepseek_r1", "<think>abc", "abc", None),
     ("deepseek_r1", "</think>", "", None),
     ("deepseek_r1", "<thi", "<thi", None),
+    ("deepseek_r1", "\n <think>a</think>b", "a", "b"),  # whitespace before the tag goes with it (vLLM's)
     ("qwen3", THOUGHT, "\nabc\n", "\n\nxyz"),
     ("qwen3", "abc</think>xyz", None, "abc</think>xyz"),  # a reply that does not open the block: all content
     ("qwen3", "plain <think> later", None, "plain <think> later"),
     ("qwen3", "<think>abc", "abc", None),
     ("qwen3", "<thi", None, "<thi"),
     ("qwen3", "", None, None),
+    ("qwen3", "\n<think>a</think>b", "a", "b"),
+    ("qwen3", "\n\n", None, "\n\n"),
 ]
 
 
@@ -44,3 +47,11 @@ def test_a_possible_closing_tag_is_held_back_until_told_apart():
     assert stream.feed("<think>ab</th") == ("ab", "")
     assert stream.feed("e") == ("</the", "")  # not the tag after all
     assert stream.feed("</think>x") == ("", "x")
+
+
+def test_a_frontend_config_takes_only_known_parsers():
+    from frontend_svc.config import FrontendConfig
+
+    assert FrontendConfig(reasoning_parser="qwen3").reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+        FrontendConfig(reasoning_parser="bogus")  # type: ignore[arg-type]  # the value under test is not a parser
