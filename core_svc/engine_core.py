@@ -31,7 +31,7 @@ from core_svc import gpu_memory
 from core_svc.config import DEFAULT_KV_CACHE_MEMORY_GIB, DEFAULT_MAX_NUM_BATCHED_TOKENS, CoreConfig, SchedulerConfig
 from core_svc.cpu_dtype import cpu_compute_dtype, cpu_flags
 from core_svc.cuda_graphs import CudaGraphCapturer
-from core_svc.device import check_device, release_cached_memory, set_compute_threads
+from core_svc.device import check_device, keep_freed_memory, release_cached_memory, set_compute_threads
 from core_svc.errors import (
     EngineStepError,
     EngineUnavailableError,
@@ -165,6 +165,8 @@ class EngineCore:
         self.startup = StartupTimes()  # where the start went; logged as one line at the end
         self.device = device = check_device(config.device)  # first: without CUDA, fail before anything slow
         logger.info("%s", set_compute_threads(config.num_threads, config.cpu_omp_threads_bind))
+        if device.type == "cpu":
+            logger.info("%s", keep_freed_memory())
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         with self.startup.phase("model files"):
             self.model_path = resolve_model_path(config.model)  # a hub id is fetched here

@@ -276,3 +276,41 @@ def test_an_invalid_binding_is_refused_at_startup_in_one_line(monkeypatch, capsy
     ]
     assert main(["core", "--model", "nowhere", "--cpu-omp-threads-bind", "4096"]) == 2
     assert capsys.readouterr().err.startswith("error: --cpu-omp-threads-bind=4096: CPU 4096 is not one this process")
+
+
+FREED_CHILD = """
+import ctypes, os, sys
+if sys.argv[1] == "keep":
+    from core_svc.device import keep_freed_memory
+    print(keep_freed_memory(), file=sys.stderr)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+size = 20 << 20
+block = libc.malloc(size)
+ctypes.memset(block, 1, size)
+before = rss()
+libc.free(block)
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; glibc's mallopt")
+def test_a_cpu_core_keeps_the_memory_a_step_frees():
+    """glibc maps a fresh 20 MiB block for itself and gives it back on free (the process's resident memory falls
+    by it); after ``keep_freed_memory`` (what a CPU core does at start) the block comes from the heap and stays."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    run = [sys.executable, "-c", FREED_CHILD]
+    default = subprocess.run([*run, "default"], capture_output=True, text=True, timeout=120, env=env, check=True)
+    kept = subprocess.run([*run, "keep"], capture_output=True, text=True, timeout=120, env=env, check=True)
+    assert int(default.stdout) >= 19 << 20  # given back
+    assert "up to 1 GiB of freed memory kept" in kept.stderr
+    assert int(kept.stdout) < 1 << 20  # kept
+
+
+def test_glibc_s_own_malloc_settings_are_left_alone(monkeypatch):
+    from core_svc.device import keep_freed_memory
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert keep_freed_memory() == "malloc: as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set"
