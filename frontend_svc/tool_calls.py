@@ -1,13 +1,15 @@
-"""Tool calls of the chat API under a forced tool choice: ``tool_choice`` ``"required"`` or a named function
-(``{"type": "function", "function": {"name": ...}}``), as vLLM serves them without a tool-call parser.
+"""Tool calls of the chat API, as vLLM serves them.
 
-The choice becomes the reply's structured-output constraint (vLLM's ``_get_json_schema_from_tool``): a named
+A forced choice, ``tool_choice`` ``"required"`` or a named function (``{"type": "function", "function": {"name":
+...}}``), becomes the reply's structured-output constraint (vLLM's ``_get_json_schema_from_tool``): a named
 function's reply is a JSON document of its ``parameters`` schema, which is the call's ``arguments`` as generated;
 a required choice's reply is a JSON array of at least one ``{"name": ..., "parameters": {...}}`` object, one of
-the tools each (an ``anyOf`` over them), parsed into the calls. Streamed, a named call's arguments go out as the
-text comes (the first delta with the call's id and name, as vLLM's), and a required choice's calls each as one
-delta once its object is complete. ``auto`` needs a parser of the model's own tool-call format, which splitserve
-has not; ``"none"`` only renders the tools.
+the tools each (an ``anyOf`` over them), parsed into the calls. ``"auto"`` (vLLM's default where tools are sent)
+lets the model decide, on a server started with a tool-call parser (``--enable-auto-tool-choice --tool-call-parser
+hermes``): its calls are parsed out of the reply (``HermesToolCallStream``); without one it is refused.
+``"none"`` only renders the tools. Streamed, a named call's arguments go out as the text comes (the first delta
+with the call's id and name, as vLLM's), a required or parsed call as one delta once complete
+(``ToolCallDeltas``); a whole reply goes through the same state machines (``reply_with_calls``).
 """
 
 from __future__ import annotations
