@@ -670,12 +670,14 @@ def test_tokenization_kwargs_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     with pytest.raises(ValidationError, match="truncate_prompt_tokens: must be -1 or a positive count, got 0"):
         llm.generate(text, params, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0})
     chat = [{"role": "user", "content": text}]
-    rendered = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False).input_ids
+    text_rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)  # LLM.chat's
+    rendered = tokenizer(text_rendered, add_special_tokens=False).input_ids
     (plain,) = llm.chat(chat, params, use_tqdm=False)
     (with_bos,) = llm.chat(chat, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": True})
     (chat_cut,) = llm.chat(chat, params, use_tqdm=False, tokenization_kwargs=cut)
     assert plain.prompt_token_ids == rendered
-    assert with_bos.prompt_token_ids == [tokenizer.bos_token_id, *rendered]
+    # the tokenizer's own special tokens on the rendered text (BOS; the builtin tokenizer's EOS too)
+    assert with_bos.prompt_token_ids == tokenizer(text_rendered).input_ids
     assert chat_cut.prompt_token_ids == rendered[-3:]
     with pytest.raises(ValidationError, match="tokenization_kwargs.truncation: LLM.chat takes"):
         llm.chat(chat, params, use_tqdm=False, tokenization_kwargs={"truncation": True})
