@@ -195,10 +195,7 @@ class SamplingRequest(_Strict):
             if not _is_neutral(name, getattr(self, name, None)):
                 raise ValidationError(name, why)
         if self.takes_tools():
-            if self.forced_tool_choice() is not None and self.use_beam_search:
-                raise ValidationError(
-                    "use_beam_search", "cannot make a required or named tool call: beam search has no output constraint"
-                )
+            self.forced_tool_choice()  # checks the tools and the choice (a forced one beside beam search: above)
         elif self.tool_choice not in (None, "none"):
             raise ValidationError("tool_choice", "tool choices are a chat request's")
 
@@ -376,7 +373,7 @@ class ChatCompletionRequest(SamplingRequest):
     echo: LaxBool | None = False
     documents: list[Any] | None = None  # for the chat template (RAG templates), as vLLM's
     reasoning_effort: str | None = None  # OpenAI's; a variable of the chat template, as vLLM passes it
-    include_reasoning: LaxBool = True  # vLLM's (with a reasoning parser); false is refused: the reply is not split
+    include_reasoning: LaxBool = True  # vLLM's: false drops the reasoning (--reasoning-parser); refused without one
     parallel_tool_calls: LaxBool | None = None  # OpenAI's: false, a required tool choice makes one call at most
     mm_processor_kwargs: dict[str, Any] | None = None  # not implemented: refused when set
 
@@ -459,7 +456,7 @@ class ChatCompletionRequest(SamplingRequest):
         forced = self.forced_tool_choice()
         if forced is None:
             return fields
-        other = [kind for kind in STRUCTURED_OUTPUT_KINDS if (fields or {}).get(kind) not in (None, False)]
+        other = _constraint_kinds(fields)
         if other:
             raise ValidationError(
                 "tool_choice",
@@ -703,6 +700,11 @@ def _forces_a_call(request: ChatCompletionRequest) -> bool:
         return False
 
 
+def _constraint_kinds(fields: Mapping[str, Any] | None) -> list[str]:
+    """The constraints (json, regex, ...) structured outputs' ``fields`` hold, besides their options."""
+    return [kind for kind in STRUCTURED_OUTPUT_KINDS if (fields or {}).get(kind) not in (None, False)]
+
+
 def _constrains(fields: Mapping[str, Any] | None) -> bool:
-    """Whether structured outputs' ``fields`` hold a constraint (json, regex, ...), not only options."""
-    return fields is not None and any(fields.get(kind) not in (None, False) for kind in STRUCTURED_OUTPUT_KINDS)
+    """Whether structured outputs' ``fields`` hold a constraint, not only options."""
+    return bool(_constraint_kinds(fields))
