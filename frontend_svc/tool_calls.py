@@ -36,10 +36,10 @@ def make_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def function_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+def function_call(name: str, arguments: str) -> dict[str, Any]:
     """One ``tool_calls`` entry of a chat message: a function called with ``arguments`` (its JSON text)."""
     call = {"name": name, "arguments": arguments}
-    return {"id": call_id or make_tool_call_id(), "type": "function", "function": call}
+    return {"id": make_tool_call_id(), "type": "function", "function": call}
 
 
 def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
