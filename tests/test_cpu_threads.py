@@ -4,6 +4,7 @@ policy (``splitserve.base.cpu_threads``), on fake cgroup trees; then a real ``sp
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -296,7 +297,9 @@ print(before - rss())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; glibc's mallopt")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="reads /proc; glibc's mallopt"
+)
 def test_a_cpu_core_keeps_the_memory_a_step_frees():
     """glibc maps a fresh 20 MiB block for itself and gives it back on free (the process's resident memory falls
     by it); after ``keep_freed_memory`` (what a CPU core does at start) the block comes from the heap and stays."""
