@@ -198,8 +198,9 @@ def _is_call(item: Any) -> bool:
     return isinstance(item, dict) and isinstance(item.get("name"), str)
 
 
-def _arguments(item: dict[str, Any]) -> str:
-    return json.dumps(item.get("parameters") or {}, ensure_ascii=False)
+def _arguments(value: Any) -> str:
+    """A call's arguments as its JSON text (non-ASCII kept); a string is taken as that text already."""
+    return value if isinstance(value, str) else json.dumps(value or {}, ensure_ascii=False)
 
 
 @dataclass
@@ -233,7 +234,7 @@ class RequiredCallStream:
                 return entries
             self.position = end
             if _is_call(item):
-                entries.append({"index": self.calls, **function_call(item["name"], _arguments(item))})
+                entries.append({"index": self.calls, **function_call(item["name"], _arguments(item.get("parameters")))})
                 self.calls += 1
 
     def _next_value(self) -> int | None:
@@ -273,43 +274,6 @@ def reply_with_calls(
     return (delta.get("content") or None) if isinstance(mode, AutoToolChoice) else "", calls, finish_reason
 
 
-@dataclass
-class ToolCallDeltas:
-    """One choice's streamed reply under a tool choice (``reply_with_calls`` gives it whole): ``delta`` turns each
-    new text into a chunk's delta and finish reason. A named call's first delta carries its id, type and name (and
-    the arguments so far), later ones the arguments' new text (vLLM's); a required choice's calls go out one delta
-    each once complete (``RequiredCallStream``), and where the reply ends with none, its text as the content; an
-    auto choice's content and calls as its parser (``HermesToolCallStream``) passes them on."""
-
-    mode: ForcedToolChoice | AutoToolChoice
-    named_started: bool = False
-    required: RequiredCallStream = field(default_factory=RequiredCallStream)
-    parsed: HermesToolCallStream = field(default_factory=lambda: HermesToolCallStream())
-
-    def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        mode = self.mode
-        if isinstance(mode, AutoToolChoice):
-            delta = self.parsed.feed(text, finished=finish_reason is not None)
-            if not mode.parallel and "tool_calls" in delta:
-                delta["tool_calls"] = [call for call in delta["tool_calls"] if call["index"] == 0]
-                if not delta["tool_calls"]:
-                    del delta["tool_calls"]
-            return delta, "tool_calls" if finish_reason == "stop" and self.parsed.calls else finish_reason
-        if mode.name is not None:
-            if self.named_started:
-                return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish_reason
-            self.named_started = True
-            return {"tool_calls": [{"index": 0, **function_call(mode.name, text)}]}, finish_reason
-        entries = self.required.feed(text)
-        delta = {"tool_calls": entries} if entries else {}
-        if finish_reason is not None:
-            if not self.required.calls:
-                delta["content"] = self.required.text
-            elif finish_reason == "stop":
-                finish_reason = "tool_calls"
-        return delta, finish_reason
-
-
 # Tool-call parsers for tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser NAME): the model writes
 # its calls in its own format, parsed out of the reply.
 TOOL_CALL_PARSERS = ("hermes",)
@@ -338,13 +302,10 @@ class HermesToolCallStream:
             if not self._in_call:
                 start = self._pending.find(HERMES_START)
                 if start < 0:
-                    kept = 0 if finished else held_back(self._pending, HERMES_START)
-                    passed, self._pending = (
-                        self._pending[: len(self._pending) - kept],
-                        self._pending[len(self._pending) - kept :],
-                    )
+                    cut = len(self._pending) - (0 if finished else held_back(self._pending, HERMES_START))
                     if not self.calls:
-                        content += passed
+                        content += self._pending[:cut]
+                    self._pending = self._pending[cut:]
                     break
                 if not self.calls:
                     content += self._pending[:start]
@@ -374,6 +335,43 @@ class HermesToolCallStream:
         return delta
 
 
+@dataclass
+class ToolCallDeltas:
+    """One choice's streamed reply under a tool choice (``reply_with_calls`` gives it whole): ``delta`` turns each
+    new text into a chunk's delta and finish reason. A named call's first delta carries its id, type and name (and
+    the arguments so far), later ones the arguments' new text (vLLM's); a required choice's calls go out one delta
+    each once complete (``RequiredCallStream``), and where the reply ends with none, its text as the content; an
+    auto choice's content and calls as its parser (``HermesToolCallStream``) passes them on."""
+
+    mode: ForcedToolChoice | AutoToolChoice
+    named_started: bool = False
+    required: RequiredCallStream = field(default_factory=RequiredCallStream)
+    parsed: HermesToolCallStream = field(default_factory=HermesToolCallStream)
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        mode = self.mode
+        if isinstance(mode, AutoToolChoice):
+            delta = self.parsed.feed(text, finished=finish_reason is not None)
+            if not mode.parallel and "tool_calls" in delta:
+                delta["tool_calls"] = [call for call in delta["tool_calls"] if call["index"] == 0]
+                if not delta["tool_calls"]:
+                    del delta["tool_calls"]
+            return delta, "tool_calls" if finish_reason == "stop" and self.parsed.calls else finish_reason
+        if mode.name is not None:
+            if self.named_started:
+                return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), finish_reason
+            self.named_started = True
+            return {"tool_calls": [{"index": 0, **function_call(mode.name, text)}]}, finish_reason
+        entries = self.required.feed(text)
+        delta = {"tool_calls": entries} if entries else {}
+        if finish_reason is not None:
+            if not self.required.calls:
+                delta["content"] = self.required.text
+            elif finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return delta, finish_reason
+
+
 def _hermes_call(body: str) -> dict[str, Any] | None:
     """A ``tool_calls`` entry from one Hermes call's JSON; None where it is not ``{"name": str, "arguments"?}``."""
     try:
@@ -382,7 +380,4 @@ def _hermes_call(body: str) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments") or {}
-    return function_call(
-        value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    )
+    return function_call(value["name"], _arguments(value.get("arguments")))
