@@ -175,8 +175,8 @@ def _add_throughput_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="also run splitserve float32 alone and beside N busy processes on its cores, with the OpenMP "
-        "runtime's default wait policy and with passive waiting (0: skip)",
+        help="also run splitserve float32 alone and beside N busy processes on its cores, under each OpenMP "
+        "wait policy: the runtime's default, passive, and splitserve's short spin (0: skip)",
     )
     p.add_argument("--contend-num-prompts", type=int, default=16, help="requests of each contention run")
     p.add_argument(

@@ -2,9 +2,10 @@
 
 splitserve runs in a child process (``LLM.generate``, core in-process, float32) on the set's first requests,
 pinned to the cores this process may use, once alone and once beside N competitors: processes that spin in a
-Python loop, pinned to the same cores. Each under two OpenMP wait policies, since the runtime reads its policy
+Python loop, pinned to the same cores. Each under three OpenMP wait policies, since the runtime reads its policy
 when torch is loaded (so a child process, not this one): ``runtime`` (the OpenMP runtime's own default, spinning
-waits: splitserve before issue 18) and ``passive`` (``OMP_WAIT_POLICY=PASSIVE``, splitserve's default now).
+waits for milliseconds: splitserve before issue 18), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``, no spin) and
+``short-spin`` (a spin of tens of microseconds, then sleep: splitserve's default).
 
 What the competitors may fairly take: Linux's scheduler (CFS) shares the cores equally between runnable threads,
 so with T compute threads, N competitors and C cores (T + N > C), each thread runs C / (T + N) of the time, and
@@ -27,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-POLICIES = ("runtime", "passive")  # SPLITSERVE_OMP_WAIT_POLICY values (splitserve.base.cpu_threads)
+POLICIES = ("runtime", "passive", "short-spin")  # SPLITSERVE_OMP_WAIT_POLICY values (splitserve.base.cpu_threads)
+DEFAULT_POLICY = "short-spin"  # splitserve.base.envs.omp_wait_policy's default: the one the target is about
 SPIN = "while True:\n    pass\n"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -97,7 +99,7 @@ def run_one(
 
 def run(model: Path, prompts: list[list[int]], output_len: int, options: dict[str, Any]) -> dict[str, Any]:
     """Each wait policy alone and beside ``options["competitors"]`` competitors, on ``prompts``; options:
-    competitors, num_threads, timeout_s. Alone first, then contended, each round through both policies."""
+    competitors, num_threads, timeout_s. Alone first, then contended, each round through every policy."""
     num_competitors, num_threads = options["competitors"], options["num_threads"]
     with tempfile.TemporaryDirectory() as folder:
         prompts_file = Path(folder) / "prompts.json"
@@ -140,7 +142,7 @@ def format_lines(contention: dict[str, Any]) -> list[str]:
         f"fair share kept {c['expected_share']:.2f}",
         f"{'wait policy':12} {'alone tok/s':>12} {'contended tok/s':>16} {'kept':>6} {'competitors took':>17}",
     ]
-    for policy in POLICIES:
+    for policy in c["summary"]:
         alone = next(r for r in c["runs"] if r["policy"] == policy and r["competitors"] == 0)
         loaded = next(r for r in c["runs"] if r["policy"] == policy and r["competitors"] == c["competitors"])
 
@@ -152,8 +154,11 @@ def format_lines(contention: dict[str, Any]) -> list[str]:
             f"{policy:12} {tok_s(alone):>12} {tok_s(loaded):>16} {'-' if kept is None else f'{kept:.2f}':>6} "
             f"{100 * loaded['competitor_cpu_share']:16.0f}%"
         )
-    passive = c["summary"]["passive"]["kept"]
-    if passive is not None:
-        met = "MET" if passive >= KEPT_TARGET else "NOT MET"
-        lines.append(f"target passive throughput kept under contention: {passive:.2f} (want >= {KEPT_TARGET}) {met}")
+    kept = c["summary"].get(DEFAULT_POLICY, {}).get("kept")
+    if kept is not None and c["competitors"] == 1:  # the target's setting: one busy process (on one of two cores)
+        met = "MET" if kept >= KEPT_TARGET else "NOT MET"
+        lines.append(
+            f"target {DEFAULT_POLICY} (the default) throughput kept under contention: {kept:.2f} "
+            f"(want >= {KEPT_TARGET}) {met}"
+        )
     return lines

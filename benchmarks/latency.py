@@ -27,6 +27,7 @@ import numpy as np
 
 from benchmarks import peers
 from benchmarks.workload import Machine, pyplot, splitserve_precision, write_json
+from splitserve.base import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def run(model: Path, tokenizer: Any, settings: Settings) -> dict[str, Any]:
         "machine": Machine.current("cpu").to_dict(),
         "load_average_before_after": [load_before, list(os.getloadavg())],
         "num_threads": settings.num_threads,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": cpu_threads.wait_policy_text(os.environ),
         "prompt_lens": list(settings.prompt_lens),
         "output_len": settings.output_len,
         "repeats": settings.repeats,
@@ -254,7 +255,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"model {report['model']}; one request at a time, {report['output_len']} output tokens, "
         f"{report['repeats']} interleaved repeats; {report['num_threads']} threads each",
         f"CPU {machine['cpu']} ({machine['cores']} cores; {' '.join(machine['cpu_flags'])}); load average "
-        f"{before[0]:.2f} before, {after[0]:.2f} after; OMP_WAIT_POLICY={report['omp_wait_policy']}",
+        f"{before[0]:.2f} before, {after[0]:.2f} after; OpenMP wait: {report['omp_wait_policy']}",
         f"{'prompt':>6}  {'engine':24} {'TTFT p50/p90 ms':>17} {'ms/token p50/p90':>17}  vs splitserve float32 "
         "(TTFT, ms/token)",
     ]

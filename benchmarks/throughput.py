@@ -449,7 +449,7 @@ def run(model: Path, requests: RequestSet, settings: Settings) -> dict[str, Any]
         "machine": Machine.current(device).to_dict(),
         "torch_threads": torch.get_num_threads(),
         "num_threads": num_threads,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": cpu_threads.wait_policy_text(os.environ),
         "load_average_before_after": [load_before, list(os.getloadavg())],
         "request_set": requests.summary(),
         "model_flops": asdict(flops),

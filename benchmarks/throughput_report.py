@@ -216,7 +216,7 @@ def _load_line(report: dict[str, Any]) -> list[str]:
         return []
     before, after = report["load_average_before_after"]
     return [
-        f"{report['num_threads']} threads per backend, OMP_WAIT_POLICY={report.get('omp_wait_policy')}; load average "
+        f"{report['num_threads']} threads per backend, OpenMP wait: {report.get('omp_wait_policy')}; load average "
         f"(1/5/15 min) {before[0]:.2f}/{before[1]:.2f}/{before[2]:.2f} before, "
         f"{after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f} after"
     ]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.base.cpu_threads import (
+    SHORT_SPIN_COUNT,
     CpuQuota,
     bind_cpus,
     cgroup_cpu_quota,
@@ -122,32 +123,82 @@ def test_choose_threads_order_flag_then_omp_num_threads_then_cores():
         choose_threads(0, {}, 2, None)
 
 
-def test_wait_policy_passive_unless_the_user_set_one():
+def test_wait_policy_short_spin_or_passive_unless_the_user_set_one():
     environ: dict[str, str] = {}
+    assert prepare_openmp_env(environ, "short-spin", torch_loaded=False).startswith(
+        f"OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT={SHORT_SPIN_COUNT} (set by splitserve"
+    )
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(SHORT_SPIN_COUNT)}
+    environ = {}
     assert prepare_openmp_env(environ, "passive", torch_loaded=False).startswith("OMP_WAIT_POLICY=PASSIVE (set by")
     assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    environ = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert prepare_openmp_env(environ, "passive", torch_loaded=False) == "OMP_WAIT_POLICY=ACTIVE (set by the user)"
-    assert environ == {"OMP_WAIT_POLICY": "ACTIVE"}
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "100"}, {"KMP_BLOCKTIME": "0"}):
+        environ = dict(user)
+        name, value = next(iter(user.items()))
+        for policy in ("short-spin", "passive"):
+            assert prepare_openmp_env(environ, policy, torch_loaded=False) == f"{name}={value} (set by the user)"
+            assert environ == user
     environ = {}
     prepare_openmp_env(environ, "runtime", torch_loaded=False)
     assert environ == {}
     environ = {}
-    assert "torch was imported before" in prepare_openmp_env(environ, "passive", torch_loaded=True)
+    assert "torch was imported before" in prepare_openmp_env(environ, "short-spin", torch_loaded=True)
     assert environ == {}
-    with pytest.raises(ValueError, match="SPLITSERVE_OMP_WAIT_POLICY must be one of passive, runtime, got 'spin'"):
+    with pytest.raises(
+        ValueError, match="SPLITSERVE_OMP_WAIT_POLICY must be one of short-spin, passive, runtime, got 'spin'"
+    ):
         prepare_openmp_env({}, "spin", torch_loaded=False)
+
+
+# A child that runs a parallel sum (two OpenMP threads), then sleeps 5 ms, 100 times: the CPU time its threads other
+# than the main one take is the worker's share of the sums (about 0.1 ms each) plus what it spins while the main
+# thread sleeps.
+IDLE_CHILD = """
+import json, os, sys, time
+from splitserve.base import cpu_threads
+print(cpu_threads.prepare_openmp_env(os.environ, sys.argv[1], "torch" in sys.modules), file=sys.stderr)
+import torch
+torch.set_num_threads(2)
+x = torch.ones(1 << 20)
+x.sum()
+process, main = time.process_time(), time.thread_time()
+for _ in range(100):
+    x.sum()
+    time.sleep(0.005)
+print(json.dumps({"others_cpu_s": (time.process_time() - process) - (time.thread_time() - main)}))
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs and Linux"
+)
+def test_short_spin_threads_sleep_between_regions_where_the_runtime_default_spins():
+    """What the default wait policy does to torch's OpenMP runtime, measured: between parallel regions 5 ms apart,
+    a worker under ``short-spin`` takes well under a millisecond per gap (3,000 spins are tens of microseconds),
+    under the runtime's default (300,000 spins) milliseconds per gap, so the measurement tells the two apart."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    others = {}
+    for policy in ("short-spin", "runtime"):
+        done = subprocess.run(
+            [sys.executable, "-c", IDLE_CHILD, policy], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        others[policy] = json.loads(done.stdout)["others_cpu_s"]
+    assert others["short-spin"] < 0.08, others  # 100 sums' share (~10 ms) and 100 short spins (~3 ms)
+    assert others["runtime"] > 0.15, others  # the same and 100 spins of about 3 ms
 
 
 @pytest.mark.slow  # a whole `splitserve generate` process on one CPU: 5-20 s depending on the machine's load
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
-def test_a_core_process_pinned_to_one_cpu_computes_with_one_passive_thread(checkpoint):
+def test_a_core_process_pinned_to_one_cpu_computes_with_one_short_spinning_thread(checkpoint):
     """A real ``splitserve generate`` (in-process core) started on one CPU of the machine, with no thread or wait
-    setting in its environment: torch in that process runs 1 thread and OpenMP was given PASSIVE, as it logs from
-    ``torch.get_num_threads()`` and its own environment."""
+    setting in its environment: torch in that process runs 1 thread and OpenMP was given the short spin, as it logs
+    from ``torch.get_num_threads()`` and its own environment."""
     model = checkpoint("llama")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    env |= {"SPLITSERVE_LOG_LEVEL": "INFO", "SPLITSERVE_OMP_WAIT_POLICY": "passive"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_", "SPLITSERVE_OMP"))}
+    env |= {"SPLITSERVE_LOG_LEVEL": "INFO"}
     cpu = min(os.sched_getaffinity(0))
     done = subprocess.run(
         [sys.executable, "-m", "splitserve", "generate", str(model), "--prompt", "hi", "--max-tokens", "1"],
@@ -161,7 +212,7 @@ def test_a_core_process_pinned_to_one_cpu_computes_with_one_passive_thread(check
     lines = [line for line in done.stderr.splitlines() if "CPU threads:" in line]
     assert len(lines) == 1, done.stderr
     assert lines[0].split("CPU threads: ", 1)[1].startswith("1 (1 CPUs in the affinity mask, ")
-    assert lines[0].endswith("; OpenMP wait policy: OMP_WAIT_POLICY=PASSIVE")
+    assert lines[0].endswith(f"; OpenMP wait policy: OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT={SHORT_SPIN_COUNT}")
 
 
 @pytest.mark.parametrize(

@@ -9,14 +9,21 @@ both wait out the rest (CFS throttling), while one thread never is throttled (as
 ``--num-threads`` (``CoreConfig.num_threads``) overrides it, then ``OMP_NUM_THREADS``.
 
 Wait policy: by default an OpenMP runtime keeps the threads of a finished region spinning for a while (GNU
-libgomp: 300,000 spins; Intel's: ``KMP_BLOCKTIME`` 200 ms) so the next region starts without a wake-up. On cores
-that another process also wants, the spinning threads take the time that process (or this process's own other
-threads) needed, and a step stretches from tens to hundreds of milliseconds (issue 18: 790 ms against 83 ms per
-batch-1 step under one competing process). So the core asks for passive waiting: ``OMP_WAIT_POLICY=PASSIVE``
-(libgomp and Intel's runtime both read it), which the runtime reads once, when it is loaded: when torch is first
+libgomp: 300,000 spins, about 3 ms; Intel's: ``KMP_BLOCKTIME`` 200 ms) so the next region starts without a
+wake-up. On cores that another process also wants, the spinning threads take the time that process (or this
+process's own other threads) needed, and a step stretches from tens to hundreds of milliseconds (issue 18: 790 ms
+against 83 ms per batch-1 step under one competing process). Passive waiting (``OMP_WAIT_POLICY=PASSIVE``: no spin
+at all) fixes that, but then every parallel region wakes its worker thread from a futex sleep, tens of
+microseconds each, and a decode step runs some sixty regions: a 64-row decode step of ``small`` on two threads took
+23.4 ms passive against 19.6 ms with a short spin (docs/benchmarks.md, "A short spin between parallel regions").
+So the core's default, ``short-spin``, is both: ``OMP_WAIT_POLICY=PASSIVE`` with ``GOMP_SPINCOUNT=3000`` (libgomp,
+torch's runtime in its pip wheels: 3,000 ``pause`` loops, about 30 us on the CPUs measured, then sleep; libgomp's
+spin count wins over the policy; Intel's runtime, which ignores it, waits passively). That covers the gap between
+one region and the next (a few microseconds of serial code and the threads' uneven finish) and wastes at most
+that much of a core another process wants. The runtime reads these once, when it is loaded: when torch is first
 imported. ``prepare_openmp_env`` therefore runs in the command line's ``main`` before any subcommand imports
-torch. A variable the user set wins; ``SPLITSERVE_OMP_WAIT_POLICY=runtime`` keeps the runtime's own default (for
-comparison: ``splitserve bench throughput --contend``).
+torch. A variable the user set wins; ``SPLITSERVE_OMP_WAIT_POLICY`` ``passive`` waits with no spin, ``runtime``
+keeps the runtime's own default (for comparison: ``splitserve bench throughput --contend``).
 
 Binding (``SPLITSERVE_CPU_OMP_THREADS_BIND`` or ``--cpu-omp-threads-bind``, as vLLM's CPU backend's
 ``VLLM_CPU_OMP_THREADS_BIND``): ``nobind`` (the default) leaves placement to the kernel's scheduler; a CPU list
@@ -43,8 +50,14 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 
-# What SPLITSERVE_OMP_WAIT_POLICY may say: passive (the default), or runtime (leave the OpenMP runtime's own).
-WAIT_POLICIES = ("passive", "runtime")
+# What SPLITSERVE_OMP_WAIT_POLICY may say: short-spin (the default), passive, or runtime (the OpenMP runtime's own).
+WAIT_POLICIES = ("short-spin", "passive", "runtime")
+# short-spin's libgomp spin count: 3,000 pause loops, 32 us on a Sapphire Rapids Xeon (10.7 ns each, measured), as
+# fast as spinning for the ~60 parallel regions of a 64-row decode step on two threads, where 1,000 lost a third of
+# that gain (docs/benchmarks.md, "A short spin between parallel regions").
+SHORT_SPIN_COUNT = 3000
+# The variables that say how an OpenMP runtime waits; a user who set any of them chose the policy.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 PROC_SELF_TASK = Path("/proc/self/task")
 # SPLITSERVE_CPU_OMP_THREADS_BIND's words besides a CPU list (vLLM's VLLM_CPU_OMP_THREADS_BIND: auto, nobind).
 BIND_WORDS = ("nobind", "auto", "all")
@@ -185,33 +198,37 @@ def detect_threads(num_threads: int | None = None) -> ThreadChoice:
 
 
 def prepare_openmp_env(environ: MutableMapping[str, str], policy: str, torch_loaded: bool) -> str:
-    """Set ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` unless the user set it or ``policy`` is ``runtime``; returns
-    the policy in words, for the startup log. ``torch_loaded``: torch (and so its OpenMP runtime) was imported
-    before, so a variable set now would not be read: none is set, and the words say why.
+    """Set the wait policy ``policy`` (one of ``WAIT_POLICIES``) in ``environ`` unless the user set one of
+    ``WAIT_VARIABLES`` or ``policy`` is ``runtime``; returns the policy in words, for the startup log.
+    ``short-spin``: ``OMP_WAIT_POLICY=PASSIVE`` and ``GOMP_SPINCOUNT=SHORT_SPIN_COUNT``; ``passive``:
+    ``OMP_WAIT_POLICY=PASSIVE`` alone. ``torch_loaded``: torch (and so its OpenMP runtime) was imported before, so
+    a variable set now would not be read: none is set, and the words say why.
 
     Raises:
         ValueError: ``policy`` not one of ``WAIT_POLICIES``.
     """
     if policy not in WAIT_POLICIES:
         raise ValueError(f"SPLITSERVE_OMP_WAIT_POLICY must be one of {', '.join(WAIT_POLICIES)}, got {policy!r}")
-    if "OMP_WAIT_POLICY" in environ:
-        return f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']} (set by the user)"
+    if any(name in environ for name in WAIT_VARIABLES):
+        return f"{wait_policy_text(environ)} (set by the user)"
     if policy == "runtime":
         return "the OpenMP runtime's default (spinning; SPLITSERVE_OMP_WAIT_POLICY=runtime)"
     if torch_loaded:  # the runtime has read its environment: setting it now would only mislead the logs
-        return "the OpenMP runtime's default: torch was imported before splitserve could set OMP_WAIT_POLICY=PASSIVE"
+        return f"the OpenMP runtime's default: torch was imported before splitserve could set its {policy} policy"
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return "OMP_WAIT_POLICY=PASSIVE (set by splitserve: waiting threads sleep rather than spin)"
+    if policy == "passive":
+        return "OMP_WAIT_POLICY=PASSIVE (set by splitserve: waiting threads sleep rather than spin)"
+    environ["GOMP_SPINCOUNT"] = str(SHORT_SPIN_COUNT)
+    return (
+        f"{wait_policy_text(environ)} (set by splitserve: a waiting thread spins {SHORT_SPIN_COUNT} times, tens of "
+        "microseconds, then sleeps)"
+    )
 
 
 def wait_policy_text(environ: MutableMapping[str, str]) -> str:
     """The wait policy this process's OpenMP runtime was given, from its environment, for the startup log."""
-    if "OMP_WAIT_POLICY" in environ:
-        return f"OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']}"
-    if "GOMP_SPINCOUNT" in environ or "KMP_BLOCKTIME" in environ:
-        spin = {k: environ[k] for k in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME") if k in environ}
-        return ", ".join(f"{k}={v}" for k, v in spin.items())
-    return "the OpenMP runtime's default (spinning)"
+    given = [f"{name}={environ[name]}" for name in WAIT_VARIABLES if name in environ]
+    return ", ".join(given) if given else "the OpenMP runtime's default (spinning)"
 
 
 def parse_cpu_list(text: str) -> list[int]:

@@ -79,10 +79,11 @@ def api_key() -> str | None:
 
 
 def omp_wait_policy() -> str:
-    """SPLITSERVE_OMP_WAIT_POLICY, default passive: how the core's OpenMP threads wait between parallel regions
-    (``splitserve.base.cpu_threads``). passive sets OMP_WAIT_POLICY=PASSIVE unless it is set; runtime leaves the
-    OpenMP runtime's own default (spinning), to compare against."""
-    return os.environ.get("SPLITSERVE_OMP_WAIT_POLICY", "passive").strip().lower() or "passive"
+    """SPLITSERVE_OMP_WAIT_POLICY, default short-spin: how the core's OpenMP threads wait between parallel regions
+    (``splitserve.base.cpu_threads``), unless the user set OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME.
+    short-spin: a spin of tens of microseconds, then sleep; passive: sleep at once; runtime: the OpenMP runtime's
+    own default (spinning for milliseconds), to compare against."""
+    return os.environ.get("SPLITSERVE_OMP_WAIT_POLICY", "short-spin").strip().lower() or "short-spin"
 
 
 def cpu_omp_threads_bind() -> str:
