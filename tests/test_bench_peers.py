@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from typing import Any
 
 import numpy as np
 import pytest
 
 from benchmarks import latency, peers
-from benchmarks.contention import expected_share
+from benchmarks.contention import expected_share, format_lines
 from benchmarks.throughput_report import check_targets
 from tests.conftest import shared_tokenizer
 
@@ -23,6 +24,46 @@ def test_expected_share_by_hand():
     assert expected_share(num_threads=2, num_cores=2, num_competitors=2) == 0.5
     # 4 threads on 2 cores use 2 cores alone; beside 1 competitor they get 4/5 of 2 cores: 0.8 of what they had.
     assert expected_share(num_threads=4, num_cores=2, num_competitors=1) == pytest.approx(0.8)
+
+
+def contention_report(policies: dict[str, tuple[float, float]], competitors: int, cores: int) -> dict[str, Any]:
+    """A contention report as ``benchmarks.contention.run`` writes it: each policy's alone and contended rates."""
+    runs = [
+        {"policy": policy, "competitors": n, "output_tok_s": rate, "competitor_cpu_share": 0.5 if n else 0.0}
+        for policy, pair in policies.items()
+        for n, rate in zip((0, competitors), pair, strict=True)
+    ]
+    summary = {
+        policy: {"kept": contended / alone, "competitor_cpu_share": 0.5}
+        for policy, (alone, contended) in policies.items()
+    }
+    return {
+        "competitors": competitors,
+        "num_threads": 2,
+        "cores": cores,
+        "requests": 16,
+        "output_len": 128,
+        "expected_share": expected_share(2, cores, competitors),
+        "runs": runs,
+        "summary": summary,
+    }
+
+
+def test_contention_report_rows_per_policy_and_the_target_on_the_default_with_one_competitor():
+    rates = {"runtime": (1300.0, 200.0), "passive": (1000.0, 750.0), "short-spin": (1300.0, 650.0)}
+    lines = format_lines(contention_report(rates, competitors=1, cores=2))
+    rows = {line.split()[0]: line.split()[1:4] for line in lines[2:5]}
+    assert rows == {
+        "runtime": ["1300.0", "200.0", "0.15"],
+        "passive": ["1000.0", "750.0", "0.75"],
+        "short-spin": ["1300.0", "650.0", "0.50"],
+    }
+    assert lines[-1] == "target short-spin (the default) throughput kept under contention: 0.50 (want >= 0.4) MET"
+    # three competitors (a fair share of 0.40 itself), or a report of two policies written before short-spin: the
+    # rows it has, and no target line, whose setting is one competitor on two cores under the default policy
+    assert not any(line.startswith("target") for line in format_lines(contention_report(rates, 3, 2)))
+    old = format_lines(contention_report({k: rates[k] for k in ("runtime", "passive")}, competitors=1, cores=2))
+    assert [line.split()[0] for line in old[2:]] == ["runtime", "passive"]
 
 
 def test_timing_from_arrivals():

@@ -132,12 +132,18 @@ def test_wait_policy_short_spin_or_passive_unless_the_user_set_one():
     environ = {}
     assert prepare_openmp_env(environ, "passive", torch_loaded=False).startswith("OMP_WAIT_POLICY=PASSIVE (set by")
     assert environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "100"}, {"KMP_BLOCKTIME": "0"}):
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "100"}):
         environ = dict(user)
         name, value = next(iter(user.items()))
         for policy in ("short-spin", "passive"):
             assert prepare_openmp_env(environ, policy, torch_loaded=False) == f"{name}={value} (set by the user)"
             assert environ == user
+    # Intel's KMP_BLOCKTIME does not stop the policy: libgomp (torch's runtime) ignores it, Intel's reads it first
+    environ = {"KMP_BLOCKTIME": "1"}
+    assert prepare_openmp_env(environ, "short-spin", torch_loaded=False).startswith(
+        f"OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT={SHORT_SPIN_COUNT}, KMP_BLOCKTIME=1 (set by splitserve"
+    )
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(SHORT_SPIN_COUNT), "KMP_BLOCKTIME": "1"}
     environ = {}
     prepare_openmp_env(environ, "runtime", torch_loaded=False)
     assert environ == {}
@@ -170,12 +176,16 @@ print(json.dumps({"others_cpu_s": (time.process_time() - process) - (time.thread
 
 
 @pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs and Linux"
+    not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2
+    or platform.machine().lower() not in ("x86_64", "amd64"),
+    reason="needs 2 CPUs, Linux and x86 (libgomp's spin is a loop of pause instructions there; empty on aarch64)",
 )
 def test_short_spin_threads_sleep_between_regions_where_the_runtime_default_spins():
     """What the default wait policy does to torch's OpenMP runtime, measured: between parallel regions 5 ms apart,
-    a worker under ``short-spin`` takes well under a millisecond per gap (3,000 spins are tens of microseconds),
-    under the runtime's default (300,000 spins) milliseconds per gap, so the measurement tells the two apart."""
+    a worker under ``short-spin`` (3,000 spins, microseconds) takes a small fraction of the CPU time it takes under
+    the runtime's default (300,000 spins, milliseconds per gap), however fast this CPU's pause is and however loaded
+    the machine (both children run here, now, the same work)."""
     import json
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "KMP_"))}
@@ -186,8 +196,8 @@ def test_short_spin_threads_sleep_between_regions_where_the_runtime_default_spin
         )
         assert done.returncode == 0, done.stderr
         others[policy] = json.loads(done.stdout)["others_cpu_s"]
-    assert others["short-spin"] < 0.08, others  # 100 sums' share (~10 ms) and 100 short spins (~3 ms)
-    assert others["runtime"] > 0.15, others  # the same and 100 spins of about 3 ms
+    assert others["short-spin"] < 0.08, others  # 100 sums' share (~10 ms) and 100 short spins (~3 ms here)
+    assert others["runtime"] > 5 * others["short-spin"], others  # 29x measured on an idle Sapphire Rapids
 
 
 @pytest.mark.slow  # a whole `splitserve generate` process on one CPU: 5-20 s depending on the machine's load

@@ -17,8 +17,9 @@ at all) fixes that, but then every parallel region wakes its worker thread from 
 microseconds each, and a decode step runs some sixty regions: a 64-row decode step of ``small`` on two threads took
 23.4 ms passive against 19.6 ms with a short spin (docs/benchmarks.md, "A short spin between parallel regions").
 So the core's default, ``short-spin``, is both: ``OMP_WAIT_POLICY=PASSIVE`` with ``GOMP_SPINCOUNT=3000`` (libgomp,
-torch's runtime in its pip wheels: 3,000 ``pause`` loops, about 30 us on the CPUs measured, then sleep; libgomp's
-spin count wins over the policy; Intel's runtime, which ignores it, waits passively). That covers the gap between
+torch's runtime in its pip wheels: 3,000 ``pause`` loops, 32 us on the Xeon measured, 5-150 us by CPU, then sleep;
+libgomp's spin count wins over the policy, except where it runs more threads than the CPUs it may use, when the
+passive policy's spin of 0 applies; Intel's runtime, which ignores it, waits passively). That covers the gap between
 one region and the next (a few microseconds of serial code and the threads' uneven finish) and wastes at most
 that much of a core another process wants. The runtime reads these once, when it is loaded: when torch is first
 imported. ``prepare_openmp_env`` therefore runs in the command line's ``main`` before any subcommand imports
@@ -52,12 +53,18 @@ PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 
 # What SPLITSERVE_OMP_WAIT_POLICY may say: short-spin (the default), passive, or runtime (the OpenMP runtime's own).
 WAIT_POLICIES = ("short-spin", "passive", "runtime")
+DEFAULT_WAIT_POLICY = "short-spin"
 # short-spin's libgomp spin count: 3,000 pause loops, 32 us on a Sapphire Rapids Xeon (10.7 ns each, measured), as
 # fast as spinning for the ~60 parallel regions of a 64-row decode step on two threads, where 1,000 lost a third of
-# that gain (docs/benchmarks.md, "A short spin between parallel regions").
+# that gain (docs/benchmarks.md, "A short spin between parallel regions"). A pause takes about 10 to 140 cycles
+# depending on the CPU, so the spin lasts some 5 to 150 us.
 SHORT_SPIN_COUNT = 3000
-# The variables that say how an OpenMP runtime waits; a user who set any of them chose the policy.
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+# The variables libgomp (torch's runtime in its pip wheels) waits by: a user who set either chose the policy.
+# KMP_BLOCKTIME, Intel's and LLVM's, is not among them: libgomp ignores it, and those runtimes read it over a
+# passive policy, so a user's KMP_BLOCKTIME stands beside the policy set here.
+GOMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# What the startup log names of the wait: libgomp's variables and Intel's.
+WAIT_VARIABLES = (*GOMP_WAIT_VARIABLES, "KMP_BLOCKTIME")
 PROC_SELF_TASK = Path("/proc/self/task")
 # SPLITSERVE_CPU_OMP_THREADS_BIND's words besides a CPU list (vLLM's VLLM_CPU_OMP_THREADS_BIND: auto, nobind).
 BIND_WORDS = ("nobind", "auto", "all")
@@ -199,7 +206,7 @@ def detect_threads(num_threads: int | None = None) -> ThreadChoice:
 
 def prepare_openmp_env(environ: MutableMapping[str, str], policy: str, torch_loaded: bool) -> str:
     """Set the wait policy ``policy`` (one of ``WAIT_POLICIES``) in ``environ`` unless the user set one of
-    ``WAIT_VARIABLES`` or ``policy`` is ``runtime``; returns the policy in words, for the startup log.
+    ``GOMP_WAIT_VARIABLES`` or ``policy`` is ``runtime``; returns the policy in words, for the startup log.
     ``short-spin``: ``OMP_WAIT_POLICY=PASSIVE`` and ``GOMP_SPINCOUNT=SHORT_SPIN_COUNT``; ``passive``:
     ``OMP_WAIT_POLICY=PASSIVE`` alone. ``torch_loaded``: torch (and so its OpenMP runtime) was imported before, so
     a variable set now would not be read: none is set, and the words say why.
@@ -209,7 +216,7 @@ def prepare_openmp_env(environ: MutableMapping[str, str], policy: str, torch_loa
     """
     if policy not in WAIT_POLICIES:
         raise ValueError(f"SPLITSERVE_OMP_WAIT_POLICY must be one of {', '.join(WAIT_POLICIES)}, got {policy!r}")
-    if any(name in environ for name in WAIT_VARIABLES):
+    if any(name in environ for name in GOMP_WAIT_VARIABLES):
         return f"{wait_policy_text(environ)} (set by the user)"
     if policy == "runtime":
         return "the OpenMP runtime's default (spinning; SPLITSERVE_OMP_WAIT_POLICY=runtime)"
@@ -220,8 +227,8 @@ def prepare_openmp_env(environ: MutableMapping[str, str], policy: str, torch_loa
         return "OMP_WAIT_POLICY=PASSIVE (set by splitserve: waiting threads sleep rather than spin)"
     environ["GOMP_SPINCOUNT"] = str(SHORT_SPIN_COUNT)
     return (
-        f"{wait_policy_text(environ)} (set by splitserve: a waiting thread spins {SHORT_SPIN_COUNT} times, tens of "
-        "microseconds, then sleeps)"
+        f"{wait_policy_text(environ)} (set by splitserve: a waiting thread spins {SHORT_SPIN_COUNT} pause loops, "
+        "some 5 to 150 microseconds by CPU, then sleeps)"
     )
 
 

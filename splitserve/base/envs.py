@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from splitserve.base.cpu_threads import DEFAULT_WAIT_POLICY
+
 
 def cache_dir() -> Path:
     """SPLITSERVE_CACHE_DIR, default ~/.cache/splitserve: where the demo model is built, and the compiled kernels
@@ -80,10 +82,10 @@ def api_key() -> str | None:
 
 def omp_wait_policy() -> str:
     """SPLITSERVE_OMP_WAIT_POLICY, default short-spin: how the core's OpenMP threads wait between parallel regions
-    (``splitserve.base.cpu_threads``), unless the user set OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME.
-    short-spin: a spin of tens of microseconds, then sleep; passive: sleep at once; runtime: the OpenMP runtime's
+    (``splitserve.base.cpu_threads``), unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT. short-spin: a spin of
+    3,000 pause loops (some 5 to 150 us by CPU), then sleep; passive: sleep at once; runtime: the OpenMP runtime's
     own default (spinning for milliseconds), to compare against."""
-    return os.environ.get("SPLITSERVE_OMP_WAIT_POLICY", "short-spin").strip().lower() or "short-spin"
+    return os.environ.get("SPLITSERVE_OMP_WAIT_POLICY", DEFAULT_WAIT_POLICY).strip().lower() or DEFAULT_WAIT_POLICY
 
 
 def cpu_omp_threads_bind() -> str:
