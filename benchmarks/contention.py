@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from splitserve.base.cpu_threads import DEFAULT_WAIT_POLICY
+from splitserve.base.cpu_threads import DEFAULT_WAIT_POLICY, WAIT_POLICIES
 
-POLICIES = ("runtime", "passive", "short-spin")  # SPLITSERVE_OMP_WAIT_POLICY values (splitserve.base.cpu_threads)
 SPIN = "while True:\n    pass\n"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -108,11 +107,11 @@ def run(model: Path, prompts: list[list[int]], output_len: int, options: dict[st
         runs = [
             run_one(model, prompts_file, policy, n, num_threads, options["timeout_s"])
             for n in (0, num_competitors)
-            for policy in POLICIES
+            for policy in WAIT_POLICIES
         ]
     cores = len(os.sched_getaffinity(0))
     summary = {}
-    for policy in POLICIES:
+    for policy in WAIT_POLICIES:
         alone = next(r for r in runs if r["policy"] == policy and r["competitors"] == 0)
         loaded = next(r for r in runs if r["policy"] == policy and r["competitors"] == num_competitors)
         kept = None

@@ -131,8 +131,7 @@ def forced_tool_choice(
         ValidationError: tools without a choice, or "auto" (``AUTO_WHY``); a choice without tools; a named
             function that is not one of the tools; a malformed tool or choice.
     """
-    if tools is not None:
-        check_tools(tools)
+    functions = check_tools(tools) if tools is not None else []
     if tool_choice is None:
         if tools and not auto and not sent:
             why = f'without tool_choice, the choice is "auto" (vLLM\'s default), which {AUTO_WHY}'
@@ -143,7 +142,6 @@ def forced_tool_choice(
         if tool_choice == "none":
             return None
         raise ValidationError("tool_choice", "needs tools: when using tool_choice, tools must be set")
-    functions = check_tools(tools)
     if tool_choice == "none":
         return None
     if tool_choice == "auto":
