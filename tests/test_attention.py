@@ -142,14 +142,17 @@ def test_auto_falls_back_to_the_reference_loudly_when_the_kernel_cannot_build(tm
         get_attention_backend("cpu", "cpu", build_dir)
 
 
+# (dtype of the queries and outputs, of the cache): float32 queries over every cache dtype, 16-bit ones over their own
+KERNEL_DTYPES = [(torch.float32, d) for d in (torch.float32, torch.bfloat16, torch.float16)] + [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+]
+
+
 @pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
 @pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1])  # 8 query heads: groups of 1, 2, 4 and 8
 @pytest.mark.parametrize("head_size", [64, 128])  # the sizes read 16 slots at a time on AVX-512
-@pytest.mark.parametrize(
-    ("dtype", "cache_dtype"),  # the queries' (and outputs') and the cache's
-    [(torch.float32, d) for d in (torch.float32, torch.bfloat16, torch.float16)]
-    + [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)],
-)
+@pytest.mark.parametrize(("dtype", "cache_dtype"), KERNEL_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, dtype, cache_dtype, block_size):
     """The kernel's decode over contexts of 1 to 300 tokens (whole and partial groups of 16 slots, blocks
@@ -178,3 +181,85 @@ def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, dt
             scaled = query[i : i + 1].float() * 0.1 * head_size**0.5
             expected = _dense_attention(scaled, keys, values, n - 1, window)
             torch.testing.assert_close(out[i : i + 1].float(), expected, atol=atol, rtol=0, msg=f"{n} tokens, {window}")
+
+
+# (num_heads, num_kv_heads, head_size, dtype, cache_dtype, block_size): groups of 1, 2 and 8 query heads per KV head
+# at head sizes compiled apart (64, 128) and read at run time (40), every dtype pair, a block size that divides the
+# kernel's chunks of 16 or 32 keys and one that does not; and a group of 80 (more rows than a tile holds)
+PREFILL_CASES = [
+    (num_heads, num_kv_heads, head_size, dtype, cache_dtype, block_size)
+    for num_heads, num_kv_heads in ((8, 8), (8, 4), (8, 1))
+    for head_size in (64, 128, 40)
+    for dtype, cache_dtype in KERNEL_DTYPES
+    for block_size in (16, 5)
+] + [(80, 1, 64, torch.float32, torch.float32, 16), (80, 1, 64, torch.bfloat16, torch.bfloat16, 5)]
+
+
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_kernel_over_many_tiles_matches_dense(case):
+    """The prefill kernel over prompts and chunks of 1 to 150 tokens after 0 to 97 cached ones (whole and partial
+    tiles and chunks of keys, blocks scattered), behind two decode rows it must leave alone, with and without a
+    sliding window shorter than a chunk of keys and one longer, against the dense attention over the keys and values
+    as the cache holds them."""
+    from kernels.attention import cpu_ops
+
+    num_heads, num_kv_heads, head_size, dtype, cache_dtype, block_size = case
+    gen = torch.Generator().manual_seed(2)
+    # (cached, new) per request; the first two are decodes
+    requests = [(5, 1), (40, 1), (0, 1), (0, 16), (0, 150), (97, 33), (64, 1), (3, 70)]
+    num_decodes = 2
+    lengths = [cached + new for cached, new in requests]
+    num_blocks = sum(-(n // -block_size) for n in lengths) + 1
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(cache_dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = [[order.pop() for _ in range(-(n // -block_size))] for n in lengths]
+    block_table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for _, new in requests:
+        starts.append(starts[-1] + new)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),  # not read: the cache already holds every key
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32),
+        block_table=block_table,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=lengths,
+        max_query_len=max(new for _, new in requests),
+        max_seq_len=max(lengths),
+        num_decodes=num_decodes,
+    )
+    query = torch.randn(starts[-1], num_heads, head_size, generator=gen).to(dtype)
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    atol = 2e-5 if dtype == torch.float32 else 2e-2  # the output rounded to a 16-bit dtype
+    for window in (None, 21, 45):
+        out = torch.full_like(query, 7.0)
+        cpu_ops.paged_prefill_attention(out, query, kv_cache[0], kv_cache[1], metadata, 0.1, window)
+        assert torch.all(out[: starts[num_decodes]] == 7.0), "a decode row was written"
+        for i in range(num_decodes, len(requests)):
+            cached, n = requests[i][0], lengths[i]
+            slots = [tables[i][p // block_size] * block_size + p % block_size for p in range(n)]
+            rows = slice(starts[i], starts[i + 1])
+            scaled = query[rows].float() * 0.1 * head_size**0.5
+            expected = _dense_attention(scaled, flat[0, slots], flat[1, slots], cached, window)
+            torch.testing.assert_close(out[rows].float(), expected, atol=atol, rtol=0, msg=f"request {i}, {window}")
+
+
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+def test_prefill_kernel_refuses_lengths_its_block_table_cannot_hold():
+    from kernels.attention import cpu_ops
+
+    kv_cache = torch.zeros(2, 4, 4, 1, 64)
+    query = torch.zeros(9, 2, 64)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(9, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 9], dtype=torch.int32),
+        seq_lens=torch.tensor([9], dtype=torch.int32),
+        block_table=torch.tensor([[1, 2]], dtype=torch.int32),  # 8 slots
+        query_start_loc_cpu=[0, 9],
+        seq_lens_cpu=[9],
+        max_query_len=9,
+        max_seq_len=9,
+    )
+    with pytest.raises(RuntimeError, match=r"request 0: 9 query tokens, seq_len 9 \(at most 8 slots"):
+        cpu_ops.paged_prefill_attention(torch.empty_like(query), query, kv_cache[0], kv_cache[1], metadata, 1.0, None)

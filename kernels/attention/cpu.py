@@ -1,6 +1,7 @@
-"""The CPU attention backend: decode rows through the compiled paged kernel (``csrc/paged_attention_cpu.cpp``),
-which reads each request's keys and values in place from its blocks; KV writes and prefill chunks as in
-``torch_ref``.
+"""The CPU attention backend: decode rows through the compiled paged decode kernel
+(``csrc/paged_attention_cpu.cpp``) and prefill chunks through the paged prefill kernel
+(``csrc/prefill_attention_cpu.cpp``), both reading each request's keys and values in place from its blocks; the KV
+write of a step with prefill chunks as in ``torch_ref``.
 
 The reference backend's decode gathers every request's blocks into a padded copy, so its cost grows with the
 longest sequence in the batch times the batch size; the kernel reads only what each request has. A decode-only step
@@ -16,7 +17,7 @@ import torch
 
 from kernels.attention import cpu_ops
 from kernels.attention.backend import AttentionMetadata
-from kernels.attention.torch_ref import TorchRefAttentionBackend
+from kernels.attention.torch_ref import TorchRefAttentionBackend, write_kv
 
 
 class CpuAttentionBackend(TorchRefAttentionBackend):
@@ -43,9 +44,13 @@ class CpuAttentionBackend(TorchRefAttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_size] -> same shape
-        if metadata.num_decodes != query.shape[0]:  # prefill chunks in the step: KV write and prefill as torch_ref
-            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.num_decodes != query.shape[0]:  # prefill chunks in the step
+            write_kv(key, value, kv_cache, metadata.slot_mapping)
+            if metadata.num_decodes:
+                self._decode(query, kv_cache, metadata, scale, sliding_window, output)
+            cpu_ops.paged_prefill_attention(output, query, kv_cache[0], kv_cache[1], metadata, scale, sliding_window)
+            return output
         cpu_ops.decode_attention_with_kv_write(
             output,
             query,  # a view of the fused projection: the kernel reads its rows in place

@@ -43,10 +43,13 @@ from typing import IO, Any
 
 import torch
 
+from kernels.attention.backend import AttentionMetadata
+
 logger = logging.getLogger(__name__)
 
 # Longest compile first (on 2 cores the build takes about as long as its longest chain of compiles; the test
-# suite's fake compilers expect paged_attention_cpu.cpp first): paged decode attention; a decode step of a few rows
+# suite's fake compilers expect paged_attention_cpu.cpp first): paged decode attention; paged prefill attention; a
+# decode step of a few rows
 # through a whole decoder, calling the others through cpu_ops.h (core_svc/models/one_call_decoder.py); every op's
 # schema (with decoder_cpu.cpp, the only source that includes torch/library.h); bfloat16 products of many rows on
 # AMX over the dense weight (core_svc/models/layers.py); a decoder layer's elementwise work between its products,
@@ -58,6 +61,7 @@ _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
         "paged_attention_cpu.cpp",
+        "prefill_attention_cpu.cpp",
         "decoder_cpu.cpp",
         "registration_cpu.cpp",
         "amx_linear_cpu.cpp",
@@ -69,7 +73,7 @@ _SOURCES = tuple(
         "argmax_cpu.cpp",
     )
 )
-_HEADERS = (Path(__file__).parent / "csrc" / "cpu_ops.h",)
+_HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.h", "attention_common.h"))
 _SOURCE_NAMES = ", ".join(source.name for source in _SOURCES)
 _LIBRARY_PREFIX = "splitserve_cpu_"
 # -march=native: the build happens on the machine that runs it (the key holds the CPU's flags). -fopenmp: the
@@ -80,11 +84,11 @@ _LIBRARY_PREFIX = "splitserve_cpu_"
 # The values are unchanged. A source's `#pragma GCC optimize("no-unsafe-math-optimizations")` turns trapping math
 # back on, so those pragmas name "no-trapping-math" too.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-shared", "-fno-trapping-math"]
-# -ffast-math for the attention kernel only: vectorized expf (glibc libmvec) and reassociated sums over finite
+# -ffast-math for the attention kernels only: vectorized expf (glibc libmvec) and reassociated sums over finite
 # scores. The other sources round as torch's operators do (and their own pragmas also keep products and sums
 # apart); under -ffast-math GCC had replaced a division by a product with the reciprocal and called libmvec's expf,
 # up to 4 ulps from torch's SiLU.
-_FAST_MATH_SOURCES = ("paged_attention_cpu.cpp",)
+_FAST_MATH_SOURCES = ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp")
 _FAST_MATH = "-ffast-math"
 _COMPILE_TIMEOUT_S = 900
 _ERROR_TAIL_LINES = 20
@@ -406,4 +410,44 @@ def decode_attention_with_kv_write(
     """
     torch.ops.splitserve_cpu.decode_attention_with_kv_write(
         out, query, key, value, key_cache, value_cache, slot_mapping, block_table, seq_lens, scale, sliding_window or 0
+    )
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Causal attention of the prefill requests' query tokens (``metadata``'s requests from ``num_decodes`` on: a
+    whole prompt, or a chunk after cached tokens) over their paged keys and values, which this step's must already
+    hold, written into their rows of ``out``: FlashAttention's online softmax over tiles of query rows and chunks of
+    slots read in place (``csrc/prefill_attention_cpu.cpp``).
+
+    Args:
+        out, query: ``[num_tokens, num_heads, head_size]``, float32, bfloat16 or float16 (scores and sums are
+            float32); ``out`` contiguous, ``query`` contiguous within each row (a view of a fused q/k/v projection
+            is fine). The decode rows of ``out`` are left as they are.
+        key_cache, value_cache: as ``paged_decode_attention``'s.
+        metadata: the step's ``query_start_loc``, ``seq_lens`` and ``block_table`` (int32 CPU tensors).
+        sliding_window: keys at positions > p - W only for a query at position p; None for full attention.
+
+    Raises:
+        RuntimeError: shapes, strides or dtypes other than these, or a request whose lengths its block table row
+            cannot hold, each named.
+    """
+    torch.ops.splitserve_cpu.paged_prefill_attention(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        metadata.block_table,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        metadata.num_decodes,
+        scale,
+        sliding_window or 0,
     )

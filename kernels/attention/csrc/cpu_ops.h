@@ -57,4 +57,11 @@ void decode_attention_with_kv_write(at::Tensor out, const at::Tensor& query, con
                                     const at::Tensor& slot_mapping, const at::Tensor& block_table,
                                     const at::Tensor& seq_lens, double scale, int64_t sliding_window);
 
+// prefill_attention_cpu.cpp: causal attention of the prefill requests' query tokens over the paged KV cache, after
+// the step's keys and values are stored.
+void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, int64_t first_request, double scale,
+                             int64_t sliding_window);
+
 }  // namespace splitserve_cpu

@@ -12,6 +12,7 @@
 // request runs on the calling thread: an OpenMP region for a single work item only adds a fork and a barrier, which
 // on a busy machine waits for a descheduled thread (milliseconds per call).
 #include "cpu_ops.h"
+#include "attention_common.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -32,46 +33,19 @@
 
 namespace {
 
-// HEAD: the head size as a constant (64, 128: every inner loop then has a constant trip count, fully unrolled and
-// vectorized: 1.7x the runtime-bounded loops' speed for 64 requests of 200 tokens), or 0 for any size read at run
-// time. With the next block's prefetch in for_each_slot below, one thread's decode attention over 64 requests of
-// 64-400 tokens went from 7.4 to 2.6-3.4 ms (python -m benchmarks.decode_attention; docs/benchmarks.md, "One call per
-// decode step"), before the chunked passes took over those head sizes on AVX2 and AVX-512 CPUs.
-template <int HEAD>
-struct HeadSize {
-  explicit HeadSize(int64_t) {}
-  static constexpr int64_t value() { return HEAD; }
-};
-template <>
-struct HeadSize<0> {
-  explicit HeadSize(int64_t size) : size_(size) {}
-  int64_t value() const { return size_; }
-  int64_t size_;
-};
+using splitserve_cpu::convert;
+using splitserve_cpu::HeadSize;
 
+// HeadSize<64> and HeadSize<128> (attention_common.h): 1.7x the run-time-bounded loops' speed for 64 requests of
+// 200 tokens. With the next block's prefetch in for_each_slot below, one thread's decode attention over 64 requests
+// of 64-400 tokens went from 7.4 to 2.6-3.4 ms (python -m benchmarks.decode_attention; docs/benchmarks.md, "One call
+// per decode step"), before the chunked passes took over those head sizes on AVX2 and AVX-512 CPUs.
 template <typename cache_t, typename Head>
 inline float dot(const float* q, const cache_t* k, Head head) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < head.value(); ++d) sum += q[d] * static_cast<float>(k[d]);
   return sum;
-}
-
-// x converted to T (a key or value as the cache stores it, an output row in the query's dtype). float to bfloat16
-// rounds to nearest even, as c10's conversion and torch's .to() do, and keeps a NaN a NaN: this file is built with
-// -ffast-math, under which c10's std::isnan test folds away (a NaN with a full payload rounded to -0.0), so the test
-// here is on the bits.
-template <typename T, typename S>
-inline T convert(S x) {
-  return static_cast<T>(x);
-}
-template <>
-inline c10::BFloat16 convert<c10::BFloat16, float>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return c10::BFloat16(0x7fc0, c10::BFloat16::from_bits());
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -444,22 +418,6 @@ static void decode_heads(at::Tensor& out, const at::Tensor& query, const at::Ten
     default:
       decode_kernel<scalar_t, cache_t, 0>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
                                           sliding_window);
-  }
-}
-
-// f(scalar_t{}, cache_t{}) for the query's dtype and the cache's: the same dtype, or bfloat16 / float16 under
-// float32 queries; any other pair is refused, naming both.
-template <typename F>
-static void dispatch_cache_dtype(const at::Tensor& query, const at::Tensor& key_cache, F&& f) {
-  const at::ScalarType q = query.scalar_type(), c = key_cache.scalar_type();
-  TORCH_CHECK(c == q || (q == at::kFloat && (c == at::kBFloat16 || c == at::kHalf)),
-              "the cache's dtype must be the query's, or bfloat16 or float16 under float32 queries; got a ", c,
-              " cache under ", q, " queries");
-  if (c == q) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q, "paged_decode_attention",
-                                    [&] { f(scalar_t{}, scalar_t{}); });
-  } else {
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(c, "paged_decode_attention", [&] { f(float{}, scalar_t{}); });
   }
 }
 

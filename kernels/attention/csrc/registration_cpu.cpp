@@ -15,6 +15,11 @@ TORCH_LIBRARY(splitserve_cpu, m) {
         "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
         "float scale, int sliding_window) -> ()");
   m.impl("decode_attention_with_kv_write", c10::DispatchKey::CPU, &splitserve_cpu::decode_attention_with_kv_write);
+  // prefill_attention_cpu.cpp
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, int first_request, float scale, "
+        "int sliding_window) -> ()");
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &splitserve_cpu::paged_prefill_attention);
   // int8_rows_cpu.cpp
   m.def("int8_gemv(Tensor(a!) out, Tensor x, Tensor? x_scales, Tensor w, Tensor w_scales, Tensor w_sums, "
         "Tensor? bias) -> ()");
