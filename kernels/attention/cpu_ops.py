@@ -49,14 +49,13 @@ logger = logging.getLogger(__name__)
 
 # Longest compile first (on 2 cores the build takes about as long as its longest chain of compiles; the test
 # suite's fake compilers expect paged_attention_cpu.cpp first): paged decode attention; paged prefill attention; a
-# decode step of a few rows
-# through a whole decoder, calling the others through cpu_ops.h (core_svc/models/one_call_decoder.py); every op's
-# schema (with decoder_cpu.cpp, the only source that includes torch/library.h); bfloat16 products of many rows on
-# AMX over the dense weight (core_svc/models/layers.py); a decoder layer's elementwise work between its products,
-# float32 products of many rows over the weight in panels, and one request's matrix-vector products
-# (core_svc/models/layers.py); the row passes around int8 matmuls (core_svc/models/quantization.py); int8 products
-# over the weight in panels on CPUs without AVX-512 VNNI (core_svc/models/quantization.py); the greedy token of
-# each row (core_svc/sampler.py)
+# decode step of a few rows through a whole decoder, calling the others through cpu_ops.h
+# (core_svc/models/one_call_decoder.py); every op's schema (with decoder_cpu.cpp, the only source that includes
+# torch/library.h); bfloat16 products of many rows on AMX over the dense weight (core_svc/models/layers.py); a
+# decoder layer's elementwise work between its products, float32 products of many rows over the weight in panels,
+# and one request's matrix-vector products (core_svc/models/layers.py); the row passes around int8 matmuls
+# (core_svc/models/quantization.py); int8 products over the weight in panels on CPUs without AVX-512 VNNI
+# (core_svc/models/quantization.py); the greedy token of each row (core_svc/sampler.py)
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
