@@ -253,8 +253,8 @@ class EngineCore:
             self.num_kv_blocks = self._num_kv_blocks(loaded, baseline)
             bytes_per_token = loaded.arch.kv_cache_bytes_per_token(self.kv_cache_dtype)
             kv_cache_bytes = self.num_kv_blocks * bytes_per_token * config.block_size
-            self.model_runner.initialize_kv_cache(self.num_kv_blocks)
-            phase.note = format_bytes(kv_cache_bytes)
+            in_huge_pages = self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+            phase.note = format_bytes(kv_cache_bytes) + (", in huge pages" if in_huge_pages else "")
         self.uses_decode_graphs = (
             device.type == "cuda" and not config.enforce_eager and getattr(backend, "supports_cuda_graphs", False)
         )

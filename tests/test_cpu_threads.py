@@ -378,3 +378,43 @@ def test_glibc_s_own_malloc_settings_are_left_alone(monkeypatch):
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     assert keep_freed_memory() == "malloc: as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set"
+
+
+def _thp_mode() -> str | None:
+    """Linux's transparent huge page mode ("always", "madvise", "never"), None where it has none to say."""
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not sys.platform.startswith("linux") or not path.is_file() or not Path("/proc/self/smaps_rollup").is_file():
+        return None
+    return path.read_text().split("[", 1)[-1].split("]", 1)[0]
+
+
+def _huge_page_counters() -> tuple[int, int]:
+    """This process's anonymous memory in transparent huge pages (bytes) and the kernel's count of huge-page faults
+    that fell back to small pages (a fragmented or limited host)."""
+    rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    [huge_kib] = [int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:")]
+    vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    return huge_kib << 10, int(vmstat.get("thp_fault_fallback", 0))
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="Linux with transparent huge pages")
+def test_the_cpu_kv_cache_asks_for_huge_pages():
+    """The advice reaches the kernel: the tensor's pages, first touched after it, are huge ones (or, on a host
+    with no 2 MiB page to spare, the kernel counted a fallback); where huge pages are only given on advice, a plain
+    tensor of the same size gets none."""
+    import torch
+
+    from core_svc.device import empty_in_huge_pages
+
+    shape = (8, 1 << 20)  # 32 MiB of float32
+    huge_before, fallbacks_before = _huge_page_counters()
+    tensor, advised = empty_in_huge_pages(shape, torch.float32)
+    tensor.zero_()
+    huge_after, fallbacks_after = _huge_page_counters()
+    assert advised
+    assert huge_after - huge_before >= 8 << 20 or fallbacks_after > fallbacks_before
+    assert torch.count_nonzero(tensor) == 0 and tensor.shape == shape
+    if _thp_mode() == "madvise":
+        plain = torch.empty(shape)
+        plain.zero_()
+        assert _huge_page_counters()[0] - huge_after < 2 << 20
