@@ -5,9 +5,9 @@ step frees, and the KV cache in huge pages."""
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import os
-import sys
-from pathlib import Path
 
 import torch
 
@@ -91,36 +91,30 @@ def keep_freed_memory() -> str:
     )
 
 
-# <sys/mman.h> on Linux: back a range with transparent huge pages (2 MiB on x86-64) where the kernel allows it.
-MADV_HUGEPAGE = 14
-# Where Linux says whether it backs memory with transparent huge pages: "always", "madvise" (only ranges advised so;
-# the common default) or "never", the one in use in brackets.
-THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A zeroed CPU tensor in memory of its own (an anonymous mapping, never touched before) that Linux was asked
+    (``madvise(MADV_HUGEPAGE)``) to back with transparent huge pages, its pages then touched so they are mapped at
+    once. Why: a decode step reads every request's keys and values from blocks scattered over the KV cache, and
+    with 4 KiB pages nearly each of their 16 KiB blocks cost a few TLB misses. A 64-row decode step of ``small`` on
+    two threads: attention 10.5-11.1 ms over the cache in 4 KiB pages, 9.95 ms in huge pages, blocks in order;
+    12.3 against 10.9 ms scattered (docs/benchmarks.md, "Prefill attention over the paged cache"). A mapping of its
+    own, because memory the allocator hands back from its heap may have been touched already (the profile run's
+    activations), and touched pages stay small.
 
-
-def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """An uninitialized CPU tensor whose memory Linux was asked (``madvise(MADV_HUGEPAGE)``) to back with
-    transparent huge pages as it is first touched: a decode step reads every request's keys and values from blocks
-    scattered over the KV cache, and with 4 KiB pages nearly each of their 16 KiB blocks cost a few TLB misses. A
-    64-row decode step of ``small`` on two threads: attention 10.5-11.1 ms over the cache in 4 KiB pages, 9.95 ms in
-    huge pages, blocks in order; 12.3 against 10.9 ms scattered (docs/benchmarks.md, "Prefill attention over the
-    paged cache", its end). Returns the tensor and whether the advice was taken (False off Linux, where
-    transparent huge pages are ``never``, or where ``madvise`` refuses); the memory is normal memory either way.
-    The tensor must be touched (zeroed) after this call for the advice to apply to its pages."""
-    tensor = torch.empty(shape, dtype=dtype)
-    if not sys.platform.startswith("linux") or tensor.numel() == 0:
-        return tensor, False
+    Returns the tensor and whether the advice was taken: False off Linux, where Linux has transparent huge pages
+    off (``never``), or for an empty shape; the tensor is zeroed memory either way. The mapping lives as long as
+    the tensor (``torch.frombuffer`` keeps it)."""
+    numel = math.prod(shape)
+    if numel == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype), False
+    mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        if "[never]" in THP_ENABLED.read_text():
-            return tensor, False
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return tensor, False
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = -(tensor.data_ptr() // -page) * page  # the whole pages within the tensor's memory
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-    return tensor, end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+        advised = True
+    except OSError:  # EINVAL: transparent huge pages off, or not built into the kernel
+        advised = False
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
+    return tensor.zero_(), advised  # zero already (a new mapping): written to map every page now, not mid-step
 
 
 def set_compute_threads(num_threads: int | None, bind: str | None = None) -> str:

@@ -31,7 +31,7 @@ import torch
 
 from core_svc import pooler
 from core_svc.cuda_graphs import DecodeGraphs, GraphCapturer, cuda_graph_capture_sizes
-from core_svc.device import empty_in_huge_pages
+from core_svc.device import zeros_in_huge_pages
 from core_svc.errors import EngineStepError, EngineUnavailableError
 from core_svc.input_batch import NO_SAMPLING, CachedRequestState, build_sampling_metadata
 from core_svc.input_buffers import BufferLimits, InputBuffers
@@ -192,7 +192,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_kv_blocks: int) -> bool:
         """Allocate ``num_kv_blocks`` blocks (the null block 0 included) per layer, zeroed so the null block,
         which pads block tables, never holds NaN; on CPU in transparent huge pages where Linux allows
-        (``core_svc.device.empty_in_huge_pages``). Returns whether they were asked for."""
+        (``core_svc.device.zeros_in_huge_pages``). Returns whether they were asked for."""
         shape = (2, num_kv_blocks, self.block_size, self.arch.num_key_value_heads, self.arch.head_size)
         if self.device.type != "cpu":
             self.kv_caches = [
@@ -200,8 +200,8 @@ class ModelRunner:
                 for _ in range(self.arch.num_hidden_layers)
             ]
             return False
-        caches = [empty_in_huge_pages(shape, self.kv_cache_dtype) for _ in range(self.arch.num_hidden_layers)]
-        self.kv_caches = [cache.zero_() for cache, _ in caches]  # zeroed after the advice, so that it applies
+        caches = [zeros_in_huge_pages(shape, self.kv_cache_dtype) for _ in range(self.arch.num_hidden_layers)]
+        self.kv_caches = [cache for cache, _ in caches]
         return all(advised for _, advised in caches)
 
     @torch.inference_mode()

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -388,33 +390,43 @@ def _thp_mode() -> str | None:
     return path.read_text().split("[", 1)[-1].split("]", 1)[0]
 
 
-def _huge_page_counters() -> tuple[int, int]:
-    """This process's anonymous memory in transparent huge pages (bytes) and the kernel's count of huge-page faults
-    that fell back to small pages (a fragmented or limited host)."""
-    rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
-    [huge_kib] = [int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:")]
+def _huge_bytes(tensor: Any) -> int:
+    """Bytes in transparent huge pages of the mapping that holds ``tensor``'s memory (/proc/self/smaps)."""
+    address, mapping = tensor.data_ptr(), None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if match := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+            mapping = (int(match[1], 16), int(match[2], 16))
+        elif line.startswith("AnonHugePages:") and mapping and mapping[0] <= address < mapping[1]:
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_fallbacks() -> int:
+    """The kernel's count of huge-page faults that fell back to small pages (a fragmented or limited host)."""
     vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
-    return huge_kib << 10, int(vmstat.get("thp_fault_fallback", 0))
+    return int(vmstat.get("thp_fault_fallback", 0))
 
 
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="Linux with transparent huge pages")
 def test_the_cpu_kv_cache_asks_for_huge_pages():
-    """The advice reaches the kernel: the tensor's pages, first touched after it, are huge ones (or, on a host
-    with no 2 MiB page to spare, the kernel counted a fallback); where huge pages are only given on advice, a plain
-    tensor of the same size gets none."""
+    """The advice reaches the kernel: the tensor's pages are huge ones (or, on a host with no 2 MiB page to spare,
+    the kernel counted a fallback), whatever memory the process's allocator holds already; where huge pages are only
+    given on advice, a plain tensor of the same size gets none. The tensor is zeroed, writable, and outlives the
+    call that made it."""
     import torch
 
-    from core_svc.device import empty_in_huge_pages
+    from core_svc.device import keep_freed_memory, zeros_in_huge_pages
 
     shape = (8, 1 << 20)  # 32 MiB of float32
-    huge_before, fallbacks_before = _huge_page_counters()
-    tensor, advised = empty_in_huge_pages(shape, torch.float32)
-    tensor.zero_()
-    huge_after, fallbacks_after = _huge_page_counters()
+    keep_freed_memory()  # as a core at start: what a step frees stays in the heap, its pages touched
+    scratch = torch.ones(2 * shape[0], shape[1])
+    del scratch
+    fallbacks = _thp_fallbacks()
+    tensor, advised = zeros_in_huge_pages(shape, torch.float32)
     assert advised
-    assert huge_after - huge_before >= 8 << 20 or fallbacks_after > fallbacks_before
-    assert torch.count_nonzero(tensor) == 0 and tensor.shape == shape
+    assert _huge_bytes(tensor) >= 16 << 20 or _thp_fallbacks() > fallbacks
+    assert torch.count_nonzero(tensor) == 0 and tensor.shape == shape and tensor.dtype == torch.float32
+    tensor[3, 5] = 2.0
+    assert float(tensor.sum()) == 2.0
     if _thp_mode() == "madvise":
-        plain = torch.empty(shape)
-        plain.zero_()
-        assert _huge_page_counters()[0] - huge_after < 2 << 20
+        assert _huge_bytes(torch.zeros(shape)) == 0
