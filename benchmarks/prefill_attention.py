@@ -58,20 +58,8 @@ def make_step(requests: list[tuple[int, int]], seed: int = 0) -> tuple[torch.Ten
     for i, n in enumerate(blocks_per_req):
         block_table[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
-    starts = [0]
-    for _, new in requests:
-        starts.append(starts[-1] + new)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),  # not read: the cache is written already
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32),
-        block_table=block_table,
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=lengths,
-        max_query_len=max(new for _, new in requests),
-        max_seq_len=max(lengths),
-    )
-    query = torch.randn(starts[-1], NUM_HEADS, HEAD_SIZE, generator=gen)
+    metadata = AttentionMetadata.for_requests(block_table, requests, BLOCK_SIZE)
+    query = torch.randn(metadata.query_start_loc_cpu[-1], NUM_HEADS, HEAD_SIZE, generator=gen)
     return query, kv_cache, metadata
 
 

@@ -76,22 +76,10 @@ def test_paged_attention_matches_dense(backend_name, dtypes, window, step, head_
         tables.append(table)
     max_blocks = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    query_lens = [new for _, new in requests]
-    query_start_loc = [0]
-    for n in query_lens:
-        query_start_loc.append(query_start_loc[-1] + n)
-    seq_lens = [cached + new for cached, new in requests]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_decodes=sum(1 for _, new in requests if new == 1),
-    )
+    num_decodes = sum(1 for _, new in requests if new == 1)
+    metadata = AttentionMetadata.for_requests(block_table, requests, block_size, num_decodes)
+    query_start_loc = metadata.query_start_loc_cpu
+    assert metadata.slot_mapping.tolist() == slots  # the helper's slots are this test's own
     query = torch.randn(query_start_loc[-1], num_heads, head_size, generator=gen).to(dtype)
     key = torch.cat([k[cached:] for k, (cached, _) in zip(all_keys, requests, strict=True)])
     value = torch.cat([v[cached:] for v, (cached, _) in zip(all_values, requests, strict=True)])
@@ -215,20 +203,8 @@ def test_prefill_kernel_over_many_tiles_matches_dense(case):
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = [[order.pop() for _ in range(-(n // -block_size))] for n in lengths]
     block_table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
-    starts = [0]
-    for _, new in requests:
-        starts.append(starts[-1] + new)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),  # not read: the cache already holds every key
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32),
-        block_table=block_table,
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=lengths,
-        max_query_len=max(new for _, new in requests),
-        max_seq_len=max(lengths),
-        num_decodes=num_decodes,
-    )
+    metadata = AttentionMetadata.for_requests(block_table, requests, block_size, num_decodes)
+    starts = metadata.query_start_loc_cpu
     query = torch.randn(starts[-1], num_heads, head_size, generator=gen).to(dtype)
     flat = kv_cache.view(2, -1, num_kv_heads, head_size)
     atol = 2e-5 if dtype == torch.float32 else 2e-2  # the output rounded to a 16-bit dtype

@@ -88,21 +88,10 @@ def make_batch(
         values.append(torch.randn(new, num_kv_heads, head_size, generator=gen).to(dtype))
     max_blocks = max(len(t) for t in tables) + 1  # a spare column of null blocks, as the model runner pads
     block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-    query_start_loc = [0]
-    for _, new in requests:
-        query_start_loc.append(query_start_loc[-1] + new)
-    seq_lens = [cached + new for cached, new in requests]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(new for _, new in requests),
-        max_seq_len=max(seq_lens),
-        num_decodes=sum(1 for _, new in requests if new == 1),
-    )
+    num_decodes = sum(1 for _, new in requests if new == 1)
+    metadata = AttentionMetadata.for_requests(block_table, requests, block_size, num_decodes)
+    query_start_loc = metadata.query_start_loc_cpu
+    assert metadata.slot_mapping.tolist() == slots
     query = torch.randn(query_start_loc[-1], num_heads, head_size, generator=gen).to(dtype)
     return Batch(query, torch.cat(keys), torch.cat(values), kv_cache, metadata)
 

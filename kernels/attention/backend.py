@@ -53,6 +53,33 @@ class AttentionMetadata:
             num_decodes=num_reqs,
         )
 
+    @classmethod
+    def for_requests(
+        cls, block_table: torch.Tensor, requests: list[tuple[int, int]], block_size: int, num_decodes: int | None = None
+    ) -> AttentionMetadata:
+        """A step of ``requests`` (benchmarks and tests), each (tokens already cached, tokens this step) in row
+        order, their new tokens' slots from ``block_table`` [num_reqs, max_blocks] int32; ``num_decodes``: the
+        leading requests to treat as decodes (None: every leading request with one new token)."""
+        starts, slots = [0], []
+        for i, (cached, new) in enumerate(requests):
+            starts.append(starts[-1] + new)
+            blocks = block_table[i].tolist()
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, cached + new)]
+        if num_decodes is None:
+            num_decodes = next((i for i, (_, new) in enumerate(requests) if new != 1), len(requests))
+        lengths = [cached + new for cached, new in requests]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32),
+            block_table=block_table,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=lengths,
+            max_query_len=max(new for _, new in requests),
+            max_seq_len=max(lengths),
+            num_decodes=num_decodes,
+        )
+
 
 class AttentionBackend(Protocol):
     """Stores new keys/values in the paged cache and computes causal attention over each request's cache."""

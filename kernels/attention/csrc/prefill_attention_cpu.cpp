@@ -60,7 +60,9 @@ constexpr float kMasked = -1.0e30f;
 // and Waite's reduction x = n ln 2 + r, |r| <= ln 2 / 2, and Cephes' degree-6 polynomial for exp(r) (S. L. Moshier,
 // Cephes Mathematical Library, expf.c), scaled by 2^n through the exponent's bits. Plain arithmetic, inlined, so the
 // loops that call it are vectorized whatever the build: glibc's vector expf (libmvec) hands a vector with any lane
-// below about -87, as every masked score is, to its scalar routine.
+// below about -87, as every masked score is, to its scalar routine. layer_ops_cpu.cpp's exp_poly has the same
+// polynomial but rounds n by adding and subtracting 1.5 * 2^23, which this file's -ffast-math may fold away; here
+// n comes from floor.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
