@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -326,13 +327,23 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   // block by block (no division per token). Dynamic scheduling: sequence lengths are long-tailed, so equal static
   // shares of requests are not equal work. No more threads than requests, and no parallel region at all for one.
   const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_reqs)));
+  // Longest first (LPT): the threads then finish within about one short request of each other, where a long request
+  // taken last kept one thread reading while the others waited at the region's end (64 requests of log-normal
+  // contexts, 80-1088 tokens, two threads: attention 11.1-11.3 -> 10.9-11.0 ms per step, three alternated pairs).
+  std::vector<int64_t> order(num_reqs);
+  std::iota(order.begin(), order.end(), 0);
+  if (num_threads > 1) {
+    auto keys = [&](int64_t r) { return sliding_window > 0 ? std::min<int64_t>(lens[r], sliding_window) : lens[r]; };
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys(a) > keys(b); });
+  }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     std::vector<float> q(num_heads * hs), acc(num_heads * hs), scores;
     std::vector<int64_t> offsets;
     std::vector<cache_t> zeros(row_stride, cache_t(0.0f));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < num_reqs; ++r) {
+    for (int64_t i = 0; i < num_reqs; ++i) {
+      const int64_t r = order[i];
       const int64_t len = lens[r];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
