@@ -8,6 +8,8 @@ import ctypes
 import math
 import mmap
 import os
+import re
+from pathlib import Path
 
 import torch
 
@@ -91,6 +93,17 @@ def keep_freed_memory() -> str:
     )
 
 
+def transparent_huge_pages_mode() -> str | None:
+    """Linux's transparent huge page mode, the bracketed word of ``/sys/kernel/mm/transparent_hugepage/enabled``
+    (``always``, ``madvise`` or ``never``); None where the file is missing or unreadable (not Linux, no THP)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    match = re.search(r"\[(\w+)\]", text)
+    return match.group(1) if match else None
+
+
 def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """A zeroed CPU tensor in memory of its own (an anonymous mapping, never touched before) that Linux was asked
     (``madvise(MADV_HUGEPAGE)``) to back with transparent huge pages, its pages then touched so they are mapped at
@@ -107,11 +120,15 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tor
     numel = math.prod(shape)
     if numel == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype), False
-    mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # ENOMEM under an overcommit limit: torch's allocation then says so in its own words
+        return torch.zeros(shape, dtype=dtype), False
+    # madvise succeeds under "never" too (the advice is kept for a later change of mode), so ask the mode as well
+    advised = transparent_huge_pages_mode() in ("always", "madvise")
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
-        advised = True
-    except OSError:  # EINVAL: transparent huge pages off, or not built into the kernel
+    except OSError:  # EINVAL: not built into the kernel
         advised = False
     tensor = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
     return tensor.zero_(), advised  # zero already (a new mapping): written to map every page now, not mid-step

@@ -3,6 +3,7 @@ keys and values in position order (no paging)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -239,3 +240,12 @@ def test_prefill_kernel_refuses_lengths_its_block_table_cannot_hold():
     )
     with pytest.raises(RuntimeError, match=r"request 0: 9 query tokens, seq_len 9 \(at most 8 slots"):
         cpu_ops.paged_prefill_attention(torch.empty_like(query), query, kv_cache[0], kv_cache[1], metadata, 1.0, None)
+    outside = dataclasses.replace(
+        metadata,
+        query_start_loc=torch.tensor([-1, 8], dtype=torch.int32),
+        seq_lens=torch.tensor([8], dtype=torch.int32),
+        query_start_loc_cpu=[-1, 8],
+        seq_lens_cpu=[8],
+    )
+    with pytest.raises(RuntimeError, match=r"query_start_loc runs outside the query's 9 rows"):
+        cpu_ops.paged_prefill_attention(torch.empty_like(query), query, kv_cache[0], kv_cache[1], outside, 1.0, None)

@@ -430,3 +430,26 @@ def test_the_cpu_kv_cache_asks_for_huge_pages():
     assert float(tensor.sum()) == 2.0
     if _thp_mode() == "madvise":
         assert _huge_bytes(torch.zeros(shape)) == 0
+
+
+@pytest.mark.parametrize("mode", ["never", None])
+def test_the_cpu_kv_cache_says_no_huge_pages_where_linux_gives_none(monkeypatch: pytest.MonkeyPatch, mode: str | None):
+    """madvise(MADV_HUGEPAGE) is accepted under "never" too, so the mode itself decides what the startup line says:
+    with huge pages off (or no THP at all) the cache is still a zeroed, writable tensor, and not called huge."""
+    import torch
+
+    from core_svc import device
+
+    monkeypatch.setattr(device, "transparent_huge_pages_mode", lambda: mode)
+    tensor, advised = device.zeros_in_huge_pages((4, 1024), torch.float32)
+    assert not advised
+    assert torch.count_nonzero(tensor) == 0 and tensor.shape == (4, 1024)
+    tensor[1, 2] = 3.0
+    assert float(tensor.sum()) == 3.0
+
+
+@pytest.mark.skipif(_thp_mode() is None, reason="Linux with transparent huge pages")
+def test_transparent_huge_pages_mode_reads_the_bracketed_word():
+    from core_svc.device import transparent_huge_pages_mode
+
+    assert transparent_huge_pages_mode() == _thp_mode()

@@ -75,8 +75,8 @@ class AttentionMetadata:
             block_table=block_table,
             query_start_loc_cpu=starts,
             seq_lens_cpu=lengths,
-            max_query_len=max(new for _, new in requests),
-            max_seq_len=max(lengths),
+            max_query_len=max((new for _, new in requests), default=0),
+            max_seq_len=max(lengths, default=0),
             num_decodes=num_decodes,
         )
 
