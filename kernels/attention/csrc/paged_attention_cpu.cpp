@@ -50,22 +50,31 @@ inline float dot(const float* q, const cache_t* k, Head head) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// The `bytes` bytes of a cache row from `row` on, brought into L1 (the chunked passes' next slots).
+// The `bytes` bytes of a cache row from `row` on, brought into L1 (the AVX2 passes' next slots).
 inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
-// The same into L2 only: the slots a chunk after the next, so that the next chunk's fetch into L1 finds them there.
-// Over a 64-row decode step of `small` (contexts of 130-270 tokens, float32, two threads, the step's products
-// between the layers' attention calls) this took attention from 11.6-12.2 to 10.9-11.2 ms (17.4-18.3 to 18.9-19.3
-// GB/s of keys and values), with the requests' blocks in order as after their prefill and scattered alike
-// (docs/benchmarks.md, "Prefill attention over the paged cache", its end); four chunks ahead, the same.
+// The same into L2 only.
+//
+// The AVX2 passes fetch the next chunk's rows into L1 as a chunk starts and the rows kL2Ahead slots on into L2. Over
+// a 64-row decode step of `small` (contexts of 130-270 tokens, float32, two threads, the step's products between the
+// layers' attention calls) the L2 fetch took the AVX-512 passes, which then worked the same way, from 11.6-12.2 to
+// 10.9-11.2 ms (docs/benchmarks.md, "Prefill attention over the paged cache", its end).
+//
+// The AVX-512 passes now spread the next chunk's fetch over the chunk's work instead: with every slot they read,
+// its share of the lines of one row of the next chunk goes to L2, and nothing goes to L1 ahead of use. Fetching a
+// chunk's lines all at once as it starts stalls the work behind them; one line fetched per line read keeps the
+// memory busy while the core computes. In a C test reading 16 KiB blocks scattered over 1 GiB on both threads, with
+// work per line as slow as this kernel's, one-per-line fetches read 21.7 GB/s against 14.5 for fetching a block's
+// lines as it starts; in the 64-row step above (log-normal contexts, blocks as the engine lays them out, three
+// alternated rounds), attention took 11.3-11.7 ms against 12.1-12.3 for the L1-plus-L2 fetches
+// (docs/benchmarks.md, "Decode attention's fetches spread over its work").
 inline void prefetch_row_l2(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T1);
 }
 
-// Slots ahead of the chunk being read whose rows go to L2 (prefetch_row_l2): two chunks of 16 (AVX-512) or four
-// of 8 (AVX2).
+// Slots ahead of the chunk being read whose rows the AVX2 passes bring into L2: four chunks of 8.
 constexpr int64_t kL2Ahead = 32;
 #endif
 
@@ -100,13 +109,17 @@ inline __m512 sum_lanes(const __m512 (&a)[16]) {
 
 // The value sums of query heads [head0, head0 + kHeads) of one KV head (their kHeads x HEAD / 16 vectors in
 // registers) over the `count` slots `rows[s]` (each the KV head's HEAD values) with their probabilities p[h * n + s].
+// With each slot, the same KV head's values of slot s of the next chunk (`ahead[s]`, the first `ahead_count`) are
+// brought into L2 (prefetch_row_l2 says why).
 template <int HEAD, int kHeads, typename cache_t>
-inline void add_values(float* acc, const cache_t* const* rows, int64_t count, const float* p, int64_t n) {
+inline void add_values(float* acc, const cache_t* const* rows, int64_t count, const float* p, int64_t n,
+                       const cache_t* const* ahead, int64_t ahead_count) {
   constexpr int kVectors = HEAD / 16;
   __m512 sum[kHeads][kVectors];
   for (int h = 0; h < kHeads; ++h)
     for (int v = 0; v < kVectors; ++v) sum[h][v] = _mm512_loadu_ps(acc + h * HEAD + 16 * v);
   for (int64_t s = 0; s < count; ++s) {
+    if (s < ahead_count) prefetch_row_l2(ahead[s], HEAD * sizeof(cache_t));
     __m512 value[kVectors];
     for (int v = 0; v < kVectors; ++v) value[v] = load16(rows[s] + 16 * v);
     for (int h = 0; h < kHeads; ++h) {
@@ -121,43 +134,41 @@ inline void add_values(float* acc, const cache_t* const* rows, int64_t count, co
 // add_values for `heads` (1 to kHeads) query heads.
 template <int HEAD, int kHeads, typename cache_t>
 inline void add_values_of(int64_t heads, float* acc, const cache_t* const* rows, int64_t count, const float* p,
-                          int64_t n) {
+                          int64_t n, const cache_t* const* ahead, int64_t ahead_count) {
   if (heads == kHeads) {
-    add_values<HEAD, kHeads>(acc, rows, count, p, n);
+    add_values<HEAD, kHeads>(acc, rows, count, p, n, ahead, ahead_count);
   } else if constexpr (kHeads > 1) {
-    add_values_of<HEAD, kHeads - 1>(heads, acc, rows, count, p, n);
+    add_values_of<HEAD, kHeads - 1>(heads, acc, rows, count, p, n, ahead, ahead_count);
   }
 }
 
 // scores [num_heads, n]: every query head's (q, already scaled: [num_heads, HEAD]) dot products with the n keys at
 // `offsets` (cache rows of num_kv_heads x HEAD values), 16 slots at a time; `zeros`, a row of zeros, stands in for
-// the slots past n.
+// the slots past n. With each head's dot product of slot s, its share of the lines of slot s's row in the next chunk
+// is brought into L2 (prefetch_row_l2 says why).
 template <int HEAD, typename cache_t>
 void chunked_scores(const float* q, const cache_t* keys, const int64_t* offsets, int64_t n, int64_t num_heads,
                     int64_t group, const cache_t* zeros, float* scores) {
   constexpr int kVectors = HEAD / 16;
   const int64_t row_bytes = num_heads / group * HEAD * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t row_lines = (row_bytes + 63) / 64, head_lines = (row_lines + num_heads - 1) / num_heads;
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, n - j0);
     const cache_t* rows[16];
     for (int s = 0; s < 16; ++s) rows[s] = s < count ? keys + offsets[j0 + s] : zeros;
     const __mmask16 mask = static_cast<__mmask16>(count == 16 ? 0xffff : (1u << count) - 1);
-    // the next 16 slots' rows, fetched while these are read, and those kL2Ahead further on into L2: a share of
-    // their lines per head
-    const int64_t next = std::min<int64_t>(16, n - j0 - 16), share = (16 + num_heads - 1) / num_heads;
-    const int64_t far = std::min<int64_t>(16, n - j0 - kL2Ahead);
+    const int64_t ahead = std::min<int64_t>(16, n - j0 - 16);  // slots of the next chunk
     for (int64_t h = 0; h < num_heads; ++h) {
-      for (int64_t s = h * share; s < std::min(next, (h + 1) * share); ++s) {
-        prefetch_row(keys + offsets[j0 + 16 + s], row_bytes);
-      }
-      for (int64_t s = h * share; s < std::min(far, (h + 1) * share); ++s) {
-        prefetch_row_l2(keys + offsets[j0 + kL2Ahead + s], row_bytes);
-      }
       const int64_t kv = (h / group) * HEAD;
+      const int64_t line0 = std::min(row_lines, h * head_lines), line1 = std::min(row_lines, line0 + head_lines);
       __m512 qv[kVectors];
       for (int v = 0; v < kVectors; ++v) qv[v] = _mm512_loadu_ps(q + h * HEAD + 16 * v);
       __m512 dots[16];
       for (int s = 0; s < 16; ++s) {
+        if (s < ahead) {
+          const char* row = reinterpret_cast<const char*>(keys + offsets[j0 + 16 + s]);
+          for (int64_t line = line0; line < line1; ++line) _mm_prefetch(row + 64 * line, _MM_HINT_T1);
+        }
         __m512 d = _mm512_mul_ps(qv[0], load16(rows[s] + kv));
         for (int v = 1; v < kVectors; ++v) d = _mm512_fmadd_ps(qv[v], load16(rows[s] + kv + 16 * v), d);
         dots[s] = d;
@@ -175,22 +186,16 @@ void chunked_values(float* acc, const cache_t* values, const int64_t* offsets, i
   constexpr int kPerPass = 16 / (HEAD / 16);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, n - j0);
-    const int64_t next = std::min<int64_t>(16, n - j0 - 16), far = std::min<int64_t>(16, n - j0 - kL2Ahead);
+    const int64_t ahead = std::clamp<int64_t>(n - j0 - 16, 0, 16);  // slots of the next chunk
     for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
       const cache_t* rows[16];
+      const cache_t* next[16];
       for (int64_t s = 0; s < count; ++s) rows[s] = values + offsets[j0 + s] + kv * HEAD;
-      // this KV head's values of the next 16 slots, fetched while these are read, and of those kL2Ahead further
-      // on into L2
-      for (int64_t s = 0; s < next; ++s) {
-        prefetch_row(values + offsets[j0 + 16 + s] + kv * HEAD, HEAD * sizeof(cache_t));
-      }
-      for (int64_t s = 0; s < far; ++s) {
-        prefetch_row_l2(values + offsets[j0 + kL2Ahead + s] + kv * HEAD, HEAD * sizeof(cache_t));
-      }
-      for (int64_t h0 = 0; h0 < group; h0 += kPerPass) {
+      for (int64_t s = 0; s < ahead; ++s) next[s] = values + offsets[j0 + 16 + s] + kv * HEAD;
+      for (int64_t h0 = 0; h0 < group; h0 += kPerPass) {  // the first pass prefetches this KV head's next values
         const int64_t h = kv * group + h0;
         add_values_of<HEAD, kPerPass>(std::min<int64_t>(kPerPass, group - h0), acc + h * HEAD, rows, count,
-                                      p + h * n + j0, n);
+                                      p + h * n + j0, n, next, h0 == 0 ? ahead : 0);
       }
     }
   }
