@@ -148,6 +148,32 @@ def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, dt
     scattered, a block size that does and one that does not divide 16), with and without a sliding window, against
     the dense attention over the same keys and values as the cache holds them; float32 queries over every cache
     dtype, 16-bit ones over their own."""
+    atol = 2e-5 if dtype == torch.float32 else 2e-2  # the output rounded to a 16-bit dtype
+    _check_decode_kernel(num_kv_heads, head_size, dtype, cache_dtype, block_size, scale=0.1, atol=atol)
+
+
+@pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("head_size", [64, 128, 40])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+def test_decode_kernel_with_scores_far_apart_matches_dense(head_size, dtype, cache_dtype):
+    """Scores spread over hundreds (a softmax scale of 4 over unit-variance queries and keys), so most of a row's
+    exponents lie below -87, where float32's exp underflows: the kernel's softmax still matches the dense one. Scores
+    of magnitude ~200 carry float32 rounding of ~1e-5 in either computation, which moves the outputs as much: hence
+    the looser tolerance."""
+    _check_decode_kernel(4, head_size, dtype, cache_dtype, 16, scale=4.0, atol=2e-4)
+
+
+def _check_decode_kernel(
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    block_size: int,
+    scale: float,
+    atol: float,
+) -> None:
+    """paged_decode_attention over contexts of 1 to 300 tokens, with and without a window of 21, against
+    _dense_attention over the keys and values as the cache holds them."""
     from kernels.attention import cpu_ops
 
     gen = torch.Generator().manual_seed(1)
@@ -160,14 +186,13 @@ def test_decode_kernel_over_many_slots_matches_dense(num_kv_heads, head_size, dt
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     query = torch.randn(len(lengths), num_heads, head_size, generator=gen).to(dtype)
     flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    atol = 2e-5 if dtype == torch.float32 else 2e-2  # the output rounded to a 16-bit dtype
     for window in (None, 21):
         out = torch.empty_like(query)
-        cpu_ops.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], block_table, seq_lens, 0.1, window)
+        cpu_ops.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], block_table, seq_lens, scale, window)
         for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
             slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
             keys, values = flat[0, slots], flat[1, slots]
-            scaled = query[i : i + 1].float() * 0.1 * head_size**0.5
+            scaled = query[i : i + 1].float() * scale * head_size**0.5
             expected = _dense_attention(scaled, keys, values, n - 1, window)
             torch.testing.assert_close(out[i : i + 1].float(), expected, atol=atol, rtol=0, msg=f"{n} tokens, {window}")
 

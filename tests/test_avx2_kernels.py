@@ -26,6 +26,7 @@ KERNEL_TESTS = (
     "tests/test_one_call_decoder.py",
     "tests/test_attention.py::test_paged_attention_matches_dense",
     "tests/test_attention.py::test_decode_kernel_over_many_slots_matches_dense",
+    "tests/test_attention.py::test_decode_kernel_with_scores_far_apart_matches_dense",
     "tests/test_attention.py::test_prefill_kernel_over_many_tiles_matches_dense",
 )
 HASWELL_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"}  # what -march=haswell code may use (and movbe, lzcnt)

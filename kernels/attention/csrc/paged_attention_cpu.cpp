@@ -35,6 +35,7 @@
 namespace {
 
 using splitserve_cpu::convert;
+using splitserve_cpu::exp_nonpositive;
 using splitserve_cpu::HeadSize;
 
 // HeadSize<64> and HeadSize<128> (attention_common.h): 1.7x the run-time-bounded loops' speed for 64 requests of
@@ -408,6 +409,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           }
         });
       }
+      // The softmax's exp is exp_nonpositive (attention_common.h): glibc's vector expf, which std::exp became here,
+      // hands a whole vector to its scalar routine when a lane lies below about -87, as most of a row's do where
+      // scores spread over more than that. Over a 64-row decode step of `small` whose queries spread the scores by
+      // about +-70 (its products' outputs, unscaled), attention took 11.1-11.6 ms with std::exp and 9.0-9.1 with
+      // this; with scores within a few units of each other, 8.9-9.0 either way (docs/benchmarks.md, "Decode
+      // attention's fetches spread over its work").
       for (int64_t head = 0; head < num_heads; ++head) {
         float* s = scores.data() + head * n;
         float m = std::numeric_limits<float>::lowest();
@@ -415,7 +422,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < n; ++t) {
-          s[t] = std::exp(s[t] - m);
+          s[t] = exp_nonpositive(s[t] - m);
           total += s[t];
         }
         const float inv = 1.0f / total;

@@ -41,6 +41,7 @@
 namespace {
 
 using splitserve_cpu::convert;
+using splitserve_cpu::exp_nonpositive;
 using splitserve_cpu::HeadSize;
 
 // Query rows per vector of the passes below: a tile's rows are the lanes, so the online softmax's maxima, sums and
@@ -55,27 +56,6 @@ constexpr int64_t kBlock = 4;
 // A score that masks its key out: finite, since the file is built with -ffast-math (no infinities), and far below
 // any real score.
 constexpr float kMasked = -1.0e30f;
-
-// exp(x) for x <= 0 (above -87.3 the result is a normal float; below it, what exp(-87.3) is), within 5 ulps (4.5
-// at most measured, near -86, in this file's -ffast-math build): Cody and Waite's reduction x = n ln 2 + r,
-// |r| <= ln 2 / 2, and Cephes' degree-6 polynomial for exp(r) (S. L. Moshier, Cephes Mathematical Library, expf.c),
-// scaled by 2^n through the exponent's bits. Plain arithmetic, inlined, so the loops that call it are vectorized
-// whatever the build: glibc's vector expf (libmvec) hands a vector with any lane below about -87, as every masked
-// score is, to its scalar routine. layer_ops_cpu.cpp's exp_poly has the same polynomial but rounds n by adding and
-// subtracting 1.5 * 2^23, which this file's -ffast-math may fold away; here n comes from floor.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.3f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-}
 
 // A tile of one request's query tokens [token0, token0 + num_tokens), each with the query heads [head0, head0 +
 // num_heads) of KV head kv_head (heads counted within its group).
