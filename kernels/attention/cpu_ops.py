@@ -83,8 +83,9 @@ _LIBRARY_PREFIX = "splitserve_cpu_"
 # The values are unchanged. A source's `#pragma GCC optimize("no-unsafe-math-optimizations")` turns trapping math
 # back on, so those pragmas name "no-trapping-math" too.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20", "-shared", "-fno-trapping-math"]
-# -ffast-math for the attention kernels only: vectorized expf (glibc libmvec) and reassociated sums over finite
-# scores. The other sources round as torch's operators do (and their own pragmas also keep products and sums
+# -ffast-math for the attention kernels only: reassociated (vectorized) sums over finite scores; their softmax's exp
+# is their own (attention_common.h's exp_nonpositive), since glibc's vector expf goes scalar for a vector with a lane
+# below -87. The other sources round as torch's operators do (and their own pragmas also keep products and sums
 # apart); under -ffast-math GCC had replaced a division by a product with the reciprocal and called libmvec's expf,
 # up to 4 ulps from torch's SiLU.
 _FAST_MATH_SOURCES = ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp")
