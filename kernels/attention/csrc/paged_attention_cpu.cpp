@@ -61,16 +61,19 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 // The AVX2 passes fetch the next chunk's rows into L1 as a chunk starts and the rows kL2Ahead slots on into L2. Over
 // a 64-row decode step of `small` (contexts of 130-270 tokens, float32, two threads, the step's products between the
 // layers' attention calls) the L2 fetch took the AVX-512 passes, which then worked the same way, from 11.6-12.2 to
-// 10.9-11.2 ms (docs/benchmarks.md, "Prefill attention over the paged cache", its end).
+// 10.9-11.2 ms (docs/benchmarks.md, "Prefill attention over the paged cache", its end; times with glibc's scalar exp
+// inside, the softmax's below).
 //
 // The AVX-512 passes now spread the next chunk's fetch over the chunk's work instead: with every slot they read,
 // its share of the lines of one row of the next chunk goes to L2, and nothing goes to L1 ahead of use. Fetching a
 // chunk's lines all at once as it starts stalls the work behind them; one line fetched per line read keeps the
 // memory busy while the core computes. In a C test reading 16 KiB blocks scattered over 1 GiB on both threads, with
-// work per line as slow as this kernel's, one-per-line fetches read 21.7 GB/s against 14.5 for fetching a block's
-// lines as it starts; in the 64-row step above (log-normal contexts, blocks as the engine lays them out, three
-// alternated rounds), attention took 11.3-11.7 ms against 12.1-12.3 for the L1-plus-L2 fetches
-// (docs/benchmarks.md, "Decode attention's fetches spread over its work").
+// work per line as slow as this kernel's, one-per-line fetches read 21.5 GB/s against 14.5 for fetching a block's
+// lines as it starts; 8 layers' attention with their products and the LM head between the calls took 8.9 ms a step
+// against 9.9-10.2 (64 requests of log-normal contexts, alternated builds); whole runs of the throughput set, with
+// the softmax's exp change too, 0.98-1.05x the tokens a second, median 1.03x (docs/benchmarks.md, "Decode
+// attention's fetches spread over its work"). The AVX2 passes, given the same (one, two or four chunks ahead), were
+// 4-6% slower there, and keep the bursts.
 inline void prefetch_row_l2(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T1);
 }
