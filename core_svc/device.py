@@ -94,14 +94,22 @@ def keep_freed_memory() -> str:
 
 
 def transparent_huge_pages_mode() -> str | None:
-    """Linux's transparent huge page mode, the bracketed word of ``/sys/kernel/mm/transparent_hugepage/enabled``
-    (``always``, ``madvise`` or ``never``); None where the file is missing or unreadable (not Linux, no THP)."""
+    """Linux's transparent huge page mode for this process: the bracketed word of
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` (``always``, ``madvise`` or ``never``), or ``never`` where the
+    process has them turned off (``prctl(PR_SET_THP_DISABLE)``: ``THP_enabled: 0`` in ``/proc/self/status``); None
+    where the file is missing or unreadable (not Linux, no THP)."""
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return None
     match = re.search(r"\[(\w+)\]", text)
-    return match.group(1) if match else None
+    if match is None:
+        return None
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        status = ""
+    return "never" if re.search(r"^THP_enabled:\s*0\s*$", status, re.MULTILINE) else match.group(1)
 
 
 def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
@@ -110,13 +118,15 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tor
     once. Why: a decode step reads every request's keys and values from blocks scattered over the KV cache, and
     with 4 KiB pages nearly each of their 16 KiB blocks cost a few TLB misses. A 64-row decode step of ``small`` on
     two threads: attention 10.5-11.1 ms over the cache in 4 KiB pages, 9.95 ms in huge pages, blocks in order;
-    12.3 against 10.9 ms scattered (docs/benchmarks.md, "Prefill attention over the paged cache"). A mapping of its
-    own, because memory the allocator hands back from its heap may have been touched already (the profile run's
-    activations), and touched pages stay small.
+    12.3 against 10.9 ms scattered (docs/benchmarks.md, "Prefill attention over the paged cache"; times with the
+    softmax's exp then scalar, but the same difference). A mapping of its own, because memory the allocator hands
+    back from its heap may have been touched already (the profile run's activations), and touched pages stay small.
 
-    Returns the tensor and whether the advice was taken: False off Linux, where Linux has transparent huge pages
-    off (``never``), or for an empty shape; the tensor is zeroed memory either way. The mapping lives as long as
-    the tensor (``torch.frombuffer`` keeps it)."""
+    Returns the tensor and whether the advice was taken: False off Linux, where the THP mode is ``never`` or
+    unreadable or the process has THP turned off (``transparent_huge_pages_mode``), where madvise is refused, where
+    the mapping itself is refused (then the tensor is torch's own allocation), or for an empty shape; the tensor is
+    zeroed memory either way. True says Linux may back the cache with huge pages, not that it had 2 MiB pages to
+    spare. The mapping lives as long as the tensor (``torch.frombuffer`` keeps it)."""
     numel = math.prod(shape)
     if numel == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype), False

@@ -247,6 +247,12 @@ def test_prefill_kernel_over_many_tiles_matches_dense(case):
             torch.testing.assert_close(out[rows].float(), expected, atol=atol, rtol=0, msg=f"request {i}, {window}")
 
 
+def test_metadata_for_no_requests_is_an_empty_step():
+    metadata = AttentionMetadata.for_requests(torch.zeros(0, 1, dtype=torch.int32), [], 16)
+    assert metadata.query_start_loc_cpu == [0] and metadata.seq_lens_cpu == [] and metadata.num_decodes == 0
+    assert metadata.max_query_len == 0 and metadata.max_seq_len == 0 and metadata.slot_mapping.numel() == 0
+
+
 @pytest.mark.skipif(not cpu_kernels_loaded(), reason="the CPU kernels cannot be built here")
 def test_prefill_kernel_refuses_lengths_its_block_table_cannot_hold():
     from kernels.attention import cpu_ops
@@ -265,11 +271,12 @@ def test_prefill_kernel_refuses_lengths_its_block_table_cannot_hold():
     )
     with pytest.raises(RuntimeError, match=r"request 0: 9 query tokens, seq_len 9 \(at most 8 slots"):
         cpu_ops.paged_prefill_attention(torch.empty_like(query), query, kv_cache[0], kv_cache[1], metadata, 1.0, None)
+    # 8 query tokens of a seq_len of 8 (within the block table), starting at row -1: only the start is wrong
     outside = dataclasses.replace(
         metadata,
-        query_start_loc=torch.tensor([-1, 8], dtype=torch.int32),
+        query_start_loc=torch.tensor([-1, 7], dtype=torch.int32),
         seq_lens=torch.tensor([8], dtype=torch.int32),
-        query_start_loc_cpu=[-1, 8],
+        query_start_loc_cpu=[-1, 7],
         seq_lens_cpu=[8],
     )
     with pytest.raises(RuntimeError, match=r"query_start_loc runs outside the query's 9 rows"):

@@ -453,3 +453,41 @@ def test_transparent_huge_pages_mode_reads_the_bracketed_word():
     from core_svc.device import transparent_huge_pages_mode
 
     assert transparent_huge_pages_mode() == _thp_mode()
+
+
+def test_the_cpu_kv_cache_falls_back_to_torch_where_the_mapping_is_refused(monkeypatch: pytest.MonkeyPatch):
+    import mmap
+
+    import torch
+
+    from core_svc.device import zeros_in_huge_pages
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    tensor, advised = zeros_in_huge_pages((3, 256), torch.bfloat16)
+    assert not advised
+    assert tensor.shape == (3, 256) and tensor.dtype == torch.bfloat16 and torch.count_nonzero(tensor) == 0
+
+
+def test_a_process_with_thp_turned_off_reads_never(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """prctl(PR_SET_THP_DISABLE) shows as ``THP_enabled: 0`` in /proc/self/status, whatever the system's mode."""
+    from core_svc import device
+
+    system, status = tmp_path / "enabled", tmp_path / "status"
+    system.write_text("always [madvise] never\n")
+    real_path = device.Path
+
+    def fake_path(name: str) -> Path:
+        return {"/sys/kernel/mm/transparent_hugepage/enabled": system, "/proc/self/status": status}.get(
+            name, real_path(name)
+        )
+
+    monkeypatch.setattr(device, "Path", fake_path)
+    status.write_text("Name:\tpython\nTHP_enabled:\t1\nThreads:\t3\n")
+    assert device.transparent_huge_pages_mode() == "madvise"
+    status.write_text("Name:\tpython\nTHP_enabled:\t0\nThreads:\t3\n")
+    assert device.transparent_huge_pages_mode() == "never"
+    status.write_text("Name:\tpython\n")  # an older kernel: no such line
+    assert device.transparent_huge_pages_mode() == "madvise"

@@ -51,12 +51,7 @@ inline float dot(const float* q, const cache_t* k, Head head) {
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// The `bytes` bytes of a cache row from `row` on, brought into L1 (the AVX2 passes' next slots).
-inline void prefetch_row(const void* row, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
-}
-
-// The same into L2 only.
+// The `bytes` bytes of a cache row from `row` on, brought into L2.
 //
 // The AVX2 passes fetch the next chunk's rows into L1 as a chunk starts and the rows kL2Ahead slots on into L2. Over
 // a 64-row decode step of `small` (contexts of 130-270 tokens, float32, two threads, the step's products between the
@@ -78,8 +73,6 @@ inline void prefetch_row_l2(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T1);
 }
 
-// Slots ahead of the chunk being read whose rows the AVX2 passes bring into L2: four chunks of 8.
-constexpr int64_t kL2Ahead = 32;
 #endif
 
 #if defined(__AVX512F__)
@@ -206,6 +199,14 @@ void chunked_values(float* acc, const cache_t* values, const int64_t* offsets, i
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 (8 floats per vector, 16 registers): the same passes 8 slots at a time.
+
+// The `bytes` bytes of a cache row from `row` on, brought into L1 (the next chunk's slots).
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+// Slots ahead of the chunk being read whose rows are brought into L2: four chunks of 8.
+constexpr int64_t kL2Ahead = 32;
 
 // 8 values of a cache row widened to float32, exactly.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
