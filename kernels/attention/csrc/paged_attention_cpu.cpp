@@ -68,7 +68,7 @@ inline float dot(const float* q, const cache_t* k, Head head) {
 // against 9.9-10.2 (64 requests of log-normal contexts, alternated builds); whole runs of the throughput set, with
 // the softmax's exp change too, 0.98-1.05x the tokens a second, median 1.03x (docs/benchmarks.md, "Decode
 // attention's fetches spread over its work"). The AVX2 passes, given the same (one, two or four chunks ahead), were
-// 4-6% slower there, and keep the bursts.
+// 1-6% slower there, and keep the bursts.
 inline void prefetch_row_l2(const void* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T1);
 }
