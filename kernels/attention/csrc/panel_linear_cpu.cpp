@@ -20,8 +20,9 @@
 // pair's 32 KiB slice stays in L1 while every row block of the chunk passes over it). A thread's panels are one
 // contiguous stream (K x 128 bytes each), read in order: its first slices are prefetched into L2 before the walk,
 // and each next pair of slices while the pair before it is multiplied, their cache lines spread over the row
-// blocks' walks. Rows are walked kRowChunk at a time (fewer where K is large), so the rows of x a panel meets stay
-// in L2. One to four rows (multiply_few_rows) are a pass bounded by the memory: several panels are walked side by
+// blocks' walks; with each block, the lines of out that the next block's first slice stores, and in a walk's first
+// pair the rows of x it reads, are fetched too. Rows are walked kRowChunk at a time (fewer where K is large), so the
+// rows of x a panel meets stay in L2. One to four rows (multiply_few_rows) are a pass bounded by the memory: several panels are walked side by
 // side instead. Threads share out panels (kShareMultiplyAdds each at least).
 //
 // Every output is one sum over k in order (an FMA chain; partial sums stored and reloaded between slices of k
@@ -79,6 +80,46 @@ struct RowBlocks {
       : count((rows + kRowBlock - 1) / kRowBlock), base(rows / count), longer(rows % count) {}
   int rows(int64_t b) const { return static_cast<int>(base + (b < longer)); }
 };
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// The 64-byte lines of `rows` rows (each `stride` floats after the one before) of `count` floats from `first`,
+// fetched with `kHint` (_MM_HINT_ET0: to be written).
+//
+// The empty asm statement is a side effect that keeps the loops: GCC 12's dead code elimination takes a loop of
+// nothing but fetches for an empty loop, and deleted these wherever they were inlined (every build of the walks
+// below but one; tests/test_kernel_registers.py checks the machine code for the fetches to write).
+template <int kHint>
+inline void prefetch_rows(const float* first, int rows, int64_t stride, int64_t count) {
+  for (int i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < count; c += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(first + i * stride + c), static_cast<_mm_hint>(kHint));
+      asm volatile("");
+    }
+  }
+}
+
+// A register block of a walk: rows [row, row + rows) of x, `count` panels from panel p, the slice of k from k0.
+struct Block {
+  int64_t row;
+  int rows;
+  int64_t p, count, k0;
+};
+
+// What the walk's `next` block touches first, fetched while the block before it multiplies: the lines of out that
+// its first slice of k stores without reading them (a store to a line not in the cache waits for the line's read),
+// and, in the walk's first panels (from `walk_begin`), the lines of x it reads (nothing has brought them in yet;
+// later panels find them in L2). Over small's projections at 2048 rows (a prefill chunk), two threads, the products
+// ran 5-18% faster with these fetches (docs/benchmarks.md, "Prefill products fetch what each block touches first").
+inline void fetch_first_touches(const float* x, float* out, int64_t n, int64_t k, int64_t walk_begin,
+                                Block next) {
+  if (next.k0 == 0) {
+    prefetch_rows<_MM_HINT_ET0>(out + next.row * n + next.p * kPanel, next.rows, n, next.count * kPanel);
+  }
+  if (next.p == walk_begin) {
+    prefetch_rows<_MM_HINT_T0>(x + next.row * k + next.k0, next.rows, k, std::min(kDepth, k - next.k0));
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 // Which of the 16 output columns from `feature0` on exist (of n).
@@ -270,6 +311,12 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
           prefetch.second = next + panel_stride + second_from * 16;
           prefetch.second_count = to - per_panel - second_from;
         }
+        // the walk's next block: this slice's next rows, else the first rows of the next slice or pair
+        const bool more_rows = b + 1 < blocks.count;
+        const int64_t next_block_p = more_rows ? p : next_p;
+        fetch_first_touches(x, out, n, k, begin,
+                            {more_rows ? row + block_rows : 0, blocks.rows(more_rows ? b + 1 : 0), next_block_p,
+                             std::clamp<int64_t>(end - next_block_p, 0, 2), more_rows ? k0 : next_k0});
         const float* block_x = x + row * k + k0;
         float* block_out = out + row * n + feature0;
         const float* block_bias = last && bias != nullptr ? bias + feature0 : nullptr;
@@ -437,6 +484,11 @@ void multiply_panels(const float* x, const float* panels, const float* bias, flo
       int64_t row = 0, line = 0;
       for (int64_t b = 0; b < blocks.count; ++b) {
         const int block_rows = blocks.rows(b);
+        const bool more_rows = b + 1 < blocks.count;  // the next block: as the AVX-512 walk's, one panel at a time
+        const int64_t next_block_p = more_rows ? p : next_p;
+        fetch_first_touches(x, out, n, k, begin,
+                            {more_rows ? row + block_rows : 0, blocks.rows(more_rows ? b + 1 : 0), next_block_p,
+                             std::clamp<int64_t>(end - next_block_p, 0, 1), more_rows ? k0 : next_k0});
         for (int half = 0; half < 2; ++half) {
           const int64_t feature0 = p * kPanel + 16 * half;
           const int64_t lines = std::clamp<int64_t>(next_lines - line, 0, share);
