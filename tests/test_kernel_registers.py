@@ -113,9 +113,9 @@ def test_register_blocked_loops_keep_their_sums_in_registers():
 
 
 def test_panel_walk_keeps_its_fetches_of_the_next_blocks_first_stores():
-    # GCC 12 deleted panel_linear's loops of fetches for the next block's stores wherever they were inlined (a loop of
-    # nothing but prefetches is an empty loop to its dead code elimination): the products stayed right and prefill's
-    # ran 5-18% slower. Where the CPU has PREFETCHW (flag 3dnowprefetch) the walk's fetches to write are prefetchw.
+    # GCC 12 took panel_linear's helper that only fetches the next block's lines for a function without effect and
+    # deleted the calls to it: the products stayed right and prefill's ran 5-18% slower. Where the CPU has PREFETCHW
+    # (flag 3dnowprefetch) the walk's fetches to write are prefetchw.
     from core_svc.cpu_dtype import cpu_flags
     from kernels.attention import cpu_ops
     from splitserve.base import envs

@@ -22,8 +22,8 @@
 // and each next pair of slices while the pair before it is multiplied, their cache lines spread over the row
 // blocks' walks; with each block, the lines of out that the next block's first slice stores, and in a walk's first
 // pair the rows of x it reads, are fetched too. Rows are walked kRowChunk at a time (fewer where K is large), so the
-// rows of x a panel meets stay in L2. One to four rows (multiply_few_rows) are a pass bounded by the memory: several panels are walked side by
-// side instead. Threads share out panels (kShareMultiplyAdds each at least).
+// rows of x a panel meets stay in L2. One to four rows (multiply_few_rows) are a pass bounded by the memory:
+// several panels are walked side by side instead. Threads share out panels (kShareMultiplyAdds each at least).
 //
 // Every output is one sum over k in order (an FMA chain; partial sums stored and reloaded between slices of k
 // unchanged), so a row's result does not depend on the other rows, on how rows were blocked, or on the thread
@@ -85,9 +85,10 @@ struct RowBlocks {
 // The 64-byte lines of `rows` rows (each `stride` floats after the one before) of `count` floats from `first`,
 // fetched with `kHint` (_MM_HINT_ET0: to be written).
 //
-// The empty asm statement is a side effect that keeps the loops: GCC 12's dead code elimination takes a loop of
-// nothing but fetches for an empty loop, and deleted these wherever they were inlined (every build of the walks
-// below but one; tests/test_kernel_registers.py checks the machine code for the fetches to write).
+// The empty asm statement is an effect that keeps the fetches: GCC 12 found a function that does nothing but fetch,
+// in loops it can bound, to have no effect at all (const), and deleted the calls to it before inlining them. The
+// products stayed right and the fetches were gone (tests/test_kernel_registers.py checks the machine code for the
+// fetches to write).
 template <int kHint>
 inline void prefetch_rows(const float* first, int rows, int64_t stride, int64_t count) {
   for (int i = 0; i < rows; ++i) {
